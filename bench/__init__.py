@@ -1,0 +1,1 @@
+"""ragattn's micro- and end-to-end benchmark suite (``python -m bench``)."""

@@ -1,0 +1,75 @@
+// Every schema of torch.ops.ragattn in one place (the op contract of design.md).
+//
+// C++ ops register their CPU twin and (when built with CUDA) their CUDA launcher here.
+// Triton-backed ops (varlen_attention, paged_attention, merge_attention_states,
+// key_attention_scores) register their CPU/CUDA kernels and fake impls from Python
+// (ragattn/ops/), against the schemas declared below.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(ragattn, m) {
+  // 1. Packed prefill with block/position masks (Triton).
+  m.def(
+      "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor? q_pos=None, Tensor? kv_pos=None, Tensor? q_block=None, Tensor? kv_block=None, "
+      "bool causal=True, float? scale=None) -> (Tensor out, Tensor lse)");
+  //    Its backward (Triton on CUDA, reference autograd on CPU); dq/dk/dv in the inputs' dtypes.
+  m.def(
+      "varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "
+      "Tensor? kv_block, bool causal, float? scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+
+  // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton).
+  m.def(
+      "paged_attention(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor kv_lens, float? scale=None) -> (Tensor out, Tensor lse)");
+
+  // 3. Exact merge of two partial attentions over disjoint key sets (Triton).
+  m.def(
+      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
+      "-> (Tensor out, Tensor lse)");
+
+  // 4. In-place RoPE re-rotation of cached key rows, all layers in one launch (CUDA C++).
+  m.def(
+      "rerotate_keys_(Tensor(a!)[] k_layers, Tensor rows, Tensor delta, Tensor inv_freq, "
+      "int rotary_dim, bool interleaved) -> ()");
+
+  // 5. Gather/scatter of K/V rows between caches, optionally re-rotating K (CUDA C++).
+  m.def(
+      "copy_kv_(Tensor(a!)[] dst_k, Tensor(b!)[] dst_v, Tensor[] src_k, Tensor[] src_v, "
+      "Tensor src_rows, Tensor dst_rows, Tensor? delta=None, Tensor? inv_freq=None, "
+      "int rotary_dim=0, bool interleaved=False) -> ()");
+
+  // 6. FusionRAG's query-guided key importance, two passes (Triton).
+  m.def(
+      "key_attention_scores(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "float? scale=None) -> Tensor scores");
+
+  // 7. Chain speculative verification, standard and RAPID's modified target (CUDA C++).
+  //    num_draft [B] (optional) verifies chains of different lengths padded to g.
+  m.def(
+      "verify_draft(Tensor draft_tokens, Tensor draft_probs, Tensor target_logits, Tensor uniforms, "
+      "float temperature=1.0, float eta=0.0, float alpha=0.1, bool greedy=False, "
+      "Tensor? num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
+}
+
+TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
+  // kv_cache: rerotate_keys_, copy_kv_
+  // speculative: verify_draft
+}
+
+#ifdef RAGATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(ragattn, CUDA, m) {
+  // kv_cache: rerotate_keys_, copy_kv_
+  // speculative: verify_draft
+}
+#endif
+
+// Makes `import ragattn._C` load the library (and run the registrations above);
+// the ops themselves live in torch.ops.ragattn.
+#include <Python.h>
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

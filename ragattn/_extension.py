@@ -1,0 +1,33 @@
+"""Loads the compiled extension ``ragattn._C`` (which registers every ``torch.ops.ragattn`` schema)."""
+from __future__ import annotations
+
+import os
+
+import torch  # noqa: F401  (loads libtorch before the extension links against it)
+
+try:
+    from ragattn import _C  # noqa: F401  (import registers the schemas and the C++ kernels)
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "ragattn: the compiled extension ragattn._C is missing or was built against another torch. "
+        "Build it with `pip install --no-build-isolation --no-deps -e .` in the repository root."
+    ) from exc
+
+# Which path CPU tensors take (design.md, "Backends"):
+#   "default":   C++ ops run their CPU C++ twin; Triton-backed ops run the plain-torch reference
+#   "reference": every op runs the plain-torch reference in ragattn.reference
+#   "triton":    Triton-backed ops run their Triton kernel under TRITON_INTERPRET=1
+CPU_BACKENDS = ("default", "reference", "triton")
+
+
+def cpu_backend() -> str:
+    """The backend CPU tensors use, from ``RAGATTN_CPU_BACKEND`` (read on every call)."""
+    value = os.environ.get("RAGATTN_CPU_BACKEND", "").strip().lower() or "default"
+    if value not in CPU_BACKENDS:
+        raise ValueError(f"ragattn: RAGATTN_CPU_BACKEND must be one of {CPU_BACKENDS}, got {value!r}")
+    if value == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "ragattn: RAGATTN_CPU_BACKEND=triton runs Triton kernels on CPU tensors, which needs "
+            "TRITON_INTERPRET=1 set before triton_kernels is imported"
+        )
+    return value

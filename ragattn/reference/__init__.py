@@ -1,0 +1,4 @@
+"""Plain-torch references of every ragattn op (float64-capable): the tests' ground truth and
+the CPU fallback. Depends on torch only."""
+
+__all__: list[str] = []
