@@ -7,3 +7,6 @@ tensor's shape and dtype.
 from ragattn import _extension  # noqa: F401  (loads the schemas first)
 
 __all__: list[str] = []
+from ragattn.ops.varlen_attention import varlen_attention  # noqa: E402
+
+__all__ += ["varlen_attention"]

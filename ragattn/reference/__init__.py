@@ -2,3 +2,6 @@
 the CPU fallback. Depends on torch only."""
 
 __all__: list[str] = []
+from ragattn.reference.varlen_attention import varlen_attention  # noqa: E402
+
+__all__ += ["varlen_attention"]
