@@ -6,4 +6,8 @@ tensor's shape and dtype.
 """
 from ragattn import _extension  # noqa: F401  (loads the schemas first)
 
+from ragattn.ops.merge_attention_states import merge_attention_states  # noqa: E402
+from ragattn.ops.paged_attention import paged_attention  # noqa: E402
+
 __all__: list[str] = []
+__all__ += ["paged_attention", "merge_attention_states"]
