@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import ragattn
-from ragattn.reference import merge_attention_states as mref
-from ragattn.reference import paged_attention as pref
+from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
 from tests.helpers import assert_precision, randn_nonzero
 
 I32 = torch.int32
@@ -43,8 +42,8 @@ def test_random_states(backend, device, seed, dtype, head_dim):
     out_a[0] = float("nan")  # a side that saw no key is ignored whatever its out holds
     out, lse = ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
     cpu = [t.cpu() for t in (out_a, lse_a, out_b, lse_b)]
-    out64, lse64 = mref.merge_attention_states(*[t.double() for t in cpu])
-    out_lp, _ = mref.merge_attention_states(*cpu)
+    out64, lse64 = ref_merge(*[t.double() for t in cpu])
+    out_lp, _ = ref_merge(*cpu)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_precision(out.cpu(), out64, out_lp, what="out")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ragattn
-from ragattn.reference import paged_attention as ref
+from ragattn.reference.paged_attention import paged_attention as ref_paged
 from tests.helpers import assert_precision, randn_nonzero
 
 I32 = torch.int32
@@ -41,8 +41,8 @@ def make_case(q_positions, kv_lens, *, num_heads, num_kv_heads, head_dim, page_s
 def check_against_reference(args, out, lse):
     q = args[0]
     cpu = [a.cpu() for a in args]
-    out64, lse64 = ref.paged_attention(*[a.double() if a.is_floating_point() else a for a in cpu])
-    out_lp, lse_lp = ref.paged_attention(*cpu, compute_dtype=q.dtype)
+    out64, lse64 = ref_paged(*[a.double() if a.is_floating_point() else a for a in cpu])
+    out_lp, lse_lp = ref_paged(*cpu, compute_dtype=q.dtype)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -123,7 +123,7 @@ def test_scale(backend, device, seed):
                      page_size=16, dtype=torch.float32, device=device)
     out, lse = ragattn.paged_attention(*args, 0.3)
     cpu = [a.cpu().double() if a.is_floating_point() else a.cpu() for a in args]
-    out64, lse64 = ref.paged_attention(*cpu, 0.3)
+    out64, lse64 = ref_paged(*cpu, 0.3)
     torch.testing.assert_close(out.cpu().double(), out64, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-5, rtol=1e-5)
 
@@ -132,11 +132,11 @@ def test_reference_is_causal_by_position():
     """A recomputed middle row never sees later slots: changing slot 7's K/V leaves row q_pos=5 unchanged."""
     q, q_pos, cu, k, v, bt, kvl = make_case([[5, 9]], [12], num_heads=2, num_kv_heads=1, head_dim=64,
                                             page_size=4, dtype=torch.float64, device="cpu")
-    out1, _ = ref.paged_attention(q, q_pos, cu, k, v, bt, kvl)
+    out1, _ = ref_paged(q, q_pos, cu, k, v, bt, kvl)
     page, off = int(bt[0, 7 // 4]), 7 % 4
     k[page, off] += 1.0
     v[page, off] += 1.0
-    out2, _ = ref.paged_attention(q, q_pos, cu, k, v, bt, kvl)
+    out2, _ = ref_paged(q, q_pos, cu, k, v, bt, kvl)
     assert torch.equal(out1[0], out2[0]) and not torch.equal(out1[1], out2[1])
 
 
@@ -147,7 +147,7 @@ def test_reference_matches_sdpa():
     q = torch.randn(n, h, d, dtype=torch.float64)
     k = torch.randn(1, n, h, d, dtype=torch.float64)
     v = torch.randn(1, n, h, d, dtype=torch.float64)
-    out, _ = ref.paged_attention(q, torch.arange(n, dtype=I32), torch.tensor([0, n], dtype=I32), k, v,
+    out, _ = ref_paged(q, torch.arange(n, dtype=I32), torch.tensor([0, n], dtype=I32), k, v,
                                  torch.zeros(1, 1, dtype=I32), torch.tensor([n], dtype=I32))
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k[0].transpose(0, 1),
                                                             v[0].transpose(0, 1), is_causal=True)

@@ -11,3 +11,7 @@ from ragattn.ops.paged_attention import paged_attention  # noqa: E402
 
 __all__: list[str] = []
 __all__ += ["paged_attention", "merge_attention_states"]
+
+from ragattn.ops.key_attention_scores import key_attention_scores  # noqa: E402
+
+__all__ += ["key_attention_scores"]

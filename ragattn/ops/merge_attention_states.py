@@ -7,7 +7,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import FLOAT_DTYPES, check_same_device, check_tensor
-from ragattn.reference import merge_attention_states as _ref
+from ragattn.reference.merge_attention_states import merge_attention_states as _reference
 
 _OP = "merge_attention_states"
 
@@ -53,7 +53,7 @@ def _merge_cpu(out_a, lse_a, out_b, lse_b):
     _validate(out_a, lse_a, out_b, lse_b)
     if _extension.cpu_backend() == "triton":
         return _triton(out_a, lse_a, out_b, lse_b)
-    return _ref.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    return _reference(out_a, lse_a, out_b, lse_b)
 
 
 @torch.library.impl("ragattn::merge_attention_states", "CUDA")

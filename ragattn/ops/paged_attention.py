@@ -9,7 +9,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
-from ragattn.reference import paged_attention as _ref
+from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
 
@@ -136,7 +136,7 @@ def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, 
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
     if _extension.cpu_backend() == "triton":
         return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    return _ref.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
 
 
 @torch.library.impl("ragattn::paged_attention", "CUDA")

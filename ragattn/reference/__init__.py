@@ -1,7 +1,13 @@
 """Plain-torch references of every ragattn op (float64-capable): the tests' ground truth and
 the CPU fallback. Depends on torch only."""
 
-from ragattn.reference import merge_attention_states, paged_attention  # noqa: F401
-
 __all__: list[str] = []
+
+from ragattn.reference.merge_attention_states import merge_attention_states  # noqa: E402
+from ragattn.reference.paged_attention import paged_attention  # noqa: E402
+
 __all__ += ["paged_attention", "merge_attention_states"]
+
+from ragattn.reference.key_attention_scores import key_attention_scores  # noqa: E402
+
+__all__ += ["key_attention_scores"]
