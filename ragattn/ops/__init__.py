@@ -7,3 +7,7 @@ tensor's shape and dtype.
 from ragattn import _extension  # noqa: F401  (loads the schemas first)
 
 __all__: list[str] = []
+
+from ragattn.ops.key_attention_scores import key_attention_scores  # noqa: E402
+
+__all__ += ["key_attention_scores"]

@@ -2,3 +2,7 @@
 the CPU fallback. Depends on torch only."""
 
 __all__: list[str] = []
+
+from ragattn.reference.key_attention_scores import key_attention_scores  # noqa: E402
+
+__all__ += ["key_attention_scores"]
