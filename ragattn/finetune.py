@@ -4,7 +4,7 @@
     python scripts/finetune_block.py ...            # the same
 
 Each training sample is a RAG prompt in blocks, tokenized block by block exactly as at inference
-(``ragattn.demo.build_prompt``): the system prefix, one block per passage (the gold passage among
+(``ragattn.demo.prompt_blocks``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
 ``top-k - 1`` random distractors, in random order), and the final block (question + answer).
 Attention runs through ``ragattn.varlen_attention`` and its autograd, with
 
@@ -125,7 +125,7 @@ def use_block_attention(model) -> None:
 
 def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sample]:
     """One sample per question: gold passage + ``top_k - 1`` random distractors in random order."""
-    from ragattn.demo import build_prompt
+    from ragattn.demo import prompt_blocks
 
     out = []
     for q in corpus.questions:
@@ -133,7 +133,7 @@ def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sa
         others = [p for p in corpus.passages if p is not gold]
         chosen = rng.sample(others, top_k - (1 if gold else 0)) + ([gold] if gold else [])
         rng.shuffle(chosen)
-        prompt = build_prompt(tokenizer, [p.render() for p in chosen], q.question)
+        prompt = prompt_blocks(tokenizer, [p.render() for p in chosen], q.question)
         answer = tokenizer(f"{q.answers[0]}.<|im_end|>", add_special_tokens=False)["input_ids"]
         out.append(make_sample(prompt.prefix, prompt.chunks, prompt.question, answer))
     return out
