@@ -7,3 +7,7 @@ tensor's shape and dtype.
 from ragattn import _extension  # noqa: F401  (loads the schemas first)
 
 __all__: list[str] = []
+
+from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_  # noqa: E402
+
+__all__ += ["rerotate_keys_", "copy_kv_"]

@@ -2,3 +2,7 @@
 the CPU fallback. Depends on torch only."""
 
 __all__: list[str] = []
+
+from ragattn.reference import kv_cache  # noqa: E402
+
+__all__ += ["kv_cache"]
