@@ -1,0 +1,118 @@
+"""``ragattn.key_attention_scores``: FusionRAG's query-guided key importance (design.md op 6).
+
+Registers the CPU impl (reference, or the Triton kernel in the interpreter when
+``RAGATTN_CPU_BACKEND=triton``), the CUDA impl (Triton) and the fake impl against the schema
+declared in csrc/torch_bindings.cpp.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ragattn import _extension
+from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
+from ragattn.reference import key_attention_scores as _reference
+
+_OP = "key_attention_scores"
+
+
+def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) -> None:
+    """Shape/dtype/device checks; ``check_values`` also reads the (CPU) offsets' values."""
+    check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor(_OP, "k", k, dtypes=FLOAT_DTYPES, ndim=3)
+    dev = check_same_device(_OP, q=q, k=k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if k.dtype != q.dtype:
+        raise TypeError(f"ragattn.{_OP}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    total_q, num_heads, head_dim = q.shape
+    total_k, num_kv_heads, k_dim = k.shape
+    if k_dim != head_dim:
+        raise ValueError(f"ragattn.{_OP}: k must have head_dim {head_dim} (q's), got shape {tuple(k.shape)}")
+    if head_dim == 0:
+        raise ValueError(f"ragattn.{_OP}: q must have head_dim > 0, got shape {tuple(q.shape)}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"ragattn.{_OP}: k's num_kv_heads must divide q's num_heads {num_heads}, got {num_kv_heads}"
+        )
+    if check_values:
+        bq = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
+        bk = check_cu_seqlens(_OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev)
+    else:
+        bq = check_tensor(_OP, "cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1).numel() - 1
+        bk = check_tensor(_OP, "cu_seqlens_k", cu_seqlens_k, dtypes=(torch.int32,), ndim=1).numel() - 1
+    if bq != bk:
+        raise ValueError(
+            f"ragattn.{_OP}: cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
+            f"{bq + 1} and {bk + 1} entries"
+        )
+    if scale is not None and not (scale == scale and abs(scale) != float("inf")):
+        raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
+
+
+def _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale):
+    from triton_kernels.key_attention_scores import key_attention_scores as _kernel
+
+    return _kernel(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+@torch.library.impl(f"ragattn::{_OP}", "CPU")
+def _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
+    _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=True)
+    if _extension.cpu_backend() == "triton":
+        return _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+    return _reference(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+@torch.library.impl(f"ragattn::{_OP}", "CUDA")
+def _cuda_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
+    _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=True)
+    return _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+@torch.library.register_fake(f"ragattn::{_OP}")
+def _fake_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
+    _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=False)
+    return q.new_empty((k.shape[0],), dtype=torch.float32)
+
+
+def key_attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention probability mass each key row receives from its sequence's queries, over all heads.
+
+    FusionRAG's query-guided selection (paper §3.2): the final layer's question queries attend to
+    the retrieved chunks' cached keys; each key's column sum of the attention matrix is its
+    critical score, and the top-k keys by score (globally or per chunk) are the tokens whose KV is
+    recomputed. This op returns the scores; the caller runs ``torch.topk`` on them.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]`` fp16/bf16/fp32, packed query rows (the question).
+        k: ``[total_k, num_kv_heads, head_dim]``, q's dtype, packed key rows (the chunks' keys);
+            ``num_heads % num_kv_heads == 0``, query head ``h`` reads kv head
+            ``h // (num_heads // num_kv_heads)`` (no repeated K is materialised).
+        cu_seqlens_q: int32 ``[batch + 1]``, offsets of each sequence's query rows (from 0).
+        cu_seqlens_k: int32 ``[batch + 1]``, offsets of each sequence's key rows (from 0).
+        scale: logit scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        scores: float32 ``[total_k]``. For key ``j`` of sequence ``b``::
+
+            scores[j] = sum_{h < num_heads} sum_{i in queries of b} softmax_j'(scale * q[i,h] . k[j',h//G])[j]
+
+        with the softmax over ALL keys of sequence ``b`` (non-causal, one normalisation per query
+        row and head), computed in float32. So the scores of a sequence sum to
+        ``num_q_rows * num_heads``; a sequence without query rows gets 0 for each of its keys.
+
+    Differences from the FusionRAG code: its repository softmaxes each chunk separately (in
+    fp16), giving every chunk the same total mass. Here one sequence is normalised as a whole;
+    to reproduce per-chunk normalisation, pass each chunk as its own sequence with the question
+    rows repeated in ``q``. Scores are summed (not averaged) over query rows and heads, as in the
+    paper. Under tensor parallelism, all-reduce the scores across ranks before the top-k.
+
+    On CUDA the offsets are read back once (one host sync) to size the launch grid.
+    """
+    return torch.ops.ragattn.key_attention_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale)

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from ragattn.hf.models import random_llama
+from ragattn.hf.rope import apply_rope, rope_params
+
+
+def _tiny(family, **kw):
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, rope_theta=1000.0)
+    return random_llama(shape, dtype=torch.float32, family=family, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_rope_params_match_hf(family):
+    model = _tiny(family)
+    p = rope_params(model)
+    assert p.rotary_dim == 16 and not p.interleaved
+    # apply_rope with the read parameters reproduces HF's rotary embedding
+    x = torch.randn(1, 5, 2, 16)
+    pos = torch.tensor([0, 3, 7, 100, 255])
+    cos, sin = model.model.rotary_emb(x, pos[None])
+    hf_mod = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["x"])
+    ref, _ = hf_mod.apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(apply_rope(x[0], pos, p), ref.transpose(1, 2)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_rope_params_llama3_scaling_and_errors():
+    model = _tiny("llama")
+    model.config.rope_parameters = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+    p = rope_params(model)
+    torch.testing.assert_close(p.inv_freq, model.model.rotary_emb.inv_freq)
+    model.model.rotary_emb.attention_scaling = 1.2
+    with pytest.raises(ValueError, match="attention_scaling"):
+        rope_params(model)
+    model.config.model_type = "gpt2"
+    with pytest.raises(NotImplementedError, match="gpt2"):
+        rope_params(model)
+
+
+def test_smollm2_loads(smollm2):
+    model, tok = smollm2
+    assert model.config.model_type == "llama" and model.dtype == torch.float32
+    p = rope_params(model)
+    assert p.rotary_dim == 64 and p.inv_freq.dtype == torch.float32
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
