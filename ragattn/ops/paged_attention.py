@@ -1,0 +1,150 @@
+"""``ragattn.paged_attention``: Q-indexed sparse prefill and decode over a paged KV cache."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from ragattn import _extension
+from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
+from ragattn.reference.paged_attention import paged_attention as _reference
+
+_OP = "paged_attention"
+
+# Forces the number of key-range partitions (split-KV) of the Triton kernel; unset or "auto"
+# lets a heuristic choose (tests set it to compare split and unsplit results).
+NUM_SPLITS_ENV = "RAGATTN_PAGED_NUM_SPLITS"
+
+
+def _forced_num_splits() -> Optional[int]:
+    value = os.environ.get(NUM_SPLITS_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"ragattn.{_OP}: {NUM_SPLITS_ENV} must be a positive integer or 'auto', got {value!r}")
+    return n
+
+
+def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale) -> None:
+    check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    dev = q.device
+    total_q, num_heads, head_dim = q.shape
+    check_tensor(_OP, "k_cache", k_cache, dtypes=(q.dtype,), ndim=4, device=dev)
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    check_tensor(_OP, "k_cache", k_cache, shape=(None, None, None, head_dim))
+    check_tensor(_OP, "v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev)
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"ragattn.{_OP}: q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({num_kv_heads})"
+        )
+    if page_size < 1:
+        raise ValueError(f"ragattn.{_OP}: k_cache's page_size (dim 1) must be >= 1, got {page_size}")
+    check_tensor(_OP, "q_pos", q_pos, dtypes=(torch.int32,), shape=(total_q,), device=dev)
+    batch = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
+    check_tensor(_OP, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    check_tensor(_OP, "block_table", block_table, shape=(batch, None))
+    check_tensor(_OP, "kv_lens", kv_lens, dtypes=(torch.int32,), shape=(batch,), device=dev)
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
+    if dev.type == "cpu":  # index checks would sync a GPU; there they are a documented precondition
+        max_pages = block_table.shape[1]
+        if batch and bool(((kv_lens < 0) | (kv_lens > max_pages * page_size)).any()):
+            raise ValueError(
+                f"ragattn.{_OP}: kv_lens must lie in [0, max_pages * page_size = {max_pages * page_size}], "
+                f"got {kv_lens.tolist()}"
+            )
+        if total_q and bool((q_pos < 0).any()):
+            raise ValueError(f"ragattn.{_OP}: q_pos must be >= 0, got min {int(q_pos.min())}")
+        if batch and max_pages:
+            used = torch.arange(max_pages, dtype=torch.int32)[None, :] * page_size < kv_lens[:, None]
+            pages = block_table[used]
+            if pages.numel() and bool(((pages < 0) | (pages >= num_pages)).any()):
+                raise ValueError(
+                    f"ragattn.{_OP}: block_table entries used by kv_lens must lie in [0, num_pages = {num_pages}), "
+                    f"got {int(pages.min())} .. {int(pages.max())}"
+                )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of any set of query rows, each at its own absolute position, over a paged KV cache.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]`` fp16/bf16/fp32, the query rows of all sequences packed.
+        q_pos: int32 ``[total_q]``, the absolute position of each query row (>= 0).
+        cu_seqlens_q: int32 ``[B + 1]``, query row offsets per sequence (starts at 0, ends at total_q).
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype. Any page size.
+        block_table: int32 ``[B, max_pages]``; slot ``j`` of sequence ``b`` lives at page
+            ``block_table[b, j // page_size]``, offset ``j % page_size`` (pages in any order).
+        kv_lens: int32 ``[B]``, cached slots per sequence, ``<= max_pages * page_size``.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        out ``[total_q, num_heads, head_dim]`` in q's dtype, and lse float32 ``[total_q, num_heads]``
+        (natural log). A row that sees no key gets out 0 and lse ``-inf`` (never NaN).
+
+    Query row ``i`` of sequence ``b`` sees slot ``j`` iff ``j < kv_lens[b]`` and ``j <= q_pos[i]``
+    (slot ``j`` holds position ``j``). Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    ``x`` = visible, ``.`` = not visible, columns are slots ``0 .. kv_lens-1``::
+
+        decode (one row at kv_lens-1)     final-block prefill (tail rows 6..8)
+          q_pos=9  x x x x x x x x x x      q_pos=6  x x x x x x x . .
+                                            q_pos=7  x x x x x x x x .
+                                            q_pos=8  x x x x x x x x x
+
+        scattered recompute (rows 1, 4, 6: causal by position, never the later slots)
+          q_pos=1  x x . . . . . .
+          q_pos=4  x x x x x . . .
+          q_pos=6  x x x x x x x .
+
+        speculative verification (gamma=2 draft tokens + 1 at slots 7..9, kv_lens=10)
+          q_pos=7  x x x x x x x x . .
+          q_pos=8  x x x x x x x x x .
+          q_pos=9  x x x x x x x x x x
+
+    Backends: CUDA runs the Triton kernel (Q tiles x kv heads, the GQA group stacked into each
+    tile; key tiles past a tile's largest q_pos are never loaded; split-KV for few-row cases,
+    forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The CUDA path copies ``cu_seqlens_q`` to the
+    host to size the grid. CPU runs the reference, or the Triton kernel under the interpreter
+    with ``RAGATTN_CPU_BACKEND=triton``. On CPU, out-of-range ``kv_lens``, ``q_pos`` and used
+    ``block_table`` entries raise; on CUDA they are a precondition.
+    """
+    return torch.ops.ragattn.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+
+
+def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale):
+    from triton_kernels.paged_attention import paged_attention_fwd
+
+    return paged_attention_fwd(
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, num_splits=_forced_num_splits()
+    )
+
+
+@torch.library.impl("ragattn::paged_attention", "CPU")
+def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    if _extension.cpu_backend() == "triton":
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+
+
+@torch.library.impl("ragattn::paged_attention", "CUDA")
+def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+
+
+@torch.library.register_fake("ragattn::paged_attention")
+def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -1,0 +1,186 @@
+"""``ragattn.varlen_attention``: packed prefill with position/block masks, never materialised.
+
+Dispatch: CUDA tensors run the Triton kernels (triton_kernels/varlen_attention.py); CPU tensors
+run the plain-torch reference, or the Triton kernels in the interpreter when
+``RAGATTN_CPU_BACKEND=triton``. head_dim outside {64, 128, 256} and float64 inputs always take the
+reference (on any device). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
+forward is Triton, the reference's autograd otherwise), wired with ``torch.library.register_autograd``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ragattn import _extension
+from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
+from ragattn.reference import varlen_attention as _ref
+
+OP = "varlen_attention"
+TRITON_HEAD_DIMS = (64, 128, 256)
+
+__all__ = ["varlen_attention"]
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    q_pos: Optional[torch.Tensor] = None,
+    kv_pos: Optional[torch.Tensor] = None,
+    q_block: Optional[torch.Tensor] = None,
+    kv_block: Optional[torch.Tensor] = None,
+    causal: bool = True,
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences with a structured (position, block) mask.
+
+    Args:
+        q: ``[total_q, H, D]`` fp16 / bf16 / fp32 (fp64 runs the reference), packed query rows.
+        k, v: ``[total_k, H_kv, D]``, same dtype as ``q``; ``H % H_kv == 0`` and query head ``h``
+            reads kv head ``h // (H // H_kv)`` (GQA by index, K/V are never repeated).
+        cu_seqlens_q: int32 ``[B + 1]``, sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+        cu_seqlens_k: int32 ``[B + 1]``, likewise for key rows. Lengths may differ from the queries'
+            and may be 0.
+        q_pos: int32 ``[total_q]`` absolute positions; default ``arange(len_q)`` per sequence.
+        kv_pos: int32 ``[total_k]``; default ``arange(len_k)`` per sequence. With different q/k
+            lengths the defaults are aligned at the top-left (both start at 0): pass ``q_pos``
+            explicitly (e.g. ``len_k - len_q + arange(len_q)``) for a bottom-right aligned mask.
+        q_block: int32 ``[total_q]`` block ids, ``-1`` = global; default all ``-1``.
+        kv_block: int32 ``[total_k]`` block ids, ``-1`` = global; default all ``-1``.
+        causal: apply ``kv_pos <= q_pos``.
+        scale: softmax scale; default ``1 / sqrt(D)``.
+
+    Returns:
+        ``out`` ``[total_q, H, D]`` in ``q``'s dtype and ``lse`` float32 ``[total_q, H]`` (natural
+        log of the softmax denominator, scaled scores). A row that sees no key gets ``out = 0`` and
+        ``lse = -inf`` (never NaN). ``lse`` is not differentiable (its gradient is ignored).
+
+    Query ``i`` sees key ``j`` of the same sequence iff::
+
+        (not causal or kv_pos[j] <= q_pos[i]) and
+        (q_block[i] == kv_block[j] or q_block[i] == -1 or kv_block[j] == -1)
+
+    Block-Attention / TurboRAG prefill (causal, chunks independent, final block global; a shared
+    system prompt is block -1 and seen by every chunk)::
+
+                         keys:  sys  | chunk 0 | chunk 1 | question (tail)
+                        block:  -1   |    0    |    1    |   -1
+        queries  sys    (-1)    \\    |         |         |
+                 chunk 0 (0)    ###  |  \\      |         |
+                 chunk 1 (1)    ###  |         |  \\      |
+                 question (-1)  ###  |  #####  |  #####  |  \\
+        (``\\`` = causal triangle, ``#`` = fully visible, blank = skipped tiles, never computed)
+
+    REFRAG's chunk encoder (``causal=False``, one block per chunk, no global)::
+
+                  chunk 0 | chunk 1 | chunk 2
+        chunk 0    #####  |         |
+        chunk 1           |  #####  |
+        chunk 2           |         |  #####
+    """
+    return torch.ops.ragattn.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale
+    )
+
+
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale):
+    dtypes = FLOAT_DTYPES + (torch.float64,)
+    check_tensor(OP, "q", q, dtypes=dtypes, ndim=3)
+    dev = check_same_device(
+        OP, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q_pos=q_pos, kv_pos=kv_pos, q_block=q_block, kv_block=kv_block,
+    )
+    total_q, num_heads, head_dim = q.shape
+    check_tensor(OP, "k", k, dtypes=(q.dtype,), ndim=3)
+    total_k, num_kv_heads = k.shape[0], k.shape[1]
+    check_tensor(OP, "k", k, shape=(None, None, head_dim))
+    check_tensor(OP, "v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"ragattn.{OP}: q's head count must be a multiple of k's (GQA), got {num_heads} and {num_kv_heads}"
+        )
+    b_q = check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
+    b_k = check_cu_seqlens(OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev)
+    if b_q != b_k:
+        raise ValueError(
+            f"ragattn.{OP}: cu_seqlens_q and cu_seqlens_k must describe the same batch, got {b_q + 1} and {b_k + 1} entries"
+        )
+    for name, t, n in (("q_pos", q_pos, total_q), ("kv_pos", kv_pos, total_k), ("q_block", q_block, total_q), ("kv_block", kv_block, total_k)):
+        if t is not None:
+            check_tensor(OP, name, t, dtypes=(torch.int32,), shape=(n,))
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"ragattn.{OP}: scale must be finite, got {scale}")
+
+
+def _use_triton(q: torch.Tensor) -> bool:
+    if q.dtype == torch.float64 or q.shape[-1] not in TRITON_HEAD_DIMS:
+        return False
+    if q.device.type == "cuda":
+        return True
+    return q.device.type == "cpu" and _extension.cpu_backend() == "triton"
+
+
+def _contig(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+@torch.library.impl("ragattn::varlen_attention", ("CPU", "CUDA"))
+def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale)
+    if _use_triton(q):
+        from triton_kernels.varlen_attention import varlen_attention_fwd
+
+        return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale)
+    with torch.no_grad():
+        out, lse = _ref(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.register_fake("ragattn::varlen_attention")
+def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"))
+def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale):
+    if _use_triton(q):
+        from triton_kernels.varlen_attention import varlen_attention_bwd
+
+        return varlen_attention_bwd(
+            *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale
+        )
+    # Reference autograd: recompute the dense forward with grad and pull dout through it.
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale)
+        grads = torch.autograd.grad(o, (qq, kk, vv), dout, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+@torch.library.register_fake("ragattn::varlen_attention_backward")
+def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ragattn.varlen_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, ctx.causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("ragattn::varlen_attention", _backward, setup_context=_setup_context)

@@ -1,0 +1,108 @@
+"""merge_attention_states vs the float64 reference and vs attention over the union of key sets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragattn
+from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
+from tests.helpers import assert_precision, randn_nonzero
+
+I32 = torch.int32
+
+
+@pytest.fixture(params=["default", "triton"])
+def backend(request, monkeypatch, device):
+    if request.param == "triton":
+        pytest.importorskip("triton_kernels.merge_attention_states")
+    if request.param == "triton" and device.type == "cpu":
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    elif request.param == "default":
+        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
+    return request.param
+
+
+def _states(n, h, d, dtype, device):
+    out_a = randn_nonzero(n, h, d, dtype=dtype, device=device)
+    out_b = randn_nonzero(n, h, d, dtype=dtype, device=device)
+    lse_a = (3 * torch.randn(n, h)).to(device)
+    lse_b = (3 * torch.randn(n, h)).to(device)
+    return out_a, lse_a, out_b, lse_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_random_states(backend, device, seed, dtype, head_dim):
+    out_a, lse_a, out_b, lse_b = _states(37, 5, head_dim, dtype, device)
+    # -inf on one side, on the other, on both
+    lse_a[0] = float("-inf")
+    lse_b[1] = float("-inf")
+    lse_a[2, :2] = float("-inf")
+    lse_b[2, :2] = float("-inf")
+    out_a[0] = float("nan")  # a side that saw no key is ignored whatever its out holds
+    out, lse = ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    cpu = [t.cpu() for t in (out_a, lse_a, out_b, lse_b)]
+    out64, lse64 = ref_merge(*[t.double() for t in cpu])
+    out_lp, _ = ref_merge(*cpu)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_precision(out.cpu(), out64, out_lp, what="out")
+    torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-6, rtol=1e-6)
+    assert (out[2, :2] == 0).all() and torch.isinf(lse[2, :2]).all()
+    torch.testing.assert_close(out[0].cpu().double(), out_b[0].cpu().double())
+
+
+def test_merge_of_two_halves_is_attention_over_the_whole(backend, device, seed):
+    """Split each sequence's pages into two key sets (first pages / rest), attend to each, merge."""
+    h, hkv, d, ps = 8, 2, 64, 16
+    kv_len, rows = 50, [3, 20, 31, 40, 49]
+    pages = torch.randperm(8).to(I32)
+    k = randn_nonzero(8, ps, hkv, d, dtype=torch.float32, device=device)
+    v = randn_nonzero(8, ps, hkv, d, dtype=torch.float32, device=device)
+    q = randn_nonzero(len(rows), h, d, dtype=torch.float32, device=device)
+    q_pos = torch.tensor(rows, dtype=I32, device=device)
+    cu = torch.tensor([0, len(rows)], dtype=I32, device=device)
+    bt_all = pages[None, :4].to(device)
+    # shared prefix = first 2 pages (32 slots); private = the remaining slots, re-addressed as a
+    # second "sequence" whose slot j is the whole sequence's slot 32 + j: shift q_pos by 32
+    # (rows before 32 see no private key: lse -inf, which merge must handle)
+    out_w, lse_w = ragattn.paged_attention(q, q_pos, cu, k, v, bt_all, torch.tensor([kv_len], dtype=I32, device=device))
+    out_s, lse_s = ragattn.paged_attention(q, q_pos, cu, k, v, bt_all, torch.tensor([32], dtype=I32, device=device))
+    shifted = torch.clamp(q_pos - 32, min=0)
+    out_p, lse_p = ragattn.paged_attention(q, shifted, cu, k, v, pages[None, 2:4].to(device),
+                                           torch.tensor([kv_len - 32], dtype=I32, device=device))
+    before = q_pos < 32
+    lse_p[before] = float("-inf")
+    out_p[before] = 0
+    out, lse = ragattn.merge_attention_states(out_s, lse_s, out_p, lse_p)
+    torch.testing.assert_close(out, out_w, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, lse_w, atol=2e-5, rtol=2e-5)
+
+
+def test_empty(backend, device):
+    out_a, lse_a, out_b, lse_b = _states(0, 4, 64, torch.float16, device)
+    out, lse = ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+def test_opcheck(device):
+    args = _states(7, 3, 64, torch.float32, device)
+    args[1][0] = float("-inf")
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states.default, args)
+
+
+@pytest.mark.parametrize(
+    "index,bad,exc,match",
+    [
+        (0, lambda t: t.long(), TypeError, "out_a"),
+        (2, lambda t: t.float(), TypeError, "out_b"),
+        (2, lambda t: t[:3], ValueError, "out_b"),
+        (1, lambda t: t.half(), TypeError, "lse_a"),
+        (3, lambda t: t[:, :1], ValueError, "lse_b"),
+    ],
+)
+def test_bad_inputs(index, bad, exc, match):
+    args = list(_states(5, 2, 64, torch.float16, "cpu"))
+    args[index] = bad(args[index])
+    with pytest.raises(exc, match=f"ragattn.merge_attention_states.*{match}"):
+        ragattn.merge_attention_states(*args)
