@@ -6,7 +6,10 @@ import torch
 
 import ragattn
 from ragattn.reference import key_attention_scores as ref_scores
-from tests.helpers import assert_precision, poison_like, randn_nonzero
+from tests.helpers import assert_precision, randn_nonzero
+
+# The interpreter converts loop bounds through a deprecated numpy path; not our concern here.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -37,15 +40,50 @@ def _use_triton(monkeypatch, backend):
         monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
 
 
+BACKENDS = ["default", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_default_path_matches_reference(device, seed, dtype):
-    q, k, cu_q, cu_k = make_inputs([5, 1, 9], [37, 2, 70], 8, 2, 64, dtype, device)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (8, 1)])
+def test_matches_reference(device, seed, monkeypatch, backend, dtype, head_dim, num_heads, num_kv_heads):
+    """GQA 1, 3, 4, 8; lengths off the tile (64), length-1 sequences, more keys than one tile."""
+    _use_triton(monkeypatch, backend)
+    q, k, cu_q, cu_k = make_inputs([5, 1, 19], [37, 1, 133], num_heads, num_kv_heads, head_dim, dtype, device)
     check_against_reference(q, k, cu_q, cu_k)
 
 
-def test_sum_property_and_empty_sequences(device, seed):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_scale_and_strided_inputs(device, seed, monkeypatch, backend):
+    """A given scale, and q/k that are views (row and head strides not the packed ones)."""
+    _use_triton(monkeypatch, backend)
+    q, k, cu_q, cu_k = make_inputs([3, 7], [20, 71], 8, 4, 64, torch.bfloat16, device)
+    q_wide = randn_nonzero(q.shape[0], 12, 64, dtype=q.dtype, device=device)
+    q_wide[:, 2:10] = q
+    k_wide = randn_nonzero(k.shape[0], 4, 2, 64, dtype=k.dtype, device=device)
+    k_wide[:, :, 1] = k
+    check_against_reference(q_wide[:, 2:10], k_wide[:, :, 1], cu_q, cu_k, scale=0.37)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_pass1_key_splits_agree(device, seed, monkeypatch, num_splits):
+    """The split-key LSE merge of pass 1 (used on GPUs for short questions) is exact."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton_kernels.key_attention_scores import key_attention_scores as kernel
+
+    q, k, cu_q, cu_k = make_inputs([4, 2, 3], [150, 0, 200], 4, 2, 64, torch.float16, device)
+    out = kernel(q, k, cu_q, cu_k, num_splits=num_splits)
+    ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
+    ref_lowp = ref_scores(q, k, cu_q, cu_k, compute_dtype=q.dtype)
+    assert_precision(out, ref64, ref_lowp, what=f"scores with {num_splits} splits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sum_property_and_empty_sequences(device, seed, monkeypatch, backend):
     """Scores of a sequence sum to num_q_rows * num_heads; no queries -> 0; no keys -> nothing."""
-    q_lens, k_lens = [3, 0, 4, 2], [10, 6, 0, 33]
+    _use_triton(monkeypatch, backend)
+    q_lens, k_lens = [3, 0, 4, 2, 0], [10, 6, 0, 33, 0]
     q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, 6, 2, 64, torch.float32, device)
     out = check_against_reference(q, k, cu_q, cu_k)
     for b in range(len(q_lens)):
@@ -55,7 +93,18 @@ def test_sum_property_and_empty_sequences(device, seed):
     assert (out[int(cu_k[1]):int(cu_k[2])] == 0).all()
 
 
-def test_opcheck(device, seed):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_keys_or_no_queries_at_all(device, monkeypatch, backend):
+    _use_triton(monkeypatch, backend)
+    q, k, cu_q, cu_k = make_inputs([0, 0], [3, 4], 4, 2, 64, torch.float16, device)
+    assert (ragattn.key_attention_scores(q, k, cu_q, cu_k) == 0).all()
+    q, k, cu_q, cu_k = make_inputs([2, 5], [0, 0], 4, 2, 64, torch.float16, device)
+    assert ragattn.key_attention_scores(q, k, cu_q, cu_k).shape == (0,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(device, seed, monkeypatch, backend):
+    _use_triton(monkeypatch, backend)
     q, k, cu_q, cu_k = make_inputs([4, 3], [11, 5], 4, 2, 64, torch.float32, device)
     torch.library.opcheck(torch.ops.ragattn.key_attention_scores.default, (q, k, cu_q, cu_k, None))
     torch.library.opcheck(torch.ops.ragattn.key_attention_scores.default, (q, k, cu_q, cu_k, 0.3))
@@ -94,3 +143,40 @@ def test_bad_scale(device):
     q, k, cu_q, cu_k = _bad(device)
     with pytest.raises(ValueError, match="ragattn.key_attention_scores: scale must be finite"):
         ragattn.key_attention_scores(q, k, cu_q, cu_k, float("nan"))
+
+
+_COMPILE_CHECK = r"""
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton_kernels.key_attention_scores as kas
+
+for dtype, elt, head_dim in [(torch.bfloat16, "bf16", 128), (torch.float32, "fp32", 64)]:
+    block_m, block_n, num_warps = kas.launch_config(dtype, head_dim, on_gpu=True)
+    consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                  UPCAST=False, IEEE=dtype == torch.float32)
+    types = {"q_ptr": "*" + elt, "k_ptr": "*" + elt, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "lse_ptr": "*fp32",
+             "partial_ptr": "*fp32", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
+             "stride_kt": "i32", "stride_kh": "i32", "total_q": "i32", "total_k": "i32", "num_heads": "i32"}
+    for fn, c in [(kas._row_lse_kernel, dict(consts, NUM_SPLITS=5)), (kas._column_sum_kernel, consts)]:
+        sig = {n: ("constexpr" if n in c else types[n]) for n in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        assert compiled.metadata.shared <= 228 * 1024, (fn.__name__, compiled.metadata.shared)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """Both passes compile for an H100 (sm_90) with the GPU launch config; needs no GPU.
+
+    Runs in a subprocess because this process's kernels are interpreter objects."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAGATTN_CPU_BACKEND")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -1,0 +1,31 @@
+"""``python -m ragattn <command>``.
+
+    python -m ragattn demo [--method M ...] [--question TEXT] [--corpus DIR] [--model NAME]
+                           [--top-k K] [--max-new-tokens N] [--limit N] [--device cpu|cuda]
+    python -m ragattn finetune [...]     # Block-Attention fine-tuning (see scripts/finetune_block.py)
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from ragattn.demo import main as demo_main
+
+        return demo_main(rest)
+    if cmd == "finetune":
+        from ragattn.finetune import main as finetune_main
+
+        return finetune_main(rest)
+    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, finetune)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

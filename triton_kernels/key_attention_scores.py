@@ -1,0 +1,250 @@
+"""Triton kernels of ``key_attention_scores``: per-key attention mass, two passes.
+
+For a sequence with query rows ``i``, query heads ``h`` and key rows ``j``::
+
+    p[h, i, j] = exp(s[h, i, j] - lse[h, i]),   s = scale * q[i, h] . k[j, h // G]
+    scores[j]  = sum_h sum_i p[h, i, j]
+
+The ``[heads, q, k]`` probability tensor is never stored:
+
+* pass 1 (``_row_lse_kernel``) streams the key tiles and keeps an online max / sum per query row
+  and head, like the forward pass of the fused-attention tutorial without the ``P @ V`` part.
+  A long key range is split over ``NUM_SPLITS`` programs (so that a short question against a
+  long context still fills the GPU); the splits' partial LSEs are merged on the host side with
+  one ``logsumexp``.
+* pass 2 (``_column_sum_kernel``) gives each program one key tile of one kv head and loops over
+  all the sequence's query rows of the kv head's group, recomputing ``s``, exponentiating against
+  the pass-1 LSE and summing down the columns. One program owns its key tile across every query
+  tile and every group head, so the result is written once, without atomics, deterministically.
+
+GQA is handled by packing: the ``G`` query heads that share kv head ``hk`` are laid out as
+``G * num_q`` "packed rows", row ``r`` being query row ``r // G`` of head ``hk * G + r % G``;
+each loaded key tile then serves all ``G`` heads at once.
+
+All logits are kept in base 2 (``scale * log2(e)`` folded into the logits) so the kernels use
+``exp2``; softmax and sums are float32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter's tl.dot on bf16 returns garbage: upcast to fp32 there (and only there).
+_UPCAST_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Packed query rows ``r_offs`` of kv head ``kv_head``: [BLOCK_M, BLOCK_D] (masked)."""
+    rows = r_offs // GROUP
+    heads = kv_head * GROUP + r_offs % GROUP
+    mask = (rows < num_q)[:, None] & (d_offs < HEAD_DIM)[None, :]
+    ptrs = q_ptr + (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + d_offs[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_k_tile_t(k_ptr, k_start, num_k, kv_head, stride_kt, stride_kh, n_offs, d_offs,
+                   HEAD_DIM: tl.constexpr):
+    """Key rows ``n_offs`` of kv head ``kv_head``, transposed: [BLOCK_D, BLOCK_N] (masked)."""
+    mask = (d_offs < HEAD_DIM)[:, None] & (n_offs < num_k)[None, :]
+    ptrs = k_ptr + (k_start + n_offs)[None, :] * stride_kt + kv_head * stride_kh + d_offs[:, None]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _logits(q, kt, qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``q @ kt`` in fp32, times ``qk_scale`` (= scale * log2 e)."""
+    if UPCAST:
+        q = q.to(tl.float32)
+        kt = kt.to(tl.float32)
+    if IEEE:  # fp32 inputs: no TF32, so fp32 inputs get fp32 accuracy
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return s * qk_scale
+
+
+@triton.jit
+def _row_lse_kernel(
+    q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [NUM_SPLITS, total_q, num_heads], base 2
+    qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    total_q, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Pass 1: base-2 LSE of each packed query row over one split of the sequence's keys."""
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(cu_q_ptr + seq)
+    num_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_k_ptr + seq)
+    num_k = tl.load(cu_k_ptr + seq + 1) - k_start
+    if tile_m * BLOCK_M >= num_q * GROUP:
+        return
+
+    # This split's key range, in whole key tiles.
+    tiles_per_split = tl.cdiv(tl.cdiv(num_k, BLOCK_N), NUM_SPLITS)
+    n_begin = split * tiles_per_split * BLOCK_N
+    n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, num_k)
+
+    r_offs = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_offs = tl.arange(0, BLOCK_D)
+    q = _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs, GROUP, HEAD_DIM)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        n_offs = n0 + tl.arange(0, BLOCK_N)
+        kt = _load_k_tile_t(k_ptr, k_start, num_k, kv_head, stride_kt, stride_kh, n_offs, d_offs, HEAD_DIM)
+        s = _logits(q, kt, qk_scale, UPCAST, IEEE)
+        s = tl.where((n_offs < n_end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m_i = m_new
+
+    # An empty split leaves m_i = -inf and l_i = 0: its LSE is -inf, neutral in the merge.
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    rows = r_offs // GROUP
+    heads = kv_head * GROUP + r_offs % GROUP
+    out_ptrs = lse_ptr + (split * total_q + q_start + rows) * num_heads + heads
+    tl.store(out_ptrs, lse, mask=rows < num_q)
+
+
+@triton.jit
+def _column_sum_kernel(
+    q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [total_q, num_heads], base 2
+    partial_ptr,  # fp32 [num_kv_heads, total_k]: this kv head's share of each key's score
+    qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    total_k, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Pass 2: for one key tile of one kv head, sum exp2(s - lse) over all packed query rows."""
+    tile_n = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(cu_q_ptr + seq)
+    num_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_k_ptr + seq)
+    num_k = tl.load(cu_k_ptr + seq + 1) - k_start
+    if tile_n * BLOCK_N >= num_k:
+        return
+
+    n_offs = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d_offs = tl.arange(0, BLOCK_D)
+    kt = _load_k_tile_t(k_ptr, k_start, num_k, kv_head, stride_kt, stride_kh, n_offs, d_offs, HEAD_DIM)
+
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for m0 in range(0, num_q * GROUP, BLOCK_M):  # no query rows: the tile's scores stay 0
+        r_offs = m0 + tl.arange(0, BLOCK_M)
+        rows = r_offs // GROUP
+        heads = kv_head * GROUP + r_offs % GROUP
+        row_ok = rows < num_q
+        q = _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs, GROUP, HEAD_DIM)
+        # Padded rows get lse = +inf, so their probabilities are exactly 0.
+        lse = tl.load(lse_ptr + (q_start + rows) * num_heads + heads, mask=row_ok, other=float("inf"))
+        s = _logits(q, kt, qk_scale, UPCAST, IEEE)
+        p = tl.exp2(s - lse[:, None])
+        acc += tl.sum(p, axis=0)
+
+    tl.store(partial_ptr + kv_head * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
+
+
+def _num_splits(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: int, device: torch.device) -> int:
+    """Key splits for pass 1: enough programs to cover the GPU twice, at least 4 key tiles each."""
+    if device.type != "cuda":
+        return 1  # the interpreter pays per program
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = max(1, num_q_tiles * batch * num_kv_heads)
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(want, triton.cdiv(max_k_tiles, 4)))
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, *, on_gpu: bool):
+    """(BLOCK_M, BLOCK_N, num_warps) for both passes."""
+    if not on_gpu:
+        return 64, 64, 4  # the interpreter's cost is per program and loop trip
+    if dtype == torch.float32:
+        return 64, 64, 8  # fp32 tiles: shared memory stays < 200 KB up to head_dim 256
+    return 128, (128 if head_dim <= 128 else 64), 8
+
+
+def key_attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: Optional[float] = None,
+    *,
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Launch both passes. q ``[total_q, H, D]``, k ``[total_k, Hkv, D]`` (same dtype), cu_seqlens
+    int32 ``[B + 1]``; returns float32 ``[total_k]``. Inputs are assumed validated (ragattn.ops).
+    ``num_splits`` overrides the pass-1 key split count (tests)."""
+    total_q, num_heads, head_dim = q.shape
+    total_k, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    batch = cu_seqlens_q.numel() - 1
+    scores = torch.zeros(total_k, dtype=torch.float32, device=q.device)
+    if total_q == 0 or total_k == 0 or batch == 0:
+        return scores
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    qk_scale = scale * 1.4426950408889634  # log2(e)
+
+    # One host sync for both grids: the longest query and key ranges.
+    lens = torch.stack([cu_seqlens_q.diff().max(), cu_seqlens_k.diff().max()]).tolist()
+    max_q, max_k = int(lens[0]), int(lens[1])
+    if max_q == 0 or max_k == 0:
+        return scores
+
+    block_m, block_n, num_warps = launch_config(q.dtype, head_dim, on_gpu=q.device.type == "cuda")
+    upcast = _UPCAST_FOR_INTERPRETER and q.dtype != torch.float32
+    ieee = q.dtype == torch.float32
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+
+    # Pass 1: per-split LSEs, merged into one base-2 LSE per query row and head.
+    num_q_tiles = triton.cdiv(max_q * group, block_m)
+    max_k_tiles = triton.cdiv(max_k, block_n)
+    if num_splits is None:
+        num_splits = _num_splits(num_q_tiles, batch, num_kv_heads, max_k_tiles, q.device)
+    num_splits = max(1, min(int(num_splits), max_k_tiles))
+    lse_parts = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
+    _row_lse_kernel[(num_q_tiles, batch, num_kv_heads * num_splits)](
+        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads,
+        NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
+    )
+    if num_splits == 1:
+        lse = lse_parts[0]
+    else:
+        lse = torch.logsumexp(lse_parts * math.log(2.0), dim=0) * (1.0 / math.log(2.0))
+
+    # Pass 2: column sums per kv head, then over the kv heads (a [Hkv, total_k] reduction).
+    # Every key belongs to a sequence with at least one key tile, so every entry gets written.
+    partial = torch.empty((num_kv_heads, total_k), dtype=torch.float32, device=q.device)
+    _column_sum_kernel[(max_k_tiles, batch, num_kv_heads)](
+        q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
+    )
+    return partial.sum(dim=0) if num_kv_heads > 1 else partial[0]
