@@ -175,6 +175,15 @@ def _num_splits(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: in
     return max(1, min(want, triton.cdiv(max_k_tiles, 4)))
 
 
+def launch_config(dtype: torch.dtype, head_dim: int, *, on_gpu: bool):
+    """(BLOCK_M, BLOCK_N, num_warps) for both passes."""
+    if not on_gpu:
+        return 64, 64, 4  # the interpreter's cost is per program and loop trip
+    if dtype == torch.float32:
+        return 64, 64, 8  # fp32 tiles: shared memory stays < 200 KB up to head_dim 256
+    return 128, (128 if head_dim <= 128 else 64), 8
+
+
 def key_attention_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -208,13 +217,10 @@ def key_attention_scores(
     if max_q == 0 or max_k == 0:
         return scores
 
-    on_gpu = q.device.type == "cuda"
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = 128 if on_gpu else 64
-    block_n = (64 if head_dim > 128 else 128) if on_gpu else 64
-    num_warps = 8 if on_gpu else 4
+    block_m, block_n, num_warps = launch_config(q.dtype, head_dim, on_gpu=q.device.type == "cuda")
     upcast = _UPCAST_FOR_INTERPRETER and q.dtype != torch.float32
     ieee = q.dtype == torch.float32
+    block_d = max(16, triton.next_power_of_2(head_dim))
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
 
