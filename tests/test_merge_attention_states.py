@@ -85,7 +85,7 @@ def test_empty(backend, device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
-def test_opcheck(device):
+def test_opcheck(backend, device):
     args = _states(7, 3, 64, torch.float32, device)
     args[1][0] = float("-inf")
     torch.library.opcheck(torch.ops.ragattn.merge_attention_states.default, args)

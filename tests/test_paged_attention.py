@@ -118,6 +118,15 @@ def test_zero_query_rows(backend, device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+def test_empty_batch(backend, device):
+    q = torch.empty(0, 4, 64, device=device)
+    k = randn_nonzero(2, 16, 2, 64, device=device)
+    args = (q, torch.empty(0, dtype=I32, device=device), torch.zeros(1, dtype=I32, device=device), k, k.clone(),
+            torch.empty(0, 2, dtype=I32, device=device), torch.empty(0, dtype=I32, device=device))
+    out, lse = ragattn.paged_attention(*args)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
 def test_scale(backend, device, seed):
     args = make_case([[10, 20]], [21], num_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=16, dtype=torch.float32, device=device)
@@ -223,7 +232,7 @@ def test_reference_matches_sdpa():
 
 # ------------------------------------------------------------------------- opcheck, fakes, errors
 
-def test_opcheck(device):
+def test_opcheck(backend, device):
     args = make_case([[3, 7], [0]], [8, 4], num_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=4, dtype=torch.float32, device=device)
     torch.library.opcheck(torch.ops.ragattn.paged_attention.default, args)

@@ -50,7 +50,8 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot on bf16 is wrong, compute in fp32
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
 ):
-    tile = tl.program_id(0)
+    # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(TILE_SEQ + tile)
@@ -173,10 +174,10 @@ def paged_attention_fwd(
 
     # tile shape: rows x group stacked to M = BLOCK_M * GROUP_PAD in [16, 128] (tl.dot needs M >= 16)
     group_pad = triton.next_power_of_2(group)
-    m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)), )
+    m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)))
     block_m = max(1, m_tile // group_pad)
     block_n = 64
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
 
     tiles_per_seq = (rows + block_m - 1) // block_m
     tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), tiles_per_seq)
