@@ -161,7 +161,13 @@ def paged_attention_fwd(
     group = num_heads // num_kv_heads
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    out = torch.empty_like(q)
+    # the kernel indexes the last dim of q / caches and the 1-D int tensors with unit stride
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    q_pos, cu_seqlens_q, kv_lens = q_pos.contiguous(), cu_seqlens_q.contiguous(), kv_lens.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     batch = kv_lens.numel()
     if total_q == 0 or batch == 0:
