@@ -130,20 +130,22 @@ def cached_answer(model, tokenizer, chunks, question, *, positions: str, method:
         if store.fingerprint != model_fingerprint(model):
             raise ChunkStoreError(f"ragattn.methods.{method}: the ChunkStore was built for another "
                                   "model (fingerprint mismatch)")
-    t0 = time.perf_counter()
-    keys = store.add([head] + chunk_ids)
-    req = store.assemble(keys, positions=positions, extra_slots=len(tail) + max_new_tokens,
-                         rerotate=rerotate)
-    prompt_len = req.num_slots + len(tail)
-    return generate_paged(model, tokenizer, req.cache, tail, req.next_position, max_new_tokens, t0,
-                          method, prompt_len)
+    with use_ragattn(model):  # switched outside the timed region
+        t0 = time.perf_counter()
+        keys = store.add([head] + chunk_ids)
+        req = store.assemble(keys, positions=positions, extra_slots=len(tail) + max_new_tokens,
+                             rerotate=rerotate)
+        prompt_len = req.num_slots + len(tail)
+        return generate_paged(model, tokenizer, req.cache, tail, req.next_position, max_new_tokens,
+                              t0, method, prompt_len)
 
 
 @torch.no_grad()
 def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, store=None,
-                 attn_implementation: str | None = None) -> Answer:
+                 attn_implementation: str | None = "sdpa") -> Answer:
     """Baseline: prefill the whole prompt (same tokens as the cached methods) with full causal
-    attention, then greedy-decode with the model's own KV cache. ``store`` is ignored."""
+    attention, then greedy-decode with the model's own KV cache. ``store`` is ignored.
+    ``attn_implementation``: the attention used ("sdpa" default, "ragattn", or None = the model's)."""
     if len(chunks) == 0:
         raise ValueError("ragattn.methods.full_prefill: no chunks given (empty retrieval)")
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
@@ -154,7 +156,8 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
                          f"{max_new_tokens} new tokens exceeds the model's window ({limit})")
     dev = next(model.parameters()).device
     old = model.config._attn_implementation
-    if attn_implementation:
+    switch = bool(attn_implementation) and attn_implementation != old
+    if switch:
         model.set_attn_implementation(attn_implementation)
     try:
         t0 = time.perf_counter()
@@ -172,7 +175,7 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
             res.append(tok)
         _sync(dev)
     finally:
-        if attn_implementation:
+        if switch:
             model.set_attn_implementation(old)
     return Answer(res, tokenizer.decode(res, skip_special_tokens=True), ttft, time.perf_counter() - t0,
                   first, len(ids_list), "full_prefill")
