@@ -93,9 +93,10 @@ def rerotate_keys_(
     check_tensor(op, "rows", rows, dtypes=(torch.int64,), ndim=1, device=dev)
     check_tensor(op, "delta", delta, dtypes=(torch.int32,), shape=(rows.shape[0],), device=dev)
     _check_rope(op, inv_freq, int(rotary_dim), first.shape[-1] if first is not None else None, dev)
-    if first is not None:
-        _check_rows_cpu(op, "rows", rows, _num_rows(first), distinct=True)
     if dev.type == "cpu" and _extension.cpu_backend() == "reference":
+        # (the C++ ops check row ranges themselves; the reference path needs it here)
+        if first is not None:
+            _check_rows_cpu(op, "rows", rows, _num_rows(first), distinct=True)
         _ref.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved), compute_dtype=torch.float32)
         return None
     torch.ops.ragattn.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved))
@@ -173,12 +174,12 @@ def copy_kv_(
         if inv_freq is None:
             raise ValueError(f"ragattn.{op}: inv_freq is required when delta is given")
         _check_rope(op, inv_freq, int(rotary_dim), fk.shape[-1] if fk is not None else None, dev)
-    if fk is not None:
-        _check_rows_cpu(op, "src_rows", src_rows, _num_rows(sk), distinct=False)
-        _check_rows_cpu(op, "dst_rows", dst_rows, _num_rows(fk), distinct=True)
     args = (list(dst_k), list(dst_v), list(src_k), list(src_v), src_rows, dst_rows, delta, inv_freq, int(rotary_dim), bool(interleaved))
     if dev.type == "cpu" and _extension.cpu_backend() == "reference":
-        # the C++ twin still validates everything the Python side does not (e.g. aliasing)
+        # (the C++ ops check row ranges themselves; the reference path needs it here)
+        if fk is not None:
+            _check_rows_cpu(op, "src_rows", src_rows, _num_rows(sk), distinct=False)
+            _check_rows_cpu(op, "dst_rows", dst_rows, _num_rows(fk), distinct=True)
         _ref.copy_kv_(*args, compute_dtype=torch.float32)
         return None
     torch.ops.ragattn.copy_kv_(*args)
