@@ -180,10 +180,18 @@ def test_tile_metadata_skips(device):
     pos = torch.arange(64, dtype=torch.int32, device=device)
     blk = (pos // 16).int()
     blk[48:] = -1
-    off, seq, start, meta = tile_metadata(cu, pos, blk, 64, 16)
+    off, seq, start, meta, search = tile_metadata(cu, pos, blk, 64, 16)
     assert off.tolist() == [0, 4] and seq.tolist()[:4] == [0, 0, 0, 0] and start.tolist()[:4] == [0, 16, 32, 48]
     assert meta[1].tolist() == [16, 31, 1, 1, 0]
     assert meta[3].tolist() == [48, 63, 2**31 - 1, -(2**31), 1]
+    # search columns: prefix max of max block, suffix min of min block, next global tile,
+    # suffix min of min position, prefix max of max position (what the kernels binary-search)
+    assert search[:4].tolist() == [
+        [0, 0, 3, 0, 15],
+        [1, 1, 3, 16, 31],
+        [2, 2, 3, 32, 47],
+        [2, 2**31 - 1, 3, 48, 63],
+    ]
 
 
 def test_basic_causal_matches_sdpa(device):
