@@ -244,7 +244,7 @@ def _bad_rerotate(device):
 @pytest.mark.parametrize("case", range(len(_bad_rerotate(torch.device("cpu")))))
 def test_rerotate_bad_inputs(device, entry, case):
     name, exc, arg, fix = _bad_rerotate(device)[case]
-    if entry == "torch.ops" and device.type == "cuda" and name in ("row_out_of_range", "row_negative", "rows_repeat"):
+    if device.type == "cuda" and name in ("row_out_of_range", "row_negative", "rows_repeat"):
         pytest.skip("CUDA row checks are a precondition (RAGATTN_DEBUG=1)")
     if entry == "torch.ops" and name == "rows_device" and device.type == "cpu":
         pytest.skip("a meta tensor routes torch.ops to the fake impl; the wrapper catches it")
@@ -305,7 +305,7 @@ def _bad_copy(device):
 @pytest.mark.parametrize("case", range(len(_bad_copy(torch.device("cpu")))))
 def test_copy_kv_bad_inputs(device, entry, case):
     name, exc, arg, fix = _bad_copy(device)[case]
-    if entry == "torch.ops" and device.type == "cuda" and name in ("dst_rows_repeat", "dst_rows_range", "src_rows_range"):
+    if device.type == "cuda" and name in ("dst_rows_repeat", "dst_rows_range", "src_rows_range"):
         pytest.skip("CUDA row checks are a precondition (RAGATTN_DEBUG=1)")
     a = _copy_args(device)
     fix(a)
@@ -331,3 +331,18 @@ def test_copy_kv_in_place_overlap_rejected(device):
     # disjoint in-place move (compaction) is fine
     torch.ops.ragattn.copy_kv_(k, [], k, [], torch.tensor([5, 6]), torch.tensor([0, 1]))
     assert torch.equal(k[0][:2], before[5:7])
+
+
+def test_cuda_debug_mode_checks_rows(device, monkeypatch):
+    """On CUDA, row ranges/uniqueness are a precondition checked only with RAGATTN_DEBUG=1."""
+    if device.type != "cuda":
+        pytest.skip("CUDA-only precondition mode (CPU always checks)")
+    monkeypatch.setenv("RAGATTN_DEBUG", "1")
+    layer = make_layers(1, (10, 2, 32), torch.float16, device)
+    before = layer[0].clone()
+    f = inv_freq_for(32).to(device)
+    with pytest.raises(ValueError, match="rerotate_keys_.*rows"):
+        torch.ops.ragattn.rerotate_keys_(layer, torch.tensor([3, 10], device=device), torch.ones(2, dtype=torch.int32, device=device), f, 32, False)
+    with pytest.raises(ValueError, match="copy_kv_.*dst_rows"):
+        torch.ops.ragattn.copy_kv_(layer, [], make_layers(1, (4, 2, 32), torch.float16, device), [], torch.tensor([0, 1], device=device), torch.tensor([2, 2], device=device))
+    assert torch.equal(layer[0], before)
