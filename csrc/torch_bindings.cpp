@@ -57,12 +57,14 @@ TORCH_LIBRARY(ragattn, m) {
 TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   // kv_cache: rerotate_keys_, copy_kv_
   // speculative: verify_draft
+  m.impl("verify_draft", &ragattn::verify_draft_cpu);
 }
 
 #ifdef RAGATTN_WITH_CUDA
 TORCH_LIBRARY_IMPL(ragattn, CUDA, m) {
   // kv_cache: rerotate_keys_, copy_kv_
   // speculative: verify_draft
+  m.impl("verify_draft", &ragattn::verify_draft_cuda);
 }
 #endif
 
