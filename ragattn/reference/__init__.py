@@ -3,6 +3,10 @@ the CPU fallback. Depends on torch only."""
 
 __all__: list[str] = []
 
+from ragattn.reference import kv_cache  # noqa: E402
+
+__all__ += ["kv_cache"]
+
 from ragattn.reference.merge_attention_states import merge_attention_states  # noqa: E402
 from ragattn.reference.paged_attention import paged_attention  # noqa: E402
 
