@@ -104,6 +104,15 @@ def test_mixed_batch(backend, device, seed, num_heads, num_kv_heads, head_dim, d
     check_against_reference(args, out, lse)
 
 
+@pytest.mark.parametrize("head_dim,dtype", [(80, torch.float16), (256, torch.bfloat16)])
+def test_other_head_dims(backend, device, seed, head_dim, dtype):
+    """A head_dim that is not a power of two (padded tile) and the largest supported one."""
+    args = make_case([[40], scattered_rows(50, 0.2, 4)], [41, 50], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                     page_size=16, dtype=dtype, device=device)
+    out, lse = ragattn.paged_attention(*args)
+    check_against_reference(args, out, lse)
+
+
 def test_rows_that_see_no_key(backend, device, seed):
     """Query rows against an empty cache: out 0, lse -inf, never NaN."""
     args = make_case([[3, 4], [2]], [0, 9], num_heads=4, num_kv_heads=2, head_dim=64,

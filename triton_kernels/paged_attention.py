@@ -125,6 +125,31 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def tile_config(m_tile: int, block_d: int, elt: int, interp: bool):
+    """(m_tile, block_n, num_stages, num_warps) whose tiles fit the shared memory of an H100.
+
+    Budget ~160 KB for the Q tile plus ``num_stages`` K and V tiles (leaving room for Triton's
+    layout-conversion scratch); shrink stages, then the key tile, then the query tile.
+    """
+    if interp:  # the interpreter's cost is programs x loop trips: big tiles, no pipelining
+        return m_tile, 64, 1, 4
+    block_n, stages = 64, 3
+
+    def smem(m, n, st):
+        return elt * block_d * (m + 2 * n * st)
+
+    while smem(m_tile, block_n, stages) > 160 * 1024:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 32:
+            block_n //= 2
+        elif m_tile > 16:
+            m_tile //= 2
+        else:
+            break
+    return m_tile, block_n, stages, 8 if m_tile >= 128 else 4
+
+
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
     """Split the key range when the grid would leave the GPU under-filled (decode, few rows).
 
@@ -181,9 +206,10 @@ def paged_attention_fwd(
     # tile shape: rows x group stacked to M = BLOCK_M * GROUP_PAD in [16, 128] (tl.dot needs M >= 16)
     group_pad = triton.next_power_of_2(group)
     m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)))
-    block_m = max(1, m_tile // group_pad)
-    block_n = 64
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    interp = _interpreting()
+    m_tile, block_n, num_stages, num_warps = tile_config(m_tile, block_d, q.element_size(), interp)
+    block_m = max(1, m_tile // group_pad)
 
     tiles_per_seq = (rows + block_m - 1) // block_m
     tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), tiles_per_seq)
@@ -207,7 +233,6 @@ def paged_attention_fwd(
         l_buf = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
         stride_os, stride_ls = o_buf.stride(0), l_buf.stride(0)
 
-    interp = _interpreting()
     grid = (num_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, tile_seq, tile_row0,
@@ -223,8 +248,8 @@ def paged_attention_fwd(
         GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
-        num_warps=8 if m_tile >= 128 and not interp else 4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         merge_split_states(o_buf, l_buf, out, lse)

@@ -148,4 +148,4 @@ def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table,
 
 @torch.library.register_fake("ragattn::paged_attention")
 def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)  # contiguous, like the kernels
