@@ -346,3 +346,20 @@ def test_cuda_debug_mode_checks_rows(device, monkeypatch):
     with pytest.raises(ValueError, match="copy_kv_.*dst_rows"):
         torch.ops.ragattn.copy_kv_(layer, [], make_layers(1, (4, 2, 32), torch.float16, device), [], torch.tensor([0, 1], device=device), torch.tensor([2, 2], device=device))
     assert torch.equal(layer[0], before)
+
+
+def test_copy_kv_reference_backend_matches_cpp(device, monkeypatch, seed):
+    if device.type != "cpu":
+        pytest.skip("CPU backend switch")
+    src_k, src_v = make_layers(2, (15, 2, 64), torch.float32, device), make_layers(2, (15, 2, 64), torch.float32, device)
+    dst = [make_layers(2, (21, 2, 64), torch.float32, device) for _ in range(2)]
+    dst_ref = [[t.clone() for t in d] for d in dst]
+    src_rows, dst_rows = torch.randint(0, 15, (11,)), torch.randperm(21)[:11]
+    delta, f = rand_delta(11, device), inv_freq_for(64)
+    ragattn.copy_kv_(dst[0], dst[1], src_k, src_v, src_rows, dst_rows, delta, f, 64, True)
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
+    ragattn.copy_kv_(dst_ref[0], dst_ref[1], src_k, src_v, src_rows, dst_rows, delta, f, 64, True)
+    for a, b in zip(dst[0] + dst[1], dst_ref[0] + dst_ref[1]):
+        assert max_abs_err(a, b) <= 1e-5 * float(b.abs().max())
+    with pytest.raises(ValueError, match="copy_kv_: dst_rows"):
+        ragattn.copy_kv_(dst_ref[0], dst_ref[1], src_k, src_v, src_rows, torch.zeros(11, dtype=torch.int64))
