@@ -24,3 +24,7 @@ __all__ += ["key_attention_scores"]
 from ragattn.ops.varlen_attention import varlen_attention  # noqa: E402
 
 __all__ += ["varlen_attention"]
+
+from ragattn.ops.speculative import verify_draft  # noqa: E402
+
+__all__ += ["verify_draft"]

@@ -19,3 +19,7 @@ __all__ += ["key_attention_scores"]
 from ragattn.reference.varlen_attention import varlen_attention  # noqa: E402
 
 __all__ += ["varlen_attention"]
+
+from ragattn.reference.speculative import verify_draft  # noqa: E402
+
+__all__ += ["verify_draft"]
