@@ -4,12 +4,42 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace ragattn {
 
 // ---- KV cache ops (csrc/kv_cache/) ----
+void rerotate_keys_cpu(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
+                       const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved);
+void copy_kv_cpu(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
+                 const at::Tensor& src_rows, const at::Tensor& dst_rows, const c10::optional<at::Tensor>& delta,
+                 const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved);
+#ifdef RAGATTN_WITH_CUDA
+void rerotate_keys_cuda(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
+                        const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved);
+void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
+                  const at::Tensor& src_rows, const at::Tensor& dst_rows, const c10::optional<at::Tensor>& delta,
+                  const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved);
+#endif
 
 // ---- speculative verification (csrc/speculative/) ----
+// Shape/dtype/device/scalar checks of verify_draft (ValueError/TypeError naming the argument);
+// check_values adds the index and range checks that need host data (CPU only).
+void check_verify_draft_args(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+                             const at::Tensor& target_logits, const at::Tensor& uniforms, double temperature,
+                             double eta, double alpha, const std::optional<at::Tensor>& num_draft,
+                             bool check_values);
+std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+                                                    const at::Tensor& target_logits, const at::Tensor& uniforms,
+                                                    double temperature, double eta, double alpha, bool greedy,
+                                                    const std::optional<at::Tensor>& num_draft);
+#ifdef RAGATTN_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+                                                     const at::Tensor& target_logits, const at::Tensor& uniforms,
+                                                     double temperature, double eta, double alpha, bool greedy,
+                                                     const std::optional<at::Tensor>& num_draft);
+#endif
 
 }  // namespace ragattn

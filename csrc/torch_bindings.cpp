@@ -56,13 +56,19 @@ TORCH_LIBRARY(ragattn, m) {
 
 TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   // kv_cache: rerotate_keys_, copy_kv_
+  m.impl("rerotate_keys_", &ragattn::rerotate_keys_cpu);
+  m.impl("copy_kv_", &ragattn::copy_kv_cpu);
   // speculative: verify_draft
+  m.impl("verify_draft", &ragattn::verify_draft_cpu);
 }
 
 #ifdef RAGATTN_WITH_CUDA
 TORCH_LIBRARY_IMPL(ragattn, CUDA, m) {
   // kv_cache: rerotate_keys_, copy_kv_
+  m.impl("rerotate_keys_", &ragattn::rerotate_keys_cuda);
+  m.impl("copy_kv_", &ragattn::copy_kv_cuda);
   // speculative: verify_draft
+  // m.impl("verify_draft", &ragattn::verify_draft_cuda);  (lands with the kernel)
 }
 #endif
 

@@ -20,3 +20,28 @@ for f in "${files[@]}"; do
   "$NVCC" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -c "$f" -o "$tmp/$(basename "$f").o"
 done
 echo "nvcc_check: ${#files[@]} kernel file(s) compiled for sm_90a"
+
+# ATen launchers (csrc/**/*_cuda.cu) against the installed torch's headers, with torch's own nvcc
+# flags. A CPU-only torch wheel ships the c10/cuda headers but not the generated
+# cuda_cmake_macros.h: a one-line shim stands in for it. Skipped when torch is not importable.
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
+mapfile -t launchers < <(find csrc -name '*_cuda.cu' | sort)
+if [ ${#launchers[@]} -gt 0 ] && "$PYTHON" -c "import torch" 2>/dev/null; then
+  mapfile -t torch_inc < <("$PYTHON" -c "import sysconfig; from torch.utils.cpp_extension import include_paths; print('\n'.join(include_paths() + [sysconfig.get_paths()['include']]))")
+  inc_flags=()
+  for d in "${torch_inc[@]}"; do inc_flags+=("-I$d"); done
+  mkdir -p "$tmp/shim/c10/cuda/impl"
+  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$tmp/shim/c10/cuda/impl/cuda_cmake_macros.h"
+  for f in "${launchers[@]}"; do
+    echo "nvcc_check: $f (against torch headers)"
+    "$NVCC" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
+      -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+      -D__CUDA_NO_HALF2_OPERATORS__ -DRAGATTN_WITH_CUDA=1 -Icsrc "${inc_flags[@]}" -I"$tmp/shim" \
+      -diag-suppress=20012,20014 -Xcompiler -Wno-c++20-extensions -c "$f" -o "$tmp/$(basename "$f").o"
+  done
+  echo "nvcc_check: ${#launchers[@]} launcher file(s) compiled against torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+else
+  echo "nvcc_check: torch not importable with $PYTHON (or no *_cuda.cu): launcher check skipped"
+fi

@@ -50,3 +50,13 @@ def test_smollm2_loads(smollm2):
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_random_model_bf16_keeps_fp32_rope():
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rope_theta=5e5)
+    m = random_llama(shape, dtype=torch.bfloat16)
+    assert next(m.parameters()).dtype == torch.bfloat16
+    assert m.model.rotary_emb.inv_freq.dtype == torch.float32
+    ref = 1.0 / 5e5 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    torch.testing.assert_close(rope_params(m).inv_freq, ref)

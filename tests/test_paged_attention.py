@@ -12,6 +12,9 @@ from tests.helpers import assert_precision, randn_nonzero
 
 I32 = torch.int32
 
+# the Triton interpreter converts 1-element arrays to ints in range(); not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
 
 def make_paged(kv_lens, page_size, num_kv_heads, head_dim, dtype, device, *, extra_pages=3):
     """Random K/V caches with every sequence's pages shuffled across the pool (plus unused pages)."""
@@ -101,6 +104,15 @@ def test_mixed_batch(backend, device, seed, num_heads, num_kv_heads, head_dim, d
     check_against_reference(args, out, lse)
 
 
+@pytest.mark.parametrize("head_dim,dtype", [(80, torch.float16), (256, torch.bfloat16)])
+def test_other_head_dims(backend, device, seed, head_dim, dtype):
+    """A head_dim that is not a power of two (padded tile) and the largest supported one."""
+    args = make_case([[40], scattered_rows(50, 0.2, 4)], [41, 50], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                     page_size=16, dtype=dtype, device=device)
+    out, lse = ragattn.paged_attention(*args)
+    check_against_reference(args, out, lse)
+
+
 def test_rows_that_see_no_key(backend, device, seed):
     """Query rows against an empty cache: out 0, lse -inf, never NaN."""
     args = make_case([[3, 4], [2]], [0, 9], num_heads=4, num_kv_heads=2, head_dim=64,
@@ -118,6 +130,29 @@ def test_zero_query_rows(backend, device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+def test_empty_batch(backend, device):
+    q = torch.empty(0, 4, 64, device=device)
+    k = randn_nonzero(2, 16, 2, 64, device=device)
+    args = (q, torch.empty(0, dtype=I32, device=device), torch.zeros(1, dtype=I32, device=device), k, k.clone(),
+            torch.empty(0, 2, dtype=I32, device=device), torch.empty(0, dtype=I32, device=device))
+    out, lse = ragattn.paged_attention(*args)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+def test_strided_inputs(backend, device, seed):
+    """q as a view of a [H, T, D] tensor, caches as views with padded head_dim, block_table a column slice."""
+    q, q_pos, cu, k, v, bt, kvl = make_case([[4, 30], [12]], [31, 13], num_heads=4, num_kv_heads=2, head_dim=64,
+                                            page_size=16, dtype=torch.float16, device=device)
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)
+    k_pad = torch.cat([k, k[..., :8]], dim=-1)[..., :64]
+    v_pad = torch.cat([v, v[..., :8]], dim=-1)[..., :64]
+    bt_wide = torch.cat([bt, bt], dim=1)[:, : bt.shape[1]]
+    args = (q_t, q_pos, cu, k_pad, v_pad, bt_wide, kvl)
+    assert not q_t.is_contiguous() and not k_pad.is_contiguous() and not bt_wide.is_contiguous()
+    out, lse = ragattn.paged_attention(*args)
+    check_against_reference((q, q_pos, cu, k, v, bt, kvl), out, lse)
+
+
 def test_scale(backend, device, seed):
     args = make_case([[10, 20]], [21], num_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=16, dtype=torch.float32, device=device)
@@ -126,6 +161,73 @@ def test_scale(backend, device, seed):
     out64, lse64 = ref_paged(*cpu, 0.3)
     torch.testing.assert_close(out.cpu().double(), out64, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def triton_backend(monkeypatch, device):
+    """The Triton kernel itself (interpreter on CPU, compiled on CUDA)."""
+    pytest.importorskip("triton_kernels.paged_attention")
+    if device.type == "cpu":
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(4, 4, torch.float32), (8, 2, torch.bfloat16)])
+def test_split_kv_matches_unsplit(triton_backend, monkeypatch, device, seed, num_heads, num_kv_heads, dtype):
+    """Decode of a few long sequences and a short speculative tail: 1, 3 and 7 key partitions agree."""
+    kv_lens = [301, 2, 190]
+    q_positions = [[300], [1], [187, 188, 189]]
+    args = make_case(q_positions, kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                     page_size=16, dtype=dtype, device=device)
+    results = []
+    for splits in ("1", "3", "7"):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        results.append(ragattn.paged_attention(*args))
+        check_against_reference(args, *results[-1])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], **tol)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_invisible_slots_are_never_read(triton_backend, monkeypatch, device, seed):
+    """NaN in every slot a row cannot see (later positions, past kv_lens, unused pages) leaves the output finite."""
+    q_positions = [[5, 20, 33], [70]]
+    kv_lens = [60, 71]
+    args = list(make_case(q_positions, kv_lens, num_heads=4, num_kv_heads=2, head_dim=64,
+                          page_size=16, dtype=torch.float16, device=device))
+    clean = ragattn.paged_attention(*args)
+    k, v, bt = args[3].clone(), args[4].clone(), args[5]
+    keep = torch.zeros(k.shape[:2], dtype=torch.bool, device=device)
+    for b, ps in enumerate(q_positions):
+        for j in range(min(kv_lens[b], max(ps) + 1)):
+            keep[int(bt[b, j // 16]), j % 16] = True
+    k[~keep] = float("nan")
+    v[~keep] = float("nan")
+    for splits in ("1", "2"):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = ragattn.paged_attention(*args[:3], k, v, *args[5:])
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        torch.testing.assert_close(out, clean[0], atol=2e-3, rtol=2e-3)
+
+
+def test_sampled_grid(backend, device, seed):
+    """Random awkward configurations (sampled, to keep the interpreter cheap)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        nkv = int(torch.randint(1, 3, (1,), generator=gen))
+        group = [1, 3, 4, 8][int(torch.randint(0, 4, (1,), generator=gen))]
+        head_dim = [64, 128][int(torch.randint(0, 2, (1,), generator=gen))]
+        dtype = [torch.float16, torch.bfloat16, torch.float32][int(torch.randint(0, 3, (1,), generator=gen))]
+        page_size = [1, 16, 64][int(torch.randint(0, 3, (1,), generator=gen))]
+        kv_lens = torch.randint(0, 90, (3,), generator=gen).tolist()
+        q_positions = []
+        for n in kv_lens:
+            n_rows = int(torch.randint(0, min(n, 20) + 1, (1,), generator=gen))
+            q_positions.append(torch.randperm(max(n, 1), generator=gen)[:n_rows].sort().values.tolist())
+        args = make_case(q_positions, kv_lens, num_heads=nkv * group, num_kv_heads=nkv, head_dim=head_dim,
+                         page_size=page_size, dtype=dtype, device=device)
+        out, lse = ragattn.paged_attention(*args)
+        check_against_reference(args, out, lse)
 
 
 def test_reference_is_causal_by_position():
@@ -156,7 +258,7 @@ def test_reference_matches_sdpa():
 
 # ------------------------------------------------------------------------- opcheck, fakes, errors
 
-def test_opcheck(device):
+def test_opcheck(backend, device):
     args = make_case([[3, 7], [0]], [8, 4], num_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=4, dtype=torch.float32, device=device)
     torch.library.opcheck(torch.ops.ragattn.paged_attention.default, args)

@@ -61,11 +61,137 @@ def _case(lens_q, lens_k, H, Hkv, D, dtype, device, *, blocks="none", causal=Tru
     return q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal
 
 
-def _dense_check(out, lse, args):
-    """Independent dense check in float64 (softmax over a masked matrix) for a few rows."""
-    q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal = args
-    o64, l64 = ref_varlen(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
-    return o64, l64
+def _backend(monkeypatch, device, backend):
+    """Route CPU calls through the Triton kernels (interpreter) or the reference."""
+    if device.type == "cpu":
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton" if backend == "triton" else "default")
+
+
+def _float64(args):
+    return [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+
+
+MASKS = ["none", "chunks", "sys", "many", "one", "qglobal", "kvglobal", "random"]
+GQA = [1, 3, 4, 8]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _grid():
+    """Every (mask, causal) pair once, cycling GQA ratio, head dim, dtype and position mode."""
+    out = []
+    for i, (mask, causal) in enumerate((m, c) for m in MASKS for c in (True, False)):
+        ratio = GQA[i % 4]
+        dim = (64, 128)[(i // 2) % 2]
+        dtype = DTYPES[i % 3]
+        pos = ("default", "offset", "shuffled")[(i // 3) % 3]
+        out.append(pytest.param(mask, causal, ratio, dim, dtype, pos, id=f"{mask}-{'causal' if causal else 'full'}-g{ratio}-d{dim}-{str(dtype)[6:]}-{pos}"))
+    return out
+
+
+def _lens(pos):
+    # awkward lengths, an empty and a length-1 sequence; "offset" has fewer queries than keys
+    lens_k = [37, 0, 45, 1]
+    lens_q = [13, 0, 45, 1] if pos == "offset" else lens_k
+    return lens_q, lens_k
+
+
+@pytest.mark.parametrize("backend", ["triton", "default"])
+@pytest.mark.parametrize("mask, causal, ratio, dim, dtype, pos", _grid())
+def test_forward_matches_reference(device, seed, backend, monkeypatch, mask, causal, ratio, dim, dtype, pos):
+    if backend == "default" and device.type == "cpu" and (mask, causal) not in {("chunks", True), ("random", False), ("many", True)}:
+        pytest.skip("default CPU path is the reference itself: a few cases suffice")
+    _backend(monkeypatch, device, backend)
+    lens_q, lens_k = _lens(pos)
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens_q, lens_k, hkv * ratio, hkv, dim, dtype, device, blocks=mask, causal=causal, pos=pos,
+                 gen=torch.Generator().manual_seed(seed))
+    out, lse = ragattn.varlen_attention(*args)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == args[0].shape
+    o64, l64 = ref_varlen(*_float64(args))
+    o_lp, l_lp = ref_varlen(*args, upcast=False)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse), dead)
+    assert (out[dead] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "mask, causal, ratio, dim, dtype, pos",
+    [
+        ("chunks", True, 4, 64, torch.bfloat16, "default"),
+        ("sys", False, 1, 128, torch.float16, "offset"),
+        ("many", True, 3, 64, torch.float32, "shuffled"),
+        ("random", False, 8, 64, torch.bfloat16, "default"),
+        ("kvglobal", True, 1, 64, torch.float16, "default"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["triton", "default"])
+def test_gradients_match_reference(device, backend, monkeypatch, mask, causal, ratio, dim, dtype, pos):
+    if backend == "default" and device.type == "cpu" and mask != "chunks":
+        pytest.skip("default CPU path is the reference's autograd: one case suffices")
+    _backend(monkeypatch, device, backend)
+    lens_q, lens_k = _lens(pos)
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens_q, lens_k, hkv * ratio, hkv, dim, dtype, device, blocks=mask, causal=causal, pos=pos,
+                 gen=torch.Generator().manual_seed(7))
+    dout = randn_nonzero(*args[0].shape, dtype=dtype, device=device, generator=torch.Generator().manual_seed(8))
+
+    def grads(fn, tensors, rest, d):
+        leaves = [t.detach().requires_grad_(True) for t in tensors]
+        out = fn(*leaves, *rest)[0]
+        return torch.autograd.grad(out, leaves, d)
+
+    got = grads(ragattn.varlen_attention, args[:3], args[3:], dout)
+    want64 = grads(ref_varlen, _float64(args[:3]), args[3:], dout.double())
+    want_lp = grads(lambda *a: ref_varlen(*a, upcast=False), args[:3], args[3:], dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert g.dtype == dtype
+        assert_precision(g, w64, wlp, what=name)
+
+
+@pytest.mark.parametrize("mask, causal", [("many", True), ("sys", True), ("chunks", False), ("random", True)])
+def test_kernel_small_tiles(device, mask, causal):
+    """The launchers with 16-row tiles: many tiles per sequence, so skipping and the mask-free
+    fully-visible path are exercised (forward and backward)."""
+    from triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
+
+    args = _case([50, 0, 33], [50, 2, 33], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
+                 pos="shuffled" if mask == "random" else "default", gen=torch.Generator().manual_seed(3))
+    out, lse = varlen_attention_fwd(*args, None, block_m=16, block_n=16)
+    o64, l64 = ref_varlen(*_float64(args))
+    o32, l32 = ref_varlen(*args)
+    assert_precision(out, o64, o32, what="out")
+    assert_precision(lse, l64, l32, what="lse")
+    dout = randn_nonzero(*out.shape, device=device, generator=torch.Generator().manual_seed(4))
+    got = varlen_attention_bwd(dout, *args[:3], out, lse, *args[3:], None, block_m=16, block_n=16)
+    leaves = [t.double().requires_grad_(True) for t in args[:3]]
+    want = torch.autograd.grad(ref_varlen(*leaves, *args[3:])[0], leaves, dout.double())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert max_abs_err(g, w) < 1e-4 * max(1.0, float(w.abs().max())), name
+
+
+def test_tile_metadata_skips(device):
+    """Metadata of independent chunks: the tile pairs of different chunks cannot meet."""
+    from triton_kernels.varlen_attention import tile_metadata
+
+    cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
+    pos = torch.arange(64, dtype=torch.int32, device=device)
+    blk = (pos // 16).int()
+    blk[48:] = -1
+    off, seq, start, meta, search = tile_metadata(cu, pos, blk, 64, 16)
+    assert off.tolist() == [0, 4] and seq.tolist()[:4] == [0, 0, 0, 0] and start.tolist()[:4] == [0, 16, 32, 48]
+    assert meta[1].tolist() == [16, 31, 1, 1, 0]
+    assert meta[3].tolist() == [48, 63, 2**31 - 1, -(2**31), 1]
+    # search columns: prefix max of max block, suffix min of min block, next global tile,
+    # suffix min of min position, prefix max of max position (what the kernels binary-search)
+    assert search[:4].tolist() == [
+        [0, 0, 3, 0, 15],
+        [1, 1, 3, 16, 31],
+        [2, 2, 3, 32, 47],
+        [2, 2**31 - 1, 3, 48, 63],
+    ]
 
 
 def test_basic_causal_matches_sdpa(device):
@@ -84,8 +210,10 @@ def test_basic_causal_matches_sdpa(device):
     assert max_abs_err(lse, torch.logsumexp(s, -1).transpose(0, 1).float()) < 1e-5
 
 
-def test_no_visible_key_rows(device):
+@pytest.mark.parametrize("backend", ["default", "triton"])
+def test_no_visible_key_rows(device, backend, monkeypatch):
     """Rows that see no key: out 0, lse -inf, no NaN, also in the gradient."""
+    _backend(monkeypatch, device, backend)
     q, k, v, cu_q, cu_k, *_ = _case([4, 5], [3, 0], 2, 1, 64, torch.float32, device)
     q_pos = torch.tensor([0, 5, 1, 2, 0, 1, 2, 3, 4], dtype=torch.int32, device=device)
     kv_pos = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
@@ -100,9 +228,7 @@ def test_no_visible_key_rows(device):
 
 @pytest.mark.parametrize("backend", ["default", "triton"])
 def test_opcheck(device, backend, monkeypatch):
-    if backend == "triton":
-        if device.type == "cpu":
-            monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    _backend(monkeypatch, device, backend)
     args = _case([9, 0, 12], [9, 4, 12], 4, 2, 64, torch.float32, device, blocks="sys")
     q, k, v = (t.requires_grad_(True) for t in args[:3])
     torch.library.opcheck(OP, (q, k, v) + tuple(args[3:]), {"scale": 0.1})

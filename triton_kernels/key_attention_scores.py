@@ -9,7 +9,7 @@ The ``[heads, q, k]`` probability tensor is never stored:
 
 * pass 1 (``_row_lse_kernel``) streams the key tiles and keeps an online max / sum per query row
   and head, like the forward pass of the fused-attention tutorial without the ``P @ V`` part.
-  A long key range is split over ``NUM_SPLITS`` programs (so that a short question against a
+  A long key range is split over ``num_splits`` programs (so that a short question against a
   long context still fills the GPU); the splits' partial LSEs are merged on the host side with
   one ``logsumexp``.
 * pass 2 (``_column_sum_kernel``) gives each program one key tile of one kv head and loops over
@@ -26,6 +26,7 @@ All logits are kept in base 2 (``scale * log2(e)`` folded into the logits) so th
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -45,7 +46,7 @@ def _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d
     rows = r_offs // GROUP
     heads = kv_head * GROUP + r_offs % GROUP
     mask = (rows < num_q)[:, None] & (d_offs < HEAD_DIM)[None, :]
-    ptrs = q_ptr + (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + d_offs[None, :]
+    ptrs = q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + d_offs[None, :]
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
@@ -54,7 +55,7 @@ def _load_k_tile_t(k_ptr, k_start, num_k, kv_head, stride_kt, stride_kh, n_offs,
                    HEAD_DIM: tl.constexpr):
     """Key rows ``n_offs`` of kv head ``kv_head``, transposed: [BLOCK_D, BLOCK_N] (masked)."""
     mask = (d_offs < HEAD_DIM)[:, None] & (n_offs < num_k)[None, :]
-    ptrs = k_ptr + (k_start + n_offs)[None, :] * stride_kt + kv_head * stride_kh + d_offs[:, None]
+    ptrs = k_ptr + (k_start + n_offs).to(tl.int64)[None, :] * stride_kt + kv_head * stride_kh + d_offs[:, None]
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
@@ -76,16 +77,16 @@ def _row_lse_kernel(
     q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [NUM_SPLITS, total_q, num_heads], base 2
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    total_q, num_heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    total_q, num_heads, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Pass 1: base-2 LSE of each packed query row over one split of the sequence's keys."""
     tile_m = tl.program_id(0)
     seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     q_start = tl.load(cu_q_ptr + seq)
     num_q = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -95,7 +96,7 @@ def _row_lse_kernel(
         return
 
     # This split's key range, in whole key tiles.
-    tiles_per_split = tl.cdiv(tl.cdiv(num_k, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(num_k, BLOCK_N), num_splits)
     n_begin = split * tiles_per_split * BLOCK_N
     n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, num_k)
 
@@ -118,7 +119,7 @@ def _row_lse_kernel(
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     rows = r_offs // GROUP
     heads = kv_head * GROUP + r_offs % GROUP
-    out_ptrs = lse_ptr + (split * total_q + q_start + rows) * num_heads + heads
+    out_ptrs = lse_ptr + (split * total_q + q_start + rows).to(tl.int64) * num_heads + heads
     tl.store(out_ptrs, lse, mask=rows < num_q)
 
 
@@ -157,22 +158,36 @@ def _column_sum_kernel(
         row_ok = rows < num_q
         q = _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs, GROUP, HEAD_DIM)
         # Padded rows get lse = +inf, so their probabilities are exactly 0.
-        lse = tl.load(lse_ptr + (q_start + rows) * num_heads + heads, mask=row_ok, other=float("inf"))
+        lse = tl.load(lse_ptr + (q_start + rows).to(tl.int64) * num_heads + heads, mask=row_ok, other=float("inf"))
         s = _logits(q, kt, qk_scale, UPCAST, IEEE)
         p = tl.exp2(s - lse[:, None])
         acc += tl.sum(p, axis=0)
 
-    tl.store(partial_ptr + kv_head * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
+    tl.store(partial_ptr + kv_head.to(tl.int64) * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _num_splits(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: int, device: torch.device) -> int:
     """Key splits for pass 1: enough programs to cover the GPU twice, at least 4 key tiles each."""
     if device.type != "cuda":
         return 1  # the interpreter pays per program
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     programs = max(1, num_q_tiles * batch * num_kv_heads)
     want = triton.cdiv(2 * sms, programs)
     return max(1, min(want, triton.cdiv(max_k_tiles, 4)))
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, *, on_gpu: bool):
+    """(BLOCK_M, BLOCK_N, num_warps) for both passes."""
+    if not on_gpu:
+        return 64, 64, 4  # the interpreter's cost is per program and loop trip
+    if dtype == torch.float32:
+        return 64, 64, 8  # fp32 tiles: shared memory stays < 200 KB up to head_dim 256
+    return 128, (128 if head_dim <= 128 else 64), 8
 
 
 def key_attention_scores(
@@ -202,19 +217,19 @@ def key_attention_scores(
         scale = 1.0 / math.sqrt(head_dim)
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
-    # One host sync for both grids: the longest query and key ranges.
-    lens = torch.stack([cu_seqlens_q.diff().max(), cu_seqlens_k.diff().max()]).tolist()
-    max_q, max_k = int(lens[0]), int(lens[1])
+    # The grids need the longest query and key ranges: free for one sequence, else one host sync.
+    if batch == 1:
+        max_q, max_k = total_q, total_k
+    else:
+        lens = torch.stack([cu_seqlens_q.diff().max(), cu_seqlens_k.diff().max()]).tolist()
+        max_q, max_k = int(lens[0]), int(lens[1])
     if max_q == 0 or max_k == 0:
         return scores
 
-    on_gpu = q.device.type == "cuda"
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = 128 if on_gpu else 64
-    block_n = (64 if head_dim > 128 else 128) if on_gpu else 64
-    num_warps = 8 if on_gpu else 4
+    block_m, block_n, num_warps = launch_config(q.dtype, head_dim, on_gpu=q.device.type == "cuda")
     upcast = _UPCAST_FOR_INTERPRETER and q.dtype != torch.float32
     ieee = q.dtype == torch.float32
+    block_d = max(16, triton.next_power_of_2(head_dim))
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
 
@@ -226,8 +241,8 @@ def key_attention_scores(
     num_splits = max(1, min(int(num_splits), max_k_tiles))
     lse_parts = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
     _row_lse_kernel[(num_q_tiles, batch, num_kv_heads * num_splits)](
-        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads,
-        NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
+        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads, num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
     )
     if num_splits == 1:
         lse = lse_parts[0]

@@ -17,8 +17,20 @@ contiguous cache ``key/value [B, Hkv, kv, D]`` (slot ``j`` holds position ``j`` 
 Block-Attention: pass ``ragattn_block_ids`` (int ``[B, kv]``, block id of every cache slot incl.
 the current tokens, ``-1`` = global) through ``model(..., ragattn_block_ids=...)``; the prefill then
 uses the Block-Attention mask (same block or either side global).
+
+Further keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
+
+* ``ragattn_cu_seqlens`` int32 ``[n + 1]``: the batch-1 input packs ``n`` independent sequences
+  (e.g. chunks; their ``position_ids`` restart at 0): one ``varlen_attention`` call, no cross-talk.
+* ``ragattn_capture`` list: each layer appends its ``(key, value)`` ``[B, Hkv, T, D]`` (keys after RoPE).
+* ``ragattn_paged`` a :class:`PagedKV`: the current tokens' K/V are written into the paged request
+  cache at slots ``lengths[b] + i`` and attention runs through ``ragattn.paged_attention`` (causal by
+  slot; RoPE positions come from ``position_ids`` and may differ from slots). The caller advances
+  ``lengths`` after the forward.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers import AttentionInterface
@@ -27,6 +39,52 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ragattn.methods import _ops
 
 NAME = "ragattn"
+
+
+class PagedKV:
+    """A paged request KV cache (design.md layout) for one model.
+
+    ``k[l]``, ``v[l]``: ``[num_pages, page_size, Hkv, D]`` per layer; ``block_table`` int32
+    ``[B, max_pages]``; ``lengths`` int32 ``[B]`` (slots filled per row).
+    """
+
+    def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16,
+                 dtype=torch.float32, device="cpu"):
+        pages_per_row = max(1, -(-capacity // page_size))
+        n_pages = batch * pages_per_row
+        self.page_size, self.capacity = page_size, pages_per_row * page_size
+        self.k = [torch.empty(n_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+        self.v = [torch.empty_like(t) for t in self.k]
+        self.block_table = torch.arange(n_pages, dtype=torch.int32, device=device).view(batch, pages_per_row)
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    def slot_rows(self, b: int, slots: torch.Tensor) -> torch.Tensor:
+        """Flat row indices (into a layer viewed as ``[num_pages * page_size, Hkv, D]``) of ``slots``."""
+        pages = self.block_table[b].long()[slots.long() // self.page_size]
+        return pages * self.page_size + slots.long() % self.page_size
+
+
+def _paged_forward(module, query, key, value, scaling, cache: PagedKV):
+    b, hq, q, d = query.shape
+    layer = module.layer_idx
+    if int(cache.lengths.max()) + q > cache.capacity:
+        raise ValueError(f"ragattn attention: paged request cache full ({cache.capacity} slots), "
+                         f"cannot append {q} tokens")
+    kt, vt = key.transpose(1, 2), value.transpose(1, 2)                    # [B, q, Hkv, D]
+    kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
+    vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
+    q_pos = []
+    for i in range(b):
+        slots = cache.lengths[i] + torch.arange(q, device=query.device, dtype=torch.int32)
+        rows = cache.slot_rows(i, slots)
+        kf[rows], vf[rows] = kt[i].to(kf.dtype), vt[i].to(vf.dtype)
+        q_pos.append(slots)
+    cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
+    o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d).contiguous(),
+                                torch.cat(q_pos), cu, cache.k[layer], cache.v[layer],
+                                cache.block_table, cache.lengths + q, scaling)
+    return o.view(b, q, hq, d), None
 
 
 def _valid_from_mask(mask, b, q, kv, device):
@@ -47,6 +105,21 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     b, hq, q, d = query.shape
     kv, hkv = key.shape[2], key.shape[1]
     dev = query.device
+    capture = kwargs.get("ragattn_capture")
+    if capture is not None:
+        capture.append((key, value))
+    if kwargs.get("ragattn_paged") is not None:
+        return _paged_forward(module, query, key, value, scaling, kwargs["ragattn_paged"])
+    cu_packed = kwargs.get("ragattn_cu_seqlens")
+    if cu_packed is not None:
+        if b != 1 or kv != q:
+            raise ValueError("ragattn attention: ragattn_cu_seqlens needs a batch of 1 with no cache")
+        cu_packed = cu_packed.to(device=dev, dtype=torch.int32)
+        o, _ = _ops.varlen_attention(query[0].transpose(0, 1).contiguous(),
+                                     key[0].transpose(0, 1).contiguous(),
+                                     value[0].transpose(0, 1).contiguous(), cu_packed, cu_packed,
+                                     None, None, None, None, True, scaling)
+        return o[None], None
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if window is not None and kv > window:
         raise NotImplementedError(f"ragattn attention: sliding-window attention (window {window}) "
@@ -87,6 +160,20 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
         slot_q[q_valid].contiguous(), slot_k[kv_valid].contiguous(), q_block, kv_block, True, scaling)
     out[q_valid] = o
     return out, None
+
+
+@contextlib.contextmanager
+def use_ragattn(model):
+    """Context manager: run ``model`` with the "ragattn" attention implementation, then restore."""
+    old = model.config._attn_implementation
+    if old == NAME:  # already on: no switch (a switch costs ~0.5 ms on SmolLM2)
+        yield model
+        return
+    model.set_attn_implementation(NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(old)
 
 
 def register() -> None:

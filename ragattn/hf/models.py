@@ -96,11 +96,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
             if missing:
                 raise RuntimeError(f"cached weights lack {missing[:3]}")
             # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild them.
-            for m in model.modules():
-                if hasattr(m, "inv_freq") and hasattr(m, "rope_type"):
-                    fresh = type(m)(config)
-                    m.inv_freq = fresh.inv_freq
-                    m.original_inv_freq = fresh.original_inv_freq
+            _rebuild_rotary(model, config, "cpu")
             tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         except Exception:  # corrupt or stale cache: rebuild from the GGUF
             model = tokenizer = None
@@ -125,7 +121,10 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
     model.config.name_or_path = SMOLLM2_NAME
     model.config._name_or_path = SMOLLM2_NAME
     model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
+    model = model.to(device=device, dtype=dtype).eval()
+    if dtype != torch.float32:
+        _rebuild_rotary(model, model.config, device)  # .to(dtype) also rounded inv_freq
+    return model, tokenizer
 
 
 def random_llama(shape: str | dict = "llama3-8b", num_layers: int | None = None,
@@ -154,6 +153,20 @@ def random_llama(shape: str | dict = "llama3-8b", num_layers: int | None = None,
     config = cfg_cls(**fields, rope_parameters={"rope_type": "default", "rope_theta": theta})
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = model_cls(config)
-    return model.to(dtype=dtype).eval()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in the target dtype: no fp32 copy of an 8B model
+    try:
+        with torch.device(device):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(old)
+    _rebuild_rotary(model, config, device)  # inv_freq must be fp32, as HF computes it normally
+    return model.eval()
+
+
+def _rebuild_rotary(model, config, device):
+    for m in model.modules():
+        if hasattr(m, "inv_freq") and hasattr(m, "rope_type"):
+            with torch.device(device):
+                fresh = type(m)(config)
+            m.inv_freq, m.original_inv_freq = fresh.inv_freq, fresh.original_inv_freq

@@ -10,6 +10,11 @@ from ragattn.ops.merge_attention_states import merge_attention_states  # noqa: E
 from ragattn.ops.paged_attention import paged_attention  # noqa: E402
 
 __all__: list[str] = []
+
+from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_  # noqa: E402
+
+__all__ += ["rerotate_keys_", "copy_kv_"]
+
 __all__ += ["paged_attention", "merge_attention_states"]
 
 from ragattn.ops.key_attention_scores import key_attention_scores  # noqa: E402
@@ -19,3 +24,7 @@ __all__ += ["key_attention_scores"]
 from ragattn.ops.varlen_attention import varlen_attention  # noqa: E402
 
 __all__ += ["varlen_attention"]
+
+from ragattn.ops.speculative import verify_draft  # noqa: E402
+
+__all__ += ["verify_draft"]

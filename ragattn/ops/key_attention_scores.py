@@ -113,6 +113,7 @@ def key_attention_scores(
     rows repeated in ``q``. Scores are summed (not averaged) over query rows and heads, as in the
     paper. Under tensor parallelism, all-reduce the scores across ranks before the top-k.
 
-    On CUDA the offsets are read back once (one host sync) to size the launch grid.
+    On CUDA with batch > 1 the offsets are read back once (one host sync) to size the launch
+    grids; a single sequence needs no sync.
     """
     return torch.ops.ragattn.key_attention_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale)

@@ -64,4 +64,4 @@ def _merge_cuda(out_a, lse_a, out_b, lse_b):
 
 @torch.library.register_fake("ragattn::merge_attention_states")
 def _merge_fake(out_a, lse_a, out_b, lse_b):
-    return torch.empty_like(out_a), lse_a.new_empty(lse_a.shape)
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape)  # contiguous, like the kernels

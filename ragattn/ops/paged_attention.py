@@ -49,7 +49,8 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
     check_tensor(_OP, "kv_lens", kv_lens, dtypes=(torch.int32,), shape=(batch,), device=dev)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
-    if dev.type == "cpu":  # index checks would sync a GPU; there they are a documented precondition
+    # index checks would sync a GPU: there they are a precondition, checked when RAGATTN_DEBUG=1
+    if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
         max_pages = block_table.shape[1]
         if batch and bool(((kv_lens < 0) | (kv_lens > max_pages * page_size)).any()):
             raise ValueError(
@@ -59,7 +60,7 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         if total_q and bool((q_pos < 0).any()):
             raise ValueError(f"ragattn.{_OP}: q_pos must be >= 0, got min {int(q_pos.min())}")
         if batch and max_pages:
-            used = torch.arange(max_pages, dtype=torch.int32)[None, :] * page_size < kv_lens[:, None]
+            used = torch.arange(max_pages, dtype=torch.int32, device=dev)[None, :] * page_size < kv_lens[:, None]
             pages = block_table[used]
             if pages.numel() and bool(((pages < 0) | (pages >= num_pages)).any()):
                 raise ValueError(
@@ -118,7 +119,7 @@ def paged_attention(
     forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The CUDA path copies ``cu_seqlens_q`` to the
     host to size the grid. CPU runs the reference, or the Triton kernel under the interpreter
     with ``RAGATTN_CPU_BACKEND=triton``. On CPU, out-of-range ``kv_lens``, ``q_pos`` and used
-    ``block_table`` entries raise; on CUDA they are a precondition.
+    ``block_table`` entries raise; on CUDA they are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
     return torch.ops.ragattn.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
 
@@ -147,4 +148,4 @@ def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table,
 
 @torch.library.register_fake("ragattn::paged_attention")
 def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)  # contiguous, like the kernels

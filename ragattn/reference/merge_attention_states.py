@@ -25,4 +25,4 @@ def merge_attention_states(
     oa = torch.where(wa > 0, out_a.to(cdt) * wa, torch.zeros((), dtype=cdt, device=out_a.device))
     ob = torch.where(wb > 0, out_b.to(cdt) * wb, torch.zeros((), dtype=cdt, device=out_a.device))
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
-    return (oa + ob).to(out_a.dtype), lse.to(lse_dtype)
+    return (oa + ob).to(out_a.dtype).contiguous(), lse.to(lse_dtype).contiguous()

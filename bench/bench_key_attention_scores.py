@@ -1,0 +1,72 @@
+"""Benchmark of ``key_attention_scores`` (issue 3): FusionRAG's query-guided scoring.
+
+gpu: a 64-token question against 32K context keys, bf16, 32 query heads, 8 kv heads, d 128.
+Target: at most 10% of one full-prefill attention layer at 32K, i.e. a ragattn speedup of at
+least 10x over the ``sdpa_causal_prefill`` baseline. ``naive_torch`` materialises the
+``[heads, q, k]`` probabilities (and repeated K) as a straightforward implementation would.
+``flops`` counts one Q K^T (2 * H * Tq * Tk * D); the kernel computes it twice (two passes).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from bench.harness import Case
+
+
+def _naive_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One sequence: [H, Tq, Tk] fp32 probabilities summed over heads and query rows."""
+    group = q.shape[1] // k.shape[1]
+    kr = k.repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), kr.float()) / math.sqrt(q.shape[-1])
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+
+
+def _flash_only(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def cases(device: torch.device, size: str):
+    import ragattn
+
+    if size == "gpu":
+        t_q, t_k, heads, kv_heads, head_dim, dtype = 64, 32768, 32, 8, 128, torch.bfloat16
+    else:
+        t_q, t_k, heads, kv_heads, head_dim, dtype = 8, 256, 4, 2, 64, torch.float32
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(t_q, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(t_k, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    cu_q = torch.tensor([0, t_q], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, t_k], dtype=torch.int32, device=device)
+
+    # One full-prefill attention layer over the whole context (the cost the scoring must be
+    # small against). K/V are given all query heads so that the flash backend accepts them.
+    pq = torch.randn(1, heads, t_k, head_dim, generator=gen).to(device=device, dtype=dtype)
+    pk = torch.randn(1, heads, t_k, head_dim, generator=gen).to(device=device, dtype=dtype)
+    pv = torch.randn(1, heads, t_k, head_dim, generator=gen).to(device=device, dtype=dtype)
+
+    def prefill():
+        with _flash_only(device):
+            return torch.nn.functional.scaled_dot_product_attention(pq, pk, pv, is_causal=True)
+
+    return [
+        Case(
+            family="key_attention_scores",
+            name=f"q{t_q}_k{t_k}_h{heads}_kv{kv_heads}_d{head_dim}",
+            run=lambda: ragattn.key_attention_scores(q, k, cu_q, cu_k),
+            baselines={
+                "sdpa_causal_prefill": prefill,
+                "naive_torch": lambda: _naive_scores(q, k),
+            },
+            flops=2.0 * heads * t_q * t_k * head_dim,
+            peak="matmul",
+            peak_dtype=dtype,
+            params={"dtype": str(dtype).replace("torch.", ""), "target": "speedup >= 10x over sdpa_causal_prefill"},
+        )
+    ]

@@ -1,0 +1,167 @@
+"""Benchmarks of ``paged_attention`` and ``merge_attention_states`` (issue 3).
+
+gpu (bf16, 32 query heads, 8 kv heads, head dim 128, page size 16, shuffled page table):
+* ``sparse_prefill``: a 32K-token cached context, 15% of its rows chosen uniformly at random plus
+  a 64-token tail recomputed (FusionRAG's selective recompute + final block). Baselines: SDPA
+  full causal over all 32K rows (flash backend; target: ragattn >= 5x faster) and SDPA over the
+  selected rows with a dense boolean mask (mask creation time reported as setup).
+  ``flops`` counts the useful visible (query, key) pairs only: 4 * head_dim * heads per pair.
+* ``decode``: batch 32, one row each, 32K-token contexts; GB/s on the K/V bytes read (target:
+  >= 80% of the measured copy peak). Baseline: SDPA over contiguous K/V with ``enable_gqa``.
+* ``merge``: cascade merge of two partial states for 32 x 128 rows; GB/s on bytes read + written.
+cpu: tiny shapes of the same cases.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+
+from bench.harness import Case
+
+I32 = torch.int32
+
+
+def _flash_only(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen):
+    """Random K/V for `batch` sequences of `ctx` slots, pages shuffled over the pool."""
+    pages = math.ceil(ctx / page_size)
+    perm = torch.randperm(batch * pages, generator=gen).to(I32)
+    block_table = perm.view(batch, pages).to(device)
+    k = torch.randn(batch * pages, page_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(batch * pages, page_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    return k, v, block_table
+
+
+def _contiguous(cache, block_table_row, ctx):
+    """[1, kv_heads, ctx, D] view of one sequence's slots (for the SDPA baselines)."""
+    from ragattn.reference.paged_attention import gather_paged
+
+    return gather_paged(cache, block_table_row, ctx).transpose(0, 1).unsqueeze(0).contiguous()
+
+
+def _sparse_prefill(device, size, gen):
+    import ragattn
+
+    if size == "gpu":
+        ctx, heads, kv_heads, head_dim, dtype, page_size, tail = 32768, 32, 8, 128, torch.bfloat16, 16, 64
+    else:
+        ctx, heads, kv_heads, head_dim, dtype, page_size, tail = 300, 4, 2, 64, torch.float32, 16, 8
+    group = heads // kv_heads
+    k, v, bt = _paged_cache(1, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
+    body = torch.randperm(ctx - tail, generator=gen)[: int(0.15 * (ctx - tail))].sort().values
+    q_pos = torch.cat([body, torch.arange(ctx - tail, ctx)]).to(I32)
+    n_rows = q_pos.numel()
+    q = torch.randn(n_rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q_pos_d = q_pos.to(device)
+    cu = torch.tensor([0, n_rows], dtype=I32, device=device)
+    kv_lens = torch.tensor([ctx], dtype=I32, device=device)
+    visible_pairs = float((q_pos.long() + 1).sum())
+
+    # baselines: contiguous K/V with all query heads (what the flash backend accepts)
+    kc = _contiguous(k, bt[0], ctx).repeat_interleave(group, dim=1)
+    vc = _contiguous(v, bt[0], ctx).repeat_interleave(group, dim=1)
+    q_full = torch.randn(1, heads, ctx, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q_sel = q.transpose(0, 1).unsqueeze(0).contiguous()
+
+    def full_causal():
+        with _flash_only(device):
+            return torch.nn.functional.scaled_dot_product_attention(q_full, kc, vc, is_causal=True)
+
+    def make_mask():
+        return torch.arange(ctx, device=device)[None, :] <= q_pos_d[:, None].long()
+
+    t0 = time.perf_counter()
+    mask = make_mask()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    mask_ms = (time.perf_counter() - t0) * 1e3
+
+    return Case(
+        family="paged_attention",
+        name=f"sparse_prefill_ctx{ctx}_rows{n_rows}_h{heads}_kv{kv_heads}_d{head_dim}_p{page_size}",
+        run=lambda: ragattn.paged_attention(q, q_pos_d, cu, k, v, bt, kv_lens),
+        baselines={
+            "sdpa_full_causal_all_rows": full_causal,
+            "sdpa_dense_mask_selected_rows": lambda: torch.nn.functional.scaled_dot_product_attention(
+                q_sel, kc, vc, attn_mask=mask
+            ),
+        },
+        flops=4.0 * head_dim * heads * visible_pairs,
+        peak="matmul",
+        peak_dtype=dtype,
+        setup_ms={"sdpa_dense_mask_selected_rows": mask_ms},
+        params={"dtype": str(dtype).replace("torch.", ""), "target": "speedup >= 5x over sdpa_full_causal_all_rows"},
+    )
+
+
+def _decode(device, size, gen):
+    import ragattn
+
+    if size == "gpu":
+        batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 32, 32768, 32, 8, 128, torch.bfloat16, 16
+    else:
+        batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 4, 2, 64, torch.float32, 16
+    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
+    cu = torch.arange(batch + 1, dtype=I32, device=device)
+    kv_lens = torch.full((batch,), ctx, dtype=I32, device=device)
+    kv_bytes = 2.0 * batch * ctx * kv_heads * head_dim * k.element_size()
+
+    # baseline: SDPA over the same K/V stored contiguously [B, kv_heads, ctx, D], GQA by the op
+    kc = k[bt.long()].reshape(batch, -1, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+    vc = v[bt.long()].reshape(batch, -1, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+    q4 = q.unsqueeze(2)  # [B, H, 1, D]
+
+    def sdpa_decode():
+        return torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)
+
+    return Case(
+        family="paged_attention",
+        name=f"decode_b{batch}_ctx{ctx}_h{heads}_kv{kv_heads}_d{head_dim}_p{page_size}",
+        run=lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens),
+        baselines={"sdpa_contiguous_gqa": sdpa_decode},
+        bytes=kv_bytes,
+        flops=4.0 * head_dim * heads * batch * ctx,
+        peak="copy",
+        params={"dtype": str(dtype).replace("torch.", ""), "target": ">= 80% of copy peak on KV bytes"},
+    )
+
+
+def _merge(device, size, gen):
+    import ragattn
+    from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
+
+    if size == "gpu":
+        rows, heads, head_dim, dtype = 32 * 128, 32, 128, torch.bfloat16
+    else:
+        rows, heads, head_dim, dtype = 64, 4, 64, torch.float32
+    out_a = torch.randn(rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    out_b = torch.randn(rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    lse_a = torch.randn(rows, heads, generator=gen).to(device)
+    lse_b = torch.randn(rows, heads, generator=gen).to(device)
+    nbytes = 3.0 * rows * heads * (head_dim * out_a.element_size() + 4)
+    return Case(
+        family="merge_attention_states",
+        name=f"n{rows}_h{heads}_d{head_dim}",
+        run=lambda: ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b),
+        baselines={"torch_eager": lambda: ref_merge(out_a, lse_a, out_b, lse_b)},
+        bytes=nbytes,
+        peak="copy",
+        params={"dtype": str(dtype).replace("torch.", "")},
+    )
+
+
+def cases(device: torch.device, size: str):
+    gen = torch.Generator().manual_seed(0)
+    return [_sparse_prefill(device, size, gen), _decode(device, size, gen), _merge(device, size, gen)]

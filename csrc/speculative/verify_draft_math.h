@@ -1,0 +1,242 @@
+// Per-element math of verify_draft, shared by the CUDA kernel and its CPU twin.
+//
+// The CUDA kernel and the CPU twin must emit the same tokens for the same uniforms. An inverse
+// CDF over a 128K vocabulary changes its answer whenever a prefix sum moves by one ulp, so both
+// sides compute every intermediate value bit for bit alike:
+//   * every fp32 operation is an explicitly rounded add/sub/mul/div or an explicit fmaf (so that
+//     neither nvcc nor a host compiler fuses a multiply into an add behind our back);
+//   * exp is our own (vexp below), not the CUDA or libm one, which differ in the last bit;
+//   * sums are taken in one canonical order (see "Summation order"), which the CPU twin
+//     replays on virtual threads. Maxima and argmaxima are order-independent.
+//
+// Summation order (block of kThreads threads, one block per batch row):
+//   * the vocabulary is cut into chunks of kChunk consecutive tokens; thread t owns chunks
+//     t, t + kThreads, t + 2 kThreads, ... and folds its chunks' tokens in increasing order;
+//   * per-thread partials are combined by an xor butterfly inside each warp (offsets 16..1),
+//     then the warp results by the same butterfly in warp 0 (padded with the identity);
+//   * inverse-CDF prefix sums go tile by tile (a tile = kThreads chunks): a chunk's base is
+//     tile_base + (warp_exclusive + lane_exclusive), both exclusive prefixes taken from
+//     Kogge-Stone inclusive scans (shfl_up 1, 2, 4, 8, 16) of the chunk sums, each chunk sum
+//     folded from 0 in token order; inside a chunk the prefix is base + w0 + w1 + ... in order.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common/host_device.h"
+
+namespace ragattn {
+namespace speculative {
+
+constexpr int kThreads = 1024;  // threads per batch row (CUDA block size; the twin's virtual threads)
+constexpr int kWarpSize = 32;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kChunk = 8;                    // consecutive tokens per thread step (one 16-byte bf16 load)
+constexpr int kTile = kThreads * kChunk;     // tokens per block-wide step
+constexpr int kNoToken = 0x7fffffff;         // "no index yet" in argmin/argmax reductions
+
+// Storage format of target_logits.
+enum LogitsKind : int { kLogitsF32 = 0, kLogitsF16 = 1, kLogitsBF16 = 2 };
+
+// Which weights the final draw uses.
+enum WeightMode : int { kWeightTarget = 0, kWeightResidual = 1 };
+
+// ---- explicitly rounded fp32 arithmetic ------------------------------------------------------
+// Host compilers only fuse a*b+c into an FMA when the target has one (__FP_FAST_FMAF); there the
+// product is forced through memory so it stays rounded, like __fmul_rn on the device.
+RAGATTN_HD float f_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#elif defined(__FP_FAST_FMAF)
+  volatile float r = a * b;
+  return r;
+#else
+  return a * b;
+#endif
+}
+RAGATTN_HD float f_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+RAGATTN_HD float f_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+RAGATTN_HD float f_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+RAGATTN_HD float f_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);  // correctly rounded on every host (hardware or libm)
+#endif
+}
+RAGATTN_HD float f_rint(float a) {
+#if defined(__CUDA_ARCH__)
+  return rintf(a);
+#else
+  return std::rint(a);  // round half to even, the default rounding mode
+#endif
+}
+RAGATTN_HD float f_max(float a, float b) { return a > b ? a : (b > a ? b : (a == a ? a : b)); }
+RAGATTN_HD float f_min(float a, float b) { return a < b ? a : (b < a ? b : (a == a ? a : b)); }
+
+RAGATTN_HD float bits_to_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// Exact widening of the 16-bit logit formats (the raw bits, so that no framework type is needed).
+RAGATTN_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+RAGATTN_HD float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t expo = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (expo == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
+    const float mag = f_mul(static_cast<float>(mant), 5.9604644775390625e-8f);
+    return sign ? -mag : mag;
+  }
+  if (expo == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));  // inf / nan
+  return bits_to_float(sign | ((expo + 112u) << 23) | (mant << 13));
+}
+
+// Token v of a logits row, widened to fp32.
+RAGATTN_HD float load_logit(const void* row, int kind, int64_t v) {
+  if (kind == kLogitsF32) return static_cast<const float*>(row)[v];
+  const uint16_t h = static_cast<const uint16_t*>(row)[v];
+  return kind == kLogitsBF16 ? bf16_to_float(h) : fp16_to_float(h);
+}
+
+// exp(x) for x <= 88 (the op only ever needs x <= 0): Cody-Waite reduction by ln2 and a degree-7
+// polynomial, about 1 ulp. Returns 0 below -87 (no subnormal results) and for -inf and NaN.
+RAGATTN_HD float vexp(float x) {
+  if (!(x >= -87.0f)) return 0.0f;
+  if (x > 88.0f) return INFINITY;
+  const float k = f_rint(f_mul(x, 1.44269504088896341f));
+  float r = f_fma(k, -0.693145751953125f, x);  // ln2 split: hi has 16 significant bits
+  r = f_fma(k, -1.428606765330187045e-06f, r);
+  float p = 1.98412698412698413e-4f;  // 1/7!
+  p = f_fma(p, r, 1.38888888888888889e-3f);
+  p = f_fma(p, r, 8.33333333333333333e-3f);
+  p = f_fma(p, r, 4.16666666666666667e-2f);
+  p = f_fma(p, r, 1.66666666666666667e-1f);
+  p = f_fma(p, r, 0.5f);
+  p = f_fma(p, r, 1.0f);
+  p = f_fma(p, r, 1.0f);
+  const int ki = static_cast<int>(k);  // in [-126, 127]
+  return f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
+}
+
+// The temperature in fp32. Below the smallest float32 it is clamped to it: for such T the target
+// is the uniform distribution over the argmax ties of z, which is also the limit T -> 0.
+inline float temperature_f32(double temperature) {
+  const float t = static_cast<float>(temperature);
+  return t > 0.0f ? t : 1.40129846e-45f;
+}
+
+// ---- online softmax with argmax ---------------------------------------------------------------
+// Running (max m, sum s of exp((x - m) / T), first argmax idx) over the tokens seen. -inf and NaN
+// inputs contribute nothing (probability 0).
+struct SoftmaxState {
+  float m;
+  float s;
+  int idx;
+};
+
+RAGATTN_HD SoftmaxState softmax_identity() { return SoftmaxState{-INFINITY, 0.0f, kNoToken}; }
+
+RAGATTN_HD void softmax_update(SoftmaxState& st, float x, int v, float temperature) {
+  if (x > st.m) {
+    st.s = f_add(f_mul(st.s, vexp(f_div(f_sub(st.m, x), temperature))), 1.0f);
+    st.m = x;
+    st.idx = v;
+  } else if (x > -INFINITY) {
+    st.s = f_add(st.s, vexp(f_div(f_sub(x, st.m), temperature)));
+  }
+}
+
+// Symmetric in (a, b) bit for bit, so both lanes of a butterfly hold the same result.
+RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState& b, float temperature) {
+  SoftmaxState r;
+  r.m = f_max(a.m, b.m);
+  const float sa = a.s > 0.0f ? f_mul(a.s, vexp(f_div(f_sub(a.m, r.m), temperature))) : 0.0f;
+  const float sb = b.s > 0.0f ? f_mul(b.s, vexp(f_div(f_sub(b.m, r.m), temperature))) : 0.0f;
+  r.s = f_add(sa, sb);
+  r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : (a.idx < b.idx ? a.idx : b.idx));
+  return r;
+}
+
+// ---- the distributions at one position ---------------------------------------------------------
+// After the per-position reductions every thread holds the same PositionStats.
+struct PositionStats {
+  float m_z;       // max of the raw target logits z
+  float inv_sp;    // 1 / sum exp((z - m_z) / T)
+  int argmax_z;    // first argmax of z (= argmax p)
+  float q_thresh;  // alpha * max(q): the RAPID mask is q >= q_thresh
+  float m_a;       // max of the modified logits a (eta > 0)
+  float inv_sa;    // 1 / sum exp(a - m_a)
+  int argmax_a;    // first argmax of a (= argmax p_hat)
+};
+
+// y = (z - max z) / T <= 0: never overflows, however small T is.
+RAGATTN_HD float scaled_logit(float z, float m_z, float temperature) { return f_div(f_sub(z, m_z), temperature); }
+
+// p(v) from its scaled logit.
+RAGATTN_HD float target_prob(float y, float inv_sp) { return f_mul(vexp(y), inv_sp); }
+
+// RAPID's modified logit a = y + eta * mask * (q - p) (softmax(a) = p_hat; shift-invariant).
+RAGATTN_HD float modified_logit(float y, float p, float q, float eta, float q_thresh) {
+  return q >= q_thresh ? f_add(y, f_mul(eta, f_sub(q, p))) : y;
+}
+
+RAGATTN_HD float modified_prob(float a, float m_a, float inv_sa) { return f_mul(vexp(f_sub(a, m_a)), inv_sa); }
+
+// p(v) and p_hat(v) of one token (p_hat = p when eta == 0).
+RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float temperature, float eta, float* p,
+                            float* p_hat) {
+  const float y = scaled_logit(z, st.m_z, temperature);
+  *p = target_prob(y, st.inv_sp);
+  if (eta > 0.0f) {
+    *p_hat = modified_prob(modified_logit(y, *p, q, eta, st.q_thresh), st.m_a, st.inv_sa);
+  } else {
+    *p_hat = *p;
+  }
+}
+
+// Accept draft x iff q(x) > 0 and u q(x) < p_hat(x): the division-free, strict form of
+// u <= min(1, p_hat / q), which never accepts a token of target probability 0.
+RAGATTN_HD bool accept_draft(float u, float q_x, float p_hat_x) { return q_x > 0.0f && f_mul(u, q_x) < p_hat_x; }
+
+// Weight of token v in the final draw: the residual max(p - min(q, p_hat), 0) after a
+// rejection, or p for the bonus token / the all-zero-residual fallback.
+RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float temperature, float eta) {
+  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, temperature), st.inv_sp);
+  float p, p_hat;
+  token_probs(z, q, st, temperature, eta, &p, &p_hat);
+  return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
+}
+
+// Prefix of a chunk's first token within a tile (see "Summation order").
+RAGATTN_HD float chunk_base(float tile_base, float warp_exclusive, float lane_exclusive) {
+  return f_add(tile_base, f_add(warp_exclusive, lane_exclusive));
+}
+
+}  // namespace speculative
+}  // namespace ragattn

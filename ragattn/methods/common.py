@@ -1,0 +1,181 @@
+"""Shared pieces of the cached-chunk methods: prompt layout, final-block prefill, greedy decode.
+
+The API the demo and benchmarks call (every method has the same signature and result):
+
+    from ragattn.methods import turborag, block_attention, full_prefill
+    res = block_attention.answer(model, tokenizer, chunks, question, max_new_tokens=32, store=store)
+    res = turborag.answer(model, tokenizer, chunks, question, positions="composite", store=store)
+    res = full_prefill(model, tokenizer, chunks, question, max_new_tokens=32)
+    res.tokens, res.text, res.ttft_s, res.total_s, res.first_logits   # see Answer
+
+``chunks``: retrieved passages in prompt order, each a ``str`` (tokenized alone, no special
+tokens) or a list of token ids. ``store``: a :class:`~ragattn.methods.chunk_store.ChunkStore` for
+this model (created on the fly if ``None``; pass one to reuse precomputed chunks across calls:
+a warm store is the point of these methods). The prompt is ``head + chunk_1 + ... + chunk_k +
+tail`` where ``head``/``tail`` come from the tokenizer's chat template around
+"Documents: ... Question: {question}" (see :func:`prompt_parts`); the head is cached like a chunk
+(its own block at position 0), the tail (question + assistant header) is the final block.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ragattn.hf.attention import use_ragattn
+
+SYSTEM = "Answer the question using only the documents. Answer briefly."
+_SENTINEL = "\u2063RAGATTN_DOCS\u2063"
+
+
+@dataclass
+class Answer:
+    """Result of one answered question.
+
+    ``tokens``: generated ids (greedy, stops after EOS or ``max_new_tokens``); ``text``: decoded;
+    ``ttft_s``: seconds from the call to the first generated token (chunk lookup, assembly and
+    final-block prefill included); ``total_s``: whole call; ``first_logits``: float32 ``[vocab]``
+    logits of the first generated token; ``prompt_len``: prompt tokens."""
+    tokens: list[int]
+    text: str
+    ttft_s: float
+    total_s: float
+    first_logits: torch.Tensor
+    prompt_len: int
+    method: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompt_parts(tokenizer, chunks: Sequence, question: str):
+    """(head_ids, [chunk_ids...], tail_ids): lists of int token ids of the three prompt parts."""
+    def ids(x):
+        if isinstance(x, str):
+            return tokenizer(x, add_special_tokens=False)["input_ids"]
+        return [int(t) for t in x]
+
+    user = f"Documents:\n{_SENTINEL}\nQuestion: {question}"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            tokenize=False, add_generation_prompt=True)
+    else:
+        text = f"{SYSTEM}\n\n{user}\nAnswer:"
+    head, tail = text.split(_SENTINEL)
+    return ids(head), [ids(c) for c in chunks], ids(tail)
+
+
+def _eos_ids(model, tokenizer):
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
+@torch.no_grad()
+def paged_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """Run ``ids`` ``[1, q]`` at RoPE ``positions`` ``[q]`` against a paged request cache (appending
+    them) through ``ragattn.paged_attention``; returns float32 logits ``[q, vocab]``."""
+    with use_ragattn(model):
+        out = model(input_ids=ids, position_ids=positions[None].long(), use_cache=False,
+                    ragattn_paged=cache)
+    cache.lengths += ids.shape[1]
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def generate_paged(model, tokenizer, cache, final_ids, start_pos: int, max_new_tokens: int, t0: float,
+                   method: str, prompt_len: int) -> Answer:
+    """Prefill the final block at positions ``start_pos..``, then greedy-decode; builds the Answer."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([final_ids], device=dev)
+    pos = start_pos + torch.arange(len(final_ids), device=dev)
+    logits = paged_forward(model, ids, pos, cache)
+    first = logits[-1]
+    tok = int(first.argmax())
+    _sync(dev)
+    ttft = time.perf_counter() - t0
+    eos, out = _eos_ids(model, tokenizer), [tok]
+    nxt = start_pos + len(final_ids)
+    while len(out) < max_new_tokens and tok not in eos:
+        lg = paged_forward(model, torch.tensor([[tok]], device=dev), torch.tensor([nxt], device=dev), cache)
+        tok = int(lg[-1].argmax())
+        out.append(tok)
+        nxt += 1
+    _sync(dev)
+    return Answer(out, tokenizer.decode(out, skip_special_tokens=True), ttft,
+                  time.perf_counter() - t0, first, prompt_len, method,
+                  {"final_logits": logits})
+
+
+def cached_answer(model, tokenizer, chunks, question, *, positions: str, method: str,
+                  max_new_tokens: int = 32, store=None, rerotate: bool = True) -> Answer:
+    """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring."""
+    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+
+    if len(chunks) == 0:
+        raise ChunkStoreError(f"ragattn.methods.{method}: no chunks given (empty retrieval)")
+    head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
+    if store is None:
+        store = ChunkStore(model)
+    elif store.fingerprint != getattr(model, "_ragattn_fingerprint", None):
+        from ragattn.methods.chunk_store import model_fingerprint
+        if store.fingerprint != model_fingerprint(model):
+            raise ChunkStoreError(f"ragattn.methods.{method}: the ChunkStore was built for another "
+                                  "model (fingerprint mismatch)")
+    with use_ragattn(model):  # switched outside the timed region
+        t0 = time.perf_counter()
+        keys = store.add([head] + chunk_ids)
+        req = store.assemble(keys, positions=positions, extra_slots=len(tail) + max_new_tokens,
+                             rerotate=rerotate)
+        prompt_len = req.num_slots + len(tail)
+        return generate_paged(model, tokenizer, req.cache, tail, req.next_position, max_new_tokens,
+                              t0, method, prompt_len)
+
+
+@torch.no_grad()
+def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, store=None,
+                 attn_implementation: str | None = "sdpa") -> Answer:
+    """Baseline: prefill the whole prompt (same tokens as the cached methods) with full causal
+    attention, then greedy-decode with the model's own KV cache. ``store`` is ignored.
+    ``attn_implementation``: the attention used ("sdpa" default, "ragattn", or None = the model's)."""
+    if len(chunks) == 0:
+        raise ValueError("ragattn.methods.full_prefill: no chunks given (empty retrieval)")
+    head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
+    ids_list = head + [t for c in chunk_ids for t in c] + tail
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and len(ids_list) + max_new_tokens > limit:
+        raise ValueError(f"ragattn.methods.full_prefill: prompt of {len(ids_list)} tokens + "
+                         f"{max_new_tokens} new tokens exceeds the model's window ({limit})")
+    dev = next(model.parameters()).device
+    old = model.config._attn_implementation
+    switch = bool(attn_implementation) and attn_implementation != old
+    if switch:
+        model.set_attn_implementation(attn_implementation)
+    try:
+        t0 = time.perf_counter()
+        ids = torch.tensor([ids_list], device=dev)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        first = out.logits[0, -1].float()
+        tok = int(first.argmax())
+        _sync(dev)
+        ttft = time.perf_counter() - t0
+        past, res, eos = out.past_key_values, [tok], _eos_ids(model, tokenizer)
+        while len(res) < max_new_tokens and tok not in eos:
+            out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok = int(out.logits[0, -1].argmax())
+            res.append(tok)
+        _sync(dev)
+    finally:
+        if switch:
+            model.set_attn_implementation(old)
+    return Answer(res, tokenizer.decode(res, skip_special_tokens=True), ttft, time.perf_counter() - t0,
+                  first, len(ids_list), "full_prefill")

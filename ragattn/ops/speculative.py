@@ -1,0 +1,146 @@
+"""``ragattn.verify_draft``: chain speculative verification, standard and RAPID's modified target."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from ragattn import _extension
+from ragattn.ops._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from ragattn.reference.speculative import verify_draft as _reference
+
+_OP = "verify_draft"
+
+
+def _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft) -> None:
+    check_tensor(_OP, "draft_tokens", draft_tokens, dtypes=(torch.int64,), ndim=2)
+    bsz, g = draft_tokens.shape
+    check_tensor(_OP, "target_logits", target_logits, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor(_OP, "target_logits", target_logits, shape=(bsz, g + 1, None))
+    vocab = target_logits.shape[2]
+    if vocab < 1:
+        raise ValueError(f"ragattn.{_OP}: target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
+    check_tensor(_OP, "draft_probs", draft_probs, dtypes=(torch.float32,), shape=(bsz, g, vocab))
+    check_tensor(_OP, "uniforms", uniforms, dtypes=(torch.float32,), shape=(bsz, g + 1))
+    if num_draft is not None:
+        check_tensor(_OP, "num_draft", num_draft, dtypes=(torch.int32, torch.int64), shape=(bsz,))
+    check_same_device(_OP, target_logits=target_logits, draft_tokens=draft_tokens, draft_probs=draft_probs,
+                      uniforms=uniforms, num_draft=num_draft)
+    for name, val in (("temperature", temperature), ("eta", eta), ("alpha", alpha)):
+        if not isinstance(val, (int, float)) or isinstance(val, bool):
+            raise TypeError(f"ragattn.{_OP}: {name} must be a float, got {type(val).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"ragattn.{_OP}: temperature must be finite and > 0, got {temperature}")
+    if not (math.isfinite(eta) and eta >= 0):
+        raise ValueError(f"ragattn.{_OP}: eta must be finite and >= 0, got {eta}")
+    if not (math.isfinite(alpha) and 0 <= alpha <= 1):
+        raise ValueError(f"ragattn.{_OP}: alpha must be in [0, 1], got {alpha}")
+
+
+def _check_values(draft_tokens, target_logits, uniforms, num_draft) -> None:
+    """Index and range checks (they read the data: a sync on CUDA, so only on CPU or in debug mode)."""
+    bsz, g = draft_tokens.shape
+    vocab = target_logits.shape[2]
+    nd = torch.full((bsz,), g, device=draft_tokens.device) if num_draft is None else num_draft.long()
+    bad = (nd < 0) | (nd > g)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"ragattn.{_OP}: num_draft must be in [0, {g}], got {int(nd[b])} in row {b}")
+    used = torch.arange(g, device=draft_tokens.device)[None, :] < nd[:, None]
+    bad = used & ((draft_tokens < 0) | (draft_tokens >= vocab))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"ragattn.{_OP}: draft_tokens must be in [0, V = {vocab}), got {int(draft_tokens[b, j])} at [{b}, {j}]")
+    bad = ~((uniforms >= 0) & (uniforms < 1))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"ragattn.{_OP}: uniforms must be in [0, 1), got {float(uniforms[b, j])} at [{b}, {j}]")
+
+
+def verify_draft(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: float = 1.0,
+    eta: float = 0.0,
+    alpha: float = 0.1,
+    greedy: bool = False,
+    num_draft: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Verify a batch of draft chains against the target model in one call (no host sync).
+
+    Args:
+        draft_tokens: int64 ``[B, g]``, the drafted tokens ``x_j`` of each chain.
+        draft_probs: float32 ``[B, g, V]``, the draft distribution ``q_j`` each ``x_j`` was sampled
+            from (already at the sampling temperature; rows need not be exactly normalised).
+        target_logits: fp16/bf16/fp32 ``[B, g + 1, V]``, raw target logits ``z`` at the ``g + 1``
+            verified positions (position ``g`` scores the bonus token). ``-inf`` marks a token the
+            target forbids (probability 0). Math is fp32 whatever the dtype.
+        uniforms: float32 ``[B, g + 1]`` in ``[0, 1)``: ``uniforms[:, j]`` is draft ``j``'s acceptance
+            draw, ``uniforms[:, g]`` the draw of the final token (by inverse CDF). Ignored if greedy.
+        temperature: ``T > 0``; ``p = softmax(z / T)``, computed as ``softmax((z - max z) / T)`` so any
+            small ``T`` is safe (below 1.4e-45 it is clamped; the limit is the uniform distribution over
+            the argmax ties of ``z``).
+        eta: RAPID's transfer strength, ``>= 0`` (0 = standard speculative sampling).
+        alpha: RAPID's mask threshold in ``[0, 1]``: the shift applies where ``q >= alpha * max q``.
+        greedy: deterministic mode (below).
+        num_draft: optional int32/int64 ``[B]`` in ``[0, g]``: row ``b`` verifies only its first
+            ``num_draft[b]`` drafts (chains of different lengths padded to ``g``; padded tokens, probs
+            and acceptance uniforms are ignored, the final draw still uses ``uniforms[:, g]``).
+
+    Returns:
+        ``out_tokens`` int64 ``[B, g + 1]``: the accepted drafts, then the one token drawn at the first
+        rejection (or the bonus token), then ``-1``; ``num_accepted`` int32 ``[B]``: the number ``n`` of
+        accepted drafts, so row ``b`` emits ``n + 1`` tokens.
+
+    The rule, per position ``j < num_draft``, with ``p = softmax(z_j / T)``,
+    ``p_hat = softmax(z_j / T + eta * mask * (q_j - p))``, ``mask = q_j >= alpha * max(q_j)``
+    (``p_hat = p`` when ``eta = 0``): accept ``x_j`` iff ``q_j(x_j) > 0`` and
+    ``u_j * q_j(x_j) < p_hat(x_j)`` (i.e. with probability ``min(1, p_hat / q)``); at the first
+    rejection draw the final token from ``norm(max(p - min(q_j, p_hat), 0))`` (from ``p`` when that
+    is all zero); if every draft is accepted draw the bonus token from ``p`` at position ``num_draft``.
+
+    Output distribution, for drafts sampled from ``q``:
+
+    * ``eta = 0``: every emitted token follows the target ``p`` exactly (standard speculative
+      sampling, Leviathan et al. / Chen et al.).
+    * ``eta > 0``: deliberately NOT ``p``. A token emitted at a drafted position follows RAPID's
+      modified distribution ``min(q, p_hat) + (1 - beta) * norm(max(p - min(q, p_hat), 0))`` with
+      ``beta = sum(min(q, p_hat))`` (notes-rapid.md §2.6: the method biases the target towards
+      the retrieval-augmented drafter); the bonus token follows ``p``.
+    * ``greedy``: deterministic. Accept while ``x_j == argmax p_hat_j`` (first index on ties),
+      emit ``argmax p_hat_j`` at the first mismatch and ``argmax p`` as the bonus: greedy decoding
+      of ``p_hat``, independent of ``g`` apart from the bonus.
+
+    Deterministic given ``uniforms``; the CUDA kernel and the CPU twin return the same tokens.
+    CPU: draft tokens outside ``[0, V)``, uniforms outside ``[0, 1)`` and ``num_draft`` outside
+    ``[0, g]`` raise ValueError. CUDA: those are preconditions (not checked unless
+    ``RAGATTN_DEBUG=1``, which syncs); an out-of-range draft token is rejected, never read.
+    Target logits must not be NaN or ``+inf``.
+
+    Backends: CUDA C++ kernel (one block per batch row); CPU C++ twin, or the float64 reference
+    with ``RAGATTN_CPU_BACKEND=reference``.
+    """
+    _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft)
+    on_cpu = target_logits.device.type == "cpu"
+    if on_cpu or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+        _check_values(draft_tokens, target_logits, uniforms, num_draft)
+    if on_cpu and _extension.cpu_backend() == "reference":
+        return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft)
+    return torch.ops.ragattn.verify_draft(
+        draft_tokens, draft_probs, target_logits, uniforms, float(temperature), float(eta), float(alpha), bool(greedy),
+        num_draft,
+    )
+
+
+@torch.library.register_fake("ragattn::verify_draft")
+def _verify_draft_fake(draft_tokens, draft_probs, target_logits, uniforms, temperature=1.0, eta=0.0, alpha=0.1,
+                       greedy=False, num_draft=None):
+    torch._check(target_logits.dim() == 3 and draft_tokens.dim() == 2,
+                 lambda: f"ragattn.{_OP}: draft_tokens must be [B, g] and target_logits [B, g + 1, V]")
+    bsz, g = draft_tokens.shape
+    out = draft_tokens.new_empty((bsz, g + 1))
+    return out, draft_tokens.new_empty((bsz,), dtype=torch.int32)
