@@ -198,8 +198,9 @@ def main(argv=None) -> int:
                 dtype=str(dtype).replace("torch.", ""), question_tokens=args.question_len, repeats=repeats,
                 date=datetime.date.today().isoformat(), torch=torch.__version__,
                 threads=torch.get_num_threads())
+    stat = "median" if device.type == "cuda" else "best"
     header = (f"# ragattn end-to-end TTFT\n\n- model: {meta['model']} ({meta['dtype']})\n- device: {meta['device']}"
-              f" ({meta['threads']} threads)\n- question: {args.question_len} tokens; median of {repeats} calls\n"
+              f" ({meta['threads']} threads)\n- question: {args.question_len} tokens; {stat} of {repeats} calls after a warm-up\n"
               f"- date: {meta['date']}, torch {meta['torch']}\n\n")
     table = format_table(rows)
     print(header + table)
