@@ -29,6 +29,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from bench.__main__ import _commit
+
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
@@ -196,12 +198,12 @@ def main(argv=None) -> int:
     rows = measure(model, sizes, args.question_len, repeats)
     meta = dict(model=model_name, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 dtype=str(dtype).replace("torch.", ""), question_tokens=args.question_len, repeats=repeats,
-                date=datetime.date.today().isoformat(), torch=torch.__version__,
+                date=datetime.date.today().isoformat(), torch=torch.__version__, commit=_commit(),
                 threads=torch.get_num_threads())
     stat = "median" if device.type == "cuda" else "best"
     header = (f"# ragattn end-to-end TTFT\n\n- model: {meta['model']} ({meta['dtype']})\n- device: {meta['device']}"
               f" ({meta['threads']} threads)\n- question: {args.question_len} tokens; {stat} of {repeats} calls after a warm-up\n"
-              f"- date: {meta['date']}, torch {meta['torch']}\n\n")
+              f"- date: {meta['date']}, commit {meta['commit']}, torch {meta['torch']}\n\n")
     table = format_table(rows)
     print(header + table)
     os.makedirs(args.out, exist_ok=True)
