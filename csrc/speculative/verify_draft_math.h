@@ -26,6 +26,10 @@
 
 #include "common/host_device.h"
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 namespace ragattn {
 namespace speculative {
 
@@ -106,6 +110,9 @@ RAGATTN_HD float bits_to_float(uint32_t bits) {
 // Exact widening of the 16-bit logit formats (the raw bits, so that no framework type is needed).
 RAGATTN_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 RAGATTN_HD float fp16_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));  // exact, like the integer path below
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t expo = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
@@ -115,6 +122,7 @@ RAGATTN_HD float fp16_to_float(uint16_t h) {
   }
   if (expo == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));  // inf / nan
   return bits_to_float(sign | ((expo + 112u) << 23) | (mant << 13));
+#endif
 }
 
 // Token v of a logits row, widened to fp32.
