@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
   args.logits_kind = logits.scalar_type() == at::kFloat  ? speculative::kLogitsF32
                      : logits.scalar_type() == at::kHalf ? speculative::kLogitsF16
                                                          : speculative::kLogitsBF16;
-  args.temperature = speculative::temperature_f32(temperature);
+  args.inv_temperature = speculative::inverse_temperature(temperature);
   args.eta = static_cast<float>(eta);
   args.alpha = static_cast<float>(alpha);
   args.greedy = greedy;

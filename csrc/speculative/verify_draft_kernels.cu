@@ -38,13 +38,13 @@ __device__ __forceinline__ SoftmaxState shfl_xor(const SoftmaxState& s, int off)
 
 // Butterfly in every warp, then in warp 0 over the warp results; every thread gets lane 0's
 // result of the last butterfly (the value the CPU twin's emulation returns).
-__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float temperature, Shared& sh) {
-  for (int off = kWarpSize / 2; off > 0; off /= 2) s = softmax_merge(s, shfl_xor(s, off), temperature);
+__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float inv_t, Shared& sh) {
+  for (int off = kWarpSize / 2; off > 0; off /= 2) s = softmax_merge(s, shfl_xor(s, off), inv_t);
   if (lane_id() == 0) sh.soft[warp_id()] = s;
   __syncthreads();
   if (warp_id() == 0) {
     s = lane_id() < kWarps ? sh.soft[lane_id()] : softmax_identity();
-    for (int off = kWarpSize / 2; off > 0; off /= 2) s = softmax_merge(s, shfl_xor(s, off), temperature);
+    for (int off = kWarpSize / 2; off > 0; off /= 2) s = softmax_merge(s, shfl_xor(s, off), inv_t);
     if (lane_id() == 0) sh.soft[0] = s;
   }
   __syncthreads();
@@ -178,7 +178,7 @@ __device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int v
 
 // The block-wide statistics of p (and p_hat when eta > 0 and q is given) at one position.
 template <int KIND>
-__device__ PositionStats position_stats(const void* zrow, const float* qrow, int vocab, float temperature, float eta,
+__device__ PositionStats position_stats(const void* zrow, const float* qrow, int vocab, float inv_t, float eta,
                                         float alpha, Shared& sh) {
   const bool with_q = eta > 0.0f && qrow != nullptr;
   const bool vec = aligned16(zrow) && (!with_q || aligned16(qrow));
@@ -189,7 +189,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) {
         if (e < cnt) {
-          softmax_update(s, z[e], v0 + e, temperature);
+          softmax_update(s, z[e], v0 + e, inv_t);
           qm = f_max(qm, q[e]);
         }
       }
@@ -198,10 +198,10 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
     sweep<KIND, false>(zrow, qrow, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&)[kChunk]) {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e)
-        if (e < cnt) softmax_update(s, z[e], v0 + e, temperature);
+        if (e < cnt) softmax_update(s, z[e], v0 + e, inv_t);
     });
   }
-  const SoftmaxState sz = block_reduce_softmax(s, temperature, sh);
+  const SoftmaxState sz = block_reduce_softmax(s, inv_t, sh);
   PositionStats ps;
   ps.m_z = sz.m;
   ps.inv_sp = f_div(1.0f, sz.s);
@@ -217,9 +217,8 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
       if (e < cnt) {
-        const float y = scaled_logit(z[e], ps.m_z, temperature);
-        const float p = target_prob(y, ps.inv_sp);
-        softmax_update(sa, modified_logit(y, p, q[e], eta, ps.q_thresh), v0 + e, 1.0f);
+        const float y = scaled_logit(z[e], ps.m_z, inv_t);
+        softmax_update(sa, modified_logit(y, q[e], eta, ps.q_thresh, ps.inv_sp), v0 + e, 1.0f);
       }
     }
   });
@@ -233,7 +232,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
 // Draw weights of this thread's chunk in `tile` (0 past the vocabulary) and their sum from 0.
 template <int KIND>
 __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int vocab, bool vec, int tile,
-                                               int mode, const PositionStats& ps, float temperature, float eta,
+                                               int mode, const PositionStats& ps, float inv_t, float eta,
                                                float (&w)[kChunk], int* last_pos) {
   const int v0 = (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
   const int cnt = max(0, min(kChunk, vocab - v0));
@@ -250,7 +249,7 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
   float s = 0.0f;
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) {
-    w[e] = e < cnt ? draw_weight(mode, z[e], q[e], ps, temperature, eta) : 0.0f;
+    w[e] = e < cnt ? draw_weight(mode, z[e], q[e], ps, inv_t, eta) : 0.0f;
     if (w[e] > 0.0f) *last_pos = v0 + e;
     s = f_add(s, w[e]);
   }
@@ -260,7 +259,7 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
 // Inverse-CDF draw at uniform u from the residual (falling back to p when it is all zero) or p.
 template <int KIND>
 __device__ int draw_token(const void* zrow, const float* qrow, int vocab, const PositionStats& ps, int mode,
-                          float temperature, float eta, float u, Shared& sh) {
+                          float inv_t, float eta, float u, Shared& sh) {
   const int nchunks = (vocab + kChunk - 1) / kChunk;
   const int ntiles = (nchunks + kThreads - 1) / kThreads;
   float w[kChunk];
@@ -269,7 +268,7 @@ __device__ int draw_token(const void* zrow, const float* qrow, int vocab, const 
     int last_pos = -1;
     float total = 0.0f;
     for (int tile = 0; tile < ntiles; ++tile) {
-      const float s = chunk_weights<KIND>(zrow, qrow, vocab, vec, tile, mode, ps, temperature, eta, w, &last_pos);
+      const float s = chunk_weights<KIND>(zrow, qrow, vocab, vec, tile, mode, ps, inv_t, eta, w, &last_pos);
       float base;
       total = f_add(total, block_scan(s, total, &base, sh));
     }
@@ -286,7 +285,7 @@ __device__ int draw_token(const void* zrow, const float* qrow, int vocab, const 
     int ignored = -1;
     for (int tile = 0; tile < ntiles; ++tile) {
       if (threadIdx.x == 0) sh.found = kNoToken;  // published by block_scan's barrier
-      const float s = chunk_weights<KIND>(zrow, qrow, vocab, vec, tile, mode, ps, temperature, eta, w, &ignored);
+      const float s = chunk_weights<KIND>(zrow, qrow, vocab, vec, tile, mode, ps, inv_t, eta, w, &ignored);
       float run;
       const float tile_total = block_scan(s, tile_base, &run, sh);
       int cand = kNoToken;
@@ -326,7 +325,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
   for (int j = 0; j < nd; ++j) {
     const void* zrow = zbase + static_cast<size_t>((b * (g + 1) + j) * vocab) * esize;
     const float* qrow = a.draft_probs + (b * g + j) * vocab;
-    const PositionStats ps = position_stats<KIND>(zrow, qrow, vocab, a.temperature, a.eta, a.alpha, sh);
+    const PositionStats ps = position_stats<KIND>(zrow, qrow, vocab, a.inv_temperature, a.eta, a.alpha, sh);
     const int64_t x = a.draft_tokens[b * g + j];
     const bool in_range = x >= 0 && x < vocab;
     bool ok;
@@ -339,10 +338,10 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
       if (in_range) {  // every thread reads the same two values (a broadcast) and decides alike
         float p, p_hat;
         const float q_x = qrow[x];
-        token_probs(load_logit(zrow, KIND, x), q_x, ps, a.temperature, a.eta, &p, &p_hat);
+        token_probs(load_logit(zrow, KIND, x), q_x, ps, a.inv_temperature, a.eta, &p, &p_hat);
         ok = accept_draft(a.uniforms[b * (g + 1) + j], q_x, p_hat);
       }
-      if (!ok) token = draw_token<KIND>(zrow, qrow, vocab, ps, kWeightResidual, a.temperature, a.eta, u_last, sh);
+      if (!ok) token = draw_token<KIND>(zrow, qrow, vocab, ps, kWeightResidual, a.inv_temperature, a.eta, u_last, sh);
     }
     if (!ok) {
       n = j;
@@ -352,8 +351,8 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
   }
   if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
     const void* zrow = zbase + static_cast<size_t>((b * (g + 1) + nd) * vocab) * esize;
-    const PositionStats ps = position_stats<KIND>(zrow, nullptr, vocab, a.temperature, 0.0f, a.alpha, sh);
-    token = a.greedy ? ps.argmax_z : draw_token<KIND>(zrow, nullptr, vocab, ps, kWeightTarget, a.temperature, a.eta, u_last, sh);
+    const PositionStats ps = position_stats<KIND>(zrow, nullptr, vocab, a.inv_temperature, 0.0f, a.alpha, sh);
+    token = a.greedy ? ps.argmax_z : draw_token<KIND>(zrow, nullptr, vocab, ps, kWeightTarget, a.inv_temperature, a.eta, u_last, sh);
   }
   if (token < 0 || token >= vocab) token = 0;  // only for rows of all -inf / NaN logits
   for (int j = n + static_cast<int>(threadIdx.x); j <= g; j += kThreads) a.out_tokens[b * (g + 1) + j] = j == n ? token : -1;

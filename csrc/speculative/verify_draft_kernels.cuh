@@ -23,7 +23,7 @@ struct VerifyDraftArgs {
   int g;
   int vocab;
   int logits_kind;
-  float temperature;  // > 0 (temperature_f32)
+  float inv_temperature;  // 1 / T (inverse_temperature)
   float eta;          // >= 0
   float alpha;        // in [0, 1]
   bool greedy;
