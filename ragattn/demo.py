@@ -183,28 +183,75 @@ class MethodUnavailable(Exception):
     """The method's module has not landed (or cannot run this model): the demo skips it."""
 
 
+def _methods_api():
+    """``ragattn.methods.common`` (full_prefill, the cached-chunk methods' shared code) or None."""
+    try:
+        from ragattn.methods import common
+    except ImportError:
+        return None
+    return common
+
+
+def prompt_blocks(tokenizer, chunks: Sequence[str], question: str) -> Prompt:
+    """The prompt as the methods build it (``ragattn.methods.common.prompt_parts`` when landed)."""
+    api = _methods_api()
+    if api is None:
+        return build_prompt(tokenizer, chunks, question)
+    head, chunk_ids, tail = api.prompt_parts(tokenizer, chunks, question)
+    return Prompt(head, chunk_ids, tail)
+
+
+def _from_answer(ans) -> Result:
+    return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens))
+
+
+def _baseline(model, tokenizer) -> Callable:
+    api = _methods_api()
+    if api is None:  # the methods have not landed: the demo's own full prefill
+        return lambda chunks, q, n: run_full_prefill(model, tokenizer, build_prompt(tokenizer, chunks, q), n)
+    return lambda chunks, q, n: _from_answer(api.full_prefill(model, tokenizer, chunks, q, max_new_tokens=n))
+
+
 def _method_factories() -> Dict[str, Callable]:
-    """name -> factory(model, tokenizer) returning run(prompt, max_new_tokens) -> Result.
+    """name -> factory(model, tokenizer, store) returning run(chunks, question, max_new_tokens) -> Result.
 
     Each factory imports its method module lazily and raises MethodUnavailable when it is absent,
     so the demo runs (and shows the baseline) whatever has landed.
     """
+    def turborag(positions):
+        def factory(model, tokenizer, store):
+            mod = _import_method("turborag")
+            return lambda chunks, q, n: _from_answer(mod.answer(model, tokenizer, chunks, q, positions=positions,
+                                                                max_new_tokens=n, store=store))
+        return factory
+
+    def block_attention(model, tokenizer, store):
+        mod = _import_method("block_attention")
+        return lambda chunks, q, n: _from_answer(mod.answer(model, tokenizer, chunks, q, max_new_tokens=n, store=store))
+
     return {
-        "turborag-composite": lambda m, t: _chunk_cache_method(m, t, "turborag", positions="composite"),
-        "turborag-reordered": lambda m, t: _chunk_cache_method(m, t, "turborag", positions="reordered"),
-        "block-attention": lambda m, t: _chunk_cache_method(m, t, "block_attention"),
+        "turborag-composite": turborag("composite"),
+        "turborag-reordered": turborag("reordered"),
+        "block-attention": block_attention,
     }
 
 
-def _chunk_cache_method(model, tokenizer, module: str, **options):
+def _import_method(module: str):
     import importlib
 
     try:
-        mod = importlib.import_module(f"ragattn.methods.{module}")
-        store_mod = importlib.import_module("ragattn.methods.chunk_store")
+        return importlib.import_module(f"ragattn.methods.{module}")
     except ImportError as exc:
         raise MethodUnavailable(f"ragattn.methods.{module} not available ({exc})") from None
-    raise MethodUnavailable(f"adapter for ragattn.methods.{module} pending ({mod.__name__}, {store_mod.__name__})")
+
+
+def _chunk_store(model):
+    """A ChunkStore shared by every cached method and question, or None before it lands."""
+    try:
+        from ragattn.methods.chunk_store import ChunkStore
+    except ImportError:
+        return None
+    return ChunkStore(model)
 
 
 METHOD_NAMES = ["full-prefill", *_method_factories().keys()]
@@ -298,14 +345,17 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         model, tokenizer = model_and_tokenizer
     retriever = Retriever([f"{p.title}. {p.text}" for p in corpus.passages])
 
-    runners: Dict[str, Callable] = {"full-prefill": lambda prompt, n: run_full_prefill(model, tokenizer, prompt, n)}
+    runners: Dict[str, Callable] = {"full-prefill": _baseline(model, tokenizer)}
     skipped: Dict[str, str] = {}
     factories = _method_factories()
+    store = _chunk_store(model) if len(methods) > 1 else None
     for name in methods:
         if name == "full-prefill":
             continue
         try:
-            runners[name] = factories[name](model, tokenizer)
+            if store is None:
+                raise MethodUnavailable("ragattn.methods.chunk_store not available")
+            runners[name] = factories[name](model, tokenizer, store)
         except MethodUnavailable as exc:
             skipped[name] = str(exc)
 
@@ -313,24 +363,28 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     for qid, text, answers in questions:
         idx, _ = retriever.top_k(text, args.top_k)
         passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
-        prompts.append((qid, text, answers, build_prompt(tokenizer, passages, text)))
+        prompts.append((qid, text, answers, passages))
+        if store is not None and len(runners) > 1:  # offline: chunk KV precomputed, outside the timing
+            p = prompt_blocks(tokenizer, passages, text)
+            store.add([p.prefix] + p.chunks)
 
-    # warm-up (allocator, first-call overheads; chunk stores fill here, outside the timing)
+    # warm-up (allocator, first-call overheads), not reported
     for name, runner in runners.items():
-        runner(prompts[0][3], 1)
+        runner(prompts[0][3], prompts[0][1], 2)
 
     rows: List[Row] = []
     bar = tqdm(total=len(prompts) * len(runners), desc="demo", unit="run", file=sys.stderr, disable=not progress)
-    for qid, text, answers, prompt in prompts:
+    for qid, text, answers, passages in prompts:
         base: Optional[Result] = None
+        ctx = len(prompt_blocks(tokenizer, passages, text))
         for name, runner in runners.items():
             bar.set_postfix_str(f"{qid} {name}")
-            res = runner(prompt, args.max_new_tokens)
+            res = runner(passages, text, args.max_new_tokens)
             if name == "full-prefill":
                 base = res
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True).strip()
             rows.append(Row(
-                question_id=qid, question=text, method=name, context_tokens=len(prompt),
+                question_id=qid, question=text, method=name, context_tokens=ctx,
                 ttft_ms=res.ttft_s * 1e3, speedup=base.ttft_s / res.ttft_s,
                 answer=answer, first_token_match=res.tokens[0] == base.tokens[0],
                 kl=kl_divergence(base.first_logits, res.first_logits),

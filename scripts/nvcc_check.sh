@@ -24,7 +24,9 @@ echo "nvcc_check: ${#files[@]} kernel file(s) compiled for sm_90a"
 # ATen launchers (csrc/**/*_cuda.cu) against the installed torch's headers, with torch's own nvcc
 # flags. A CPU-only torch wheel ships the c10/cuda headers but not the generated
 # cuda_cmake_macros.h: a one-line shim stands in for it. Skipped when torch is not importable.
-PYTHON=${PYTHON:-python}
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
 mapfile -t launchers < <(find csrc -name '*_cuda.cu' | sort)
 if [ ${#launchers[@]} -gt 0 ] && "$PYTHON" -c "import torch" 2>/dev/null; then
   mapfile -t torch_inc < <("$PYTHON" -c "import sysconfig; from torch.utils.cpp_extension import include_paths; print('\n'.join(include_paths() + [sysconfig.get_paths()['include']]))")

@@ -244,7 +244,7 @@ def _bad_rerotate(device):
 @pytest.mark.parametrize("case", range(len(_bad_rerotate(torch.device("cpu")))))
 def test_rerotate_bad_inputs(device, entry, case):
     name, exc, arg, fix = _bad_rerotate(device)[case]
-    if entry == "torch.ops" and device.type == "cuda" and name in ("row_out_of_range", "row_negative", "rows_repeat"):
+    if device.type == "cuda" and name in ("row_out_of_range", "row_negative", "rows_repeat"):
         pytest.skip("CUDA row checks are a precondition (RAGATTN_DEBUG=1)")
     if entry == "torch.ops" and name == "rows_device" and device.type == "cpu":
         pytest.skip("a meta tensor routes torch.ops to the fake impl; the wrapper catches it")
@@ -305,7 +305,7 @@ def _bad_copy(device):
 @pytest.mark.parametrize("case", range(len(_bad_copy(torch.device("cpu")))))
 def test_copy_kv_bad_inputs(device, entry, case):
     name, exc, arg, fix = _bad_copy(device)[case]
-    if entry == "torch.ops" and device.type == "cuda" and name in ("dst_rows_repeat", "dst_rows_range", "src_rows_range"):
+    if device.type == "cuda" and name in ("dst_rows_repeat", "dst_rows_range", "src_rows_range"):
         pytest.skip("CUDA row checks are a precondition (RAGATTN_DEBUG=1)")
     a = _copy_args(device)
     fix(a)
@@ -331,3 +331,35 @@ def test_copy_kv_in_place_overlap_rejected(device):
     # disjoint in-place move (compaction) is fine
     torch.ops.ragattn.copy_kv_(k, [], k, [], torch.tensor([5, 6]), torch.tensor([0, 1]))
     assert torch.equal(k[0][:2], before[5:7])
+
+
+def test_cuda_debug_mode_checks_rows(device, monkeypatch):
+    """On CUDA, row ranges/uniqueness are a precondition checked only with RAGATTN_DEBUG=1."""
+    if device.type != "cuda":
+        pytest.skip("CUDA-only precondition mode (CPU always checks)")
+    monkeypatch.setenv("RAGATTN_DEBUG", "1")
+    layer = make_layers(1, (10, 2, 32), torch.float16, device)
+    before = layer[0].clone()
+    f = inv_freq_for(32).to(device)
+    with pytest.raises(ValueError, match="rerotate_keys_.*rows"):
+        torch.ops.ragattn.rerotate_keys_(layer, torch.tensor([3, 10], device=device), torch.ones(2, dtype=torch.int32, device=device), f, 32, False)
+    with pytest.raises(ValueError, match="copy_kv_.*dst_rows"):
+        torch.ops.ragattn.copy_kv_(layer, [], make_layers(1, (4, 2, 32), torch.float16, device), [], torch.tensor([0, 1], device=device), torch.tensor([2, 2], device=device))
+    assert torch.equal(layer[0], before)
+
+
+def test_copy_kv_reference_backend_matches_cpp(device, monkeypatch, seed):
+    if device.type != "cpu":
+        pytest.skip("CPU backend switch")
+    src_k, src_v = make_layers(2, (15, 2, 64), torch.float32, device), make_layers(2, (15, 2, 64), torch.float32, device)
+    dst = [make_layers(2, (21, 2, 64), torch.float32, device) for _ in range(2)]
+    dst_ref = [[t.clone() for t in d] for d in dst]
+    src_rows, dst_rows = torch.randint(0, 15, (11,)), torch.randperm(21)[:11]
+    delta, f = rand_delta(11, device), inv_freq_for(64)
+    ragattn.copy_kv_(dst[0], dst[1], src_k, src_v, src_rows, dst_rows, delta, f, 64, True)
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
+    ragattn.copy_kv_(dst_ref[0], dst_ref[1], src_k, src_v, src_rows, dst_rows, delta, f, 64, True)
+    for a, b in zip(dst[0] + dst[1], dst_ref[0] + dst_ref[1]):
+        assert max_abs_err(a, b) <= 1e-5 * float(b.abs().max())
+    with pytest.raises(ValueError, match="copy_kv_: dst_rows"):
+        ragattn.copy_kv_(dst_ref[0], dst_ref[1], src_k, src_v, src_rows, torch.zeros(11, dtype=torch.int64))

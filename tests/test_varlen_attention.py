@@ -180,10 +180,18 @@ def test_tile_metadata_skips(device):
     pos = torch.arange(64, dtype=torch.int32, device=device)
     blk = (pos // 16).int()
     blk[48:] = -1
-    off, seq, start, meta = tile_metadata(cu, pos, blk, 64, 16)
+    off, seq, start, meta, search = tile_metadata(cu, pos, blk, 64, 16)
     assert off.tolist() == [0, 4] and seq.tolist()[:4] == [0, 0, 0, 0] and start.tolist()[:4] == [0, 16, 32, 48]
     assert meta[1].tolist() == [16, 31, 1, 1, 0]
     assert meta[3].tolist() == [48, 63, 2**31 - 1, -(2**31), 1]
+    # search columns: prefix max of max block, suffix min of min block, next global tile,
+    # suffix min of min position, prefix max of max position (what the kernels binary-search)
+    assert search[:4].tolist() == [
+        [0, 0, 3, 0, 15],
+        [1, 1, 3, 16, 31],
+        [2, 2, 3, 32, 47],
+        [2, 2**31 - 1, 3, 48, 63],
+    ]
 
 
 def test_basic_causal_matches_sdpa(device):
@@ -249,3 +257,18 @@ def test_bad_inputs(mutate, exc, words):
     with pytest.raises(exc, match=words) as info:
         ragattn.varlen_attention(**a)
     assert "ragattn.varlen_attention" in str(info.value)
+
+
+def test_plan_cache_sees_in_place_edits(device, monkeypatch):
+    """The launchers cache tile metadata per index tensor: an in-place edit must invalidate it."""
+    _backend(monkeypatch, device, "triton")
+    args = list(_case([96], [96], 2, 1, 64, torch.float32, device, blocks="one", gen=torch.Generator().manual_seed(5)))
+    args[7] = torch.arange(96, dtype=torch.int32, device=device) // 32  # 3 independent chunks of 32
+    args[8] = args[7].clone()
+    out1, _ = ragattn.varlen_attention(*args)
+    args[7].fill_(-1)  # every token global: tile pairs skipped before must now be computed
+    args[8].fill_(-1)
+    out2, lse2 = ragattn.varlen_attention(*args)
+    o64, l64 = ref_varlen(*_float64(args))
+    assert max_abs_err(out2, o64) < 1e-4 and max_abs_err(lse2, l64) < 1e-4
+    assert max_abs_err(out1, out2) > 1e-3

@@ -16,6 +16,7 @@ head) looping over the group's query heads, so no atomics are needed.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 
@@ -40,7 +41,11 @@ def tile_metadata(cu: torch.Tensor, pos: torch.Tensor, blk: torch.Tensor, total:
 
     Returns ``tile_off`` int32 ``[B + 1]`` (sequence ``b`` owns tiles ``tile_off[b]:tile_off[b+1]``),
     ``tile_seq`` int32 ``[T]`` (``B`` for the unused tail of the upper bound ``T``), ``tile_start``
-    int32 ``[T]`` (first row) and ``meta`` int32 ``[T, 5]``.
+    int32 ``[T]`` (first row), ``meta`` int32 ``[T, 5]`` and ``search`` int32 ``[T, 5]``: within each
+    sequence, the prefix max of the tiles' max block, the suffix min of their min block, the next
+    tile holding a global token (INT_MAX if none), the suffix min of min position and the prefix
+    max of max position. All five are non-decreasing along a sequence's tiles, so a program finds
+    the only tiles that can be visible to it by binary search instead of visiting every tile.
     """
     dev = cu.device
     batch = cu.numel() - 1
@@ -70,7 +75,92 @@ def tile_metadata(cu: torch.Tensor, pos: torch.Tensor, blk: torch.Tensor, total:
     for i, ((src, how), f) in enumerate(zip(vals, fill)):
         col = torch.full((num_tiles,), f, dtype=torch.int32, device=dev)
         meta[:, i] = col.scatter_reduce(0, tok_tile, src.to(torch.int32), how, include_self=True)
-    return tile_off.int(), tile_seq.int(), tile_start.int(), meta
+
+    # Segmented scans: offset each sequence by 2^34 so that no value crosses a sequence boundary.
+    seg = tile_seq * (1 << 34)
+
+    def prefix_max(x):
+        return torch.cummax(x.long() + seg, 0).values - seg
+
+    def suffix_min(x):
+        return torch.flip(torch.cummin(torch.flip(x.long() + seg, [0]), 0).values, [0]) - seg
+
+    search = torch.stack(
+        [
+            prefix_max(meta[:, 3]),
+            suffix_min(meta[:, 2]),
+            suffix_min(torch.where(meta[:, 4] != 0, t, _INT_MAX)),
+            suffix_min(meta[:, 0]),
+            prefix_max(meta[:, 1]),
+        ],
+        dim=1,
+    ).to(torch.int32).contiguous()
+    return tile_off.int(), tile_seq.int(), tile_start.int(), meta, search
+
+
+@triton.jit
+def _search(Arr, col: tl.constexpr, lo, hi, value, STRICT: tl.constexpr, STEPS: tl.constexpr):
+    """First tile t in [lo, hi) with Arr[t, col] >= value (> value if STRICT), else hi.
+
+    Arr[:, col] is non-decreasing on [lo, hi) (a prefix max / suffix min of tile_metadata)."""
+    a = lo
+    b = hi
+    for _ in range(STEPS):
+        go = a < b
+        mid = (a + b) // 2
+        v = tl.load(Arr + mid * 5 + col, mask=go, other=0)
+        if STRICT:
+            right = go & (v <= value)
+        else:
+            right = go & (v < value)
+        a = tl.where(right, mid + 1, a)
+        b = tl.where(go & (right == 0), mid, b)
+    return a
+
+
+@triton.jit
+def _next_candidate(Arr, x, a, b, end):
+    """Smallest tile >= x that is global or inside the block-overlap range [a, b); end if none."""
+    next_global = tl.load(Arr + x * 5 + 2, mask=x < end, other=end)
+    nb = tl.where(x < a, a, x)
+    nb = tl.where(nb < b, nb, end)
+    return tl.minimum(tl.minimum(next_global, nb), end)
+
+
+@triton.jit
+def _kv_candidates(QMeta, q_tile, KSearch, lo, hi, CAUSAL: tl.constexpr, STEPS: tl.constexpr):
+    """For a query tile: (a, b, end) so that only global key tiles and tiles in [a, b), all below
+    end, can be visible. end: first key tile entirely in the causal future of every query."""
+    q_max_pos = tl.load(QMeta + q_tile * 5 + 1)
+    q_bmin = tl.load(QMeta + q_tile * 5 + 2)
+    q_bmax = tl.load(QMeta + q_tile * 5 + 3)
+    q_glob = tl.load(QMeta + q_tile * 5 + 4)
+    end = hi
+    if CAUSAL:
+        end = _search(KSearch, 3, lo, hi, q_max_pos, True, STEPS)
+    a = _search(KSearch, 0, lo, hi, q_bmin, False, STEPS)
+    b = tl.minimum(_search(KSearch, 1, lo, hi, q_bmax, True, STEPS), end)
+    a = tl.where(q_glob != 0, lo, a)  # global queries see every block
+    b = tl.where(q_glob != 0, end, b)
+    return a, b, end
+
+
+@triton.jit
+def _q_candidates(KMeta, k_tile, QSearch, lo, hi, CAUSAL: tl.constexpr, STEPS: tl.constexpr):
+    """For a key tile: (start, a, b) so that only global query tiles >= start and tiles in [a, b)
+    can see it. start: first query tile not entirely in the causal past of every key."""
+    k_min_pos = tl.load(KMeta + k_tile * 5 + 0)
+    k_bmin = tl.load(KMeta + k_tile * 5 + 2)
+    k_bmax = tl.load(KMeta + k_tile * 5 + 3)
+    k_glob = tl.load(KMeta + k_tile * 5 + 4)
+    start = lo
+    if CAUSAL:
+        start = _search(QSearch, 4, lo, hi, k_min_pos, False, STEPS)
+    a = tl.maximum(_search(QSearch, 0, lo, hi, k_bmin, False, STEPS), start)
+    b = _search(QSearch, 1, lo, hi, k_bmax, True, STEPS)
+    a = tl.where(k_glob != 0, start, a)
+    b = tl.where(k_glob != 0, hi, b)
+    return start, a, b
 
 
 @triton.jit
@@ -112,10 +202,10 @@ def _pair_mask(q_pos, q_blk, k_pos, k_blk, k_valid, CAUSAL: tl.constexpr):
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos, QBlk, KBlk,
-    CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta,
+    CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta, KSearch,
     qk_scale, num_batch, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -144,7 +234,10 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for k_tile in range(k_tile_lo, k_tile_hi):
+    # Visit only the key tiles that can be visible: global ones and the block-overlap range.
+    a, b, k_tile_end = _kv_candidates(QMeta, q_tile, KSearch, k_tile_lo, k_tile_hi, CAUSAL, STEPS)
+    k_tile = _next_candidate(KSearch, k_tile_lo, a, b, k_tile_end)
+    while k_tile < k_tile_end:
         any_vis, all_vis = _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, CAUSAL)
         if any_vis:  # tiles whose blocks cannot meet are skipped, not masked
             n_start = k_seq_start + (k_tile - k_tile_lo) * BLOCK_N
@@ -172,6 +265,7 @@ def _fwd_kernel(
                 p = p.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
             m_i = m_new
+        k_tile = _next_candidate(KSearch, k_tile + 1, a, b, k_tile_end)
 
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -197,10 +291,10 @@ def _bwd_preprocess(Out, DOut, Delta, total_rows, HEAD_DIM: tl.constexpr, BLOCK:
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, QPos, KPos, QBlk, KBlk,
-    CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta,
+    CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta, KSearch,
     qk_scale, sm_scale, num_batch, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -234,7 +328,10 @@ def _bwd_dq_kernel(
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for k_tile in range(k_tile_lo, k_tile_hi):
+    # Visit only the key tiles that can be visible: global ones and the block-overlap range.
+    a, b, k_tile_end = _kv_candidates(QMeta, q_tile, KSearch, k_tile_lo, k_tile_hi, CAUSAL, STEPS)
+    k_tile = _next_candidate(KSearch, k_tile_lo, a, b, k_tile_end)
+    while k_tile < k_tile_end:
         any_vis, all_vis = _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, CAUSAL)
         if any_vis:
             n_start = k_seq_start + (k_tile - k_tile_lo) * BLOCK_N
@@ -257,16 +354,17 @@ def _bwd_dq_kernel(
             if UPCAST:
                 ds = ds.to(tl.float32)
             dq += tl.dot(ds, k, input_precision=PREC)
+        k_tile = _next_candidate(KSearch, k_tile + 1, a, b, k_tile_end)
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_valid[:, None])
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, QPos, KPos, QBlk, KBlk,
-    CuQ, CuK, KTileSeq, KTileStart, KMeta, QTileOff, QMeta,
+    CuQ, CuK, KTileSeq, KTileStart, KMeta, QTileOff, QMeta, QSearch,
     qk_scale, sm_scale, num_batch, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
 ):
     k_tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -297,9 +395,12 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # Only global query tiles from q_first on and the block-overlap range [a, b) can see this tile.
+    q_first, a, b = _q_candidates(KMeta, k_tile, QSearch, q_tile_lo, q_tile_hi, CAUSAL, STEPS)
     for g in range(GROUP):  # the query heads sharing this kv head
         h = kvh * GROUP + g
-        for q_tile in range(q_tile_lo, q_tile_hi):
+        q_tile = _next_candidate(QSearch, q_first, a, b, q_tile_hi)
+        while q_tile < q_tile_hi:
             any_vis, all_vis = _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, CAUSAL)
             if any_vis:
                 offs_m = q_seq_start + (q_tile - q_tile_lo) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -331,6 +432,7 @@ def _bwd_dkdv_kernel(
                 if UPCAST:
                     ds_t = ds_t.to(tl.float32)
                 dk += tl.dot(ds_t, q, input_precision=PREC)
+            q_tile = _next_candidate(QSearch, q_tile + 1, a, b, q_tile_hi)
     tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_valid[:, None])
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_valid[:, None])
 
@@ -349,6 +451,29 @@ def _defaults(cu, pos, blk, total):
     return pos, blk
 
 
+# A model calls the op once per layer with the same index tensors: keep the last few tile plans.
+# Entries hold strong references, so an `is` match cannot be a recycled tensor, and the version
+# counters catch in-place edits.
+_PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 8
+
+
+def _tile_plan(cu, pos, blk, total, block):
+    """(pos, blk, tile_off, tile_seq, tile_start, meta, search) for one side, cached per call site."""
+    key = (id(cu), id(pos), id(blk), total, block)
+    hit = _PLAN_CACHE.get(key)
+    versions = tuple(-1 if t is None else t._version for t in (cu, pos, blk))
+    if hit is not None and hit[0] is cu and hit[1] is pos and hit[2] is blk and hit[3] == versions:
+        _PLAN_CACHE.move_to_end(key)
+        return hit[4]
+    full_pos, full_blk = _defaults(cu, pos, blk, total)
+    plan = (full_pos, full_blk) + tile_metadata(cu, full_pos, full_blk, total, block)
+    _PLAN_CACHE[key] = (cu, pos, blk, versions, plan)
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
 def _config(head_dim: int, backward: bool):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter wants few, big tiles."""
     if _INTERPRET:
@@ -360,6 +485,11 @@ def _config(head_dim: int, backward: bool):
     if head_dim <= 128:
         return 128, 64, 8, 3
     return 64, 32, 8, 2
+
+
+def _steps(num_tiles: int) -> int:
+    """Binary-search steps covering num_tiles (a power of two, to bound recompilations)."""
+    return max(1, int(num_tiles).bit_length() + 1)
 
 
 def _prec(q):
@@ -378,17 +508,16 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     batch = cu_q.numel() - 1
     if total_q == 0 or batch == 0:
         return out, lse
-    q_pos, q_block = _defaults(cu_q, q_pos, q_block, total_q)
-    kv_pos, kv_block = _defaults(cu_k, kv_pos, kv_block, total_k)
-    q_off, q_seq, q_start, q_meta = tile_metadata(cu_q, q_pos, q_block, total_q, bm)
-    k_off, _, _, k_meta = tile_metadata(cu_k, kv_pos, kv_block, total_k, bn)
+    q_pos, q_block, q_off, q_seq, q_start, q_meta, _ = _tile_plan(cu_q, q_pos, q_block, total_q, bm)
+    kv_pos, kv_block, k_off, k_seq, _, k_meta, k_search = _tile_plan(cu_k, kv_pos, kv_block, total_k, bn)
     grid = (q_seq.numel(), num_heads)
     _fwd_kernel[grid](
         q, k, v, out, lse, q_pos, kv_pos, q_block, kv_block,
-        cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta,
+        cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta, k_search,
         scale * _LOG2E, batch, num_heads,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
-        CAUSAL=bool(causal), UPCAST=_INTERPRET, PREC=_prec(q), num_warps=warps, num_stages=stages,
+        CAUSAL=bool(causal), UPCAST=_INTERPRET, PREC=_prec(q), STEPS=_steps(k_seq.numel()),
+        num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -404,10 +533,8 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
     batch = cu_q.numel() - 1
     if batch == 0 or (total_q == 0 and total_k == 0):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q_pos, q_block = _defaults(cu_q, q_pos, q_block, total_q)
-    kv_pos, kv_block = _defaults(cu_k, kv_pos, kv_block, total_k)
-    q_off, q_seq, q_start, q_meta = tile_metadata(cu_q, q_pos, q_block, total_q, bm)
-    k_off, k_seq, k_start, k_meta = tile_metadata(cu_k, kv_pos, kv_block, total_k, bn)
+    q_pos, q_block, q_off, q_seq, q_start, q_meta, q_search = _tile_plan(cu_q, q_pos, q_block, total_q, bm)
+    kv_pos, kv_block, k_off, k_seq, k_start, k_meta, k_search = _tile_plan(cu_k, kv_pos, kv_block, total_k, bn)
 
     delta = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
     rows = total_q * num_heads
@@ -416,18 +543,19 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
         _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim, BLOCK=pre_block)
     common = dict(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
-        CAUSAL=bool(causal), UPCAST=_INTERPRET, PREC=_prec(q), num_warps=warps, num_stages=stages,
+        CAUSAL=bool(causal), UPCAST=_INTERPRET, PREC=_prec(q), STEPS=_steps(max(q_seq.numel(), k_seq.numel())),
+        num_warps=warps, num_stages=stages,
     )
     if q_seq.numel():
         _bwd_dq_kernel[(q_seq.numel(), num_heads)](
             q, k, v, dout, lse, delta, dq, q_pos, kv_pos, q_block, kv_block,
-            cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta,
+            cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta, k_search,
             scale * _LOG2E, scale, batch, num_heads, **common,
         )
     if k_seq.numel():
         _bwd_dkdv_kernel[(k_seq.numel(), num_kv_heads)](
             q, k, v, dout, lse, delta, dk, dv, q_pos, kv_pos, q_block, kv_block,
-            cu_q, cu_k, k_seq, k_start, k_meta, q_off, q_meta,
+            cu_q, cu_k, k_seq, k_start, k_meta, q_off, q_meta, q_search,
             scale * _LOG2E, scale, batch, num_heads, **common,
         )
     return dq, dk, dv

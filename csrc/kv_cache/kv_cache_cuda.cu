@@ -39,6 +39,12 @@ at::Tensor device_pointer_array(const std::vector<void*>& ptrs, const at::Device
   return host.to(device, /*non_blocking=*/true);
 }
 
+// One block per row (grid.x) and the layer pointers staged in shared memory.
+void check_grid(const char* op, int64_t n, size_t num_ptrs) {
+  TORCH_CHECK_VALUE(n <= INT32_MAX, "ragattn.", op, ": at most 2^31 - 1 rows per call, got ", n);
+  TORCH_CHECK_VALUE(num_ptrs <= 4096, "ragattn.", op, ": too many layers (", num_ptrs, " cache pointers; at most 4096, i.e. 1024 layers for copy_kv_)");
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "ragattn.", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -50,6 +56,7 @@ void rerotate_keys_cuda(at::TensorList k_layers, const at::Tensor& rows, const a
   const kv_cache::LayerGeom g = kv_cache::validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim);
   const int64_t n = rows.size(0);
   if (k_layers.empty() || n == 0) return;
+  check_grid("rerotate_keys_", n, k_layers.size());
   const c10::cuda::CUDAGuard guard(k_layers[0].device());
   std::vector<void*> ptrs;
   for (const auto& t : k_layers) ptrs.push_back(t.data_ptr());
@@ -76,6 +83,7 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
       kv_cache::validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim);
   const int64_t n = src_rows.size(0);
   if (dst_k.empty() || n == 0) return;
+  check_grid("copy_kv_", n, 4 * dst_k.size());
   const c10::cuda::CUDAGuard guard(dst_k[0].device());
   const size_t L = dst_k.size();
   std::vector<void*> ptrs(4 * L, nullptr);

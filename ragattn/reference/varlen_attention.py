@@ -93,7 +93,7 @@ def varlen_attention(
         outs.append(out.to(q.dtype))
         lses.append(lse.float())
     if not outs:
-        return torch.zeros_like(q), torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+        return q * 0, torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     out = torch.cat(outs, dim=0)
     lse = torch.cat(lses, dim=0)
     if out.shape[0] != total_q:  # cu_seqlens_q does not cover every row (cannot happen after validation)

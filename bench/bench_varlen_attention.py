@@ -1,0 +1,198 @@
+"""Benchmarks of ``varlen_attention`` (issue 3).
+
+gpu (bf16, 32 query heads, 8 kv heads, head dim 128, causal), Block-Attention's mask (chunks
+independent, final block global):
+* ``chunks500``: 64 chunks of 500 tokens + a 50-token global tail (32,050 tokens). Targets:
+  >= 1.5x faster than FlexAttention on the same mask, >= 30x faster than full causal SDPA.
+* ``chunks4096``: 8 chunks of 4,096 tokens + the 50-token tail. Target: >= 50% of the measured
+  bf16 matmul peak in useful TFLOP/s.
+* ``chunks500_bwd``: the backward of ``chunks500`` (dq, dk, dv from saved out/lse). Target:
+  >= 1.2x faster than FlexAttention's backward (timed with ``retain_graph``, forward excluded;
+  FlexAttention has no CPU backward, so on the CPU only the dense-mask SDPA backward runs).
+Baselines in the same case: SDPA with a dense boolean mask (memory-efficient backend, K/V
+repeated to 32 heads), FlexAttention (compiled on CUDA) with the equivalent ``BlockMask``
+(creation time in ``setup_ms``) and SDPA full causal (flash backend). ``flops`` counts the
+visible (query, key) pairs only: 4 * head_dim * heads per pair forward, 2.5x that backward.
+cpu: the same cases on ~90 tokens (ragattn runs its CPU path; FlexAttention runs eagerly,
+uncompiled, so its CPU time says nothing about its GPU speed).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from bench.harness import Case
+
+I32 = torch.int32
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _flash_only(device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def _shape(size, chunk):
+    if size == "gpu":
+        n_chunks = 64 if chunk == 500 else 8
+        return dict(n_chunks=n_chunks, chunk=chunk, tail=50, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    return dict(n_chunks=4, chunk=20 if chunk == 500 else 40, tail=6, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32)
+
+
+def _problem(device, size, chunk, gen):
+    """Packed inputs of one sequence: chunk blocks 0..n-1, then the global tail (block -1)."""
+    s = _shape(size, chunk)
+    n, c, tail, H, Hkv, D, dtype = (s[k] for k in ("n_chunks", "chunk", "tail", "heads", "kv_heads", "head_dim", "dtype"))
+    L = n * c + tail
+    blk = torch.cat([torch.arange(n).repeat_interleave(c), torch.full((tail,), -1)]).to(I32)
+    q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    cu = torch.tensor([0, L], dtype=I32, device=device)
+    pairs = n * c * (c + 1) / 2 + sum(n * c + i + 1 for i in range(tail))  # visible (q, k) pairs
+    return dict(q=q, k=k, v=v, cu=cu, blk=blk.to(device), L=L, H=H, Hkv=Hkv, D=D, dtype=dtype, pairs=pairs, name=f"{n}x{c}+{tail}_h{H}_kv{Hkv}_d{D}")
+
+
+def _runnable(baselines, device):
+    """Drop (and say so) the baselines that cannot run here, e.g. out of memory or no backend."""
+    for name in list(baselines):
+        try:
+            baselines[name]()
+            _sync(device)
+        except Exception as exc:  # pragma: no cover - depends on the device and torch build
+            print(f"bench_varlen_attention: baseline {name} skipped ({type(exc).__name__}: {str(exc)[:200]})")
+            del baselines[name]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return baselines
+
+
+def _efficient_only(device):
+    """The dense-mask baseline must not fall back to the math backend ([H, L, L] scores: OOM)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)
+
+
+def _baselines(p, device, backward: bool):
+    """(baselines dict, setup_ms dict) computing the same attention (or its backward)."""
+    q4 = p["q"].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, L, D]
+    k4 = p["k"].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, L, D]
+    v4 = p["v"].transpose(0, 1).unsqueeze(0).contiguous()
+    group = p["H"] // p["Hkv"]
+    kr, vr = k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1)
+    blk, L = p["blk"], p["L"]
+    baselines, setup = {}, {}
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb, kb = blk[q_idx], blk[kv_idx]
+        return (kv_idx <= q_idx) & ((qb == kb) | (qb == -1) | (kb == -1))
+
+    # FlexAttention with the equivalent BlockMask
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        t0 = time.perf_counter()
+        block_mask = create_block_mask(mask_mod, None, None, L, L, device=str(device))
+        _sync(device)
+        setup["flex_attention"] = (time.perf_counter() - t0) * 1e3
+        flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+        if backward:
+            qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, k4, v4))
+            out = flex(qg, kg, vg, block_mask=block_mask, enable_gqa=True)
+            dout = torch.randn_like(out)
+            baselines["flex_attention_bwd"] = lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
+            setup["flex_attention_bwd"] = setup.pop("flex_attention")
+        else:
+            baselines["flex_attention"] = lambda: flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
+    except Exception as exc:  # pragma: no cover - FlexAttention missing or unsupported here
+        print(f"bench_varlen_attention: FlexAttention baseline skipped ({type(exc).__name__}: {exc})")
+
+    # SDPA with a dense boolean mask (what a generic engine materialises)
+    t0 = time.perf_counter()
+    pos = torch.arange(L, device=device)
+    qb, kb = blk[:, None], blk[None, :]
+    dense = (pos[None, :] <= pos[:, None]) & ((qb == kb) | (qb == -1) | (kb == -1))
+    _sync(device)
+    mask_ms = (time.perf_counter() - t0) * 1e3
+    if backward:
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, kr, vr))
+        try:
+            with _efficient_only(device):
+                out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, attn_mask=dense)
+            dout = torch.randn_like(out)
+            baselines["sdpa_dense_mask_bwd"] = lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
+            setup["sdpa_dense_mask_bwd"] = mask_ms
+        except Exception as exc:  # pragma: no cover
+            print(f"bench_varlen_attention: baseline sdpa_dense_mask_bwd skipped ({type(exc).__name__}: {str(exc)[:200]})")
+        return _runnable(baselines, device), setup
+    setup["sdpa_dense_mask"] = mask_ms
+
+    def dense_mask():
+        with _efficient_only(device):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kr, vr, attn_mask=dense)
+
+    baselines["sdpa_dense_mask"] = dense_mask
+
+    def full_causal():
+        with _flash_only(device):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kr, vr, is_causal=True)
+
+    baselines["sdpa_full_causal"] = full_causal
+    return _runnable(baselines, device), setup
+
+
+def _forward_case(device, size, chunk, gen):
+    import ragattn
+
+    p = _problem(device, size, chunk, gen)
+    baselines, setup = _baselines(p, device, backward=False)
+    target = ">= 1.5x flex, >= 30x sdpa_full_causal" if chunk == 500 else ">= 50% of matmul peak"
+    return Case(
+        family="varlen_attention",
+        name=f"chunks{p['name']}",
+        run=lambda: ragattn.varlen_attention(p["q"], p["k"], p["v"], p["cu"], p["cu"], q_block=p["blk"], kv_block=p["blk"]),
+        baselines=baselines,
+        flops=4.0 * p["D"] * p["H"] * p["pairs"],
+        peak="matmul",
+        peak_dtype=p["dtype"],
+        setup_ms=setup,
+        params={"dtype": str(p["dtype"]).replace("torch.", ""), "tokens": p["L"], "target": target},
+    )
+
+
+def _backward_case(device, size, gen):
+    import ragattn
+
+    p = _problem(device, size, 500, gen)
+    q, k, v, cu, blk = p["q"], p["k"], p["v"], p["cu"], p["blk"]
+    out, lse = ragattn.varlen_attention(q, k, v, cu, cu, q_block=blk, kv_block=blk)
+    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
+    baselines, setup = _baselines(p, device, backward=True)
+    return Case(
+        family="varlen_attention",
+        name=f"bwd_chunks{p['name']}",
+        run=lambda: torch.ops.ragattn.varlen_attention_backward(dout, q, k, v, out, lse, cu, cu, None, None, blk, blk, True, None),
+        baselines=baselines,
+        flops=2.5 * 4.0 * p["D"] * p["H"] * p["pairs"],
+        peak="matmul",
+        peak_dtype=p["dtype"],
+        setup_ms=setup,
+        params={"dtype": str(p["dtype"]).replace("torch.", ""), "tokens": p["L"], "target": ">= 1.2x flex backward"},
+    )
+
+
+def cases(device: torch.device, size: str):
+    gen = torch.Generator().manual_seed(0)
+    return [_forward_case(device, size, 500, gen), _forward_case(device, size, 4096, gen), _backward_case(device, size, gen)]

@@ -1,0 +1,214 @@
+"""Block-Attention fine-tuning ("block fine-tune"): ordinary SFT under the Block-Attention mask.
+
+    python -m ragattn finetune [--steps N] [--batch B] [--lr LR] [--device cpu|cuda] [--top-k K]
+    python scripts/finetune_block.py ...            # the same
+
+Each training sample is a RAG prompt in blocks, tokenized block by block exactly as at inference
+(``ragattn.demo.prompt_blocks``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
+``top-k - 1`` random distractors, in random order), and the final block (question + answer).
+Attention runs through ``ragattn.varlen_attention`` and its autograd, with
+
+* positions: contiguous ``0..T-1`` per sample (what position re-encoding produces at inference);
+* blocks: prefix and every passage attend only inside themselves (block ids 0..k), the final
+  block and the answer are global (block -1) and see everything before them;
+* several samples packed into one row, separated by ``cu_seqlens`` (no padding, no dense mask);
+* loss: next-token cross-entropy on the answer tokens only.
+
+The attention function is registered with transformers' ``AttentionInterface`` as
+``"ragattn_block_train"`` and reads the packing from keyword arguments of the model call.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+ATTN_NAME = "ragattn_block_train"
+
+
+def block_train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                          ragattn_cu_seqlens=None, ragattn_blocks=None, **kwargs):
+    """HF attention function: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``.
+
+    ``ragattn_cu_seqlens`` int32 ``[B + 1]`` separates the packed samples, ``ragattn_blocks``
+    int32 ``[T]`` gives every token's block (-1 = global). Returns ``([1, T, H, D], None)``.
+    """
+    import ragattn
+
+    if query.shape[0] != 1 or ragattn_cu_seqlens is None or ragattn_blocks is None:
+        raise ValueError("ragattn finetune: the block-training attention needs one packed row and the "
+                         "ragattn_cu_seqlens / ragattn_blocks keyword arguments of the model call")
+    q = query[0].transpose(0, 1)  # [T, H, D] (NHD, token-major)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    out, _ = ragattn.varlen_attention(q, k, v, ragattn_cu_seqlens, ragattn_cu_seqlens,
+                                      q_block=ragattn_blocks, kv_block=ragattn_blocks, causal=True, scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the block-training attention with transformers; returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, block_train_attention)
+    return ATTN_NAME
+
+
+@dataclasses.dataclass
+class Sample:
+    ids: List[int]
+    labels: List[int]  # -100 outside the answer
+    blocks: List[int]  # block id per token, -1 = global
+
+
+def make_sample(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int],
+                answer: Sequence[int]) -> Sample:
+    """Token blocks -> a sample: prefix is block 0, chunk ``i`` block ``i + 1``, question+answer global."""
+    ids, blocks = list(prefix), [0] * len(prefix)
+    for i, c in enumerate(chunks):
+        ids += c
+        blocks += [i + 1] * len(c)
+    ids += list(question) + list(answer)
+    blocks += [-1] * (len(question) + len(answer))
+    # labels[t] is the token predicted at t (HF shifts inside the loss): only answer tokens count
+    labels = [-100] * (len(ids) - len(answer)) + list(answer)
+    return Sample(ids, labels, blocks)
+
+
+def pack(samples: Sequence[Sample], device) -> dict:
+    """Model-call kwargs for one packed row: input_ids, position_ids, labels, cu_seqlens, blocks."""
+    ids, pos, labels, blocks, cu = [], [], [], [], [0]
+    for s in samples:
+        ids += s.ids
+        pos += list(range(len(s.ids)))
+        # the first label of each sample must not be predicted from the previous sample's last token
+        labels += [-100] + s.labels[1:]
+        blocks += s.blocks
+        cu.append(cu[-1] + len(s.ids))
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return dict(input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), labels=t([labels], torch.long),
+                ragattn_cu_seqlens=t(cu, torch.int32), ragattn_blocks=t(blocks, torch.int32))
+
+
+def train_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -> float:
+    """One optimizer step on a packed batch under the Block-Attention mask; returns the loss."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def eval_loss(model, batch: dict) -> float:
+    model.eval()
+    return float(model(**batch, use_cache=False).loss)
+
+
+def use_block_attention(model) -> None:
+    """Switch a loaded HF model's attention to the block-training function."""
+    register()
+    model.config._attn_implementation = ATTN_NAME
+    for m in model.modules():  # some models cache the implementation per sub-config
+        cfg = getattr(m, "config", None)
+        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = ATTN_NAME
+
+
+def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sample]:
+    """One sample per question: gold passage + ``top_k - 1`` random distractors in random order."""
+    from ragattn.demo import prompt_blocks
+
+    out = []
+    for q in corpus.questions:
+        gold = corpus.passage(q.passage_id) if q.passage_id else None
+        others = [p for p in corpus.passages if p is not gold]
+        chosen = rng.sample(others, top_k - (1 if gold else 0)) + ([gold] if gold else [])
+        rng.shuffle(chosen)
+        prompt = prompt_blocks(tokenizer, [p.render() for p in chosen], q.question)
+        answer = tokenizer(f"{q.answers[0]}.<|im_end|>", add_special_tokens=False)["input_ids"]
+        out.append(make_sample(prompt.prefix, prompt.chunks, prompt.question, answer))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ragattn finetune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
+    p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (default: the shipped one)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=2, help="samples packed per step")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--top-k", type=int, default=3, help="passages per sample (gold + distractors)")
+    p.add_argument("--train", choices=("all", "attention"), default="attention",
+                   help="parameters to train: all, or only the attention projections (default; less memory)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="default float32 on the CPU, bfloat16 on CUDA")
+    p.add_argument("--eval-questions", type=int, default=6, help="questions in the before/after evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None, metavar="DIR", help="save the fine-tuned model here")
+    args = p.parse_args(argv)
+    torch.set_flush_denormal(True)  # tiny Adam moments must not hit the slow denormal path
+
+    from tqdm import tqdm
+
+    from ragattn.corpus import CorpusError, load_corpus
+    from ragattn.demo import DemoError, load_model
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    try:
+        corpus = load_corpus(args.corpus)
+        model, tok = load_model(args.model, device)
+    except (CorpusError, DemoError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model = model.to(dtype)
+    use_block_attention(model)
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    params = [pr for n, pr in model.named_parameters()
+              if args.train == "all" or any(s in n for s in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    for pr in model.parameters():
+        pr.requires_grad_(False)
+    for pr in params:
+        pr.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+    # fixed held-out view of every question (its own distractors) to measure before/after
+    eval_batch = pack(corpus_samples(tok, corpus, args.top_k, random.Random(args.seed + 1))[: args.eval_questions], device)
+    before = eval_loss(model, eval_batch)
+    print(f"block-mask answer loss on {args.eval_questions} held-fixed prompts before: {before:.4f}")
+    t0 = time.perf_counter()
+    losses = []
+    bar = tqdm(range(args.steps), desc="block fine-tune", unit="step", file=sys.stderr)
+    for step in bar:
+        samples = corpus_samples(tok, corpus, args.top_k, rng)
+        batch = pack(rng.sample(samples, min(args.batch, len(samples))), device)
+        losses.append(train_step(model, optimizer, batch))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        tqdm.write(f"step {step + 1:4d}  loss {losses[-1]:.4f}", file=sys.stdout)
+    after = eval_loss(model, eval_batch)
+    n = max(1, len(losses) // 5)
+    print(f"block-mask answer loss on {args.eval_questions} held-fixed prompts after {args.steps} steps: {after:.4f} "
+          f"(before {before:.4f}); training loss first {n} steps {sum(losses[:n]) / n:.4f} -> "
+          f"last {n} {sum(losses[-n:]) / n:.4f}; {time.perf_counter() - t0:.0f} s on {device}")
+    if args.save:
+        model.config._attn_implementation = "sdpa"
+        model.save_pretrained(args.save)
+        tok.save_pretrained(args.save)
+        print(f"saved {args.save}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""bench/e2e.py at tiny sizes: it runs, writes its JSON/markdown/plot, and stays out of the
+micro-benchmark discovery."""
+import json
+
+from bench import e2e
+
+
+def test_e2e_bench_tiny(tmp_path):
+    out = tmp_path / "e2e"
+    assert e2e.main(["--device", "cpu", "--model", "tiny-random", "--sizes", "tiny", "--question-len", "5",
+                     "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "e2e.json").read_text())
+    paths = {r["path"] for r in data["rows"]}
+    assert "full-prefill" in paths
+    assert {r["context_tokens"] for r in data["rows"]} == {32, 48}
+    assert all(r["ttft_ms"] > 0 for r in data["rows"])
+    assert (out / "e2e.png").stat().st_size > 1000
+    assert "| 3 x 16 | 48 | full-prefill |" in (out / "e2e.md").read_text()
+
+
+def test_e2e_not_discovered_as_microbenchmark():
+    from bench.harness import discover_modules
+
+    assert "bench.e2e" not in discover_modules()
