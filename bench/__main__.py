@@ -2,7 +2,7 @@
 
     python -m bench                         # CPU sizes on the CPU (or GPU sizes when CUDA is up)
     python -m bench --device cuda --sizes gpu --out docs/perf/h100
-    python -m bench --only rerotate         # a subset (substring of family or case name)
+    python -m bench --only kv_cache         # one family (substring of the family, or case-name prefix)
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--sizes", default=None, choices=("cpu", "gpu"), help="shape set (default: gpu on cuda, cpu on cpu)")
-    parser.add_argument("--only", default=None, help="run only cases whose family or name contains this")
+    parser.add_argument("--only", default=None, help="run only the cases of families containing this, or whose name starts with it")
     parser.add_argument("--out", default="bench_results", help="folder for results.json and results.md")
     args = parser.parse_args(argv)
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     size = args.sizes or ("gpu" if device.type == "cuda" else "cpu")
 
-    from bench.harness import collect_cases, format_table, measure_case, measured_copy_bandwidth, measured_matmul_tflops
+    from bench.harness import format_table, iter_cases, measure_case, measured_copy_bandwidth, measured_matmul_tflops
 
     try:
         from tqdm import tqdm
@@ -54,17 +54,24 @@ def main(argv=None) -> int:
         def tqdm(x, **_):
             return x
 
-    cases = collect_cases(device, size, args.only)
-    if not cases:
-        print(f"no benchmark case matches --only {args.only!r}", file=sys.stderr)
-        return 1
     peaks = {
         "copy_GBps": measured_copy_bandwidth(device),
         "matmul_TFLOPs": measured_matmul_tflops(device, torch.bfloat16),
     }
     rows = []
-    for case in tqdm(cases, desc="benchmarks", unit="case", file=sys.stderr):
-        rows.extend(measure_case(case, device))
+    bar = tqdm(desc="benchmarks", unit="case", file=sys.stderr)
+    for mod_name, cases in iter_cases(device, size, args.only):
+        bar.set_postfix_str(mod_name.removeprefix("bench.bench_"))
+        for case in cases:
+            rows.extend(measure_case(case, device))
+            bar.update(1)
+        del cases  # free this family's inputs before the next one builds its own
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    if not rows:
+        print(f"no benchmark case matches --only {args.only!r}", file=sys.stderr)
+        return 1
 
     meta = {
         "device": _device_name(device),

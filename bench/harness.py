@@ -13,7 +13,7 @@ import importlib
 import pkgutil
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -101,15 +101,29 @@ def discover_modules() -> List[str]:
     return sorted(f"bench.{m.name}" for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
 
 
-def collect_cases(device: torch.device, size: str, only: Optional[str] = None) -> List[Case]:
-    """Every case of every bench module, filtered by ``only`` (substring of family or name)."""
-    out: List[Case] = []
+def _matches(case: Case, only: Optional[str]) -> bool:
+    # A family substring ("kv_cache", "attention") or a case-name prefix; not any substring of a
+    # case name, whose shape tags ("h32kv8") would match unrelated families.
+    return only is None or only in case.family or case.name.startswith(only)
+
+
+def iter_cases(device: torch.device, size: str, only: Optional[str] = None) -> Iterator[Tuple[str, List[Case]]]:
+    """``(module name, its cases)`` for every bench module, one module at a time.
+
+    Cases hold their input tensors, so building one module's cases only when the previous ones
+    are measured and dropped keeps the GPU sizes of all families from being resident at once.
+    """
     for mod_name in discover_modules():
         mod = importlib.import_module(mod_name)
-        for case in mod.cases(device, size):
-            if only is None or only in case.family or only in case.name:
-                out.append(case)
-    return out
+        cases = [c for c in mod.cases(device, size) if _matches(c, only)]
+        if cases:
+            yield mod_name, cases
+        del cases  # drop our reference before the next module builds its inputs
+
+
+def collect_cases(device: torch.device, size: str, only: Optional[str] = None) -> List[Case]:
+    """Every case of every bench module (all built at once: for the CPU sizes and pytest)."""
+    return [c for _, cases in iter_cases(device, size, only) for c in cases]
 
 
 def measure_case(case: Case, device: torch.device) -> List[dict]:

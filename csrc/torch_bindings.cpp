@@ -68,7 +68,7 @@ TORCH_LIBRARY_IMPL(ragattn, CUDA, m) {
   m.impl("rerotate_keys_", &ragattn::rerotate_keys_cuda);
   m.impl("copy_kv_", &ragattn::copy_kv_cuda);
   // speculative: verify_draft
-  // m.impl("verify_draft", &ragattn::verify_draft_cuda);  (lands with the kernel)
+  m.impl("verify_draft", &ragattn::verify_draft_cuda);
 }
 #endif
 

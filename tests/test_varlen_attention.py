@@ -257,3 +257,18 @@ def test_bad_inputs(mutate, exc, words):
     with pytest.raises(exc, match=words) as info:
         ragattn.varlen_attention(**a)
     assert "ragattn.varlen_attention" in str(info.value)
+
+
+def test_plan_cache_sees_in_place_edits(device, monkeypatch):
+    """The launchers cache tile metadata per index tensor: an in-place edit must invalidate it."""
+    _backend(monkeypatch, device, "triton")
+    args = list(_case([96], [96], 2, 1, 64, torch.float32, device, blocks="one", gen=torch.Generator().manual_seed(5)))
+    args[7] = torch.arange(96, dtype=torch.int32, device=device) // 32  # 3 independent chunks of 32
+    args[8] = args[7].clone()
+    out1, _ = ragattn.varlen_attention(*args)
+    args[7].fill_(-1)  # every token global: tile pairs skipped before must now be computed
+    args[8].fill_(-1)
+    out2, lse2 = ragattn.varlen_attention(*args)
+    o64, l64 = ref_varlen(*_float64(args))
+    assert max_abs_err(out2, o64) < 1e-4 and max_abs_err(lse2, l64) < 1e-4
+    assert max_abs_err(out1, out2) > 1e-3

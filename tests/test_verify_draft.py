@@ -292,3 +292,211 @@ def test_cpu_is_deterministic_across_threads(seed):
     finally:
         torch.set_num_threads(prev)
     assert_same(b, a, "threads")
+
+
+# ---------------------------------------------------------------------------------------------
+# output distributions (fixed seeds, many independent rows sharing one distribution)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; categories expected below 5 are pooled."""
+    n = counts.sum().double()
+    expected = probs.double() * n
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a.double() - b.double()).abs().sum())
+
+
+def _shared_rows(n_rows, g, vocab, seed, temperature=1.0, closeness=1.0, forbid=None):
+    """``n_rows`` chains over one distribution: z, q shared, drafts x ~ q and uniforms per row."""
+    gen = torch.Generator().manual_seed(seed)
+    z = 1.5 * randn_nonzero(1, g + 1, vocab, generator=gen)
+    if forbid is not None:
+        z[0, :, forbid] = float("-inf")  # probability 0 under the target (the draft still proposes it)
+    zd = z[:, :g].clone()
+    if forbid is not None:
+        zd[0, :, forbid] = 3.0
+    q = torch.softmax((zd + closeness * torch.randn(1, g, vocab, generator=gen)) / temperature, dim=-1)
+    q = q.expand(n_rows, g, vocab).contiguous()
+    zz = z.expand(n_rows, g + 1, vocab).contiguous()
+    x = torch.multinomial(q.reshape(-1, vocab), 1, replacement=True, generator=gen).reshape(n_rows, g)
+    u = torch.rand(n_rows, g + 1, generator=gen)
+    return x, q, zz, u
+
+
+N_SAMPLES = 20000
+
+
+def test_eta0_first_token_follows_target():
+    """Standard speculative sampling: the token emitted at a drafted position follows p exactly,
+    including a target-forbidden token the draft likes (never emitted)."""
+    vocab, temperature = 12, 0.8
+    x, q, z, u = _shared_rows(N_SAMPLES, 1, vocab, seed=11, temperature=temperature, forbid=3)
+    out, n = ragattn.verify_draft(x, q, z, u, temperature=temperature)
+    p = ref.target_probs(z[0, 0], temperature)
+    counts = torch.bincount(out[:, 0], minlength=vocab)
+    assert counts[3] == 0 and (x[:, 0] == 3).sum() > 500  # proposed often, never emitted
+    assert 0.2 < float(n.float().mean()) < 0.9  # both branches (accept, residual) exercised
+    assert _chi2_pvalue(counts, p) > 1e-3
+    # the test has power: resampling the rejected token from p instead of the residual is caught
+    q0 = q[0, 0].double()
+    wrong = torch.minimum(q0, p) + (1 - torch.minimum(q0, p).sum()) * p
+    assert _tv(wrong, p) > 0.02 and _chi2_pvalue(counts, wrong) < 1e-6
+
+
+def test_rapid_first_token_follows_modified_distribution():
+    """eta > 0: the emitted token follows min(q, p_hat) + (1 - beta) norm(max(p - min(q, p_hat), 0)),
+    which is (deliberately) not p."""
+    vocab, temperature, eta, alpha = 12, 1.0, 10.0, 0.1
+    x, q, z, u = _shared_rows(N_SAMPLES, 1, vocab, seed=12, temperature=temperature, closeness=1.5)
+    out, n = ragattn.verify_draft(x, q, z, u, temperature=temperature, eta=eta, alpha=alpha)
+    p = ref.target_probs(z[0, 0], temperature)
+    ph = ref.modified_target_probs(z[0, 0], q[0, 0], temperature, eta, alpha)
+    p_out = ref.first_token_distribution(p, q[0, 0].double(), ph)
+    counts = torch.bincount(out[:, 0], minlength=vocab)
+    assert float(n.float().mean()) < 0.95  # the residual branch is exercised
+    assert _tv(p_out, p) > 0.05  # the two hypotheses are far apart ...
+    assert _chi2_pvalue(counts, p_out) > 1e-3  # ... the samples follow RAPID's distribution
+    assert _chi2_pvalue(counts, p) < 1e-12  # ... and demonstrably not the target's
+
+
+def test_bonus_token_follows_target():
+    """When every draft is accepted the extra token is drawn from p at position num_draft (also for eta > 0)."""
+    vocab, g = 12, 2
+    x, q, z, u = _shared_rows(N_SAMPLES, g, vocab, seed=13, closeness=0.3)
+    out, n = ragattn.verify_draft(x, q, z, u, eta=5.0)
+    full = n == g
+    assert int(full.sum()) > 5000
+    counts = torch.bincount(out[full, g], minlength=vocab)
+    p_bonus = ref.target_probs(z[0, g], 1.0)
+    assert _chi2_pvalue(counts, p_bonus) > 1e-3
+    ph_last = ref.modified_target_probs(z[0, g - 1], q[0, g - 1], 1.0, 5.0, 0.1)
+    assert _tv(ph_last, p_bonus) > 0.05 and _chi2_pvalue(counts, ph_last) < 1e-12
+
+
+def test_all_zero_residual_falls_back_to_target():
+    """q >= p everywhere (an unnormalised draft row) leaves a zero residual: the token is drawn from p
+    (where RAPID's code divides 0 by 0)."""
+    vocab, n_rows = 12, 8000
+    gen = torch.Generator().manual_seed(14)
+    z = randn_nonzero(1, 2, vocab, generator=gen).expand(n_rows, 2, vocab).contiguous()
+    p32 = torch.softmax(z[:, :1].float(), dim=-1)
+    q = (1.01 * p32).contiguous()
+    x = torch.multinomial(p32[:, 0], 1, generator=gen)
+    u = torch.rand(n_rows, 2, generator=gen)
+    u[:, 0] = 0.999  # u q(x) > p(x): always rejected
+    out, n = ragattn.verify_draft(x, q, z, u)
+    assert (n == 0).all()
+    p = ref.target_probs(z[0, 0], 1.0)
+    assert ref.residual_weights(p, q[0, 0].double(), p).sum() == 0
+    assert _chi2_pvalue(torch.bincount(out[:, 0], minlength=vocab), p) > 1e-3
+    assert_same((out, n), ref.verify_draft(x, q, z, u), "fallback vs reference")
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy decoding with a synthetic target and drafter
+
+
+def _synthetic_logits(prefix, vocab, salt):
+    h = salt
+    for t in prefix[-4:]:
+        h = (h * 1000003 + int(t) + 7) % (2**31 - 1)
+    gen = torch.Generator().manual_seed(h)
+    return 3.0 * torch.randn(vocab, generator=gen)
+
+
+def _target(prefix, vocab):
+    return _synthetic_logits(prefix, vocab, 17)
+
+
+def _draft_probs(prefix, vocab, temperature):
+    # the drafter agrees with the target most of the time
+    return torch.softmax((_target(prefix, vocab) + 1.5 * _synthetic_logits(prefix, vocab, 23)) / temperature, -1)
+
+
+def _speculative_greedy(gamma, eta, length, vocab=50, temperature=1.0, alpha=0.1):
+    seq, bonus = [1], []
+    while len(seq) < length:
+        drafts, qs = [], []
+        for _ in range(gamma):  # the drafter drafts greedily
+            qj = _draft_probs(seq + drafts, vocab, temperature)
+            qs.append(qj)
+            drafts.append(int(qj.argmax()))
+        z = torch.stack([_target(seq + drafts[:j], vocab) for j in range(gamma + 1)])[None]
+        x = torch.tensor([drafts])
+        out, n = ragattn.verify_draft(x, torch.stack(qs)[None], z, torch.rand(1, gamma + 1), temperature=temperature,
+                                      eta=eta, alpha=alpha, greedy=True)
+        k = int(n[0])
+        emitted = out[0, : k + 1].tolist()
+        bonus += [False] * k + [k == gamma]
+        seq += emitted
+    return seq[:length], bonus[: length - 1]
+
+
+@pytest.mark.parametrize("eta", [0.0, 10.0])
+def test_greedy_is_greedy_decoding_of_p_hat(eta):
+    length, vocab, temperature, alpha = 40, 50, 1.0, 0.1
+    seqs = {}
+    for gamma in (1, 4, 16):
+        seq, bonus = _speculative_greedy(gamma, eta, length, vocab, temperature, alpha)
+        seqs[gamma] = seq
+        for i in range(1, length):
+            prefix = seq[:i]
+            z = _target(prefix, vocab)
+            if bonus[i - 1]:
+                want = int(z.argmax())
+            else:
+                want = int(ref.modified_target_probs(z, _draft_probs(prefix, vocab, temperature), temperature, eta,
+                                                     alpha).argmax())
+            assert seq[i] == want, f"gamma {gamma}: token {i} is {seq[i]}, greedy decoding gives {want}"
+        if eta > 0:  # p_hat really differs from p along the way (else this would not test much)
+            assert any(not bonus[i - 1] and seq[i] != int(_target(seq[:i], vocab).argmax()) for i in range(1, length))
+    if eta == 0:
+        assert seqs[1] == seqs[4] == seqs[16]  # p_hat = p: the bonus changes nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# edge cases
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-20, 1e-45, 1e-60])
+@pytest.mark.parametrize("eta", [0.0, 10.0])
+def test_tiny_temperature(device, temperature, eta):
+    """T -> 0: p (and p_hat) become one-hot on the argmax (uniform over exact ties): sampling is
+    greedy decoding, whatever the uniforms."""
+    gen = torch.Generator().manual_seed(5)
+    x, q, z, u = make_case(96, 4, 300, gen=gen)
+    t = 32  # rows 0..31 have an exact tie at the top
+    z[:t, :, 7] = z[:t].amax(-1) + 1.0
+    z[:t, :, 11] = z[:t, :, 7]
+    got = run(x, q, z, u, device, temperature=temperature, eta=eta)
+    want = ref.verify_draft(x, q, z, u, temperature, eta)
+    out, n = got
+    tied = out[:t].gather(1, n[:t, None].long())[:, 0]
+    assert set(tied.tolist()) == {7, 11}  # the uniforms split the ties
+    assert_same((out[t:], n[t:]), (want[0][t:], want[1][t:]), "tiny T")
+    greedy = run(x, q, z, u, device, temperature=temperature, eta=eta, greedy=True)
+    assert_same((out[t:], n[t:]), (greedy[0][t:], greedy[1][t:]), "tiny T sampling == greedy")
+
+
+def test_draft_forbidden_by_target(device, seed):
+    """A draft token with target probability 0 is never accepted, whatever its uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    x, q, z, u = make_case(32, 3, 64, gen=gen, closeness=0.1)
+    rows = torch.arange(0, 32, 2)
+    z[rows, 0, x[rows, 0]] = float("-inf")
+    u[rows, 0] = 0.0
+    out, n = run(x, q, z, u, device, eta=10.0)
+    assert (n[rows] == 0).all()
+    assert (out[rows, 0] != x[rows, 0]).all()
+    u = robust_uniforms(x, q, z, u, 1.0, 10.0)
+    assert_same(run(x, q, z, u, device, eta=10.0), ref.verify_draft(x, q, z, u, 1.0, 10.0), "forbidden drafts")

@@ -16,6 +16,7 @@ head) looping over the group's query heads, so no atomics are needed.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 
@@ -450,6 +451,29 @@ def _defaults(cu, pos, blk, total):
     return pos, blk
 
 
+# A model calls the op once per layer with the same index tensors: keep the last few tile plans.
+# Entries hold strong references, so an `is` match cannot be a recycled tensor, and the version
+# counters catch in-place edits.
+_PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 8
+
+
+def _tile_plan(cu, pos, blk, total, block):
+    """(pos, blk, tile_off, tile_seq, tile_start, meta, search) for one side, cached per call site."""
+    key = (id(cu), id(pos), id(blk), total, block)
+    hit = _PLAN_CACHE.get(key)
+    versions = tuple(-1 if t is None else t._version for t in (cu, pos, blk))
+    if hit is not None and hit[0] is cu and hit[1] is pos and hit[2] is blk and hit[3] == versions:
+        _PLAN_CACHE.move_to_end(key)
+        return hit[4]
+    full_pos, full_blk = _defaults(cu, pos, blk, total)
+    plan = (full_pos, full_blk) + tile_metadata(cu, full_pos, full_blk, total, block)
+    _PLAN_CACHE[key] = (cu, pos, blk, versions, plan)
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
 def _config(head_dim: int, backward: bool):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter wants few, big tiles."""
     if _INTERPRET:
@@ -484,10 +508,8 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     batch = cu_q.numel() - 1
     if total_q == 0 or batch == 0:
         return out, lse
-    q_pos, q_block = _defaults(cu_q, q_pos, q_block, total_q)
-    kv_pos, kv_block = _defaults(cu_k, kv_pos, kv_block, total_k)
-    q_off, q_seq, q_start, q_meta, _ = tile_metadata(cu_q, q_pos, q_block, total_q, bm)
-    k_off, k_seq, _, k_meta, k_search = tile_metadata(cu_k, kv_pos, kv_block, total_k, bn)
+    q_pos, q_block, q_off, q_seq, q_start, q_meta, _ = _tile_plan(cu_q, q_pos, q_block, total_q, bm)
+    kv_pos, kv_block, k_off, k_seq, _, k_meta, k_search = _tile_plan(cu_k, kv_pos, kv_block, total_k, bn)
     grid = (q_seq.numel(), num_heads)
     _fwd_kernel[grid](
         q, k, v, out, lse, q_pos, kv_pos, q_block, kv_block,
@@ -511,10 +533,8 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
     batch = cu_q.numel() - 1
     if batch == 0 or (total_q == 0 and total_k == 0):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q_pos, q_block = _defaults(cu_q, q_pos, q_block, total_q)
-    kv_pos, kv_block = _defaults(cu_k, kv_pos, kv_block, total_k)
-    q_off, q_seq, q_start, q_meta, q_search = tile_metadata(cu_q, q_pos, q_block, total_q, bm)
-    k_off, k_seq, k_start, k_meta, k_search = tile_metadata(cu_k, kv_pos, kv_block, total_k, bn)
+    q_pos, q_block, q_off, q_seq, q_start, q_meta, q_search = _tile_plan(cu_q, q_pos, q_block, total_q, bm)
+    kv_pos, kv_block, k_off, k_seq, k_start, k_meta, k_search = _tile_plan(cu_k, kv_pos, kv_block, total_k, bn)
 
     delta = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
     rows = total_q * num_heads

@@ -142,7 +142,7 @@ struct RowView {
 
 float logit_at(const RowView& r, int v) { return load_logit(r.z, r.kind, v); }
 
-PositionStats position_stats(const RowView& r, float temperature, float eta, float alpha) {
+PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
   const int nchunks = (r.V + kChunk - 1) / kChunk;
   const bool with_q = eta > 0.0f && r.q != nullptr;
   std::vector<SoftmaxState> st(kThreads);
@@ -153,14 +153,14 @@ PositionStats position_stats(const RowView& r, float temperature, float eta, flo
     for (int c = t; c < nchunks; c += kThreads) {
       const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
       for (int v = v0; v < v1; ++v) {
-        softmax_update(s, logit_at(r, v), v, temperature);
+        softmax_update(s, logit_at(r, v), v, inv_t);
         if (with_q) qm = f_max(qm, r.q[v]);
       }
     }
     st[t] = s;
     qmax[t] = qm;
   }
-  auto merge_t = [temperature](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, temperature); };
+  auto merge_t = [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); };
   const SoftmaxState sz = block_reduce(st, softmax_identity(), merge_t);
   PositionStats ps;
   ps.m_z = sz.m;
@@ -179,9 +179,8 @@ PositionStats position_stats(const RowView& r, float temperature, float eta, flo
     for (int c = t; c < nchunks; c += kThreads) {
       const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
       for (int v = v0; v < v1; ++v) {
-        const float y = scaled_logit(logit_at(r, v), ps.m_z, temperature);
-        const float p = target_prob(y, ps.inv_sp);
-        softmax_update(s, modified_logit(y, p, r.q[v], eta, ps.q_thresh), v, 1.0f);
+        const float y = scaled_logit(logit_at(r, v), ps.m_z, inv_t);
+        softmax_update(s, modified_logit(y, r.q[v], eta, ps.q_thresh, ps.inv_sp), v, 1.0f);
       }
     }
     st[t] = s;
@@ -197,7 +196,7 @@ PositionStats position_stats(const RowView& r, float temperature, float eta, flo
 // Inverse-CDF draw of one token from the weights of `mode` at this position (see the
 // "Summation order" of verify_draft_math.h); falls back from the residual to p when the
 // residual is all zero.
-int draw_token(const RowView& r, const PositionStats& ps, int mode, float temperature, float eta, float u) {
+int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t, float eta, float u) {
   const int nchunks = (r.V + kChunk - 1) / kChunk;
   const int ntiles = (nchunks + kThreads - 1) / kThreads;
   std::vector<float> w(static_cast<size_t>(kTile));
@@ -218,7 +217,7 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float temper
           const int v = v0 + e;
           float wv = 0.0f;
           if (v < r.V) {
-            wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : r.q[v], ps, temperature, eta);
+            wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : r.q[v], ps, inv_t, eta);
             if (wv > 0.0f && v > *last_pos) *last_pos = v;
           }
           w[t * kChunk + e] = wv;
@@ -274,7 +273,7 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float temper
 
 template <typename index_t>
 void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, const at::Tensor& target_logits,
-                 const at::Tensor& uniforms, float temperature, float eta, float alpha, bool greedy,
+                 const at::Tensor& uniforms, float inv_t, float eta, float alpha, bool greedy,
                  const index_t* num_draft, at::Tensor& out_tokens, at::Tensor& num_accepted) {
   const int64_t B = draft_tokens.size(0), g = draft_tokens.size(1);
   const int V = static_cast<int>(target_logits.size(2));
@@ -297,7 +296,7 @@ void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, 
       int token = -1;
       for (int64_t j = 0; j < nd; ++j) {
         RowView r{z_base + static_cast<size_t>((b * (g + 1) + j) * V) * esize, q_base + (b * g + j) * V, kind, V};
-        const PositionStats ps = position_stats(r, temperature, eta, alpha);
+        const PositionStats ps = position_stats(r, inv_t, eta, alpha);
         const int64_t x = tok[b * g + j];
         bool ok;
         if (greedy) {
@@ -307,9 +306,9 @@ void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, 
         } else {
           float p, p_hat;
           const float q_x = r.q[x];
-          token_probs(load_logit(r.z, kind, x), q_x, ps, temperature, eta, &p, &p_hat);
+          token_probs(load_logit(r.z, kind, x), q_x, ps, inv_t, eta, &p, &p_hat);
           ok = accept_draft(uni[b * (g + 1) + j], q_x, p_hat);
-          if (!ok) token = draw_token(r, ps, kWeightResidual, temperature, eta, u_last);
+          if (!ok) token = draw_token(r, ps, kWeightResidual, inv_t, eta, u_last);
         }
         if (!ok) {
           n = j;
@@ -319,8 +318,8 @@ void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, 
       }
       if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
         RowView r{z_base + static_cast<size_t>((b * (g + 1) + nd) * V) * esize, nullptr, kind, V};
-        const PositionStats ps = position_stats(r, temperature, 0.0f, alpha);
-        token = greedy ? ps.argmax_z : draw_token(r, ps, kWeightTarget, temperature, eta, u_last);
+        const PositionStats ps = position_stats(r, inv_t, 0.0f, alpha);
+        token = greedy ? ps.argmax_z : draw_token(r, ps, kWeightTarget, inv_t, eta, u_last);
       }
       if (token < 0 || token >= V) token = 0;  // only for rows of all -inf / NaN logits
       out[b * (g + 1) + n] = token;
@@ -348,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_toke
   const auto probs = draft_probs.contiguous();
   const auto logits = target_logits.contiguous();
   const auto uni = uniforms.contiguous();
-  const float t = temperature_f32(temperature), e = static_cast<float>(eta), a = static_cast<float>(alpha);
+  const float t = inverse_temperature(temperature), e = static_cast<float>(eta), a = static_cast<float>(alpha);
   if (num_draft.has_value() && num_draft->scalar_type() == at::kInt) {
     const auto nd = num_draft->contiguous();
     verify_rows<int32_t>(tok, probs, logits, uni, t, e, a, greedy, nd.const_data_ptr<int32_t>(), out_tokens,

@@ -26,6 +26,10 @@
 
 #include "common/host_device.h"
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 namespace ragattn {
 namespace speculative {
 
@@ -106,6 +110,9 @@ RAGATTN_HD float bits_to_float(uint32_t bits) {
 // Exact widening of the 16-bit logit formats (the raw bits, so that no framework type is needed).
 RAGATTN_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 RAGATTN_HD float fp16_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));  // exact, like the integer path below
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t expo = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
@@ -115,6 +122,7 @@ RAGATTN_HD float fp16_to_float(uint16_t h) {
   }
   if (expo == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));  // inf / nan
   return bits_to_float(sign | ((expo + 112u) << 23) | (mant << 13));
+#endif
 }
 
 // Token v of a logits row, widened to fp32.
@@ -144,15 +152,16 @@ RAGATTN_HD float vexp(float x) {
   return f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
 }
 
-// The temperature in fp32. Below the smallest float32 it is clamped to it: for such T the target
-// is the uniform distribution over the argmax ties of z, which is also the limit T -> 0.
-inline float temperature_f32(double temperature) {
-  const float t = static_cast<float>(temperature);
-  return t > 0.0f ? t : 1.40129846e-45f;
+// 1/T in fp32, saturated at FLT_MAX: for T below 1/FLT_MAX every token but the argmax ties of z
+// gets a scaled logit of -inf (probability 0), which is also the limit T -> 0. Multiplying by
+// 1/T instead of dividing by T saves a division per token on the GPU.
+inline float inverse_temperature(double temperature) {
+  const double inv = 1.0 / temperature;
+  return inv < 3.4028234663852886e38 ? static_cast<float>(inv) : 3.4028234663852886e38f;
 }
 
 // ---- online softmax with argmax ---------------------------------------------------------------
-// Running (max m, sum s of exp((x - m) / T), first argmax idx) over the tokens seen. -inf and NaN
+// Running (max m, sum s of exp((x - m) * inv_t), first argmax idx) over the tokens seen. -inf and NaN
 // inputs contribute nothing (probability 0).
 struct SoftmaxState {
   float m;
@@ -162,22 +171,26 @@ struct SoftmaxState {
 
 RAGATTN_HD SoftmaxState softmax_identity() { return SoftmaxState{-INFINITY, 0.0f, kNoToken}; }
 
-RAGATTN_HD void softmax_update(SoftmaxState& st, float x, int v, float temperature) {
+RAGATTN_HD void softmax_update(SoftmaxState& st, float x, int v, float inv_t) {
   if (x > st.m) {
-    st.s = f_add(f_mul(st.s, vexp(f_div(f_sub(st.m, x), temperature))), 1.0f);
+    st.s = f_add(f_mul(st.s, vexp(f_mul(f_sub(st.m, x), inv_t))), 1.0f);
     st.m = x;
     st.idx = v;
   } else if (x > -INFINITY) {
-    st.s = f_add(st.s, vexp(f_div(f_sub(x, st.m), temperature)));
+    st.s = f_add(st.s, vexp(f_mul(f_sub(x, st.m), inv_t)));
   }
 }
 
 // Symmetric in (a, b) bit for bit, so both lanes of a butterfly hold the same result.
-RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState& b, float temperature) {
+// Merging with a state that saw nothing returns the other state exactly (vexp(0) == 1), so that
+// case is short-cut (most virtual threads of the CPU twin are empty for small vocabularies).
+RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState& b, float inv_t) {
+  if (b.s == 0.0f && b.idx == kNoToken) return a;
+  if (a.s == 0.0f && a.idx == kNoToken) return b;
   SoftmaxState r;
   r.m = f_max(a.m, b.m);
-  const float sa = a.s > 0.0f ? f_mul(a.s, vexp(f_div(f_sub(a.m, r.m), temperature))) : 0.0f;
-  const float sb = b.s > 0.0f ? f_mul(b.s, vexp(f_div(f_sub(b.m, r.m), temperature))) : 0.0f;
+  const float sa = a.s > 0.0f ? f_mul(a.s, vexp(f_mul(f_sub(a.m, r.m), inv_t))) : 0.0f;
+  const float sb = b.s > 0.0f ? f_mul(b.s, vexp(f_mul(f_sub(b.m, r.m), inv_t))) : 0.0f;
   r.s = f_add(sa, sb);
   r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : (a.idx < b.idx ? a.idx : b.idx));
   return r;
@@ -187,7 +200,7 @@ RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState&
 // After the per-position reductions every thread holds the same PositionStats.
 struct PositionStats {
   float m_z;       // max of the raw target logits z
-  float inv_sp;    // 1 / sum exp((z - m_z) / T)
+  float inv_sp;    // 1 / sum exp((z - m_z) * inv_t)
   int argmax_z;    // first argmax of z (= argmax p)
   float q_thresh;  // alpha * max(q): the RAPID mask is q >= q_thresh
   float m_a;       // max of the modified logits a (eta > 0)
@@ -196,25 +209,26 @@ struct PositionStats {
 };
 
 // y = (z - max z) / T <= 0: never overflows, however small T is.
-RAGATTN_HD float scaled_logit(float z, float m_z, float temperature) { return f_div(f_sub(z, m_z), temperature); }
+RAGATTN_HD float scaled_logit(float z, float m_z, float inv_t) { return f_mul(f_sub(z, m_z), inv_t); }
 
 // p(v) from its scaled logit.
 RAGATTN_HD float target_prob(float y, float inv_sp) { return f_mul(vexp(y), inv_sp); }
 
 // RAPID's modified logit a = y + eta * mask * (q - p) (softmax(a) = p_hat; shift-invariant).
-RAGATTN_HD float modified_logit(float y, float p, float q, float eta, float q_thresh) {
-  return q >= q_thresh ? f_add(y, f_mul(eta, f_sub(q, p))) : y;
+// p is only needed where the mask is on (usually a handful of tokens), so it is computed there.
+RAGATTN_HD float modified_logit(float y, float q, float eta, float q_thresh, float inv_sp) {
+  return q >= q_thresh ? f_add(y, f_mul(eta, f_sub(q, target_prob(y, inv_sp)))) : y;
 }
 
 RAGATTN_HD float modified_prob(float a, float m_a, float inv_sa) { return f_mul(vexp(f_sub(a, m_a)), inv_sa); }
 
 // p(v) and p_hat(v) of one token (p_hat = p when eta == 0).
-RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float temperature, float eta, float* p,
+RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float inv_t, float eta, float* p,
                             float* p_hat) {
-  const float y = scaled_logit(z, st.m_z, temperature);
+  const float y = scaled_logit(z, st.m_z, inv_t);
   *p = target_prob(y, st.inv_sp);
   if (eta > 0.0f) {
-    *p_hat = modified_prob(modified_logit(y, *p, q, eta, st.q_thresh), st.m_a, st.inv_sa);
+    *p_hat = modified_prob(modified_logit(y, q, eta, st.q_thresh, st.inv_sp), st.m_a, st.inv_sa);
   } else {
     *p_hat = *p;
   }
@@ -226,10 +240,10 @@ RAGATTN_HD bool accept_draft(float u, float q_x, float p_hat_x) { return q_x > 0
 
 // Weight of token v in the final draw: the residual max(p - min(q, p_hat), 0) after a
 // rejection, or p for the bonus token / the all-zero-residual fallback.
-RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float temperature, float eta) {
-  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, temperature), st.inv_sp);
+RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float inv_t, float eta) {
+  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, inv_t), st.inv_sp);
   float p, p_hat;
-  token_probs(z, q, st, temperature, eta, &p, &p_hat);
+  token_probs(z, q, st, inv_t, eta, &p, &p_hat);
   return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
 }
 

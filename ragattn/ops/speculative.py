@@ -81,9 +81,10 @@ def verify_draft(
             target forbids (probability 0). Math is fp32 whatever the dtype.
         uniforms: float32 ``[B, g + 1]`` in ``[0, 1)``: ``uniforms[:, j]`` is draft ``j``'s acceptance
             draw, ``uniforms[:, g]`` the draw of the final token (by inverse CDF). Ignored if greedy.
-        temperature: ``T > 0``; ``p = softmax(z / T)``, computed as ``softmax((z - max z) / T)`` so any
-            small ``T`` is safe (below 1.4e-45 it is clamped; the limit is the uniform distribution over
-            the argmax ties of ``z``).
+        temperature: ``T > 0``; ``p = softmax(z / T)``, computed as ``softmax((z - max z) * (1 / T))`` so
+            any small ``T`` is safe: as ``T -> 0`` (and for ``T`` below ``1 / FLT_MAX``, where ``1 / T``
+            saturates) ``p`` becomes the uniform distribution over the argmax ties of ``z``, and sampling
+            becomes greedy decoding.
         eta: RAPID's transfer strength, ``>= 0`` (0 = standard speculative sampling).
         alpha: RAPID's mask threshold in ``[0, 1]``: the shift applies where ``q >= alpha * max q``.
         greedy: deterministic mode (below).

@@ -1,0 +1,92 @@
+"""Benchmark of ``verify_draft`` (issue 4): chain speculative verification, standard (eta 0) and
+RAPID's modified target (eta 10).
+
+gpu: B in {1, 8, 64} x gamma in {4, 10} x V in {32000 (LLaMA-2), 128256 (LLaMA-3.1),
+152064 (Qwen2.5)}, bf16 target logits, fp32 draft probs, T = 1. The drafts are sampled from a
+draft distribution close to the target's, so that a realistic share of each chain is accepted
+(the kernel stops at the first rejection; ``mean_accepted`` is reported in the params).
+``bytes`` = draft_probs + target_logits (what one call has to be able to read); peak "copy".
+Target on an H100: >= 80% of the copy bandwidth at B = 64, gamma = 10, V = 128256, and >= 10x
+over the torch implementation.
+
+Baselines, same inputs and rule:
+* ``torch_batched``: ragattn.reference.speculative.verify_draft in fp32, the rule of RAPID's
+  code vectorised over the batch (softmaxes over all positions, gathers, cumsum inverse CDF).
+* ``torch_rapid_loop``: RAPID's ``_speculative_sampling`` as the authors run it, one row at a
+  time with a host-side branch on the accepted count and ``torch.multinomial`` (batch-1 code).
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.harness import Case
+
+
+def _rapid_loop(x, q, z, temperature, eta, alpha):
+    """RAPID's code path, row by row (host sync per row, as in the batch-1 original)."""
+    g = x.shape[1]
+    out = []
+    for b in range(x.shape[0]):
+        s_t = z[b].float() / temperature
+        p = torch.softmax(s_t, dim=-1)
+        qb = q[b]
+        mask = qb >= alpha * qb.amax(dim=-1, keepdim=True)
+        p_hat = torch.softmax(s_t[:g] - eta * torch.where(mask, p[:g] - qb, torch.zeros_like(qb)), dim=-1)
+        ratio = p_hat.gather(-1, x[b, :, None])[:, 0] / qb.gather(-1, x[b, :, None])[:, 0]
+        accepted = torch.rand(g, device=z.device) <= ratio
+        n = int(((~accepted).cumsum(-1) < 1).sum())
+        if n < g:
+            w = torch.clamp(p[n] - torch.minimum(qb[n], p_hat[n]), min=0)
+            w = w / w.sum()
+        else:
+            w = p[g]
+        out.append(torch.multinomial(w, 1))
+    return out
+
+
+def _inputs(bsz, g, vocab, device, gen):
+    z = 3.0 * torch.randn(bsz, g + 1, vocab, generator=gen, device=device)
+    # per-token acceptance sum(min(p, q)) ~ 0.8, RAPID's reported 75-85%
+    q = torch.softmax(z[:, :g] + 0.5 * torch.randn(bsz, g, vocab, generator=gen, device=device), dim=-1)
+    x = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(bsz, g)
+    u = torch.rand(bsz, g + 1, generator=gen, device=device)
+    return x, q.contiguous(), z.to(torch.bfloat16), u
+
+
+def cases(device: torch.device, size: str):
+    import ragattn
+    from ragattn.reference.speculative import verify_draft as reference
+
+    if size == "gpu":
+        grid = [(b, g, v) for v in (32000, 128256, 152064) for g in (4, 10) for b in (1, 8, 64)]
+    else:
+        grid = [(1, 4, 2000), (4, 4, 2000)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for bsz, g, vocab in grid:
+        x, q, z, u = _inputs(bsz, g, vocab, device, gen)
+        nbytes = q.numel() * q.element_size() + z.numel() * z.element_size()
+        for eta in (0.0, 10.0):
+            _, n = ragattn.verify_draft(x, q, z, u, eta=eta)
+            out.append(
+                Case(
+                    family="verify_draft",
+                    name=f"B{bsz}_g{g}_V{vocab}_eta{eta:g}",
+                    run=lambda x=x, q=q, z=z, u=u, eta=eta: ragattn.verify_draft(x, q, z, u, eta=eta),
+                    baselines={
+                        "torch_batched": lambda x=x, q=q, z=z, u=u, eta=eta: reference(
+                            x, q, z, u, 1.0, eta, 0.1, False, None, torch.float32
+                        ),
+                        "torch_rapid_loop": lambda x=x, q=q, z=z, eta=eta: _rapid_loop(x, q, z, 1.0, eta, 0.1),
+                    },
+                    bytes=float(nbytes),
+                    peak="copy",
+                    params={
+                        "logits": "bfloat16",
+                        "eta": eta,
+                        "mean_accepted": round(float(n.float().mean()), 2),
+                        "target": "B64 g10 V128256: >= 80% of copy bandwidth, >= 10x torch",
+                    },
+                )
+            )
+    return out
