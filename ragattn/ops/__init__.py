@@ -2,29 +2,23 @@
 
 Every op is a ``torch.ops.ragattn.<name>`` custom op (schemas in csrc/torch_bindings.cpp) and
 is mirrored here as ``ragattn.ops.<name>`` / ``ragattn.<name>`` with a docstring giving every
-tensor's shape and dtype.
+tensor's shape and dtype. One module per op family.
 """
 from ragattn import _extension  # noqa: F401  (loads the schemas first)
+from ragattn.ops.key_attention_scores import key_attention_scores
+from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_
+from ragattn.ops.merge_attention_states import merge_attention_states
+from ragattn.ops.paged_attention import paged_attention
+from ragattn.ops.speculative import verify_draft
+from ragattn.ops.varlen_attention import varlen_attention
 
-from ragattn.ops.merge_attention_states import merge_attention_states  # noqa: E402
-from ragattn.ops.paged_attention import paged_attention  # noqa: E402
-
-__all__: list[str] = []
-
-from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_  # noqa: E402
-
-__all__ += ["rerotate_keys_", "copy_kv_"]
-
-__all__ += ["paged_attention", "merge_attention_states"]
-
-from ragattn.ops.key_attention_scores import key_attention_scores  # noqa: E402
-
-__all__ += ["key_attention_scores"]
-
-from ragattn.ops.varlen_attention import varlen_attention  # noqa: E402
-
-__all__ += ["varlen_attention"]
-
-from ragattn.ops.speculative import verify_draft  # noqa: E402
-
-__all__ += ["verify_draft"]
+# In the order of design.md's op surface.
+__all__ = [
+    "varlen_attention",
+    "paged_attention",
+    "merge_attention_states",
+    "rerotate_keys_",
+    "copy_kv_",
+    "key_attention_scores",
+    "verify_draft",
+]
