@@ -30,6 +30,8 @@ from typing import Callable, Dict, List
 import torch
 
 from bench.__main__ import _commit
+from ragattn.methods.chunk_store import ChunkStore
+from ragattn.methods.common import paged_forward
 
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test
@@ -93,11 +95,6 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0) -> Lis
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    try:
-        from ragattn.methods.chunk_store import ChunkStore
-        from ragattn.methods.common import paged_forward
-    except ImportError:  # the methods have not landed: baseline only
-        ChunkStore = None
     for num_chunks, chunk_size in sizes:
         chunks = [torch.randint(10, vocab, (chunk_size,), generator=gen).tolist() for _ in range(num_chunks)]
         question = torch.randint(10, vocab, (question_len,), generator=gen).tolist()
@@ -110,8 +107,6 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0) -> Lis
 
         t_full = _time_ms(full, device, repeats)
         rows.append(dict(base, path="full-prefill", ttft_ms=t_full, speedup=1.0))
-        if ChunkStore is None:
-            continue
         store = ChunkStore(model)
         keys = store.add(chunks)  # offline precompute, not timed
         q = torch.tensor([question], device=device)
@@ -124,13 +119,11 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0) -> Lis
         t_cached = _time_ms(cached, device, repeats)
         rows.append(dict(base, path="cached (on device)", ttft_ms=t_cached, speedup=t_full / t_cached))
         if device.type == "cuda":
-            # the chunk KV lives in pinned host memory; the store's device pools are refilled from it
-            host_k = [p.cpu().pin_memory() for p in store._pool_k]
-            host_v = [p.cpu().pin_memory() for p in store._pool_v]
+            # the chunk KV lives in pinned host memory; the store's device pool is refilled from it
+            host_k, host_v = store.pooled_kv("cpu", pin_memory=True)
 
             def from_host():
-                for dst, src in zip(store._pool_k + store._pool_v, host_k + host_v):
-                    dst.copy_(src, non_blocking=True)
+                store.load_pooled_kv_(host_k, host_v, non_blocking=True)
                 return cached()
 
             t_h2d = _time_ms(from_host, device, repeats)

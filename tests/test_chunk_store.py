@@ -123,3 +123,42 @@ def test_mismatched_store_is_refused(smollm2):
     store = ChunkStore(random_llama(SHAPE, dtype=torch.float32, seed=9))
     with pytest.raises(ChunkStoreError, match="another model"):
         block_attention.answer(model, tok, ["a passage"], "q?", store=store)
+
+
+def test_pooled_kv_round_trip(model):
+    store = ChunkStore(model)
+    keys = store.add(_chunks(5, [7, 2, 12]))
+    k, v = store.pooled_kv("cpu")
+    L, Hkv, D = SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], 16
+    assert k.shape == v.shape == (L, 21, Hkv, D) and k.dtype == v.dtype == torch.float32
+    assert store.num_rows == 21 and not k.is_pinned()
+    # rows are the chunks in the order they were added
+    assert torch.equal(k, torch.cat([store.kv(key)[0] for key in keys], dim=1))
+    assert torch.equal(v, torch.cat([store.kv(key)[1] for key in keys], dim=1))
+    want = store.assemble(keys[::-1])
+    rows = want.cache.slot_rows(0, torch.arange(want.num_slots))
+
+    store.load_pooled_kv_(torch.full_like(k, float("nan")), torch.full_like(v, 7.0))
+    assert store.kv(keys[1])[0].isnan().all() and (store.kv(keys[2])[1] == 7.0).all()
+    store.load_pooled_kv_(k, v)
+    got = store.assemble(keys[::-1])
+    for x, y in zip(got.cache.k + got.cache.v, want.cache.k + want.cache.v):
+        assert torch.equal(x.view(-1, Hkv, D)[rows], y.view(-1, Hkv, D)[rows])
+    if torch.cuda.is_available():
+        hk, _ = store.pooled_kv("cpu", pin_memory=True)
+        assert hk.is_pinned() and torch.equal(hk, k)
+
+
+def test_pooled_kv_bad_inputs(model):
+    store = ChunkStore(model)
+    store.add(_chunks(6, [5]))
+    k, v = store.pooled_kv()
+    with pytest.raises(ChunkStoreError, match="dtype"):
+        store.load_pooled_kv_(k.double(), v)
+    with pytest.raises(ChunkStoreError, match="must be a tensor"):
+        store.load_pooled_kv_(k, list(v))
+    with pytest.raises(ChunkStoreError, match="pin_memory needs device 'cpu'"):
+        store.pooled_kv("meta", pin_memory=True)
+    store.add(_chunks(7, [3]))                                 # the copy is now stale
+    with pytest.raises(ChunkStoreError, match=r"shape \(3, 5, 2, 16\), expected \(3, 8, 2, 16\)"):
+        store.load_pooled_kv_(k, v)

@@ -15,6 +15,8 @@ fingerprint hashes the model's name, config and a sample of every weight tensor.
 In memory the store is a pool per layer ``[rows, Hkv, D]`` (K and V) with a row range per chunk,
 so assembling a request is a single ``ragattn.copy_kv_`` (all layers, all chunks) that also
 re-rotates each chunk's keys by ``delta = new_start - 0`` (reordered positions) or 0 (composite).
+:meth:`ChunkStore.pooled_kv` copies the whole pool out (e.g. to pinned host memory) and
+:meth:`ChunkStore.load_pooled_kv_` copies it back, for keeping chunk KV off the GPU.
 
 On disk: one ``<key>.safetensors`` per chunk (``k``, ``v`` ``[L, n, Hkv, D]``, ``tokens`` int64
 ``[n]``) with metadata (format, model fingerprint, key, sha256 of the tensor bytes). A file is
@@ -146,6 +148,55 @@ class ChunkStore:
             self._pool_v[l][self._rows: need] = v_layers[l]
         self._entries[key] = _Entry(self._rows, n, tokens.to("cpu", torch.int64))
         self._rows = need
+
+    @property
+    def num_rows(self) -> int:
+        """Pool rows in use: the total tokens of every chunk in memory."""
+        return self._rows
+
+    def pooled_kv(self, device: str | torch.device = "cpu", pin_memory: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the whole in-memory pool, e.g. to keep the chunk KV in host memory.
+
+        Returns K, V: ``[L, num_rows, Hkv, D]`` each, in the model's dtype, on ``device``;
+        ``pin_memory=True`` (CPU ``device`` only, needs CUDA) allocates them in page-locked
+        memory so that :meth:`load_pooled_kv_` can copy them to the GPU asynchronously. Row ``r``
+        of layer ``l`` is the store's pool row, so the copy is only meaningful to this store.
+        Keys are rotated at each chunk's local positions ``0..n-1``."""
+        device = torch.device(device)
+        if pin_memory and device.type != "cpu":
+            raise ChunkStoreError(f"ragattn.ChunkStore.pooled_kv: pin_memory needs device 'cpu', "
+                                  f"got {device}")
+        shape = (self.num_layers, self._rows, self.num_kv_heads, self.head_dim)
+        out = []
+        for pool in (self._pool_k, self._pool_v):
+            t = torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+            for l in range(self.num_layers):
+                t[l].copy_(pool[l][: self._rows])
+            out.append(t)
+        return out[0], out[1]
+
+    def load_pooled_kv_(self, k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> None:
+        """Overwrite the in-memory pool with ``k``, ``v`` from :meth:`pooled_kv` (any device).
+
+        ``k``, ``v``: ``[L, num_rows, Hkv, D]`` in the store's dtype, taken from this store with
+        the same chunks in it (adding chunks afterwards makes them stale: ChunkStoreError).
+        ``non_blocking=True`` with pinned host tensors makes the host-to-device copies
+        asynchronous (ordered on the current stream before later kernels)."""
+        want = (self.num_layers, self._rows, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ChunkStoreError(f"ragattn.ChunkStore.load_pooled_kv_: {name} must be a tensor, "
+                                      f"got {type(t).__name__}")
+            if tuple(t.shape) != want:
+                raise ChunkStoreError(f"ragattn.ChunkStore.load_pooled_kv_: {name} has shape "
+                                      f"{tuple(t.shape)}, expected {want} ([L, num_rows, Hkv, D])")
+            if t.dtype != self.dtype:
+                raise ChunkStoreError(f"ragattn.ChunkStore.load_pooled_kv_: {name} has dtype {t.dtype}, "
+                                      f"expected {self.dtype}")
+        for pool, src in ((self._pool_k, k), (self._pool_v, v)):
+            for l in range(self.num_layers):
+                pool[l][: self._rows].copy_(src[l], non_blocking=non_blocking)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
