@@ -53,3 +53,81 @@ def randn_nonzero(*shape, dtype=torch.float32, device="cpu", generator=None) -> 
     x = torch.randn(*shape, dtype=torch.float32, generator=generator)
     x = torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x)
     return x.to(device=device, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline sm_90 compilation of Triton kernels (no GPU needed)
+# ------------------------------------------------------------------------------------------------
+H100_SHARED_BYTES = 227 * 1024  # max dynamic shared memory per block on sm_90
+
+
+def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_stages: int = 3):
+    """Compile the ``@triton.jit`` kernel ``fn`` for an H100 and check its shared memory.
+
+    ``constexprs`` maps constexpr argument names to values; ``types`` maps the other arguments to
+    Triton type strings (``"*bf16"``, ``"fp32"``, ...); arguments in neither default to ``"i32"``.
+    Pointers are marked 16-byte aligned, as a launch with torch allocations specialises them.
+    Must run where ``TRITON_INTERPRET`` is unset (see ``run_compile_check``).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    shared = compiled.metadata.shared
+    assert shared <= H100_SHARED_BYTES, f"{fn.__name__} {constexprs}: {shared} B of shared memory > {H100_SHARED_BYTES}"
+    return compiled
+
+
+# The dtype x head-dim matrix the compile checks cover: every head dim in bf16 and fp32 (fp32
+# tiles need the most shared memory), fp16 (same code as bf16 but its element type) once.
+SM90_CASES = (("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 64), ("fp32", 128), ("fp32", 256), ("fp16", 128))
+
+_JOBS: list = []
+
+
+def _compile_job(i: int):
+    fn, constexprs, types, options = _JOBS[i]
+    compile_sm90(fn, constexprs, types, **options)
+    return i
+
+
+def compile_many_sm90(jobs) -> None:
+    """``compile_sm90(fn, constexprs, types, **options)`` for each ``(fn, constexprs, types, options)``,
+    spread over forked worker processes (compilation is CPU-bound and mostly single-threaded)."""
+    import multiprocessing
+    import os
+
+    _JOBS[:] = list(jobs)
+    workers = min(len(_JOBS), os.cpu_count() or 1, 8)
+    if workers <= 1:
+        for i in range(len(_JOBS)):
+            _compile_job(i)
+        return
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        pool.map(_compile_job, range(len(_JOBS)), chunksize=1)
+
+
+def run_compile_check(code: str, timeout: float = 600) -> str:
+    """Run ``code`` in a fresh Python with the repository on the path and TRITON_INTERPRET unset.
+
+    This process's kernels are interpreter objects (conftest sets TRITON_INTERPRET=1 without
+    CUDA), so GPU compilation happens in a subprocess; ``code`` must print ``compiled`` at the end.
+    Returns its stdout.
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAGATTN_CPU_BACKEND")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout

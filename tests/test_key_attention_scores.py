@@ -6,7 +6,7 @@ import torch
 
 import ragattn
 from ragattn.reference import key_attention_scores as ref_scores
-from tests.helpers import assert_precision, randn_nonzero
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check
 
 # The interpreter converts loop bounds through a deprecated numpy path; not our concern here.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -147,38 +147,26 @@ def test_bad_scale(device):
 
 
 _COMPILE_CHECK = r"""
-import sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 import triton_kernels.key_attention_scores as kas
+from tests.helpers import SM90_CASES, compile_many_sm90
 
-for dtype, elt, head_dim in [(torch.bfloat16, "bf16", 128), (torch.float32, "fp32", 64)]:
+jobs = []
+for elt, head_dim in SM90_CASES:
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
     block_m, block_n, num_warps = kas.launch_config(dtype, head_dim, on_gpu=True)
     consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
                   UPCAST=False, IEEE=dtype == torch.float32)
-    types = {"q_ptr": "*" + elt, "k_ptr": "*" + elt, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "lse_ptr": "*fp32",
-             "partial_ptr": "*fp32", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
-             "stride_kt": "i32", "stride_kh": "i32", "total_q": "i32", "total_k": "i32", "num_heads": "i32",
-             "num_splits": "i32"}
-    for fn, c in [(kas._row_lse_kernel, consts), (kas._column_sum_kernel, consts)]:
-        sig = {n: ("constexpr" if n in c else types[n]) for n in fn.arg_names}
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-        assert compiled.metadata.shared <= 228 * 1024, (fn.__name__, compiled.metadata.shared)
+    types = {"q_ptr": "*" + elt, "k_ptr": "*" + elt, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+             "lse_ptr": "*fp32", "partial_ptr": "*fp32", "qk_scale": "fp32"}
+    for fn in (kas._row_lse_kernel, kas._column_sum_kernel):
+        jobs.append((fn, consts, types, dict(num_warps=num_warps)))
+compile_many_sm90(jobs)
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90():
-    """Both passes compile for an H100 (sm_90) with the GPU launch config; needs no GPU.
-
-    Runs in a subprocess because this process's kernels are interpreter objects."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAGATTN_CPU_BACKEND")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    """Both passes compile for an H100 (sm_90) at the GPU launch configs, within its shared
+    memory; needs no GPU (runs in a subprocess: this process's kernels are interpreter objects)."""
+    run_compile_check(_COMPILE_CHECK)

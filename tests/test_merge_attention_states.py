@@ -6,7 +6,7 @@ import torch
 
 import ragattn
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
-from tests.helpers import assert_precision, randn_nonzero
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check
 
 I32 = torch.int32
 
@@ -121,3 +121,28 @@ def test_bad_inputs(index, bad, exc, match):
     args[index] = bad(args[index])
     with pytest.raises(exc, match=f"ragattn.merge_attention_states.*{match}"):
         ragattn.merge_attention_states(*args)
+
+
+_COMPILE_CHECK = r"""
+import triton
+import triton_kernels.merge_attention_states as mas
+from tests.helpers import SM90_CASES, compile_many_sm90
+
+jobs = []
+for elt, head_dim in SM90_CASES:
+    block_d = triton.next_power_of_2(head_dim)
+    jobs.append((mas._merge_two_kernel, dict(BLOCK_D=block_d),
+                 {"out_a": "*" + elt, "out_b": "*" + elt, "out": "*" + elt,
+                  "lse_a": "*fp32", "lse_b": "*fp32", "lse": "*fp32"}, {}))
+    for block_s in (2, 64):  # paged_attention's split counts: 2 .. 64
+        jobs.append((mas._merge_split_kernel, dict(BLOCK_S=block_s, BLOCK_D=block_d),
+                     {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
+compile_many_sm90(jobs)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """Both merge kernels compile for an H100 (sm_90) in every dtype and head dim, within its
+    shared memory; needs no GPU (a subprocess: this process's kernels are interpreter objects)."""
+    run_compile_check(_COMPILE_CHECK)

@@ -8,7 +8,7 @@ import torch
 
 import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
-from tests.helpers import assert_precision, randn_nonzero
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check
 
 I32 = torch.int32
 
@@ -293,3 +293,36 @@ def test_bad_inputs(index, bad, exc, match):
     args[index] = bad(args[index])
     with pytest.raises(exc, match=f"ragattn.paged_attention.*{match}"):
         ragattn.paged_attention(*args)
+
+
+_COMPILE_CHECK = r"""
+import torch
+import triton
+import triton_kernels.paged_attention as pa
+from tests.helpers import SM90_CASES, compile_many_sm90
+
+ints = ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")
+jobs = []
+for elt, head_dim in SM90_CASES:
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
+    # (query rows of the longest sequence, GQA group, split-KV): prefill, decode, verify
+    for max_rows, group, split in [(1000, 4, False), (1, 8, True), (5, 1, True)][: 3 if head_dim == 128 else 2]:
+        group_pad = triton.next_power_of_2(group)
+        m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)))
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, dtype.itemsize, False)
+        consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
+                      BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=False, IEEE_FP32=dtype == torch.float32)
+        types = {n: "*i32" for n in ints}
+        types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
+                     LSE="*fp32", qk_scale="fp32")
+        jobs.append((pa._paged_attention_kernel, consts, types, dict(num_warps=warps, num_stages=stages)))
+compile_many_sm90(jobs)
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The kernel compiles for an H100 (sm_90) at the launcher's tile configs (prefill, decode,
+    split-KV) in every dtype and head dim, within its shared memory; needs no GPU."""
+    run_compile_check(_COMPILE_CHECK)

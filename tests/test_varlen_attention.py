@@ -13,7 +13,7 @@ import torch
 
 import ragattn
 from ragattn.reference import varlen_attention as ref_varlen
-from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero
+from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero, run_compile_check
 
 OP = torch.ops.ragattn.varlen_attention
 
@@ -272,3 +272,35 @@ def test_plan_cache_sees_in_place_edits(device, monkeypatch):
     o64, l64 = ref_varlen(*_float64(args))
     assert max_abs_err(out2, o64) < 1e-4 and max_abs_err(lse2, l64) < 1e-4
     assert max_abs_err(out1, out2) > 1e-3
+
+
+_COMPILE_CHECK = r"""
+import torch
+import triton_kernels.varlen_attention as va
+from tests.helpers import SM90_CASES, compile_many_sm90
+
+assert not va._INTERPRET
+ints = ("QPos", "KPos", "QBlk", "KBlk", "CuQ", "CuK", "QTileSeq", "QTileStart", "QMeta", "KTileOff", "KMeta",
+        "KSearch", "KTileSeq", "KTileStart", "QTileOff", "QSearch")
+jobs = []
+for elt, head_dim in SM90_CASES:
+    types = {n: "*i32" for n in ints}
+    types.update({n: "*" + elt for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")})
+    types.update(Lse="*fp32", Delta="*fp32", qk_scale="fp32", sm_scale="fp32")
+    for backward, kernels in [(False, (va._fwd_kernel,)), (True, (va._bwd_dq_kernel, va._bwd_dkdv_kernel))]:
+        bm, bn, warps, stages = va._config(head_dim, backward)
+        consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False,
+                      PREC="ieee" if elt == "fp32" else "tf32", STEPS=8)
+        jobs += [(fn, consts, types, dict(num_warps=warps, num_stages=stages)) for fn in kernels]
+    if head_dim == 256:  # the tiny delta kernel: its largest rows only
+        jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK=64), types, {}))
+compile_many_sm90(jobs)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """Forward and backward kernels compile for an H100 (sm_90) at the launcher's configs in every
+    dtype and head dim, within its shared memory; needs no GPU (a subprocess: this process's
+    kernels are interpreter objects)."""
+    run_compile_check(_COMPILE_CHECK)
