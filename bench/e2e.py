@@ -180,7 +180,9 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     device = torch.device(args.device)
-    if device.type == "cpu":
+    if device.type == "cpu" and not torch.cuda.is_available():
+        # only where no GPU exists: set in a process with CUDA (e.g. pytest calling main()), it
+        # would turn every triton_kernels module imported later into interpreted kernels
         os.environ.setdefault("TRITON_INTERPRET", "1")
     model_name = args.model or ("llama3-8b-random" if device.type == "cuda" else "smollm2")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,6 +1,7 @@
 """Input checks shared by the Python-side ops. Every error names the op and the argument."""
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -74,3 +75,12 @@ def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, device: t
         if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"ragattn.{op}: {name} must be non-decreasing")
     return cu.numel() - 1
+
+
+def device_guard(t: torch.Tensor):
+    """Make ``t``'s GPU the current one while in the block (no-op for CPU tensors).
+
+    Triton launches on the current CUDA device and stream, not the tensors' device: without this
+    a tensor on ``cuda:1`` while ``cuda:0`` is current would be read from the wrong device.
+    """
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
+from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
 from ragattn.reference import key_attention_scores as _reference
 
 _OP = "key_attention_scores"
@@ -66,7 +66,8 @@ def _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
 @torch.library.impl(f"ragattn::{_OP}", "CUDA")
 def _cuda_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
     _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=True)
-    return _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+    with device_guard(q):
+        return _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)
 
 
 @torch.library.register_fake(f"ragattn::{_OP}")

@@ -6,7 +6,7 @@ from typing import Tuple
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from ragattn.ops._validate import FLOAT_DTYPES, check_same_device, check_tensor, device_guard
 from ragattn.reference.merge_attention_states import merge_attention_states as _reference
 
 _OP = "merge_attention_states"
@@ -59,7 +59,8 @@ def _merge_cpu(out_a, lse_a, out_b, lse_b):
 @torch.library.impl("ragattn::merge_attention_states", "CUDA")
 def _merge_cuda(out_a, lse_a, out_b, lse_b):
     _validate(out_a, lse_a, out_b, lse_b)
-    return _triton(out_a, lse_a, out_b, lse_b)
+    with device_guard(out_a):
+        return _triton(out_a, lse_a, out_b, lse_b)
 
 
 @torch.library.register_fake("ragattn::merge_attention_states")

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
+from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
@@ -143,7 +143,8 @@ def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, 
 @torch.library.impl("ragattn::paged_attention", "CUDA")
 def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    with device_guard(q):
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
 
 
 @torch.library.register_fake("ragattn::paged_attention")

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor
+from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
 from ragattn.reference import varlen_attention as _ref
 
 OP = "varlen_attention"
@@ -134,7 +134,8 @@ def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
     if _use_triton(q):
         from triton_kernels.varlen_attention import varlen_attention_fwd
 
-        return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale)
+        with device_guard(q):
+            return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale)
     with torch.no_grad():
         out, lse = _ref(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale)
     return out.contiguous(), lse.contiguous()
@@ -150,9 +151,10 @@ def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     if _use_triton(q):
         from triton_kernels.varlen_attention import varlen_attention_bwd
 
-        return varlen_attention_bwd(
-            *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale
-        )
+        with device_guard(q):
+            return varlen_attention_bwd(
+                *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale
+            )
     # Reference autograd: recompute the dense forward with grad and pull dout through it.
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
