@@ -36,7 +36,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ragattn.methods import _ops
+from ragattn import ops as _ops
 
 NAME = "ragattn"
 

@@ -3,7 +3,7 @@
     from ragattn.methods import turborag, block_attention, full_prefill, ChunkStore
     res = block_attention.answer(model, tokenizer, chunks, question, store=ChunkStore(model))
 
-Attributes load lazily (``ragattn.hf.attention`` imports ``ragattn.methods._ops``).
+Submodules load lazily, on first attribute access (``ragattn.methods.turborag`` ...).
 """
 import importlib
 

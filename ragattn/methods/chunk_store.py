@@ -36,7 +36,7 @@ import torch
 
 from ragattn.hf.attention import PagedKV, use_ragattn
 from ragattn.hf.rope import RopeParams, rope_params
-from ragattn.methods import _ops
+from ragattn import ops as _ops
 
 FORMAT = "ragattn-chunk-kv-v1"
 
