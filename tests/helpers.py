@@ -66,7 +66,8 @@ def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_s
 
     ``constexprs`` maps constexpr argument names to values; ``types`` maps the other arguments to
     Triton type strings (``"*bf16"``, ``"fp32"``, ...); arguments in neither default to ``"i32"``.
-    Pointers are marked 16-byte aligned, as a launch with torch allocations specialises them.
+    Pointers and ``stride*`` arguments are marked divisible by 16, as a launch with torch
+    allocations and head dims of 64/128/256 specialises them (16-byte vector accesses).
     Must run where ``TRITON_INTERPRET`` is unset (see ``run_compile_check``).
     """
     import triton
@@ -74,7 +75,8 @@ def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_s
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n.lower().startswith("stride"))}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
