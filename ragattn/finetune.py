@@ -14,8 +14,9 @@ Attention runs through ``ragattn.varlen_attention`` and its autograd, with
 * several samples packed into one row, separated by ``cu_seqlens`` (no padding, no dense mask);
 * loss: next-token cross-entropy on the answer tokens only.
 
-The attention function is registered with transformers' ``AttentionInterface`` as
-``"ragattn_block_train"`` and reads the packing from keyword arguments of the model call.
+The model runs with ragattn's HF attention implementation (``ragattn.hf.attention``, "ragattn"),
+which reads the packing (``ragattn_cu_seqlens``) and the blocks (``ragattn_block_ids``) from keyword
+arguments of the model call.
 """
 from __future__ import annotations
 
@@ -28,37 +29,6 @@ import time
 from typing import List, Optional, Sequence
 
 import torch
-
-ATTN_NAME = "ragattn_block_train"
-
-
-def block_train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                          ragattn_cu_seqlens=None, ragattn_blocks=None, **kwargs):
-    """HF attention function: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, H_kv, T, D]``.
-
-    ``ragattn_cu_seqlens`` int32 ``[B + 1]`` separates the packed samples, ``ragattn_blocks``
-    int32 ``[T]`` gives every token's block (-1 = global). Returns ``([1, T, H, D], None)``.
-    """
-    import ragattn
-
-    if query.shape[0] != 1 or ragattn_cu_seqlens is None or ragattn_blocks is None:
-        raise ValueError("ragattn finetune: the block-training attention needs one packed row and the "
-                         "ragattn_cu_seqlens / ragattn_blocks keyword arguments of the model call")
-    q = query[0].transpose(0, 1)  # [T, H, D] (NHD, token-major)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    out, _ = ragattn.varlen_attention(q, k, v, ragattn_cu_seqlens, ragattn_cu_seqlens,
-                                      q_block=ragattn_blocks, kv_block=ragattn_blocks, causal=True, scale=scaling)
-    return out.unsqueeze(0), None
-
-
-def register() -> str:
-    """Register the block-training attention with transformers; returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, block_train_attention)
-    return ATTN_NAME
-
 
 @dataclasses.dataclass
 class Sample:
@@ -93,7 +63,7 @@ def pack(samples: Sequence[Sample], device) -> dict:
         cu.append(cu[-1] + len(s.ids))
     t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
     return dict(input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), labels=t([labels], torch.long),
-                ragattn_cu_seqlens=t(cu, torch.int32), ragattn_blocks=t(blocks, torch.int32))
+                ragattn_cu_seqlens=t(cu, torch.int32), ragattn_block_ids=t([blocks], torch.int32))
 
 
 def train_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -> float:
@@ -114,13 +84,10 @@ def eval_loss(model, batch: dict) -> float:
 
 
 def use_block_attention(model) -> None:
-    """Switch a loaded HF model's attention to the block-training function."""
-    register()
-    model.config._attn_implementation = ATTN_NAME
-    for m in model.modules():  # some models cache the implementation per sub-config
-        cfg = getattr(m, "config", None)
-        if cfg is not None and cfg is not model.config and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = ATTN_NAME
+    """Switch a loaded HF model to ragattn's attention, which applies the packed block mask."""
+    import ragattn.hf.attention  # noqa: F401  (registers "ragattn")
+
+    model.set_attn_implementation("ragattn")
 
 
 def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sample]:

@@ -70,8 +70,16 @@ def test_training_steps_reduce_loss():
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_missing_packing_kwargs_is_an_error():
-    model = _tiny_llama()
+def test_packed_without_blocks_is_per_sample_causal():
+    """Packing alone (no block ids) keeps the samples independent and plainly causal."""
+    model = _tiny_llama(seed=5)
+    samples = _samples(random.Random(4), 2)
+    with torch.no_grad():
+        ref = torch.cat([model(input_ids=torch.tensor([s.ids])).logits[0] for s in samples])
     ft.use_block_attention(model)
-    with pytest.raises(ValueError, match="ragattn_cu_seqlens"):
-        model(input_ids=torch.tensor([[5, 6, 7]]))
+    batch = ft.pack(samples, "cpu")
+    batch.pop("labels")
+    batch.pop("ragattn_block_ids")
+    with torch.no_grad():
+        got = model(**batch).logits[0]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -22,6 +22,8 @@ Further keyword arguments used by ``ragattn.methods`` (all optional, passed thro
 
 * ``ragattn_cu_seqlens`` int32 ``[n + 1]``: the batch-1 input packs ``n`` independent sequences
   (e.g. chunks; their ``position_ids`` restart at 0): one ``varlen_attention`` call, no cross-talk.
+  With ``ragattn_block_ids`` ``[1, T]`` as well, each packed sequence gets the Block-Attention mask
+  (block fine-tuning: ``ragattn.finetune``); differentiable through ``varlen_attention``'s autograd.
 * ``ragattn_capture`` list: each layer appends its ``(key, value)`` ``[B, Hkv, T, D]`` (keys after RoPE).
 * ``ragattn_paged`` a :class:`PagedKV`: the current tokens' K/V are written into the paged request
   cache at slots ``lengths[b] + i`` and attention runs through ``ragattn.paged_attention`` (causal by
@@ -115,10 +117,13 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
         if b != 1 or kv != q:
             raise ValueError("ragattn attention: ragattn_cu_seqlens needs a batch of 1 with no cache")
         cu_packed = cu_packed.to(device=dev, dtype=torch.int32)
+        blocks = kwargs.get("ragattn_block_ids")  # [1, T]: Block-Attention inside each packed sequence
+        if blocks is not None:
+            blocks = blocks.to(device=dev, dtype=torch.int32).reshape(-1).contiguous()
         o, _ = _ops.varlen_attention(query[0].transpose(0, 1).contiguous(),
                                      key[0].transpose(0, 1).contiguous(),
                                      value[0].transpose(0, 1).contiguous(), cu_packed, cu_packed,
-                                     None, None, None, None, True, scaling)
+                                     None, None, blocks, blocks, True, scaling)
         return o[None], None
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if window is not None and kv > window:
