@@ -162,14 +162,7 @@ PositionStats position_stats(const RowView& r, float inv_t, float eta, float alp
   }
   auto merge_t = [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); };
   const SoftmaxState sz = block_reduce(st, softmax_identity(), merge_t);
-  PositionStats ps;
-  ps.m_z = sz.m;
-  ps.inv_sp = f_div(1.0f, sz.s);
-  ps.argmax_z = sz.idx;
-  ps.q_thresh = 0.0f;
-  ps.m_a = 0.0f;
-  ps.inv_sa = 1.0f;
-  ps.argmax_a = sz.idx;
+  PositionStats ps = target_stats(sz);
   if (!with_q) return ps;
   const float qm = block_reduce(qmax, -INFINITY, [](float a, float b) { return f_max(a, b); });
   ps.q_thresh = f_mul(alpha, qm);

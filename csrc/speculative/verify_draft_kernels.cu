@@ -202,14 +202,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
     });
   }
   const SoftmaxState sz = block_reduce_softmax(s, inv_t, sh);
-  PositionStats ps;
-  ps.m_z = sz.m;
-  ps.inv_sp = f_div(1.0f, sz.s);
-  ps.argmax_z = sz.idx;
-  ps.q_thresh = 0.0f;
-  ps.m_a = 0.0f;
-  ps.inv_sa = 1.0f;
-  ps.argmax_a = sz.idx;
+  PositionStats ps = target_stats(sz);
   if (!with_q) return ps;
   ps.q_thresh = f_mul(alpha, block_max(qm, sh));
   SoftmaxState sa = softmax_identity();

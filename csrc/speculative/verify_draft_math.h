@@ -208,6 +208,19 @@ struct PositionStats {
   int argmax_a;    // first argmax of a (= argmax p_hat)
 };
 
+// The stats of p alone (eta = 0, or before the p_hat sweep): p_hat = p until that sweep fills them.
+RAGATTN_HD PositionStats target_stats(const SoftmaxState& sz) {
+  PositionStats ps;
+  ps.m_z = sz.m;
+  ps.inv_sp = f_div(1.0f, sz.s);
+  ps.argmax_z = sz.idx;
+  ps.q_thresh = 0.0f;
+  ps.m_a = 0.0f;
+  ps.inv_sa = 1.0f;
+  ps.argmax_a = sz.idx;
+  return ps;
+}
+
 // y = (z - max z) / T <= 0: never overflows, however small T is.
 RAGATTN_HD float scaled_logit(float z, float m_z, float inv_t) { return f_mul(f_sub(z, m_z), inv_t); }
 
