@@ -31,56 +31,43 @@ struct Shared {
 __device__ __forceinline__ int lane_id() { return threadIdx.x & (kWarpSize - 1); }
 __device__ __forceinline__ int warp_id() { return threadIdx.x / kWarpSize; }
 
+__device__ __forceinline__ float shfl_xor(float x, int off) { return __shfl_xor_sync(kFullMask, x, off); }
+__device__ __forceinline__ int shfl_xor(int x, int off) { return __shfl_xor_sync(kFullMask, x, off); }
 __device__ __forceinline__ SoftmaxState shfl_xor(const SoftmaxState& s, int off) {
-  return SoftmaxState{__shfl_xor_sync(kFullMask, s.m, off), __shfl_xor_sync(kFullMask, s.s, off),
-                      __shfl_xor_sync(kFullMask, s.idx, off)};
+  return SoftmaxState{shfl_xor(s.m, off), shfl_xor(s.s, off), shfl_xor(s.idx, off)};
 }
 
-// Butterfly in every warp, then in warp 0 over the warp results; every thread gets lane 0's
-// result of the last butterfly (the value the CPU twin's emulation returns).
-__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float inv_t, Shared& sh) {
-  for (int off = kWarpSize / 2; off > 0; off /= 2) s = softmax_merge(s, shfl_xor(s, off), inv_t);
-  if (lane_id() == 0) sh.soft[warp_id()] = s;
+// Butterfly in every warp, then in warp 0 over the warp results (`slots`: kWarps entries of
+// shared memory); every thread gets lane 0's result of the last butterfly (the value the CPU
+// twin's emulation returns).
+template <typename T, typename Op>
+__device__ T block_allreduce(T x, T identity, Op op, T* slots) {
+  for (int off = kWarpSize / 2; off > 0; off /= 2) x = op(x, shfl_xor(x, off));
+  if (lane_id() == 0) slots[warp_id()] = x;
   __syncthreads();
   if (warp_id() == 0) {
-    s = lane_id() < kWarps ? sh.soft[lane_id()] : softmax_identity();
-    for (int off = kWarpSize / 2; off > 0; off /= 2) s = softmax_merge(s, shfl_xor(s, off), inv_t);
-    if (lane_id() == 0) sh.soft[0] = s;
+    x = lane_id() < kWarps ? slots[lane_id()] : identity;
+    for (int off = kWarpSize / 2; off > 0; off /= 2) x = op(x, shfl_xor(x, off));
+    if (lane_id() == 0) slots[0] = x;
   }
   __syncthreads();
-  const SoftmaxState r = sh.soft[0];
+  const T r = slots[0];
   __syncthreads();
   return r;
+}
+
+__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float inv_t, Shared& sh) {
+  return block_allreduce(
+      s, softmax_identity(), [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); },
+      sh.soft);
 }
 
 __device__ float block_max(float x, Shared& sh) {
-  for (int off = kWarpSize / 2; off > 0; off /= 2) x = f_max(x, __shfl_xor_sync(kFullMask, x, off));
-  if (lane_id() == 0) sh.f[warp_id()] = x;
-  __syncthreads();
-  if (warp_id() == 0) {
-    x = lane_id() < kWarps ? sh.f[lane_id()] : -INFINITY;
-    for (int off = kWarpSize / 2; off > 0; off /= 2) x = f_max(x, __shfl_xor_sync(kFullMask, x, off));
-    if (lane_id() == 0) sh.f[0] = x;
-  }
-  __syncthreads();
-  const float r = sh.f[0];
-  __syncthreads();
-  return r;
+  return block_allreduce(x, -INFINITY, [](float a, float b) { return f_max(a, b); }, sh.f);
 }
 
 __device__ int block_max_int(int x, Shared& sh) {
-  for (int off = kWarpSize / 2; off > 0; off /= 2) x = max(x, __shfl_xor_sync(kFullMask, x, off));
-  if (lane_id() == 0) sh.i[warp_id()] = x;
-  __syncthreads();
-  if (warp_id() == 0) {
-    x = lane_id() < kWarps ? sh.i[lane_id()] : -1;
-    for (int off = kWarpSize / 2; off > 0; off /= 2) x = max(x, __shfl_xor_sync(kFullMask, x, off));
-    if (lane_id() == 0) sh.i[0] = x;
-  }
-  __syncthreads();
-  const int r = sh.i[0];
-  __syncthreads();
-  return r;
+  return block_allreduce(x, -1, [](int a, int b) { return max(a, b); }, sh.i);
 }
 
 __device__ __forceinline__ float warp_inclusive_scan(float x) {
