@@ -48,6 +48,20 @@ def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Ten
     )
 
 
+def use_kernel_backend(monkeypatch, device: torch.device, backend: str) -> None:
+    """Route the Triton-backed ops' CPU calls: "triton" runs the kernel in the interpreter,
+    anything else the default path (the reference). CUDA tensors always run Triton.
+
+    Never sets TRITON_INTERPRET: a ``triton_kernels`` module first imported under it would keep
+    interpreted kernels for the whole session, CUDA tensors included (conftest sets it once, only
+    without CUDA).
+    """
+    if backend == "triton" and device.type == "cpu":
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    else:
+        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
+
+
 def randn_nonzero(*shape, dtype=torch.float32, device="cpu", generator=None) -> torch.Tensor:
     """Standard-normal data shifted away from zero (tests never use zeros as data)."""
     x = torch.randn(*shape, dtype=torch.float32, generator=generator)

@@ -6,7 +6,7 @@ import torch
 
 import ragattn
 from ragattn.reference import key_attention_scores as ref_scores
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
 
 # The interpreter converts loop bounds through a deprecated numpy path; not our concern here.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -32,16 +32,6 @@ def check_against_reference(q, k, cu_q, cu_k, scale=None):
     return out
 
 
-def _use_triton(monkeypatch, device, backend):
-    # CPU: the interpreter (conftest sets TRITON_INTERPRET=1 without CUDA). Never set
-    # TRITON_INTERPRET here: a triton_kernels module first imported under it would keep
-    # interpreted kernels for the whole session, also for CUDA tensors.
-    if backend == "triton" and device.type == "cpu":
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
-    else:
-        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
-
-
 BACKENDS = ["default", "triton"]
 
 
@@ -51,7 +41,7 @@ BACKENDS = ["default", "triton"]
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (8, 1)])
 def test_matches_reference(device, seed, monkeypatch, backend, dtype, head_dim, num_heads, num_kv_heads):
     """GQA 1, 3, 4, 8; lengths off the tile (64), length-1 sequences, more keys than one tile."""
-    _use_triton(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     q, k, cu_q, cu_k = make_inputs([5, 1, 19], [37, 1, 133], num_heads, num_kv_heads, head_dim, dtype, device)
     check_against_reference(q, k, cu_q, cu_k)
 
@@ -59,7 +49,7 @@ def test_matches_reference(device, seed, monkeypatch, backend, dtype, head_dim, 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_explicit_scale_and_strided_inputs(device, seed, monkeypatch, backend):
     """A given scale, and q/k that are views (row and head strides not the packed ones)."""
-    _use_triton(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     q, k, cu_q, cu_k = make_inputs([3, 7], [20, 71], 8, 4, 64, torch.bfloat16, device)
     q_wide = randn_nonzero(q.shape[0], 12, 64, dtype=q.dtype, device=device)
     q_wide[:, 2:10] = q
@@ -84,7 +74,7 @@ def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sum_property_and_empty_sequences(device, seed, monkeypatch, backend):
     """Scores of a sequence sum to num_q_rows * num_heads; no queries -> 0; no keys -> nothing."""
-    _use_triton(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     q_lens, k_lens = [3, 0, 4, 2, 0], [10, 6, 0, 33, 0]
     q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, 6, 2, 64, torch.float32, device)
     out = check_against_reference(q, k, cu_q, cu_k)
@@ -97,7 +87,7 @@ def test_sum_property_and_empty_sequences(device, seed, monkeypatch, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_keys_or_no_queries_at_all(device, monkeypatch, backend):
-    _use_triton(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     q, k, cu_q, cu_k = make_inputs([0, 0], [3, 4], 4, 2, 64, torch.float16, device)
     assert (ragattn.key_attention_scores(q, k, cu_q, cu_k) == 0).all()
     q, k, cu_q, cu_k = make_inputs([2, 5], [0, 0], 4, 2, 64, torch.float16, device)
@@ -106,7 +96,7 @@ def test_no_keys_or_no_queries_at_all(device, monkeypatch, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(device, seed, monkeypatch, backend):
-    _use_triton(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     q, k, cu_q, cu_k = make_inputs([4, 3], [11, 5], 4, 2, 64, torch.float32, device)
     torch.library.opcheck(torch.ops.ragattn.key_attention_scores.default, (q, k, cu_q, cu_k, None))
     torch.library.opcheck(torch.ops.ragattn.key_attention_scores.default, (q, k, cu_q, cu_k, 0.3))

@@ -6,7 +6,7 @@ import torch
 
 import ragattn
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
 
 I32 = torch.int32
 
@@ -16,12 +16,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 @pytest.fixture(params=["default", "triton"])
 def backend(request, monkeypatch, device):
-    if request.param == "triton":
-        pytest.importorskip("triton_kernels.merge_attention_states")
-    if request.param == "triton" and device.type == "cpu":
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
-    elif request.param == "default":
-        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
+    use_kernel_backend(monkeypatch, device, request.param)
     return request.param
 
 

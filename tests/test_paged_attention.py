@@ -8,7 +8,7 @@ import torch
 
 import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
 
 I32 = torch.int32
 
@@ -65,14 +65,7 @@ def scattered_rows(n, frac, tail, gen=None):
 
 @pytest.fixture(params=["default", "triton"])
 def backend(request, monkeypatch, device):
-    if request.param == "triton":
-        pytest.importorskip("triton_kernels.paged_attention")
-    if request.param == "triton" and device.type == "cpu":
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
-    elif request.param == "triton":
-        pass  # CUDA always runs Triton
-    else:
-        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
+    use_kernel_backend(monkeypatch, device, request.param)
     return request.param
 
 
@@ -166,9 +159,7 @@ def test_scale(backend, device, seed):
 @pytest.fixture
 def triton_backend(monkeypatch, device):
     """The Triton kernel itself (interpreter on CPU, compiled on CUDA)."""
-    pytest.importorskip("triton_kernels.paged_attention")
-    if device.type == "cpu":
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    use_kernel_backend(monkeypatch, device, "triton")
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,dtype", [(4, 4, torch.float32), (8, 2, torch.bfloat16)])

@@ -13,7 +13,7 @@ import torch
 
 import ragattn
 from ragattn.reference import varlen_attention as ref_varlen
-from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero, run_compile_check
+from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero, run_compile_check, use_kernel_backend
 
 OP = torch.ops.ragattn.varlen_attention
 
@@ -61,12 +61,6 @@ def _case(lens_q, lens_k, H, Hkv, D, dtype, device, *, blocks="none", causal=Tru
     return q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal
 
 
-def _backend(monkeypatch, device, backend):
-    """Route CPU calls through the Triton kernels (interpreter) or the reference."""
-    if device.type == "cpu":
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton" if backend == "triton" else "default")
-
-
 def _float64(args):
     return [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
 
@@ -100,7 +94,7 @@ def _lens(pos):
 def test_forward_matches_reference(device, seed, backend, monkeypatch, mask, causal, ratio, dim, dtype, pos):
     if backend == "default" and device.type == "cpu" and (mask, causal) not in {("chunks", True), ("random", False), ("many", True)}:
         pytest.skip("default CPU path is the reference itself: a few cases suffice")
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     lens_q, lens_k = _lens(pos)
     hkv = 1 if ratio == 8 else 2
     args = _case(lens_q, lens_k, hkv * ratio, hkv, dim, dtype, device, blocks=mask, causal=causal, pos=pos,
@@ -131,7 +125,7 @@ def test_forward_matches_reference(device, seed, backend, monkeypatch, mask, cau
 def test_gradients_match_reference(device, backend, monkeypatch, mask, causal, ratio, dim, dtype, pos):
     if backend == "default" and device.type == "cpu" and mask != "chunks":
         pytest.skip("default CPU path is the reference's autograd: one case suffices")
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     lens_q, lens_k = _lens(pos)
     hkv = 1 if ratio == 8 else 2
     args = _case(lens_q, lens_k, hkv * ratio, hkv, dim, dtype, device, blocks=mask, causal=causal, pos=pos,
@@ -213,7 +207,7 @@ def test_basic_causal_matches_sdpa(device):
 @pytest.mark.parametrize("backend", ["default", "triton"])
 def test_no_visible_key_rows(device, backend, monkeypatch):
     """Rows that see no key: out 0, lse -inf, no NaN, also in the gradient."""
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     q, k, v, cu_q, cu_k, *_ = _case([4, 5], [3, 0], 2, 1, 64, torch.float32, device)
     q_pos = torch.tensor([0, 5, 1, 2, 0, 1, 2, 3, 4], dtype=torch.int32, device=device)
     kv_pos = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
@@ -228,7 +222,7 @@ def test_no_visible_key_rows(device, backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["default", "triton"])
 def test_opcheck(device, backend, monkeypatch):
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     args = _case([9, 0, 12], [9, 4, 12], 4, 2, 64, torch.float32, device, blocks="sys")
     q, k, v = (t.requires_grad_(True) for t in args[:3])
     torch.library.opcheck(OP, (q, k, v) + tuple(args[3:]), {"scale": 0.1})
@@ -261,7 +255,7 @@ def test_bad_inputs(mutate, exc, words):
 
 def test_plan_cache_sees_in_place_edits(device, monkeypatch):
     """The launchers cache tile metadata per index tensor: an in-place edit must invalidate it."""
-    _backend(monkeypatch, device, "triton")
+    use_kernel_backend(monkeypatch, device, "triton")
     args = list(_case([96], [96], 2, 1, 64, torch.float32, device, blocks="one", gen=torch.Generator().manual_seed(5)))
     args[7] = torch.arange(96, dtype=torch.int32, device=device) // 32  # 3 independent chunks of 32
     args[8] = args[7].clone()
