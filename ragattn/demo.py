@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -42,35 +42,6 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
 
 class DemoError(RuntimeError):
     """A user-facing error of the demo (bad corpus, unsupported model, unknown method)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# prompt as blocks
-
-
-@dataclasses.dataclass
-class Prompt:
-    """A RAG prompt split into blocks of token ids (each block tokenized on its own)."""
-
-    prefix: List[int]  # chat template head: system text + "Documents:" header
-    chunks: List[List[int]]  # one per retrieved passage, in prompt order
-    question: List[int]  # the final block: question + assistant tag
-
-    @property
-    def ids(self) -> List[int]:
-        out = list(self.prefix)
-        for c in self.chunks:
-            out += c
-        return out + self.question
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def prompt_blocks(tokenizer, chunks: Sequence[str], question: str) -> Prompt:
-    """The prompt as the methods build it (``ragattn.methods.common.prompt_parts``)."""
-    head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
-    return Prompt(head, chunk_ids, tail)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,10 +211,11 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     for qid, text, answers in questions:
         idx, _ = retriever.top_k(text, args.top_k)
         passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
-        prompts.append((qid, text, answers, passages))
+        head, chunk_ids, tail = prompt_parts(tokenizer, passages, text)
+        ctx = len(head) + sum(len(c) for c in chunk_ids) + len(tail)
+        prompts.append((qid, text, answers, passages, ctx))
         if store is not None:  # offline: chunk KV precomputed, outside the timing
-            p = prompt_blocks(tokenizer, passages, text)
-            store.add([p.prefix] + p.chunks)
+            store.add([head] + chunk_ids)
 
     # warm-up (allocator, first-call overheads), not reported
     for name, runner in runners.items():
@@ -251,9 +223,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
 
     rows: List[Row] = []
     bar = tqdm(total=len(prompts) * len(runners), desc="demo", unit="run", file=sys.stderr, disable=not progress)
-    for qid, text, answers, passages in prompts:
+    for qid, text, answers, passages, ctx in prompts:
         base: Optional[Result] = None
-        ctx = len(prompt_blocks(tokenizer, passages, text))
         for name, runner in runners.items():
             bar.set_postfix_str(f"{qid} {name}")
             res = runner(passages, text, args.max_new_tokens)

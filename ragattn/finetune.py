@@ -4,7 +4,7 @@
     python scripts/finetune_block.py ...            # the same
 
 Each training sample is a RAG prompt in blocks, tokenized block by block exactly as at inference
-(``ragattn.demo.prompt_blocks``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
+(``ragattn.methods.common.prompt_parts``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
 ``top-k - 1`` random distractors, in random order), and the final block (question + answer).
 Attention runs through ``ragattn.varlen_attention`` and its autograd, with
 
@@ -26,9 +26,11 @@ import os
 import random
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
+
+from ragattn.methods.block_attention import block_ids
 
 @dataclasses.dataclass
 class Sample:
@@ -40,12 +42,8 @@ class Sample:
 def make_sample(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int],
                 answer: Sequence[int]) -> Sample:
     """Token blocks -> a sample: prefix is block 0, chunk ``i`` block ``i + 1``, question+answer global."""
-    ids, blocks = list(prefix), [0] * len(prefix)
-    for i, c in enumerate(chunks):
-        ids += c
-        blocks += [i + 1] * len(c)
-    ids += list(question) + list(answer)
-    blocks += [-1] * (len(question) + len(answer))
+    ids = list(prefix) + [t for c in chunks for t in c] + list(question) + list(answer)
+    blocks = block_ids([len(prefix)] + [len(c) for c in chunks], len(question) + len(answer)).tolist()
     # labels[t] is the token predicted at t (HF shifts inside the loss): only answer tokens count
     labels = [-100] * (len(ids) - len(answer)) + list(answer)
     return Sample(ids, labels, blocks)
@@ -92,7 +90,7 @@ def use_block_attention(model) -> None:
 
 def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sample]:
     """One sample per question: gold passage + ``top_k - 1`` random distractors in random order."""
-    from ragattn.demo import prompt_blocks
+    from ragattn.methods.common import prompt_parts
 
     out = []
     for q in corpus.questions:
@@ -100,9 +98,9 @@ def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sa
         others = [p for p in corpus.passages if p is not gold]
         chosen = rng.sample(others, top_k - (1 if gold else 0)) + ([gold] if gold else [])
         rng.shuffle(chosen)
-        prompt = prompt_blocks(tokenizer, [p.render() for p in chosen], q.question)
+        head, chunk_ids, tail = prompt_parts(tokenizer, [p.render() for p in chosen], q.question)
         answer = tokenizer(f"{q.answers[0]}.<|im_end|>", add_special_tokens=False)["input_ids"]
-        out.append(make_sample(prompt.prefix, prompt.chunks, prompt.question, answer))
+        out.append(make_sample(head, chunk_ids, tail, answer))
     return out
 
 
