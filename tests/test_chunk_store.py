@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ragattn.hf.models import random_llama
-from ragattn.hf.rope import apply_rope
+from ragattn.reference.kv_cache import rope_rotate
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -51,7 +51,8 @@ def test_assemble_gathers_and_rerotates(model, positions):
         for l in range(SHAPE["num_hidden_layers"]):
             kl = req.cache.k[l].view(-1, 2, 16)[rows]
             # stored keys sit at 0..n-1: rotating them by pos - local gives R(pos) of the raw key
-            want = apply_rope(k[l], pos - torch.arange(n), store.rope)
+            want = rope_rotate(k[l], pos - torch.arange(n), store.rope.inv_freq, store.rope.rotary_dim,
+                               store.rope.interleaved)
             torch.testing.assert_close(kl, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(req.cache.v[l].view(-1, 2, 16)[rows], v[l])
         slot += n

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from ragattn.hf.models import random_llama
-from ragattn.hf.rope import apply_rope, rope_params
+from ragattn.hf.rope import rope_params
+from ragattn.reference.kv_cache import rope_rotate
 
 
 def _tiny(family, **kw):
@@ -16,13 +17,13 @@ def test_rope_params_match_hf(family):
     model = _tiny(family)
     p = rope_params(model)
     assert p.rotary_dim == 16 and not p.interleaved
-    # apply_rope with the read parameters reproduces HF's rotary embedding
+    # the reference rotation with the read parameters reproduces HF's rotary embedding
     x = torch.randn(1, 5, 2, 16)
     pos = torch.tensor([0, 3, 7, 100, 255])
     cos, sin = model.model.rotary_emb(x, pos[None])
     hf_mod = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["x"])
     ref, _ = hf_mod.apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
-    torch.testing.assert_close(apply_rope(x[0], pos, p), ref.transpose(1, 2)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rope_rotate(x[0], pos, p.inv_freq, p.rotary_dim, p.interleaved), ref.transpose(1, 2)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_rope_params_llama3_scaling_and_errors():

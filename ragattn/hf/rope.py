@@ -70,19 +70,3 @@ def rope_params(model) -> RopeParams:
         raise ValueError(f"ragattn.hf.rope: rotary_dim {rotary_dim} does not fit head_dim {head_dim}")
     return RopeParams(inv_freq=inv_freq.contiguous(), rotary_dim=rotary_dim,
                       interleaved=SUPPORTED_FAMILIES[fam], head_dim=head_dim)
-
-
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, p: RopeParams) -> torch.Tensor:
-    """Rotate ``x`` [..., N, H, head_dim] at positions ``pos`` [N] (plain torch, fp32 math)."""
-    ang = pos.to(torch.float32)[:, None] * p.inv_freq.to(x.device)[None, :]   # [N, rd/2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    xf = x.float()
-    r = xf[..., : p.rotary_dim]
-    if p.interleaved:
-        a, b = r[..., 0::2], r[..., 1::2]
-        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    else:
-        h = p.rotary_dim // 2
-        a, b = r[..., :h], r[..., h:]
-        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return torch.cat((out, xf[..., p.rotary_dim:]), dim=-1).to(x.dtype)
