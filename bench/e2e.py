@@ -30,6 +30,7 @@ from typing import Callable, Dict, List
 import torch
 
 from bench.__main__ import _commit
+from bench.harness import synchronize
 from ragattn.methods.chunk_store import ChunkStore
 from ragattn.methods.common import paged_forward
 
@@ -53,36 +54,20 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, num_layers:
         shape = dict(LLAMA3_8B) if name == "llama3-8b-random" else dict(
             hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096)
-        try:
-            from ragattn.hf.models import random_llama
-        except ImportError:
-            random_llama = None
-        if random_llama is not None:
-            return random_llama(shape, num_layers=num_layers, dtype=dtype, device=device)
-        from transformers import LlamaConfig, LlamaForCausalLM  # before ragattn.hf lands
+        from ragattn.hf.models import random_llama
 
-        if num_layers:
-            shape["num_hidden_layers"] = num_layers
-        theta = shape.pop("rope_theta")
-        cfg = LlamaConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": theta})
-        with torch.device(device):
-            return LlamaForCausalLM(cfg).to(dtype).eval()
+        return random_llama(shape, num_layers=num_layers, dtype=dtype, device=device)
     raise SystemExit(f"bench.e2e: unknown --model {name!r} (smollm2, llama3-8b-random, tiny-random)")
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_ms(fn: Callable[[], object], device, repeats: int) -> float:
     fn()  # warm-up (Triton compilation, allocator)
     samples = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         samples.append((time.perf_counter() - t0) * 1e3)
     # CPU: best of N (a shared CPU's load only ever adds time); CUDA: median
     return min(samples) if device.type == "cpu" else statistics.median(samples)
