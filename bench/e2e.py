@@ -39,8 +39,6 @@ SIZES = {  # (num_chunks, chunk_size) per context
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
 }
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072)
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, num_layers: int | None = None):
@@ -51,7 +49,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, num_layers:
         model, _ = load_smollm2(dtype=dtype, device=device)
         return model
     if name in ("llama3-8b-random", "tiny-random"):
-        shape = dict(LLAMA3_8B) if name == "llama3-8b-random" else dict(
+        shape = "llama3-8b" if name == "llama3-8b-random" else dict(
             hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096)
         from ragattn.hf.models import random_llama
