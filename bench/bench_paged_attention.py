@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.harness import Case
+from bench.harness import Case, synchronize
 
 I32 = torch.int32
 
@@ -82,8 +82,7 @@ def _sparse_prefill(device, size, gen):
 
     t0 = time.perf_counter()
     mask = make_mask()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     mask_ms = (time.perf_counter() - t0) * 1e3
 
     return Case(

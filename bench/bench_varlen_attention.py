@@ -23,14 +23,9 @@ import time
 
 import torch
 
-from bench.harness import Case
+from bench.harness import Case, synchronize
 
 I32 = torch.int32
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _flash_only(device):
@@ -67,7 +62,7 @@ def _runnable(baselines, device):
     for name in list(baselines):
         try:
             baselines[name]()
-            _sync(device)
+            synchronize(device)
         except Exception as exc:  # pragma: no cover - depends on the device and torch build
             print(f"bench_varlen_attention: baseline {name} skipped ({type(exc).__name__}: {str(exc)[:200]})")
             del baselines[name]
@@ -105,7 +100,7 @@ def _baselines(p, device, backward: bool):
 
         t0 = time.perf_counter()
         block_mask = create_block_mask(mask_mod, None, None, L, L, device=str(device))
-        _sync(device)
+        synchronize(device)
         setup["flex_attention"] = (time.perf_counter() - t0) * 1e3
         flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
         if backward:
@@ -124,7 +119,7 @@ def _baselines(p, device, backward: bool):
     pos = torch.arange(L, device=device)
     qb, kb = blk[:, None], blk[None, :]
     dense = (pos[None, :] <= pos[:, None]) & ((qb == kb) | (qb == -1) | (kb == -1))
-    _sync(device)
+    synchronize(device)
     mask_ms = (time.perf_counter() - t0) * 1e3
     if backward:
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, kr, vr))
