@@ -118,18 +118,16 @@ def generate_paged(model, tokenizer, cache, final_ids, start_pos: int, max_new_t
 def cached_answer(model, tokenizer, chunks, question, *, positions: str, method: str,
                   max_new_tokens: int = 32, store=None, rerotate: bool = True) -> Answer:
     """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring."""
-    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
 
     if len(chunks) == 0:
         raise ChunkStoreError(f"ragattn.methods.{method}: no chunks given (empty retrieval)")
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
     if store is None:
         store = ChunkStore(model)
-    elif store.fingerprint != getattr(model, "_ragattn_fingerprint", None):
-        from ragattn.methods.chunk_store import model_fingerprint
-        if store.fingerprint != model_fingerprint(model):
-            raise ChunkStoreError(f"ragattn.methods.{method}: the ChunkStore was built for another "
-                                  "model (fingerprint mismatch)")
+    elif store.fingerprint != model_fingerprint(model):  # cached on the model after the first call
+        raise ChunkStoreError(f"ragattn.methods.{method}: the ChunkStore was built for another "
+                              "model (fingerprint mismatch)")
     with use_ragattn(model):  # switched outside the timed region
         t0 = time.perf_counter()
         keys = store.add([head] + chunk_ids)
