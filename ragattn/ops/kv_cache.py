@@ -43,6 +43,10 @@ def _check_rope(op: str, inv_freq, rotary_dim: int, head_dim: Optional[int], dev
     check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), shape=(rotary_dim // 2,), device=device)
 
 
+def _on_reference_path(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and _extension.cpu_backend() == "reference"
+
+
 def _num_rows(t: torch.Tensor) -> int:
     return t.numel() // max(1, t.shape[-2] * t.shape[-1])
 
@@ -56,6 +60,54 @@ def _check_rows_cpu(op: str, name: str, rows: torch.Tensor, num_rows: int, disti
         raise ValueError(f"ragattn.{op}: {name}[{i}] = {int(rows[i])} is out of range for caches of {num_rows} rows")
     if distinct and torch.unique(rows).numel() != rows.numel():
         raise ValueError(f"ragattn.{op}: {name} may not repeat a row")
+
+
+_RR, _CP = "rerotate_keys_", "copy_kv_"
+
+
+def _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim) -> Optional[torch.Tensor]:
+    """The Python twin of csrc/kv_cache/kv_cache_checks.cpp (the reference path and the fake
+    impl do not reach the C++ checks); returns the first layer (None for no layers)."""
+    first = _check_layers(_RR, "k_layers", k_layers)
+    dev = first.device if first is not None else rows.device
+    check_tensor(_RR, "rows", rows, dtypes=(torch.int64,), ndim=1, device=dev)
+    check_tensor(_RR, "delta", delta, dtypes=(torch.int32,), shape=(rows.shape[0],), device=dev)
+    _check_rope(_RR, inv_freq, int(rotary_dim), first.shape[-1] if first is not None else None, dev)
+    return first
+
+
+def _validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim):
+    """The Python twin of the C++ checks of copy_kv_; returns (first dst_k layer, first src_k layer)."""
+    fk = _check_layers(_CP, "dst_k", dst_k)
+    sk = _check_layers(_CP, "src_k", src_k)
+    fv = _check_layers(_CP, "dst_v", dst_v)
+    sv = _check_layers(_CP, "src_v", src_v)
+    L = len(dst_k)
+    if len(src_k) != L:
+        raise ValueError(f"ragattn.{_CP}: src_k must have one tensor per layer of dst_k ({L}), got {len(src_k)}")
+    if len(dst_v) != len(src_v) or len(dst_v) not in (0, L):
+        raise ValueError(f"ragattn.{_CP}: dst_v and src_v must both be empty or have {L} layers, got {len(dst_v)} and {len(src_v)}")
+    dev = fk.device if fk is not None else dst_rows.device
+    if fk is not None:
+        for name, t, ref in (("src_k", sk, fk), ("dst_v", fv, fk), ("src_v", sv, fv)):
+            if t is None:
+                continue
+            if t.dtype != fk.dtype:
+                raise TypeError(f"ragattn.{_CP}: {name} must have dst_k's dtype {fk.dtype}, got {t.dtype}")
+            if t.device != dev:
+                raise ValueError(f"ragattn.{_CP}: {name} must be on {dev} (dst_k's device), got {t.device}")
+            if name != "dst_v" and t.shape[-2:] != ref.shape[-2:]:
+                raise ValueError(f"ragattn.{_CP}: {name} rows must be {tuple(ref.shape[-2:])}, got shape {tuple(t.shape)}")
+        if fv is not None and (_num_rows(fv) != _num_rows(fk) or _num_rows(sv) != _num_rows(sk)):
+            raise ValueError(f"ragattn.{_CP}: dst_v/src_v must have as many rows as dst_k/src_k")
+    check_tensor(_CP, "src_rows", src_rows, dtypes=(torch.int64,), ndim=1, device=dev)
+    check_tensor(_CP, "dst_rows", dst_rows, dtypes=(torch.int64,), shape=(src_rows.shape[0],), device=dev)
+    if delta is not None:
+        check_tensor(_CP, "delta", delta, dtypes=(torch.int32,), shape=(src_rows.shape[0],), device=dev)
+        if inv_freq is None:
+            raise ValueError(f"ragattn.{_CP}: inv_freq is required when delta is given")
+        _check_rope(_CP, inv_freq, int(rotary_dim), fk.shape[-1] if fk is not None else None, dev)
+    return fk, sk
 
 
 def rerotate_keys_(
@@ -87,18 +139,14 @@ def rerotate_keys_(
     mod 2pi in float64, so deltas up to 2^20 stay within fp32 rounding of the exact rotation.
     Returns None.
     """
-    op = "rerotate_keys_"
-    first = _check_layers(op, "k_layers", k_layers)
-    dev = first.device if first is not None else rows.device
-    check_tensor(op, "rows", rows, dtypes=(torch.int64,), ndim=1, device=dev)
-    check_tensor(op, "delta", delta, dtypes=(torch.int32,), shape=(rows.shape[0],), device=dev)
-    _check_rope(op, inv_freq, int(rotary_dim), first.shape[-1] if first is not None else None, dev)
-    if dev.type == "cpu" and _extension.cpu_backend() == "reference":
+    if _on_reference_path(rows):
+        first = _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim)
         # (the C++ ops check row ranges themselves; the reference path needs it here)
         if first is not None:
-            _check_rows_cpu(op, "rows", rows, _num_rows(first), distinct=True)
+            _check_rows_cpu(_RR, "rows", rows, _num_rows(first), distinct=True)
         _ref.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved), compute_dtype=torch.float32)
         return None
+    # The C++ op validates everything (before any write); meta tensors reach the fake, which does too.
     torch.ops.ragattn.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved))
     return None
 
@@ -144,55 +192,29 @@ def copy_kv_(
 
     Returns None.
     """
-    op = "copy_kv_"
-    fk = _check_layers(op, "dst_k", dst_k)
-    sk = _check_layers(op, "src_k", src_k)
-    fv = _check_layers(op, "dst_v", dst_v)
-    sv = _check_layers(op, "src_v", src_v)
-    L = len(dst_k)
-    if len(src_k) != L:
-        raise ValueError(f"ragattn.{op}: src_k must have one tensor per layer of dst_k ({L}), got {len(src_k)}")
-    if len(dst_v) != len(src_v) or len(dst_v) not in (0, L):
-        raise ValueError(f"ragattn.{op}: dst_v and src_v must both be empty or have {L} layers, got {len(dst_v)} and {len(src_v)}")
-    dev = fk.device if fk is not None else dst_rows.device
-    if fk is not None:
-        for name, t, ref in (("src_k", sk, fk), ("dst_v", fv, fk), ("src_v", sv, fv)):
-            if t is None:
-                continue
-            if t.dtype != fk.dtype:
-                raise TypeError(f"ragattn.{op}: {name} must have dst_k's dtype {fk.dtype}, got {t.dtype}")
-            if t.device != dev:
-                raise ValueError(f"ragattn.{op}: {name} must be on {dev} (dst_k's device), got {t.device}")
-            if name != "dst_v" and t.shape[-2:] != ref.shape[-2:]:
-                raise ValueError(f"ragattn.{op}: {name} rows must be {tuple(ref.shape[-2:])}, got shape {tuple(t.shape)}")
-        if fv is not None and (_num_rows(fv) != _num_rows(fk) or _num_rows(sv) != _num_rows(sk)):
-            raise ValueError(f"ragattn.{op}: dst_v/src_v must have as many rows as dst_k/src_k")
-    check_tensor(op, "src_rows", src_rows, dtypes=(torch.int64,), ndim=1, device=dev)
-    check_tensor(op, "dst_rows", dst_rows, dtypes=(torch.int64,), shape=(src_rows.shape[0],), device=dev)
-    if delta is not None:
-        check_tensor(op, "delta", delta, dtypes=(torch.int32,), shape=(src_rows.shape[0],), device=dev)
-        if inv_freq is None:
-            raise ValueError(f"ragattn.{op}: inv_freq is required when delta is given")
-        _check_rope(op, inv_freq, int(rotary_dim), fk.shape[-1] if fk is not None else None, dev)
     args = (list(dst_k), list(dst_v), list(src_k), list(src_v), src_rows, dst_rows, delta, inv_freq, int(rotary_dim), bool(interleaved))
-    if dev.type == "cpu" and _extension.cpu_backend() == "reference":
+    if _on_reference_path(dst_rows):
+        fk, sk = _validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim)
         # (the C++ ops check row ranges themselves; the reference path needs it here)
         if fk is not None:
-            _check_rows_cpu(op, "src_rows", src_rows, _num_rows(sk), distinct=False)
-            _check_rows_cpu(op, "dst_rows", dst_rows, _num_rows(fk), distinct=True)
+            _check_rows_cpu(_CP, "src_rows", src_rows, _num_rows(sk), distinct=False)
+            _check_rows_cpu(_CP, "dst_rows", dst_rows, _num_rows(fk), distinct=True)
         _ref.copy_kv_(*args, compute_dtype=torch.float32)
         return None
+    # The C++ op validates everything (before any write); meta tensors reach the fake, which does too.
     torch.ops.ragattn.copy_kv_(*args)
     return None
 
 
 @torch.library.register_fake("ragattn::rerotate_keys_")
 def _rerotate_keys_fake(k_layers, rows, delta, inv_freq, rotary_dim, interleaved):
+    _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim)
     return None
 
 
 @torch.library.register_fake("ragattn::copy_kv_")
 def _copy_kv_fake(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta=None, inv_freq=None, rotary_dim=0, interleaved=False):
+    _validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim)
     return None
 
 
