@@ -14,7 +14,15 @@ from ragattn.reference.speculative import verify_draft as _reference
 _OP = "verify_draft"
 
 
+def _check_scalar_types(temperature, eta, alpha) -> None:
+    for name, val in (("temperature", temperature), ("eta", eta), ("alpha", alpha)):
+        if not isinstance(val, (int, float)) or isinstance(val, bool):
+            raise TypeError(f"ragattn.{_OP}: {name} must be a float, got {type(val).__name__}")
+
+
 def _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft) -> None:
+    """The Python twin of check_verify_draft_args (csrc/speculative/verify_draft_cpu.cpp), for the
+    paths that do not reach it: the reference, the fake impl, and the CUDA debug-mode value checks."""
     check_tensor(_OP, "draft_tokens", draft_tokens, dtypes=(torch.int64,), ndim=2)
     bsz, g = draft_tokens.shape
     check_tensor(_OP, "target_logits", target_logits, dtypes=FLOAT_DTYPES, ndim=3)
@@ -28,9 +36,7 @@ def _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, e
         check_tensor(_OP, "num_draft", num_draft, dtypes=(torch.int32, torch.int64), shape=(bsz,))
     check_same_device(_OP, target_logits=target_logits, draft_tokens=draft_tokens, draft_probs=draft_probs,
                       uniforms=uniforms, num_draft=num_draft)
-    for name, val in (("temperature", temperature), ("eta", eta), ("alpha", alpha)):
-        if not isinstance(val, (int, float)) or isinstance(val, bool):
-            raise TypeError(f"ragattn.{_OP}: {name} must be a float, got {type(val).__name__}")
+    _check_scalar_types(temperature, eta, alpha)
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"ragattn.{_OP}: temperature must be finite and > 0, got {temperature}")
     if not (math.isfinite(eta) and eta >= 0):
@@ -125,11 +131,15 @@ def verify_draft(
     Backends: CUDA C++ kernel (one block per batch row); CPU C++ twin, or the float64 reference
     with ``RAGATTN_CPU_BACKEND=reference``.
     """
-    _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft)
-    on_cpu = target_logits.device.type == "cpu"
-    if on_cpu or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+    _check_scalar_types(temperature, eta, alpha)  # (the schema would coerce or reject them unnamed)
+    on_cpu = isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
+    reference = on_cpu and _extension.cpu_backend() == "reference"
+    # The C++ op validates shapes, dtypes and devices, and on CPU the values too; check here only
+    # where it is not reached (reference) or does not look (CUDA values, in debug mode: a sync).
+    if reference or (not on_cpu and os.environ.get("RAGATTN_DEBUG", "0") == "1"):
+        _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft)
         _check_values(draft_tokens, target_logits, uniforms, num_draft)
-    if on_cpu and _extension.cpu_backend() == "reference":
+    if reference:
         return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft)
     return torch.ops.ragattn.verify_draft(
         draft_tokens, draft_probs, target_logits, uniforms, float(temperature), float(eta), float(alpha), bool(greedy),
@@ -140,8 +150,7 @@ def verify_draft(
 @torch.library.register_fake("ragattn::verify_draft")
 def _verify_draft_fake(draft_tokens, draft_probs, target_logits, uniforms, temperature=1.0, eta=0.0, alpha=0.1,
                        greedy=False, num_draft=None):
-    torch._check(target_logits.dim() == 3 and draft_tokens.dim() == 2,
-                 lambda: f"ragattn.{_OP}: draft_tokens must be [B, g] and target_logits [B, g + 1, V]")
+    _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft)
     bsz, g = draft_tokens.shape
     out = draft_tokens.new_empty((bsz, g + 1))
     return out, draft_tokens.new_empty((bsz,), dtype=torch.int32)
