@@ -77,3 +77,29 @@ def test_unsupported_sliding_window_is_refused():
     model.set_attn_implementation("ragattn")
     with pytest.raises(NotImplementedError, match="sliding-window"):
         model(torch.randint(1, 97, (1, 9)))
+
+
+def test_paged_batch_prefill_then_decode_equals_plain_forward():
+    """ragattn_paged with B = 2: a prefill and a decode step through the paged request cache give
+    the logits of one plain forward over the same tokens; a cache that would overflow is refused."""
+    from ragattn.hf.attention import PagedKV, use_ragattn
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, rope_theta=1000.0)
+    model = random_llama(shape, dtype=torch.float32, seed=3)
+    ids = torch.randint(1, 101, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids).logits
+        cache = PagedKV(2, 2, 7, 2, 16, page_size=4)  # 2 pages of 4 slots per row
+        assert cache.capacity == 8
+        with use_ragattn(model):
+            pre = model(input_ids=ids[:, :5], position_ids=torch.arange(5)[None].expand(2, 5),
+                        use_cache=False, ragattn_paged=cache).logits
+            cache.lengths += 5
+            dec = model(input_ids=ids[:, 5:], position_ids=torch.full((2, 1), 5), use_cache=False,
+                        ragattn_paged=cache).logits
+            cache.lengths += 1
+            with pytest.raises(ValueError, match="cache full"):
+                model(input_ids=ids[:, :3], position_ids=torch.tensor([[6, 7, 8]] * 2), use_cache=False,
+                      ragattn_paged=cache)
+    torch.testing.assert_close(torch.cat([pre, dec], dim=1), ref, rtol=1e-4, atol=1e-4)

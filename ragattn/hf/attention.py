@@ -66,25 +66,35 @@ class PagedKV:
         pages = self.block_table[b].long()[slots.long() // self.page_size]
         return pages * self.page_size + slots.long() % self.page_size
 
+    def append_plan(self, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [B * q] int64, slots [B * q] int32)``: where ``q`` new tokens per row go.
+
+        The same for every layer of one forward, so it is computed once (one host sync for the
+        capacity check) and reused until ``lengths`` changes (the caller advances it afterwards).
+        """
+        key = (id(self.lengths), self.lengths._version, q)
+        if getattr(self, "_plan_key", None) != key:
+            if int(self.lengths.max()) + q > self.capacity:
+                raise ValueError(f"ragattn attention: paged request cache full ({self.capacity} slots), "
+                                 f"cannot append {q} tokens")
+            slots = [self.lengths[i] + torch.arange(q, device=device, dtype=torch.int32)
+                     for i in range(self.lengths.shape[0])]
+            rows = torch.cat([self.slot_rows(i, sl) for i, sl in enumerate(slots)])
+            self._plan_key, self._plan = key, (rows, torch.cat(slots))
+        return self._plan
+
 
 def _paged_forward(module, query, key, value, scaling, cache: PagedKV):
     b, hq, q, d = query.shape
     layer = module.layer_idx
-    if int(cache.lengths.max()) + q > cache.capacity:
-        raise ValueError(f"ragattn attention: paged request cache full ({cache.capacity} slots), "
-                         f"cannot append {q} tokens")
-    kt, vt = key.transpose(1, 2), value.transpose(1, 2)                    # [B, q, Hkv, D]
+    rows, q_pos = cache.append_plan(q, query.device)
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
-    q_pos = []
-    for i in range(b):
-        slots = cache.lengths[i] + torch.arange(q, device=query.device, dtype=torch.int32)
-        rows = cache.slot_rows(i, slots)
-        kf[rows], vf[rows] = kt[i].to(kf.dtype), vt[i].to(vf.dtype)
-        q_pos.append(slots)
+    kf[rows] = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
+    vf[rows] = value.transpose(1, 2).reshape(b * q, *vf.shape[1:]).to(vf.dtype)
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d).contiguous(),
-                                torch.cat(q_pos), cu, cache.k[layer], cache.v[layer],
+                                q_pos, cu, cache.k[layer], cache.v[layer],
                                 cache.block_table, cache.lengths + q, scaling)
     return o.view(b, q, hq, d), None
 
