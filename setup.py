@@ -55,7 +55,11 @@ setup(
     name="ragattn",
     version="0.1.0",
     description="Attention and KV-cache operators for retrieval-augmented generation inference",
-    packages=find_packages(include=["ragattn", "ragattn.*", "triton_kernels", "triton_kernels.*"]),
+    # triton_kernels/ and bench/ live at the top of the repository (the layout of design.md) but
+    # install inside the package: a top-level ``triton_kernels`` would shadow OpenAI's, which
+    # vLLM and SGLang import.
+    packages=find_packages(include=["ragattn", "ragattn.*"]) + ["ragattn.triton_kernels", "ragattn.bench"],
+    package_dir={"ragattn.triton_kernels": "triton_kernels", "ragattn.bench": "bench"},
     package_data={"ragattn": ["data/*.json", "data/**/*"]},
     python_requires=">=3.10",
     ext_modules=[_extension()],

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     size = args.sizes or ("gpu" if device.type == "cuda" else "cpu")
 
-    from bench.harness import format_table, iter_cases, measure_case, measured_copy_bandwidth, measured_matmul_tflops
+    from .harness import format_table, iter_cases, measure_case, measured_copy_bandwidth, measured_matmul_tflops
 
     try:
         from tqdm import tqdm
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     rows = []
     bar = tqdm(desc="benchmarks", unit="case", file=sys.stderr)
     for mod_name, cases in iter_cases(device, size, args.only):
-        bar.set_postfix_str(mod_name.removeprefix("bench.bench_"))
+        bar.set_postfix_str(mod_name.rpartition(".bench_")[2])
         for case in cases:
             rows.extend(measure_case(case, device))
             bar.update(1)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from bench.harness import Case
+from .harness import Case
 
 
 def _naive_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

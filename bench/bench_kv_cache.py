@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.harness import Case
+from .harness import Case
 
 
 def _rotate_half(x):

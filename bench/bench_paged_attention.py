@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.harness import Case, synchronize
+from .harness import Case, synchronize
 
 I32 = torch.int32
 

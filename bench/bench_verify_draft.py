@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.harness import Case
+from .harness import Case
 
 
 def _rapid_loop(x, q, z, temperature, eta, alpha):

@@ -29,8 +29,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-from bench.__main__ import _commit
-from bench.harness import synchronize
+from .__main__ import _commit
+from .harness import synchronize
 from ragattn.methods.chunk_store import ChunkStore
 from ragattn.methods.common import paged_forward
 

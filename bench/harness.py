@@ -95,10 +95,10 @@ def measured_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.bflo
 
 
 def discover_modules() -> List[str]:
-    """Names of every ``bench.bench_*`` module."""
-    import bench
-
-    return sorted(f"bench.{m.name}" for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
+    """Names of every ``bench_*`` module of this package (``bench.*`` in a checkout, ``ragattn.bench.*``
+    once installed)."""
+    pkg = importlib.import_module(__package__)
+    return sorted(f"{__package__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("bench_"))
 
 
 def _matches(case: Case, only: Optional[str]) -> bool:

@@ -6,7 +6,7 @@ disabled) executes each case once, so the suite stays runnable.
 import pytest
 import torch
 
-from bench.harness import collect_cases
+from .harness import collect_cases
 
 _DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _CASES = collect_cases(_DEVICE, "cpu")

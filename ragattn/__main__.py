@@ -3,6 +3,8 @@
     python -m ragattn demo [--method M ...] [--question TEXT] [--corpus DIR] [--model NAME]
                            [--top-k K] [--max-new-tokens N] [--limit N] [--device cpu|cuda]
     python -m ragattn finetune [...]     # Block-Attention fine-tuning (see scripts/finetune_block.py)
+    python -m ragattn bench [...]        # micro-benchmarks (== python -m bench in a checkout)
+    python -m ragattn bench e2e [...]    # end-to-end TTFT benchmark (== python -m bench.e2e)
 """
 from __future__ import annotations
 
@@ -23,7 +25,15 @@ def main(argv=None) -> int:
         from ragattn.finetune import main as finetune_main
 
         return finetune_main(rest)
-    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, finetune)", file=sys.stderr)
+    if cmd == "bench":
+        if rest[:1] == ["e2e"]:
+            from ragattn.bench.e2e import main as e2e_main
+
+            return e2e_main(rest[1:])
+        from ragattn.bench.__main__ import main as bench_main
+
+        return bench_main(rest)
+    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, finetune, bench)", file=sys.stderr)
     return 2
 
 

@@ -62,7 +62,7 @@ def test_explicit_scale_and_strided_inputs(device, seed, monkeypatch, backend):
 def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
     """The split-key LSE merge of pass 1 (used on GPUs for short questions) is exact; one sequence
     (the no-sync launch path) included."""
-    from triton_kernels.key_attention_scores import key_attention_scores as kernel
+    from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 
     q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, 4, 2, 64, torch.float16, device)
     out = kernel(q, k, cu_q, cu_k, num_splits=num_splits)
@@ -141,7 +141,7 @@ def test_bad_scale(device):
 
 _COMPILE_CHECK = r"""
 import torch
-import triton_kernels.key_attention_scores as kas
+import ragattn.triton_kernels.key_attention_scores as kas
 from tests.helpers import SM90_CASES, compile_many_sm90
 
 jobs = []

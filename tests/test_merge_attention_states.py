@@ -120,7 +120,7 @@ def test_bad_inputs(index, bad, exc, match):
 
 _COMPILE_CHECK = r"""
 import triton
-import triton_kernels.merge_attention_states as mas
+import ragattn.triton_kernels.merge_attention_states as mas
 from tests.helpers import SM90_CASES, compile_many_sm90
 
 jobs = []

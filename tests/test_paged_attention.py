@@ -289,7 +289,7 @@ def test_bad_inputs(index, bad, exc, match):
 _COMPILE_CHECK = r"""
 import torch
 import triton
-import triton_kernels.paged_attention as pa
+import ragattn.triton_kernels.paged_attention as pa
 from tests.helpers import SM90_CASES, compile_many_sm90
 
 ints = ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")

@@ -149,7 +149,7 @@ def test_gradients_match_reference(device, backend, monkeypatch, mask, causal, r
 def test_kernel_small_tiles(device, mask, causal):
     """The launchers with 16-row tiles: many tiles per sequence, so skipping and the mask-free
     fully-visible path are exercised (forward and backward)."""
-    from triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
+    from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
 
     args = _case([50, 0, 33], [50, 2, 33], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
                  pos="shuffled" if mask == "random" else "default", gen=torch.Generator().manual_seed(3))
@@ -168,7 +168,7 @@ def test_kernel_small_tiles(device, mask, causal):
 
 def test_tile_metadata_skips(device):
     """Metadata of independent chunks: the tile pairs of different chunks cannot meet."""
-    from triton_kernels.varlen_attention import tile_metadata
+    from ragattn.triton_kernels.varlen_attention import tile_metadata
 
     cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
     pos = torch.arange(64, dtype=torch.int32, device=device)
@@ -270,7 +270,7 @@ def test_plan_cache_sees_in_place_edits(device, monkeypatch):
 
 _COMPILE_CHECK = r"""
 import torch
-import triton_kernels.varlen_attention as va
+import ragattn.triton_kernels.varlen_attention as va
 from tests.helpers import SM90_CASES, compile_many_sm90
 
 assert not va._INTERPRET

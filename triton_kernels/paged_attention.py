@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.merge_attention_states import merge_split_states
+from .merge_attention_states import merge_split_states
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

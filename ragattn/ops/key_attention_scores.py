@@ -50,7 +50,7 @@ def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) ->
 
 
 def _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale):
-    from triton_kernels.key_attention_scores import key_attention_scores as _kernel
+    from ragattn.triton_kernels.key_attention_scores import key_attention_scores as _kernel
 
     return _kernel(q, k, cu_seqlens_q, cu_seqlens_k, scale)
 

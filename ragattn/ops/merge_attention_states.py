@@ -43,7 +43,7 @@ def merge_attention_states(
 
 
 def _triton(out_a, lse_a, out_b, lse_b):
-    from triton_kernels.merge_attention_states import merge_two_states
+    from ragattn.triton_kernels.merge_attention_states import merge_two_states
 
     return merge_two_states(out_a, lse_a, out_b, lse_b)
 

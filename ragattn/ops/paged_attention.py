@@ -125,7 +125,7 @@ def paged_attention(
 
 
 def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale):
-    from triton_kernels.paged_attention import paged_attention_fwd
+    from ragattn.triton_kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
         q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, num_splits=_forced_num_splits()

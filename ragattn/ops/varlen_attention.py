@@ -132,7 +132,7 @@ def _contig(*ts):
 def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None):
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale)
     if _use_triton(q):
-        from triton_kernels.varlen_attention import varlen_attention_fwd
+        from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
         with device_guard(q):
             return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale)
@@ -149,7 +149,7 @@ def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
 @torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"))
 def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale):
     if _use_triton(q):
-        from triton_kernels.varlen_attention import varlen_attention_bwd
+        from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd
 
         with device_guard(q):
             return varlen_attention_bwd(
