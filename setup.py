@@ -1,9 +1,11 @@
-"""Build of ragattn's C++/CUDA extension ``ragattn._C``.
+"""Build of ragattn's C++/CUDA extension ``ragattn._C`` (the metadata lives in pyproject.toml).
 
-CPU-only torch (or no nvcc): a ``CppExtension`` with the CPU twins of every C++ op.
-CUDA torch with nvcc: a ``CUDAExtension`` for sm_90a that adds the CUDA kernels.
+CPU-only torch: a ``CppExtension`` with the CPU twins of every C++ op.
+CUDA torch: a ``CUDAExtension`` that adds the CUDA kernels, for the architectures in
+``TORCH_CUDA_ARCH_LIST`` (default ``8.0;9.0a``: A100 and H100). CUDA torch without nvcc is an
+error, not a silent CPU-only build; set ``RAGATTN_FORCE_CPU=1`` to build the CPU twins only.
 
-File roles under ``csrc/`` (see docs/design notes in README):
+File roles under ``csrc/``:
   *_kernels.cu   framework-free CUDA kernels + raw-pointer launchers (no torch headers;
                  CI compile-checks them with nvcc alone)
   *_cuda.cu      ATen launchers that validate tensors and call the raw-pointer launchers
@@ -13,10 +15,11 @@ import glob
 import os
 
 import torch
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0;9.0a"
 
 
 def _sources(pattern):
@@ -24,9 +27,14 @@ def _sources(pattern):
 
 
 def _with_cuda():
-    if os.environ.get("RAGATTN_FORCE_CPU", "0") == "1":
+    if os.environ.get("RAGATTN_FORCE_CPU", "0") == "1" or torch.version.cuda is None:
         return False
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if cpp_extension.CUDA_HOME is None:
+        raise SystemExit(
+            f"ragattn: torch {torch.__version__} has CUDA but no CUDA toolkit (nvcc) was found, so the "
+            "CUDA kernels cannot be built. Install the CUDA toolkit (or set CUDA_HOME), or set "
+            "RAGATTN_FORCE_CPU=1 to build the CPU ops only.")
+    return True
 
 
 def _extension():
@@ -34,16 +42,16 @@ def _extension():
     cxx_flags = ["-O3", "-std=c++17"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if _with_cuda():
-        cu = _sources("csrc/**/*.cu")
-        arch = os.environ.get("RAGATTN_CUDA_ARCH", "-gencode=arch=compute_90a,code=sm_90a").split()
+        # torch's BuildExtension turns TORCH_CUDA_ARCH_LIST into -gencode flags
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         return cpp_extension.CUDAExtension(
             "ragattn._C",
-            cpp + cu,
+            cpp + _sources("csrc/**/*.cu"),
             include_dirs=include_dirs,
             define_macros=[("RAGATTN_WITH_CUDA", "1")],
             extra_compile_args={
                 "cxx": cxx_flags,
-                "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *arch],
+                "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
             },
         )
     return cpp_extension.CppExtension(
@@ -52,16 +60,13 @@ def _extension():
 
 
 setup(
-    name="ragattn",
-    version="0.1.0",
-    description="Attention and KV-cache operators for retrieval-augmented generation inference",
     # triton_kernels/ and bench/ live at the top of the repository (the layout of design.md) but
     # install inside the package: a top-level ``triton_kernels`` would shadow OpenAI's, which
     # vLLM and SGLang import.
-    packages=find_packages(include=["ragattn", "ragattn.*"]) + ["ragattn.triton_kernels", "ragattn.bench"],
+    packages=find_namespace_packages(include=["ragattn", "ragattn.*"], exclude=["*.__pycache__"])
+    + ["ragattn.triton_kernels", "ragattn.bench"],
     package_dir={"ragattn.triton_kernels": "triton_kernels", "ragattn.bench": "bench"},
     package_data={"ragattn": ["data/*.json", "data/**/*"]},
-    python_requires=">=3.10",
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -48,11 +48,7 @@ def main(argv=None) -> int:
 
     from .harness import format_table, iter_cases, measure_case, measured_copy_bandwidth, measured_matmul_tflops
 
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        def tqdm(x, **_):
-            return x
+    from tqdm import tqdm
 
     peaks = {
         "copy_GBps": measured_copy_bandwidth(device),

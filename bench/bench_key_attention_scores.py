@@ -15,6 +15,8 @@ import torch
 
 from .harness import Case
 
+FAMILIES = ("key_attention_scores",)  # the Case.family values of this module (lets --only skip building it)
+
 
 def _naive_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """One sequence: [H, Tq, Tk] fp32 probabilities summed over heads and query rows."""

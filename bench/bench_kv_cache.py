@@ -17,6 +17,8 @@ import torch
 
 from .harness import Case
 
+FAMILIES = ("kv_cache",)  # the Case.family values of this module (lets --only skip building it)
+
 
 def _rotate_half(x):
     h = x.shape[-1] // 2

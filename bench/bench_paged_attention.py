@@ -21,6 +21,8 @@ import torch
 
 from .harness import Case, synchronize
 
+FAMILIES = ("paged_attention", "merge_attention_states")  # the Case.family values of this module (lets --only skip building it)
+
 I32 = torch.int32
 
 

@@ -25,6 +25,8 @@ import torch
 
 from .harness import Case, synchronize
 
+FAMILIES = ("varlen_attention",)  # the Case.family values of this module (lets --only skip building it)
+
 I32 = torch.int32
 
 

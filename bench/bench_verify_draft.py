@@ -21,6 +21,8 @@ import torch
 
 from .harness import Case
 
+FAMILIES = ("verify_draft",)  # the Case.family values of this module (lets --only skip building it)
+
 
 def _rapid_loop(x, q, z, temperature, eta, alpha):
     """RAPID's code path, row by row (host sync per row, as in the batch-1 original)."""

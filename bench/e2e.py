@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default=None, choices=tuple(SIZES), help="context set (default by device)")
     p.add_argument("--layers", type=int, default=None, help="depth override for random models")
     p.add_argument("--question-len", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per point (median)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per point (the best of them on the CPU, the median on CUDA)")
     p.add_argument("--out", default="bench_results/e2e")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

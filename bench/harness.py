@@ -112,12 +112,17 @@ def iter_cases(device: torch.device, size: str, only: Optional[str] = None) -> I
 
     Cases hold their input tensors, so building one module's cases only when the previous ones
     are measured and dropped keeps the GPU sizes of all families from being resident at once.
+    A module whose ``FAMILIES`` cannot match ``only`` is not built at all; when ``only`` names no
+    family of any module it is a case-name prefix, and every module is built and filtered.
     """
-    for mod_name in discover_modules():
-        mod = importlib.import_module(mod_name)
+    modules = [importlib.import_module(m) for m in discover_modules()]
+    by_family = only is not None and any(only in f for m in modules for f in getattr(m, "FAMILIES", ()))
+    for mod in modules:
+        if by_family and not any(only in f for f in getattr(mod, "FAMILIES", (only,))):
+            continue
         cases = [c for c in mod.cases(device, size) if _matches(c, only)]
         if cases:
-            yield mod_name, cases
+            yield mod.__name__, cases
         del cases  # drop our reference before the next module builds its inputs
 
 

@@ -6,15 +6,26 @@ disabled) executes each case once, so the suite stays runnable.
 import pytest
 import torch
 
-from .harness import collect_cases
+from .harness import collect_cases, synchronize
 
 _DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _CASES = collect_cases(_DEVICE, "cpu")
 
 
+def _synced(fn):
+    """``fn`` then a device synchronisation: CUDA launches are asynchronous, and a timing that
+    stops at the launch measures the launch, not the kernel."""
+    def run():
+        out = fn()
+        synchronize(_DEVICE)
+        return out
+
+    return run
+
+
 @pytest.mark.parametrize("case", _CASES, ids=[f"{c.family}-{c.name}" for c in _CASES])
 def test_bench_ragattn(benchmark, case):
-    benchmark(case.run)
+    benchmark(_synced(case.run))
 
 
 @pytest.mark.parametrize(
@@ -23,4 +34,22 @@ def test_bench_ragattn(benchmark, case):
     ids=[f"{c.family}-{c.name}-{b}" for c in _CASES for b in c.baselines],
 )
 def test_bench_baseline(benchmark, case, baseline):
-    benchmark(case.baselines[baseline])
+    benchmark(_synced(case.baselines[baseline]))
+
+
+def test_only_builds_the_named_family(monkeypatch):
+    """``--only kv_cache`` must not build (allocate, warn about) any other family's cases."""
+    import importlib
+
+    from . import harness
+
+    built = []
+    for name in harness.discover_modules():
+        mod = importlib.import_module(name)
+        monkeypatch.setattr(mod, "cases", lambda device, size, _n=name, _f=mod.cases: built.append(_n) or _f(device, size))
+    cases = harness.collect_cases(torch.device("cpu"), "cpu", only="kv_cache")
+    assert cases and {c.family for c in cases} == {"kv_cache"}
+    assert built == [n for n in built if n.endswith("bench_kv_cache")] and len(built) == 1
+    built.clear()
+    # a case-name prefix still works (every module is built and filtered)
+    assert {c.family for c in harness.collect_cases(torch.device("cpu"), "cpu", only="copy_kv_")} == {"kv_cache"}

@@ -118,10 +118,16 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default float32 on the CPU, bfloat16 on CUDA")
-    p.add_argument("--eval-questions", type=int, default=6, help="questions in the before/after evaluation")
+    p.add_argument("--eval-questions", type=int, default=6,
+                   help="questions in the before/after evaluation (0: no evaluation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, metavar="DIR", help="save the fine-tuned model here")
     args = p.parse_args(argv)
+    for name in ("steps", "eval_questions"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.batch < 1:
+        p.error(f"--batch must be >= 1, got {args.batch}")
     torch.set_flush_denormal(True)  # tiny Adam moments must not hit the slow denormal path
 
     from tqdm import tqdm
@@ -150,9 +156,11 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
     # fixed held-out view of every question (its own distractors) to measure before/after
-    eval_batch = pack(corpus_samples(tok, corpus, args.top_k, random.Random(args.seed + 1))[: args.eval_questions], device)
-    before = eval_loss(model, eval_batch)
-    print(f"block-mask answer loss on {args.eval_questions} held-fixed prompts before: {before:.4f}")
+    eval_samples = corpus_samples(tok, corpus, args.top_k, random.Random(args.seed + 1))[: args.eval_questions]
+    eval_batch = pack(eval_samples, device) if eval_samples else None
+    before = eval_loss(model, eval_batch) if eval_batch is not None else None
+    if before is not None:
+        print(f"block-mask answer loss on {len(eval_samples)} held-fixed prompts before: {before:.4f}")
     t0 = time.perf_counter()
     losses = []
     bar = tqdm(range(args.steps), desc="block fine-tune", unit="step", file=sys.stderr)
@@ -162,11 +170,14 @@ def main(argv=None) -> int:
         losses.append(train_step(model, optimizer, batch))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         tqdm.write(f"step {step + 1:4d}  loss {losses[-1]:.4f}", file=sys.stdout)
-    after = eval_loss(model, eval_batch)
-    n = max(1, len(losses) // 5)
-    print(f"block-mask answer loss on {args.eval_questions} held-fixed prompts after {args.steps} steps: {after:.4f} "
-          f"(before {before:.4f}); training loss first {n} steps {sum(losses[:n]) / n:.4f} -> "
-          f"last {n} {sum(losses[-n:]) / n:.4f}; {time.perf_counter() - t0:.0f} s on {device}")
+    summary = [f"{args.steps} steps, {time.perf_counter() - t0:.0f} s on {device}"]
+    if losses:
+        n = max(1, len(losses) // 5)
+        summary.append(f"training loss first {n} steps {sum(losses[:n]) / n:.4f} -> last {n} {sum(losses[-n:]) / n:.4f}")
+    if eval_batch is not None:
+        after = eval_loss(model, eval_batch)
+        summary.append(f"block-mask answer loss on {len(eval_samples)} held-fixed prompts {before:.4f} -> {after:.4f}")
+    print("; ".join(summary))
     if args.save:
         model.config._attn_implementation = "sdpa"
         model.save_pretrained(args.save)

@@ -83,3 +83,13 @@ def test_packed_without_blocks_is_per_sample_causal():
     with torch.no_grad():
         got = model(**batch).logits[0]
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cli_without_evaluation_or_steps(smollm2, capsys):
+    """--eval-questions 0 used to crash packing an empty batch; negative counts are usage errors."""
+    assert ft.main(["--steps", "0", "--eval-questions", "0", "--top-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "0 steps" in out and "held-fixed" not in out
+    with pytest.raises(SystemExit) as exc:
+        ft.main(["--eval-questions", "-1"])
+    assert exc.value.code == 2

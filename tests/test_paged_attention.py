@@ -180,7 +180,7 @@ def test_split_kv_matches_unsplit(triton_backend, monkeypatch, device, seed, num
         torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
 
 
-def test_invisible_slots_are_never_read(triton_backend, monkeypatch, device, seed):
+def test_invisible_slots_are_never_read(backend, monkeypatch, device, seed):
     """NaN in every slot a row cannot see (later positions, past kv_lens, unused pages) leaves the output finite."""
     q_positions = [[5, 20, 33], [70]]
     kv_lens = [60, 71]

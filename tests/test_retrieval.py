@@ -8,7 +8,13 @@ from ragattn.methods.retrieval import Retriever, SentenceEncoder
 
 @pytest.fixture(scope="module")
 def encoder():
-    return SentenceEncoder()
+    import os
+
+    before = os.environ.get("HF_HUB_OFFLINE")
+    enc = SentenceEncoder()
+    # loading the shipped model must not switch the whole process to offline mode
+    assert os.environ.get("HF_HUB_OFFLINE") == before
+    return enc
 
 
 def test_embeddings_are_unit_and_pooled(encoder):

@@ -25,10 +25,15 @@ Further keyword arguments used by ``ragattn.methods`` (all optional, passed thro
   With ``ragattn_block_ids`` ``[1, T]`` as well, each packed sequence gets the Block-Attention mask
   (block fine-tuning: ``ragattn.finetune``); differentiable through ``varlen_attention``'s autograd.
 * ``ragattn_capture`` list: each layer appends its ``(key, value)`` ``[B, Hkv, T, D]`` (keys after RoPE).
+* ``ragattn_capture_query`` list: each layer appends its ``query`` ``[B, Hq, T, D]`` (after RoPE).
 * ``ragattn_paged`` a :class:`PagedKV`: the current tokens' K/V are written into the paged request
   cache at slots ``lengths[b] + i`` and attention runs through ``ragattn.paged_attention`` (causal by
   slot; RoPE positions come from ``position_ids`` and may differ from slots). The caller advances
   ``lengths`` after the forward.
+* ``ragattn_slots`` int ``[q]`` with ``ragattn_paged`` (batch 1): selective recompute. The current
+  tokens' K/V overwrite these slots (distinct, each ``< lengths[0]``; the caller sets ``lengths`` to
+  cover them first and does not advance it after) instead of being appended, and row ``i`` attends
+  causally to the slots ``<= ragattn_slots[i]``: never to a later slot, whatever the row order.
 """
 from __future__ import annotations
 
@@ -66,6 +71,22 @@ class PagedKV:
         pages = self.block_table[b].long()[slots.long() // self.page_size]
         return pages * self.page_size + slots.long() % self.page_size
 
+    def scatter_plan(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [q] int64, slots [q] int32)`` for writing ``q`` tokens of row 0 at ``slots``
+        (selective recompute); checked once per forward (slots distinct and ``< lengths[0]``)."""
+        key = (id(slots), slots._version, id(self.lengths), self.lengths._version)
+        if getattr(self, "_scatter_key", None) != key:
+            if self.lengths.shape[0] != 1:
+                raise ValueError("ragattn attention: ragattn_slots needs a batch-1 paged cache")
+            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= int(self.lengths[0])):
+                raise ValueError(f"ragattn attention: ragattn_slots must lie in [0, lengths[0] = "
+                                 f"{int(self.lengths[0])}), got {int(slots.min())} .. {int(slots.max())}")
+            if torch.unique(slots).numel() != slots.numel():
+                raise ValueError("ragattn attention: ragattn_slots may not repeat a slot")
+            self._scatter_key = key
+            self._scatter = (self.slot_rows(0, slots), slots.to(torch.int32))
+        return self._scatter
+
     def append_plan(self, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [B * q] int64, slots [B * q] int32)``: where ``q`` new tokens per row go.
 
@@ -84,10 +105,18 @@ class PagedKV:
         return self._plan
 
 
-def _paged_forward(module, query, key, value, scaling, cache: PagedKV):
+def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None):
     b, hq, q, d = query.shape
     layer = module.layer_idx
-    rows, q_pos = cache.append_plan(q, query.device)
+    if slots is None:
+        rows, q_pos = cache.append_plan(q, query.device)
+        kv_lens = cache.lengths + q
+    else:
+        if b != 1 or slots.shape != (q,):
+            raise ValueError(f"ragattn attention: ragattn_slots must be [q] = [{q}] with batch 1, "
+                             f"got {tuple(slots.shape)} with batch {b}")
+        rows, q_pos = cache.scatter_plan(slots)
+        kv_lens = cache.lengths
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
     kf[rows] = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
@@ -95,7 +124,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV):
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d).contiguous(),
                                 q_pos, cu, cache.k[layer], cache.v[layer],
-                                cache.block_table, cache.lengths + q, scaling)
+                                cache.block_table, kv_lens, scaling)
     return o.view(b, q, hq, d), None
 
 
@@ -120,8 +149,11 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     capture = kwargs.get("ragattn_capture")
     if capture is not None:
         capture.append((key, value))
+    if kwargs.get("ragattn_capture_query") is not None:
+        kwargs["ragattn_capture_query"].append(query)
     if kwargs.get("ragattn_paged") is not None:
-        return _paged_forward(module, query, key, value, scaling, kwargs["ragattn_paged"])
+        return _paged_forward(module, query, key, value, scaling, kwargs["ragattn_paged"],
+                              kwargs.get("ragattn_slots"))
     cu_packed = kwargs.get("ragattn_cu_seqlens")
     if cu_packed is not None:
         if b != 1 or kv != q:

@@ -18,6 +18,10 @@ re-rotates each chunk's keys by ``delta = new_start - 0`` (reordered positions) 
 :meth:`ChunkStore.pooled_kv` copies the whole pool out (e.g. to pinned host memory) and
 :meth:`ChunkStore.load_pooled_kv_` copies it back, for keeping chunk KV off the GPU.
 
+Derived entries (a variant of a chunk, e.g. FusionRAG's fused cache: the same tokens prefilled
+after other context, keys re-rotated back to the chunk's local positions ``0..n-1``) are stored
+with :meth:`ChunkStore.put` under ``variant_key(key, variant)`` and assemble like chunks.
+
 On disk: one ``<key>.safetensors`` per chunk (``k``, ``v`` ``[L, n, Hkv, D]``, ``tokens`` int64
 ``[n]``) with metadata (format, model fingerprint, key, sha256 of the tensor bytes). A file is
 fully read and verified before anything is inserted: a truncated, corrupt or foreign file raises
@@ -72,6 +76,10 @@ def chunk_key(fingerprint: str, tokens: Sequence[int]) -> str:
     return hashlib.sha256(fingerprint.encode() + t.numpy().tobytes()).hexdigest()[:40]
 
 
+def variant_key(fingerprint: str, key: str, variant: str) -> str:
+    return hashlib.sha256(f"{fingerprint}:{key}:{variant}".encode()).hexdigest()[:40]
+
+
 def _tensor_digest(*ts: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in ts:
@@ -124,6 +132,7 @@ class ChunkStore:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
+        self._variants: dict[str, tuple[str, str]] = {}  # derived key -> (chunk key, variant)
         self._rows = 0
         self._pool_k = [self._empty(0) for _ in range(self.num_layers)]
         self._pool_v = [self._empty(0) for _ in range(self.num_layers)]
@@ -206,6 +215,39 @@ class ChunkStore:
 
     def key(self, tokens: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, tokens)
+
+    def variant_key(self, key: str, variant: str) -> str:
+        """Key of the derived entry ``variant`` (a name, e.g. "fused-...") of the chunk ``key``."""
+        return variant_key(self.fingerprint, key, variant)
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is in memory or on disk in the store's directory (nothing is loaded)."""
+        return key in self._entries or (self.directory is not None and self._path(key).is_file())
+
+    def put(self, key: str, variant: str, k_layers: Sequence[torch.Tensor],
+            v_layers: Sequence[torch.Tensor]) -> str:
+        """Store a derived entry of the chunk ``key`` (which must be in the store); returns its key.
+
+        ``k_layers``, ``v_layers``: per layer ``[n, Hkv, D]`` (``n`` = the chunk's tokens), keys
+        rotated at the chunk's local positions ``0..n-1``. Written to the directory, if any."""
+        tokens = self._get(key).tokens
+        want = (tokens.numel(), self.num_kv_heads, self.head_dim)
+        if len(k_layers) != self.num_layers or len(v_layers) != self.num_layers or any(
+                tuple(t.shape) != want for t in [*k_layers, *v_layers]):
+            raise ChunkStoreError(f"ragattn.ChunkStore.put: expected {self.num_layers} layers of K and "
+                                  f"V of shape {want} ([n, Hkv, D])")
+        vkey = self.variant_key(key, variant)
+        if vkey in self._entries:
+            e = self._entries[vkey]
+            for l in range(self.num_layers):
+                self._pool_k[l][e.start: e.start + e.length] = k_layers[l]
+                self._pool_v[l][e.start: e.start + e.length] = v_layers[l]
+        else:
+            self._append(vkey, tokens, k_layers, v_layers)
+        self._variants[vkey] = (key, variant)
+        if self.directory is not None:
+            self.save(vkey)
+        return vkey
 
     def kv(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of a stored chunk: ``[L, n, Hkv, D]`` each (copies; keys at local positions)."""
@@ -300,6 +342,8 @@ class ChunkStore:
         tokens = self._entries[key].tokens
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "key": key,
                 "num_tokens": str(tokens.numel()), "sha256": _tensor_digest(k, v, tokens)}
+        if key in self._variants:
+            meta["variant"] = self._variants[key][1]
         path = d / f"{key}.safetensors"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         save_file({"k": k.cpu().contiguous(), "v": v.cpu().contiguous(), "tokens": tokens}, str(tmp),
@@ -338,12 +382,17 @@ class ChunkStore:
         if _tensor_digest(k, v, tokens) != meta.get("sha256"):
             raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} fails its checksum (corrupt file)")
         key = chunk_key(self.fingerprint, tokens.tolist())
+        variant = meta.get("variant")
+        if variant is not None:
+            base, key = key, variant_key(self.fingerprint, key, variant)
         if key != meta.get("key"):
             raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} holds key {meta.get('key')!r}, "
                                   f"but its tokens hash to {key!r}")
         if key not in self._entries:
             self._append(key, tokens, [t.to(self.device, self.dtype) for t in k],
                          [t.to(self.device, self.dtype) for t in v])
+        if variant is not None:
+            self._variants[key] = (base, variant)
         return key
 
     # ----- assembly -------------------------------------------------------------------------

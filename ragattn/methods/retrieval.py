@@ -11,7 +11,6 @@ Nothing is downloaded: the model files ship in the package's ``model/`` folder.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
@@ -37,12 +36,12 @@ class SentenceEncoder:
     """MiniLM sentence encoder: ``encode(texts) -> float32 [len(texts), 384]``, unit rows."""
 
     def __init__(self, model_dir: Path | None = None, device: str | torch.device = "cpu", max_length: int = 256):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
 
         d = str(model_dir or minilm_dir())
-        self.tokenizer = AutoTokenizer.from_pretrained(d)
-        self.model = AutoModel.from_pretrained(d, dtype=torch.float32).to(device).eval()
+        # a local folder, never the hub (and no process-wide HF_HUB_OFFLINE behind the caller's back)
+        self.tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        self.model = AutoModel.from_pretrained(d, dtype=torch.float32, local_files_only=True).to(device).eval()
         self.device = torch.device(device)
         self.max_length = max_length
 

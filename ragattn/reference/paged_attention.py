@@ -63,7 +63,13 @@ def paged_attention(
         row_lse = torch.logsumexp(s, dim=-1)  # [H, nq]; -inf where nothing is visible
         safe = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
         p = torch.exp(s - safe[..., None])  # masked entries -> exp(-inf) = 0
-        o = torch.einsum("hij,jhd->ihd", p, v)
+        # a masked slot is never read into the sum (0 * NaN is NaN): non-finite values enter only
+        # where visible, and then poison the row as they would in the kernels
+        bad = ~torch.isfinite(v)
+        o = torch.einsum("hij,jhd->ihd", p, v.masked_fill(bad, 0))
+        if bool(bad.any()):
+            hit = torch.einsum("ij,jhd->ihd", visible.to(cdt), bad.to(cdt)) > 0
+            o = o.masked_fill(hit, float("nan"))
         out[q0:q1] = o.to(q.dtype)
         lse[q0:q1] = row_lse.transpose(0, 1).to(lse_dtype)
     return out, lse

@@ -1,0 +1,99 @@
+"""``python -m ragattn build-store``: precompute a corpus's chunk KV store for FusionRAG, offline.
+
+    python -m ragattn build-store --corpus DIR --out DIR [--neighbours N] [--shard i/n] [--batch B]
+                                  [--model smollm2|CHECKPOINT] [--device cpu|cuda] [--no-progress]
+
+For every passage of the corpus (rendered and tokenized as the demo and the eval prompt it): its
+raw cache (the passage alone) and its fused cache (FusionRAG's offline stage: the passage
+prefilled after the prompt head and the raw caches of its ``N`` most similar passages, MiniLM
+cosine, default 10 capped by the corpus), both as safetensors files in ``--out`` (see
+``ragattn.methods.chunk_store``). Resumable: passages whose fused cache is already in ``--out`` are
+skipped. Shardable: ``--shard i/n`` builds the passages ``i, i+n, i+2n, ...``, so ``n`` workers can
+fill one directory at once (files are written atomically; the neighbour lists are the same
+everywhere).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _shard(text: str):
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard must look like i/n, got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard i/n needs 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ragattn build-store", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (default: the shipped one)")
+    p.add_argument("--out", required=True, metavar="DIR", help="store directory (created; shared by shards)")
+    p.add_argument("--neighbours", type=int, default=10, metavar="N",
+                   help="similar passages each fused cache has seen (default 10, capped by the corpus)")
+    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="i/n", help="build every n-th passage from i")
+    p.add_argument("--batch", type=int, default=8, metavar="B", help="passages per forward (default 8)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.neighbours < 0:
+        p.error("--neighbours must be >= 0")
+    if args.batch < 1:
+        p.error("--batch must be >= 1")
+    return args
+
+
+def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> dict:
+    """Build the store; returns a summary dict (also printed)."""
+    from tqdm import tqdm
+
+    from ragattn.corpus import load_corpus
+    from ragattn.demo import load_model
+    from ragattn.methods import fusionrag
+    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.methods.common import prompt_parts
+    from ragattn.methods.retrieval import SentenceEncoder
+
+    corpus = load_corpus(args.corpus)
+    model, tok = model_and_tokenizer or load_model(args.model, torch.device(args.device))
+    head, chunks, _ = prompt_parts(tok, [p.render() for p in corpus.passages], "")
+    emb = SentenceEncoder().encode([f"{p.title}. {p.text}" for p in corpus.passages])  # as the retriever
+    nbrs = fusionrag.neighbours(emb, args.neighbours)
+    i, n = args.shard
+    which = list(range(i, len(chunks), n))
+    store = ChunkStore(model, directory=args.out)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(which), desc=f"build-store {i}/{n}", unit="chunk", file=sys.stderr,
+               disable=args.no_progress)
+    built, skipped = fusionrag.fuse_chunks(model, store, head, chunks, nbrs, which, batch=args.batch,
+                                           progress=bar.update)
+    bar.update(skipped)
+    bar.close()
+    secs = time.perf_counter() - t0
+    summary = dict(passages=len(chunks), shard=f"{i}/{n}", built=built, skipped=skipped,
+                   neighbours=min(args.neighbours, len(chunks) - 1), seconds=round(secs, 2), out=str(args.out))
+    print(f"build-store: {built} fused caches built, {skipped} already on disk, shard {i}/{n} of "
+          f"{len(chunks)} passages, {summary['neighbours']} neighbours each, {secs:.1f} s -> {args.out}",
+          file=out)
+    return summary
+
+
+def main(argv=None) -> int:
+    from ragattn.corpus import CorpusError
+    from ragattn.demo import DemoError
+
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (CorpusError, DemoError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,430 @@
+"""FusionRAG (Wang et al., SIGMOD 2026), CacheBlend (Yao et al., EuroSys 2025) and Full Reuse:
+chunk KV reuse with selective recompute, one recompute path for all three.
+
+    from ragattn.methods import fusionrag
+    res = fusionrag.answer(model, tokenizer, chunks, question, ratio=0.15, store=store)
+    res = fusionrag.cacheblend(model, tokenizer, chunks, question, ratio=0.15, store=store)
+    res = fusionrag.full_reuse(model, tokenizer, chunks, question, store=store)
+    res.first_logits, res.ttft_s, res.extra["recomputed_slots"], res.extra["select_s"]  # see Answer
+
+Every method starts from the Full Reuse request: the prompt head and each chunk's KV come from the
+:class:`~ragattn.methods.chunk_store.ChunkStore` (chunk keys re-rotated to consecutive positions by
+``ChunkStore.assemble``), so chunks have not attended to each other. FusionRAG uses each chunk's
+*fused* cache where the store has one (offline, :func:`fuse_chunks` / ``python -m ragattn
+build-store``: the chunk prefilled after the prompt head and the cached KV of its ``n`` most similar
+chunks (MiniLM cosine, default 10, most similar first), stored re-rotated to the chunk's own
+positions as a variant of the chunk). Then:
+
+* **Full Reuse** (the ratio-0 case): only the final block (question + assistant header) is computed.
+* **FusionRAG**, query-guided selection (paper §3.2): the final block runs once against the reused
+  context to get its last-layer queries (``question="context"``; ``"standalone"``: the final block
+  alone at its true positions, the authors' code); ``ragattn.key_attention_scores`` gives each chunk
+  token the attention mass those queries put on its cached last-layer key (softmax per chunk by
+  default, as in the paper, or over all chunk tokens); the top ``ratio`` of the chunk tokens are
+  recomputed.
+* **CacheBlend**, gradual filtering (CacheBlend §4.3): every chunk token is recomputed through the
+  first layers; after each check layer (default 1, 2, 3: layer 0's K/V equal the cached ones) the
+  chunk tokens whose fresh K/V deviate most from the cached K/V (sum of squared differences over
+  heads and dims, K and V) are kept, a shrinking fraction (``2r .. r``), and only those go on.
+
+Recompute (:func:`recompute`): the selected chunk tokens and the final block go through every
+layer together, each at its true position: per layer, their Q/K/V are computed, their K/V overwrite
+their slots of the request's paged cache (``ragattn_slots`` of the HF patch), and they attend
+through ``ragattn.paged_attention`` to the slots at or before their own position (fresh K/V of
+earlier recomputed tokens, cached K/V of the others; never a later slot). The last token of the
+final block is left to :func:`~ragattn.methods.common.generate_paged`, which gives the first token
+and decodes. The selection ratio counts chunk tokens only (the head is a true prefix, its cache is
+exact; the final block is always computed). At ``ratio=1`` every method computes full attention.
+
+Tensor parallelism: with the heads split across ranks, pass ``group`` (a ``torch.distributed``
+process group); scores and deviations are all-reduced before the top-k so that every rank selects
+the same tokens (:func:`top_rows`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import torch
+
+from ragattn import ops as _ops
+from ragattn.hf.attention import use_ragattn
+from ragattn.methods.common import Answer, _sync, generate_paged, prompt_parts
+
+QUESTION_MODES = ("context", "standalone")
+SCORE_NORMS = ("per_chunk", "global")
+DEFAULT_RATIO = 0.15
+CACHEBLEND_CHECK_LAYERS = (1, 2, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# selection
+
+
+def check_ratio(ratio, where: str) -> float:
+    """``ratio`` as a float in [0, 1], or a ValueError naming ``where``."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise ValueError(f"ragattn.methods.fusionrag.{where}: ratio must be a number in [0, 1], "
+                         f"got {ratio!r}")
+    r = float(ratio)
+    if not (0.0 <= r <= 1.0):  # also rejects NaN
+        raise ValueError(f"ragattn.methods.fusionrag.{where}: ratio must lie in [0, 1] (the fraction "
+                         f"of chunk tokens recomputed), got {ratio!r}")
+    return r
+
+
+def budget(ratio: float, num_tokens: int) -> int:
+    """Number of tokens recomputed: ``floor(ratio * num_tokens)`` (robust to 0.29 * 100 = 28.99..)."""
+    return min(num_tokens, math.floor(ratio * num_tokens + 1e-9))
+
+
+def top_rows(scores: torch.Tensor, k: int, group=None) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` largest ``scores`` (float ``[n]``), ties to the lower index.
+
+    With ``group`` (tensor parallelism: each rank scored its own heads) the scores are first summed
+    over the ranks (``all_reduce``), so every rank selects the same rows. Deterministic."""
+    if group is not None:
+        import torch.distributed as dist
+
+        scores = scores.clone()
+        dist.all_reduce(scores, op=dist.ReduceOp.SUM, group=group)
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:k].sort().values
+
+
+def query_guided_scores(q_last: torch.Tensor, k_last: torch.Tensor, chunk_lens: Sequence[int],
+                        score_norm: str = "per_chunk", scale: float | None = None) -> torch.Tensor:
+    """FusionRAG's critical score of every chunk token (paper §3.2).
+
+    ``q_last``: ``[T, Hq, D]`` last-layer queries of the question rows (after RoPE);
+    ``k_last``: ``[N, Hkv, D]`` the chunks' cached last-layer keys, chunk after chunk
+    (``N = sum(chunk_lens)``). Returns float32 ``[N]``: the attention probability each key receives,
+    summed over the question rows and the (local) heads, with the softmax over each chunk's keys
+    (``"per_chunk"``, the paper) or over all chunk tokens (``"global"``)."""
+    if score_norm not in SCORE_NORMS:
+        raise ValueError(f"ragattn.methods.fusionrag: score_norm must be one of {SCORE_NORMS}, "
+                         f"got {score_norm!r}")
+    dev, t = q_last.device, q_last.shape[0]
+    lens = list(chunk_lens) if score_norm == "per_chunk" else [sum(chunk_lens)]
+    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=dev)
+    cu_k[1:] = torch.tensor(lens, device=dev).cumsum(0)
+    cu_q = torch.arange(0, (len(lens) + 1) * t, t, dtype=torch.int32, device=dev)
+    q = q_last.repeat(len(lens), 1, 1) if len(lens) > 1 else q_last
+    return _ops.key_attention_scores(q.contiguous(), k_last.contiguous(), cu_q, cu_k, scale)
+
+
+def kv_deviation(new_k, new_v, old_k, old_v) -> torch.Tensor:
+    """CacheBlend's token-wise KV deviation: float32 ``[n]``, the sum over heads and dims of the
+    squared differences of K and of V (all ``[n, Hkv, D]``)."""
+    dk = (new_k.float() - old_k.float()).square().sum((1, 2))
+    dv = (new_v.float() - old_v.float()).square().sum((1, 2))
+    return dk + dv
+
+
+def cacheblend_schedule(ratio: float, num_tokens: int, check_layers=CACHEBLEND_CHECK_LAYERS) -> dict:
+    """``{layer: tokens kept after it}``: gradual filtering from ``2 * ratio`` down to ``ratio``
+    (CacheBlend §4.3: a slightly larger set at the first check layer, narrowed at each next one)."""
+    n = len(check_layers)
+    fracs = [ratio * (2 - i / (n - 1)) if n > 1 else ratio for i in range(n)]
+    return {l: budget(min(1.0, f), num_tokens) for l, f in zip(check_layers, fracs)}
+
+
+# ----------------------------------------------------------------------------------------------
+# the shared recompute path
+
+
+def _layers(model):
+    base = getattr(model, "model", model)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(base, name):
+            raise NotImplementedError(f"ragattn.methods.fusionrag: {type(model).__name__} has no "
+                                      f"'{name}' (a Llama/Qwen2/Mistral-style decoder is expected)")
+    return base
+
+
+@torch.no_grad()
+def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions=None,
+              check_layers: dict | None = None, num_candidates: int = 0, capture_query: list | None = None,
+              group=None, logits: bool = False):
+    """Run the tokens ``ids`` (int64 ``[n]``) through every layer, each writing its K/V at its slot
+    ``slots`` (int ``[n]``, distinct, ``< cache.lengths[0]``) of the paged request ``cache`` and
+    attending causally by slot (a row never sees a later slot). RoPE positions are ``positions``
+    (default: the slots). The model must run with the "ragattn" attention (``use_ragattn``).
+
+    ``check_layers`` ``{layer: keep}`` (CacheBlend's gradual filtering): after such a layer, of the
+    first ``num_candidates`` rows still running (the chunk tokens; the rows after them are always
+    kept), the ``keep`` whose K/V deviate most from the cache's previous K/V at their slots go on,
+    the others stop (their K/V written so far stay). ``capture_query``: a list that receives the
+    last layer's query ``[1, Hq, rows, D]``. Returns (the slots that ran through the last layer,
+    float32 logits ``[vocab]`` of the last row if ``logits`` else None)."""
+    base = _layers(model)
+    slots = slots.to(torch.long)
+    pos = (slots if positions is None else positions.to(torch.long))[None]
+    h = base.embed_tokens(ids.reshape(1, -1))
+    cos, sin = base.rotary_emb(h, pos)
+    checks = check_layers or {}
+    last = len(base.layers) - 1
+    for l, layer in enumerate(base.layers):
+        kw = {}
+        if l == last and capture_query is not None:
+            kw["ragattn_capture_query"] = capture_query
+        if l in checks:
+            rows = cache.slot_rows(0, slots[:num_candidates])
+            old = (cache.k[l].view(-1, *cache.k[l].shape[2:])[rows].clone(),
+                   cache.v[l].view(-1, *cache.v[l].shape[2:])[rows].clone())
+            kw["ragattn_capture"] = captured = []
+        h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin),
+                  ragattn_paged=cache, ragattn_slots=slots, **kw)
+        if l in checks:
+            k, v = captured[0]
+            dev = kv_deviation(k[0, :, :num_candidates].transpose(0, 1),
+                               v[0, :, :num_candidates].transpose(0, 1), *old)
+            keep = top_rows(dev, min(checks[l], num_candidates), group)
+            keep = torch.cat([keep, torch.arange(num_candidates, slots.numel(), device=keep.device)])
+            num_candidates = min(checks[l], num_candidates)
+            h, cos, sin, pos, slots = h[:, keep], cos[:, keep], sin[:, keep], pos[:, keep], slots[keep]
+    out = None
+    if logits:
+        out = model.lm_head(base.norm(h[:, -1:]))[0, -1].float()
+    return slots, out
+
+
+# ----------------------------------------------------------------------------------------------
+# offline fusion (paper §3.1, Eq. 10)
+
+
+def fused_variant(head: Sequence[int]) -> str:
+    """The chunk-store variant name of the fused caches built after the prompt head ``head``."""
+    import hashlib
+
+    return "fused-" + hashlib.sha256(torch.tensor(list(head), dtype=torch.int64).numpy().tobytes()
+                                     ).hexdigest()[:16]
+
+
+def neighbours(embeddings: torch.Tensor, n: int = 10) -> list[list[int]]:
+    """For each row of ``embeddings`` (float ``[N, E]``, unit rows), the indices of its ``min(n, N-1)``
+    most similar other rows (cosine), most similar first; ties to the lower index. Deterministic."""
+    if n < 0:
+        raise ValueError(f"ragattn.methods.fusionrag.neighbours: n must be >= 0, got {n}")
+    sim = embeddings.double() @ embeddings.double().T
+    sim.fill_diagonal_(float("-inf"))
+    k = min(n, embeddings.shape[0] - 1)
+    order = torch.sort(sim, dim=1, descending=True, stable=True).indices[:, :k]
+    return order.tolist()
+
+
+@torch.no_grad()
+def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int]],
+                neighbour_lists: Sequence[Sequence[int]], which: Sequence[int] | None = None,
+                batch: int = 8, progress=None) -> tuple[int, int]:
+    """Build the fused caches of ``chunks[i]`` for ``i`` in ``which`` (default all) into ``store``.
+
+    Chunk ``i`` is prefilled after the prompt head and the cached (raw, independent) KV of its
+    neighbours ``chunks[j]``, ``j in neighbour_lists[i]`` in that order, re-rotated to consecutive
+    positions; its K/V are then re-rotated back to the chunk's local positions and stored as the
+    variant :func:`fused_variant` of the chunk (``ChunkStore.put``, on disk if the store has a
+    directory). ``batch`` chunks run per forward (one paged request row each). Chunks whose fused
+    cache is already in the store (or its directory) are skipped: resumable. ``progress(n)`` is
+    called after each batch. Returns (built, skipped)."""
+    from ragattn.hf.attention import PagedKV
+
+    if batch < 1:
+        raise ValueError(f"ragattn.methods.fusionrag.fuse_chunks: batch must be >= 1, got {batch}")
+    keys = store.add([list(head)] + [list(c) for c in chunks])
+    head_key, keys = keys[0], keys[1:]
+    variant = fused_variant(head)
+    which = range(len(chunks)) if which is None else which
+    todo = [i for i in which if not store.has(store.variant_key(keys[i], variant))]
+    todo.sort(key=lambda i: -len(chunks[i]))  # similar lengths per batch: little padding
+    base, rope, dev = _layers(model), store.rope, store.device
+    for b0 in range(0, len(todo), batch):
+        rows = todo[b0:b0 + batch]
+        reqs = [store.assemble([head_key] + [keys[j] for j in neighbour_lists[i]]) for i in rows]
+        lens = [len(chunks[i]) for i in rows]
+        past = [r.num_slots for r in reqs]
+        width = max(lens)
+        cache = PagedKV(store.num_layers, len(rows), max(past) + width, store.num_kv_heads,
+                        store.head_dim, store.page_size, store.dtype, dev)
+        for b, r in enumerate(reqs):
+            n = torch.arange(past[b], device=dev)
+            _ops.copy_kv_(cache.k, cache.v, r.cache.k, r.cache.v, r.cache.slot_rows(0, n),
+                          cache.slot_rows(b, n))
+        cache.lengths.copy_(torch.tensor(past, dtype=torch.int32, device=dev))
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)  # padding after each chunk
+        for b, i in enumerate(rows):
+            ids[b, :lens[b]] = torch.as_tensor(list(chunks[i]), device=dev)
+        pos = torch.tensor(past, device=dev)[:, None] + torch.arange(width, device=dev)
+        with use_ragattn(model):
+            base(input_ids=ids, position_ids=pos, use_cache=False, ragattn_paged=cache)
+        for b, i in enumerate(rows):
+            n = lens[b]
+            shape = (n, store.num_kv_heads, store.head_dim)
+            k_out = [torch.empty(shape, dtype=store.dtype, device=dev) for _ in range(store.num_layers)]
+            v_out = [torch.empty_like(t) for t in k_out]
+            _ops.copy_kv_(k_out, v_out, cache.k, cache.v,
+                          cache.slot_rows(b, past[b] + torch.arange(n, device=dev)),
+                          torch.arange(n, device=dev),
+                          torch.full((n,), -past[b], dtype=torch.int32, device=dev),
+                          rope.inv_freq.to(dev), rope.rotary_dim, rope.interleaved)
+            store.put(keys[i], variant, k_out, v_out)
+        if progress is not None:
+            progress(len(rows))
+    return len(todo), len(which) - len(todo)
+
+
+# ----------------------------------------------------------------------------------------------
+# answering
+
+
+def _check_store(model, store, where):
+    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
+
+    if store is None:
+        return ChunkStore(model)
+    if store.fingerprint != model_fingerprint(model):
+        raise ChunkStoreError(f"ragattn.methods.fusionrag.{where}: the ChunkStore was built for "
+                              "another model (fingerprint mismatch)")
+    return store
+
+
+def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm, group):
+    """Slots (int64, sorted) of the ``k`` chunk tokens FusionRAG recomputes."""
+    dev = req.cache.k[0].device
+    ctx = req.num_slots
+    tail_ids = torch.tensor(tail, device=dev)
+    tail_pos = ctx + torch.arange(len(tail), device=dev)
+    cap: list = []
+    if question == "context":  # the final block against the reused context (Eq. 6)
+        req.cache.lengths[0] = ctx + len(tail)
+        recompute(model, req.cache, tail_ids, tail_pos, capture_query=cap)
+        req.cache.lengths[0] = ctx
+    else:  # the final block alone (own small cache), at its true positions
+        from ragattn.hf.attention import PagedKV
+
+        c = req.cache
+        small = PagedKV(len(c.k), 1, len(tail), c.k[0].shape[2], c.k[0].shape[3], c.page_size,
+                        c.k[0].dtype, dev)
+        small.lengths[0] = len(tail)
+        recompute(model, small, tail_ids, torch.arange(len(tail), device=dev), positions=tail_pos,
+                  capture_query=cap)
+    q_last = cap[0][0].transpose(0, 1)                                   # [T, Hq, D]
+    chunk_slots = torch.arange(head_len, ctx, device=dev)
+    kf = req.cache.k[-1].view(-1, *req.cache.k[-1].shape[2:])
+    k_last = kf[req.cache.slot_rows(0, chunk_slots)]                      # [N, Hkv, D]
+    attn = _layers(model).layers[-1].self_attn
+    scores = query_guided_scores(q_last, k_last, req.chunk_lens[1:], score_norm,
+                                 getattr(attn, "scaling", None))
+    return chunk_slots[top_rows(scores, k, group)]
+
+
+def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens, store, fused=None,
+            question_mode="context", score_norm="per_chunk", check_layers=CACHEBLEND_CHECK_LAYERS,
+            group=None) -> Answer:
+    where = {"fusionrag": "answer", "cacheblend": "cacheblend", "full_reuse": "full_reuse"}[method]
+    ratio = check_ratio(ratio, where)
+    if question_mode not in QUESTION_MODES:
+        raise ValueError(f"ragattn.methods.fusionrag.{where}: question must be one of "
+                         f"{QUESTION_MODES}, got {question_mode!r}")
+    if len(chunks) == 0:
+        raise ValueError(f"ragattn.methods.fusionrag.{where}: no chunks given (empty retrieval)")
+    store = _check_store(model, store, where)
+    head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
+    dev = store.device
+    with use_ragattn(model):  # switched outside the timed region
+        t0 = time.perf_counter()
+        keys = store.add([head] + chunk_ids)
+        n_fused = 0
+        if fused is not False:
+            variant = fused_variant(head)
+            fkeys = [store.variant_key(k, variant) for k in keys[1:]]
+            have = [store.has(k) for k in fkeys]
+            if fused and not all(have):
+                from ragattn.methods.chunk_store import ChunkStoreError
+
+                raise ChunkStoreError(
+                    f"ragattn.methods.fusionrag.{where}: {have.count(False)} of {len(have)} chunks have "
+                    "no fused cache in the store (build them with `python -m ragattn build-store` "
+                    "or fusionrag.fuse_chunks)")
+            keys = keys[:1] + [f if h else k for f, h, k in zip(fkeys, have, keys[1:])]
+            n_fused = sum(have)
+        req = store.assemble(keys, positions="reordered", extra_slots=len(tail) + max_new_tokens)
+        ctx, head_len = req.num_slots, len(head)
+        n_chunk = ctx - head_len
+        k = budget(ratio, n_chunk)
+        _sync(dev)
+        t_sel = time.perf_counter()
+        checks = None
+        if method == "fusionrag" and k == n_chunk:
+            chosen = torch.arange(head_len, ctx, device=dev)  # everything: nothing to score
+        elif method == "fusionrag" and k > 0:
+            chosen = _select_query_guided(model, req, head_len, tail, k, question=question_mode,
+                                          score_norm=score_norm, group=group)
+        elif method == "cacheblend":
+            chosen = torch.arange(head_len, ctx, device=dev)
+            checks = cacheblend_schedule(ratio, n_chunk, check_layers)
+        else:
+            chosen = torch.empty(0, dtype=torch.long, device=dev)
+        _sync(dev)
+        t_rec = time.perf_counter()
+        # the final block but its last token, which generate_paged appends (first token + decode)
+        slots = torch.cat([chosen, ctx + torch.arange(len(tail) - 1, device=dev)])
+        ids = torch.tensor(store_tokens(head, chunk_ids) + tail, device=dev)[slots]
+        req.cache.lengths[0] = ctx + len(tail) - 1
+        kept = slots
+        if slots.numel():
+            kept, _ = recompute(model, req.cache, ids, slots, check_layers=checks,
+                                num_candidates=chosen.numel(), group=group)
+        _sync(dev)
+        t_gen = time.perf_counter()
+        ans = generate_paged(model, tokenizer, req.cache, tail[-1:], ctx + len(tail) - 1,
+                             max_new_tokens, t0, method, ctx + len(tail))
+    recomputed = kept[kept < ctx]
+    ans.extra.update(ratio=ratio, recomputed_slots=recomputed.tolist(), context_tokens=n_chunk,
+                     assemble_s=t_sel - t0, select_s=t_rec - t_sel, recompute_s=t_gen - t_rec,
+                     fused_chunks=n_fused)
+    return ans
+
+
+def store_tokens(head, chunk_ids) -> list[int]:
+    """Token ids of the context slots in request order (head, then chunk after chunk)."""
+    return list(head) + [t for c in chunk_ids for t in c]
+
+
+def answer(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
+           ratio: float = DEFAULT_RATIO, fused: bool | None = None, question_mode: str = "context",
+           score_norm: str = "per_chunk", group=None) -> Answer:
+    """FusionRAG: query-guided selection of ``ratio`` of the chunk tokens, recomputed through every
+    layer (see the module docstring). ``fused``: use the chunks' fused caches (built offline by
+    :func:`fuse_chunks` / ``python -m ragattn build-store``): None (default) where the store has
+    one, True: all chunks (ChunkStoreError if one is missing), False: the raw caches only."""
+    return _answer(model, tokenizer, chunks, question, method="fusionrag", ratio=ratio,
+                   max_new_tokens=max_new_tokens, store=store, fused=fused,
+                   question_mode=question_mode, score_norm=score_norm, group=group)
+
+
+def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
+               ratio: float = DEFAULT_RATIO, check_layers: Sequence[int] = CACHEBLEND_CHECK_LAYERS,
+               group=None) -> Answer:
+    """CacheBlend: K/V-deviation selection with gradual filtering over ``check_layers``, then the
+    same recompute (see the module docstring)."""
+    if not check_layers or min(check_layers) < 1 or list(check_layers) != sorted(set(check_layers)):
+        raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers must be increasing "
+                         f"layer indices >= 1, got {check_layers!r}")
+    return _answer(model, tokenizer, chunks, question, method="cacheblend", ratio=ratio,
+                   max_new_tokens=max_new_tokens, store=store, fused=False, check_layers=tuple(check_layers),
+                   group=group)
+
+
+def full_reuse(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
+               ratio: float = 0.0) -> Answer:
+    """Full Reuse: the cached chunks re-rotated, nothing recomputed (``ratio`` must be 0; it is
+    accepted so that all three methods share one signature)."""
+    if check_ratio(ratio, "full_reuse") != 0.0:
+        raise ValueError(f"ragattn.methods.fusionrag.full_reuse: Full Reuse recomputes nothing; "
+                         f"ratio must be 0, got {ratio!r}")
+    return _answer(model, tokenizer, chunks, question, method="full_reuse", ratio=0.0,
+                   max_new_tokens=max_new_tokens, store=store, fused=False)
+
+
+METHODS = {"fusionrag": answer, "cacheblend": cacheblend, "full_reuse": full_reuse}
