@@ -252,6 +252,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     from ragattn.methods.common import prompt_parts
     from ragattn.methods.retrieval import Retriever
 
+    commit, started = _git_commit(), datetime.datetime.now(datetime.timezone.utc)  # the code that runs
     try:
         corpus = load_corpus(args.corpus if args.corpus is not None else EVAL_CORPUS)
     except CorpusError as exc:
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
 
     results = dict(
         config=dict(command="python -m ragattn eval " + " ".join(getattr(args, "argv", []) or []),
-                    commit=_git_commit(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    commit=commit, date=started.strftime("%Y-%m-%d %H:%M UTC"),
                     model=args.model, device=str(device), torch_threads=torch.get_num_threads(),
                     corpus=str(corpus.root), questions=len(questions),
                     multi_hop=sum(q.multi_hop for q in questions), passages=len(corpus.passages),

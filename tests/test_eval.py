@@ -68,7 +68,7 @@ def model_tok(request):
 
 def test_eval_end_to_end_tiny(model_tok, tmp_path):
     methods = [m for m in ("block-attention", "fusionrag", "cacheblend") if m in ev.available_methods()]
-    args = ev.parse_args(["--limit", "3", "--top-k", "2", "--ratios", "0,100", "--max-new-tokens", "3",
+    args = ev.parse_args(["--limit", "3", "--top-k", "2", "--ratios", "0,100", "--max-new-tokens", "2",
                           "--methods", ",".join(methods), "--fusion-neighbours", "2", "--no-progress",
                           "--out", str(tmp_path)])
     res = ev.run(args, model_and_tokenizer=model_tok)
