@@ -16,7 +16,7 @@ from ragattn.ops._validate import (
     check_tensor,
     device_guard,
 )
-from ragattn.reference.paged_attention import paged_attention as _reference
+from ragattn.reference.paged_attention import gather_paged, paged_attention as _reference
 
 _OP = "paged_attention"
 
@@ -168,8 +168,11 @@ def paged_attention(
     split-KV for few-row cases, forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The one-call path
     plans the launch from ``cu_seqlens_q`` and ``kv_lens`` (one host sync); engines that need a
     sync-free, CUDA-graph-capturable call use ``ragattn.triton_kernels.paged_attention``'s
-    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs the
-    reference, or the Triton kernel under the interpreter with ``RAGATTN_CPU_BACKEND=triton``. On
+    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs torch's
+    fused CPU flash attention per sequence (a position/window mask, GQA folded into the rows; a
+    sequence with non-finite K/V among its gathered slots goes through the reference), the
+    reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel under the interpreter
+    with ``RAGATTN_CPU_BACKEND=triton``. On
     CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
     are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
@@ -196,11 +199,65 @@ def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scal
     )
 
 
+def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
+    """The default CPU path: per sequence, torch's fused CPU flash attention (it returns the LSE)
+    with an additive position/window mask; the GQA group is folded into the query rows (no
+    repeated K/V) and only the slots between the rows' first window start and their largest
+    ``q_pos`` are gathered. A sequence whose gathered slots hold a non-finite K/V goes through the
+    reference (whose rule: a masked slot is never read)."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = q.new_zeros(q.shape)
+    lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
+    cu, lens = cu_seqlens_q.tolist(), kv_lens.tolist()
+    for b in range(len(cu) - 1):
+        q0, q1 = cu[b], cu[b + 1]
+        n = q1 - q0
+        if n == 0 or lens[b] == 0:
+            continue
+        pos = q_pos[q0:q1].long()
+        hi = min(lens[b], int(pos.max()) + 1)  # slots [lo, hi) are visible to some row
+        lo = max(0, int(pos.min()) - window_left) if window_left >= 0 else 0
+        if lo >= hi:
+            continue  # no row sees any slot
+        k = gather_paged(k_cache, block_table[b], hi)[lo:]  # [hi - lo, Hkv, D]
+        v = gather_paged(v_cache, block_table[b], hi)[lo:]
+        # one cheap reduction instead of an elementwise test: a finite sum means finite values
+        # (an overflowing sum only sends a finite sequence to the reference: still correct)
+        if not math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32))):
+            one = torch.tensor([0, n], dtype=torch.int32)
+            o, l = _reference(q[q0:q1], pos - lo, one, k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
+                              torch.tensor([hi - lo], dtype=torch.int32), scale, window_left)
+            out[q0:q1], lse[q0:q1] = o, l
+            continue
+        qg = q[q0:q1].reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(1, num_kv_heads, group * n, head_dim)
+        slot = torch.arange(lo, hi)[None, :]
+        hidden = slot > pos[:, None]  # [n, hi - lo]
+        if window_left >= 0:
+            hidden |= slot < pos[:, None] - window_left
+        bias = torch.zeros(n, hi - lo, dtype=q.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=bias[None, None], scale=scale)
+        o = o[0].reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+        l = l[0].reshape(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads).float()
+        blind = hidden.all(1)  # rows whose window holds no slot: out 0, lse -inf
+        if window_left >= 0 and bool(blind.any()):
+            o = o.masked_fill(blind[:, None, None], 0)
+            l = l.masked_fill(blind[:, None], float("-inf"))
+        out[q0:q1], lse[q0:q1] = o, l
+    return out, lse
+
+
 def _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
-    if _extension.cpu_backend() == "triton":
+    backend = _extension.cpu_backend()
+    if backend == "triton":
         return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
-    o, lse = _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    run = _reference if backend == "reference" else _cpu_flash
+    o, lse = run(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
     if out is None:
         return o, lse
     out.copy_(o)
