@@ -7,7 +7,10 @@ block), then answer it with
 * ``full-prefill`` -- the baseline: one ordinary causal forward pass over the whole prompt;
 * TurboRAG (composite / reordered positions) and Block-Attention: the passages' KV comes from
   one shared chunk store (computed offline, outside the timing), only the final block is
-  prefilled online.
+  prefilled online;
+* FusionRAG and CacheBlend at 15% recompute: the same cached passages (FusionRAG's fused with
+  their 10 most similar passages of the corpus, offline), then the top 15% of the passage tokens
+  (by question attention / by K/V deviation) and the final block recomputed through every layer.
 
 and print one table: time to first token (TTFT), speedup over full prefill, the answer, and its
 agreement with the baseline (argmax of the first token, KL(baseline || method) of the
@@ -31,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
-from ragattn.methods import block_attention, turborag
+from ragattn.methods import block_attention, fusionrag, turborag
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 from ragattn.methods.common import full_prefill, prompt_parts
 
@@ -107,6 +110,10 @@ def _runners(model, tokenizer, store) -> Dict[str, Callable]:
         "turborag-reordered": turborag_run("reordered"),
         "block-attention": lambda chunks, q, n: _from_answer(block_attention.answer(
             model, tokenizer, chunks, q, max_new_tokens=n, store=store)),
+        "fusionrag": lambda chunks, q, n: _from_answer(fusionrag.answer(
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
+        "cacheblend": lambda chunks, q, n: _from_answer(fusionrag.cacheblend(
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
     }
 
 
@@ -231,9 +238,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     runners: Dict[str, Callable] = {"full-prefill": all_runners["full-prefill"]}
     runners.update((name, all_runners[name]) for name in methods)
 
-    prompts = []
+    prompts, retrieved = [], set()
     for qid, text, answers in questions:
         idx, _ = retriever.top_k(text, args.top_k)
+        retrieved.update(idx)
         passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
         head, chunk_ids, tail = prompt_parts(tokenizer, passages, text)
         ctx = len(head) + sum(len(c) for c in chunk_ids) + len(tail)
@@ -241,6 +249,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         prompts.append((qid, text, answers, passages, ctx))
         if store is not None:  # offline: chunk KV precomputed, outside the timing
             store.add([head] + chunk_ids)
+    if "fusionrag" in methods:  # offline too: the retrieved passages' fused caches
+        head, all_ids, _ = prompt_parts(tokenizer, [p.render() for p in corpus.passages], "")
+        fusionrag.fuse_chunks(model, store, head, all_ids, fusionrag.neighbours(retriever.embeddings, 10),
+                              sorted(retrieved))
 
     # warm-up (allocator, first-call overheads), not reported
     for name, runner in runners.items():

@@ -9,7 +9,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
-from ragattn.reference.paged_attention import paged_attention as _reference
+from ragattn.reference.paged_attention import gather_paged, paged_attention as _reference
 
 _OP = "paged_attention"
 
@@ -117,8 +117,9 @@ def paged_attention(
     Backends: CUDA runs the Triton kernel (Q tiles x kv heads, the GQA group stacked into each
     tile; key tiles past a tile's largest q_pos are never loaded; split-KV for few-row cases,
     forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The CUDA path copies ``cu_seqlens_q`` to the
-    host to size the grid. CPU runs the reference, or the Triton kernel under the interpreter
-    with ``RAGATTN_CPU_BACKEND=triton``. On CPU, out-of-range ``kv_lens``, ``q_pos`` and used
+    host to size the grid. CPU runs torch's fused CPU flash attention per sequence (a position
+    mask, GQA folded into the rows), the reference with ``RAGATTN_CPU_BACKEND=reference``, or the
+    Triton kernel under the interpreter with ``RAGATTN_CPU_BACKEND=triton``. On CPU, out-of-range ``kv_lens``, ``q_pos`` and used
     ``block_table`` entries raise; on CUDA they are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
     return torch.ops.ragattn.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
@@ -132,12 +133,55 @@ def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scal
     )
 
 
+def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale):
+    """The default CPU path: per sequence, torch's fused CPU flash attention (it returns the LSE)
+    with an additive position mask; the GQA group is folded into the query rows (no repeated K/V)
+    and keys past the sequence's largest ``q_pos`` are not gathered. A sequence whose visible
+    slots hold a non-finite K/V goes through the reference (whose rule: a masked slot is never read)."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = q.new_zeros(q.shape)
+    lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
+    cu, lens = cu_seqlens_q.tolist(), kv_lens.tolist()
+    for b in range(len(cu) - 1):
+        q0, q1 = cu[b], cu[b + 1]
+        n = q1 - q0
+        if n == 0 or lens[b] == 0:
+            continue
+        pos = q_pos[q0:q1].long()
+        length = min(lens[b], int(pos.max()) + 1)  # slot 0 is visible to every row (q_pos >= 0)
+        k = gather_paged(k_cache, block_table[b], length)  # [length, Hkv, D]
+        v = gather_paged(v_cache, block_table[b], length)
+        # one cheap reduction instead of an elementwise test: a finite sum means finite values
+        # (an overflowing sum only sends a finite sequence to the reference: still correct)
+        if not math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32))):
+            one = torch.tensor([0, n], dtype=torch.int32)
+            o, l = _reference(q[q0:q1], q_pos[q0:q1], one, k[None], v[None],
+                              torch.zeros(1, 1, dtype=torch.int32), torch.tensor([length], dtype=torch.int32), scale)
+            out[q0:q1], lse[q0:q1] = o, l
+            continue
+        qg = q[q0:q1].reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(1, num_kv_heads, group * n, head_dim)
+        hidden = torch.arange(length)[None, :] > pos[:, None]  # [n, length]
+        bias = torch.zeros(n, length, dtype=q.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=bias[None, None], scale=scale)
+        out[q0:q1] = o[0].reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+        lse[q0:q1] = l[0].reshape(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads).float()
+    return out, lse
+
+
 @torch.library.impl("ragattn::paged_attention", "CPU")
 def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    if _extension.cpu_backend() == "triton":
+    backend = _extension.cpu_backend()
+    if backend == "triton":
         return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    if backend == "reference":
+        return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    return _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
 
 
 @torch.library.impl("ragattn::paged_attention", "CUDA")
