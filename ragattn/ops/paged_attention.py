@@ -8,7 +8,14 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
+from ragattn.ops._validate import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_cu_seqlens,
+    check_no_overlap,
+    check_tensor,
+    device_guard,
+)
 from ragattn.reference.paged_attention import gather_paged, paged_attention as _reference
 
 _OP = "paged_attention"
@@ -28,10 +35,15 @@ def _forced_num_splits() -> Optional[int]:
     return n
 
 
-def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale) -> None:
+def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+              out=None, lse_out=None, *, read_values=True) -> None:
+    """Every check of the op. ``read_values=False`` (fake impl) skips the checks that read tensor
+    contents; devices, dtypes, shapes and aliasing are checked on every path."""
     check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
     dev = q.device
     total_q, num_heads, head_dim = q.shape
+    if head_dim < 1:
+        raise ValueError(f"ragattn.{_OP}: q's head_dim (dim 2) must be >= 1, got {head_dim}")
     check_tensor(_OP, "k_cache", k_cache, dtypes=(q.dtype,), ndim=4, device=dev)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     check_tensor(_OP, "k_cache", k_cache, shape=(None, None, None, head_dim))
@@ -42,14 +54,25 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         )
     if page_size < 1:
         raise ValueError(f"ragattn.{_OP}: k_cache's page_size (dim 1) must be >= 1, got {page_size}")
-    check_tensor(_OP, "q_pos", q_pos, dtypes=(torch.int32,), shape=(total_q,), device=dev)
-    batch = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
-    check_tensor(_OP, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    check_tensor(_OP, "q_pos", q_pos, dtypes=INDEX_DTYPES, shape=(total_q,), device=dev)
+    batch = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, dtypes=INDEX_DTYPES,
+                             read_values=read_values)
+    check_tensor(_OP, "block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, device=dev)
     check_tensor(_OP, "block_table", block_table, shape=(batch, None))
-    check_tensor(_OP, "kv_lens", kv_lens, dtypes=(torch.int32,), shape=(batch,), device=dev)
+    check_tensor(_OP, "kv_lens", kv_lens, dtypes=INDEX_DTYPES, shape=(batch,), device=dev)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
+    if not isinstance(window_left, int):
+        raise TypeError(f"ragattn.{_OP}: window_left must be an int, got {type(window_left).__name__}")
+    if out is not None or lse_out is not None:
+        check_tensor(_OP, "out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=dev)
+        check_tensor(_OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, num_heads), device=dev)
+        check_no_overlap(_OP, {"out": out, "lse_out": lse_out},
+                         dict(q=q, q_pos=q_pos, cu_seqlens_q=cu_seqlens_q, k_cache=k_cache, v_cache=v_cache,
+                              block_table=block_table, kv_lens=kv_lens))
     # index checks would sync a GPU: there they are a precondition, checked when RAGATTN_DEBUG=1
+    if not read_values or dev.type == "meta":
+        return
     if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
         max_pages = block_table.shape[1]
         if batch and bool(((kv_lens < 0) | (kv_lens > max_pages * page_size)).any()):
@@ -60,7 +83,7 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         if total_q and bool((q_pos < 0).any()):
             raise ValueError(f"ragattn.{_OP}: q_pos must be >= 0, got min {int(q_pos.min())}")
         if batch and max_pages:
-            used = torch.arange(max_pages, dtype=torch.int32, device=dev)[None, :] * page_size < kv_lens[:, None]
+            used = torch.arange(max_pages, dtype=torch.int64, device=dev)[None, :] * page_size < kv_lens[:, None]
             pages = block_table[used]
             if pages.numel() and bool(((pages < 0) | (pages >= num_pages)).any()):
                 raise ValueError(
@@ -78,25 +101,40 @@ def paged_attention(
     block_table: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: Optional[float] = None,
+    window_left: int = -1,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of any set of query rows, each at its own absolute position, over a paged KV cache.
 
     Args:
         q: ``[total_q, num_heads, head_dim]`` fp16/bf16/fp32, the query rows of all sequences packed.
-        q_pos: int32 ``[total_q]``, the absolute position of each query row (>= 0).
-        cu_seqlens_q: int32 ``[B + 1]``, query row offsets per sequence (starts at 0, ends at total_q).
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype. Any page size.
-        block_table: int32 ``[B, max_pages]``; slot ``j`` of sequence ``b`` lives at page
+        q_pos: int32 or int64 ``[total_q]``, the absolute position of each query row (>= 0; any
+            value up to the dtype's maximum: a position past the cache sees every cached slot).
+        cu_seqlens_q: int32 or int64 ``[B + 1]``, query row offsets per sequence (0 .. total_q).
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype. Any page
+            size; any strides with a unit last-dim stride (e.g. K and V as the two halves of
+            FlashInfer's ``[pages, 2, page_size, H, D]`` cache: ``kv[:, 0]``, ``kv[:, 1]``, no copy).
+        block_table: int32 or int64 ``[B, max_pages]``; slot ``j`` of sequence ``b`` lives at page
             ``block_table[b, j // page_size]``, offset ``j % page_size`` (pages in any order).
-        kv_lens: int32 ``[B]``, cached slots per sequence, ``<= max_pages * page_size``.
+        kv_lens: int32 or int64 ``[B]``, cached slots per sequence, ``<= max_pages * page_size``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        window_left: sliding window (FlashAttention's ``window_size=(window_left, -1)``, FlashInfer's
+            ``window_left``): row ``i`` sees only slots ``j >= q_pos[i] - window_left``; negative
+            (default -1) = no window. transformers' ``sliding_window = W`` (``kv_idx > q_idx - W``
+            in ``masking_utils.sliding_window_overlay``) is ``window_left = W - 1``.
+        out, lse_out: optional preallocated outputs (``[total_q, num_heads, head_dim]`` in q's
+            dtype, float32 ``[total_q, num_heads]``; any strides; must not overlap an input). The
+            one given is written and returned; a missing one is allocated.
 
     Returns:
         out ``[total_q, num_heads, head_dim]`` in q's dtype, and lse float32 ``[total_q, num_heads]``
         (natural log). A row that sees no key gets out 0 and lse ``-inf`` (never NaN).
 
     Query row ``i`` of sequence ``b`` sees slot ``j`` iff ``j < kv_lens[b]`` and ``j <= q_pos[i]``
-    (slot ``j`` holds position ``j``). Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    and (``window_left < 0`` or ``j >= q_pos[i] - window_left``); slot ``j`` holds position ``j``.
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
     ``x`` = visible, ``.`` = not visible, columns are slots ``0 .. kv_lens-1``::
 
         decode (one row at kv_lens-1)     final-block prefill (tail rows 6..8)
@@ -114,30 +152,59 @@ def paged_attention(
           q_pos=8  x x x x x x x x x .
           q_pos=9  x x x x x x x x x x
 
+        sliding window, window_left=3 (each row sees itself and the 3 slots before it; HF W=4)
+          q_pos=2  x x x . . . . . . .
+          q_pos=6  . . . x x x x . . .
+          q_pos=9  . . . . . . x x x x
+
+    Non-finite values (one rule on every backend; the float64 reference over the visible slots is
+    the truth): a slot a row does not see is never read into that row (a NaN or inf in V or K of
+    a masked slot, a stale page slot past ``kv_lens``, or a slot left of the window changes
+    nothing). A non-finite visible score ``q . k`` makes that (row, head) NaN in out and lse; a
+    non-finite ``v[j, d]`` of a visible slot makes ``out[i, h, d]`` NaN (never inf, never finite).
+
     Backends: CUDA runs the Triton kernel (Q tiles x kv heads, the GQA group stacked into each
-    tile; key tiles past a tile's largest q_pos are never loaded; split-KV for few-row cases,
-    forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The CUDA path copies ``cu_seqlens_q`` to the
-    host to size the grid. CPU runs torch's fused CPU flash attention per sequence (a position
-    mask, GQA folded into the rows), the reference with ``RAGATTN_CPU_BACKEND=reference``, or the
-    Triton kernel under the interpreter with ``RAGATTN_CPU_BACKEND=triton``. On CPU, out-of-range ``kv_lens``, ``q_pos`` and used
-    ``block_table`` entries raise; on CUDA they are a precondition (checked when ``RAGATTN_DEBUG=1``).
+    tile; key tiles right of a tile's largest q_pos or left of its window are never loaded;
+    split-KV for few-row cases, forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The one-call path
+    plans the launch from ``cu_seqlens_q`` and ``kv_lens`` (one host sync); engines that need a
+    sync-free, CUDA-graph-capturable call use ``ragattn.triton_kernels.paged_attention``'s
+    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs torch's
+    fused CPU flash attention per sequence (a position/window mask, GQA folded into the rows; a
+    sequence with non-finite K/V among its gathered slots goes through the reference), the
+    reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel under the interpreter
+    with ``RAGATTN_CPU_BACKEND=triton``. On
+    CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
+    are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
-    return torch.ops.ragattn.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    if out is None and lse_out is None:
+        return torch.ops.ragattn.paged_attention(
+            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left
+        )
+    if out is None:
+        out = q.new_empty(q.shape)
+    if lse_out is None:
+        lse_out = q.new_empty(q.shape[:2], dtype=torch.float32)
+    torch.ops.ragattn.paged_attention.out(
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=out, lse_out=lse_out
+    )
+    return out, lse_out
 
 
-def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale):
+def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
     from ragattn.triton_kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, num_splits=_forced_num_splits()
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+        num_splits=_forced_num_splits(), out=out, lse_out=lse_out,
     )
 
 
-def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale):
+def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
     """The default CPU path: per sequence, torch's fused CPU flash attention (it returns the LSE)
-    with an additive position mask; the GQA group is folded into the query rows (no repeated K/V)
-    and keys past the sequence's largest ``q_pos`` are not gathered. A sequence whose visible
-    slots hold a non-finite K/V goes through the reference (whose rule: a masked slot is never read)."""
+    with an additive position/window mask; the GQA group is folded into the query rows (no
+    repeated K/V) and only the slots between the rows' first window start and their largest
+    ``q_pos`` are gathered. A sequence whose gathered slots hold a non-finite K/V goes through the
+    reference (whose rule: a masked slot is never read)."""
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -151,46 +218,89 @@ def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, s
         if n == 0 or lens[b] == 0:
             continue
         pos = q_pos[q0:q1].long()
-        length = min(lens[b], int(pos.max()) + 1)  # slot 0 is visible to every row (q_pos >= 0)
-        k = gather_paged(k_cache, block_table[b], length)  # [length, Hkv, D]
-        v = gather_paged(v_cache, block_table[b], length)
+        hi = min(lens[b], int(pos.max()) + 1)  # slots [lo, hi) are visible to some row
+        lo = max(0, int(pos.min()) - window_left) if window_left >= 0 else 0
+        if lo >= hi:
+            continue  # no row sees any slot
+        k = gather_paged(k_cache, block_table[b], hi)[lo:]  # [hi - lo, Hkv, D]
+        v = gather_paged(v_cache, block_table[b], hi)[lo:]
         # one cheap reduction instead of an elementwise test: a finite sum means finite values
         # (an overflowing sum only sends a finite sequence to the reference: still correct)
         if not math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32))):
             one = torch.tensor([0, n], dtype=torch.int32)
-            o, l = _reference(q[q0:q1], q_pos[q0:q1], one, k[None], v[None],
-                              torch.zeros(1, 1, dtype=torch.int32), torch.tensor([length], dtype=torch.int32), scale)
+            o, l = _reference(q[q0:q1], pos - lo, one, k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
+                              torch.tensor([hi - lo], dtype=torch.int32), scale, window_left)
             out[q0:q1], lse[q0:q1] = o, l
             continue
         qg = q[q0:q1].reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(1, num_kv_heads, group * n, head_dim)
-        hidden = torch.arange(length)[None, :] > pos[:, None]  # [n, length]
-        bias = torch.zeros(n, length, dtype=q.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+        slot = torch.arange(lo, hi)[None, :]
+        hidden = slot > pos[:, None]  # [n, hi - lo]
+        if window_left >= 0:
+            hidden |= slot < pos[:, None] - window_left
+        bias = torch.zeros(n, hi - lo, dtype=q.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
         o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=bias[None, None], scale=scale)
-        out[q0:q1] = o[0].reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
-        lse[q0:q1] = l[0].reshape(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads).float()
+        o = o[0].reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+        l = l[0].reshape(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads).float()
+        blind = hidden.all(1)  # rows whose window holds no slot: out 0, lse -inf
+        if window_left >= 0 and bool(blind.any()):
+            o = o.masked_fill(blind[:, None, None], 0)
+            l = l.masked_fill(blind[:, None], float("-inf"))
+        out[q0:q1], lse[q0:q1] = o, l
     return out, lse
 
 
-@torch.library.impl("ragattn::paged_attention", "CPU")
-def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+def _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
     backend = _extension.cpu_backend()
     if backend == "triton":
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    if backend == "reference":
-        return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    return _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+    run = _reference if backend == "reference" else _cpu_flash
+    o, lse = run(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    if out is None:
+        return o, lse
+    out.copy_(o)
+    lse_out.copy_(lse)
+    return out, lse_out
+
+
+def _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+    with device_guard(q):
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+
+
+@torch.library.impl("ragattn::paged_attention", "CPU")
+def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
+    return _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
 
 
 @torch.library.impl("ragattn::paged_attention", "CUDA")
-def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    with device_guard(q):
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
+    return _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+
+
+@torch.library.impl("ragattn::paged_attention.out", "CPU")
+def _paged_attention_out_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
+                             window_left=-1, *, out, lse_out):
+    _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+
+
+@torch.library.impl("ragattn::paged_attention.out", "CUDA")
+def _paged_attention_out_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
+                              window_left=-1, *, out, lse_out):
+    _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
 
 
 @torch.library.register_fake("ragattn::paged_attention")
-def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
+def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)  # contiguous, like the kernels
+
+
+@torch.library.register_fake("ragattn::paged_attention.out")
+def _paged_attention_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
+                              window_left=-1, *, out, lse_out):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+              read_values=False)
