@@ -209,3 +209,27 @@ def test_paged_cache_generate_batch_matches_rows_alone():
         ref = model.generate(input_ids=full, attention_mask=torch.ones_like(full), max_new_tokens=5,
                              min_new_tokens=5, do_sample=False)[:, full.shape[1]:]
         assert torch.equal(both[b], ref[0])
+
+
+def test_paged_cpu_sdpa_path_equals_paged_op(monkeypatch):
+    """The CPU shortcut (SDPA over a row's consecutive pages) and ragattn.paged_attention give the
+    same prefill + decode logits (rows of different lengths, GQA)."""
+    model = _model()
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", flag)
+        cache = PagedKV(2, 2, 16, 2, 16, page_size=4)
+        gen = torch.Generator().manual_seed(0)
+        for t in cache.k + cache.v:
+            t.copy_(torch.randn(t.shape, generator=gen))
+        cache.lengths[1] = 3   # row 1 starts with 3 earlier slots it attends to as well
+        with use_ragattn(model), torch.no_grad():
+            a = model(input_ids=ids[:, :7], position_ids=torch.arange(7)[None].expand(2, 7),
+                      use_cache=False, ragattn_paged=cache).logits
+            cache.lengths += 7
+            b = model(input_ids=ids[:, 7:8], position_ids=torch.full((2, 1), 7), use_cache=False,
+                      ragattn_paged=cache).logits
+        outs.append(torch.cat([a, b], 1))
+    assert hfattn.cpu_sdpa_enabled() is False
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -143,6 +143,23 @@ class PagedKV:
         return self._plan
 
 
+    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True):
+        """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
+        None)`` when every row's pages are consecutive, else None; computed at the first layer."""
+        if first_layer or getattr(self, "_cpu_rows_key", None) != (q, self.lengths.shape[0]):
+            bt = self.block_table
+            plan = None
+            if bt.device.type == "cpu" and bool((bt[:, 1:] - bt[:, :-1] == 1).all()):
+                plan = []
+                for i, (page0, length) in enumerate(zip(bt[:, 0].tolist(), kv_lens.tolist())):
+                    qp = q_pos[i * q:(i + 1) * q]
+                    mask = None
+                    if not (q == 1 and int(qp[0]) >= length - 1):
+                        mask = torch.arange(length)[None, :] <= qp[:, None].long()
+                    plan.append((page0 * self.page_size, length, mask))
+            self._cpu_rows_key, self._cpu_rows = (q, self.lengths.shape[0]), plan
+        return self._cpu_rows
+
     def masked_append_plan(self, valid: torch.Tensor, first_layer: bool = True):
         """Appending ``q`` new tokens per row of which only ``valid`` (bool ``[B, q]``) are real
         (the rest padding, never written): ``(rows [n] int64, src [n] int64, q_pos [B * q] int32,
@@ -191,11 +208,40 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         kv_lens = cache.lengths
     kf.index_copy_(0, rows, k_new)
     vf.index_copy_(0, rows, v_new)
+    if slots is None and query.device.type == "cpu" and cpu_sdpa_enabled():
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first)
+        if rows_plan is not None:
+            return (_cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module), None), counts
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d),
                                 q_pos, cu, cache.k[layer], cache.v[layer],
                                 cache.block_table, kv_lens, scaling)
     return (o.view(b, q, hq, d), None), counts
+
+
+def cpu_sdpa_enabled() -> bool:
+    """On the CPU, a paged request whose rows own consecutive pages (every :class:`PagedKV` as
+    allocated) attends with torch's SDPA over the row's slots in place (same rule: slot ``j``
+    visible to a query at slot ``s`` iff ``j <= s``, ``j < kv_lens``): the CPU paged op is the
+    plain-torch reference (a gather + repeated K/V per call), several times slower per decode
+    step. ``RAGATTN_HF_CPU_SDPA=0`` routes these calls through ``ragattn.paged_attention``."""
+    return os.environ.get("RAGATTN_HF_CPU_SDPA", "1") != "0"
+
+
+def _cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module):
+    """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
+    ``kf[start:start + length]`` (a view), GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
+    b, hq, q, d = query.shape
+    out = query.new_zeros(b, q, hq, d)
+    for i, (start, length, mask) in enumerate(rows_plan):
+        if length == 0:
+            continue
+        k = kf[start:start + length].permute(1, 0, 2)[None]             # [1, Hkv, L, D] view
+        v = vf[start:start + length].permute(1, 0, 2)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[i:i + 1], k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        out[i] = o[0].transpose(0, 1)
+    return out
 
 
 def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner):
