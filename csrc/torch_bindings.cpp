@@ -23,12 +23,20 @@ TORCH_LIBRARY(ragattn, m) {
   // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton).
   m.def(
       "paged_attention(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor kv_lens, float? scale=None) -> (Tensor out, Tensor lse)");
+      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1) -> (Tensor out, Tensor lse)");
+  //    Into preallocated outputs (engines: out=, lse_out=).
+  m.def(
+      "paged_attention.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1, *, Tensor(a!) out, "
+      "Tensor(b!) lse_out) -> ()");
 
   // 3. Exact merge of two partial attentions over disjoint key sets (Triton).
   m.def(
       "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
       "-> (Tensor out, Tensor lse)");
+  m.def(
+      "merge_attention_states.out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+      "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 4. In-place RoPE re-rotation of cached key rows, all layers in one launch (CUDA C++).
   m.def(
@@ -47,11 +55,12 @@ TORCH_LIBRARY(ragattn, m) {
       "float? scale=None) -> Tensor scores");
 
   // 7. Chain speculative verification, standard and RAPID's modified target (CUDA C++).
-  //    num_draft [B] (optional) verifies chains of different lengths padded to g.
+  //    num_draft [B] (optional) verifies chains of different lengths padded to g; cu_num_draft
+  //    [B + 1] (optional) takes vLLM's flat layout instead; draft_probs=None: one-hot drafts (n-gram).
   m.def(
-      "verify_draft(Tensor draft_tokens, Tensor draft_probs, Tensor target_logits, Tensor uniforms, "
+      "verify_draft(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
       "float temperature=1.0, float eta=0.0, float alpha=0.1, bool greedy=False, "
-      "Tensor? num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
+      "Tensor? num_draft=None, Tensor? cu_num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
 }
 
 TORCH_LIBRARY_IMPL(ragattn, CPU, m) {

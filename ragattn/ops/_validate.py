@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)  # positions, lengths, offsets, page tables: as engines pass them
 
 
 def _fmt_dtypes(dtypes: Iterable[torch.dtype]) -> str:
@@ -58,15 +59,19 @@ def check_same_device(op: str, **tensors: Optional[torch.Tensor]) -> torch.devic
     return dev
 
 
-def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, device: torch.device) -> int:
-    """Validate an int32 ``[batch + 1]`` offsets tensor starting at 0 and ending at ``total``.
+def check_cu_seqlens(
+    op: str, name: str, cu: torch.Tensor, total: int, device: torch.device, *,
+    dtypes: Sequence[torch.dtype] = (torch.int32,), read_values: bool = True,
+) -> int:
+    """Validate an int ``[batch + 1]`` offsets tensor starting at 0 and ending at ``total``.
 
-    Returns ``batch``. Monotonicity is checked on CPU tensors only (a GPU check would sync).
+    Returns ``batch``. Values (start, end, monotonicity) are checked on CPU tensors only (a GPU
+    check would sync), and not at all with ``read_values=False`` (fake/meta tensors).
     """
-    check_tensor(op, name, cu, dtypes=(torch.int32,), ndim=1, device=device)
+    check_tensor(op, name, cu, dtypes=dtypes, ndim=1, device=device)
     if cu.numel() < 1:
         raise ValueError(f"ragattn.{op}: {name} must have at least one entry (batch + 1)")
-    if cu.device.type == "cpu":
+    if cu.device.type == "cpu" and read_values:
         if int(cu[0]) != 0 or int(cu[-1]) != total:
             raise ValueError(
                 f"ragattn.{op}: {name} must start at 0 and end at {total} (the packed length), "
@@ -75,6 +80,35 @@ def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, device: t
         if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"ragattn.{op}: {name} must be non-decreasing")
     return cu.numel() - 1
+
+
+def _byte_span(t: torch.Tensor):
+    """[first, last] byte of ``t`` in its storage (None for an empty tensor); needs no data pointer."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    first = t.storage_offset() * t.element_size()
+    return first, first + (last + 1) * t.element_size() - 1
+
+
+def check_no_overlap(op: str, outputs: dict, inputs: dict) -> None:
+    """Raise ValueError if an output tensor shares memory with an input or another output.
+
+    Compares storages and byte spans (conservative for interleaved strided views), so it works on
+    fake and meta tensors too. ``outputs``/``inputs`` map argument names to tensors (None skipped).
+    """
+    outs = [(n, t) for n, t in outputs.items() if t is not None]
+    others = outs + [(n, t) for n, t in inputs.items() if t is not None]
+    for i, (name, o) in enumerate(outs):
+        span_o = _byte_span(o)
+        if span_o is None:
+            continue
+        for other, t in others[i + 1 :]:
+            if t.device != o.device or t.untyped_storage()._cdata != o.untyped_storage()._cdata:
+                continue
+            span_t = _byte_span(t)
+            if span_t is not None and span_o[0] <= span_t[1] and span_t[0] <= span_o[1]:
+                raise ValueError(f"ragattn.{op}: {name} must not share memory with {other}")
 
 
 def device_guard(t: torch.Tensor):
