@@ -92,7 +92,7 @@ class Method:
         return getattr(mod, self.attr, None)
 
 
-# One line per method. RAPID and REFRAG plug in here when their modules land.
+# One line per method (REFRAG plugs in here when its module lands).
 REGISTRY = (
     Method(BASELINE, "ragattn.methods.common", "full_prefill"),
     Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),)),
@@ -101,6 +101,7 @@ REGISTRY = (
     Method("full-reuse", "ragattn.methods.fusionrag", "full_reuse"),
     Method("cacheblend", "ragattn.methods.fusionrag", "cacheblend", ratio=True),
     Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True),
+    Method("rapid", "ragattn.methods.rapid", "answer"),  # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not TTFT)
 )
 
 
