@@ -601,7 +601,7 @@ def test_flat_layout_and_one_hot_drafts(device, seed, monkeypatch, backend, with
     out, n = out.cpu(), n.cpu()
     assert out.shape == (int(cu[-1]) + bsz,) and torch.equal(n, padded[1])
     assert torch.equal(out, padded[0][rows])
-    flat_ref = ref.verify_draft(xf, qf, zf, uf, 1.0, eta, 0.1, False, None, cu)
+    flat_ref = ref.verify_draft(xf, qf, zf, uf, 1.0, eta, 0.1, False, None, cu_num_draft=cu)
     assert torch.equal(flat_ref[0], out) and torch.equal(flat_ref[1], n)
     greedy = ragattn.verify_draft(dev(xf), dev(qf), dev(zf), dev(uf), eta=eta, greedy=True, cu_num_draft=dev(cu))
     greedy_padded = run(x, q_ref, robust_greedy_logits(x, q_ref, z, 1.0, eta, 0.1), u, device, eta=eta, greedy=True,

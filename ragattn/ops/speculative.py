@@ -189,7 +189,7 @@ def verify_draft(
         _check_values(draft_tokens, target_logits, uniforms, num_draft, cu_num_draft)
     if reference:
         return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft,
-                          cu_num_draft)
+                          cu_num_draft=cu_num_draft)
     return torch.ops.ragattn.verify_draft(
         draft_tokens, draft_probs, target_logits, uniforms, float(temperature), float(eta), float(alpha), bool(greedy),
         num_draft, cu_num_draft,

@@ -139,8 +139,8 @@ def verify_draft(
     alpha: float = 0.1,
     greedy: bool = False,
     num_draft: Optional[torch.Tensor] = None,
-    cu_num_draft: Optional[torch.Tensor] = None,
     dtype: torch.dtype = torch.float64,
+    cu_num_draft: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``ragattn.verify_draft`` (same arguments; see its docstring), computed in ``dtype``.
 
@@ -225,7 +225,7 @@ def _verify_flat(draft_tokens, draft_probs, target_logits, uniforms, temperature
         torch.zeros(bsz, g + 1, dtype=uniforms.dtype, device=dev)
     # the padded op takes the final draw from column g: move each request's last uniform there
     u[:, g] = u.gather(1, nd[:, None])[:, 0]
-    out_p, n = verify_draft(x, q, z, u, temperature, eta, alpha, greedy, nd, None, dtype)
+    out_p, n = verify_draft(x, q, z, u, temperature, eta, alpha, greedy, nd, dtype)
     out = torch.full((target_logits.shape[0],), -1, dtype=torch.int64, device=dev)
     out[row[live]] = out_p[live]
     return out, n
