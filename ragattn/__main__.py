@@ -8,6 +8,7 @@
     python -m ragattn finetune [...]     # Block-Attention fine-tuning (see scripts/finetune_block.py)
     python -m ragattn bench [...]        # micro-benchmarks (== python -m bench in a checkout)
     python -m ragattn bench e2e [...]    # end-to-end TTFT benchmark (== python -m bench.e2e)
+    python -m ragattn bench sm90 [...]   # static H100 report, no GPU (== python -m bench.sm90)
 """
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def main(argv=None) -> int:
             from ragattn.bench.e2e import main as e2e_main
 
             return e2e_main(rest[1:])
+        if rest[:1] == ["sm90"]:
+            from ragattn.bench.sm90 import main as sm90_main
+
+            sm90_main(rest[1:])
+            return 0
         from ragattn.bench.__main__ import main as bench_main
 
         return bench_main(rest)

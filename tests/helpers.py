@@ -84,18 +84,9 @@ def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_s
     allocations and head dims of 64/128/256 specialises them (16-byte vector accesses).
     Must run where ``TRITON_INTERPRET`` is unset (see ``run_compile_check``).
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from ragattn.bench.sm90 import compile_sm90 as compile_for_h100
 
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n.lower().startswith("stride"))}
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
-    )
+    compiled = compile_for_h100(fn, constexprs, types, num_warps=num_warps, num_stages=num_stages)
     shared = compiled.metadata.shared
     assert shared <= H100_SHARED_BYTES, f"{fn.__name__} {constexprs}: {shared} B of shared memory > {H100_SHARED_BYTES}"
     return compiled

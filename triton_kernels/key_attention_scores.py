@@ -175,7 +175,12 @@ def _num_splits(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: in
     """Key splits for pass 1: enough programs to cover the GPU twice, at least 4 key tiles each."""
     if device.type != "cuda":
         return 1  # the interpreter pays per program
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return splits_for_sms(num_q_tiles, batch, num_kv_heads, max_k_tiles,
+                          _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def splits_for_sms(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: int, sms: int) -> int:
+    """``_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too)."""
     programs = max(1, num_q_tiles * batch * num_kv_heads)
     want = triton.cdiv(2 * sms, programs)
     return max(1, min(want, triton.cdiv(max_k_tiles, 4)))

@@ -203,7 +203,13 @@ def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: 
     """
     if device.type != "cuda" or num_programs == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return splits_for_sms(num_programs, max_kv_len, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
+    """``choose_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too)."""
+    if num_programs == 0:
+        return 1
     if num_programs >= 4 * sms:
         return 1
     key_tiles = triton.cdiv(max(max_kv_len, 1), block_n)

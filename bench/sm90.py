@@ -1,0 +1,512 @@
+"""Static H100 (sm_90) report: what the compiled kernels use, and a roofline model. No GPU needed.
+
+    python -m ragattn.bench.sm90            # or: python -m bench.sm90, python -m ragattn bench sm90
+    python -m ragattn.bench.sm90 --out DIR  # default docs/perf/sm90-static/
+
+For every Triton kernel at the configuration its launcher picks for the benchmark's GPU sizes
+(``bench/bench_*.py`` ``size == "gpu"``): compiled for ``GPUTarget("cuda", 90, 32)`` in a
+subprocess with TRITON_INTERPRET unset, then its PTX is run through Triton's bundled ``ptxas -v``.
+For every CUDA kernel (``csrc/**/*_kernels.cu``): ``nvcc -gencode=arch=compute_90a,code=sm_90a
+-Xptxas -v``. Measured (from the compilers): registers per thread, spill bytes, shared memory, the
+presence of asynchronous copies (``cp.async``/``cp.async.bulk``: a software-pipelined main loop).
+Modelled (from the H100's published limits): CTAs per SM, and a roofline lower bound per
+benchmark case from its bytes and FLOPs. Nothing here ran on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+# H100 SXM5 limits (CUDA C programming guide, compute capability 9.0) and peaks (datasheet)
+H100 = dict(
+    sms=132, regs_per_sm=65536, reg_alloc_per_warp=256, max_regs_per_thread=255,
+    smem_per_sm=228 * 1024, smem_per_cta=227 * 1024, smem_reserved_per_cta=1024,
+    threads_per_sm=2048, ctas_per_sm=32, hbm_bytes_per_s=3.35e12, bf16_flops_per_s=989e12,
+)
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "docs" / "perf" / "sm90-static"
+
+
+# ---------------------------------------------------------------------------------------------
+# occupancy model
+
+
+def ctas_per_sm(regs: int, smem: int, threads: int) -> Tuple[int, str]:
+    """CTAs per SM of an H100 and the limiting resource (modelled from the published limits)."""
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(max(regs, 1) * 32 / H100["reg_alloc_per_warp"]) * H100["reg_alloc_per_warp"]
+    limits = {
+        "registers": (H100["regs_per_sm"] // regs_per_warp) // warps,
+        "threads": H100["threads_per_sm"] // threads,
+        "ctas": H100["ctas_per_sm"],
+    }
+    if smem:
+        limits["shared"] = H100["smem_per_sm"] // (smem + H100["smem_reserved_per_cta"])
+    bound = min(limits, key=lambda k: limits[k])
+    return limits[bound], bound
+
+
+def parse_ptxas(log: str) -> Dict[str, Dict[str, int]]:
+    """``ptxas -v`` output -> {function name: {regs, spill_stores, spill_loads, static_smem, stack}}."""
+    out: Dict[str, Dict[str, int]] = {}
+    name = None
+    for line in log.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$.]+)'?", line)
+        if m:
+            name = m.group(1)
+            out.setdefault(name, dict(regs=0, spill_stores=0, spill_loads=0, static_smem=0, stack=0))
+            continue
+        if name is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[name]["regs"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            out[name]["static_smem"] = int(s.group(1)) if s else 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_stages: int = 3,
+                 ints: Optional[Dict[str, int]] = None):
+    """Compile the ``@triton.jit`` kernel ``fn`` for an H100; returns Triton's compiled kernel.
+
+    ``constexprs`` maps constexpr argument names to values; ``types`` maps the other arguments to
+    Triton type strings (``"*bf16"``, ``"fp32"``, ...); arguments in neither default to ``"i32"``.
+    Integer specialisation as a real launch gets it: pointers are 16-byte aligned (torch
+    allocations); an integer argument whose value is given in ``ints`` is marked divisible by 16
+    when it is, and becomes the constant 1 when it is 1; ``stride*`` arguments not in ``ints`` are
+    taken as multiples of 16. Must run where ``TRITON_INTERPRET`` is unset.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ints = dict(ints or {})
+    constexprs = dict(constexprs)
+    for n, v in ints.items():
+        if v == 1:
+            constexprs[n] = 1  # Triton specialises integer arguments equal to 1
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+
+    def div16(n):
+        if sig[n].startswith("*"):
+            return True
+        if sig[n] != "i32":
+            return False
+        if n in ints:
+            return ints[n] % 16 == 0
+        return n.lower().startswith("stride")
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if div16(n)}
+    return triton.compile(
+        ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+
+
+def ptxas_report(ptx: str) -> Dict[str, int]:
+    """Registers, spills and static shared memory of one PTX module, from Triton's bundled ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        Path(src).write_text(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+                              capture_output=True, text=True, check=True)
+    funcs = parse_ptxas(proc.stdout + proc.stderr)
+    assert len(funcs) == 1, funcs
+    return next(iter(funcs.values()))
+
+
+@dataclasses.dataclass
+class TritonSpec:
+    """One Triton kernel at one launcher-chosen configuration for a benchmark GPU shape."""
+
+    kernel: str  # module.function
+    case: str  # the benchmark case (bench family/name) whose shape this is
+    forward: bool  # forward (inference) kernels must not spill and must be pipelined
+    constexprs: dict
+    types: dict
+    num_warps: int
+    num_stages: int
+    grid: Tuple[int, ...]
+    ints: Dict[str, int] = dataclasses.field(default_factory=dict)
+    loop: bool = True  # has a main loop over key/query tiles (pipelining applies)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} [{self.case}]"
+
+
+def _fn(kernel: str):
+    import importlib
+
+    mod, name = kernel.rsplit(".", 1)
+    return getattr(importlib.import_module("ragattn.triton_kernels." + mod), name)
+
+
+def triton_specs() -> List[TritonSpec]:
+    """Every Triton kernel at the benchmark's GPU sizes, configured by its launcher's own functions."""
+    import torch
+    import triton
+
+    import ragattn.triton_kernels.key_attention_scores as kas
+    import ragattn.triton_kernels.merge_attention_states as mas
+    import ragattn.triton_kernels.paged_attention as pa
+    import ragattn.triton_kernels.varlen_attention as va
+
+    assert not va._INTERPRET, "triton_specs() must run with TRITON_INTERPRET unset"
+    sms = H100["sms"]
+    bf16 = torch.bfloat16
+    specs: List[TritonSpec] = []
+
+    # varlen_attention (bench_varlen_attention _shape("gpu")): one packed sequence of chunk blocks + tail
+    H, Hkv, D = 32, 8, 128
+    prec = va._prec(torch.empty(0, dtype=bf16, device="meta"))
+    ints_va = {n: "*i32" for n in ("QPos", "KPos", "QBlk", "KBlk", "CuQ", "CuK", "QTileSeq", "QTileStart", "QMeta",
+                                   "KTileOff", "KMeta", "KSearch", "KTileSeq", "KTileStart", "QTileOff", "QSearch")}
+    types_va = dict(ints_va, **{n: "*bf16" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")},
+                    Lse="*fp32", Delta="*fp32", qk_scale="fp32", sm_scale="fp32")
+    for n_chunks, chunk, name in [(64, 500, "fwd_chunks64x500+50"), (8, 4096, "fwd_chunks8x4096+50")]:
+        L = n_chunks * chunk + 50
+        bm, bn, warps, stages = va._config(D, backward=False)
+        consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False, PREC=prec,
+                      STEPS=va._steps(triton.cdiv(L, bn)))
+        specs.append(TritonSpec("varlen_attention._fwd_kernel", f"varlen_attention/{name}", True, consts, types_va,
+                                warps, stages, (triton.cdiv(L, bm), H), dict(num_batch=1, num_heads=H)))
+    L = 64 * 500 + 50
+    bm, bn, warps, stages = va._config(D, backward=True)
+    consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False, PREC=prec,
+                  STEPS=va._steps(max(triton.cdiv(L, bm), triton.cdiv(L, bn))))
+    case = "varlen_attention/bwd_chunks64x500+50"
+    ints = dict(num_batch=1, num_heads=H)
+    specs.append(TritonSpec("varlen_attention._bwd_dq_kernel", case, False, consts, types_va, warps, stages,
+                            (triton.cdiv(L, bm), H), ints))
+    specs.append(TritonSpec("varlen_attention._bwd_dkdv_kernel", case, False, consts, types_va, warps, stages,
+                            (triton.cdiv(L, bn), Hkv), ints))
+
+    # paged_attention (bench_paged_attention, gpu): sparse prefill, decode, windowed decode; bf16 d128 page 16
+    types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
+    types_pa.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32")
+    ctx, page = 32768, 16
+    for name, batch, rows, window in [("sparse_prefill", 1, 64, -1), ("decode", 32, 1, -1), ("decode_window", 32, 1, 4096)]:
+        group = H // Hkv
+        group_pad = triton.next_power_of_2(group)
+        m_tile = min(128, max(16, triton.next_power_of_2(rows * group_pad)))
+        block_d = max(16, triton.next_power_of_2(D))
+        m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, 2, False)
+        block_m = max(1, m_tile // group_pad)
+        tiles = batch * triton.cdiv(rows, block_m)
+        span = ctx if (window < 0 or block_m > 1) else min(ctx, window + 1)
+        splits = pa.splits_for_sms(tiles * Hkv, span, block_n, sms)
+        split_len = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
+        splits = max(1, triton.cdiv(span, split_len))
+        consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                      HAS_WINDOW=window >= 0, UPCAST=False, IEEE_FP32=False)
+        types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
+        # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
+        ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,
+                    stride_vp=page * Hkv * D, stride_vo=Hkv * D, stride_vh=D, stride_bt=ctx // page,
+                    page_size=page, head_dim=D, split_len=split_len)
+        if splits > 1:  # fp32 partials [splits, T, H, D] and lse [splits, T, H]
+            ints.update(stride_os=batch * rows * H * D, stride_ot=H * D, stride_oh=D, stride_ls=batch * rows * H, stride_lt=H)
+        else:
+            ints.update(stride_os=0, stride_ot=H * D, stride_oh=D, stride_ls=0, stride_lt=H)
+        specs.append(TritonSpec("paged_attention._paged_attention_kernel", f"paged_attention/{name}", True, consts,
+                                types, warps, stages, (tiles, Hkv, splits), ints))
+        if splits > 1:
+            block_h = triton.next_power_of_2(H)
+            specs.append(TritonSpec(
+                "merge_attention_states._merge_split_kernel", f"paged_attention/{name}", True,
+                dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_H=block_h, BLOCK_D=block_d),
+                {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*bf16", "lse": "*fp32"},
+                mas._num_warps(block_h, block_d), 3, (batch * rows,),
+                dict(stride_ps=batch * rows * H * D, stride_pt=H * D, stride_ph=D, stride_ls=batch * rows * H,
+                     stride_lt=H, stride_ot=H * D, stride_oh=D, stride_lot=H, num_splits=splits, num_heads=H,
+                     head_dim=D), loop=False))
+
+    # merge_attention_states (bench_paged_attention _merge, gpu): rows 4096, heads 32, d128 bf16
+    rows = 32 * 128
+    block_h, block_d = triton.next_power_of_2(H), triton.next_power_of_2(D)
+    specs.append(TritonSpec(
+        "merge_attention_states._merge_two_kernel", "merge_attention_states/merge", True,
+        dict(BLOCK_H=block_h, BLOCK_D=block_d),
+        {"out_a": "*bf16", "out_b": "*bf16", "out": "*bf16", "lse_a": "*fp32", "lse_b": "*fp32", "lse": "*fp32"},
+        mas._num_warps(block_h, block_d), 3, (rows,),
+        dict(stride_at=H * D, stride_ah=D, stride_bt=H * D, stride_bh=D, stride_ot=H * D, stride_oh=D,
+             stride_lat=H, stride_lah=1, stride_lbt=H, stride_lbh=1, stride_lot=H, stride_loh=1,
+             num_heads=H, head_dim=D), loop=False))
+
+    # key_attention_scores (bench_key_attention_scores, gpu): t_q 64, t_k 32768
+    t_q, t_k = 64, 32768
+    block_m, block_n, warps = kas.launch_config(bf16, D, on_gpu=True)
+    group = H // Hkv
+    q_tiles = triton.cdiv(t_q * group, block_m)
+    k_tiles = triton.cdiv(t_k, block_n)
+    splits = kas.splits_for_sms(q_tiles, 1, Hkv, k_tiles, sms)
+    consts = dict(GROUP=group, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False, IEEE=False)
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "lse_ptr": "*fp32",
+             "partial_ptr": "*fp32", "qk_scale": "fp32"}
+    ints = dict(stride_qt=H * D, stride_qh=D, stride_kt=Hkv * D, stride_kh=D, num_heads=H)
+    case = "key_attention_scores/scores"
+    specs.append(TritonSpec("key_attention_scores._row_lse_kernel", case, True, consts, types, warps, 3,
+                            (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, num_splits=splits)))
+    specs.append(TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, 3,
+                            (k_tiles, 1, Hkv), dict(ints, total_k=t_k)))
+    return specs
+
+
+def analyse_triton(spec: TritonSpec) -> dict:
+    """Compile one spec and read what the compilers report (run with TRITON_INTERPRET unset)."""
+    compiled = compile_sm90(_fn(spec.kernel), spec.constexprs, spec.types, num_warps=spec.num_warps,
+                            num_stages=spec.num_stages, ints=spec.ints)
+    ptx = compiled.asm["ptx"]
+    ptxas = ptxas_report(ptx)
+    threads = 32 * spec.num_warps
+    smem = int(compiled.metadata.shared) + ptxas["static_smem"]
+    ctas, bound = ctas_per_sm(ptxas["regs"], smem, threads)
+    consts = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in spec.constexprs.items()}
+    return dict(
+        kernel=spec.kernel, case=spec.case, forward=spec.forward, has_main_loop=spec.loop,
+        constexprs=consts, num_warps=spec.num_warps, num_stages=spec.num_stages, grid=list(spec.grid),
+        threads=threads, regs=ptxas["regs"], spill_stores=ptxas["spill_stores"], spill_loads=ptxas["spill_loads"],
+        smem=smem, ctas_per_sm=ctas, occupancy_bound=bound,
+        warps_per_sm=ctas * spec.num_warps,
+        cp_async="cp.async" in ptx, tma="cp.async.bulk" in ptx,
+        waves=round(math.prod(spec.grid) / (ctas * H100["sms"]), 2) if ctas else None,
+    )
+
+
+def _analyse_index(i: int) -> dict:
+    return analyse_triton(triton_specs()[i])
+
+
+def analyse_triton_all(select: Optional[List[str]] = None, workers: int = 2) -> List[dict]:
+    """Compile the specs (all, or those whose label contains one of ``select``) over forked workers."""
+    import multiprocessing
+
+    specs = triton_specs()
+    idx = [i for i, s in enumerate(specs) if not select or any(t in s.label for t in select)]
+    if workers <= 1 or len(idx) <= 1:
+        return [_analyse_index(i) for i in idx]
+    with multiprocessing.get_context("fork").Pool(min(workers, len(idx))) as pool:
+        return pool.map(_analyse_index, idx, chunksize=1)
+
+
+def triton_report_subprocess(select: Optional[List[str]] = None, workers: int = 2) -> List[dict]:
+    """``analyse_triton_all`` in a fresh Python with TRITON_INTERPRET unset (the caller's kernels may be
+    interpreter objects)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAGATTN_CPU_BACKEND")}
+    cmd = [sys.executable, "-m", "ragattn.bench.sm90", "--triton-json", "--workers", str(workers)]
+    for s in select or []:
+        cmd += ["--select", s]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels
+
+
+def _threads_per_block(cu: Path) -> Optional[int]:
+    """``kThreads`` of a kernel file (its ``__launch_bounds__``), from the file or its directory's headers."""
+    for f in [cu, *sorted(cu.parent.glob("*.h")), *sorted(cu.parent.glob("*.cuh"))]:
+        m = re.search(r"constexpr int kThreads = (\d+)", f.read_text())
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _demangle(names: List[str]) -> Dict[str, str]:
+    try:
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+        return dict(zip(names, out.splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return {n: n for n in names}
+
+
+def nvcc_version() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(r"release ([\d.]+), (V[\d.]+)", out)
+    return m.group(2) if m else out.strip().splitlines()[-1]
+
+
+def analyse_cuda(select: Optional[List[str]] = None) -> List[dict]:
+    """Every ``csrc/**/*_kernels.cu`` (or those whose path contains one of ``select``) compiled for
+    sm_90a with ``-Xptxas -v``, one row per kernel instantiation (empty without nvcc)."""
+    if nvcc_version() is None:
+        return []
+    rows = []
+    for cu in sorted((ROOT / "csrc").rglob("*_kernels.cu")):
+        if select and not any(t in str(cu) for t in select):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run(
+                ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
+                 "-Xptxas", "-v", f"-I{ROOT / 'csrc'}", "-c", str(cu), "-o", os.path.join(tmp, "k.o")],
+                capture_output=True, text=True, check=True)
+        funcs = parse_ptxas(proc.stdout + proc.stderr)
+        threads = _threads_per_block(cu)
+        names = _demangle(list(funcs))
+        for mangled, r in sorted(funcs.items(), key=lambda kv: names[kv[0]]):
+            ctas, bound = ctas_per_sm(r["regs"], r["static_smem"], threads) if threads else (None, None)
+            rows.append(dict(file=str(cu.relative_to(ROOT)), kernel=names[mangled], threads=threads, regs=r["regs"],
+                             spill_stores=r["spill_stores"], spill_loads=r["spill_loads"],
+                             static_smem=r["static_smem"], ctas_per_sm=ctas, occupancy_bound=bound,
+                             warps_per_sm=ctas * threads // 32 if ctas else None))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# roofline (modelled)
+
+
+def roofline_cases() -> List[dict]:
+    """Bytes and FLOPs of each GPU-size benchmark case, from its shapes (no tensor is allocated).
+
+    FLOPs match the benchmarks' ``Case.flops`` (visible pairs only); bytes are the compulsory
+    traffic: every input read once, every output written once.
+    """
+    cases = []
+    bf = 2
+    H, Hkv, D = 32, 8, 128
+    for n, c in [(64, 500), (8, 4096)]:  # bench_varlen_attention
+        tail = 50
+        L = n * c + tail
+        pairs = n * c * (c + 1) / 2 + sum(n * c + i + 1 for i in range(tail))
+        io = 2 * L * H * D * bf + 2 * L * Hkv * D * bf + L * H * 4
+        cases.append(dict(case=f"varlen_attention/fwd_chunks{n}x{c}+{tail}", bytes=io, flops=4.0 * D * H * pairs))
+        if c == 500:  # backward reads q,k,v,o,do,lse, writes dq,dk,dv
+            bio = 4 * L * H * D * bf + 4 * L * Hkv * D * bf + 2 * L * H * 4
+            cases.append(dict(case=f"varlen_attention/bwd_chunks{n}x{c}+{tail}", bytes=bio, flops=2.5 * 4.0 * D * H * pairs))
+    ctx, tail = 32768, 64  # bench_paged_attention sparse prefill: one sequence, 64 new rows at the end
+    pairs = sum(ctx - tail + i + 1 for i in range(tail))
+    cases.append(dict(case="paged_attention/sparse_prefill", bytes=2 * ctx * Hkv * D * bf + 2 * tail * H * D * bf,
+                      flops=4.0 * D * H * pairs))
+    batch = 32
+    cases.append(dict(case="paged_attention/decode", bytes=2 * batch * ctx * Hkv * D * bf + 2 * batch * H * D * bf,
+                      flops=4.0 * D * H * batch * ctx))
+    window = 4096
+    cases.append(dict(case="paged_attention/decode_window",
+                      bytes=2 * batch * (window + 1) * Hkv * D * bf + 2 * batch * H * D * bf,
+                      flops=4.0 * D * H * batch * window))
+    rows = 32 * 128
+    cases.append(dict(case="merge_attention_states/merge", bytes=3.0 * rows * H * (D * bf + 4), flops=None))
+    t_q, t_k = 64, 32768  # bench_key_attention_scores: two passes over K (row LSE, column sums)
+    cases.append(dict(case="key_attention_scores/scores", bytes=2 * t_k * Hkv * D * bf + t_q * H * D * bf + t_k * 4,
+                      flops=2 * 2.0 * H * t_q * t_k * D))
+    for c in cases:
+        t_mem = c["bytes"] / H100["hbm_bytes_per_s"]
+        t_math = (c["flops"] or 0.0) / H100["bf16_flops_per_s"]
+        c.update(lower_bound_us=round(1e6 * max(t_mem, t_math), 2), bound="memory" if t_mem >= t_math else "compute",
+                 memory_us=round(1e6 * t_mem, 2), compute_us=round(1e6 * t_math, 2),
+                 arithmetic_intensity=round(c["flops"] / c["bytes"], 1) if c["flops"] else None)
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def build_report(workers: int = 2) -> dict:
+    import triton
+
+    return dict(
+        note="Static report: compiled for sm_90 without a GPU. regs/spills/smem/cp.async are measured from the "
+             "compilers; ctas_per_sm, waves and the roofline are modelled from the H100's limits. Nothing ran on a GPU.",
+        triton=triton.__version__, nvcc=nvcc_version(), commit=_git_commit(), h100=H100,
+        triton_kernels=triton_report_subprocess(workers=workers), cuda_kernels=analyse_cuda(),
+        roofline=roofline_cases(),
+    )
+
+
+def _yn(b) -> str:
+    return "yes" if b else "no"
+
+
+def to_markdown(r: dict) -> str:
+    lines = [
+        "# Static sm_90 (H100) report", "",
+        f"Generated by `python -m ragattn.bench.sm90` at commit `{r['commit']}`, triton {r['triton']}, "
+        f"nvcc {r['nvcc'] or 'absent'}. No GPU was used: registers, spills, shared memory and async copies are "
+        "**measured** from the compilers (Triton's bundled `ptxas -v`, `nvcc -Xptxas -v`); CTAs/SM, waves and the "
+        "roofline are **modelled** from the H100's limits (65536 regs, 228 KB smem, 2048 threads, 32 CTAs per SM; "
+        "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense).", "",
+        "## Triton kernels (benchmark GPU shapes, launcher configs)", "",
+        "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k in r["triton_kernels"]:
+        pipe = _yn(k["cp_async"]) + ("" if k["has_main_loop"] else " (no loop)")
+        lines.append(f"| `{k['kernel']}` | {k['case']} | {k['num_warps']} | {k['num_stages']} | {k['regs']} | "
+                     f"{k['spill_stores']}/{k['spill_loads']} | {k['smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
+                     f"{pipe} | {tuple(k['grid'])} | {k['waves']} |")
+    lines += ["", "## CUDA kernels (`csrc/**/*_kernels.cu`, sm_90a, at `__launch_bounds__`)", ""]
+    if not r["cuda_kernels"]:
+        lines.append("nvcc absent: not compiled.")
+    else:
+        lines += ["| kernel | file | threads | regs | spill st/ld (B) | static smem (B) | CTAs/SM (bound) |",
+                  "|---|---|---|---|---|---|---|"]
+        for k in r["cuda_kernels"]:
+            lines.append(f"| `{k['kernel']}` | {k['file']} | {k['threads']} | {k['regs']} | "
+                         f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) |")
+        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch."]
+    lines += ["", "## Roofline lower bounds (modelled)", "",
+              "| case | bytes | FLOPs | FLOP/B | memory us | compute us | lower bound us | bound |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c in r["roofline"]:
+        lines.append(f"| {c['case']} | {c['bytes']:.3g} | {c['flops'] or 0:.3g} | {c['arithmetic_intensity']} | "
+                     f"{c['memory_us']} | {c['compute_us']} | {c['lower_bound_us']} | {c['bound']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ragattn.bench.sm90", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--select", action="append", help="(with --triton-json) only kernels whose label contains this")
+    p.add_argument("--triton-json", action="store_true", help="internal: print the Triton rows as JSON")
+    a = p.parse_args(argv)
+    if a.triton_json:
+        print(json.dumps(analyse_triton_all(a.select, a.workers)))
+        return
+    report = build_report(a.workers)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(to_markdown(report))
+    print(to_markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The static sm_90 report's gates (bench/sm90.py): no GPU needed.
+
+Compiles a representative subset of the Triton kernels at their benchmark configurations (one per
+kernel family and launch shape: the full set is ``python -m ragattn.bench.sm90``) and every CUDA
+kernel, and fails on a spill in a forward kernel, shared memory over the H100's per-CTA limit, or
+a forward main loop without asynchronous copies. Known defects are listed in ``KNOWN_DEFECTS``:
+the test also fails when one of them is fixed and the list is not updated.
+"""
+import json
+
+import pytest
+
+from tests.helpers import run_compile_check
+
+# (kernel label substring, defect) pairs that the report shows today; keep in sync with the report.
+KNOWN_DEFECTS = {
+    # issue 15.2: data-dependent `while` loops over key tiles: scf.while, no cp.async, num_stages ignored
+    ("varlen_attention._fwd_kernel [varlen_attention/fwd_chunks64x500+50]", "not pipelined"),
+    ("varlen_attention._fwd_kernel [varlen_attention/fwd_chunks8x4096+50]", "not pipelined"),
+    # windowed decode (HAS_WINDOW) at 4 warps: 255 registers and 4 B of spill stores/loads
+    ("paged_attention._paged_attention_kernel [paged_attention/decode_window]", "spills"),
+    # issue 15.7: 1024 threads per CTA cap registers at 64 per thread: 44 B spill stores, 84 B loads
+    *((f"void ragattn::speculative::(anonymous namespace)::verify_draft_kernel<{k}>(ragattn::speculative::VerifyDraftArgs)",
+       "spills") for k in range(3)),
+}
+
+# one spec per kernel family and launch shape (labels from bench.sm90.triton_specs)
+SUBSET = [
+    "varlen_attention._fwd_kernel [varlen_attention/fwd_chunks64x500+50]",
+    "paged_attention._paged_attention_kernel [paged_attention/sparse_prefill]",
+    "[paged_attention/decode]",  # the paged kernel with split-KV and its merge
+    "paged_attention._paged_attention_kernel [paged_attention/decode_window]",
+    "merge_attention_states._merge_two_kernel",
+    "key_attention_scores._row_lse_kernel",
+]
+
+_CODE = r"""
+import json
+from ragattn.bench.sm90 import analyse_triton_all
+print(json.dumps(analyse_triton_all(SELECT, workers=2)))
+print("compiled")
+"""
+
+
+def defects(row: dict) -> set:
+    """The gate's findings for one report row (Triton or CUDA)."""
+    from ragattn.bench.sm90 import H100
+
+    label = f"{row['kernel']} [{row['case']}]" if "case" in row else row["kernel"]
+    found = set()
+    forward = row.get("forward", True)
+    if forward and (row["spill_stores"] or row["spill_loads"]):
+        found.add((label, "spills"))
+    if row.get("smem", row.get("static_smem", 0)) > H100["smem_per_cta"]:
+        found.add((label, "shared memory over the limit"))
+    if forward and row.get("has_main_loop") and not row["cp_async"]:
+        found.add((label, "not pipelined"))
+    return found
+
+
+def assert_known_defects(rows: list, labels: set) -> None:
+    """The rows' defects are exactly the KNOWN_DEFECTS of the kernels compiled (``labels``)."""
+    found = set().union(*(defects(r) for r in rows))
+    expected = {d for d in KNOWN_DEFECTS if d[0] in labels}
+    assert found - expected == set(), f"new defects: {sorted(found - expected)}"
+    assert expected - found == set(), f"fixed: remove from KNOWN_DEFECTS: {sorted(expected - found)}"
+
+
+def test_triton_kernels_at_benchmark_configs():
+    out = run_compile_check(_CODE.replace("SELECT", repr(SUBSET)))
+    rows = json.loads(out.strip().splitlines()[-2])
+    assert len(rows) >= len(SUBSET)
+    for r in rows:
+        assert r["regs"] > 0 and 0 < r["ctas_per_sm"] <= 32, r
+    assert_known_defects(rows, {f"{r['kernel']} [{r['case']}]" for r in rows})
+
+
+def test_cuda_kernels_at_launch_bounds():
+    from ragattn.bench.sm90 import analyse_cuda, nvcc_version
+
+    if nvcc_version() is None:
+        pytest.skip("nvcc not found")
+    # verify_draft only: the kv_cache file's 30 instantiations take minutes of nvcc on 2 cores
+    rows = analyse_cuda(["verify_draft_kernels.cu"])
+    assert len(rows) == 3  # one per logits dtype
+    for r in rows:
+        assert r["threads"] == 1024 and r["regs"] > 0 and r["ctas_per_sm"] >= 1, r
+    assert_known_defects(rows, {r["kernel"] for r in rows})
+
+
+def test_occupancy_model():
+    from ragattn.bench.sm90 import ctas_per_sm
+
+    assert ctas_per_sm(255, 0, 256) == (1, "registers")  # 255 regs -> 256 x 32 per warp, 8 warps/SM
+    assert ctas_per_sm(16, 0, 256) == (8, "threads")
+    assert ctas_per_sm(16, 0, 32) == (32, "ctas")
+    assert ctas_per_sm(64, 100 * 1024, 128) == (2, "shared")
