@@ -277,17 +277,19 @@ assert not va._INTERPRET
 ints = ("QPos", "KPos", "QBlk", "KBlk", "CuQ", "CuK", "QTileSeq", "QTileStart", "QMeta", "KTileOff", "KMeta",
         "KSearch", "KTileSeq", "KTileStart", "QTileOff", "QSearch")
 jobs = []
-for elt, head_dim in SM90_CASES:
+for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
     types = {n: "*i32" for n in ints}
     types.update({n: "*" + elt for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")})
     types.update(Lse="*fp32", Delta="*fp32", qk_scale="fp32", sm_scale="fp32")
     for backward, kernels in [(False, (va._fwd_kernel,)), (True, (va._bwd_dq_kernel, va._bwd_dkdv_kernel))]:
         bm, bn, warps, stages = va._config(head_dim, backward)
-        consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False,
-                      PREC="ieee" if elt == "fp32" else "tf32", STEPS=8)
+        consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=va.block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True,
+                      WINDOW=True, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32", STEPS=8)
+        if head_dim == 96 and backward:
+            continue
         jobs += [(fn, consts, types, dict(num_warps=warps, num_stages=stages)) for fn in kernels]
     if head_dim == 256:  # the tiny delta kernel: its largest rows only
-        jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK=64), types, {}))
+        jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK=64), types, {}))
 compile_many_sm90(jobs)
 print("compiled")
 """
@@ -581,3 +583,29 @@ def test_out_variant_under_compile():
     o, l = poison_like(want[0]), poison_like(want[1])
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(o, l, *args)
     assert torch.equal(got[0], want[0] * 2) and torch.equal(o, want[0]) and torch.equal(l, want[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 15.4: head dims that are not powers of two run in Triton (BLOCK_D padded and masked)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim, dtype", [(80, torch.bfloat16), (96, torch.float32), (112, torch.float16)])
+def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
+    from ragattn.ops.varlen_attention import _use_triton
+
+    use_kernel_backend(monkeypatch, device, "triton")
+    args = _case([29, 1, 18], [29, 1, 18], 6, 2, dim, dtype, device, blocks="chunks", gen=torch.Generator().manual_seed(dim))
+    assert _use_triton(args[0])
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    out, lse = ragattn.varlen_attention(*leaves, *args[3:], None, 9)
+    o64, l64 = ref_varlen(*_float64(args), None, 9)
+    o_lp, l_lp = ref_varlen(*args, None, 9, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    dout = randn_nonzero(*out.shape, dtype=dtype, device=device, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, leaves, dout)
+    l64s = [t.detach().double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:], None, 9)[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], None, 9, upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)

@@ -256,7 +256,7 @@ def _fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos, QBlk, KBlk,
     CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta, KSearch,
     qk_scale, num_batch, num_heads, window_left,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
@@ -274,10 +274,11 @@ def _fwd_kernel(
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
     m_valid = offs_m < q_end
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two, masked
+    d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
-    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None] & d_ok[None, :], other=0.0)
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
     if UPCAST:
@@ -285,7 +286,7 @@ def _fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Visit only the key tiles that can be visible: global ones and the block-overlap range.
     first, a, b, k_tile_end = _kv_candidates(QMeta, q_tile, KSearch, k_tile_lo, k_tile_hi, window_left, CAUSAL, WINDOW, STEPS)
     k_tile = _next_candidate(KSearch, first, a, b, k_tile_end)
@@ -296,8 +297,8 @@ def _fwd_kernel(
             offs_n = n_start + tl.arange(0, BLOCK_N)
             n_valid = offs_n < k_end
             kv_off = offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_valid[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=n_valid[:, None], other=0.0)
+            k = tl.load(K + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -324,7 +325,7 @@ def _fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
-    tl.store(Out + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_valid[:, None])
+    tl.store(Out + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
     tl.store(Lse + offs_m.to(tl.int64) * num_heads + h, lse, mask=m_valid)
 
 
@@ -332,12 +333,14 @@ def _fwd_kernel(
 # Backward: delta = rowsum(dO * O), then dq (per query tile) and dk/dv (per key tile)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_preprocess(Out, DOut, Delta, total_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_preprocess(Out, DOut, Delta, total_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # rows of the [total_q * H, D] view
     valid = rows < total_rows
-    offs = rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    o = tl.load(Out + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DOut + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    offs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(Out + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DOut + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Delta + rows, tl.sum(o * do, 1), mask=valid)
 
 
@@ -346,7 +349,7 @@ def _bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, QPos, KPos, QBlk, KBlk,
     CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta, KSearch,
     qk_scale, sm_scale, num_batch, num_heads, window_left,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
@@ -364,12 +367,13 @@ def _bwd_dq_kernel(
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
     m_valid = offs_m < q_end
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two, masked
+    d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
     q_off = offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=m_valid[:, None], other=0.0)
-    do = tl.load(DOut + q_off, mask=m_valid[:, None], other=0.0)
+    q = tl.load(Q + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DOut + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -380,7 +384,7 @@ def _bwd_dq_kernel(
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Visit only the key tiles that can be visible: global ones and the block-overlap range.
     first, a, b, k_tile_end = _kv_candidates(QMeta, q_tile, KSearch, k_tile_lo, k_tile_hi, window_left, CAUSAL, WINDOW, STEPS)
     k_tile = _next_candidate(KSearch, first, a, b, k_tile_end)
@@ -391,8 +395,8 @@ def _bwd_dq_kernel(
             offs_n = n_start + tl.arange(0, BLOCK_N)
             n_valid = offs_n < k_end
             kv_off = offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_valid[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=n_valid[:, None], other=0.0)
+            k = tl.load(K + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -405,17 +409,17 @@ def _bwd_dq_kernel(
                 k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
                 k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
                 vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
-                ds = tl.where(vis, ds, 0.0).to(K.dtype.element_ty)
+                ds_lo = tl.where(vis, ds, 0.0).to(K.dtype.element_ty)
                 if UPCAST:
-                    ds = ds.to(tl.float32)
-                dq += _dot_visible(ds, vis, k, PREC)
+                    ds_lo = ds_lo.to(tl.float32)
+                dq += _dot_visible(ds_lo, vis, k, PREC)
             else:
-                ds = ds.to(K.dtype.element_ty)
+                ds_lo = ds.to(K.dtype.element_ty)
                 if UPCAST:
-                    ds = ds.to(tl.float32)
-                dq += tl.dot(ds, k, input_precision=PREC)
+                    ds_lo = ds_lo.to(tl.float32)
+                dq += tl.dot(ds_lo, k, input_precision=PREC)
         k_tile = _next_candidate(KSearch, k_tile + 1, a, b, k_tile_end)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_valid[:, None])
+    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -423,7 +427,7 @@ def _bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, QPos, KPos, QBlk, KBlk,
     CuQ, CuK, KTileSeq, KTileStart, KMeta, QTileOff, QMeta, QSearch,
     qk_scale, sm_scale, num_batch, num_heads, window_left,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
 ):
     k_tile = tl.program_id(0)
@@ -440,12 +444,13 @@ def _bwd_dkdv_kernel(
 
     offs_n = k_start + tl.arange(0, BLOCK_N)
     n_valid = offs_n < k_end
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two, masked
+    d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
     kv_off = offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=n_valid[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=n_valid[:, None], other=0.0)
+    k = tl.load(K + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -453,8 +458,8 @@ def _bwd_dkdv_kernel(
     k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
     k_partial = k_start + BLOCK_N > k_end
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Only global query tiles from q_first on and the block-overlap range [a, b) can see this tile.
     q_first, a, b, q_stop = _q_candidates(KMeta, k_tile, QSearch, q_tile_lo, q_tile_hi, window_left, CAUSAL, WINDOW, STEPS)
     for g in range(GROUP):  # the query heads sharing this kv head
@@ -466,8 +471,8 @@ def _bwd_dkdv_kernel(
                 offs_m = q_seq_start + (q_tile - q_tile_lo) * BLOCK_M + tl.arange(0, BLOCK_M)
                 m_valid = offs_m < q_end
                 q_off = offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :]
-                q = tl.load(Q + q_off, mask=m_valid[:, None], other=0.0)
-                do = tl.load(DOut + q_off, mask=m_valid[:, None], other=0.0)
+                q = tl.load(Q + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
+                do = tl.load(DOut + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
                 if UPCAST:
                     q = q.to(tl.float32)
                     do = do.to(tl.float32)
@@ -486,23 +491,23 @@ def _bwd_dkdv_kernel(
                     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
                     vis = tl.trans(_pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW))
                     p_lo = tl.where(vis, p_t, 0.0).to(Q.dtype.element_ty)
-                    ds_t = tl.where(vis, ds_t, 0.0).to(Q.dtype.element_ty)
+                    ds_lo = tl.where(vis, ds_t, 0.0).to(Q.dtype.element_ty)
                     if UPCAST:
                         p_lo = p_lo.to(tl.float32)
-                        ds_t = ds_t.to(tl.float32)
+                        ds_lo = ds_lo.to(tl.float32)
                     dv += _dot_visible(p_lo, vis, do, PREC)
-                    dk += _dot_visible(ds_t, vis, q, PREC)
+                    dk += _dot_visible(ds_lo, vis, q, PREC)
                 else:
                     p_lo = p_t.to(Q.dtype.element_ty)
-                    ds_t = ds_t.to(Q.dtype.element_ty)
+                    ds_lo = ds_t.to(Q.dtype.element_ty)
                     if UPCAST:
                         p_lo = p_lo.to(tl.float32)
-                        ds_t = ds_t.to(tl.float32)
+                        ds_lo = ds_lo.to(tl.float32)
                     dv += tl.dot(p_lo, do, input_precision=PREC)
-                    dk += tl.dot(ds_t, q, input_precision=PREC)
+                    dk += tl.dot(ds_lo, q, input_precision=PREC)
             q_tile = _next_candidate(QSearch, q_tile + 1, a, b, q_stop)
-    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_valid[:, None])
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_valid[:, None])
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_valid[:, None] & d_ok[None, :])
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_valid[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,8 +554,18 @@ def _tile_plan(cu, pos, blk, total, block):
     return plan
 
 
+MAX_HEAD_DIM = 256
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two (at least 16, tl.dot's minimum); the padding is masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def _config(head_dim: int, backward: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter wants few, big tiles."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the padded head dim. The interpreter wants
+    few, big tiles."""
+    head_dim = block_d(head_dim)
     if _INTERPRET:
         return 32, 32, 4, 1
     if backward:
@@ -592,7 +607,7 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
         q, k, v, out, lse, q_pos, kv_pos, q_block, kv_block,
         cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta, k_search,
         scale * _LOG2E, batch, num_heads, max(int(window_left), 0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
         CAUSAL=bool(causal), WINDOW=window_left >= 0, UPCAST=_INTERPRET, PREC=_prec(q), STEPS=_steps(k_seq.numel()),
         num_warps=warps, num_stages=stages,
     )
@@ -618,9 +633,10 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
     rows = total_q * num_heads
     if rows:
         pre_block = 64
-        _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim, BLOCK=pre_block)
+        _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim,
+                                                          BLOCK_D=block_d(head_dim), BLOCK=pre_block)
     common = dict(
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
         CAUSAL=bool(causal), WINDOW=window_left >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
         STEPS=_steps(max(q_seq.numel(), k_seq.numel())),
         num_warps=warps, num_stages=stages,

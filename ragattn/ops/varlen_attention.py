@@ -2,8 +2,9 @@
 
 Dispatch: CUDA tensors run the Triton kernels (triton_kernels/varlen_attention.py); CPU tensors
 run the plain-torch reference, or the Triton kernels in the interpreter when
-``RAGATTN_CPU_BACKEND=triton``. head_dim outside {64, 128, 256} and float64 inputs always take the
-reference (on any device). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
+``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
+two with a mask: 80, 96, 112 included); larger head dims and float64 inputs always take the
+reference (on any device, O(L^2) memory). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
 forward is Triton, the reference's autograd otherwise), wired with ``torch.library.register_autograd``.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ragattn.ops._validate import (
 from ragattn.reference import varlen_attention as _ref
 
 OP = "varlen_attention"
-TRITON_HEAD_DIMS = (64, 128, 256)
+MAX_TRITON_HEAD_DIM = 256  # kernels pad head_dim to the next power of two (>= 16)
 
 __all__ = ["varlen_attention"]
 
@@ -179,7 +180,7 @@ def _validate_out(q, out, lse_out, inputs):
 
 
 def _use_triton(q: torch.Tensor) -> bool:
-    if q.dtype == torch.float64 or q.shape[-1] not in TRITON_HEAD_DIMS:
+    if q.dtype == torch.float64 or q.shape[-1] > MAX_TRITON_HEAD_DIM:
         return False
     if q.device.type == "cuda":
         return True
