@@ -1,4 +1,5 @@
-"""End-to-end benchmark: time to first token against context length, full prefill vs cached chunks.
+"""End-to-end benchmark: time to first token, time per output token and the total time of an
+answer against context length, full prefill vs cached chunks.
 
     python -m bench.e2e                                   # SmolLM2 on the CPU, CPU sizes
     python -m bench.e2e --device cuda --model llama3-8b-random --out docs/perf/h100-e2e
@@ -7,11 +8,17 @@ For every context (``num_chunks x chunk_size`` tokens of random ids, plus a ``--
 question) it measures the time to the first token's logits of
 
 * ``full-prefill``: one causal forward pass (SDPA) over chunks + question (the baseline);
+* ``final block alone (bound)``: the question's prefill with no context at all, the lower bound of
+  any cached method's TTFT (its ``vs bound`` column is 1.00x);
 * ``cached (on device)``: the chunks' KV already in the device-resident ``ChunkStore``; timed:
   gathering them into the request's paged cache with re-rotation (``copy_kv_``), then the
   question's prefill through ``paged_attention`` (Block-Attention / TurboRAG-reordered);
 * ``cached (KV from CPU)`` (CUDA only): the same, with the chunks' KV first copied from pinned
   host memory (TurboRAG's deployment, its Table 4 "with h2d").
+
+For ``full-prefill`` and ``cached (on device)`` it also times a ``--answer-tokens`` answer (32 by
+default) with ``model.generate()`` (greedy, no early stop): ``total`` is call to last token, and
+``per token`` is ``(total - TTFT) / (answer_tokens - 1)``, the decode cost at that context.
 
 Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (TTFT vs context tokens, log-log) to ``--out``.
 The module is named without the ``bench_`` prefix so the micro-benchmark discovery skips it.
@@ -32,11 +39,12 @@ import torch
 from .__main__ import _commit
 from .harness import synchronize
 from ragattn.methods.chunk_store import ChunkStore
-from ragattn.methods.common import paged_forward
+from ragattn.methods.common import generate_paged, paged_forward
 
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
+    "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (issue 15's end-to-end case)
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
 }
 
@@ -72,12 +80,14 @@ def _time_ms(fn: Callable[[], object], device, repeats: int) -> float:
 
 
 @torch.no_grad()
-def measure(model, sizes, question_len: int, repeats: int, seed: int = 0) -> List[Dict]:
+def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer_tokens: int = 32) -> List[Dict]:
     """One row per (context, path)."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     rows = []
+    tok = _IdTokenizer()
+    n = answer_tokens
     for num_chunks, chunk_size in sizes:
         chunks = [torch.randint(10, vocab, (chunk_size,), generator=gen).tolist() for _ in range(num_chunks)]
         question = torch.randint(10, vocab, (question_len,), generator=gen).tolist()
@@ -88,19 +98,39 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0) -> Lis
         def full():
             return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
 
+        def full_answer():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
+
         t_full = _time_ms(full, device, repeats)
-        rows.append(dict(base, path="full-prefill", ttft_ms=t_full, speedup=1.0))
+        t_full_n = _time_ms(full_answer, device, max(1, repeats - 1)) if n > 1 else t_full
+        rows.append(dict(base, path="full-prefill", ttft_ms=t_full, speedup=1.0, total_ms=t_full_n,
+                         per_token_ms=(t_full_n - t_full) / max(n - 1, 1)))
+        q = torch.tensor([question], device=device)
+
+        def bound():
+            return model(input_ids=q, use_cache=True, logits_to_keep=1).logits
+
+        t_bound = _time_ms(bound, device, repeats)
+        rows.append(dict(base, path="final block alone (bound)", ttft_ms=t_bound, speedup=t_full / t_bound))
         store = ChunkStore(model)
         keys = store.add(chunks)  # offline precompute, not timed
-        q = torch.tensor([question], device=device)
 
         def cached():
             req = store.assemble(keys, positions="reordered", extra_slots=question_len + 1)
             pos = req.next_position + torch.arange(question_len, device=device)
             return paged_forward(model, q, pos, req.cache)[-1]
 
+        def cached_answer():
+            t0 = time.perf_counter()
+            req = store.assemble(keys, positions="reordered", extra_slots=question_len + n)
+            return generate_paged(model, tok, req.cache, question, req.next_position, n, t0, "cached",
+                                  ctx + question_len, min_new_tokens=n)
+
         t_cached = _time_ms(cached, device, repeats)
-        rows.append(dict(base, path="cached (on device)", ttft_ms=t_cached, speedup=t_full / t_cached))
+        t_cached_n = _time_ms(cached_answer, device, max(1, repeats - 1)) if n > 1 else t_cached
+        rows.append(dict(base, path="cached (on device)", ttft_ms=t_cached, speedup=t_full / t_cached,
+                         total_ms=t_cached_n, per_token_ms=(t_cached_n - t_cached) / max(n - 1, 1)))
         if device.type == "cuda":
             # the chunk KV lives in pinned host memory; the store's device pool is refilled from it
             host_k, host_v = store.pooled_kv("cpu", pin_memory=True)
@@ -112,17 +142,36 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0) -> Lis
             t_h2d = _time_ms(from_host, device, repeats)
             rows.append(dict(base, path="cached (KV from CPU)", ttft_ms=t_h2d, speedup=t_full / t_h2d))
             del host_k, host_v
+        for r in rows[-4:]:
+            if r["context_tokens"] == ctx and r["num_chunks"] == num_chunks:
+                r["vs_bound"] = r["ttft_ms"] / t_bound
         del store
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
+class _IdTokenizer:
+    """generate_paged needs only EOS/pad ids and decode; the benchmark's ids are random."""
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
 def format_table(rows: List[Dict]) -> str:
-    lines = ["| chunks x size | context tokens | path | TTFT (ms) | speedup vs full prefill |", "|---|---|---|---|---|"]
+    lines = ["| chunks x size | context tokens | path | TTFT (ms) | vs bound | speedup vs full prefill "
+             "| per output token (ms) | total, answer (ms) |", "|---|---|---|---|---|---|---|---|"]
+
+    def f(r, k, fmt):
+        return fmt.format(r[k]) if k in r else "-"
+
     for r in rows:
         lines.append(f"| {r['num_chunks']} x {r['chunk_size']} | {r['context_tokens']} | {r['path']} | "
-                     f"{r['ttft_ms']:.1f} | {r['speedup']:.2f}x |")
+                     f"{r['ttft_ms']:.1f} | {f(r, 'vs_bound', '{:.2f}x')} | {r['speedup']:.2f}x | "
+                     f"{f(r, 'per_token_ms', '{:.1f}')} | {f(r, 'total_ms', '{:.0f}')} |")
     return "\n".join(lines)
 
 
@@ -157,6 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default=None, choices=tuple(SIZES), help="context set (default by device)")
     p.add_argument("--layers", type=int, default=None, help="depth override for random models")
     p.add_argument("--question-len", type=int, default=50)
+    p.add_argument("--answer-tokens", type=int, default=32, help="tokens per timed answer (1: TTFT only)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point (the best of them on the CPU, the median on CUDA)")
     p.add_argument("--out", default="bench_results/e2e")
     args = p.parse_args(argv)
@@ -173,14 +223,16 @@ def main(argv=None) -> int:
     repeats = args.repeats or (5 if device.type == "cuda" else 3)
 
     model = build_model(model_name, device, dtype, args.layers)
-    rows = measure(model, sizes, args.question_len, repeats)
+    rows = measure(model, sizes, args.question_len, repeats, answer_tokens=args.answer_tokens)
     meta = dict(model=model_name, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 dtype=str(dtype).replace("torch.", ""), question_tokens=args.question_len, repeats=repeats,
+                answer_tokens=args.answer_tokens,
                 date=datetime.date.today().isoformat(), torch=torch.__version__, commit=_commit(),
                 threads=torch.get_num_threads())
     stat = "median" if device.type == "cuda" else "best"
     header = (f"# ragattn end-to-end TTFT\n\n- model: {meta['model']} ({meta['dtype']})\n- device: {meta['device']}"
-              f" ({meta['threads']} threads)\n- question: {args.question_len} tokens; {stat} of {repeats} calls after a warm-up\n"
+              f" ({meta['threads']} threads)\n- question: {args.question_len} tokens; {stat} of {repeats} calls after a warm-up "
+              f"(answers: {stat} of {max(1, repeats - 1)}, {args.answer_tokens} tokens)\n"
               f"- date: {meta['date']}, commit {meta['commit']}, torch {meta['torch']}\n\n")
     table = format_table(rows)
     print(header + table)

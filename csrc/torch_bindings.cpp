@@ -28,12 +28,20 @@ TORCH_LIBRARY(ragattn, m) {
   // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton).
   m.def(
       "paged_attention(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor kv_lens, float? scale=None) -> (Tensor out, Tensor lse)");
+      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1) -> (Tensor out, Tensor lse)");
+  //    Into preallocated outputs (engines: out=, lse_out=).
+  m.def(
+      "paged_attention.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1, *, Tensor(a!) out, "
+      "Tensor(b!) lse_out) -> ()");
 
   // 3. Exact merge of two partial attentions over disjoint key sets (Triton).
   m.def(
       "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
       "-> (Tensor out, Tensor lse)");
+  m.def(
+      "merge_attention_states.out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+      "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 4. In-place RoPE re-rotation of cached key rows, all layers in one launch (CUDA C++).
   m.def(

@@ -3,7 +3,8 @@
 A corpus is a folder with two JSON-lines files (schema in ``ragattn/data/qa/README.md``)::
 
     passages.jsonl   {"id": str, "title": str, "text": str}
-    questions.jsonl  {"id": str, "question": str, "answers": [str, ...], "passage_id": str?}
+    questions.jsonl  {"id": str, "question": str, "answers": [str, ...], "passage_id": str?,
+                      "passage_ids": [str, ...]?}
 
     from ragattn.corpus import load_corpus
     corpus = load_corpus()              # the corpus shipped in the package
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "qa"
+EVAL_CORPUS = Path(__file__).resolve().parent / "data" / "qa_eval"  # python -m ragattn eval
 
 
 class CorpusError(ValueError):
@@ -38,10 +40,17 @@ class Passage:
 
 @dataclasses.dataclass(frozen=True)
 class Question:
+    """``passage_ids``: the supporting passages (all of them are needed for a multi-hop question);
+    ``(passage_id,)`` when only ``passage_id`` is given, ``()`` when neither is."""
     id: str
     question: str
     answers: tuple
     passage_id: Optional[str] = None
+    passage_ids: tuple = ()
+
+    @property
+    def multi_hop(self) -> bool:
+        return len(self.passage_ids) >= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +114,17 @@ def load_corpus(root: Union[str, Path, None] = None) -> Corpus:
         pid = r.get("passage_id")
         if pid is not None and pid not in ids:
             raise CorpusError(f"ragattn corpus: question {r['id']!r} names passage_id {pid!r}, which is not in passages.jsonl")
-        questions.append(Question(r["id"], r["question"], tuple(r["answers"]), pid))
+        support = r.get("passage_ids")
+        if support is None:
+            support = [pid] if pid is not None else []
+        elif not isinstance(support, list) or not support or not all(isinstance(x, str) for x in support):
+            raise CorpusError(f"ragattn corpus: question {r['id']!r}: passage_ids must be a non-empty list of passage ids, got {support!r}")
+        for x in support:
+            if x not in ids:
+                raise CorpusError(f"ragattn corpus: question {r['id']!r} names passage_ids entry {x!r}, which is not in passages.jsonl")
+        if pid is not None and pid not in support:
+            raise CorpusError(f"ragattn corpus: question {r['id']!r}: passage_id {pid!r} is not among its passage_ids {support}")
+        questions.append(Question(r["id"], r["question"], tuple(r["answers"]), pid, tuple(support)))
     return Corpus(root, passages, questions)
 
 
@@ -121,3 +140,18 @@ def exact_match(prediction: str, answers) -> bool:
     """Block-Attention's metric (best_subspan_em): some normalised gold answer occurs in the prediction."""
     pred = normalize_answer(prediction)
     return any(normalize_answer(a) and normalize_answer(a) in pred for a in answers)
+
+
+def token_f1(prediction: str, answers) -> float:
+    """SQuAD token F1 of the prediction against the best-matching gold answer (normalised tokens)."""
+    from collections import Counter
+
+    pred = normalize_answer(prediction).split()
+    best = 0.0
+    for a in answers:
+        gold = normalize_answer(a).split()
+        common = sum((Counter(pred) & Counter(gold)).values())
+        if common:
+            p, r = common / len(pred), common / len(gold)
+            best = max(best, 2 * p * r / (p + r))
+    return best

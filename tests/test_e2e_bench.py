@@ -8,10 +8,14 @@ from bench import e2e
 def test_e2e_bench_tiny(tmp_path):
     out = tmp_path / "e2e"
     assert e2e.main(["--device", "cpu", "--model", "tiny-random", "--sizes", "tiny", "--question-len", "5",
-                     "--repeats", "1", "--out", str(out)]) == 0
+                     "--repeats", "1", "--answer-tokens", "3", "--out", str(out)]) == 0
     data = json.loads((out / "e2e.json").read_text())
     paths = {r["path"] for r in data["rows"]}
-    assert "full-prefill" in paths
+    assert {"full-prefill", "final block alone (bound)", "cached (on device)"} <= paths
+    for r in data["rows"]:
+        if r["path"] != "final block alone (bound)":
+            assert r["total_ms"] >= r["ttft_ms"] > 0 and r["per_token_ms"] > 0
+        assert r["vs_bound"] > 0
     assert {r["context_tokens"] for r in data["rows"]} == {32, 48}
     assert all(r["ttft_ms"] > 0 for r in data["rows"])
     assert (out / "e2e.png").stat().st_size > 1000

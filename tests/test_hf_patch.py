@@ -70,15 +70,6 @@ def test_block_ids_give_block_attention_mask():
     assert (plain - ref).abs().max() > 1e-3
 
 
-def test_unsupported_sliding_window_is_refused():
-    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rope_theta=1000.0)
-    model = random_llama(shape, dtype=torch.float32, family="mistral", sliding_window=4)
-    model.set_attn_implementation("ragattn")
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        model(torch.randint(1, 97, (1, 9)))
-
-
 def test_paged_batch_prefill_then_decode_equals_plain_forward():
     """ragattn_paged with B = 2: a prefill and a decode step through the paged request cache give
     the logits of one plain forward over the same tokens; a cache that would overflow is refused."""

@@ -216,7 +216,7 @@ def _bad_rerotate(device):
     def case(name, exc, arg, fix):
         cases.append((name, exc, arg, fix))
 
-    case("rows_dtype", TypeError, "rows", lambda a: a.update(rows=a["rows"].int()))
+    case("rows_dtype", TypeError, "rows", lambda a: a.update(rows=a["rows"].to(torch.int16)))
     case("delta_dtype", TypeError, "delta", lambda a: a.update(delta=a["delta"].long()))
     case("delta_shape", ValueError, "delta", lambda a: a.update(delta=a["delta"][:2]))
     case("rows_2d", ValueError, "rows", lambda a: a.update(rows=a["rows"][None]))
@@ -282,7 +282,7 @@ def _bad_copy(device):
     case("dst_rows_repeat", ValueError, "dst_rows", lambda a: a.update(dst_rows=torch.tensor([9, 2, 9], device=device)))
     case("dst_rows_range", ValueError, "dst_rows", lambda a: a.update(dst_rows=torch.tensor([9, 10, 5], device=device)))
     case("src_rows_range", ValueError, "src_rows", lambda a: a.update(src_rows=torch.tensor([0, 7, 6], device=device)))
-    case("src_rows_dtype", TypeError, "src_rows", lambda a: a.update(src_rows=a["src_rows"].int()))
+    case("src_rows_dtype", TypeError, "src_rows", lambda a: a.update(src_rows=a["src_rows"].float()))
     case("dst_rows_shape", ValueError, "dst_rows", lambda a: a.update(dst_rows=a["dst_rows"][:2]))
     case("delta_dtype", TypeError, "delta", lambda a: a.update(delta=a["delta"].float()))
     case("delta_shape", ValueError, "delta", lambda a: a.update(delta=a["delta"][:1]))
@@ -318,19 +318,6 @@ def test_copy_kv_bad_inputs(device, entry, case):
         assert torch.equal(t, b)
 
 
-def test_copy_kv_in_place_overlap_rejected(device):
-    if device.type != "cpu":
-        pytest.skip("overlap is a CUDA precondition")
-    k = make_layers(1, (10, 2, 32), torch.float32, device)
-    before = k[0].clone()
-    with pytest.raises(ValueError, match="copy_kv_.*both read and written"):
-        torch.ops.ragattn.copy_kv_(k, [], k, [], torch.tensor([1, 2]), torch.tensor([2, 3]))
-    assert torch.equal(k[0], before)
-    # disjoint in-place move (compaction) is fine
-    torch.ops.ragattn.copy_kv_(k, [], k, [], torch.tensor([5, 6]), torch.tensor([0, 1]))
-    assert torch.equal(k[0][:2], before[5:7])
-
-
 def test_cuda_debug_mode_checks_rows(device, monkeypatch):
     """On CUDA, row ranges/uniqueness are a precondition checked only with RAGATTN_DEBUG=1."""
     if device.type != "cuda":
@@ -361,3 +348,192 @@ def test_copy_kv_reference_backend_matches_cpp(device, monkeypatch, seed):
         assert max_abs_err(a, b) <= 1e-5 * float(b.abs().max())
     with pytest.raises(ValueError, match="copy_kv_: dst_rows"):
         ragattn.copy_kv_(dst_ref[0], dst_ref[1], src_k, src_v, src_rows, torch.zeros(11, dtype=torch.int64))
+
+
+# ---- engine layouts (issue 16), aliasing (issue 14.3 / 14.7), inference mode (issue 15.1) ----
+
+BACKENDS = ["default", "reference"]
+
+
+def _backend(monkeypatch, device, backend):
+    if backend == "reference":
+        if device.type != "cpu":
+            pytest.skip("CPU backend switch")
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
+    else:
+        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
+
+
+def _flashinfer_caches(L, pages, page_size, H, D, dtype, device):
+    """FlashInfer's per-layer paged cache [pages, 2, page_size, H, D]: K = [:, 0], V = [:, 1]."""
+    return [randn_nonzero(pages, 2, page_size, H, D, dtype=dtype, device=device) for _ in range(L)]
+
+
+def _vllm_caches(L, blocks, block_size, H, D, dtype, device):
+    """vLLM's FlashAttention per-layer cache [2, blocks, block_size, H, D]: K = [0], V = [1]."""
+    return [randn_nonzero(2, blocks, block_size, H, D, dtype=dtype, device=device) for _ in range(L)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("engine", ["flashinfer", "vllm"])
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("row_dtype", [torch.int32, torch.int64])
+def test_copy_kv_into_engine_layouts(device, seed, monkeypatch, backend, engine, rotate, row_dtype):
+    """Chunk K/V (contiguous store) into an engine's own paged cache, as it is, through its K/V views;
+    then back out (strided source). int32 rows like the engines'. Untouched rows stay bit-identical."""
+    _backend(monkeypatch, device, backend)
+    L, H, D, page, pages = 3, 2, 64, 16, 5
+    make = _flashinfer_caches if engine == "flashinfer" else _vllm_caches
+    caches = make(L, pages, page, H, D, torch.bfloat16, device)
+    view = (lambda c, i: c[:, i]) if engine == "flashinfer" else (lambda c, i: c[i])
+    before = [c.clone() for c in caches]
+    n = 21
+    store_k = make_layers(L, (n, H, D), torch.bfloat16, device)
+    store_v = make_layers(L, (n, H, D), torch.bfloat16, device)
+    src_rows = torch.randperm(n)[:n].to(device=device, dtype=row_dtype)
+    dst_rows = rand_rows(pages * page, n, device).to(row_dtype)
+    delta = rand_delta(n, device, max_abs=4096) if rotate else None
+    f = inv_freq_for(64).to(device)
+    dst_k, dst_v = [view(c, 0) for c in caches], [view(c, 1) for c in caches]
+    ragattn.copy_kv_(dst_k, dst_v, store_k, store_v, src_rows, dst_rows, delta, f if rotate else None, 64 if rotate else 0)
+    for c, b, sk, sv in zip(caches, before, store_k, store_v):
+        k_got = ref.gather_rows(view(c, 0), dst_rows)
+        v_got = ref.gather_rows(view(c, 1), dst_rows)
+        assert torch.equal(v_got, sv[src_rows.long()])
+        if rotate:
+            r64 = ref.rope_rotate(sk[src_rows.long()].double(), delta, f, 64)
+            low = ref.rope_rotate(sk[src_rows.long()], delta, f, 64, compute_dtype=None)
+            assert_precision(k_got, r64, low, what="copied keys")
+        else:
+            assert torch.equal(k_got, sk[src_rows.long()])
+        written = torch.zeros(pages * page, dtype=torch.bool, device=device)
+        written[dst_rows.long()] = True
+        for i in (0, 1):  # every other row of the engine cache is bit-identical
+            assert torch.equal(ref.gather_rows(view(c, i), torch.arange(pages * page, device=device))[~written],
+                               ref.gather_rows(view(b, i), torch.arange(pages * page, device=device))[~written])
+    # ... and back out of the engine cache (strided sources) into a contiguous buffer
+    out_k = [torch.full((n, H, D), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(L)]
+    out_v = [torch.full((n, H, D), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(L)]
+    ragattn.copy_kv_(out_k, out_v, dst_k, dst_v, dst_rows, torch.arange(n, device=device, dtype=row_dtype))
+    for ok, ov, dk, dv in zip(out_k, out_v, dst_k, dst_v):
+        assert torch.equal(ok, ref.gather_rows(dk, dst_rows)) and torch.equal(ov, ref.gather_rows(dv, dst_rows))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("row_dtype", [torch.int32, torch.int64])
+def test_rerotate_engine_layout_int32_rows(device, seed, monkeypatch, backend, row_dtype):
+    _backend(monkeypatch, device, backend)
+    caches = _flashinfer_caches(2, 4, 16, 2, 64, torch.float32, device)
+    before = [c.clone() for c in caches]
+    rows = rand_rows(64, 29, device).to(row_dtype)
+    delta = rand_delta(29, device)
+    f = inv_freq_for(64).to(device)
+    ragattn.rerotate_keys_([c[:, 0] for c in caches], rows, delta, f, 64, True)
+    for c, b in zip(caches, before):
+        assert torch.equal(c[:, 1], b[:, 1])  # V untouched
+        k_got, k0 = ref.gather_rows(c[:, 0], rows), ref.gather_rows(b[:, 0], rows)
+        r64 = ref.rope_rotate(k0.double(), delta, f, 64, True)
+        assert max_abs_err(k_got, r64) <= 1e-4 * float(r64.abs().max())
+        keep = torch.ones(64, dtype=torch.bool, device=device)
+        keep[rows.long()] = False
+        all_rows = torch.arange(64, device=device)
+        assert torch.equal(ref.gather_rows(c[:, 0], all_rows)[keep], ref.gather_rows(b[:, 0], all_rows)[keep])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops"])
+def test_unaddressable_layouts_refused(device, monkeypatch, backend, entry):
+    """Head-major pages ([pages, H, page_size, D] transposed), rows overlapping in memory and three
+    row levels are refused by name, on every backend, and nothing is written."""
+    _backend(monkeypatch, device, backend)
+    fn = ragattn.copy_kv_ if entry == "wrapper" else torch.ops.ragattn.copy_kv_
+    src = make_layers(1, (6, 2, 32), torch.float32, device)
+    hnd = randn_nonzero(3, 2, 4, 32, device=device).transpose(1, 2)  # [pages, page_size, H, D], H stride != D
+    expanded = randn_nonzero(1, 2, 32, device=device).expand(12, 2, 32)  # every row the same memory
+    three = randn_nonzero(4, 3, 4, 3, 2, 32, device=device)[:, :2, :, :2]  # [4, 2, 4, 2, H, D]: three row levels
+    for bad, what in ((hnd, "contiguous"), (expanded, "overlap"), (three, "at most two row strides")):
+        b0 = bad.clone()
+        with pytest.raises(ValueError, match=f"ragattn.copy_kv_: dst_k\\[0\\].*{what}"):
+            fn([bad], [], src, [], torch.tensor([0, 1], device=device), torch.tensor([2, 3], device=device))
+        assert torch.equal(bad, b0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_kv_aliased_views_gather_then_scatter(device, seed, monkeypatch, backend):
+    """Source and destination are different views of one storage with overlapping rows: every
+    backend reads all sources before writing (issue 14.3: the C++ twin returned wrong rows)."""
+    _backend(monkeypatch, device, backend)
+    cache = randn_nonzero(12, 2, 32, device=device)
+    keys = randn_nonzero(12, 2, 32, device=device)
+    want_c, want_k = cache.clone(), keys.clone()
+    src_rows = torch.arange(6, device=device, dtype=torch.int32)
+    dst_rows = torch.arange(6, device=device)
+    delta = rand_delta(6, device, max_abs=100)
+    f = inv_freq_for(32).to(device)
+    # expected: gather from a snapshot, then scatter (dst view starts 2 rows after the src view)
+    want_k[2:8] = ref.rope_rotate(keys[0:6], delta, f, 32, compute_dtype=torch.float32)
+    want_c[2:8] = cache[0:6]
+    ragattn.copy_kv_([keys[2:10]], [cache[2:10]], [keys[0:8]], [cache[0:8]], src_rows, dst_rows, delta, f, 32)
+    assert torch.equal(cache, want_c)
+    assert max_abs_err(keys, want_k) <= 1e-5 * float(want_k.abs().max())
+    # one tensor as source and destination, a row both read and written (a shift by one)
+    c1 = randn_nonzero(10, 2, 32, device=device)
+    w1 = c1.clone()
+    w1[[2, 3, 4]] = c1[[1, 2, 3]]
+    ragattn.copy_kv_([c1], [], [c1], [], torch.tensor([1, 2, 3], device=device), torch.tensor([2, 3, 4], device=device))
+    assert torch.equal(c1, w1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops", "meta"])
+def test_overlapping_written_layers_refused(device, monkeypatch, backend, entry):
+    """Written layers that share memory are refused by name on every backend and in the fake impl
+    (issue 14.3: rerotate_keys_ rotated the shared rows twice); nothing is written."""
+    _backend(monkeypatch, device, backend)
+    dev = torch.device("meta") if entry == "meta" else device
+    fn_r = ragattn.rerotate_keys_ if entry == "wrapper" else torch.ops.ragattn.rerotate_keys_
+    fn_c = ragattn.copy_kv_ if entry == "wrapper" else torch.ops.ragattn.copy_kv_
+    cache = randn_nonzero(12, 2, 32, device=device).to(dev)
+    before = cache.clone()
+    f = inv_freq_for(32).to(dev)
+    rows, delta = torch.tensor([0, 1, 2], device=dev), torch.tensor([5, 6, 7], dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match=r"ragattn.rerotate_keys_: k_layers\[1\] shares memory with k_layers\[0\]"):
+        fn_r([cache[0:8], cache[4:12]], rows, delta, f, 32, False)
+    src = randn_nonzero(4, 2, 32, device=device).to(dev)
+    with pytest.raises(ValueError, match=r"ragattn.copy_kv_: dst_v\[0\] shares memory with dst_k\[0\]"):
+        fn_c([cache[0:8]], [cache[3:11]], [src], [src], rows, rows)
+    if entry != "meta":
+        assert torch.equal(cache, before)
+    # K and V views of one FlashInfer cache interleave in memory but never share an element: accepted
+    fi = randn_nonzero(3, 2, 4, 2, 32, device=device).to(dev)
+    fn_c([fi[:, 0]], [fi[:, 1]], [src], [src], rows, torch.tensor([0, 5, 11], device=dev))
+    fn_r([fi[:, 0], fi[:, 1]], rows, delta, f, 32, False)
+
+
+def test_engine_layouts_opcheck(device):
+    """opcheck (schema, fake impl, autograd registration) with strided engine views and int32 rows."""
+    fi = randn_nonzero(3, 2, 4, 2, 32, device=device)
+    vl = randn_nonzero(2, 3, 4, 2, 32, device=device)
+    src = make_layers(2, (5, 2, 32), torch.float32, device)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
+    dst = torch.tensor([11, 3, 6], dtype=torch.int32, device=device)
+    delta = torch.tensor([7, -3, 100], dtype=torch.int32, device=device)
+    f = inv_freq_for(32).to(device)
+    torch.library.opcheck(torch.ops.ragattn.copy_kv_.default, ([fi[:, 0]], [fi[:, 1]], src[:1], src[1:], rows, dst, delta, f, 32, False))
+    torch.library.opcheck(torch.ops.ragattn.copy_kv_.default, ([vl[0]], [vl[1]], src[:1], src[1:], rows, dst))
+    torch.library.opcheck(torch.ops.ragattn.rerotate_keys_.default, ([fi[:, 0], fi[:, 1]], dst, delta, f, 32, True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_mode(device, seed, monkeypatch, backend):
+    """Serving code runs under torch.inference_mode() (issue 15.1): both ops, every path."""
+    _backend(monkeypatch, device, backend)
+    with torch.inference_mode():
+        layers = make_layers(2, (20, 2, 64), torch.float32, device)
+        before = [t.clone() for t in layers]
+        rows, delta, f = rand_rows(20, 9, device), rand_delta(9, device), inv_freq_for(64).to(device)
+        ragattn.rerotate_keys_(layers, rows, delta, f, 64, False)
+        check_rotated(layers, before, rows, delta, f, 64, False)
+        dst = make_layers(2, (20, 2, 64), torch.float32, device)
+        ragattn.copy_kv_(dst, [], layers, [], rows, rows.flip(0), delta, f, 64, False)
+        ragattn.copy_kv_(layers, [], layers, [], rows[:3], rows[3:6])  # aliased: staged

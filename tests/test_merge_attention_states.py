@@ -50,6 +50,36 @@ def test_random_states(backend, device, seed, dtype, head_dim):
     torch.testing.assert_close(out[0].cpu().double(), out_b[0].cpu().double())
 
 
+def test_edge_lse_rule(backend, device):
+    """One rule on every backend: lse -inf or +inf (FlashAttention's empty-row marker) = saw no key,
+    its out never read; NaN lse = NaN row; a read side's non-finite values give NaN, even at weight 0."""
+    h, d = 3, 64
+    out_a = randn_nonzero(7, h, d, device=device)
+    out_b = randn_nonzero(7, h, d, device=device)
+    lse_a = torch.randn(7, h).to(device)
+    lse_b = torch.randn(7, h).to(device)
+    lse_a[0] = float("inf")                              # a empty (FA marker): out = out_b
+    out_a[0] = float("nan")
+    lse_a[1], lse_b[1] = float("inf"), float("-inf")    # both empty, mixed markers
+    out_a[1], out_b[1] = float("nan"), float("inf")
+    lse_a[2, 0] = float("nan")                          # NaN lse: row 2 head 0 NaN
+    lse_a[3], lse_b[3] = 0.0, -200.0                    # b weight underflows to 0 in fp32 ...
+    out_b[3, :, 5] = float("nan")                       # ... but b is read: element 5 is NaN
+    out_a[4, 1, 7] = float("inf")                       # a read side's inf: NaN, never inf
+    out, lse = ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    out, lse = out.cpu(), lse.cpu()
+    ref_out, ref_lse = ref_merge(*[t.cpu() for t in (out_a, lse_a, out_b, lse_b)])
+    torch.testing.assert_close(out, ref_out, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, equal_nan=True)
+    torch.testing.assert_close(out[0], out_b[0].cpu())
+    torch.testing.assert_close(lse[0], lse_b[0].cpu())
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    assert torch.isnan(out[2, 0]).all() and torch.isnan(lse[2, 0]) and torch.isfinite(out[2, 1:]).all()
+    assert torch.isnan(out[3, :, 5]).all() and torch.isfinite(out[3, :, :5]).all()
+    assert torch.isnan(out[4, 1, 7]) and torch.isfinite(out[4, 1, :7]).all() and torch.isfinite(out[4, 0]).all()
+    assert torch.isfinite(out[5:]).all() and torch.isfinite(lse[5:]).all()
+
+
 def test_merge_of_two_halves_is_attention_over_the_whole(backend, device, seed):
     """Split each sequence's pages into two key sets (first pages / rest), attend to each, merge."""
     h, hkv, d, ps = 8, 2, 64, 16
@@ -95,10 +125,46 @@ def test_empty(backend, device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+def test_preallocated_outputs_and_inference_mode(backend, device, seed):
+    """out= / lse_out= (also strided views), under torch.inference_mode; overlap with an input refused."""
+    with torch.inference_mode():
+        args = _states(9, 4, 64, torch.bfloat16, device)
+        want = ragattn.merge_attention_states(*args)
+        out = torch.full_like(args[0], float("nan"))
+        lse_wide = torch.full((9, 4, 3), float("nan"), device=device)
+        got = ragattn.merge_attention_states(*args, out=out, lse_out=lse_wide[..., 1])
+        assert got[0] is out
+        torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+        torch.testing.assert_close(lse_wide[..., 1], want[1], atol=0, rtol=0)
+        assert torch.isnan(lse_wide[..., 0]).all() and torch.isnan(lse_wide[..., 2]).all()
+        with pytest.raises(ValueError, match="merge_attention_states: out must not share memory with out_a"):
+            ragattn.merge_attention_states(*args, out=args[0])
+        with pytest.raises(ValueError, match="merge_attention_states: lse_out must not share memory with lse_b"):
+            ragattn.merge_attention_states(*args, lse_out=args[3])
+
+
+def test_fake_validates_like_the_real_op():
+    """Issue 14.4: a meta tensor among CPU tensors raises instead of returning garbage."""
+    args = list(_states(5, 2, 64, torch.float16, "cpu"))
+    for i in range(4):
+        mixed = list(args)
+        mixed[i] = mixed[i].to("meta")
+        with pytest.raises(ValueError, match="ragattn.merge_attention_states: all tensors must be on one device"):
+            torch.ops.ragattn.merge_attention_states(*mixed)
+    meta = [a.to("meta") for a in args]
+    out, lse = torch.ops.ragattn.merge_attention_states(*meta)
+    assert out.shape == args[0].shape and lse.shape == args[1].shape
+    meta[2] = meta[2][:3]
+    with pytest.raises(ValueError, match="ragattn.merge_attention_states: out_b"):
+        torch.ops.ragattn.merge_attention_states(*meta)
+
+
 def test_opcheck(backend, device):
     args = _states(7, 3, 64, torch.float32, device)
     args[1][0] = float("-inf")
     torch.library.opcheck(torch.ops.ragattn.merge_attention_states.default, args)
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states.out, args,
+                          dict(out=torch.empty_like(args[0]), lse_out=torch.empty_like(args[1])))
 
 
 @pytest.mark.parametrize(
@@ -126,11 +192,11 @@ from tests.helpers import SM90_CASES, compile_many_sm90
 jobs = []
 for elt, head_dim in SM90_CASES:
     block_d = triton.next_power_of_2(head_dim)
-    jobs.append((mas._merge_two_kernel, dict(BLOCK_D=block_d),
+    jobs.append((mas._merge_two_kernel, dict(BLOCK_H=32, BLOCK_D=block_d),
                  {"out_a": "*" + elt, "out_b": "*" + elt, "out": "*" + elt,
                   "lse_a": "*fp32", "lse_b": "*fp32", "lse": "*fp32"}, {}))
     for block_s in (2, 64):  # paged_attention's split counts: 2 .. 64
-        jobs.append((mas._merge_split_kernel, dict(BLOCK_S=block_s, BLOCK_D=block_d),
+        jobs.append((mas._merge_split_kernel, dict(BLOCK_S=block_s, BLOCK_H=32, BLOCK_D=block_d),
                      {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
 compile_many_sm90(jobs)
 print("compiled")

@@ -88,3 +88,45 @@ def test_methods_answer_and_baseline(smollm2, store):
         block_attention.answer(model, tok, [], QUESTION, store=store)
     with pytest.raises(ValueError, match="empty retrieval"):
         full_prefill(model, tok, [], QUESTION)
+
+
+def _greedy_reference(model, tok, store, chunks, question, n):
+    """The hand-written greedy loop the methods used before generate(): paged_forward per token."""
+    from ragattn.methods.common import _eos_ids
+
+    head, chunk_ids, tail = prompt_parts(tok, chunks, question)
+    req = store.assemble(store.add([head] + chunk_ids), positions="reordered", extra_slots=len(tail) + n)
+    nxt = req.next_position
+    logits = paged_forward(model, torch.tensor([tail]), nxt + torch.arange(len(tail)), req.cache)
+    out, nxt = [int(logits[-1].argmax())], nxt + len(tail)
+    while len(out) < n and out[-1] not in _eos_ids(model, tok):
+        lg = paged_forward(model, torch.tensor([[out[-1]]]), torch.tensor([nxt]), req.cache)
+        out.append(int(lg[-1].argmax()))
+        nxt += 1
+    return out, logits[-1]
+
+
+def test_generate_block_attention_from_store_equals_greedy_loop(smollm2, store):
+    """model.generate() over the PagedCache (chunks assembled from the store) gives the greedy
+    loop's tokens one for one, under inference_mode too; sampling and stop strings pass through."""
+    from ragattn.methods import block_attention
+
+    model, tok = smollm2
+    ref, first = _greedy_reference(model, tok, store, CHUNKS, QUESTION, 12)
+    with torch.inference_mode():
+        got = block_attention.answer(model, tok, CHUNKS, QUESTION, max_new_tokens=12, store=store)
+    assert got.tokens == ref
+    torch.testing.assert_close(got.first_logits, first, rtol=1e-4, atol=1e-4)
+    assert 0 < got.ttft_s <= got.total_s
+    torch.manual_seed(0)
+    a = block_attention.answer(model, tok, CHUNKS, QUESTION, max_new_tokens=6, store=store,
+                               do_sample=True, temperature=0.8)
+    torch.manual_seed(0)
+    b = block_attention.answer(model, tok, CHUNKS, QUESTION, max_new_tokens=6, store=store,
+                               do_sample=True, temperature=0.8)
+    assert a.tokens == b.tokens and 1 <= len(a.tokens) <= 6
+    word = tok.decode(ref[:3]).strip().split()[0] if tok.decode(ref[:3]).strip() else None
+    if word:
+        stopped = block_attention.answer(model, tok, CHUNKS, QUESTION, max_new_tokens=12, store=store,
+                                         stop_strings=[word])
+        assert len(stopped.tokens) < len(ref) and word in stopped.text

@@ -41,11 +41,11 @@ def make_case(q_positions, kv_lens, *, num_heads, num_kv_heads, head_dim, page_s
     return q, q_pos, cu, k, v, bt, kvl
 
 
-def check_against_reference(args, out, lse):
+def check_against_reference(args, out, lse, window_left=-1):
     q = args[0]
     cpu = [a.cpu() for a in args]
-    out64, lse64 = ref_paged(*[a.double() if a.is_floating_point() else a for a in cpu])
-    out_lp, lse_lp = ref_paged(*cpu, compute_dtype=q.dtype)
+    out64, lse64 = ref_paged(*[a.double() if a.is_floating_point() else a for a in cpu], None, window_left)
+    out_lp, lse_lp = ref_paged(*cpu, None, window_left, compute_dtype=q.dtype)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -201,6 +201,272 @@ def test_invisible_slots_are_never_read(backend, monkeypatch, device, seed):
         torch.testing.assert_close(out, clean[0], atol=2e-3, rtol=2e-3)
 
 
+def _slot(bt, j, page_size):
+    return int(bt[j // page_size]), j % page_size
+
+
+def check_nonfinite_rule(args, out, lse, window_left=-1):
+    """Against the float64 reference: the same NaN positions, the finite values within tolerance."""
+    cpu = [a.cpu() for a in args]
+    out64, lse64 = ref_paged(*[a.double() if a.is_floating_point() else a for a in cpu], None, window_left)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert torch.equal(torch.isnan(out), torch.isnan(out64)), "NaN pattern of out differs from the reference"
+    assert torch.equal(torch.isnan(lse), torch.isnan(lse64)), "NaN pattern of lse differs from the reference"
+    assert not torch.isinf(out).any()
+    tol = dict(atol=2e-3, rtol=2e-3) if args[0].dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, out64, equal_nan=True, **tol)
+    torch.testing.assert_close(lse, lse64, equal_nan=True, **tol)
+
+
+@pytest.mark.parametrize("window_left", [-1, 9])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nonfinite_v_reaches_only_the_rows_that_see_it(backend, monkeypatch, device, seed, window_left, poison):
+    """Issue 14.1: non-finite V in slots some rows of a tile see and others do not (after a row's
+    q_pos, left of its window, past kv_lens in the last page): only the rows that see the slot get
+    NaN, in that element; fully visible tiles and split-KV follow the same rule."""
+    ps = 8
+    q_positions = [[5, 20, 33, 34], [66, 70], [2]]
+    kv_lens = [45, 71, 3]
+    args = list(make_case(q_positions, kv_lens, num_heads=4, num_kv_heads=2, head_dim=64,
+                          page_size=ps, dtype=torch.float32, device=device))
+    v = args[4].clone()
+    bt = args[5].cpu()
+    for b, j, d in [(0, 20, 3), (0, 34, 5), (0, 12, 9), (0, 46, 1), (1, 2, 11), (1, 60, 13), (2, 3, 0), (2, 7, 2)]:
+        page, off = _slot(bt[b], j, ps)
+        v[page, off, :, d] = poison  # j >= kv_lens (stale page slots) included: (0, 46), (2, 3), (2, 7)
+    args[4] = v
+    for splits in ("1", "2") if backend == "triton" else ("auto",):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = ragattn.paged_attention(*args, None, window_left)
+        check_nonfinite_rule(args, out, lse, window_left)
+        assert torch.isfinite(out[0]).all(), "row q_pos=5 sees none of the poisoned slots"
+        assert torch.isfinite(out[6]).all(), "the last sequence's poisoned slots lie past kv_lens"
+
+
+def test_nonfinite_k_poisons_only_the_rows_that_see_it(backend, monkeypatch, device, seed):
+    """A non-finite visible score makes that (row, head) NaN in out and lse; invisible ones do nothing."""
+    ps = 16
+    args = list(make_case([[4, 10, 30]], [40], num_heads=2, num_kv_heads=1, head_dim=64, page_size=ps,
+                          dtype=torch.float16, device=device))
+    k = args[3].clone()
+    page, off = _slot(args[5][0].cpu(), 8, ps)
+    k[page, off, 0, 0] = float("nan")
+    page, off = _slot(args[5][0].cpu(), 35, ps)
+    k[page, off, 0, 1] = float("inf")  # after every row's position
+    args[3] = k
+    for splits in ("1", "3") if backend == "triton" else ("auto",):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = ragattn.paged_attention(*args)
+        check_nonfinite_rule(args, out, lse)
+        assert torch.isfinite(out[0]).all() and torch.isfinite(lse[0]).all()
+        assert torch.isnan(out[1:]).all() and torch.isnan(lse[1:]).all()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_largest_positions_see_every_slot(backend, device, seed, index_dtype):
+    """Issue 14.5: q_pos = 2^31 - 1 (int32 max; and beyond, in int64) sees every slot, with and
+    without a window wide enough to reach slot 0; the Triton kernel used to wrap max(q_pos) + 1."""
+    args = list(make_case([[0, 1], [0]], [37, 20], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          dtype=torch.float32, device=device))
+    big = [2**31 - 1, 2**31 - 2, 2**31 - 1] if index_dtype == torch.int32 else [2**40, 2**31, 2**62]
+    args[1] = torch.tensor(big, dtype=index_dtype, device=device)
+    args[2], args[5], args[6] = (a.to(index_dtype) for a in (args[2], args[5], args[6]))
+    out, lse = ragattn.paged_attention(*args)
+    check_against_reference(args, out, lse)
+    assert torch.isfinite(lse).all()
+    out_w, lse_w = ragattn.paged_attention(*args, None, 2**62)
+    torch.testing.assert_close(out_w, out)
+    out_n, lse_n = ragattn.paged_attention(*args, None, 5)  # a window far right of every cached slot
+    assert (out_n == 0).all() and (lse_n == float("-inf")).all()
+
+
+def test_int64_metadata_matches_int32(backend, device, seed):
+    """Engines pass int64 positions, offsets, page tables and lengths: same results as int32."""
+    args = make_case([[36], scattered_rows(50, 0.3, 4), []], [37, 50, 9], num_heads=6, num_kv_heads=2,
+                     head_dim=64, page_size=16, dtype=torch.float16, device=device)
+    want = ragattn.paged_attention(*args, None, 20)
+    args64 = [a.long() if i in (1, 2, 5, 6) else a for i, a in enumerate(args)]
+    got = ragattn.paged_attention(*args64, None, 20)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+
+
+def test_flashinfer_style_cache_views(backend, device, seed):
+    """K and V as views of one [pages, 2, page_size, H, D] tensor (FlashInfer's NHD layout) and of
+    a [pages, page_size, 2, H, D] one: the kernel takes the strides, no copy of the cache."""
+    args = make_case([[44], [3, 9, 10]], [45, 11], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                     dtype=torch.bfloat16, device=device)
+    q, q_pos, cu, k, v, bt, kvl = args
+    want = ragattn.paged_attention(*args)
+    for dim in (1, 2):
+        kv = torch.stack([k, v], dim=dim)
+        kv_k, kv_v = kv.select(dim, 0), kv.select(dim, 1)
+        assert not kv_k.is_contiguous()
+        got = ragattn.paged_attention(q, q_pos, cu, kv_k, kv_v, bt, kvl)
+        torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+
+
+def test_preallocated_outputs(backend, device, seed):
+    """out= / lse_out= are written and returned (contiguous or strided views); refused when they
+    overlap an input, or have the wrong shape, dtype or device."""
+    args = make_case([[36], scattered_rows(50, 0.3, 4)], [37, 50], num_heads=6, num_kv_heads=2, head_dim=64,
+                     page_size=16, dtype=torch.float16, device=device)
+    q = args[0]
+    want = ragattn.paged_attention(*args, None, 10)
+    out = torch.full_like(q, float("nan"))
+    lse_wide = torch.full((q.shape[0], q.shape[1], 2), float("nan"), device=device)
+    lse = lse_wide[..., 0]  # a strided view
+    got = ragattn.paged_attention(*args, None, 10, out=out, lse_out=lse)
+    assert got[0] is out and got[1] is lse
+    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+    torch.testing.assert_close(lse, want[1], atol=0, rtol=0)
+    assert torch.isnan(lse_wide[..., 1]).all()
+    got = ragattn.paged_attention(*args, out=torch.empty_like(q))  # lse_out allocated
+    torch.testing.assert_close(got[0], ragattn.paged_attention(*args)[0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="paged_attention: out must not share memory with q"):
+        ragattn.paged_attention(*args, out=q)
+    with pytest.raises(ValueError, match="paged_attention: out must have shape"):
+        ragattn.paged_attention(*args, out=q[:1].clone())
+    with pytest.raises(TypeError, match="paged_attention: lse_out must be float32"):
+        ragattn.paged_attention(*args, lse_out=torch.empty(q.shape[:2], dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="paged_attention: lse_out must be on"):
+        ragattn.paged_attention(*args, lse_out=torch.empty(q.shape[:2], device="meta"))
+
+
+def test_inference_mode(backend, device, seed):
+    """Issue 15.1: every path runs on inference tensors (plain, windowed, split, out=)."""
+    with torch.inference_mode():
+        args = make_case([[36], scattered_rows(50, 0.3, 4)], [37, 50], num_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.float32, device=device)
+        out, lse = ragattn.paged_attention(*args)
+        check_against_reference(args, out, lse)
+        out2, lse2 = ragattn.paged_attention(*args, None, 7, out=torch.empty_like(args[0]))
+        check_against_reference(args, out2, lse2, 7)
+
+
+def test_fake_validates_like_the_real_op():
+    """Issue 14.4: a meta tensor among CPU tensors raises (it used to return an uninitialised
+    tensor); meta and fake inputs get the shape/dtype/device checks of the real op."""
+    args = _good()
+    for i in (0, 1, 3, 5):
+        mixed = list(args)
+        mixed[i] = mixed[i].to("meta")
+        with pytest.raises(ValueError, match="ragattn.paged_attention: .* must be on"):
+            torch.ops.ragattn.paged_attention(*mixed)
+    meta = [a.to("meta") for a in args]
+    out, lse = torch.ops.ragattn.paged_attention(*meta)
+    assert out.device.type == "meta" and out.shape == args[0].shape and lse.dtype == torch.float32
+    bad = list(meta)
+    bad[4] = bad[4][..., :32]
+    with pytest.raises(ValueError, match="ragattn.paged_attention: v_cache"):
+        torch.ops.ragattn.paged_attention(*bad)
+    with pytest.raises(ValueError, match="must not share memory"):
+        torch.ops.ragattn.paged_attention.out(*meta, None, -1, out=meta[0], lse_out=torch.empty(2, 4, device="meta"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    k_float = args[3].float()
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) for a in args]
+        out, lse = torch.ops.ragattn.paged_attention(*fake, None, 3)
+        assert out.shape == args[0].shape
+        fake[3] = mode.from_tensor(k_float)
+        with pytest.raises(TypeError, match="ragattn.paged_attention: k_cache"):
+            torch.ops.ragattn.paged_attention(*fake)
+
+
+_HUGE_OFFSETS = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from tests.test_paged_attention import make_case
+from ragattn.reference.paged_attention import paged_attention as ref_paged
+from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
+from ragattn.triton_kernels.paged_attention import paged_attention_fwd
+from ragattn.triton_kernels.merge_attention_states import merge_two_states
+
+def huge_rows(t):
+    # t's rows 2^30 elements apart: rows 2 and 3 start past 2^31 elements. The storage is virtual
+    # (6 GB, never touched beyond these rows), so this costs a few pages of memory.
+    big = torch.empty(3 * 2**30 + t[0].numel(), dtype=t.dtype)
+    view = torch.as_strided(big, t.shape, (2**30,) + t.stride()[1:])
+    view.copy_(t)
+    return view
+
+torch.manual_seed(0)
+q, q_pos, cu, k, v, bt, kvl = make_case([[3, 5, 6, 7]], [8], num_heads=2, num_kv_heads=2, head_dim=16,
+                                        page_size=8, dtype=torch.float16, device="cpu")
+want, want_lse = ref_paged(q.double(), q_pos, cu, k.double(), v.double(), bt, kvl)
+for splits in (1, 2):
+    out = huge_rows(torch.zeros_like(q))
+    paged_attention_fwd(huge_rows(q), q_pos, cu, k, v, bt, kvl, num_splits=splits, out=out)
+    assert (out.double() - want).abs().max() < 2e-3, ("paged", splits)
+oa, ob = torch.randn(4, 2, 16).half(), torch.randn(4, 2, 16).half()
+la, lb = torch.randn(4, 2), torch.randn(4, 2)
+out = huge_rows(torch.zeros_like(oa))
+merge_two_states(huge_rows(oa), la, huge_rows(ob), lb, out)
+assert (out.double() - ref_merge(oa.double(), la.double(), ob.double(), lb.double())[0]).abs().max() < 2e-3, "merge"
+print("compiled")  # run_compile_check's success marker
+"""
+
+
+def test_offsets_past_2_31_elements():
+    """Issue 15.10: q, out and merge inputs whose rows lie past 2^31 elements (views with a row
+    stride of 2^30 over virtual storage) in the interpreter: int32 row * stride products wrapped
+    (the old kernels read a negative offset and crashed). A subprocess, so a crash is a failure."""
+    run_compile_check(_HUGE_OFFSETS, timeout=300)
+
+
+def test_plan_once_run_per_layer(triton_backend, device, seed):
+    """Issue 15.5: one plan (the only host sync) serves every layer's run; results match the reference."""
+    from ragattn.triton_kernels.paged_attention import plan_paged_attention, run_paged_attention
+
+    q_positions, kv_lens = [[80], [10, 11, 12], [0]], [81, 13, 1]
+    meta_args = make_case(q_positions, kv_lens, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                          dtype=torch.float16, device=device)
+    plan = plan_paged_attention(meta_args[2], meta_args[6], num_heads=4, num_kv_heads=2, head_dim=64,
+                                dtype=torch.float16, window_left=30, num_splits=2)
+    for _layer in range(2):
+        args = make_case(q_positions, kv_lens, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                         dtype=torch.float16, device=device)
+        args = (args[0], meta_args[1], meta_args[2], args[3], args[4], meta_args[5], meta_args[6])
+        out, lse = run_paged_attention(plan, *args, None, 30)
+        check_against_reference(args, out, lse, 30)
+
+
+def test_run_has_no_host_sync(monkeypatch):
+    """Issue 15.5: the run path reads no tensor value and copies nothing to the host, so it is
+    CUDA-graph capturable given a plan. Proven on the CPU by running it on meta tensors (any
+    .item(), .tolist(), bool(), .cpu() or data-dependent op on them raises) with the kernel
+    launches recorded instead of executed."""
+    import dataclasses
+
+    import ragattn.triton_kernels.paged_attention as pa
+
+    args = make_case([[80], [10, 11, 12], []], [81, 13, 4], num_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, dtype=torch.bfloat16, device="cpu")
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append(("attention", grid))
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
+    monkeypatch.setattr(pa, "merge_split_states", lambda *a: launches.append(("merge",)))
+    for splits, window in [(1, -1), (3, 40)]:
+        launches.clear()
+        plan = pa.plan_paged_attention(args[2], args[6], num_heads=8, num_kv_heads=2, head_dim=64,
+                                       dtype=torch.bfloat16, window_left=window, num_splits=splits)
+        meta = [a.to("meta") for a in args]
+        plan = dataclasses.replace(plan, tile_seq=plan.tile_seq.to("meta"), tile_row0=plan.tile_row0.to("meta"))
+        out, lse = pa.run_paged_attention(plan, *meta, None, window)
+        assert out.device.type == "meta" and out.shape == args[0].shape and lse.shape == args[0].shape[:2]
+        want = [("attention", (plan.num_tiles, 2, plan.num_splits))] + ([("merge",)] if plan.num_splits > 1 else [])
+        assert launches == want
+        pa.run_paged_attention(plan, *meta, None, window, out=torch.empty_like(meta[0]),
+                               lse_out=torch.empty(meta[0].shape[:2], device="meta"))
+
+
 def test_sampled_grid(backend, device, seed):
     """Random awkward configurations (sampled, to keep the interpreter cheap)."""
     gen = torch.Generator().manual_seed(seed)
@@ -219,6 +485,60 @@ def test_sampled_grid(backend, device, seed):
                          page_size=page_size, dtype=dtype, device=device)
         out, lse = ragattn.paged_attention(*args)
         check_against_reference(args, out, lse)
+
+
+# ------------------------------------------------------------------------- sliding window
+
+@pytest.mark.parametrize("window_left", [0, 1, 6, 37, 500])
+def test_sliding_window(backend, monkeypatch, device, seed, window_left):
+    """Left window (FlashAttention window_size=(window_left, -1)): decode, a prefill tail, scattered
+    rows, an empty cache, a window wider than the cache; GQA 3, page size 7; unsplit and split-KV."""
+    kv_lens = [90, 0, 41, 130]
+    q_positions = [[89], [0, 1], scattered_rows(41, 0.3, 5), list(range(100, 130))]
+    args = make_case(q_positions, kv_lens, num_heads=6, num_kv_heads=2, head_dim=64, page_size=7,
+                     dtype=torch.bfloat16, device=device)
+    for splits in ("1", "3") if backend == "triton" else ("auto",):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = ragattn.paged_attention(*args, None, window_left)
+        check_against_reference(args, out, lse, window_left)
+
+
+def test_window_decode_split_kv(triton_backend, monkeypatch, device, seed):
+    """Decode under a window: the splits cover only the window, not the whole context."""
+    args = make_case([[299], [150], [3]], [300, 151, 4], num_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
+                     dtype=torch.float32, device=device)
+    for splits in ("1", "2", "5"):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = ragattn.paged_attention(*args, None, 70)
+        check_against_reference(args, out, lse, 70)
+
+
+def test_window_matches_transformers_sliding_window():
+    """transformers' sliding_window W (kv_idx > q_idx - W, on top of causal) is window_left = W - 1."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    from ragattn.reference.paged_attention import visible_slots
+
+    for w in (1, 2, 5, 16):
+        overlay = masking_utils.sliding_window_overlay(w)
+        causal = masking_utils.causal_mask_function
+        q_pos = torch.arange(0, 40, 3)
+        want = torch.tensor([[bool(causal(0, 0, int(i), j)) and bool(overlay(0, 0, int(i), j)) for j in range(40)]
+                             for i in q_pos])
+        assert torch.equal(visible_slots(q_pos, 40, w - 1), want)
+
+
+def test_reference_window_is_the_visible_set():
+    """Window semantics on the reference alone: slot j visible iff q_pos - window_left <= j <= q_pos."""
+    q, q_pos, cu, k, v, bt, kvl = make_case([[5, 9]], [12], num_heads=2, num_kv_heads=1, head_dim=64,
+                                            page_size=4, dtype=torch.float64, device="cpu")
+    out1, _ = ref_paged(q, q_pos, cu, k, v, bt, kvl, None, 3)
+    for slot, changes in [(1, (False, False)), (2, (True, False)), (5, (True, False)), (6, (False, True)),
+                          (9, (False, True)), (10, (False, False))]:
+        k2, v2 = k.clone(), v.clone()
+        k2[int(bt[0, slot // 4]), slot % 4] += 1.0
+        v2[int(bt[0, slot // 4]), slot % 4] += 1.0
+        out2, _ = ref_paged(q, q_pos, cu, k2, v2, bt, kvl, None, 3)
+        assert (not torch.equal(out1[0], out2[0]), not torch.equal(out1[1], out2[1])) == changes, slot
 
 
 def test_reference_is_causal_by_position():
@@ -254,6 +574,10 @@ def test_opcheck(backend, device):
                      page_size=4, dtype=torch.float32, device=device)
     torch.library.opcheck(torch.ops.ragattn.paged_attention.default, args)
     torch.library.opcheck(torch.ops.ragattn.paged_attention.default, (*args, 0.5))
+    torch.library.opcheck(torch.ops.ragattn.paged_attention.default, (*args, None, 2))
+    q = args[0]
+    torch.library.opcheck(torch.ops.ragattn.paged_attention.out, (*args, None, 2),
+                          dict(out=torch.empty_like(q), lse_out=torch.empty(q.shape[:2], device=device)))
 
 
 def _good(device="cpu"):
@@ -267,16 +591,16 @@ def _good(device="cpu"):
         (0, lambda a: a.float(), TypeError, "k_cache"),
         (0, lambda a: a[:, :3], ValueError, "num_heads"),
         (0, lambda a: a.long(), TypeError, "q must be"),
-        (1, lambda a: a.long(), TypeError, "q_pos"),
+        (1, lambda a: a.float(), TypeError, "q_pos"),
         (1, lambda a: a[:1], ValueError, "q_pos"),
         (1, lambda a: a - 10, ValueError, "q_pos"),
         (2, lambda a: torch.tensor([0, 1], dtype=I32), ValueError, "cu_seqlens_q"),
         (4, lambda a: a[..., :32], ValueError, "v_cache"),
-        (5, lambda a: a.long(), TypeError, "block_table"),
+        (5, lambda a: a.to(torch.int16), TypeError, "block_table"),
         (5, lambda a: a + 100, ValueError, "block_table"),
         (5, lambda a: a[0], ValueError, "block_table"),
         (6, lambda a: a + 100, ValueError, "kv_lens"),
-        (6, lambda a: a.long(), TypeError, "kv_lens"),
+        (6, lambda a: a.float(), TypeError, "kv_lens"),
     ],
 )
 def test_bad_inputs(index, bad, exc, match):
@@ -303,7 +627,8 @@ for elt, head_dim in SM90_CASES:
         block_d = max(16, triton.next_power_of_2(head_dim))
         m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, dtype.itemsize, False)
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
-                      BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=False, IEEE_FP32=dtype == torch.float32)
+                      BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, UPCAST=False,
+                      IEEE_FP32=dtype == torch.float32)  # windows: decode/verify configs
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32")
@@ -317,3 +642,16 @@ def test_kernel_compiles_for_sm90():
     """The kernel compiles for an H100 (sm_90) at the launcher's tile configs (prefill, decode,
     split-KV) in every dtype and head dim, within its shared memory; needs no GPU."""
     run_compile_check(_COMPILE_CHECK)
+
+
+def test_docs_examples_run():
+    """The runnable examples of docs/ops.md's paged_attention and merge_attention_states sections."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "ops.md").read_text()
+    section = text[text.index("## paged_attention"): text.index("## rerotate_keys_")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        exec(compile(code, "docs/ops.md", "exec"), {})

@@ -8,19 +8,27 @@ query heads that read that KV head into the rows of its tile, so ``tl.dot`` sees
     tile rows:  (row0, h0) (row0, h1) .. (row0, hG-1) (row1, h0) ..      <- M = BLOCK_M * GROUP_PAD
     key tiles:  [0, BLOCK_N) [BLOCK_N, 2 BLOCK_N) ..  up to min(kv_len, max q_pos of the tile + 1)
 
-Row ``i`` sees slot ``j`` iff ``j < kv_len`` and ``j <= q_pos[i]``; key tiles past the tile's
-largest position are never visited, so work is proportional to the visible keys. Slot ``j`` is
+Row ``i`` sees slot ``j`` iff ``j < kv_len`` and ``j <= q_pos[i]`` and, with a sliding window,
+``j >= q_pos[i] - window_left``; key tiles right of the tile's largest position or left of its
+smallest window start are never visited, so work is proportional to the visible keys.
+
+Masked slots are never read into a row: key tiles that every row of the query tile sees fully
+take the plain path; partially masked tiles (the causal diagonal, the window edge, the last
+tile) zero non-finite V values before the P @ V product and put NaN back only where a row sees
+them (an extra visible-mask @ non-finite-mask product, in those tiles only). A non-finite visible
+score poisons its row (out and lse NaN). Slot ``j`` is
 read from page ``block_table[b, j // page_size]`` at offset ``j % page_size`` (any page size, pages
 in any order). The softmax is the online (FlashAttention) one in base 2 with fp32 statistics.
 
-Split-KV (few query rows against long contexts, e.g. decode): a third grid axis cuts the key range
-into ``num_splits`` pieces of ``split_len`` slots; each program writes its normalised partial
+Split-KV (few query rows against long contexts, e.g. decode): a third grid axis cuts each tile's
+key range (from its first visible slot) into ``num_splits`` pieces of ``split_len`` slots; each program writes its normalised partial
 output and LSE in fp32, and ``merge_split_states`` reduces them exactly.
 """
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,6 +46,7 @@ def _paged_attention_kernel(
     Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, BLOCK_TABLE, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
     qk_scale,  # softmax scale * log2(e)
+    window_left,  # >= 0 when HAS_WINDOW: row i sees slots j >= q_pos[i] - window_left
     stride_qt, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
@@ -47,6 +56,7 @@ def _paged_attention_kernel(
     page_size, head_dim, split_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot on bf16 is wrong, compute in fp32
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
 ):
@@ -57,7 +67,7 @@ def _paged_attention_kernel(
     seq = tl.load(TILE_SEQ + tile)
     row0 = tl.load(TILE_ROW0 + tile)
     row_end = tl.load(CU_SEQLENS_Q + seq + 1)
-    kv_len = tl.load(KV_LENS + seq)
+    kv_len = tl.load(KV_LENS + seq).to(tl.int32)  # <= max_pages * page_size (validated)
 
     # ---- the tile's query rows: (query row, head of the GQA group) pairs
     r = tl.arange(0, BLOCK_M * GROUP_PAD)
@@ -67,20 +77,34 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    q_pos = tl.load(Q_POS + q_row, mask=row_ok, other=-1)
-    q = tl.load(Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+    q_row64 = q_row.to(tl.int64)  # row * stride can pass 2^31 elements
+    q = tl.load(Q + q_row64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    # ---- key range of this program: visible slots of the tile, cut to this split
-    hi = tl.minimum(kv_len, tl.max(q_pos, 0) + 1)
-    lo = split * split_len
-    hi = tl.minimum(hi, lo + split_len)
+    # ---- each row's visible slots [row_lo, row_hi] clamped to [0, kv_len) in int32: positions
+    # (int32 or int64, up to 2^31 - 1 and beyond) are compared in int64 once, never in the loop
+    q_pos = tl.load(Q_POS + q_row, mask=row_ok, other=-1).to(tl.int64)
+    row_hi = tl.minimum(q_pos, kv_len - 1).to(tl.int32)  # -1 for padding rows: sees nothing
+    if HAS_WINDOW:
+        row_lo = tl.minimum(tl.maximum(q_pos - window_left, 0), kv_len).to(tl.int32)
+        lo_tile = tl.min(tl.where(row_ok, row_lo, kv_len), 0)
+    else:
+        row_lo = tl.zeros_like(row_hi)
+        lo_tile = 0
+    hi_tile = tl.max(row_hi, 0) + 1
+    # a key tile is fully visible to every row of the tile iff it lies in [max row_lo, min row_hi]
+    full_lo = tl.max(tl.where(row_ok, row_lo, 0), 0)
+    full_hi = tl.min(tl.where(row_ok, row_hi, kv_len), 0)
+    # ---- this program's split of the tile's key range [lo_tile, hi_tile)
+    lo = tl.minimum(lo_tile + split * split_len, hi_tile)
+    hi = tl.minimum(hi_tile, lo + split_len)
 
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
+    bad_row = tl.zeros([BLOCK_M * GROUP_PAD], tl.int32)  # a visible score was NaN/inf
     page_row = BLOCK_TABLE + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
@@ -99,26 +123,48 @@ def _paged_attention_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
+        qk = qk * qk_scale
+        # a non-finite visible score poisons its row (out and lse NaN); it never enters the softmax
+        nonfinite = (qk != qk) | (tl.abs(qk) == float("inf"))
+        bad_row = bad_row | tl.max((visible & nonfinite).to(tl.int32), 1)
+        qk = tl.where(visible & ~nonfinite, qk, float("-inf"))
         # online softmax; a row with nothing visible so far keeps m = -inf, so shift by 0 instead
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None]
+        if (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi):
+            # every row sees every slot of the tile: non-finite V reaches exactly the rows it should
+            if IEEE_FP32:
+                acc += tl.dot(p, v, input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            # partially masked tile: a masked slot must not reach a row through 0 * NaN, so
+            # non-finite V values are zeroed and put back as NaN only where a row sees them
+            v_bad = (v != v) | (tl.abs(v) == float("inf"))
+            v = tl.where(v_bad, 0.0, v)
+            if IEEE_FP32:
+                acc += tl.dot(p, v, input_precision="ieee")
+                hits = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(v.dtype), v)
+                hits = tl.dot(visible.to(v.dtype), v_bad.to(v.dtype))
+            acc = tl.where(hits > 0, float("nan"), acc)
         m_i = m_new
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # the rule of every backend: an output element is finite unless a visible input was not
+    out = tl.where((out == out) & (tl.abs(out) < float("inf")) & (bad_row == 0)[:, None], out, float("nan"))
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptrs = OUT + split * stride_os + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    lse = tl.where(bad_row == 0, lse, float("nan"))
+    o_ptrs = OUT + split.to(tl.int64) * stride_os + q_row64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + split * stride_ls + q_row * stride_lt + head, lse, mask=row_ok)
+    tl.store(LSE + split.to(tl.int64) * stride_ls + q_row64 * stride_lt + head, lse, mask=row_ok)
 
 
 def _interpreting() -> bool:
@@ -164,6 +210,169 @@ def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: 
     return max(1, min(triton.cdiv(4 * sms, num_programs), key_tiles // 4, 64))
 
 
+@dataclass(frozen=True)
+class PagedPlan:
+    """Everything the launch needs that depends on the batch's shape, not on tensor contents.
+
+    Built by ``plan_paged_attention`` (may sync with the host: it reads ``cu_seqlens_q`` and
+    ``kv_lens``); ``run_paged_attention`` then launches without any host sync or CPU tensor, so a
+    plan built once per decode step (or per captured batch shape) makes the run CUDA-graph safe.
+
+    ``tile_seq``/``tile_row0`` int32 ``[num_tiles]`` on the device: the sequence and first query
+    row of each query tile. ``split_len`` slots per split-KV partition (``num_splits`` of them,
+    counted from each tile's first visible slot).
+    """
+
+    tile_seq: torch.Tensor
+    tile_row0: torch.Tensor
+    num_tiles: int
+    block_m: int
+    block_n: int
+    block_d: int
+    group: int
+    group_pad: int
+    num_splits: int
+    split_len: int
+    num_stages: int
+    num_warps: int
+
+
+def plan_paged_attention(
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window_left: int = -1,
+    num_splits: Optional[int] = None,
+) -> PagedPlan:
+    """Tile map and launch configuration for a batch (``cu_seqlens_q`` int32/int64 ``[B + 1]``,
+    ``kv_lens`` int32/int64 ``[B]``). Copies both to the host once (one sync on CUDA).
+
+    ``num_splits`` forces the split-KV factor (None: ``choose_num_splits``).
+    """
+    device = cu_seqlens_q.device
+    batch = kv_lens.numel()
+    group = num_heads // num_kv_heads
+    host = torch.cat([cu_seqlens_q.long(), kv_lens.long()]).cpu()
+    cu, lens = host[: batch + 1], host[batch + 1 :]
+    rows = cu[1:] - cu[:-1]
+    max_rows = int(rows.max()) if batch else 0
+    max_kv = int(lens.max()) if batch else 0
+
+    # tile shape: rows x group stacked to M = BLOCK_M * GROUP_PAD in [16, 128] (tl.dot needs M >= 16)
+    group_pad = triton.next_power_of_2(group)
+    m_tile = min(128, max(16, triton.next_power_of_2(max(max_rows, 1) * group_pad)))
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    elt = torch.empty((), dtype=dtype).element_size()
+    m_tile, block_n, num_stages, num_warps = tile_config(m_tile, block_d, elt, _interpreting())
+    block_m = max(1, m_tile // group_pad)
+
+    tiles_per_seq = (rows + block_m - 1) // block_m
+    tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), tiles_per_seq)
+    first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
+    tile_idx = torch.arange(tile_seq.numel(), dtype=torch.int64) - first_tile[tile_seq]
+    tile_row0 = cu[:-1][tile_seq] + tile_idx * block_m
+    num_tiles = tile_seq.numel()
+
+    # the key span one tile can see: a single-row tile under a window sees at most window_left + 1
+    span = max_kv if (window_left < 0 or block_m > 1) else min(max_kv, window_left + 1)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, span, block_n, device)
+    split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max(span, 1), split_len))
+    return PagedPlan(
+        tile_seq=tile_seq.to(torch.int32).to(device, non_blocking=True),
+        tile_row0=tile_row0.to(torch.int32).to(device, non_blocking=True),
+        num_tiles=num_tiles, block_m=block_m, block_n=block_n, block_d=block_d, group=group,
+        group_pad=group_pad, num_splits=num_splits, split_len=split_len, num_stages=num_stages,
+        num_warps=num_warps,
+    )
+
+
+def run_paged_attention(
+    plan: PagedPlan,
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: Optional[float] = None,
+    window_left: int = -1,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+):
+    """Launch with a ready plan: no host sync, no CPU tensor (CUDA-graph capturable).
+
+    Inputs as in ``ragattn.paged_attention`` (already validated; the last dim of q and the caches
+    and the int tensors' last dim may not be strided: other strides are taken as given).
+    ``out``/``lse_out``: where to write (contiguous or not), else new tensors. Returns (out, lse).
+    """
+    total_q, num_heads, head_dim = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    # the kernel indexes the last dim of q / caches and the 1-D int tensors with unit stride
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    q_pos, cu_seqlens_q, kv_lens = q_pos.contiguous(), cu_seqlens_q.contiguous(), kv_lens.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    # outputs the kernels can store to directly (unit stride in the last dim), else a temporary
+    out_k = out if out is not None and out.stride(-1) == 1 else None
+    lse_k = lse_out if lse_out is not None and lse_out.stride(-1) == 1 else None
+    if out_k is None:
+        out_k = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if lse_k is None:
+        lse_k = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
+    if plan.num_tiles > 0:
+        _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out_k, lse_k)
+    if out is not None and out is not out_k:
+        out.copy_(out_k)
+    if lse_out is not None and lse_out is not lse_k:
+        lse_out.copy_(lse_k)
+    return (out if out is not None else out_k), (lse_out if lse_out is not None else lse_k)
+
+
+def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out):
+    total_q, num_heads, head_dim = q.shape
+    if plan.num_splits == 1:
+        o_buf, l_buf = out, lse_out
+        stride_os, stride_ls = 0, 0
+    else:
+        o_buf = torch.empty((plan.num_splits, total_q, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        l_buf = torch.empty((plan.num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
+        stride_os, stride_ls = o_buf.stride(0), l_buf.stride(0)
+
+    interp = _interpreting()
+    has_window = window_left >= 0
+    grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
+    _paged_attention_kernel[grid](
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, plan.tile_seq, plan.tile_row0,
+        o_buf, l_buf,
+        scale * LOG2E,
+        window_left if has_window else 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        stride_os, o_buf.stride(-3), o_buf.stride(-2),
+        stride_ls, l_buf.stride(-2),
+        k_cache.shape[1], head_dim, plan.split_len,
+        GROUP=plan.group, GROUP_PAD=plan.group_pad,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        HAS_WINDOW=has_window,
+        UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    if o_buf is not out:
+        merge_split_states(o_buf, l_buf, out, lse_out)
+
+
 def paged_attention_fwd(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -173,84 +382,16 @@ def paged_attention_fwd(
     block_table: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: Optional[float] = None,
+    window_left: int = -1,
     *,
     num_splits: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
 ):
-    """Launch the kernel (inputs already validated; shapes as in ``ragattn.paged_attention``).
-
-    ``num_splits`` forces the split-KV factor (None: ``choose_num_splits``). Copies
-    ``cu_seqlens_q`` and ``kv_lens`` to the host once to build the query-tile map.
-    """
-    total_q, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    # the kernel indexes the last dim of q / caches and the 1-D int tensors with unit stride
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
-    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
-    q_pos, cu_seqlens_q, kv_lens = q_pos.contiguous(), cu_seqlens_q.contiguous(), kv_lens.contiguous()
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
-    batch = kv_lens.numel()
-    if total_q == 0 or batch == 0:
-        return out, lse
-
-    host = torch.cat([cu_seqlens_q, kv_lens]).cpu()
-    cu, lens = host[: batch + 1], host[batch + 1 :]
-    rows = cu[1:] - cu[:-1]
-    max_rows, max_kv = int(rows.max()), int(lens.max())
-
-    # tile shape: rows x group stacked to M = BLOCK_M * GROUP_PAD in [16, 128] (tl.dot needs M >= 16)
-    group_pad = triton.next_power_of_2(group)
-    m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)))
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    interp = _interpreting()
-    m_tile, block_n, num_stages, num_warps = tile_config(m_tile, block_d, q.element_size(), interp)
-    block_m = max(1, m_tile // group_pad)
-
-    tiles_per_seq = (rows + block_m - 1) // block_m
-    tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32), tiles_per_seq)
-    first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
-    tile_idx = torch.arange(tile_seq.numel(), dtype=torch.int32) - first_tile[tile_seq.long()]
-    tile_row0 = (cu[:-1][tile_seq.long()] + tile_idx * block_m).to(torch.int32)
-    num_tiles = tile_seq.numel()
-    tile_seq = tile_seq.to(q.device, non_blocking=True)
-    tile_row0 = tile_row0.to(q.device, non_blocking=True)
-
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, max_kv, block_n, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(max_kv, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max(max_kv, 1), split_len))
-
-    if num_splits == 1:
-        o_buf, l_buf = out, lse
-        stride_os, stride_ls = 0, 0
-    else:
-        o_buf = torch.empty((num_splits, total_q, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        l_buf = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
-        stride_os, stride_ls = o_buf.stride(0), l_buf.stride(0)
-
-    grid = (num_tiles, num_kv_heads, num_splits)
-    _paged_attention_kernel[grid](
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, tile_seq, tile_row0,
-        o_buf, l_buf,
-        scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        stride_os, o_buf.stride(-3), o_buf.stride(-2),
-        stride_ls, l_buf.stride(-2),
-        page_size, head_dim, split_len,
-        GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
-        num_warps=num_warps,
-        num_stages=num_stages,
+    """Plan (one host sync) and run: the one-call form of ``plan_paged_attention`` + ``run_paged_attention``."""
+    plan = plan_paged_attention(
+        cu_seqlens_q, kv_lens, num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2],
+        dtype=q.dtype, window_left=window_left, num_splits=num_splits,
     )
-    if num_splits > 1:
-        merge_split_states(o_buf, l_buf, out, lse)
-    return out, lse
+    return run_paged_attention(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
+                               window_left, out, lse_out)

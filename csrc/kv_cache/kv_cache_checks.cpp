@@ -4,16 +4,34 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <set>
+#include <utility>
 
 namespace ragattn {
 namespace kv_cache {
+namespace {
+
+// Collapse the leading dims of `t` ([..., H, D]) into at most two (size, stride) levels, inner
+// first; size-1 dims are dropped and a dim whose stride spans the next one merges into it.
+std::vector<std::pair<int64_t, int64_t>> leading_levels(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> levels;  // inner to outer
+  for (int64_t i = t.dim() - 3; i >= 0; --i) {
+    const int64_t size = t.size(i), stride = t.stride(i);
+    if (size == 1) continue;
+    if (!levels.empty() && stride == levels.back().first * levels.back().second) {
+      levels.back().first *= size;
+    } else {
+      levels.emplace_back(size, stride);
+    }
+  }
+  return levels;
+}
+
+}  // namespace
 
 LayerGeom check_layers(const char* op, const char* name, at::TensorList layers) {
   LayerGeom g;
   if (layers.empty()) return g;
   const at::Tensor& t0 = layers[0];
-  std::set<const void*> seen;
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor& t = layers[l];
     const auto dt = t.scalar_type();
@@ -28,23 +46,41 @@ LayerGeom check_layers(const char* op, const char* name, at::TensorList layers) 
                       t.device());
     TORCH_CHECK_VALUE(t.sizes() == t0.sizes(), "ragattn.", op, ": every layer of ", name, " must have one shape; ",
                       name, "[0] is ", t0.sizes(), ", ", name, "[", l, "] is ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), "ragattn.", op, ": ", name, "[", l, "] must be contiguous (shape ",
-                      t.sizes(), ", strides ", t.strides(), ")");
-    if (t.numel() > 0) {
-      TORCH_CHECK_VALUE(seen.insert(t.data_ptr()).second, "ragattn.", op, ": ", name, "[", l,
-                        "] is the same memory as an earlier layer; layers must be distinct");
-    }
+    TORCH_CHECK_VALUE(t.strides() == t0.strides(), "ragattn.", op, ": every layer of ", name,
+                      " must have one layout (strides); ", name, "[0] has ", t0.strides(), ", ", name, "[", l,
+                      "] has ", t.strides());
   }
   g.heads = t0.size(-2);
   g.head_dim = t0.size(-1);
-  g.num_rows = (g.heads * g.head_dim) == 0 ? 0 : t0.numel() / (g.heads * g.head_dim);
+  const int64_t w = g.heads * g.head_dim;
+  const bool inner_ok = (g.head_dim <= 1 || t0.stride(-1) == 1) && (g.heads <= 1 || t0.stride(-2) == g.head_dim);
+  TORCH_CHECK_VALUE(inner_ok, "ragattn.", op, ": ", name, "[0] must have contiguous [num_kv_heads, head_dim] rows ",
+                    "(strides [..., head_dim, 1]), got shape ", t0.sizes(), " with strides ", t0.strides());
+  g.layout = RowLayout{1, w, w};
+  if (t0.numel() == 0) return g;  // no rows
+  const auto levels = leading_levels(t0);
+  TORCH_CHECK_VALUE(levels.size() <= 2, "ragattn.", op, ": ", name, "[0] (shape ", t0.sizes(), ", strides ",
+                    t0.strides(), ") must be addressable as [rows, num_kv_heads, head_dim] with at most two row ",
+                    "strides (e.g. [pages, page_size, H, D] viewed out of [pages, 2, page_size, H, D]); its leading ",
+                    "dims need ", levels.size());
+  if (levels.size() >= 1) g.layout = RowLayout{levels[0].first, levels[0].second, levels[0].first * levels[0].second};
+  if (levels.size() == 2) {
+    g.outer_rows = levels[1].first;
+    g.layout.outer_stride = levels[1].second;
+  }
+  g.num_rows = g.outer_rows * g.layout.inner_rows;
+  const bool inner_apart = g.layout.inner_rows == 1 || g.layout.inner_stride >= w;
+  const int64_t inner_span = g.layout.inner_rows == 1 ? w : g.layout.inner_rows * g.layout.inner_stride;
+  const bool outer_apart = g.outer_rows == 1 || g.layout.outer_stride >= inner_span;
+  TORCH_CHECK_VALUE(inner_apart && outer_apart, "ragattn.", op, ": ", name, "[0] (shape ", t0.sizes(), ", strides ",
+                    t0.strides(), ") has rows that overlap in memory; every row must be its own memory");
   return g;
 }
 
-void check_index(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t n,
-                 c10::Device device) {
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "ragattn.", op, ": ", name, " must be ", dtype, ", got ",
-                   t.scalar_type());
+namespace {
+
+// 1-D, `n` entries (n < 0: any), on `device`.
+void check_index_shape(const char* op, const char* name, const at::Tensor& t, int64_t n, c10::Device device) {
   TORCH_CHECK_VALUE(t.dim() == 1, "ragattn.", op, ": ", name, " must be 1-D, got shape ", t.sizes());
   if (n >= 0) {
     TORCH_CHECK_VALUE(t.size(0) == n, "ragattn.", op, ": ", name, " must have shape [", n, "] (one per row), got ",
@@ -52,6 +88,21 @@ void check_index(const char* op, const char* name, const at::Tensor& t, at::Scal
   }
   TORCH_CHECK_VALUE(t.device() == device, "ragattn.", op, ": ", name, " must be on ", device, " (the caches' device), got ",
                     t.device());
+}
+
+}  // namespace
+
+void check_rows_index(const char* op, const char* name, const at::Tensor& t, int64_t n, c10::Device device) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "ragattn.", op, ": ", name,
+                   " must be int32 or int64, got ", t.scalar_type());
+  check_index_shape(op, name, t, n, device);
+}
+
+void check_index(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t n,
+                 c10::Device device) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "ragattn.", op, ": ", name, " must be ", dtype, ", got ",
+                   t.scalar_type());
+  check_index_shape(op, name, t, n, device);
 }
 
 void check_rope(const char* op, const at::Tensor& inv_freq, int64_t rotary_dim, int64_t head_dim, c10::Device device) {
@@ -65,8 +116,8 @@ void check_rope(const char* op, const at::Tensor& inv_freq, int64_t rotary_dim, 
                     " (the caches' device), got ", inv_freq.device());
 }
 
-void check_rows_host(const char* op, const char* name, const at::Tensor& rows_cpu, int64_t num_rows, bool distinct) {
-  const at::Tensor r = rows_cpu.contiguous();
+void check_rows_host(const char* op, const char* name, const at::Tensor& rows, int64_t num_rows, bool distinct) {
+  const at::Tensor r = rows.to(at::kCPU, at::kLong).contiguous();
   const int64_t* p = r.data_ptr<int64_t>();
   const int64_t n = r.numel();
   std::vector<uint8_t> hit(distinct ? static_cast<size_t>(num_rows) : 0, 0);
@@ -81,16 +132,84 @@ void check_rows_host(const char* op, const char* name, const at::Tensor& rows_cp
   }
 }
 
+namespace {
+
+// Elements [first, last] of `t` inside its storage.
+std::pair<int64_t, int64_t> element_span(const at::Tensor& t, const LayerGeom& g) {
+  const int64_t first = t.storage_offset();
+  return {first, first + row_offset(g.layout, g.num_rows - 1) + g.heads * g.head_dim - 1};
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+// Whether a row of a layer at element offset 0 and a row of the same layout at offset d >= 0
+// share an element: d = i * outer + j * inner + t with |i| < outer_rows, |j| < inner_rows,
+// |t| < row width. The layout rule (rows apart, levels apart) leaves two candidates per level.
+bool same_layout_rows_meet(int64_t d, const LayerGeom& g) {
+  const int64_t w = g.heads * g.head_dim;
+  const int64_t nI = g.layout.inner_rows, s = nI > 1 ? g.layout.inner_stride : w;
+  const int64_t nO = g.outer_rows, o = g.layout.outer_stride;
+  const int64_t i0 = nO > 1 ? floor_div(d, o) : 0;
+  for (int64_t i = i0; i <= i0 + (nO > 1 ? 1 : 0); ++i) {
+    if (i <= -nO || i >= nO) continue;
+    const int64_t rem = d - i * o;
+    const int64_t j0 = nI > 1 ? floor_div(rem, s) : 0;
+    for (int64_t j = j0; j <= j0 + (nI > 1 ? 1 : 0); ++j) {
+      if (j <= -nI || j >= nI) continue;
+      const int64_t t = rem - j * s;
+      if (t > -w && t < w) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool layers_overlap(const at::Tensor& a, const LayerGeom& ga, const at::Tensor& b, const LayerGeom& gb) {
+  if (ga.num_rows == 0 || gb.num_rows == 0 || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  if (a.element_size() != b.element_size()) return true;  // (never: one dtype per op) conservative
+  const auto sa = element_span(a, ga), sb = element_span(b, gb);
+  if (sa.second < sb.first || sb.second < sa.first) return false;
+  const bool same_layout = ga.heads * ga.head_dim == gb.heads * gb.head_dim && ga.num_rows == gb.num_rows &&
+                           ga.outer_rows == gb.outer_rows && ga.layout.inner_rows == gb.layout.inner_rows &&
+                           ga.layout.inner_stride == gb.layout.inner_stride &&
+                           ga.layout.outer_stride == gb.layout.outer_stride;
+  if (!same_layout) return true;  // conservative: intersecting spans of different layouts
+  const int64_t d = sb.first - sa.first;
+  return same_layout_rows_meet(d < 0 ? -d : d, ga);
+}
+
+void check_writes_disjoint(const char* op, std::initializer_list<NamedLayers> written) {
+  std::vector<const NamedLayers*> lists;
+  for (const auto& w : written) lists.push_back(&w);
+  for (size_t a = 0; a < lists.size(); ++a) {
+    for (size_t la = 0; la < lists[a]->layers.size(); ++la) {
+      for (size_t b = a; b < lists.size(); ++b) {
+        for (size_t lb = (b == a ? la + 1 : 0); lb < lists[b]->layers.size(); ++lb) {
+          TORCH_CHECK_VALUE(!layers_overlap(lists[a]->layers[la], *lists[a]->geom, lists[b]->layers[lb], *lists[b]->geom),
+                            "ragattn.", op, ": ", lists[b]->name, "[", lb, "] shares memory with ", lists[a]->name, "[",
+                            la, "]; every written layer must be its own memory (a row written or rotated twice "
+                            "would depend on the order)");
+        }
+      }
+    }
+  }
+}
+
+bool reads_overlap_writes(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written) {
+  for (const auto& r : read)
+    for (const auto& w : written)
+      for (const auto& tr : r.layers)
+        for (const auto& tw : w.layers)
+          if (layers_overlap(tr, *r.geom, tw, *w.geom)) return true;
+  return false;
+}
+
 bool debug_mode() {
   const char* v = std::getenv("RAGATTN_DEBUG");
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
-
-}  // namespace kv_cache
-}  // namespace ragattn
-
-namespace ragattn {
-namespace kv_cache {
 
 static bool host_checks(const at::Tensor& t) { return t.device().is_cpu() || debug_mode(); }
 
@@ -99,10 +218,11 @@ LayerGeom validate_rerotate(at::TensorList k_layers, const at::Tensor& rows, con
   const char* op = "rerotate_keys_";
   const LayerGeom g = check_layers(op, "k_layers", k_layers);
   const c10::Device dev = k_layers.empty() ? rows.device() : k_layers[0].device();
-  check_index(op, "rows", rows, at::kLong, -1, dev);
+  check_rows_index(op, "rows", rows, -1, dev);
   check_index(op, "delta", delta, at::kInt, rows.size(0), dev);
   check_rope(op, inv_freq, rotary_dim, k_layers.empty() ? rotary_dim : g.head_dim, dev);
-  if (!k_layers.empty() && host_checks(rows)) check_rows_host(op, "rows", rows.cpu(), g.num_rows, /*distinct=*/true);
+  check_writes_disjoint(op, {{"k_layers", k_layers, &g}});
+  if (!k_layers.empty() && host_checks(rows)) check_rows_host(op, "rows", rows, g.num_rows, /*distinct=*/true);
   return g;
 }
 
@@ -119,7 +239,7 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
                     L, "), got ", dst_v.size());
   CopyGeom cg;
   cg.k = check_layers(op, "dst_k", dst_k);
-  const LayerGeom sk = check_layers(op, "src_k", src_k);
+  cg.sk = check_layers(op, "src_k", src_k);
   cg.has_v = !dst_v.empty() && L > 0;
   const c10::Device dev = L == 0 ? dst_rows.device() : dst_k[0].device();
   if (L > 0) {
@@ -128,12 +248,11 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
                      src_k[0].scalar_type());
     TORCH_CHECK_VALUE(src_k[0].device() == dev, "ragattn.copy_kv_: src_k must be on ", dev, " (dst_k's device), got ",
                       src_k[0].device());
-    TORCH_CHECK_VALUE(sk.heads == cg.k.heads && sk.head_dim == cg.k.head_dim, "ragattn.copy_kv_: src_k rows must be [",
+    TORCH_CHECK_VALUE(cg.sk.heads == cg.k.heads && cg.sk.head_dim == cg.k.head_dim, "ragattn.copy_kv_: src_k rows must be [",
                       cg.k.heads, ", ", cg.k.head_dim, "] like dst_k's, got shape ", src_k[0].sizes());
-    cg.src_rows_total = sk.num_rows;
     if (cg.has_v) {
       cg.v = check_layers(op, "dst_v", dst_v);
-      const LayerGeom sv = check_layers(op, "src_v", src_v);
+      cg.sv = check_layers(op, "src_v", src_v);
       for (const auto* pair : {&dst_v, &src_v}) {
         const at::Tensor& t = (*pair)[0];
         const char* nm = pair == &dst_v ? "dst_v" : "src_v";
@@ -142,41 +261,30 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
         TORCH_CHECK_VALUE(t.device() == dev, "ragattn.copy_kv_: ", nm, " must be on ", dev, " (dst_k's device), got ",
                           t.device());
       }
-      TORCH_CHECK_VALUE(sv.heads == cg.v.heads && sv.head_dim == cg.v.head_dim, "ragattn.copy_kv_: src_v rows must be [",
+      TORCH_CHECK_VALUE(cg.sv.heads == cg.v.heads && cg.sv.head_dim == cg.v.head_dim, "ragattn.copy_kv_: src_v rows must be [",
                         cg.v.heads, ", ", cg.v.head_dim, "] like dst_v's, got shape ", src_v[0].sizes());
       TORCH_CHECK_VALUE(cg.v.num_rows == cg.k.num_rows, "ragattn.copy_kv_: dst_v must have as many rows as dst_k (",
                         cg.k.num_rows, "), got ", cg.v.num_rows);
-      TORCH_CHECK_VALUE(sv.num_rows == sk.num_rows, "ragattn.copy_kv_: src_v must have as many rows as src_k (",
-                        sk.num_rows, "), got ", sv.num_rows);
+      TORCH_CHECK_VALUE(cg.sv.num_rows == cg.sk.num_rows, "ragattn.copy_kv_: src_v must have as many rows as src_k (",
+                        cg.sk.num_rows, "), got ", cg.sv.num_rows);
     }
   }
-  check_index(op, "src_rows", src_rows, at::kLong, -1, dev);
-  check_index(op, "dst_rows", dst_rows, at::kLong, src_rows.size(0), dev);
+  check_rows_index(op, "src_rows", src_rows, -1, dev);
+  check_rows_index(op, "dst_rows", dst_rows, src_rows.size(0), dev);
   if (delta.has_value()) {
     check_index(op, "delta", *delta, at::kInt, src_rows.size(0), dev);
     TORCH_CHECK_VALUE(inv_freq.has_value(), "ragattn.copy_kv_: inv_freq is required when delta is given");
     check_rope(op, *inv_freq, rotary_dim, L == 0 ? rotary_dim : cg.k.head_dim, dev);
   }
-  if (L > 0 && host_checks(dst_rows)) {
-    const at::Tensor s = src_rows.cpu(), d = dst_rows.cpu();
-    check_rows_host(op, "src_rows", s, cg.src_rows_total, /*distinct=*/false);
-    check_rows_host(op, "dst_rows", d, cg.k.num_rows, /*distinct=*/true);
-    // In-place moves within one cache: a row may not be both read and written (no ordering).
-    bool alias = false;
-    for (size_t l = 0; l < L; ++l) {
-      alias = alias || dst_k[l].data_ptr() == src_k[l].data_ptr() ||
-              (cg.has_v && dst_v[l].data_ptr() == src_v[l].data_ptr());
-    }
-    if (alias) {
-      std::vector<uint8_t> written(static_cast<size_t>(cg.k.num_rows), 0);
-      const int64_t* dp = d.data_ptr<int64_t>();
-      const int64_t* sp = s.data_ptr<int64_t>();
-      for (int64_t i = 0; i < d.numel(); ++i) written[dp[i]] = 1;
-      for (int64_t i = 0; i < s.numel(); ++i) {
-        TORCH_CHECK_VALUE(!written[sp[i]], "ragattn.copy_kv_: src and dst are the same cache and src_rows[", i, "] = ",
-                          sp[i], " is also in dst_rows; a row may not be both read and written");
-      }
-    }
+  if (L == 0) return cg;
+  const at::TensorList no_layers;
+  const NamedLayers w_k{"dst_k", dst_k, &cg.k}, w_v{"dst_v", cg.has_v ? dst_v : no_layers, &cg.v};
+  const NamedLayers r_k{"src_k", src_k, &cg.sk}, r_v{"src_v", cg.has_v ? src_v : no_layers, &cg.sv};
+  check_writes_disjoint(op, {w_k, w_v});
+  cg.staged = reads_overlap_writes({r_k, r_v}, {w_k, w_v});
+  if (host_checks(dst_rows)) {
+    check_rows_host(op, "src_rows", src_rows, cg.sk.num_rows, /*distinct=*/false);
+    check_rows_host(op, "dst_rows", dst_rows, cg.k.num_rows, /*distinct=*/true);
   }
   return cg;
 }

@@ -1,7 +1,8 @@
 // Input validation shared by the CPU twin and the CUDA launcher of the KV-cache ops.
 // Everything is checked before any cache is written, so a rejected call leaves caches untouched.
-// Errors: TypeError (wrong dtype) / ValueError (shape, device, layout, range), naming
-// `ragattn.<op>` and the argument.
+// Errors: TypeError (wrong dtype) / ValueError (shape, device, layout, range, aliasing), naming
+// `ragattn.<op>` and the argument. ragattn/ops/kv_cache.py holds the Python twin of every rule
+// (the reference path and the fake impl validate exactly like this).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,20 +11,29 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_cache/row_layout.h"
+
 namespace ragattn {
 namespace kv_cache {
 
-// Geometry of one list of cache layers, each viewed as [num_rows, heads, head_dim].
+// Geometry of one list of cache layers, each addressed as [num_rows, heads, head_dim] through
+// `layout` (row_layout.h).
 struct LayerGeom {
   int64_t num_rows = 0;
+  int64_t outer_rows = 1;  // num_rows = outer_rows * layout.inner_rows (when num_rows > 0)
   int64_t heads = 0;
   int64_t head_dim = 0;
+  RowLayout layout;
 };
 
-// Layers: fp16/bf16/fp32, >= 3 dims, contiguous, one shape/dtype/device, pairwise distinct.
+// Layers: fp16/bf16/fp32, >= 3 dims, one shape/strides/dtype/device, [H, D] contiguous, leading
+// dims addressable with at most two row strides (row_layout.h), distinct rows never overlapping.
 LayerGeom check_layers(const char* op, const char* name, at::TensorList layers);
 
-// Index vector: dtype, 1-D, `n` entries (n < 0: any), on `device`.
+// Row index vector: int32 or int64, 1-D, `n` entries (n < 0: any), on `device`.
+void check_rows_index(const char* op, const char* name, const at::Tensor& t, int64_t n, c10::Device device);
+
+// Index vector of one dtype: 1-D, `n` entries (n < 0: any), on `device`.
 void check_index(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t n,
                  c10::Device device);
 
@@ -31,8 +41,27 @@ void check_index(const char* op, const char* name, const at::Tensor& t, at::Scal
 void check_rope(const char* op, const at::Tensor& inv_freq, int64_t rotary_dim, int64_t head_dim,
                 c10::Device device);
 
-// Host-side range (and, if `distinct`, uniqueness) check of an int64 row vector (CPU tensor).
-void check_rows_host(const char* op, const char* name, const at::Tensor& rows_cpu, int64_t num_rows, bool distinct);
+// Host-side range (and, if `distinct`, uniqueness) check of an int32/int64 row vector.
+void check_rows_host(const char* op, const char* name, const at::Tensor& rows, int64_t num_rows, bool distinct);
+
+// One list of layers with its geometry, for the aliasing rules.
+struct NamedLayers {
+  const char* name;
+  at::TensorList layers;
+  const LayerGeom* geom;
+};
+
+// Whether two layers share memory (exact for two layers of one layout; otherwise conservative:
+// their byte spans in one storage intersect).
+bool layers_overlap(const at::Tensor& a, const LayerGeom& ga, const at::Tensor& b, const LayerGeom& gb);
+
+// Every written layer must be disjoint in memory from every other written layer (a row written
+// twice, or rotated twice, would depend on the order): ValueError naming both.
+void check_writes_disjoint(const char* op, std::initializer_list<NamedLayers> written);
+
+// Whether any read layer shares memory with any written layer (copy_kv_ then stages the source
+// rows through a temporary: every row is read before any row is written).
+bool reads_overlap_writes(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written);
 
 // Whole-op validation (shared by the CPU twin and the CUDA launcher). Row-range and
 // uniqueness checks run on CPU tensors always, on CUDA tensors only when debug_mode().
@@ -40,9 +69,10 @@ LayerGeom validate_rerotate(at::TensorList k_layers, const at::Tensor& rows,
                             const at::Tensor& delta, const at::Tensor& inv_freq, int64_t rotary_dim);
 
 struct CopyGeom {
-  LayerGeom k, v;  // destination geometry of K and V
-  int64_t src_rows_total = 0;  // rows of each source layer
+  LayerGeom k, v;    // destination geometry of K and V
+  LayerGeom sk, sv;  // source geometry of K and V
   bool has_v = false;
+  bool staged = false;  // a source shares memory with a destination: gather, then scatter
 };
 CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
                        const at::Tensor& src_rows, const at::Tensor& dst_rows, const c10::optional<at::Tensor>& delta,

@@ -1,19 +1,22 @@
 // CPU twins of rerotate_keys_ and copy_kv_: same validation and same per-element math
-// (rope_math.h) as the CUDA kernels. Parallel over rows; each row's cos/sin are computed once
-// and reused across every layer and head.
+// (rope_math.h, row_layout.h) as the CUDA kernels. Parallel over rows; each row's cos/sin are
+// computed once and reused across every layer and head.
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <cstring>
 #include <vector>
 
 #include "kv_cache/kv_cache_checks.h"
 #include "kv_cache/rope_math.h"
+#include "kv_cache/row_layout.h"
 #include "ops.h"
 
 namespace ragattn {
 namespace {
+
+using kv_cache::RowLayout;
 
 // cos/sin of row delta `d` for every frequency.
 void row_cos_sin(int32_t d, const float* inv_freq, int64_t half, float* c, float* s) {
@@ -41,6 +44,54 @@ std::vector<void*> data_ptrs(at::TensorList layers) {
   return out;
 }
 
+// Layers of one list (K or V of the sources or the destinations) with their row layout.
+struct Side {
+  std::vector<void*> k, v;
+  RowLayout lk, lv;
+};
+
+struct Rotation {
+  const int32_t* delta = nullptr;  // nullptr: no rotation
+  const float* inv_freq = nullptr;
+  int64_t rotary_dim = 0;
+  bool interleaved = false;
+};
+
+// dst row dst_idx[n] <- src row src_idx[n] in every layer (an index of nullptr is the identity),
+// K rotated by delta[n] when given. Rows of one call never overlap (validate_copy / staging).
+template <typename T>
+void copy_pass(const Side& dst, const Side& src, const void* src_idx, bool src64, const void* dst_idx, bool dst64,
+               int64_t n, int64_t k_heads, int64_t k_head_dim, int64_t v_row, const Rotation& rot) {
+  const int64_t k_row = k_heads * k_head_dim, half = rot.rotary_dim / 2;
+  const size_t kb = k_row * sizeof(T), vb = v_row * sizeof(T);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(rot.delta ? half : 0), s(rot.delta ? half : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t sr = kv_cache::load_index(src_idx, src64, r), dr = kv_cache::load_index(dst_idx, dst64, r);
+      const bool rotate = rot.delta != nullptr && rot.delta[r] != 0;
+      if (rotate) row_cos_sin(rot.delta[r], rot.inv_freq, half, c.data(), s.data());
+      const int64_t sko = kv_cache::row_offset(src.lk, sr), dko = kv_cache::row_offset(dst.lk, dr);
+      for (size_t l = 0; l < dst.k.size(); ++l) {
+        T* d = static_cast<T*>(dst.k[l]) + dko;
+        std::memcpy(d, static_cast<const T*>(src.k[l]) + sko, kb);
+        if (rotate) rotate_row(d, k_heads, k_head_dim, rot.rotary_dim, rot.interleaved, c.data(), s.data());
+      }
+      if (dst.v.empty()) continue;
+      const int64_t svo = kv_cache::row_offset(src.lv, sr), dvo = kv_cache::row_offset(dst.lv, dr);
+      for (size_t l = 0; l < dst.v.size(); ++l) {
+        std::memcpy(static_cast<T*>(dst.v[l]) + dvo, static_cast<const T*>(src.v[l]) + svo, vb);
+      }
+    }
+  });
+}
+
+// Per-layer views of a staging tensor [L, n, H, D] and their (one-level) row layout.
+std::vector<void*> staging_layers(const at::Tensor& t) {
+  std::vector<void*> out;
+  for (int64_t l = 0; l < t.size(0); ++l) out.push_back(t[l].data_ptr());
+  return out;
+}
+
 }  // namespace
 
 void rerotate_keys_cpu(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
@@ -49,20 +100,22 @@ void rerotate_keys_cpu(at::TensorList k_layers, const at::Tensor& rows, const at
   const int64_t n = rows.size(0);
   if (k_layers.empty() || n == 0) return;
   const at::Tensor rows_c = rows.contiguous(), delta_c = delta.contiguous(), freq_c = inv_freq.contiguous();
-  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  const void* rp = rows_c.const_data_ptr();
+  const bool r64 = rows_c.scalar_type() == at::kLong;
   const int32_t* dp = delta_c.data_ptr<int32_t>();
   const float* fp = freq_c.data_ptr<float>();
   const std::vector<void*> bases = data_ptrs(k_layers);
-  const int64_t row_elems = g.heads * g.head_dim, half = rotary_dim / 2;
+  const int64_t half = rotary_dim / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_layers[0].scalar_type(), "rerotate_keys_cpu", [&] {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> c(half), s(half);
       for (int64_t r = begin; r < end; ++r) {
         if (dp[r] == 0) continue;  // identity
         row_cos_sin(dp[r], fp, half, c.data(), s.data());
+        const int64_t off = kv_cache::row_offset(g.layout, kv_cache::load_index(rp, r64, r));
         for (void* base : bases) {
-          scalar_t* row = static_cast<scalar_t*>(base) + rp[r] * row_elems;
-          rotate_row(row, g.heads, g.head_dim, rotary_dim, interleaved, c.data(), s.data());
+          rotate_row(static_cast<scalar_t*>(base) + off, g.heads, g.head_dim, rotary_dim, interleaved, c.data(),
+                     s.data());
         }
       }
     });
@@ -77,39 +130,33 @@ void copy_kv_cpu(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_
   const int64_t n = src_rows.size(0);
   if (dst_k.empty() || n == 0) return;
   const at::Tensor sr = src_rows.contiguous(), dr = dst_rows.contiguous();
-  const int64_t* sp = sr.data_ptr<int64_t>();
-  const int64_t* dp = dr.data_ptr<int64_t>();
+  const bool s64 = sr.scalar_type() == at::kLong, d64 = dr.scalar_type() == at::kLong;
   at::Tensor delta_c, freq_c;
-  const int32_t* delp = nullptr;
-  const float* fp = nullptr;
+  Rotation rot;
   if (delta.has_value()) {
     delta_c = delta->contiguous();
     freq_c = inv_freq->contiguous();
-    delp = delta_c.data_ptr<int32_t>();
-    fp = freq_c.data_ptr<float>();
+    rot = Rotation{delta_c.data_ptr<int32_t>(), freq_c.data_ptr<float>(), rotary_dim, interleaved};
   }
-  const std::vector<void*> dk = data_ptrs(dst_k), sk = data_ptrs(src_k);
-  const std::vector<void*> dv = g.has_v ? data_ptrs(dst_v) : std::vector<void*>{};
-  const std::vector<void*> sv = g.has_v ? data_ptrs(src_v) : std::vector<void*>{};
-  const int64_t k_row = g.k.heads * g.k.head_dim, v_row = g.v.heads * g.v.head_dim, half = rotary_dim / 2;
+  const Side dst{data_ptrs(dst_k), g.has_v ? data_ptrs(dst_v) : std::vector<void*>{}, g.k.layout, g.v.layout};
+  const Side src{data_ptrs(src_k), g.has_v ? data_ptrs(src_v) : std::vector<void*>{}, g.sk.layout, g.sv.layout};
+  const int64_t v_row = g.v.heads * g.v.head_dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_k[0].scalar_type(), "copy_kv_cpu", [&] {
-    const size_t kb = k_row * sizeof(scalar_t), vb = v_row * sizeof(scalar_t);
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> c(delp ? half : 0), s(delp ? half : 0);
-      for (int64_t r = begin; r < end; ++r) {
-        const bool rotate = delp != nullptr && delp[r] != 0;
-        if (rotate) row_cos_sin(delp[r], fp, half, c.data(), s.data());
-        for (size_t l = 0; l < dk.size(); ++l) {
-          scalar_t* d = static_cast<scalar_t*>(dk[l]) + dp[r] * k_row;
-          std::memcpy(d, static_cast<const scalar_t*>(sk[l]) + sp[r] * k_row, kb);
-          if (rotate) rotate_row(d, g.k.heads, g.k.head_dim, rotary_dim, interleaved, c.data(), s.data());
-        }
-        for (size_t l = 0; l < dv.size(); ++l) {
-          std::memcpy(static_cast<scalar_t*>(dv[l]) + dp[r] * v_row, static_cast<const scalar_t*>(sv[l]) + sp[r] * v_row,
-                      vb);
-        }
-      }
-    });
+    if (!g.staged) {
+      copy_pass<scalar_t>(dst, src, sr.const_data_ptr(), s64, dr.const_data_ptr(), d64, n, g.k.heads, g.k.head_dim,
+                          v_row, rot);
+      return;
+    }
+    // A source shares memory with a destination: gather every source row first, then scatter
+    // (the reference's semantics; validate_copy already refused overlapping destinations).
+    const int64_t L = static_cast<int64_t>(dst_k.size());
+    const at::Tensor tk = at::empty({L, n, g.k.heads, g.k.head_dim}, dst_k[0].options());
+    const at::Tensor tv = g.has_v ? at::empty({L, n, g.v.heads, g.v.head_dim}, dst_k[0].options()) : at::Tensor();
+    const Side tmp{staging_layers(tk), g.has_v ? staging_layers(tv) : std::vector<void*>{},
+                   RowLayout{n, g.k.heads * g.k.head_dim, n * g.k.heads * g.k.head_dim}, RowLayout{n, v_row, n * v_row}};
+    copy_pass<scalar_t>(tmp, src, sr.const_data_ptr(), s64, nullptr, false, n, g.k.heads, g.k.head_dim, v_row,
+                        Rotation{});
+    copy_pass<scalar_t>(dst, tmp, nullptr, false, dr.const_data_ptr(), d64, n, g.k.heads, g.k.head_dim, v_row, rot);
   });
 }
 

@@ -1,9 +1,11 @@
 // ATen launchers of rerotate_keys_ / copy_kv_ on CUDA tensors: validate (shared with the CPU
-// twin, before any write), ship the layer base pointers to the device, launch on the current
-// stream. Row ranges/uniqueness are a precondition here, checked when RAGATTN_DEBUG=1.
+// twin, before any write), launch on the current stream with the layer pointers in the kernel
+// parameters (no host-to-device copy: CUDA-graph capturable). Row ranges/uniqueness are a
+// precondition here, checked when RAGATTN_DEBUG=1. Sources that share memory with a destination
+// are staged through a temporary first (gather, then scatter), as on the CPU.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
 #include <vector>
@@ -26,27 +28,31 @@ kv_cache::CacheDType cache_dtype(at::ScalarType t) {
   }
 }
 
-// Base pointers as a device int64 tensor: a pinned host buffer copied asynchronously on the
-// current stream (the caching host allocator keeps it alive until the copy has run).
-at::Tensor device_pointer_array(const std::vector<void*>& ptrs, const at::Device& device, bool* aligned16) {
-  at::Tensor host = at::empty({static_cast<int64_t>(ptrs.size())}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = host.data_ptr<int64_t>();
-  *aligned16 = true;
-  for (size_t i = 0; i < ptrs.size(); ++i) {
-    h[i] = reinterpret_cast<int64_t>(ptrs[i]);
-    *aligned16 = *aligned16 && (reinterpret_cast<uintptr_t>(ptrs[i]) % 16 == 0);
-  }
-  return host.to(device, /*non_blocking=*/true);
+std::vector<void*> data_ptrs(at::TensorList layers) {
+  std::vector<void*> out;
+  for (const auto& t : layers) out.push_back(t.data_ptr());
+  return out;
 }
 
-// One block per row (grid.x) and the layer pointers staged in shared memory.
-void check_grid(const char* op, int64_t n, size_t num_ptrs) {
+bool all_aligned16(const std::vector<void*>& ptrs) {
+  for (void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+void check_grid(const char* op, int64_t n) {
   TORCH_CHECK_VALUE(n <= INT32_MAX, "ragattn.", op, ": at most 2^31 - 1 rows per call, got ", n);
-  TORCH_CHECK_VALUE(num_ptrs <= 4096, "ragattn.", op, ": too many layers (", num_ptrs, " cache pointers; at most 4096, i.e. 1024 layers for copy_kv_)");
 }
 
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "ragattn.", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// Per-layer base pointers of a staging tensor [L, n, H, D].
+std::vector<void*> staging_layers(const at::Tensor& t) {
+  std::vector<void*> out;
+  for (int64_t l = 0; l < t.size(0); ++l) out.push_back(t[l].data_ptr());
+  return out;
 }
 
 }  // namespace
@@ -55,25 +61,29 @@ void rerotate_keys_cuda(at::TensorList k_layers, const at::Tensor& rows, const a
                         const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved) {
   const kv_cache::LayerGeom g = kv_cache::validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim);
   const int64_t n = rows.size(0);
-  if (k_layers.empty() || n == 0) return;
-  check_grid("rerotate_keys_", n, k_layers.size());
+  if (k_layers.empty() || n == 0 || g.num_rows == 0) return;
+  check_grid("rerotate_keys_", n);
   const c10::cuda::CUDAGuard guard(k_layers[0].device());
-  std::vector<void*> ptrs;
-  for (const auto& t : k_layers) ptrs.push_back(t.data_ptr());
-  bool aligned = false;
-  const at::Tensor dev_ptrs = device_pointer_array(ptrs, k_layers[0].device(), &aligned);
+  const std::vector<void*> ptrs = data_ptrs(k_layers);
   const at::Tensor rows_c = rows.contiguous(), delta_c = delta.contiguous(), freq_c = inv_freq.contiguous();
   const int elem = static_cast<int>(k_layers[0].element_size());
-  const bool vec = aligned && kv_cache::vector_shapes_ok(elem, static_cast<int>(g.head_dim), static_cast<int>(rotary_dim),
-                                                         interleaved, g.heads * g.head_dim);
-  check_launch(kv_cache::launch_rerotate_keys(reinterpret_cast<void* const*>(dev_ptrs.data_ptr<int64_t>()),
-                                              static_cast<int>(k_layers.size()), static_cast<int>(g.heads),
-                                              static_cast<int>(g.head_dim), rows_c.data_ptr<int64_t>(),
-                                              delta_c.data_ptr<int32_t>(), n, freq_c.data_ptr<float>(),
-                                              static_cast<int>(rotary_dim), interleaved,
-                                              cache_dtype(k_layers[0].scalar_type()), vec,
-                                              c10::cuda::getCurrentCUDAStream()),
-               "rerotate_keys_");
+  kv_cache::RerotateArgs a{};
+  a.layers = ptrs.data();
+  a.num_layers = static_cast<int>(ptrs.size());
+  a.layout = g.layout;
+  a.heads = static_cast<int>(g.heads);
+  a.head_dim = static_cast<int>(g.head_dim);
+  a.rows = rows_c.const_data_ptr();
+  a.rows_int64 = rows_c.scalar_type() == at::kLong;
+  a.delta = delta_c.const_data_ptr<int32_t>();
+  a.n = n;
+  a.inv_freq = freq_c.const_data_ptr<float>();
+  a.rotary_dim = static_cast<int>(rotary_dim);
+  a.interleaved = interleaved;
+  a.dtype = cache_dtype(k_layers[0].scalar_type());
+  a.vectorized = all_aligned16(ptrs) && kv_cache::vector_layout_ok(elem, g.layout) &&
+                 kv_cache::vector_shapes_ok(elem, a.head_dim, a.rotary_dim, interleaved, g.heads * g.head_dim);
+  check_launch(kv_cache::launch_rerotate_keys(a, c10::cuda::getCurrentCUDAStream()), "rerotate_keys_");
 }
 
 void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
@@ -83,44 +93,78 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
       kv_cache::validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim);
   const int64_t n = src_rows.size(0);
   if (dst_k.empty() || n == 0) return;
-  check_grid("copy_kv_", n, 4 * dst_k.size());
+  check_grid("copy_kv_", n);
   const c10::cuda::CUDAGuard guard(dst_k[0].device());
-  const size_t L = dst_k.size();
-  std::vector<void*> ptrs(4 * L, nullptr);
-  for (size_t l = 0; l < L; ++l) {
-    ptrs[l] = dst_k[l].data_ptr();
-    ptrs[2 * L + l] = src_k[l].data_ptr();
-    if (g.has_v) {
-      ptrs[L + l] = dst_v[l].data_ptr();
-      ptrs[3 * L + l] = src_v[l].data_ptr();
-    }
-  }
-  if (!g.has_v) {  // keep the alignment test meaningful: reuse K pointers for the unused V slots
-    for (size_t l = 0; l < L; ++l) ptrs[L + l] = ptrs[3 * L + l] = ptrs[l];
-  }
-  bool aligned = false;
-  const at::Tensor dev_ptrs = device_pointer_array(ptrs, dst_k[0].device(), &aligned);
+  const int64_t L = static_cast<int64_t>(dst_k.size());
+  const std::vector<void*> dk = data_ptrs(dst_k), sk = data_ptrs(src_k);
+  const std::vector<void*> dv = g.has_v ? data_ptrs(dst_v) : std::vector<void*>{};
+  const std::vector<void*> sv = g.has_v ? data_ptrs(src_v) : std::vector<void*>{};
   const at::Tensor sr = src_rows.contiguous(), dr = dst_rows.contiguous();
   at::Tensor delta_c, freq_c;
-  const int rd = delta.has_value() ? static_cast<int>(rotary_dim) : 0;
   if (delta.has_value()) {
     delta_c = delta->contiguous();
     freq_c = inv_freq->contiguous();
   }
   const int elem = static_cast<int>(dst_k[0].element_size());
   const int vec_unit = 16 / elem;
-  bool vec = aligned && (g.k.heads * g.k.head_dim) % vec_unit == 0 && (g.v.heads * g.v.head_dim) % vec_unit == 0;
+  const int64_t k_row = g.k.heads * g.k.head_dim, v_row = g.v.heads * g.v.head_dim;
+
+  kv_cache::CopyArgs a{};
+  a.num_layers = static_cast<int>(L);
+  a.k_heads = static_cast<int>(g.k.heads);
+  a.k_head_dim = static_cast<int>(g.k.head_dim);
+  a.v_heads = g.has_v ? static_cast<int>(g.v.heads) : 0;
+  a.v_head_dim = static_cast<int>(g.v.head_dim);
+  a.n = n;
+  a.interleaved = interleaved;
+  a.dtype = cache_dtype(dst_k[0].scalar_type());
+  // 16-byte accesses need every pointer, row start and row length in whole 16-byte units.
+  bool vec = k_row % vec_unit == 0 && (!g.has_v || v_row % vec_unit == 0);
   if (delta.has_value()) {
-    vec = vec && kv_cache::vector_shapes_ok(elem, static_cast<int>(g.k.head_dim), rd, interleaved, g.v.heads * g.v.head_dim);
+    vec = vec && kv_cache::vector_shapes_ok(elem, a.k_head_dim, static_cast<int>(rotary_dim), interleaved,
+                                            g.has_v ? v_row : 0);
   }
-  check_launch(kv_cache::launch_copy_kv(reinterpret_cast<void* const*>(dev_ptrs.data_ptr<int64_t>()), static_cast<int>(L),
-                                        static_cast<int>(g.k.heads), static_cast<int>(g.k.head_dim),
-                                        g.has_v ? static_cast<int>(g.v.heads) : 0, static_cast<int>(g.v.head_dim),
-                                        sr.data_ptr<int64_t>(), dr.data_ptr<int64_t>(), n,
-                                        delta.has_value() ? delta_c.data_ptr<int32_t>() : nullptr,
-                                        delta.has_value() ? freq_c.data_ptr<float>() : nullptr, rd, interleaved,
-                                        cache_dtype(dst_k[0].scalar_type()), vec, c10::cuda::getCurrentCUDAStream()),
-               "copy_kv_");
+  auto launch = [&](const std::vector<void*>& d_k, const std::vector<void*>& d_v, const kv_cache::RowLayout& ld_k,
+                    const kv_cache::RowLayout& ld_v, const std::vector<void*>& s_k, const std::vector<void*>& s_v,
+                    const kv_cache::RowLayout& ls_k, const kv_cache::RowLayout& ls_v, const at::Tensor* s_idx,
+                    const at::Tensor* d_idx, bool rotate) {
+    a.dst_k = d_k.data();
+    a.dst_v = g.has_v ? d_v.data() : nullptr;
+    a.src_k = s_k.data();
+    a.src_v = g.has_v ? s_v.data() : nullptr;
+    a.dst_k_layout = ld_k;
+    a.dst_v_layout = ld_v;
+    a.src_k_layout = ls_k;
+    a.src_v_layout = ls_v;
+    a.src_rows = s_idx ? s_idx->const_data_ptr() : nullptr;
+    a.src_rows_int64 = s_idx && s_idx->scalar_type() == at::kLong;
+    a.dst_rows = d_idx ? d_idx->const_data_ptr() : nullptr;
+    a.dst_rows_int64 = d_idx && d_idx->scalar_type() == at::kLong;
+    a.delta = rotate ? delta_c.const_data_ptr<int32_t>() : nullptr;
+    a.inv_freq = rotate ? freq_c.const_data_ptr<float>() : nullptr;
+    a.rotary_dim = rotate ? static_cast<int>(rotary_dim) : 0;
+    bool v = vec && all_aligned16(d_k) && all_aligned16(s_k) && kv_cache::vector_layout_ok(elem, ld_k) &&
+             kv_cache::vector_layout_ok(elem, ls_k);
+    if (g.has_v) {
+      v = v && all_aligned16(d_v) && all_aligned16(s_v) && kv_cache::vector_layout_ok(elem, ld_v) &&
+          kv_cache::vector_layout_ok(elem, ls_v);
+    }
+    a.vectorized = v;
+    check_launch(kv_cache::launch_copy_kv(a, c10::cuda::getCurrentCUDAStream()), "copy_kv_");
+  };
+
+  const bool rotate = delta.has_value();
+  if (!g.staged) {
+    launch(dk, dv, g.k.layout, g.v.layout, sk, sv, g.sk.layout, g.sv.layout, &sr, &dr, rotate);
+    return;
+  }
+  // A source shares memory with a destination: gather every source row, then scatter.
+  const at::Tensor tk = at::empty({L, n, g.k.heads, g.k.head_dim}, dst_k[0].options());
+  const at::Tensor tv = g.has_v ? at::empty({L, n, g.v.heads, g.v.head_dim}, dst_k[0].options()) : at::Tensor();
+  const std::vector<void*> tkp = staging_layers(tk), tvp = g.has_v ? staging_layers(tv) : std::vector<void*>{};
+  const kv_cache::RowLayout lt_k{n, k_row, n * k_row}, lt_v{n, v_row, n * v_row};
+  launch(tkp, tvp, lt_k, lt_v, sk, sv, g.sk.layout, g.sv.layout, &sr, nullptr, false);
+  launch(dk, dv, g.k.layout, g.v.layout, tkp, tvp, lt_k, lt_v, nullptr, &dr, rotate);
 }
 
 }  // namespace ragattn

@@ -1,6 +1,7 @@
 // CUDA kernels of rerotate_keys_ and copy_kv_ (framework-free; launched from kv_cache_cuda.cu).
 //
-// One thread block per row n, covering that row in every layer and head: the block first
+// One thread block per row n, covering that row in every layer and head (layer base pointers in
+// the __grid_constant__ kernel parameters, row addresses from row_layout.h): the block first
 // computes cos/sin of delta[n] * inv_freq[i] once (rope_math.h, angle reduced in double) into
 // shared memory, then streams the row's slots of all layers with 16-byte loads/stores, several
 // slots in flight per thread (loads of a batch issued before its stores).
@@ -12,6 +13,7 @@
 // The scalar fallback (misaligned pointers or shapes) is the same code with VEC = 1.
 #include "kv_cache/kv_cache_kernels.cuh"
 #include "kv_cache/rope_math.h"
+#include "kv_cache/row_layout.h"
 
 namespace ragattn {
 namespace kv_cache {
@@ -46,27 +48,33 @@ __device__ __forceinline__ void store_elems(T* p, const T (&in)[N]) {
   }
 }
 
-// Shared-memory staging: layer pointers first (8-byte aligned), then cos[half], sin[half].
-struct Smem {
-  void** ptrs;
-  float* cos;
-  float* sin;
+// Kernel parameters (__grid_constant__: read in place from the parameter bank, never copied to
+// local memory, so the pointer arrays may be indexed at run time).
+struct RerotateParams {
+  void* layers[kMaxRerotateLayers];
+  RowLayout layout;
+  const void* rows;
+  const int32_t* delta;
+  const float* inv_freq;
+  int num_layers, heads, head_dim, rotary_dim;
+  bool rows_int64;
 };
 
-__device__ __forceinline__ Smem stage(void* const* ptrs, int num_ptrs, int half, const int32_t* delta, int64_t r,
-                                      const float* inv_freq) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem s;
-  s.ptrs = reinterpret_cast<void**>(smem_raw);
-  s.cos = reinterpret_cast<float*>(s.ptrs + num_ptrs);
-  s.sin = s.cos + half;
-  for (int i = threadIdx.x; i < num_ptrs; i += blockDim.x) s.ptrs[i] = ptrs[i];
-  if (delta != nullptr) {
-    const int32_t d = delta[r];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) rope::angle_cos_sin(d, inv_freq[i], &s.cos[i], &s.sin[i]);
-  }
+struct CopyParams {
+  void* ptrs[4 * kMaxCopyLayers];  // dst_k[0..L), dst_v[0..L), src_k[0..L), src_v[0..L)
+  RowLayout dst_k, dst_v, src_k, src_v;
+  const void* src_rows;
+  const void* dst_rows;
+  const int32_t* delta;
+  const float* inv_freq;
+  int num_layers, k_heads, k_head_dim, v_heads, v_head_dim, rotary_dim;
+  bool src_rows_int64, dst_rows_int64;
+};
+
+// cos/sin of delta[r] * inv_freq[i] for every frequency, in shared memory.
+__device__ __forceinline__ void stage_cos_sin(int half, int32_t d, const float* inv_freq, float* cs, float* sn) {
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope::angle_cos_sin(d, inv_freq[i], &cs[i], &sn[i]);
   __syncthreads();
-  return s;
 }
 
 // Rotate the rotary slots of one row in every layer: src rows -> dst rows (in place when equal).
@@ -156,123 +164,148 @@ __device__ __forceinline__ void copy_units(void* const* dst, void* const* src, i
 }
 
 template <typename T, int VEC, bool INTERLEAVED>
-__global__ void __launch_bounds__(kThreads)
-    rerotate_keys_kernel(void* const* layers, int num_layers, int heads, int head_dim, const int64_t* rows,
-                         const int32_t* delta, const float* inv_freq, int rotary_dim) {
+__global__ void __launch_bounds__(kThreads) rerotate_keys_kernel(const __grid_constant__ RerotateParams p) {
+  extern __shared__ __align__(16) float cos_sin[];
   const int64_t r = blockIdx.x;
-  if (delta[r] == 0) return;  // identity: leave the row untouched (block-uniform)
-  const Smem s = stage(layers, num_layers, rotary_dim / 2, delta, r, inv_freq);
-  const int64_t off = rows[r] * heads * head_dim;
-  rotate_slots<T, VEC, INTERLEAVED>(s.ptrs, s.ptrs, num_layers, heads, head_dim, rotary_dim, off, off, s.cos, s.sin);
+  const int32_t d = p.delta[r];
+  if (d == 0) return;  // identity: leave the row untouched (block-uniform)
+  const int half = p.rotary_dim / 2;
+  stage_cos_sin(half, d, p.inv_freq, cos_sin, cos_sin + half);
+  const int64_t off = row_offset(p.layout, load_index(p.rows, p.rows_int64, r));
+  rotate_slots<T, VEC, INTERLEAVED>(p.layers, p.layers, p.num_layers, p.heads, p.head_dim, p.rotary_dim, off, off,
+                                    cos_sin, cos_sin + half);
 }
 
 template <typename T, int VEC, bool INTERLEAVED, bool ROTATE>
-__global__ void __launch_bounds__(kThreads)
-    copy_kv_kernel(void* const* ptrs, int num_layers, int k_heads, int k_head_dim, int v_heads, int v_head_dim,
-                   const int64_t* src_rows, const int64_t* dst_rows, const int32_t* delta, const float* inv_freq,
-                   int rotary_dim) {
+__global__ void __launch_bounds__(kThreads) copy_kv_kernel(const __grid_constant__ CopyParams p) {
+  extern __shared__ __align__(16) float cos_sin[];
   const int64_t r = blockIdx.x;
-  const int L = num_layers;
-  const Smem s = stage(ptrs, 4 * L, ROTATE ? rotary_dim / 2 : 0, ROTATE ? delta : nullptr, r, inv_freq);
-  void* const* dst_k = s.ptrs;
-  void* const* dst_v = s.ptrs + L;
-  void* const* src_k = s.ptrs + 2 * L;
-  void* const* src_v = s.ptrs + 3 * L;
-  const int64_t sr = src_rows[r], dr = dst_rows[r];
-  const int64_t k_row = static_cast<int64_t>(k_heads) * k_head_dim;
+  const int L = p.num_layers;
+  const int half = ROTATE ? p.rotary_dim / 2 : 0;
+  if (ROTATE) stage_cos_sin(half, p.delta[r], p.inv_freq, cos_sin, cos_sin + half);
+  void* const* dst_k = p.ptrs;
+  void* const* dst_v = p.ptrs + L;
+  void* const* src_k = p.ptrs + 2 * L;
+  void* const* src_v = p.ptrs + 3 * L;
+  const int64_t sr = load_index(p.src_rows, p.src_rows_int64, r), dr = load_index(p.dst_rows, p.dst_rows_int64, r);
+  const int64_t dko = row_offset(p.dst_k, dr), sko = row_offset(p.src_k, sr);
+  const int k_row = p.k_heads * p.k_head_dim;
   if (ROTATE) {
-    rotate_slots<T, VEC, INTERLEAVED>(dst_k, src_k, L, k_heads, k_head_dim, rotary_dim, dr * k_row, sr * k_row, s.cos,
-                                      s.sin);
-    copy_units<T, VEC>(dst_k, src_k, L, k_heads, (k_head_dim - rotary_dim) / VEC, k_head_dim, rotary_dim, dr * k_row,
-                       sr * k_row);
+    rotate_slots<T, VEC, INTERLEAVED>(dst_k, src_k, L, p.k_heads, p.k_head_dim, p.rotary_dim, dko, sko, cos_sin,
+                                      cos_sin + half);
+    copy_units<T, VEC>(dst_k, src_k, L, p.k_heads, (p.k_head_dim - p.rotary_dim) / VEC, p.k_head_dim, p.rotary_dim, dko,
+                       sko);
   } else {
-    copy_units<T, VEC>(dst_k, src_k, L, 1, static_cast<int>(k_row / VEC), 0, 0, dr * k_row, sr * k_row);
+    copy_units<T, VEC>(dst_k, src_k, L, 1, k_row / VEC, 0, 0, dko, sko);
   }
-  if (v_heads > 0) {
-    const int64_t v_row = static_cast<int64_t>(v_heads) * v_head_dim;
-    copy_units<T, VEC>(dst_v, src_v, L, 1, static_cast<int>(v_row / VEC), 0, 0, dr * v_row, sr * v_row);
+  if (p.v_heads > 0) {
+    const int v_row = p.v_heads * p.v_head_dim;
+    copy_units<T, VEC>(dst_v, src_v, L, 1, v_row / VEC, 0, 0, row_offset(p.dst_v, dr), row_offset(p.src_v, sr));
   }
 }
 
-size_t smem_bytes(int num_ptrs, int half) { return num_ptrs * sizeof(void*) + 2 * half * sizeof(float); }
-
 template <typename T>
-cudaError_t rerotate_typed(void* const* layers, int L, int heads, int head_dim, const int64_t* rows,
-                           const int32_t* delta, int64_t n, const float* inv_freq, int rotary_dim, bool interleaved,
-                           bool vectorized, cudaStream_t stream) {
+cudaError_t rerotate_typed(const RerotateArgs& a, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  const dim3 grid(static_cast<unsigned>(n));
-  const size_t sm = smem_bytes(L, rotary_dim / 2);
-#define RAGATTN_ROT(VEC, IL) \
-  rerotate_keys_kernel<T, VEC, IL><<<grid, kThreads, sm, stream>>>(layers, L, heads, head_dim, rows, delta, inv_freq, rotary_dim)
-  if (vectorized) {
-    if (interleaved) RAGATTN_ROT(V, true); else RAGATTN_ROT(V, false);
-  } else {
-    if (interleaved) RAGATTN_ROT(1, true); else RAGATTN_ROT(1, false);
-  }
+  const dim3 grid(static_cast<unsigned>(a.n));
+  const size_t sm = static_cast<size_t>(a.rotary_dim) * sizeof(float);  // cos and sin, rotary_dim / 2 each
+  RerotateParams p{};
+  p.layout = a.layout;
+  p.rows = a.rows;
+  p.rows_int64 = a.rows_int64;
+  p.delta = a.delta;
+  p.inv_freq = a.inv_freq;
+  p.heads = a.heads;
+  p.head_dim = a.head_dim;
+  p.rotary_dim = a.rotary_dim;
+  for (int l0 = 0; l0 < a.num_layers; l0 += kMaxRerotateLayers) {
+    p.num_layers = a.num_layers - l0 < kMaxRerotateLayers ? a.num_layers - l0 : kMaxRerotateLayers;
+    for (int l = 0; l < p.num_layers; ++l) p.layers[l] = a.layers[l0 + l];
+#define RAGATTN_ROT(VEC, IL) rerotate_keys_kernel<T, VEC, IL><<<grid, kThreads, sm, stream>>>(p)
+    if (a.vectorized) {
+      if (a.interleaved) RAGATTN_ROT(V, true); else RAGATTN_ROT(V, false);
+    } else {
+      if (a.interleaved) RAGATTN_ROT(1, true); else RAGATTN_ROT(1, false);
+    }
 #undef RAGATTN_ROT
-  return cudaGetLastError();
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 template <typename T>
-cudaError_t copy_typed(void* const* ptrs, int L, int k_heads, int k_head_dim, int v_heads, int v_head_dim,
-                       const int64_t* src_rows, const int64_t* dst_rows, int64_t n, const int32_t* delta,
-                       const float* inv_freq, int rotary_dim, bool interleaved, bool vectorized, cudaStream_t stream) {
+cudaError_t copy_typed(const CopyArgs& a, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  const dim3 grid(static_cast<unsigned>(n));
-  const bool rotate = delta != nullptr;
-  const size_t sm = smem_bytes(4 * L, rotate ? rotary_dim / 2 : 0);
-#define RAGATTN_COPY(VEC, IL, ROT)                                                                             \
-  copy_kv_kernel<T, VEC, IL, ROT><<<grid, kThreads, sm, stream>>>(ptrs, L, k_heads, k_head_dim, v_heads, v_head_dim, \
-                                                                  src_rows, dst_rows, delta, inv_freq, rotary_dim)
-  if (vectorized) {
-    if (!rotate) RAGATTN_COPY(V, false, false);
-    else if (interleaved) RAGATTN_COPY(V, true, true);
-    else RAGATTN_COPY(V, false, true);
-  } else {
-    if (!rotate) RAGATTN_COPY(1, false, false);
-    else if (interleaved) RAGATTN_COPY(1, true, true);
-    else RAGATTN_COPY(1, false, true);
-  }
+  const dim3 grid(static_cast<unsigned>(a.n));
+  const bool rotate = a.delta != nullptr;
+  const size_t sm = rotate ? static_cast<size_t>(a.rotary_dim) * sizeof(float) : 0;
+  CopyParams p{};
+  p.dst_k = a.dst_k_layout;
+  p.dst_v = a.dst_v_layout;
+  p.src_k = a.src_k_layout;
+  p.src_v = a.src_v_layout;
+  p.src_rows = a.src_rows;
+  p.src_rows_int64 = a.src_rows_int64;
+  p.dst_rows = a.dst_rows;
+  p.dst_rows_int64 = a.dst_rows_int64;
+  p.delta = a.delta;
+  p.inv_freq = a.inv_freq;
+  p.k_heads = a.k_heads;
+  p.k_head_dim = a.k_head_dim;
+  p.v_heads = a.v_heads;
+  p.v_head_dim = a.v_head_dim;
+  p.rotary_dim = rotate ? a.rotary_dim : 0;
+  for (int l0 = 0; l0 < a.num_layers; l0 += kMaxCopyLayers) {
+    const int L = a.num_layers - l0 < kMaxCopyLayers ? a.num_layers - l0 : kMaxCopyLayers;
+    p.num_layers = L;
+    for (int l = 0; l < L; ++l) {
+      p.ptrs[l] = a.dst_k[l0 + l];
+      p.ptrs[2 * L + l] = a.src_k[l0 + l];
+      p.ptrs[L + l] = a.v_heads > 0 ? a.dst_v[l0 + l] : nullptr;
+      p.ptrs[3 * L + l] = a.v_heads > 0 ? a.src_v[l0 + l] : nullptr;
+    }
+#define RAGATTN_COPY(VEC, IL, ROT) copy_kv_kernel<T, VEC, IL, ROT><<<grid, kThreads, sm, stream>>>(p)
+    if (a.vectorized) {
+      if (!rotate) RAGATTN_COPY(V, false, false);
+      else if (a.interleaved) RAGATTN_COPY(V, true, true);
+      else RAGATTN_COPY(V, false, true);
+    } else {
+      if (!rotate) RAGATTN_COPY(1, false, false);
+      else if (a.interleaved) RAGATTN_COPY(1, true, true);
+      else RAGATTN_COPY(1, false, true);
+    }
 #undef RAGATTN_COPY
-  return cudaGetLastError();
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
 
-cudaError_t launch_rerotate_keys(void* const* layers, int num_layers, int heads, int head_dim, const int64_t* rows,
-                                 const int32_t* delta, int64_t n, const float* inv_freq, int rotary_dim,
-                                 bool interleaved, CacheDType dtype, bool vectorized, cudaStream_t stream) {
-  if (n == 0 || num_layers == 0) return cudaSuccess;
-  switch (dtype) {
+cudaError_t launch_rerotate_keys(const RerotateArgs& a, cudaStream_t stream) {
+  if (a.n == 0 || a.num_layers == 0) return cudaSuccess;
+  switch (a.dtype) {
     case CacheDType::kFloat16:
-      return rerotate_typed<__half>(layers, num_layers, heads, head_dim, rows, delta, n, inv_freq, rotary_dim,
-                                    interleaved, vectorized, stream);
+      return rerotate_typed<__half>(a, stream);
     case CacheDType::kBFloat16:
-      return rerotate_typed<__nv_bfloat16>(layers, num_layers, heads, head_dim, rows, delta, n, inv_freq, rotary_dim,
-                                           interleaved, vectorized, stream);
+      return rerotate_typed<__nv_bfloat16>(a, stream);
     case CacheDType::kFloat32:
-      return rerotate_typed<float>(layers, num_layers, heads, head_dim, rows, delta, n, inv_freq, rotary_dim,
-                                   interleaved, vectorized, stream);
+      return rerotate_typed<float>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch_copy_kv(void* const* ptrs, int num_layers, int k_heads, int k_head_dim, int v_heads, int v_head_dim,
-                           const int64_t* src_rows, const int64_t* dst_rows, int64_t n, const int32_t* delta,
-                           const float* inv_freq, int rotary_dim, bool interleaved, CacheDType dtype, bool vectorized,
-                           cudaStream_t stream) {
-  if (n == 0 || num_layers == 0) return cudaSuccess;
-  switch (dtype) {
+cudaError_t launch_copy_kv(const CopyArgs& a, cudaStream_t stream) {
+  if (a.n == 0 || a.num_layers == 0) return cudaSuccess;
+  switch (a.dtype) {
     case CacheDType::kFloat16:
-      return copy_typed<__half>(ptrs, num_layers, k_heads, k_head_dim, v_heads, v_head_dim, src_rows, dst_rows, n,
-                                delta, inv_freq, rotary_dim, interleaved, vectorized, stream);
+      return copy_typed<__half>(a, stream);
     case CacheDType::kBFloat16:
-      return copy_typed<__nv_bfloat16>(ptrs, num_layers, k_heads, k_head_dim, v_heads, v_head_dim, src_rows, dst_rows,
-                                       n, delta, inv_freq, rotary_dim, interleaved, vectorized, stream);
+      return copy_typed<__nv_bfloat16>(a, stream);
     case CacheDType::kFloat32:
-      return copy_typed<float>(ptrs, num_layers, k_heads, k_head_dim, v_heads, v_head_dim, src_rows, dst_rows, n,
-                               delta, inv_freq, rotary_dim, interleaved, vectorized, stream);
+      return copy_typed<float>(a, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,32 +1,73 @@
 // Framework-free launchers of the KV-cache kernels (no torch headers): raw device pointers,
 // a dtype tag, a stream. Called by kv_cache_cuda.cu after it has validated everything.
+//
+// The layer base pointers travel inside the kernel's own parameters (a __grid_constant__
+// struct of at most kMaxLayerPtrs pointers): nothing is copied from the host per call, so a
+// launch can be captured in a CUDA graph. More layers than fit are launched in chunks.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kv_cache/row_layout.h"
+
 namespace ragattn {
 namespace kv_cache {
 
 enum class CacheDType { kFloat16, kBFloat16, kFloat32 };
 
-// In place: row rows[n] of each of the `num_layers` caches (device array `layers` of base
-// pointers, each viewed as [*, heads, head_dim] contiguous) is rotated by delta[n] positions.
-// `vectorized`: every base pointer is 16-byte aligned (the launcher knows the pointers).
-// Preconditions: rows distinct and in range; 2 <= rotary_dim <= head_dim, rotary_dim even.
-cudaError_t launch_rerotate_keys(void* const* layers, int num_layers, int heads, int head_dim, const int64_t* rows,
-                                 const int32_t* delta, int64_t n, const float* inv_freq, int rotary_dim,
-                                 bool interleaved, CacheDType dtype, bool vectorized, cudaStream_t stream);
+constexpr int kMaxLayerPtrs = 256;                     // pointers per launch (2 KB of parameters)
+constexpr int kMaxRerotateLayers = kMaxLayerPtrs;      // rerotate_keys_: one pointer per layer
+constexpr int kMaxCopyLayers = kMaxLayerPtrs / 4;      // copy_kv_: dst_k, dst_v, src_k, src_v per layer
 
-// ptrs: device array of 4 * num_layers base pointers: dst_k[0..L), dst_v[0..L), src_k[0..L),
-// src_v[0..L) (the V halves unused when v_heads == 0). For n: dst row dst_rows[n] <- src row
-// src_rows[n] in every layer, K rotated by delta[n] when delta != nullptr.
-// Preconditions: dst_rows distinct and in range, src_rows in range, no row both read and written.
-cudaError_t launch_copy_kv(void* const* ptrs, int num_layers, int k_heads, int k_head_dim, int v_heads, int v_head_dim,
-                           const int64_t* src_rows, const int64_t* dst_rows, int64_t n, const int32_t* delta,
-                           const float* inv_freq, int rotary_dim, bool interleaved, CacheDType dtype, bool vectorized,
-                           cudaStream_t stream);
+struct RerotateArgs {
+  void* const* layers;  // host array of num_layers device base pointers
+  int num_layers;
+  RowLayout layout;  // of every layer (elements)
+  int heads, head_dim;
+  const void* rows;  // device, int32 or int64 [n]
+  bool rows_int64;
+  const int32_t* delta;  // device [n]
+  int64_t n;
+  const float* inv_freq;  // device [rotary_dim / 2]
+  int rotary_dim;
+  bool interleaved;
+  CacheDType dtype;
+  bool vectorized;  // every base pointer 16-byte aligned, shapes/strides in whole 16-byte units
+};
+
+// In place: row rows[i] of every layer is rotated by delta[i] positions.
+// Preconditions: rows distinct and in range; 2 <= rotary_dim <= head_dim, rotary_dim even; the
+// layers pairwise disjoint in memory.
+cudaError_t launch_rerotate_keys(const RerotateArgs& a, cudaStream_t stream);
+
+struct CopyArgs {
+  // Host arrays of num_layers device base pointers; dst_v/src_v are nullptr when v_heads == 0.
+  void* const* dst_k;
+  void* const* dst_v;
+  void* const* src_k;
+  void* const* src_v;
+  int num_layers;
+  RowLayout dst_k_layout, dst_v_layout, src_k_layout, src_v_layout;
+  int k_heads, k_head_dim, v_heads, v_head_dim;
+  const void* src_rows;  // device int32/int64 [n], or nullptr: row i
+  bool src_rows_int64;
+  const void* dst_rows;  // device int32/int64 [n], or nullptr: row i
+  bool dst_rows_int64;
+  int64_t n;
+  const int32_t* delta;  // device [n] or nullptr (no rotation)
+  const float* inv_freq;
+  int rotary_dim;
+  bool interleaved;
+  CacheDType dtype;
+  bool vectorized;
+};
+
+// dst row dst_rows[i] <- src row src_rows[i] in every layer, K rotated by delta[i] when given.
+// Preconditions: dst_rows distinct and in range, src_rows in range, no source memory written by
+// the call (the ATen launcher stages aliased sources through a temporary first).
+cudaError_t launch_copy_kv(const CopyArgs& a, cudaStream_t stream);
 
 // Whether rotating `head_dim`-wide heads with `rotary_dim` and copying rows of `row_elems`
 // elements can use 16-byte accesses for elements of `elem_bytes` bytes (pointer alignment aside).
@@ -34,6 +75,12 @@ inline bool vector_shapes_ok(int elem_bytes, int head_dim, int rotary_dim, bool 
   const int vec = 16 / elem_bytes;
   const int rot_unit = interleaved ? rotary_dim : rotary_dim / 2;
   return head_dim % vec == 0 && rot_unit % vec == 0 && v_row_elems % vec == 0;
+}
+
+// Whether every row of `layout` starts on a 16-byte boundary relative to its layer's base.
+inline bool vector_layout_ok(int elem_bytes, const RowLayout& layout) {
+  const int vec = 16 / elem_bytes;
+  return layout.inner_stride % vec == 0 && layout.outer_stride % vec == 0;
 }
 
 }  // namespace kv_cache

@@ -1,25 +1,44 @@
 """ragattn as a transformers attention implementation ("ragattn").
 
-    import ragattn.hf.attention          # registers "ragattn" (also done by ragattn.hf.enable())
-    model.set_attn_implementation("ragattn")            # or from_pretrained(..., attn_implementation="ragattn")
+    import ragattn.hf
+    ragattn.hf.enable()                                  # registers "ragattn" (idempotent)
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="ragattn")
+    # or: model.set_attn_implementation("ragattn")
     model.generate(**tok(texts, return_tensors="pt", padding=True), do_sample=False)
 
 Registered in both ``AttentionInterface`` (the attention function) and ``AttentionMaskInterface``
 (the mask builder: transformers' boolean SDPA mask, so padded batches get their mask, or ``None``
-for an unpadded causal batch). Per layer call, with ``query [B, Hq, q, D]`` and the updated
-contiguous cache ``key/value [B, Hkv, kv, D]`` (slot ``j`` holds position ``j`` of the row):
+where SDPA would use ``is_causal``). Every transformers cache works (dynamic, static, offloaded,
+and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
+``query [B, Hq, q, D]`` and the cache's ``key/value [B, Hkv, kv, D]``:
 
-* ``q > 1`` (prefill, chunked prefill): the valid (non-pad) queries and keys are packed and run
-  through ``ragattn.varlen_attention`` with ``q_pos``/``kv_pos`` = cache slots (causal by slot).
-* ``q == 1`` (decode): ``ragattn.paged_attention``; unpadded: one page per row (the contiguous
-  special case), padded: pages of one slot listing only the row's valid slots.
+* The mask decides what each query sees, exactly as it does for SDPA. ``None`` means SDPA's
+  ``is_causal``: for ``q > 1`` query ``i`` sees keys ``0..i`` (top-left aligned: a fresh cache,
+  dynamic or static), for ``q == 1`` every key. A boolean or additive ``[B, 1|H, q, kv]`` mask
+  is read once per forward (at layer 0, one host sync) into a *plan*: each query row's slot
+  (its last visible key) and each key's validity (padding). When the mask is exactly
+  "causal by slot and padding" (what transformers builds for any cache, padded or not), the
+  plan runs ragattn's kernels; **any other mask (block-diagonal, sliding window over a long
+  prefill, a custom bias) falls back to SDPA with that mask**, so a custom mask is always
+  honoured, never approximated.
+* ``q > 1`` (prefill, chunked prefill): ``ragattn.varlen_attention`` over the batch with no
+  packing: keys of padding get a position no query reaches, padded query rows a position below
+  every key; keys past the last query's slot (a static cache's empty tail) are never read.
+* ``q == 1`` (decode): ``ragattn.paged_attention`` reading the cache in place (its strides, no
+  copy): unpadded, one page per row; with a mask, pages of one slot listing the visible slots.
+* With no mask (an unpadded batch) the path has no host sync and builds its index tensors once
+  per shape, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
 
-Block-Attention: pass ``ragattn_block_ids`` (int ``[B, kv]``, block id of every cache slot incl.
-the current tokens, ``-1`` = global) through ``model(..., ragattn_block_ids=...)``; the prefill then
-uses the Block-Attention mask (same block or either side global).
+Refused with a named error (rather than computed wrong): attention-logit soft-capping (Gemma 2),
+attention sinks, dropout in training, non-causal attention modules, ``output_attentions=True``,
+and model families whose attention this path has not been checked against
+(:data:`SUPPORTED_FAMILIES`). The transformers version must lie in :data:`TESTED_TRANSFORMERS`
+(``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` turns the error into a warning).
 
-Further keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
+Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
 
+* ``ragattn_block_ids`` int ``[B, kv]``: block id of every cache slot incl. the current tokens,
+  ``-1`` = global; the prefill then uses the Block-Attention mask (same block or either global).
 * ``ragattn_cu_seqlens`` int32 ``[n + 1]``: the batch-1 input packs ``n`` independent sequences
   (e.g. chunks; their ``position_ids`` restart at 0): one ``varlen_attention`` call, no cross-talk.
   With ``ragattn_block_ids`` ``[1, T]`` as well, each packed sequence gets the Block-Attention mask
@@ -29,7 +48,7 @@ Further keyword arguments used by ``ragattn.methods`` (all optional, passed thro
 * ``ragattn_paged`` a :class:`PagedKV`: the current tokens' K/V are written into the paged request
   cache at slots ``lengths[b] + i`` and attention runs through ``ragattn.paged_attention`` (causal by
   slot; RoPE positions come from ``position_ids`` and may differ from slots). The caller advances
-  ``lengths`` after the forward.
+  ``lengths`` after the forward (:class:`ragattn.hf.cache.PagedCache` does it for ``generate()``).
 * ``ragattn_slots`` int ``[q]`` with ``ragattn_paged`` (batch 1): selective recompute. The current
   tokens' K/V overwrite these slots (distinct, each ``< lengths[0]``; the caller sets ``lengths`` to
   cover them first and does not advance it after) instead of being appended, and row ``i`` attends
@@ -38,21 +57,32 @@ Further keyword arguments used by ``ragattn.methods`` (all optional, passed thro
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
+import warnings
 
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ragattn import ops as _ops
 
 NAME = "ragattn"
+# transformers versions this path is tested with (inclusive, major.minor)
+TESTED_TRANSFORMERS = ((5, 17), (5, 23))
+# model_type of the families whose attention modules this path is checked against
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ALLOW_UNTESTED_ENV = "RAGATTN_ALLOW_UNTESTED_TRANSFORMERS"
+_FAR = 1 << 30  # a key position no query reaches (padding keys) is _FAR; padded queries sit at -1
 
 
 class PagedKV:
     """A paged request KV cache (design.md layout) for one model.
 
     ``k[l]``, ``v[l]``: ``[num_pages, page_size, Hkv, D]`` per layer; ``block_table`` int32
-    ``[B, max_pages]``; ``lengths`` int32 ``[B]`` (slots filled per row).
+    ``[B, max_pages]``; ``lengths`` int32 ``[B]`` (slots filled per row); ``capacity`` slots per
+    row. :class:`ragattn.hf.cache.PagedCache` wraps one as a transformers ``Cache``.
     """
 
     def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16,
@@ -65,17 +95,25 @@ class PagedKV:
         self.v = [torch.empty_like(t) for t in self.k]
         self.block_table = torch.arange(n_pages, dtype=torch.int32, device=device).view(batch, pages_per_row)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        self._plan_key = self._scatter_key = None
 
     def slot_rows(self, b: int, slots: torch.Tensor) -> torch.Tensor:
         """Flat row indices (into a layer viewed as ``[num_pages * page_size, Hkv, D]``) of ``slots``."""
         pages = self.block_table[b].long()[slots.long() // self.page_size]
         return pages * self.page_size + slots.long() % self.page_size
 
-    def scatter_plan(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`slot_rows` for every row at once: ``slots`` int ``[B, n]`` -> int64 ``[B, n]``."""
+        s = slots.long()
+        pages = self.block_table.long().gather(1, s // self.page_size)
+        return pages * self.page_size + s % self.page_size
+
+    def scatter_plan(self, slots: torch.Tensor, first_layer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [q] int64, slots [q] int32)`` for writing ``q`` tokens of row 0 at ``slots``
-        (selective recompute); checked once per forward (slots distinct and ``< lengths[0]``)."""
-        key = (id(slots), slots._version, id(self.lengths), self.lengths._version)
-        if getattr(self, "_scatter_key", None) != key:
+        (selective recompute); checked once per forward (at its first layer): slots distinct and
+        ``< lengths[0]``."""
+        key = (id(slots), tuple(slots.shape))
+        if first_layer or self._scatter_key != key:
             if self.lengths.shape[0] != 1:
                 raise ValueError("ragattn attention: ragattn_slots needs a batch-1 paged cache")
             if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= int(self.lengths[0])):
@@ -87,73 +125,334 @@ class PagedKV:
             self._scatter = (self.slot_rows(0, slots), slots.to(torch.int32))
         return self._scatter
 
-    def append_plan(self, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_plan(self, q: int, device, first_layer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [B * q] int64, slots [B * q] int32)``: where ``q`` new tokens per row go.
 
-        The same for every layer of one forward, so it is computed once (one host sync for the
-        capacity check) and reused until ``lengths`` changes (the caller advances it afterwards).
-        """
-        key = (id(self.lengths), self.lengths._version, q)
-        if getattr(self, "_plan_key", None) != key:
+        The same for every layer of one forward: computed at the forward's first layer (one host
+        sync for the capacity check) and reused by the others (the caller advances ``lengths``
+        after the forward). Keyed by the layer, not by ``lengths``' version counter, so that it
+        works on inference tensors (``torch.inference_mode()``), which have none."""
+        key = (q, self.lengths.shape[0])
+        if first_layer or self._plan_key != key:
             if int(self.lengths.max()) + q > self.capacity:
                 raise ValueError(f"ragattn attention: paged request cache full ({self.capacity} slots), "
                                  f"cannot append {q} tokens")
-            slots = [self.lengths[i] + torch.arange(q, device=device, dtype=torch.int32)
-                     for i in range(self.lengths.shape[0])]
-            rows = torch.cat([self.slot_rows(i, sl) for i, sl in enumerate(slots)])
-            self._plan_key, self._plan = key, (rows, torch.cat(slots))
+            slots = self.lengths[:, None] + torch.arange(q, device=device, dtype=torch.int32)   # [B, q]
+            self._plan_key = key
+            self._plan = (self.all_slot_rows(slots).reshape(-1), slots.reshape(-1))
         return self._plan
 
 
-def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None):
+    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True):
+        """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
+        None)`` when every row's pages are consecutive, else None; computed at the first layer."""
+        if first_layer or getattr(self, "_cpu_rows_key", None) != (q, self.lengths.shape[0]):
+            bt = self.block_table
+            plan = None
+            if bt.device.type == "cpu" and bool((bt[:, 1:] - bt[:, :-1] == 1).all()):
+                plan = []
+                for i, (page0, length) in enumerate(zip(bt[:, 0].tolist(), kv_lens.tolist())):
+                    qp = q_pos[i * q:(i + 1) * q]
+                    mask = None
+                    if not (q == 1 and int(qp[0]) >= length - 1):
+                        mask = torch.arange(length)[None, :] <= qp[:, None].long()
+                    plan.append((page0 * self.page_size, length, mask))
+            self._cpu_rows_key, self._cpu_rows = (q, self.lengths.shape[0]), plan
+        return self._cpu_rows
+
+    def masked_append_plan(self, valid: torch.Tensor, first_layer: bool = True):
+        """Appending ``q`` new tokens per row of which only ``valid`` (bool ``[B, q]``) are real
+        (the rest padding, never written): ``(rows [n] int64, src [n] int64, q_pos [B * q] int32,
+        kv_lens [B] int32, counts [B] int32)`` with ``src`` the flat indices of the real tokens,
+        written at their row's next slots in order. Padding query rows get a position that sees
+        only written slots (their output is never used). Computed at the first layer."""
+        b, q = valid.shape
+        key = ("masked", b, q)
+        if first_layer or self._plan_key != key:
+            counts = valid.sum(1, dtype=torch.int32)
+            if int((self.lengths + counts).max()) > self.capacity:
+                raise ValueError(f"ragattn attention: paged request cache full ({self.capacity} slots), "
+                                 f"cannot append {q} tokens")
+            rank = valid.to(torch.int32).cumsum(1) - 1                          # [B, q]
+            slots = self.lengths[:, None] + rank
+            src = valid.reshape(-1).nonzero().squeeze(1)
+            rows = self.all_slot_rows(slots.clamp_min(0)).reshape(-1)[src]
+            self._plan_key = key
+            self._plan = (rows, src, slots.clamp_min(0).reshape(-1).to(torch.int32),
+                          self.lengths + counts, counts)
+        return self._plan
+
+
+def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None, valid=None):
+    """Write the new K/V into ``cache`` and attend through it; ``valid`` bool ``[B, q]`` marks
+    the real (non-padding) new tokens. Returns ``((out, None), counts or None)``."""
     b, hq, q, d = query.shape
     layer = module.layer_idx
-    if slots is None:
-        rows, q_pos = cache.append_plan(q, query.device)
+    first = layer == 0
+    kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
+    vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
+    k_new = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
+    v_new = value.transpose(1, 2).reshape(b * q, *vf.shape[1:]).to(vf.dtype)
+    counts = None
+    if valid is not None:
+        rows, src, q_pos, kv_lens, counts = cache.masked_append_plan(valid, first)
+        k_new, v_new = k_new.index_select(0, src), v_new.index_select(0, src)
+    elif slots is None:
+        rows, q_pos = cache.append_plan(q, query.device, first_layer=first)
         kv_lens = cache.lengths + q
     else:
         if b != 1 or slots.shape != (q,):
             raise ValueError(f"ragattn attention: ragattn_slots must be [q] = [{q}] with batch 1, "
                              f"got {tuple(slots.shape)} with batch {b}")
-        rows, q_pos = cache.scatter_plan(slots)
+        rows, q_pos = cache.scatter_plan(slots, first_layer=first)
         kv_lens = cache.lengths
-    kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
-    vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
-    kf[rows] = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
-    vf[rows] = value.transpose(1, 2).reshape(b * q, *vf.shape[1:]).to(vf.dtype)
+    kf.index_copy_(0, rows, k_new)
+    vf.index_copy_(0, rows, v_new)
+    if slots is None and query.device.type == "cpu" and cpu_sdpa_enabled():
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first)
+        if rows_plan is not None:
+            return (_cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module), None), counts
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
-    o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d).contiguous(),
+    o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d),
                                 q_pos, cu, cache.k[layer], cache.v[layer],
                                 cache.block_table, kv_lens, scaling)
-    return o.view(b, q, hq, d), None
+    return (o.view(b, q, hq, d), None), counts
 
 
-def _valid_from_mask(mask, b, q, kv, device):
-    """(q_valid [B, q], kv_valid [B, kv]) bool from a boolean/additive mask [B, 1|H, q, kv] or None."""
-    if mask is None:
-        return (torch.ones(b, q, dtype=torch.bool, device=device),
-                torch.ones(b, kv, dtype=torch.bool, device=device))
-    m = mask if mask.dtype == torch.bool else mask == 0
-    m = m[:, 0].expand(b, q, kv)
-    return m.any(-1), m.any(-2)
+def cpu_sdpa_enabled() -> bool:
+    """On the CPU, a paged request whose rows own consecutive pages (every :class:`PagedKV` as
+    allocated) attends with torch's SDPA over the row's slots in place (same rule: slot ``j``
+    visible to a query at slot ``s`` iff ``j <= s``, ``j < kv_lens``): the CPU paged op is the
+    plain-torch reference (a gather + repeated K/V per call), several times slower per decode
+    step. ``RAGATTN_HF_CPU_SDPA=0`` routes these calls through ``ragattn.paged_attention``."""
+    return os.environ.get("RAGATTN_HF_CPU_SDPA", "1") != "0"
+
+
+def _cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module):
+    """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
+    ``kf[start:start + length]`` (a view), GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
+    b, hq, q, d = query.shape
+    out = query.new_zeros(b, q, hq, d)
+    for i, (start, length, mask) in enumerate(rows_plan):
+        if length == 0:
+            continue
+        k = kf[start:start + length].permute(1, 0, 2)[None]             # [1, Hkv, L, D] view
+        v = vf[start:start + length].permute(1, 0, 2)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[i:i + 1], k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        out[i] = o[0].transpose(0, 1)
+    return out
+
+
+def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner):
+    """The :class:`ragattn.hf.cache.PagedCache` path: the mask covers only the new tokens
+    (``[B, 1, q, q]``: causal + their padding); its diagonal says which tokens are real."""
+    b, q = query.shape[0], query.shape[2]
+    valid = None
+    if attention_mask is not None:
+        vis = _visible_from_mask(attention_mask, b, q, q)
+        if vis is None:
+            raise NotImplementedError("ragattn attention: a custom attention mask with a PagedCache")
+        valid = torch.diagonal(vis, dim1=1, dim2=2)                     # [B, q]
+    out, counts = _paged_forward(module, query, key, value, scaling, owner.paged, valid=valid)
+    if module.layer_idx == owner.num_layers - 1:
+        owner._advance(q, counts)
+    return out
+
+
+# ----- checks ----------------------------------------------------------------------------------
+def check_transformers_version(version: str | None = None) -> None:
+    """Raise if transformers ``version`` (default: the installed one) is outside
+    :data:`TESTED_TRANSFORMERS` (a warning instead when ``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1``)."""
+    version = version or transformers.__version__
+    try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        major_minor = (0, 0)
+    lo, hi = TESTED_TRANSFORMERS
+    if lo <= major_minor <= hi:
+        return
+    msg = (f"ragattn.hf: transformers {version} is outside the tested range "
+           f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (the attention and cache interfaces change between "
+           f"releases); install a tested version or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
+    if os.environ.get(ALLOW_UNTESTED_ENV, "0") == "1":
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return
+    raise RuntimeError(msg)
+
+
+def _refuse_unsupported(module, dropout, kwargs) -> None:
+    """Named errors for every attention feature this path does not implement."""
+    config = getattr(module, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise NotImplementedError(
+            f"ragattn attention: model family {family!r} is not supported (supported: "
+            f"{list(SUPPORTED_FAMILIES)}); use attn_implementation='sdpa' for it")
+    if kwargs.get("softcap") is not None or getattr(config, "attn_logit_softcapping", None):
+        raise NotImplementedError("ragattn attention: attention-logit soft-capping "
+                                  "(attn_logit_softcapping) is not supported")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError("ragattn attention: attention sinks (s_aux) are not supported")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("ragattn attention: output_attentions=True is not supported (no "
+                                  "attention weights are formed); use attn_implementation='eager'")
+    if dropout and module.training:
+        raise NotImplementedError("ragattn attention: dropout is not supported")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise NotImplementedError("ragattn attention: non-causal attention is not supported")
+
+
+# ----- the per-forward plan --------------------------------------------------------------------
+class _Plan:
+    """Index tensors shared by every layer of one forward (see the module docstring)."""
+    __slots__ = ("key", "mask", "fallback", "kv_end", "cu_q", "cu_k", "q_pos", "kv_pos",
+                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view")
+
+
+_local = threading.local()
+
+
+def _cached_plan(layer_idx, key, mask):
+    """The plan of this forward if layer ``layer_idx`` may reuse it (any layer but the first, same
+    shapes, the very same mask object)."""
+    plan = getattr(_local, "plan", None)
+    if plan is None or layer_idx == 0 or plan.key != key or plan.mask is not mask:
+        return None
+    return plan
+
+
+def _store_plan(plan):
+    if not torch.compiler.is_compiling():
+        _local.plan = plan
+    return plan
+
+
+def _visible_from_mask(mask, b, q, kv):
+    """bool ``[B, q, kv]`` from a boolean or additive ``[B, 1|H, q, kv]`` mask, or None when the
+    mask is not one pattern for all heads of 0 / -inf entries (the caller falls back to SDPA)."""
+    if mask.dim() != 4 or mask.shape[-2:] != (q, kv) or mask.shape[0] not in (1, b):
+        return None
+    if mask.dtype == torch.bool:
+        vis = mask
+    else:
+        vis = mask == 0
+        blocked = mask[~vis]
+        if blocked.numel() and not bool((blocked <= torch.finfo(mask.dtype).min / 2).all()):
+            return None   # a bias, not a mask
+    if vis.shape[1] > 1 and not bool((vis == vis[:, :1]).all()):
+        return None       # per-head masks
+    return vis[:, 0].expand(b, q, kv)
+
+
+def _plan(module, query, key, attention_mask, kwargs):
+    b, hq, q, d = query.shape
+    kv = key.shape[2]
+    dev = query.device
+    shape_key = (b, q, kv, dev)
+    plan = _cached_plan(getattr(module, "layer_idx", 0), shape_key, attention_mask)
+    if plan is not None:
+        return plan
+    plan = _Plan()
+    plan.key, plan.mask, plan.fallback, plan.page_view = shape_key, attention_mask, False, None
+    if attention_mask is None:
+        if q > 1:   # SDPA's is_causal: top-left aligned, keys past the last query never seen
+            plan.kv_end = min(q, kv)
+            plan.cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
+            plan.cu_k = torch.arange(0, (b + 1) * plan.kv_end, plan.kv_end, dtype=torch.int32, device=dev)
+            plan.q_pos = torch.arange(q, dtype=torch.int32, device=dev).repeat(b)
+            plan.kv_pos = torch.arange(plan.kv_end, dtype=torch.int32, device=dev).repeat(b)
+        else:       # decode: every key, one page per row, read in place
+            plan.page_view = "row"
+            plan.table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
+            plan.kv_lens = torch.full((b,), kv, dtype=torch.int32, device=dev)
+            plan.dec_pos = torch.full((b,), kv - 1, dtype=torch.int32, device=dev)
+            plan.cu_dec = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        return _store_plan(plan)
+    vis = _visible_from_mask(attention_mask, b, q, kv)
+    if vis is None:
+        plan.fallback = True
+        return _store_plan(plan)
+    slot = torch.arange(kv, device=dev)
+    if q == 1:      # decode: the visible slots (any set) as pages of one slot, in slot order
+        v = vis[:, 0]                                                   # [B, kv]
+        plan.page_view = "slot"
+        order = torch.sort((~v).to(torch.int8), dim=1, stable=True).indices   # visible first
+        hkv = key.shape[1]
+        plan.table = (torch.arange(b, device=dev)[:, None] * (hkv * kv) + order).to(torch.int32)
+        plan.kv_lens = v.sum(1, dtype=torch.int32)
+        plan.dec_pos = (plan.kv_lens - 1).clamp_min(0)
+        plan.cu_dec = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        return _store_plan(plan)
+    # prefill: row slot = last visible key; key valid = seen by some row; must be causal + padding
+    last = torch.where(vis, slot, -1).amax(-1)                          # [B, q]
+    kv_ok = vis.any(1)                                                  # [B, kv]
+    structured = (vis == (kv_ok[:, None, :] & (slot <= last[..., None]))).all()
+    if torch.compiler.is_compiling():
+        # no host sync in a graph: a mask that is not causal + padding is refused, not approximated
+        torch._assert_async(structured, "ragattn attention: under torch.compile the attention mask "
+                            "must be causal + padding (transformers' own); use sdpa for custom masks")
+        kv_end = kv
+    else:
+        if not bool(structured):                                        # host sync, once per forward
+            plan.fallback = True
+            return _store_plan(plan)
+        kv_end = max(int(last.max()) + 1, 1)                            # never read the empty tail
+    plan.kv_end = kv_end
+    plan.cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
+    plan.cu_k = torch.arange(0, (b + 1) * kv_end, kv_end, dtype=torch.int32, device=dev)
+    plan.q_pos = last.to(torch.int32).reshape(-1)
+    plan.kv_pos = torch.where(kv_ok[:, :kv_end], slot[:kv_end], _FAR).to(torch.int32).reshape(-1)
+    return _store_plan(plan)
+
+
+def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ragattn_")}
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _rows_view(t):
+    """``[B, H, S, D]`` -> ``[B * S, H, D]`` contiguous (one copy: varlen's packed layout)."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h, d)
+
+
+def _page_view(t, kind):
+    """The cache ``[B, H, S, D]`` (last dim contiguous) as pages, without a copy: ``"row"`` one
+    page per row ``[B, S, H, D]``; ``"slot"`` pages of one slot ``[n, 1, H, D]``, page ``p`` at
+    ``p * stride(S)`` (page ``b * H * S + j`` is row ``b``'s slot ``j`` when the rows are packed)."""
+    if kind == "row":
+        return t.transpose(1, 2)
+    b, h, s, d = t.shape
+    sb, sh, ss, _ = t.stride()
+    if sb != h * s * ss:
+        raise ValueError("ragattn attention: the K/V cache rows are not packed (unexpected strides "
+                         f"{t.stride()} for shape {tuple(t.shape)})")
+    n = (b - 1) * h * s + s
+    return t.as_strided((n, 1, h, d), (ss, ss, sh, 1))
 
 
 def ragattn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                               is_causal=None, **kwargs):
     """HF attention function: returns ``(out [B, q, Hq, D], None)``."""
-    if dropout and module.training:
-        raise NotImplementedError("ragattn attention: dropout is not supported")
+    _refuse_unsupported(module, dropout, dict(kwargs, is_causal=is_causal))
     b, hq, q, d = query.shape
-    kv, hkv = key.shape[2], key.shape[1]
     dev = query.device
     capture = kwargs.get("ragattn_capture")
     if capture is not None:
         capture.append((key, value))
     if kwargs.get("ragattn_capture_query") is not None:
         kwargs["ragattn_capture_query"].append(query)
-    if kwargs.get("ragattn_paged") is not None:
-        return _paged_forward(module, query, key, value, scaling, kwargs["ragattn_paged"],
-                              kwargs.get("ragattn_slots"))
+    owner = getattr(key, "_ragattn_cache", None)       # set by PagedCache.update
+    if owner is not None:
+        return _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner)
+    paged = kwargs.get("ragattn_paged")
+    if paged is not None:
+        return _paged_forward(module, query, key, value, scaling, paged, kwargs.get("ragattn_slots"))[0]
+    kv = key.shape[2]
     cu_packed = kwargs.get("ragattn_cu_seqlens")
     if cu_packed is not None:
         if b != 1 or kv != q:
@@ -167,46 +466,43 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
                                      value[0].transpose(0, 1).contiguous(), cu_packed, cu_packed,
                                      None, None, blocks, blocks, True, scaling)
         return o[None], None
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-    if window is not None and kv > window:
-        raise NotImplementedError(f"ragattn attention: sliding-window attention (window {window}) "
-                                  f"over {kv} keys is not supported")
-    q_valid, kv_valid = _valid_from_mask(attention_mask, b, q, kv, dev)
     block_ids = kwargs.get("ragattn_block_ids")
-    qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, T, H, D]
-    out = torch.zeros(b, q, hq, d, dtype=query.dtype, device=dev)
-    if q == 1 and block_ids is None:
-        n = kv_valid.sum(1).to(torch.int32)                       # valid keys per row
-        if bool(kv_valid.all()):
-            k_cache, v_cache = kt.contiguous(), vt.contiguous()   # [B, kv, Hkv, D]: one page per row
-            table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
-        else:
-            k_cache = kt.reshape(b * kv, 1, hkv, d).contiguous()
-            v_cache = vt.reshape(b * kv, 1, hkv, d).contiguous()
-            slots = torch.arange(kv, device=dev).expand(b, kv)
-            order = torch.sort((~kv_valid).to(torch.int8), dim=1, stable=True).indices  # valid first
-            table = ((torch.arange(b, device=dev)[:, None] * kv) + slots.gather(1, order)).to(torch.int32)
-        cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        o, _ = _ops.paged_attention(qt[:, 0].contiguous(), (n - 1).clamp_min(0), cu, k_cache, v_cache,
-                                    table, n, scaling)
-        out[:, 0] = o
-        return out, None
-    slot_k = torch.arange(kv, dtype=torch.int32, device=dev).expand(b, kv)
-    slot_q = slot_k[:, kv - q:]
-    cu_q = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-    cu_k = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-    cu_q[1:] = q_valid.sum(1).cumsum(0)
-    cu_k[1:] = kv_valid.sum(1).cumsum(0)
-    q_block = kv_block = None
     if block_ids is not None:
-        block_ids = block_ids.to(device=dev, dtype=torch.int32)
-        kv_block = block_ids[kv_valid].contiguous()
-        q_block = block_ids[:, kv - q:][q_valid].contiguous()
-    o, _ = _ops.varlen_attention(
-        qt[q_valid].contiguous(), kt[kv_valid].contiguous(), vt[kv_valid].contiguous(), cu_q, cu_k,
-        slot_q[q_valid].contiguous(), slot_k[kv_valid].contiguous(), q_block, kv_block, True, scaling)
-    out[q_valid] = o
-    return out, None
+        return _block_forward(query, key, value, attention_mask, scaling, block_ids)
+    plan = _plan(module, query, key, attention_mask, kwargs)
+    if plan.fallback:
+        return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    if q == 1:
+        o, _ = _ops.paged_attention(query[:, :, 0], plan.dec_pos, plan.cu_dec,
+                                    _page_view(key, plan.page_view), _page_view(value, plan.page_view),
+                                    plan.table, plan.kv_lens, scaling)
+        return o[:, None], None
+    e = plan.kv_end
+    o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key[:, :, :e]), _rows_view(value[:, :, :e]),
+                                 plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos, None, None, True, scaling)
+    return o.view(b, q, hq, d), None
+
+
+def _block_forward(query, key, value, attention_mask, scaling, block_ids):
+    """Block-Attention prefill (``ragattn_block_ids``): causal by slot, same block or global."""
+    b, hq, q, d = query.shape
+    kv, dev = key.shape[2], query.device
+    kv_ok = torch.ones(b, kv, dtype=torch.bool, device=dev)
+    if attention_mask is not None:   # padding: keys no row sees
+        vis = _visible_from_mask(attention_mask, b, q, kv)
+        if vis is None:
+            raise NotImplementedError("ragattn attention: ragattn_block_ids with a custom attention mask")
+        kv_ok = vis.any(1)
+    slot = torch.arange(kv, dtype=torch.int32, device=dev)
+    kv_pos = torch.where(kv_ok, slot, _FAR).to(torch.int32).reshape(-1)
+    q_pos = torch.where(kv_ok[:, kv - q:], slot[kv - q:], -1).to(torch.int32).reshape(-1)
+    blocks = block_ids.to(device=dev, dtype=torch.int32)
+    cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
+    cu_k = torch.arange(0, (b + 1) * kv, kv, dtype=torch.int32, device=dev)
+    o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key), _rows_view(value), cu_q, cu_k,
+                                 q_pos, kv_pos, blocks[:, kv - q:].reshape(-1).contiguous(),
+                                 blocks.reshape(-1).contiguous(), True, scaling)
+    return o.view(b, q, hq, d), None
 
 
 @contextlib.contextmanager
@@ -224,7 +520,8 @@ def use_ragattn(model):
 
 
 def register() -> None:
-    """Register "ragattn" with transformers (idempotent)."""
+    """Register "ragattn" with transformers (idempotent); raises if transformers is untested."""
+    check_transformers_version()
     AttentionInterface.register(NAME, ragattn_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
 

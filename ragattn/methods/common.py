@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from transformers import LogitsProcessor, LogitsProcessorList
+
 from ragattn.hf.attention import use_ragattn
 
 SYSTEM = "Answer the question using only the documents. Answer briefly."
@@ -90,34 +92,83 @@ def paged_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> t
     return out.logits[0].float()
 
 
+class _FirstStepClock(LogitsProcessor):
+    """Notes the time when generate() has the first step's logits (the first token follows)."""
+
+    def __init__(self, device):
+        self.device, self.t = device, None
+
+    def __call__(self, input_ids, scores):
+        if self.t is None:
+            _sync(self.device)
+            self.t = time.perf_counter()
+        return scores
+
+
+def _generate(model, tokenizer, t0: float, method: str, prompt_len: int, new_from: int,
+              max_new_tokens: int, generate_kwargs: dict, **inputs) -> Answer:
+    """``model.generate(**inputs)`` (greedy unless ``generate_kwargs`` say otherwise; stops at the
+    model's and tokenizer's EOS), timed from ``t0``; the Answer of row 0."""
+    dev = next(model.parameters()).device
+    clock = _FirstStepClock(dev)
+    eos = sorted(_eos_ids(model, tokenizer))
+    kw = dict(do_sample=False, eos_token_id=eos or None)
+    if model.generation_config.pad_token_id is None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+        kw["pad_token_id"] = pad if pad is not None else (eos[0] if eos else 0)
+    kw.update(generate_kwargs)
+    if not kw["do_sample"]:
+        kw.update(temperature=None, top_p=None, top_k=None)   # silence sampling-flag warnings
+    if "stop_strings" in kw:
+        kw.setdefault("tokenizer", tokenizer)
+    kw["logits_processor"] = LogitsProcessorList([clock, *kw.get("logits_processor", [])])
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
+                         output_logits=True, **kw)
+    _sync(dev)
+    total = time.perf_counter() - t0
+    tokens = out.sequences[0, new_from:].tolist()
+    eos = set(kw["eos_token_id"] or [])
+    for i, t in enumerate(tokens):   # drop the padding after an early EOS
+        if t in eos:
+            tokens = tokens[: i + 1]
+            break
+    return Answer(tokens, tokenizer.decode(tokens, skip_special_tokens=True), clock.t - t0, total,
+                  out.logits[0][0].float(), prompt_len, method)
+
+
 @torch.no_grad()
 def generate_paged(model, tokenizer, cache, final_ids, start_pos: int, max_new_tokens: int, t0: float,
-                   method: str, prompt_len: int) -> Answer:
-    """Prefill the final block at positions ``start_pos..``, then greedy-decode; builds the Answer."""
+                   method: str, prompt_len: int, cached_ids=None, cached_positions=None,
+                   **generate_kwargs) -> Answer:
+    """Prefill the final block ``final_ids`` at RoPE positions ``start_pos..`` against the paged
+    request ``cache`` (a batch-1 :class:`~ragattn.hf.attention.PagedKV` holding ``lengths[0]``
+    slots), then generate with ``model.generate()`` over a :class:`~ragattn.hf.cache.PagedCache`
+    (greedy by default; ``generate_kwargs`` go to ``generate()``: sampling, logits processors,
+    ``stop_strings``...). ``cached_ids`` / ``cached_positions``: the tokens and positions the
+    cache holds (logits processors such as a repetition penalty read them; placeholders if absent).
+    Builds the Answer (``ttft_s`` from ``t0`` to the first step's logits)."""
+    from ragattn.hf.cache import PagedCache
+
     dev = next(model.parameters()).device
-    ids = torch.tensor([final_ids], device=dev)
-    pos = start_pos + torch.arange(len(final_ids), device=dev)
-    logits = paged_forward(model, ids, pos, cache)
-    first = logits[-1]
-    tok = int(first.argmax())
-    _sync(dev)
-    ttft = time.perf_counter() - t0
-    eos, out = _eos_ids(model, tokenizer), [tok]
-    nxt = start_pos + len(final_ids)
-    while len(out) < max_new_tokens and tok not in eos:
-        lg = paged_forward(model, torch.tensor([[tok]], device=dev), torch.tensor([nxt], device=dev), cache)
-        tok = int(lg[-1].argmax())
-        out.append(tok)
-        nxt += 1
-    _sync(dev)
-    return Answer(out, tokenizer.decode(out, skip_special_tokens=True), ttft,
-                  time.perf_counter() - t0, first, prompt_len, method,
-                  {"final_logits": logits})
+    seen = int(cache.lengths[0])
+    if cached_ids is None:
+        cached_ids = [getattr(tokenizer, "pad_token_id", None) or 0] * seen
+    if cached_positions is None:
+        cached_positions = torch.arange(seen)
+    ids = torch.tensor([list(cached_ids) + list(final_ids)], device=dev)
+    pos = torch.cat([torch.as_tensor(cached_positions, device=dev).long(),
+                     start_pos + torch.arange(len(final_ids), device=dev)])[None]
+    with use_ragattn(model):
+        return _generate(model, tokenizer, t0, method, prompt_len, ids.shape[1], max_new_tokens,
+                         generate_kwargs, input_ids=ids, attention_mask=torch.ones_like(ids),
+                         position_ids=pos, past_key_values=PagedCache(cache, seen=seen), use_cache=True)
 
 
 def cached_answer(model, tokenizer, chunks, question, *, positions: str, method: str,
-                  max_new_tokens: int = 32, store=None, rerotate: bool = True) -> Answer:
-    """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring."""
+                  max_new_tokens: int = 32, store=None, rerotate: bool = True,
+                  **generate_kwargs) -> Answer:
+    """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring;
+    ``generate_kwargs`` go to ``model.generate()`` (default: greedy)."""
     from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
 
     if len(chunks) == 0:
@@ -135,15 +186,17 @@ def cached_answer(model, tokenizer, chunks, question, *, positions: str, method:
                              rerotate=rerotate)
         prompt_len = req.num_slots + len(tail)
         return generate_paged(model, tokenizer, req.cache, tail, req.next_position, max_new_tokens,
-                              t0, method, prompt_len)
+                              t0, method, prompt_len, cached_ids=[t for c in [head] + chunk_ids for t in c],
+                              cached_positions=req.positions, **generate_kwargs)
 
 
 @torch.no_grad()
 def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, store=None,
-                 attn_implementation: str | None = "sdpa") -> Answer:
+                 attn_implementation: str | None = "sdpa", **generate_kwargs) -> Answer:
     """Baseline: prefill the whole prompt (same tokens as the cached methods) with full causal
-    attention, then greedy-decode with the model's own KV cache. ``store`` is ignored.
-    ``attn_implementation``: the attention used ("sdpa" default, "ragattn", or None = the model's)."""
+    attention, then ``model.generate()`` with the model's own KV cache (greedy unless
+    ``generate_kwargs`` say otherwise). ``store`` is ignored. ``attn_implementation``: the
+    attention used ("sdpa" default, "ragattn", or None = the model's)."""
     if len(chunks) == 0:
         raise ValueError("ragattn.methods.full_prefill: no chunks given (empty retrieval)")
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
@@ -160,20 +213,8 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
     try:
         t0 = time.perf_counter()
         ids = torch.tensor([ids_list], device=dev)
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        first = out.logits[0, -1].float()
-        tok = int(first.argmax())
-        _sync(dev)
-        ttft = time.perf_counter() - t0
-        past, res, eos = out.past_key_values, [tok], _eos_ids(model, tokenizer)
-        while len(res) < max_new_tokens and tok not in eos:
-            out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tok = int(out.logits[0, -1].argmax())
-            res.append(tok)
-        _sync(dev)
+        return _generate(model, tokenizer, t0, "full_prefill", len(ids_list), len(ids_list), max_new_tokens,
+                         generate_kwargs, input_ids=ids, attention_mask=torch.ones_like(ids))
     finally:
         if switch:
             model.set_attn_implementation(old)
-    return Answer(res, tokenizer.decode(res, skip_special_tokens=True), ttft, time.perf_counter() - t0,
-                  first, len(ids_list), "full_prefill")

@@ -31,9 +31,9 @@ Recompute (:func:`recompute`): the selected chunk tokens and the final block go 
 layer together, each at its true position: per layer, their Q/K/V are computed, their K/V overwrite
 their slots of the request's paged cache (``ragattn_slots`` of the HF patch), and they attend
 through ``ragattn.paged_attention`` to the slots at or before their own position (fresh K/V of
-earlier recomputed tokens, cached K/V of the others; never a later slot). The last token of the
-final block is left to :func:`~ragattn.methods.common.generate_paged`, which gives the first token
-and decodes. The selection ratio counts chunk tokens only (the head is a true prefix, its cache is
+earlier recomputed tokens, cached K/V of the others; never a later slot). The last row's logits
+give the first token (``Answer.first_logits``); :func:`~ragattn.methods.common.generate_paged`
+decodes the rest (greedy). The selection ratio counts chunk tokens only (the head is a true prefix, its cache is
 exact; the final block is always computed). At ``ratio=1`` every method computes full attention.
 
 Tensor parallelism: with the heads split across ranks, pass ``group`` (a ``torch.distributed``
@@ -50,7 +50,7 @@ import torch
 
 from ragattn import ops as _ops
 from ragattn.hf.attention import use_ragattn
-from ragattn.methods.common import Answer, _sync, generate_paged, prompt_parts
+from ragattn.methods.common import Answer, _eos_ids, _sync, generate_paged, prompt_parts
 
 QUESTION_MODES = ("context", "standalone")
 SCORE_NORMS = ("per_chunk", "global")
@@ -367,23 +367,26 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
             chosen = torch.empty(0, dtype=torch.long, device=dev)
         _sync(dev)
         t_rec = time.perf_counter()
-        # the final block but its last token, which generate_paged appends (first token + decode)
-        slots = torch.cat([chosen, ctx + torch.arange(len(tail) - 1, device=dev)])
+        # the selected chunk tokens and the whole final block: its last row gives the first token
+        slots = torch.cat([chosen, ctx + torch.arange(len(tail), device=dev)])
         ids = torch.tensor(store_tokens(head, chunk_ids) + tail, device=dev)[slots]
-        req.cache.lengths[0] = ctx + len(tail) - 1
-        kept = slots
-        if slots.numel():
-            kept, _ = recompute(model, req.cache, ids, slots, check_layers=checks,
-                                num_candidates=chosen.numel(), group=group)
+        req.cache.lengths[0] = ctx + len(tail)
+        kept, first = recompute(model, req.cache, ids, slots, check_layers=checks,
+                                num_candidates=chosen.numel(), group=group, logits=True)
+        tok = int(first.argmax())
         _sync(dev)
-        t_gen = time.perf_counter()
-        ans = generate_paged(model, tokenizer, req.cache, tail[-1:], ctx + len(tail) - 1,
-                             max_new_tokens, t0, method, ctx + len(tail))
+        ttft = time.perf_counter() - t0
+        tokens = [tok]
+        if max_new_tokens > 1 and tok not in _eos_ids(model, tokenizer):  # greedy decode
+            tokens += generate_paged(model, tokenizer, req.cache, [tok], ctx + len(tail),
+                                     max_new_tokens - 1, t0, method, ctx + len(tail)).tokens
+        _sync(dev)
     recomputed = kept[kept < ctx]
-    ans.extra.update(ratio=ratio, recomputed_slots=recomputed.tolist(), context_tokens=n_chunk,
-                     assemble_s=t_sel - t0, select_s=t_rec - t_sel, recompute_s=t_gen - t_rec,
-                     fused_chunks=n_fused)
-    return ans
+    return Answer(tokens, tokenizer.decode(tokens, skip_special_tokens=True), ttft,
+                  time.perf_counter() - t0, first, ctx + len(tail), method,
+                  dict(ratio=ratio, recomputed_slots=recomputed.tolist(), context_tokens=n_chunk,
+                       assemble_s=t_sel - t0, select_s=t_rec - t_sel, recompute_s=t0 + ttft - t_rec,
+                       fused_chunks=n_fused))
 
 
 def store_tokens(head, chunk_ids) -> list[int]:

@@ -20,9 +20,12 @@ POSITIONS = ("reordered", "composite")
 
 
 def answer(model, tokenizer, chunks, question: str, *, positions: str = "reordered",
-           max_new_tokens: int = 32, store=None) -> Answer:
+           max_new_tokens: int = 32, store=None, **generate_kwargs) -> Answer:
+    """``generate_kwargs`` go to ``model.generate()`` (default greedy): sampling, logits
+    processors, ``stop_strings``..."""
     if positions not in POSITIONS:
         raise ValueError(f"ragattn.methods.turborag.answer: positions must be one of {POSITIONS}, "
                          f"got {positions!r}")
     return cached_answer(model, tokenizer, chunks, question, positions=positions,
-                         method=f"turborag-{positions}", max_new_tokens=max_new_tokens, store=store)
+                         method=f"turborag-{positions}", max_new_tokens=max_new_tokens, store=store,
+                         **generate_kwargs)

@@ -7,7 +7,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)  # positions, lengths, offsets, block tables: as engines pass them
+INDEX_DTYPES = (torch.int32, torch.int64)  # positions, lengths, offsets, page tables: as engines pass them
 
 
 def _fmt_dtypes(dtypes: Iterable[torch.dtype]) -> str:
@@ -61,17 +61,17 @@ def check_same_device(op: str, **tensors: Optional[torch.Tensor]) -> torch.devic
 
 def check_cu_seqlens(
     op: str, name: str, cu: torch.Tensor, total: int, device: torch.device, *,
-    dtypes: Sequence[torch.dtype] = (torch.int32,), check_values: bool = True,
+    dtypes: Sequence[torch.dtype] = (torch.int32,), read_values: bool = True,
 ) -> int:
     """Validate an int ``[batch + 1]`` offsets tensor starting at 0 and ending at ``total``.
 
-    Returns ``batch``. Values (ends, monotonicity) are checked on CPU tensors only (a GPU check
-    would sync), and not at all with ``check_values=False`` (fake impls: no data to read).
+    Returns ``batch``. Values (start, end, monotonicity) are checked on CPU tensors only (a GPU
+    check would sync), and not at all with ``read_values=False`` (fake/meta tensors).
     """
     check_tensor(op, name, cu, dtypes=dtypes, ndim=1, device=device)
     if cu.numel() < 1:
         raise ValueError(f"ragattn.{op}: {name} must have at least one entry (batch + 1)")
-    if check_values and cu.device.type == "cpu":
+    if cu.device.type == "cpu" and read_values:
         if int(cu[0]) != 0 or int(cu[-1]) != total:
             raise ValueError(
                 f"ragattn.{op}: {name} must start at 0 and end at {total} (the packed length), "
@@ -82,34 +82,33 @@ def check_cu_seqlens(
     return cu.numel() - 1
 
 
-def check_out(op: str, name: str, out: torch.Tensor, *, shape, dtype: torch.dtype, device: torch.device,
-              inputs: dict) -> None:
-    """A preallocated output: exact shape and dtype, the inputs' device, contiguous, and sharing no
-    memory with any input (the op would read what it already wrote)."""
-    check_tensor(op, name, out, dtypes=(dtype,), shape=shape, device=device, contiguous=True)
-    for other, t in inputs.items():
-        if t is not None and t.device == out.device and out.numel() and t.numel() and _overlap(out, t):
-            raise ValueError(f"ragattn.{op}: {name} overlaps the memory of {other}; pass a separate buffer")
+def _byte_span(t: torch.Tensor):
+    """[first, last] byte of ``t`` in its storage (None for an empty tensor); needs no data pointer."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    first = t.storage_offset() * t.element_size()
+    return first, first + (last + 1) * t.element_size() - 1
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges of two tensors' storages can intersect (conservative: extents)."""
-    from torch._subclasses.fake_tensor import is_fake
+def check_no_overlap(op: str, outputs: dict, inputs: dict) -> None:
+    """Raise ValueError if an output tensor shares memory with an input or another output.
 
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    same = sa._cdata == sb._cdata  # one StorageImpl: also holds for fake tensors (fake impls)
-    if not same and not (is_fake(a) or is_fake(b) or a.device.type == "meta"):
-        same = sa.data_ptr() == sb.data_ptr() != 0  # two storages wrapping one allocation
-    if not same:
-        return False
-
-    def extent(t):
-        lo = t.storage_offset()
-        hi = lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
-        return lo * t.element_size(), hi * t.element_size()
-
-    (a0, a1), (b0, b1) = extent(a), extent(b)
-    return a0 < b1 and b0 < a1
+    Compares storages and byte spans (conservative for interleaved strided views), so it works on
+    fake and meta tensors too. ``outputs``/``inputs`` map argument names to tensors (None skipped).
+    """
+    outs = [(n, t) for n, t in outputs.items() if t is not None]
+    others = outs + [(n, t) for n, t in inputs.items() if t is not None]
+    for i, (name, o) in enumerate(outs):
+        span_o = _byte_span(o)
+        if span_o is None:
+            continue
+        for other, t in others[i + 1 :]:
+            if t.device != o.device or t.untyped_storage()._cdata != o.untyped_storage()._cdata:
+                continue
+            span_t = _byte_span(t)
+            if span_t is not None and span_o[0] <= span_t[1] and span_t[0] <= span_o[1]:
+                raise ValueError(f"ragattn.{op}: {name} must not share memory with {other}")
 
 
 def device_guard(t: torch.Tensor):

@@ -34,7 +34,7 @@ def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) ->
         raise ValueError(
             f"ragattn.{_OP}: k's num_kv_heads must divide q's num_heads {num_heads}, got {num_kv_heads}"
         )
-    kw = dict(dtypes=INDEX_DTYPES, check_values=check_values)
+    kw = dict(dtypes=INDEX_DTYPES, read_values=check_values)
     bq = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, **kw)
     bk = check_cu_seqlens(_OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev, **kw)
     if bq != bk:

@@ -14,7 +14,9 @@ from ragattn.ops._validate import FLOAT_DTYPES, check_tensor
 from ragattn.reference import kv_cache as _ref
 
 
-def _check_layers(op: str, name: str, layers) -> Optional[torch.Tensor]:
+def _check_layers(op: str, name: str, layers) -> Optional[_ref.RowLayout]:
+    """The Python twin of check_layers (csrc/kv_cache/kv_cache_checks.cpp): returns the list's
+    row layout (None for no layers). See ``ragattn.reference.kv_cache.row_layout`` for the rule."""
     if not isinstance(layers, (list, tuple)):
         raise TypeError(f"ragattn.{op}: {name} must be a list of tensors (one per layer), got {type(layers).__name__}")
     first = None
@@ -31,10 +33,28 @@ def _check_layers(op: str, name: str, layers) -> Optional[torch.Tensor]:
             raise ValueError(f"ragattn.{op}: every layer of {name} must be on one device; {name}[0] is on {first.device}, {name}[{i}] is on {t.device}")
         if t.shape != first.shape:
             raise ValueError(f"ragattn.{op}: every layer of {name} must have one shape; {name}[0] is {tuple(first.shape)}, {name}[{i}] is {tuple(t.shape)}")
-    for i, t in enumerate(layers):
-        if not t.is_contiguous():
-            raise ValueError(f"ragattn.{op}: {name}[{i}] must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
-    return first
+        if t.stride() != first.stride():
+            raise ValueError(f"ragattn.{op}: every layer of {name} must have one layout (strides); {name}[0] has {first.stride()}, {name}[{i}] has {t.stride()}")
+    if first is None:
+        return None
+    try:
+        return _ref.row_layout(first)
+    except ValueError as exc:
+        raise ValueError(f"ragattn.{op}: {name}[0] {exc}") from None
+
+
+def _check_writes_disjoint(op: str, written) -> None:
+    """Every written layer is its own memory (twin of check_writes_disjoint)."""
+    flat = [(name, i, t, g) for name, layers, g in written if g is not None for i, t in enumerate(layers)]
+    for a in range(len(flat)):
+        for b in range(a + 1, len(flat)):
+            na, ia, ta, ga = flat[a]
+            nb, ib, tb, gb = flat[b]
+            if _ref.layers_overlap(ta, ga, tb, gb):
+                raise ValueError(
+                    f"ragattn.{op}: {nb}[{ib}] shares memory with {na}[{ia}]; every written layer must be its own "
+                    "memory (a row written or rotated twice would depend on the order)"
+                )
 
 
 def _check_rope(op: str, inv_freq, rotary_dim: int, head_dim: Optional[int], device) -> None:
@@ -45,10 +65,6 @@ def _check_rope(op: str, inv_freq, rotary_dim: int, head_dim: Optional[int], dev
 
 def _on_reference_path(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cpu" and _extension.cpu_backend() == "reference"
-
-
-def _num_rows(t: torch.Tensor) -> int:
-    return t.numel() // max(1, t.shape[-2] * t.shape[-1])
 
 
 def _check_rows_cpu(op: str, name: str, rows: torch.Tensor, num_rows: int, distinct: bool) -> None:
@@ -63,51 +79,62 @@ def _check_rows_cpu(op: str, name: str, rows: torch.Tensor, num_rows: int, disti
 
 
 _RR, _CP = "rerotate_keys_", "copy_kv_"
+_ROW_DTYPES = (torch.int32, torch.int64)
 
 
 def _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim) -> Optional[torch.Tensor]:
     """The Python twin of csrc/kv_cache/kv_cache_checks.cpp (the reference path and the fake
-    impl do not reach the C++ checks); returns the first layer (None for no layers)."""
-    first = _check_layers(_RR, "k_layers", k_layers)
+    impl do not reach the C++ checks); returns the layers' row layout (None for no layers)."""
+    g = _check_layers(_RR, "k_layers", k_layers)
+    first = k_layers[0] if g is not None else None
     dev = first.device if first is not None else rows.device
-    check_tensor(_RR, "rows", rows, dtypes=(torch.int64,), ndim=1, device=dev)
+    check_tensor(_RR, "rows", rows, dtypes=_ROW_DTYPES, ndim=1, device=dev)
     check_tensor(_RR, "delta", delta, dtypes=(torch.int32,), shape=(rows.shape[0],), device=dev)
     _check_rope(_RR, inv_freq, int(rotary_dim), first.shape[-1] if first is not None else None, dev)
-    return first
+    _check_writes_disjoint(_RR, [("k_layers", k_layers, g)])
+    return g
 
 
 def _validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim):
-    """The Python twin of the C++ checks of copy_kv_; returns (first dst_k layer, first src_k layer)."""
-    fk = _check_layers(_CP, "dst_k", dst_k)
-    sk = _check_layers(_CP, "src_k", src_k)
-    fv = _check_layers(_CP, "dst_v", dst_v)
-    sv = _check_layers(_CP, "src_v", src_v)
-    L = len(dst_k)
+    """The Python twin of the C++ checks of copy_kv_; returns the row layouts (dst_k, src_k)."""
+    L = len(dst_k) if isinstance(dst_k, (list, tuple)) else None
+    gk = _check_layers(_CP, "dst_k", dst_k)
+    gsk = _check_layers(_CP, "src_k", src_k)
     if len(src_k) != L:
         raise ValueError(f"ragattn.{_CP}: src_k must have one tensor per layer of dst_k ({L}), got {len(src_k)}")
+    if not isinstance(dst_v, (list, tuple)) or not isinstance(src_v, (list, tuple)):
+        raise TypeError(f"ragattn.{_CP}: dst_v and src_v must be lists of tensors (one per layer)")
     if len(dst_v) != len(src_v) or len(dst_v) not in (0, L):
         raise ValueError(f"ragattn.{_CP}: dst_v and src_v must both be empty or have {L} layers, got {len(dst_v)} and {len(src_v)}")
+    gv = gsv = None
+    fk = dst_k[0] if L else None
     dev = fk.device if fk is not None else dst_rows.device
     if fk is not None:
-        for name, t, ref in (("src_k", sk, fk), ("dst_v", fv, fk), ("src_v", sv, fv)):
-            if t is None:
+        if len(dst_v):
+            gv = _check_layers(_CP, "dst_v", dst_v)
+            gsv = _check_layers(_CP, "src_v", src_v)
+        for name, layers, ref in (("src_k", src_k, fk), ("dst_v", dst_v, fk), ("src_v", src_v, dst_v[0] if len(dst_v) else None)):
+            if not len(layers):
                 continue
+            t = layers[0]
             if t.dtype != fk.dtype:
                 raise TypeError(f"ragattn.{_CP}: {name} must have dst_k's dtype {fk.dtype}, got {t.dtype}")
             if t.device != dev:
                 raise ValueError(f"ragattn.{_CP}: {name} must be on {dev} (dst_k's device), got {t.device}")
             if name != "dst_v" and t.shape[-2:] != ref.shape[-2:]:
                 raise ValueError(f"ragattn.{_CP}: {name} rows must be {tuple(ref.shape[-2:])}, got shape {tuple(t.shape)}")
-        if fv is not None and (_num_rows(fv) != _num_rows(fk) or _num_rows(sv) != _num_rows(sk)):
+        if gv is not None and (gv.num_rows != gk.num_rows or gsv.num_rows != gsk.num_rows):
             raise ValueError(f"ragattn.{_CP}: dst_v/src_v must have as many rows as dst_k/src_k")
-    check_tensor(_CP, "src_rows", src_rows, dtypes=(torch.int64,), ndim=1, device=dev)
-    check_tensor(_CP, "dst_rows", dst_rows, dtypes=(torch.int64,), shape=(src_rows.shape[0],), device=dev)
+    check_tensor(_CP, "src_rows", src_rows, dtypes=_ROW_DTYPES, ndim=1, device=dev)
+    check_tensor(_CP, "dst_rows", dst_rows, dtypes=_ROW_DTYPES, shape=(src_rows.shape[0],), device=dev)
     if delta is not None:
         check_tensor(_CP, "delta", delta, dtypes=(torch.int32,), shape=(src_rows.shape[0],), device=dev)
         if inv_freq is None:
             raise ValueError(f"ragattn.{_CP}: inv_freq is required when delta is given")
         _check_rope(_CP, inv_freq, int(rotary_dim), fk.shape[-1] if fk is not None else None, dev)
-    return fk, sk
+    if fk is not None:
+        _check_writes_disjoint(_CP, [("dst_k", dst_k, gk), ("dst_v", dst_v, gv)])
+    return gk, gsk
 
 
 def rerotate_keys_(
@@ -121,11 +148,16 @@ def rerotate_keys_(
     """Rotate cached key rows by ``delta`` positions, in place, all layers in one launch.
 
     Args:
-        k_layers: list of L key caches, one per layer, each fp16/bf16/fp32, contiguous, one
-            shape for all layers: ``[num_rows, num_kv_heads, head_dim]`` or paged
-            ``[num_pages, page_size, num_kv_heads, head_dim]`` (viewed as
-            ``[num_pages * page_size, num_kv_heads, head_dim]``). Modified in place.
-        rows: int64 ``[N]``, distinct row indices in ``[0, num_rows)`` (checked on CPU; a
+        k_layers: list of L key caches, one per layer, each fp16/bf16/fp32, one shape and one
+            layout for all layers, addressed as ``[num_rows, num_kv_heads, head_dim]``: contiguous
+            ``[num_rows, H, D]`` or paged ``[num_pages, page_size, H, D]``, or a strided view such
+            as vLLM's ``kv_cache[0]`` of ``[2, blocks, block_size, H, D]`` or FlashInfer's
+            ``cache[:, 0]`` of ``[pages, 2, page_size, H, D]``. The rule: ``[H, D]`` contiguous,
+            leading dims collapsing to at most two row strides, rows never overlapping
+            (:func:`ragattn.reference.kv_cache.row_layout`); anything else is a ValueError.
+            Layers must not share memory with each other (ValueError: a shared row would be
+            rotated twice). Modified in place.
+        rows: int32 or int64 ``[N]``, distinct row indices in ``[0, num_rows)`` (checked on CPU; a
             precondition on CUDA, checked when ``RAGATTN_DEBUG=1``).
         delta: int32 ``[N]``, signed position shift of each row (``new_pos - old_pos``).
         inv_freq: float32 ``[rotary_dim // 2]``, the model's RoPE frequencies (any HF scaling
@@ -140,10 +172,10 @@ def rerotate_keys_(
     Returns None.
     """
     if _on_reference_path(rows):
-        first = _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim)
+        g = _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim)
         # (the C++ ops check row ranges themselves; the reference path needs it here)
-        if first is not None:
-            _check_rows_cpu(_RR, "rows", rows, _num_rows(first), distinct=True)
+        if g is not None:
+            _check_rows_cpu(_RR, "rows", rows, g.num_rows, distinct=True)
         _ref.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved), compute_dtype=torch.float32)
         return None
     # The C++ op validates everything (before any write); meta tensors reach the fake, which does too.
@@ -176,14 +208,17 @@ def copy_kv_(
 
     Args:
         dst_k, dst_v: lists of L destination caches (modified in place); each layer
-            ``[..., Hk, Dk]`` / ``[..., Hv, Dv]`` viewed as ``[num_dst_rows, H, D]``. ``dst_v`` and
-            ``src_v`` may both be empty to copy K only.
+            ``[..., Hk, Dk]`` / ``[..., Hv, Dv]`` addressed as ``[num_dst_rows, H, D]`` by the layout
+            rule of :func:`rerotate_keys_` (contiguous, paged, vLLM's ``kv_cache[0]``/``kv_cache[1]``,
+            FlashInfer's ``cache[:, 0]``/``cache[:, 1]``). ``dst_v`` and ``src_v`` may both be
+            empty to copy K only. No two destination layers may share memory (ValueError).
         src_k, src_v: lists of L source caches, rows ``[Hk, Dk]`` / ``[Hv, Dv]`` like the
-            destinations', any number of rows ``num_src_rows``. All caches: one dtype
-            (fp16/bf16/fp32), contiguous, one device.
-        src_rows: int64 ``[N]`` rows read, in ``[0, num_src_rows)`` (may repeat).
-        dst_rows: int64 ``[N]`` rows written, in ``[0, num_dst_rows)``, distinct. When a source
-            and a destination are the same cache, no row may be both read and written.
+            destinations', any number of rows ``num_src_rows``, any layout the rule allows.
+            All caches: one dtype (fp16/bf16/fp32), one device. Sources may share memory with
+            destinations (an in-place move): every source row is read before any destination
+            row is written (the aliased case stages the rows through a temporary).
+        src_rows: int32 or int64 ``[N]`` rows read, in ``[0, num_src_rows)`` (may repeat).
+        dst_rows: int32 or int64 ``[N]`` rows written, in ``[0, num_dst_rows)``, distinct.
             Ranges/uniqueness are checked on CPU, a precondition on CUDA (checked when
             ``RAGATTN_DEBUG=1``).
         delta: optional int32 ``[N]``: rotate each copied K row by ``delta[n]`` positions.
@@ -194,11 +229,11 @@ def copy_kv_(
     """
     args = (list(dst_k), list(dst_v), list(src_k), list(src_v), src_rows, dst_rows, delta, inv_freq, int(rotary_dim), bool(interleaved))
     if _on_reference_path(dst_rows):
-        fk, sk = _validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim)
+        gk, gsk = _validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim)
         # (the C++ ops check row ranges themselves; the reference path needs it here)
-        if fk is not None:
-            _check_rows_cpu(_CP, "src_rows", src_rows, _num_rows(sk), distinct=False)
-            _check_rows_cpu(_CP, "dst_rows", dst_rows, _num_rows(fk), distinct=True)
+        if gk is not None:
+            _check_rows_cpu(_CP, "src_rows", src_rows, gsk.num_rows, distinct=False)
+            _check_rows_cpu(_CP, "dst_rows", dst_rows, gk.num_rows, distinct=True)
         _ref.copy_kv_(*args, compute_dtype=torch.float32)
         return None
     # The C++ op validates everything (before any write); meta tensors reach the fake, which does too.

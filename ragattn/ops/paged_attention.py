@@ -8,7 +8,14 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
+from ragattn.ops._validate import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_cu_seqlens,
+    check_no_overlap,
+    check_tensor,
+    device_guard,
+)
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
@@ -28,10 +35,15 @@ def _forced_num_splits() -> Optional[int]:
     return n
 
 
-def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale) -> None:
+def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+              out=None, lse_out=None, *, read_values=True) -> None:
+    """Every check of the op. ``read_values=False`` (fake impl) skips the checks that read tensor
+    contents; devices, dtypes, shapes and aliasing are checked on every path."""
     check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
     dev = q.device
     total_q, num_heads, head_dim = q.shape
+    if head_dim < 1:
+        raise ValueError(f"ragattn.{_OP}: q's head_dim (dim 2) must be >= 1, got {head_dim}")
     check_tensor(_OP, "k_cache", k_cache, dtypes=(q.dtype,), ndim=4, device=dev)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     check_tensor(_OP, "k_cache", k_cache, shape=(None, None, None, head_dim))
@@ -42,14 +54,25 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         )
     if page_size < 1:
         raise ValueError(f"ragattn.{_OP}: k_cache's page_size (dim 1) must be >= 1, got {page_size}")
-    check_tensor(_OP, "q_pos", q_pos, dtypes=(torch.int32,), shape=(total_q,), device=dev)
-    batch = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
-    check_tensor(_OP, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    check_tensor(_OP, "q_pos", q_pos, dtypes=INDEX_DTYPES, shape=(total_q,), device=dev)
+    batch = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, dtypes=INDEX_DTYPES,
+                             read_values=read_values)
+    check_tensor(_OP, "block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, device=dev)
     check_tensor(_OP, "block_table", block_table, shape=(batch, None))
-    check_tensor(_OP, "kv_lens", kv_lens, dtypes=(torch.int32,), shape=(batch,), device=dev)
+    check_tensor(_OP, "kv_lens", kv_lens, dtypes=INDEX_DTYPES, shape=(batch,), device=dev)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
+    if not isinstance(window_left, int):
+        raise TypeError(f"ragattn.{_OP}: window_left must be an int, got {type(window_left).__name__}")
+    if out is not None or lse_out is not None:
+        check_tensor(_OP, "out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=dev)
+        check_tensor(_OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, num_heads), device=dev)
+        check_no_overlap(_OP, {"out": out, "lse_out": lse_out},
+                         dict(q=q, q_pos=q_pos, cu_seqlens_q=cu_seqlens_q, k_cache=k_cache, v_cache=v_cache,
+                              block_table=block_table, kv_lens=kv_lens))
     # index checks would sync a GPU: there they are a precondition, checked when RAGATTN_DEBUG=1
+    if not read_values or dev.type == "meta":
+        return
     if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
         max_pages = block_table.shape[1]
         if batch and bool(((kv_lens < 0) | (kv_lens > max_pages * page_size)).any()):
@@ -60,7 +83,7 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         if total_q and bool((q_pos < 0).any()):
             raise ValueError(f"ragattn.{_OP}: q_pos must be >= 0, got min {int(q_pos.min())}")
         if batch and max_pages:
-            used = torch.arange(max_pages, dtype=torch.int32, device=dev)[None, :] * page_size < kv_lens[:, None]
+            used = torch.arange(max_pages, dtype=torch.int64, device=dev)[None, :] * page_size < kv_lens[:, None]
             pages = block_table[used]
             if pages.numel() and bool(((pages < 0) | (pages >= num_pages)).any()):
                 raise ValueError(
@@ -78,25 +101,40 @@ def paged_attention(
     block_table: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: Optional[float] = None,
+    window_left: int = -1,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of any set of query rows, each at its own absolute position, over a paged KV cache.
 
     Args:
         q: ``[total_q, num_heads, head_dim]`` fp16/bf16/fp32, the query rows of all sequences packed.
-        q_pos: int32 ``[total_q]``, the absolute position of each query row (>= 0).
-        cu_seqlens_q: int32 ``[B + 1]``, query row offsets per sequence (starts at 0, ends at total_q).
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype. Any page size.
-        block_table: int32 ``[B, max_pages]``; slot ``j`` of sequence ``b`` lives at page
+        q_pos: int32 or int64 ``[total_q]``, the absolute position of each query row (>= 0; any
+            value up to the dtype's maximum: a position past the cache sees every cached slot).
+        cu_seqlens_q: int32 or int64 ``[B + 1]``, query row offsets per sequence (0 .. total_q).
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype. Any page
+            size; any strides with a unit last-dim stride (e.g. K and V as the two halves of
+            FlashInfer's ``[pages, 2, page_size, H, D]`` cache: ``kv[:, 0]``, ``kv[:, 1]``, no copy).
+        block_table: int32 or int64 ``[B, max_pages]``; slot ``j`` of sequence ``b`` lives at page
             ``block_table[b, j // page_size]``, offset ``j % page_size`` (pages in any order).
-        kv_lens: int32 ``[B]``, cached slots per sequence, ``<= max_pages * page_size``.
+        kv_lens: int32 or int64 ``[B]``, cached slots per sequence, ``<= max_pages * page_size``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        window_left: sliding window (FlashAttention's ``window_size=(window_left, -1)``, FlashInfer's
+            ``window_left``): row ``i`` sees only slots ``j >= q_pos[i] - window_left``; negative
+            (default -1) = no window. transformers' ``sliding_window = W`` (``kv_idx > q_idx - W``
+            in ``masking_utils.sliding_window_overlay``) is ``window_left = W - 1``.
+        out, lse_out: optional preallocated outputs (``[total_q, num_heads, head_dim]`` in q's
+            dtype, float32 ``[total_q, num_heads]``; any strides; must not overlap an input). The
+            one given is written and returned; a missing one is allocated.
 
     Returns:
         out ``[total_q, num_heads, head_dim]`` in q's dtype, and lse float32 ``[total_q, num_heads]``
         (natural log). A row that sees no key gets out 0 and lse ``-inf`` (never NaN).
 
     Query row ``i`` of sequence ``b`` sees slot ``j`` iff ``j < kv_lens[b]`` and ``j <= q_pos[i]``
-    (slot ``j`` holds position ``j``). Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+    and (``window_left < 0`` or ``j >= q_pos[i] - window_left``); slot ``j`` holds position ``j``.
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
     ``x`` = visible, ``.`` = not visible, columns are slots ``0 .. kv_lens-1``::
 
         decode (one row at kv_lens-1)     final-block prefill (tail rows 6..8)
@@ -114,39 +152,187 @@ def paged_attention(
           q_pos=8  x x x x x x x x x .
           q_pos=9  x x x x x x x x x x
 
+        sliding window, window_left=3 (each row sees itself and the 3 slots before it; HF W=4)
+          q_pos=2  x x x . . . . . . .
+          q_pos=6  . . . x x x x . . .
+          q_pos=9  . . . . . . x x x x
+
+    Non-finite values (one rule on every backend; the float64 reference over the visible slots is
+    the truth): a slot a row does not see is never read into that row (a NaN or inf in V or K of
+    a masked slot, a stale page slot past ``kv_lens``, or a slot left of the window changes
+    nothing). A non-finite visible score ``q . k`` makes that (row, head) NaN in out and lse; a
+    non-finite ``v[j, d]`` of a visible slot makes ``out[i, h, d]`` NaN (never inf, never finite).
+
     Backends: CUDA runs the Triton kernel (Q tiles x kv heads, the GQA group stacked into each
-    tile; key tiles past a tile's largest q_pos are never loaded; split-KV for few-row cases,
-    forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The CUDA path copies ``cu_seqlens_q`` to the
-    host to size the grid. CPU runs the reference, or the Triton kernel under the interpreter
-    with ``RAGATTN_CPU_BACKEND=triton``. On CPU, out-of-range ``kv_lens``, ``q_pos`` and used
-    ``block_table`` entries raise; on CUDA they are a precondition (checked when ``RAGATTN_DEBUG=1``).
+    tile; key tiles right of a tile's largest q_pos or left of its window are never loaded;
+    split-KV for few-row cases, forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The one-call path
+    plans the launch from ``cu_seqlens_q`` and ``kv_lens`` (one host sync); engines that need a
+    sync-free, CUDA-graph-capturable call use ``ragattn.triton_kernels.paged_attention``'s
+    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs one call
+    of torch's fused CPU flash attention for the batch (visible slot spans gathered, a
+    position/window mask, GQA folded into the rows; a batch with non-finite K/V among its
+    gathered slots goes through the reference), the
+    reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel under the interpreter
+    with ``RAGATTN_CPU_BACKEND=triton``. On
+    CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
+    are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
-    return torch.ops.ragattn.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+    if out is None and lse_out is None:
+        return torch.ops.ragattn.paged_attention(
+            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left
+        )
+    if out is None:
+        out = q.new_empty(q.shape)
+    if lse_out is None:
+        lse_out = q.new_empty(q.shape[:2], dtype=torch.float32)
+    torch.ops.ragattn.paged_attention.out(
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=out, lse_out=lse_out
+    )
+    return out, lse_out
 
 
-def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale):
+def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
     from ragattn.triton_kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, num_splits=_forced_num_splits()
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+        num_splits=_forced_num_splits(), out=out, lse_out=lse_out,
     )
 
 
+def _gather_slots(cache, pages, offsets):
+    """``cache[pages, offsets]`` ([B, span] indices -> [B, span, Hkv, D]); one index_select over
+    the (page, offset) rows when the cache's first two dims merge (much cheaper than advanced
+    indexing on the CPU), advanced indexing for other strided views."""
+    num_pages, page_size = cache.shape[:2]
+    if cache.stride(0) == page_size * cache.stride(1):
+        rows = cache.flatten(0, 1).index_select(0, (pages * page_size + offsets).flatten())
+        return rows.view(*pages.shape, *cache.shape[2:])
+    return cache[pages, offsets]
+
+
+def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
+    """The default CPU path: one call of torch's fused CPU flash attention (it returns the LSE) for
+    the whole batch. Each sequence's visible slot span (from its rows' first window start to their
+    largest ``q_pos``) is gathered into a padded ``[B, span]`` K/V batch, the GQA group is folded
+    into the query rows (no repeated K/V), and an additive mask hides what a row may not see; it
+    is dropped when every row sees all its gathered slots (decode). Gathered slots past a
+    sequence's span are zeroed (never read: 0 * NaN). If a gathered slot holds a non-finite K/V,
+    the batch goes through the reference, which owns the non-finite rule."""
+    total_q, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    batch = kv_lens.numel()
+    out = q.new_zeros(q.shape)
+    lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
+    if total_q == 0 or batch == 0:
+        return out, lse
+    cu = cu_seqlens_q.long()
+    rows = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(batch), rows)
+    pos = q_pos.long()
+    pos_max = torch.full((batch,), -1, dtype=torch.long).scatter_reduce_(0, seq, pos, "amax")
+    hi = torch.minimum(kv_lens.long(), pos_max + 1)  # slots [lo, hi) are visible to some row
+    if window_left >= 0:
+        pos_min = torch.full((batch,), torch.iinfo(torch.long).max).scatter_reduce_(0, seq, pos, "amin")
+        lo = torch.minimum((pos_min - window_left).clamp_(min=0), hi)
+    else:
+        lo = torch.zeros_like(hi)
+    spans = hi - lo
+    span, max_rows = int(spans.max()), int(rows.max())
+    if span == 0:
+        return out, lse
+    slot = lo[:, None] + torch.arange(span)  # [B, span]
+    valid = slot < hi[:, None]
+    slot = torch.where(valid, slot, lo[:, None])
+    pages = torch.where(valid, block_table.long().gather(1, slot // page_size), 0)
+    k = _gather_slots(k_cache, pages, slot % page_size)  # [B, span, Hkv, D]
+    v = _gather_slots(v_cache, pages, slot % page_size)
+    if not bool(valid.all()):
+        k.masked_fill_(~valid[..., None, None], 0)
+        v.masked_fill_(~valid[..., None, None], 0)
+    # one cheap reduction instead of an elementwise test: a finite sum means finite values
+    # (an overflowing sum only sends a finite batch to the reference: still correct)
+    if not math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32))):
+        return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    r = torch.arange(max_rows)
+    row_ok = r[None, :] < rows[:, None]  # [B, R]
+    row_idx = torch.where(row_ok, cu[:-1, None] + r, 0)
+    qb = q[row_idx].view(batch, max_rows, num_kv_heads, group, head_dim).transpose(1, 2)
+    qb = qb.reshape(batch, num_kv_heads, max_rows * group, head_dim)  # row (r, g) at r * group + g
+    mask = None
+    seen = None
+    if max_rows > 1 or not bool((spans == span).all()):
+        p = pos[row_idx][:, :, None]  # [B, R, 1]
+        slot_pos = (lo[:, None] + torch.arange(span))[:, None, :]  # [B, 1, span]
+        visible = (slot_pos <= p) & valid[:, None, :] & row_ok[:, :, None]
+        if window_left >= 0:
+            visible &= slot_pos >= p - window_left
+        seen = visible.any(-1)  # [B, R]
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None, :, None, :].expand(batch, 1, max_rows, group, span).reshape(batch, 1, -1, span)
+    o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    o = o.view(batch, num_kv_heads, max_rows, group, head_dim).transpose(1, 2).reshape(batch, max_rows, num_heads, head_dim)
+    l = l.view(batch, num_kv_heads, max_rows, group).transpose(1, 2).reshape(batch, max_rows, num_heads)
+    if seen is not None:
+        row_ok = row_ok & seen  # rows that see no slot keep out 0, lse -inf
+    out[row_idx[row_ok]] = o[row_ok]
+    lse[row_idx[row_ok]] = l[row_ok].float()
+    return out, lse
+
+
+def _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+    backend = _extension.cpu_backend()
+    if backend == "triton":
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+    run = _reference if backend == "reference" else _cpu_flash
+    o, lse = run(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    if out is None:
+        return o, lse
+    out.copy_(o)
+    lse_out.copy_(lse)
+    return out, lse_out
+
+
+def _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+    with device_guard(q):
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+
+
 @torch.library.impl("ragattn::paged_attention", "CPU")
-def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    if _extension.cpu_backend() == "triton":
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
+    return _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
 
 
 @torch.library.impl("ragattn::paged_attention", "CUDA")
-def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
-    with device_guard(q):
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale)
+def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
+    return _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+
+
+@torch.library.impl("ragattn::paged_attention.out", "CPU")
+def _paged_attention_out_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
+                             window_left=-1, *, out, lse_out):
+    _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+
+
+@torch.library.impl("ragattn::paged_attention.out", "CUDA")
+def _paged_attention_out_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
+                              window_left=-1, *, out, lse_out):
+    _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
 
 
 @torch.library.register_fake("ragattn::paged_attention")
-def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None):
+def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)  # contiguous, like the kernels
+
+
+@torch.library.register_fake("ragattn::paged_attention.out")
+def _paged_attention_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
+                              window_left=-1, *, out, lse_out):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+              read_values=False)

@@ -16,7 +16,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_out, check_same_device, check_tensor, device_guard,
+    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor, device_guard,
 )
 from ragattn.reference import varlen_attention as _ref
 
@@ -153,7 +153,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_bl
         raise ValueError(
             f"ragattn.{OP}: q's head count must be a multiple of k's (GQA), got {num_heads} and {num_kv_heads}"
         )
-    kw = dict(dtypes=INDEX_DTYPES, check_values=check_values)
+    kw = dict(dtypes=INDEX_DTYPES, read_values=check_values)
     b_q = check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, **kw)
     b_k = check_cu_seqlens(OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev, **kw)
     if b_q != b_k:
@@ -174,9 +174,12 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_bl
 
 
 def _validate_out(q, out, lse_out, inputs):
-    check_out(OP, "out", out, shape=tuple(q.shape), dtype=q.dtype, device=q.device, inputs=inputs)
-    check_out(OP, "lse_out", lse_out, shape=tuple(q.shape[:2]), dtype=torch.float32, device=q.device,
-              inputs=dict(inputs, out=out))
+    """Preallocated outputs: exact shape and dtype, q's device, contiguous, no memory shared with
+    an input or with each other (the kernel would read what it already wrote)."""
+    check_tensor(OP, "out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=q.device, contiguous=True)
+    check_tensor(OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=tuple(q.shape[:2]), device=q.device,
+                 contiguous=True)
+    check_no_overlap(OP, {"out": out, "lse_out": lse_out}, inputs)
 
 
 def _use_triton(q: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ RoPE layouts (``rotary_dim`` = r, only dims ``< r`` rotate, the rest pass throug
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,9 +52,123 @@ def rope_rotate(
     return out
 
 
-def _rows_view(layer: torch.Tensor) -> torch.Tensor:
-    """A cache layer ``[..., heads, head_dim]`` viewed as ``[rows, heads, head_dim]``."""
-    return layer.view(-1, layer.shape[-2], layer.shape[-1])
+class RowLayout(NamedTuple):
+    """How a cache layer ``[..., H, D]`` is addressed as ``[num_rows, H, D]`` (csrc/kv_cache/row_layout.h):
+    row ``r`` starts ``(r // inner_rows) * outer_stride + (r % inner_rows) * inner_stride`` elements
+    after the layer's first element."""
+
+    num_rows: int
+    outer_rows: int
+    inner_rows: int
+    inner_stride: int
+    outer_stride: int
+    heads: int
+    head_dim: int
+
+
+def row_layout(layer: torch.Tensor) -> RowLayout:
+    """The row layout of ``layer`` ``[..., H, D]``, or ValueError (message without the op's name).
+
+    The rule (one for every backend): the ``[H, D]`` block of a row is contiguous, and the leading
+    dims collapse (size-1 dims dropped, a dim whose stride spans the next one merged into it) into
+    at most two levels whose rows never overlap. Contiguous caches, vLLM's ``kv_cache[0]`` /
+    ``kv_cache[1]`` of ``[2, blocks, block_size, H, D]`` and FlashInfer's ``cache[:, 0]`` /
+    ``cache[:, 1]`` of ``[pages, 2, page_size, H, D]`` qualify; head-major (HND) pages do not.
+    """
+    heads, head_dim = layer.shape[-2], layer.shape[-1]
+    w = heads * head_dim
+    st = layer.stride()
+    if not ((head_dim <= 1 or st[-1] == 1) and (heads <= 1 or st[-2] == head_dim)):
+        raise ValueError(
+            f"must have contiguous [num_kv_heads, head_dim] rows (strides [..., head_dim, 1]), got shape "
+            f"{tuple(layer.shape)} with strides {st}"
+        )
+    if layer.numel() == 0:
+        return RowLayout(0, 1, 1, w, w, heads, head_dim)
+    levels = []  # (size, stride), inner to outer
+    for i in range(layer.dim() - 3, -1, -1):
+        size, stride = layer.shape[i], st[i]
+        if size == 1:
+            continue
+        if levels and stride == levels[-1][0] * levels[-1][1]:
+            levels[-1] = (levels[-1][0] * size, levels[-1][1])
+        else:
+            levels.append((size, stride))
+    if len(levels) > 2:
+        raise ValueError(
+            f"(shape {tuple(layer.shape)}, strides {st}) must be addressable as [rows, num_kv_heads, head_dim] with at "
+            "most two row strides (e.g. [pages, page_size, H, D] viewed out of [pages, 2, page_size, H, D]); its "
+            f"leading dims need {len(levels)}"
+        )
+    inner_rows, inner_stride = levels[0] if levels else (1, w)
+    outer_rows, outer_stride = levels[1] if len(levels) == 2 else (1, inner_rows * inner_stride)
+    inner_span = w if inner_rows == 1 else inner_rows * inner_stride
+    if (inner_rows > 1 and inner_stride < w) or (outer_rows > 1 and outer_stride < inner_span):
+        raise ValueError(
+            f"(shape {tuple(layer.shape)}, strides {st}) has rows that overlap in memory; every row must be its own memory"
+        )
+    return RowLayout(outer_rows * inner_rows, outer_rows, inner_rows, inner_stride, outer_stride, heads, head_dim)
+
+
+def layers_overlap(a: torch.Tensor, ga: RowLayout, b: torch.Tensor, gb: RowLayout) -> bool:
+    """Whether two cache layers share memory: exact for two layers of one layout (e.g. the K and V
+    views of one FlashInfer cache), conservative (intersecting spans in one storage) otherwise."""
+    if ga.num_rows == 0 or gb.num_rows == 0:
+        return False
+    if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+
+    def span(t, g):
+        last = (g.num_rows - 1) // g.inner_rows * g.outer_stride + (g.num_rows - 1) % g.inner_rows * g.inner_stride
+        return t.storage_offset(), t.storage_offset() + last + g.heads * g.head_dim - 1
+
+    (a0, a1), (b0, b1) = span(a, ga), span(b, gb)
+    if a1 < b0 or b1 < a0:
+        return False
+    if ga[:5] != gb[:5] or ga.heads * ga.head_dim != gb.heads * gb.head_dim:
+        return True
+    # d = i * outer + j * inner + t with |i| < outer_rows, |j| < inner_rows, |t| < row width: the
+    # layout rule leaves two candidates per level.
+    d, w = abs(b0 - a0), ga.heads * ga.head_dim
+    s = ga.inner_stride if ga.inner_rows > 1 else w
+    i0 = d // ga.outer_stride if ga.outer_rows > 1 else 0
+    for i in range(i0, i0 + (2 if ga.outer_rows > 1 else 1)):
+        if abs(i) >= ga.outer_rows:
+            continue
+        rem = d - i * ga.outer_stride
+        j0 = rem // s if ga.inner_rows > 1 else 0
+        for j in range(j0, j0 + (2 if ga.inner_rows > 1 else 1)):
+            if abs(j) < ga.inner_rows and abs(rem - j * s) < w:
+                return True
+    return False
+
+
+def rows_view(layer: torch.Tensor) -> Tuple[torch.Tensor, RowLayout]:
+    """``layer`` as a writable ``[outer_rows, inner_rows, H, D]`` view of its memory (no copy)."""
+    g = row_layout(layer)
+    v = layer.as_strided(
+        (g.outer_rows, g.inner_rows, g.heads, g.head_dim),
+        (g.outer_stride, g.inner_stride, g.head_dim, 1),
+        layer.storage_offset(),
+    )
+    return v, g
+
+
+def _row_index(rows: torch.Tensor, g: RowLayout):
+    rows = rows.long()
+    return rows // g.inner_rows, rows % g.inner_rows
+
+
+def gather_rows(layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int32/int64 ``[N]``) of ``layer`` as a new ``[N, H, D]`` tensor."""
+    v, g = rows_view(layer)
+    return v[_row_index(rows, g)]
+
+
+def scatter_rows_(layer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: rows ``rows`` of ``layer`` = ``values`` ``[N, H, D]``."""
+    v, g = rows_view(layer)
+    v[_row_index(rows, g)] = values.to(layer.dtype)
 
 
 def rerotate_keys_(
@@ -66,11 +180,11 @@ def rerotate_keys_(
     interleaved: bool,
     compute_dtype: Optional[torch.dtype] = torch.float64,
 ) -> None:
-    """In place: row ``rows[n]`` of every layer (viewed ``[rows, heads, head_dim]``) is rotated
-    by ``delta[n]`` positions. rows int64 ``[N]`` (distinct), delta int32 ``[N]``."""
+    """In place: row ``rows[n]`` of every layer (addressed as ``[rows, heads, head_dim]``, see
+    :func:`row_layout`) is rotated by ``delta[n]`` positions. rows int32/int64 ``[N]`` (distinct),
+    delta int32 ``[N]``. The layers must not share memory (the op refuses it)."""
     for layer in k_layers:
-        v = _rows_view(layer)
-        v[rows] = rope_rotate(v[rows], delta, inv_freq, rotary_dim, interleaved, compute_dtype)
+        scatter_rows_(layer, rows, rope_rotate(gather_rows(layer, rows), delta, inv_freq, rotary_dim, interleaved, compute_dtype))
 
 
 def copy_kv_(
@@ -88,18 +202,21 @@ def copy_kv_(
 ) -> None:
     """In place: for every layer ``l`` and ``n``, ``dst_k[l][dst_rows[n]] = R(delta[n]) src_k[l][src_rows[n]]``
     (no rotation when ``delta`` is None) and ``dst_v[l][dst_rows[n]] = src_v[l][src_rows[n]]``.
-    All sources are read before any destination is written."""
+    Rows are int32/int64 ``[N]``; layers are addressed as in :func:`row_layout`. Every source row
+    is read before any destination row is written (gather, then scatter), so sources may share
+    memory with destinations; destinations must not share memory with each other (the op refuses it)."""
     k_new = []
     for s in src_k:
-        g = _rows_view(s)[src_rows]
+        g = gather_rows(s, src_rows)
         if delta is not None:
             g = rope_rotate(g, delta, inv_freq, rotary_dim, interleaved, compute_dtype)
         k_new.append(g)
-    v_new = [_rows_view(s)[src_rows] for s in src_v]
+    v_new = [gather_rows(s, src_rows) for s in src_v]
     for d, g in zip(dst_k, k_new):
-        _rows_view(d)[dst_rows] = g
+        scatter_rows_(d, dst_rows, g)
     for d, g in zip(dst_v, v_new):
-        _rows_view(d)[dst_rows] = g
+        scatter_rows_(d, dst_rows, g)
 
 
-__all__ = ["rope_cos_sin", "rope_rotate", "rerotate_keys_", "copy_kv_"]
+__all__ = ["rope_cos_sin", "rope_rotate", "RowLayout", "row_layout", "layers_overlap", "rows_view", "gather_rows",
+           "scatter_rows_", "rerotate_keys_", "copy_kv_"]

@@ -15,6 +15,17 @@ def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, length: int
     return cache[pages, slots % page_size]
 
 
+def visible_slots(q_pos: torch.Tensor, length: int, window_left: int = -1) -> torch.Tensor:
+    """bool ``[len(q_pos), length]``: slot ``j`` is visible to the row at ``q_pos[i]`` iff
+    ``j <= q_pos[i]`` and (``window_left < 0`` or ``j >= q_pos[i] - window_left``)."""
+    j = torch.arange(length, device=q_pos.device)[None, :]
+    pos = q_pos.long()[:, None]
+    visible = j <= pos
+    if window_left >= 0:
+        visible &= j >= pos - window_left
+    return visible
+
+
 def paged_attention(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -24,15 +35,20 @@ def paged_attention(
     block_table: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: Optional[float] = None,
+    window_left: int = -1,
     *,
     compute_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Query row ``i`` of sequence ``b`` attends to slots ``j < kv_lens[b]`` with ``j <= q_pos[i]``.
+    """Query row ``i`` of sequence ``b`` attends to slots ``j < kv_lens[b]`` with ``j <= q_pos[i]``
+    and, when ``window_left >= 0``, ``j >= q_pos[i] - window_left``.
 
-    q [total_q, H, D]; q_pos int32 [total_q]; cu_seqlens_q int32 [B + 1]; k_cache, v_cache
-    [num_pages, page_size, Hkv, D]; block_table int32 [B, max_pages]; kv_lens int32 [B].
+    q [total_q, H, D]; q_pos int32/int64 [total_q]; cu_seqlens_q int32/int64 [B + 1]; k_cache,
+    v_cache [num_pages, page_size, Hkv, D] (any strides); block_table int32/int64 [B, max_pages];
+    kv_lens int32/int64 [B].
     Returns out [total_q, H, D] in q's dtype and lse [total_q, H] (natural log; float32, or
-    float64 for float64 inputs). A row with no visible key gets out 0 and lse -inf.
+    float64 for float64 inputs). A row with no visible key gets out 0 and lse -inf. Non-finite
+    inputs follow the op's rule: only visible slots are read; a non-finite visible score makes
+    the (row, head) NaN (out and lse); a non-finite visible ``v[j, d]`` makes ``out[i, d]`` NaN.
 
     ``compute_dtype`` (default: float64 for float64 inputs, else float32) is the dtype of every
     intermediate; the tests pass the input dtype to get the "same computation in low precision".
@@ -58,18 +74,22 @@ def paged_attention(
         v = gather_paged(v_cache, block_table[b], L)[:, head_to_kv].to(cdt)
         qb = q[q0:q1].to(cdt)
         s = torch.einsum("ihd,jhd->hij", qb, k) * scale  # [H, nq, L]
-        visible = torch.arange(L, device=q.device)[None, :] <= q_pos[q0:q1].long()[:, None]  # [nq, L]
-        s = s.masked_fill(~visible[None], float("-inf"))
+        visible = visible_slots(q_pos[q0:q1], L, window_left)  # [nq, L]
+        # a non-finite visible score poisons its (row, head): out and lse NaN
+        bad_row = (visible[None] & ~torch.isfinite(s)).any(-1)  # [H, nq]
+        s = s.masked_fill(~visible[None] | ~torch.isfinite(s), float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)  # [H, nq]; -inf where nothing is visible
         safe = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
         p = torch.exp(s - safe[..., None])  # masked entries -> exp(-inf) = 0
-        # a masked slot is never read into the sum (0 * NaN is NaN): non-finite values enter only
-        # where visible, and then poison the row as they would in the kernels
+        # a masked slot is never read into the sum (0 * NaN is NaN): a non-finite v[j, d] makes
+        # out[i, d] NaN exactly for the rows i that see slot j, whatever their weight
         bad = ~torch.isfinite(v)
         o = torch.einsum("hij,jhd->ihd", p, v.masked_fill(bad, 0))
         if bool(bad.any()):
             hit = torch.einsum("ij,jhd->ihd", visible.to(cdt), bad.to(cdt)) > 0
             o = o.masked_fill(hit, float("nan"))
+        o = o.masked_fill(bad_row.transpose(0, 1)[..., None], float("nan"))
+        row_lse = row_lse.masked_fill(bad_row, float("nan"))
         out[q0:q1] = o.to(q.dtype)
         lse[q0:q1] = row_lse.transpose(0, 1).to(lse_dtype)
     return out, lse
