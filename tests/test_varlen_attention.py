@@ -309,7 +309,6 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize(
     "mask, causal, window, ratio, dtype, pos",
     [
-        ("none", True, 0, 1, torch.float32, "default"),
         ("none", True, 5, 4, torch.bfloat16, "default"),
         ("chunks", True, 9, 3, torch.float16, "offset"),
         ("sys", True, 40, 1, torch.float32, "default"),
@@ -335,13 +334,14 @@ def test_sliding_window_matches_reference(device, seed, backend, monkeypatch, ma
     assert max_abs_err(o64, ref_varlen(*_float64(args))[0]) > 1e-3
 
 
-@pytest.mark.parametrize("mask, causal, window", [("none", True, 20), ("many", True, 7), ("sys", False, 12), ("random", True, 0)])
+@pytest.mark.parametrize("mask, causal, window", [("many", True, 7), ("sys", False, 12), ("random", True, 0)])
 def test_sliding_window_small_tiles(device, mask, causal, window):
     """16-row tiles: whole key tiles left of the window are skipped (forward, dq) and whole query
     tiles right of it (dk/dv); gradients against the float64 reference's autograd."""
     from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
 
-    args = _case([70, 0, 33], [70, 2, 33], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
+    lens = [40, 0, 21] if mask == "random" else [70, 0, 33]  # shuffled positions: every tile pair partial
+    args = _case(lens, [lens[0], 2, lens[2]], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
                  pos="shuffled" if mask == "random" else "default", gen=torch.Generator().manual_seed(11))
     out, lse = varlen_attention_fwd(*args, None, window, block_m=16, block_n=16)
     o64, l64 = ref_varlen(*_float64(args), None, window)
