@@ -86,7 +86,8 @@ from ragattn import ops as _ops
 
 FORMAT = "ragattn-chunk-kv-v1"
 DEFAULT_BUDGET_FRACTION = 0.25   # of the device's available memory, when no budget is given
-_MIN_SLAB_PAGES = 16
+_FIRST_SLAB_BYTES = 64 << 20    # first slab at most (and two model windows, and the budget's
+_FIRST_SLAB_PAGES = 16          # quarter), at least 16 pages: a typical request spans one slab
 _WORDS_PER_ROW = 64              # checksum rows: 64 int64 words (512 bytes) each
 
 
@@ -353,7 +354,9 @@ class ChunkStore:
             room = self._budget_pages - cap
             if room >= m:
                 # grow geometrically (few slabs), at most a quarter of the budget at once
-                want = min(max(m, cap, _MIN_SLAB_PAGES), max(m, self._budget_pages // 4), room)
+                first = max(_FIRST_SLAB_PAGES, min(_FIRST_SLAB_BYTES // (self.page_size * self.row_bytes),
+                                                   -(-2 * self.max_positions // self.page_size)))
+                want = min(max(m, cap, first), max(m, self._budget_pages // 4), room)
                 self._slabs.append(_Slab(self, want))
                 continue
             empty = [s for s in self._slabs if len(s.free) == s.pages]
