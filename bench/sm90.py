@@ -188,16 +188,16 @@ def triton_specs() -> List[TritonSpec]:
     for n_chunks, chunk, name in [(64, 500, "fwd_chunks64x500+50"), (8, 4096, "fwd_chunks8x4096+50")]:
         L = n_chunks * chunk + 50
         bm, bn, warps, stages = va._config(D, backward=False)
-        consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False, PREC=prec,
+        consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True, WINDOW=False, UPCAST=False, PREC=prec,
                       STEPS=va._steps(triton.cdiv(L, bn)))
         specs.append(TritonSpec("varlen_attention._fwd_kernel", f"varlen_attention/{name}", True, consts, types_va,
-                                warps, stages, (triton.cdiv(L, bm), H), dict(num_batch=1, num_heads=H)))
+                                warps, stages, (triton.cdiv(L, bm), H), dict(num_batch=1, num_heads=H, window_left=0)))
     L = 64 * 500 + 50
     bm, bn, warps, stages = va._config(D, backward=True)
-    consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False, PREC=prec,
+    consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True, WINDOW=False, UPCAST=False, PREC=prec,
                   STEPS=va._steps(max(triton.cdiv(L, bm), triton.cdiv(L, bn))))
     case = "varlen_attention/bwd_chunks64x500+50"
-    ints = dict(num_batch=1, num_heads=H)
+    ints = dict(num_batch=1, num_heads=H, window_left=0)  # no window: the launcher passes max(-1, 0)
     specs.append(TritonSpec("varlen_attention._bwd_dq_kernel", case, False, consts, types_va, warps, stages,
                             (triton.cdiv(L, bm), H), ints))
     specs.append(TritonSpec("varlen_attention._bwd_dkdv_kernel", case, False, consts, types_va, warps, stages,
