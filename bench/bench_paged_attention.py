@@ -8,6 +8,8 @@ gpu (bf16, 32 query heads, 8 kv heads, head dim 128, page size 16, shuffled page
   ``flops`` counts the useful visible (query, key) pairs only: 4 * head_dim * heads per pair.
 * ``decode``: batch 32, one row each, 32K-token contexts; GB/s on the K/V bytes read (target:
   >= 80% of the measured copy peak). Baseline: SDPA over contiguous K/V with ``enable_gqa``.
+* ``decode_window``: the decode case under a 4096-token sliding window (``window_left=4095``);
+  GB/s on the window's K/V bytes. Baseline: SDPA over the window's slots stored contiguously.
 * ``merge``: cascade merge of two partial states for 32 x 128 rows; GB/s on bytes read + written.
 cpu: tiny shapes of the same cases.
 """
@@ -139,6 +141,39 @@ def _decode(device, size, gen):
     )
 
 
+def _decode_window(device, size, gen):
+    import ragattn
+
+    if size == "gpu":
+        batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 32, 32768, 4096, 32, 8, 128, torch.bfloat16, 16
+    else:
+        batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 32, 4, 2, 64, torch.float32, 16
+    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
+    cu = torch.arange(batch + 1, dtype=I32, device=device)
+    kv_lens = torch.full((batch,), ctx, dtype=I32, device=device)
+    kv_bytes = 2.0 * batch * window * kv_heads * head_dim * k.element_size()  # only the window is read
+
+    # baseline: SDPA over the window's slots stored contiguously [B, kv_heads, window, D]
+    kc = k[bt.long()].reshape(batch, -1, kv_heads, head_dim)[:, ctx - window: ctx].transpose(1, 2).contiguous()
+    vc = v[bt.long()].reshape(batch, -1, kv_heads, head_dim)[:, ctx - window: ctx].transpose(1, 2).contiguous()
+    q4 = q.unsqueeze(2)
+
+    return Case(
+        family="paged_attention",
+        name=f"decode_window{window}_b{batch}_ctx{ctx}_h{heads}_kv{kv_heads}_d{head_dim}_p{page_size}",
+        run=lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens, None, window - 1),
+        baselines={"sdpa_contiguous_window_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q4, kc, vc, enable_gqa=True)},
+        bytes=kv_bytes,
+        flops=4.0 * head_dim * heads * batch * window,
+        peak="copy",
+        params={"dtype": str(dtype).replace("torch.", ""), "window_left": window - 1,
+                "target": "time proportional to the window, not the context"},
+    )
+
+
 def _merge(device, size, gen):
     import ragattn
     from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
@@ -165,4 +200,5 @@ def _merge(device, size, gen):
 
 def cases(device: torch.device, size: str):
     gen = torch.Generator().manual_seed(0)
-    return [_sparse_prefill(device, size, gen), _decode(device, size, gen), _merge(device, size, gen)]
+    return [_sparse_prefill(device, size, gen), _decode(device, size, gen), _decode_window(device, size, gen),
+            _merge(device, size, gen)]

@@ -27,19 +27,19 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
 // ---- speculative verification (csrc/speculative/) ----
 // Shape/dtype/device/scalar checks of verify_draft (ValueError/TypeError naming the argument);
 // check_values adds the index and range checks that need host data (CPU only).
-void check_verify_draft_args(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional<at::Tensor>& draft_probs,
                              const at::Tensor& target_logits, const at::Tensor& uniforms, double temperature,
                              double eta, double alpha, const std::optional<at::Tensor>& num_draft,
-                             bool check_values);
-std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
-                                                    const at::Tensor& target_logits, const at::Tensor& uniforms,
-                                                    double temperature, double eta, double alpha, bool greedy,
-                                                    const std::optional<at::Tensor>& num_draft);
+                             const std::optional<at::Tensor>& cu_num_draft, bool check_values);
+std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens,
+    const std::optional<at::Tensor>& draft_probs, const at::Tensor& target_logits, const at::Tensor& uniforms,
+    double temperature, double eta, double alpha, bool greedy, const std::optional<at::Tensor>& num_draft,
+    const std::optional<at::Tensor>& cu_num_draft);
 #ifdef RAGATTN_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
-                                                     const at::Tensor& target_logits, const at::Tensor& uniforms,
-                                                     double temperature, double eta, double alpha, bool greedy,
-                                                     const std::optional<at::Tensor>& num_draft);
+std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens,
+    const std::optional<at::Tensor>& draft_probs, const at::Tensor& target_logits, const at::Tensor& uniforms,
+    double temperature, double eta, double alpha, bool greedy, const std::optional<at::Tensor>& num_draft,
+    const std::optional<at::Tensor>& cu_num_draft);
 #endif
 
 }  // namespace ragattn

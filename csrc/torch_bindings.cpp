@@ -55,11 +55,12 @@ TORCH_LIBRARY(ragattn, m) {
       "float? scale=None) -> Tensor scores");
 
   // 7. Chain speculative verification, standard and RAPID's modified target (CUDA C++).
-  //    num_draft [B] (optional) verifies chains of different lengths padded to g.
+  //    num_draft [B] (optional) verifies chains of different lengths padded to g; cu_num_draft
+  //    [B + 1] (optional) takes vLLM's flat layout instead; draft_probs=None: one-hot drafts (n-gram).
   m.def(
-      "verify_draft(Tensor draft_tokens, Tensor draft_probs, Tensor target_logits, Tensor uniforms, "
+      "verify_draft(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
       "float temperature=1.0, float eta=0.0, float alpha=0.1, bool greedy=False, "
-      "Tensor? num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
+      "Tensor? num_draft=None, Tensor? cu_num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
 }
 
 TORCH_LIBRARY_IMPL(ragattn, CPU, m) {

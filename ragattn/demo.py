@@ -38,7 +38,7 @@ import torch
 
 from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
 from ragattn.methods import block_attention, fusionrag, rapid, turborag
-from ragattn.methods.chunk_store import ChunkStore
+from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 from ragattn.methods.common import full_prefill, prompt_parts
 
 DEFAULT_MODEL = "smollm2"
@@ -175,6 +175,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def parse_device(name: str) -> torch.device:
+    """``--device``: "cpu", "cuda" or "cuda:N" of an available device, else a DemoError."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DemoError(f"ragattn demo: unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DemoError(f"ragattn demo: device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DemoError(f"ragattn demo: --device {name} but no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DemoError(f"ragattn demo: --device {name} but only {torch.cuda.device_count()} CUDA "
+                            "device(s) are available")
+    return device
+
+
+def check_window(model, qid: str, ctx: int, max_new_tokens: int, top_k: int) -> None:
+    """A DemoError when a prompt (``ctx`` tokens) plus the answer does not fit the model's window."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and ctx + max_new_tokens > limit:
+        raise DemoError(f"ragattn demo: question {qid}: the prompt ({ctx} tokens with top-{top_k} passages) "
+                        f"+ {max_new_tokens} new tokens exceeds the model's window ({limit} tokens); "
+                        "use shorter passages, a smaller --top-k or --max-new-tokens")
+
+
 def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> List[Row]:
     """Run the demo; print and return its rows. ``model_and_tokenizer`` skips loading ``--model``."""
     from tqdm import tqdm
@@ -197,9 +223,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         qs = corpus.questions[: args.limit] if args.limit and args.limit > 0 else corpus.questions
         questions = [(q.id, q.question, q.answers) for q in qs]
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DemoError("ragattn demo: --device cuda but no CUDA device is available")
+    device = parse_device(args.device)
     progress = not args.no_progress
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -228,6 +252,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
         head, chunk_ids, tail = prompt_parts(tokenizer, passages, text)
         ctx = len(head) + sum(len(c) for c in chunk_ids) + len(tail)
+        check_window(model, qid, ctx, args.max_new_tokens, args.top_k)
         prompts.append((qid, text, answers, passages, ctx))
         if store is not None:  # offline: chunk KV precomputed, outside the timing
             store.add([head] + chunk_ids)
@@ -301,7 +326,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         run(args)
-    except DemoError as exc:
+    except (DemoError, ChunkStoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,8 +1,24 @@
-"""Shared fixtures for the model tests: SmolLM2 is loaded once per session."""
+"""Shared fixtures for the model tests (SmolLM2 is loaded once per session) and the hypothesis
+profiles of the property tests: ``ci`` (default: derandomised, small) and ``thorough``
+(``HYPOTHESIS_PROFILE=thorough``: random, 1000 examples per test or ``HYPOTHESIS_MAX_EXAMPLES``,
+for a manual run)."""
 import os
 
 import pytest
 import torch
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the property tests importorskip hypothesis themselves
+    pass
+else:
+    _slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    settings.register_profile("ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
+                              suppress_health_check=_slow_ok)
+    settings.register_profile("thorough", deadline=None, print_blob=True,
+                              max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "1000")),
+                              suppress_health_check=_slow_ok)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -50,3 +50,31 @@ def test_demo_errors(tmp_path, capsys):
     assert cli_main(["demo", "--method", "nope"]) == 2
     assert "unknown method" in capsys.readouterr().err
     assert cli_main(["bogus"]) == 2
+
+
+def _one_line_error(capsys, *needles):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+
+
+def test_demo_bad_device_is_a_one_line_error(capsys):
+    assert cli_main(["demo", "--device", "xyz", "--no-progress"]) == 2
+    _one_line_error(capsys, "unknown device 'xyz'")
+    assert cli_main(["demo", "--device", "meta", "--no-progress"]) == 2
+    _one_line_error(capsys, "not supported")
+
+
+def test_demo_passage_longer_than_the_window(model_tok, tmp_path, capsys, monkeypatch):
+    import json
+
+    long_text = " ".join(f"word{i % 50}" for i in range(9000))      # > SmolLM2's 8192 positions
+    (tmp_path / "passages.jsonl").write_text(
+        json.dumps({"id": "p1", "title": "Long", "text": long_text}) + "\n"
+        + json.dumps({"id": "p2", "title": "Short", "text": "Mars has two moons."}) + "\n")
+    (tmp_path / "questions.jsonl").write_text(
+        json.dumps({"id": "q1", "question": "How many moons has Mars?", "answers": ["two"]}) + "\n")
+    monkeypatch.setattr(demo, "load_model", lambda name, device: model_tok)
+    assert cli_main(["demo", "--corpus", str(tmp_path), "--top-k", "2", "--no-progress"]) == 2
+    _one_line_error(capsys, "question q1", "exceeds the model's window (8192 tokens)")

@@ -233,3 +233,25 @@ def test_paged_cpu_sdpa_path_equals_paged_op(monkeypatch):
         outs.append(torch.cat([a, b], 1))
     assert hfattn.cpu_sdpa_enabled() is False
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cpu_sdpa", ["1", "0"])
+def test_paged_cache_sliding_window_equals_sdpa(monkeypatch, cpu_sdpa):
+    """Mistral with a window shorter than the cached prefix: the paged path applies the window
+    (paged_attention's window_left = W - 1, or the CPU shortcut's mask) in the prefix's own
+    prefill and under generate(), and equals SDPA over the whole prompt."""
+    from ragattn.hf.cache import PagedCache
+
+    monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", cpu_sdpa)
+    model = _model("mistral", sliding_window=4)
+    ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                         min_new_tokens=5, do_sample=False)
+    cache = PagedKV(2, 1, 32, 2, 16, page_size=4)
+    with use_ragattn(model), torch.no_grad():
+        model(input_ids=ids[:, :7], use_cache=False, ragattn_paged=cache)
+        cache.lengths += 7
+        got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             past_key_values=PagedCache(cache), max_new_tokens=5, min_new_tokens=5,
+                             do_sample=False)
+    assert torch.equal(got, ref)

@@ -642,3 +642,16 @@ def test_kernel_compiles_for_sm90():
     """The kernel compiles for an H100 (sm_90) at the launcher's tile configs (prefill, decode,
     split-KV) in every dtype and head dim, within its shared memory; needs no GPU."""
     run_compile_check(_COMPILE_CHECK)
+
+
+def test_docs_examples_run():
+    """The runnable examples of docs/ops.md's paged_attention and merge_attention_states sections."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "ops.md").read_text()
+    section = text[text.index("## paged_attention"): text.index("## rerotate_keys_")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        exec(compile(code, "docs/ops.md", "exec"), {})

@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <sstream>
 #include <array>
+#include <functional>
 #include <cmath>
 #include <vector>
 
@@ -20,41 +22,76 @@ namespace {
 constexpr const char* kOp = "ragattn.verify_draft";
 }  // namespace
 
-void check_verify_draft_args(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional<at::Tensor>& draft_probs,
                              const at::Tensor& target_logits, const at::Tensor& uniforms, double temperature,
                              double eta, double alpha, const std::optional<at::Tensor>& num_draft,
-                             bool check_values) {
+                             const std::optional<at::Tensor>& cu_num_draft, bool check_values) {
+  const bool ragged = cu_num_draft.has_value();
   TORCH_CHECK_TYPE(draft_tokens.scalar_type() == at::kLong, kOp, ": draft_tokens must be int64, got ",
                    draft_tokens.scalar_type());
-  TORCH_CHECK_VALUE(draft_tokens.dim() == 2, kOp, ": draft_tokens must have shape (B, g), got ",
-                    draft_tokens.sizes());
-  const int64_t B = draft_tokens.size(0), g = draft_tokens.size(1);
+  int64_t B = 0, g = 0, T = 0;
+  if (ragged) {
+    const auto& cu = *cu_num_draft;
+    TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, kOp,
+                     ": cu_num_draft must be int32 or int64, got ", cu.scalar_type());
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, kOp, ": cu_num_draft must have shape (B + 1,), got ",
+                      cu.sizes());
+    TORCH_CHECK_VALUE(!num_draft.has_value(), kOp,
+                      ": num_draft (padded layout) and cu_num_draft (flat layout) cannot both be given");
+    TORCH_CHECK_VALUE(draft_tokens.dim() == 1, kOp,
+                      ": with cu_num_draft, draft_tokens must be flat with shape (T,), got ", draft_tokens.sizes());
+    B = cu.size(0) - 1;
+    T = draft_tokens.size(0);
+  } else {
+    TORCH_CHECK_VALUE(draft_tokens.dim() == 2, kOp, ": draft_tokens must have shape (B, g), got ",
+                      draft_tokens.sizes());
+    B = draft_tokens.size(0);
+    g = draft_tokens.size(1);
+  }
   const auto lt = target_logits.scalar_type();
   TORCH_CHECK_TYPE(lt == at::kFloat || lt == at::kHalf || lt == at::kBFloat16, kOp,
                    ": target_logits must be float16 or bfloat16 or float32, got ", lt);
-  TORCH_CHECK_VALUE(target_logits.dim() == 3 && target_logits.size(0) == B && target_logits.size(1) == g + 1 &&
-                        target_logits.size(2) >= 1,
-                    kOp, ": target_logits must have shape (", B, ", ", g + 1, ", V) with V >= 1, got ",
-                    target_logits.sizes());
-  const int64_t V = target_logits.size(2);
+  if (ragged) {
+    TORCH_CHECK_VALUE(target_logits.dim() == 2 && target_logits.size(0) == T + B && target_logits.size(1) >= 1, kOp,
+                      ": with cu_num_draft, target_logits must have shape (T + B, V) = (", T + B,
+                      ", V) with V >= 1, got ", target_logits.sizes());
+  } else {
+    TORCH_CHECK_VALUE(target_logits.dim() == 3 && target_logits.size(0) == B && target_logits.size(1) == g + 1 &&
+                          target_logits.size(2) >= 1,
+                      kOp, ": target_logits must have shape (", B, ", ", g + 1, ", V) with V >= 1, got ",
+                      target_logits.sizes());
+  }
+  const int64_t V = target_logits.size(-1);
   TORCH_CHECK_VALUE(V <= (int64_t{1} << 30), kOp, ": target_logits vocabulary must be at most 2^30, got ", V);
-  TORCH_CHECK_TYPE(draft_probs.scalar_type() == at::kFloat, kOp, ": draft_probs must be float32, got ",
-                   draft_probs.scalar_type());
-  TORCH_CHECK_VALUE(draft_probs.dim() == 3 && draft_probs.size(0) == B && draft_probs.size(1) == g &&
-                        draft_probs.size(2) == V,
-                    kOp, ": draft_probs must have shape (", B, ", ", g, ", ", V, "), got ", draft_probs.sizes());
+  if (draft_probs.has_value()) {
+    const auto& q = *draft_probs;
+    TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat, kOp, ": draft_probs must be float32, got ", q.scalar_type());
+    if (ragged) {
+      TORCH_CHECK_VALUE(q.dim() == 2 && q.size(0) == T && q.size(1) == V, kOp, ": draft_probs must have shape (", T,
+                        ", ", V, "), got ", q.sizes());
+    } else {
+      TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == B && q.size(1) == g && q.size(2) == V, kOp,
+                        ": draft_probs must have shape (", B, ", ", g, ", ", V, "), got ", q.sizes());
+    }
+  }
   TORCH_CHECK_TYPE(uniforms.scalar_type() == at::kFloat, kOp, ": uniforms must be float32, got ",
                    uniforms.scalar_type());
-  TORCH_CHECK_VALUE(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == g + 1, kOp,
-                    ": uniforms must have shape (", B, ", ", g + 1, "), got ", uniforms.sizes());
+  if (ragged) {
+    TORCH_CHECK_VALUE(uniforms.dim() == 1 && uniforms.size(0) == T + B, kOp, ": uniforms must have shape (", T + B,
+                      ",), got ", uniforms.sizes());
+  } else {
+    TORCH_CHECK_VALUE(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == g + 1, kOp,
+                      ": uniforms must have shape (", B, ", ", g + 1, "), got ", uniforms.sizes());
+  }
   const auto dev = target_logits.device();
   auto same_device = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.device() == dev, kOp, ": all tensors must be on one device; target_logits is on ", dev,
                       ", ", name, " is on ", t.device());
   };
   same_device(draft_tokens, "draft_tokens");
-  same_device(draft_probs, "draft_probs");
+  if (draft_probs.has_value()) same_device(*draft_probs, "draft_probs");
   same_device(uniforms, "uniforms");
+  if (ragged) same_device(*cu_num_draft, "cu_num_draft");
   if (num_draft.has_value()) {
     const auto& nd = *num_draft;
     TORCH_CHECK_TYPE(nd.scalar_type() == at::kInt || nd.scalar_type() == at::kLong, kOp,
@@ -68,31 +105,52 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const at::Tensor& d
   TORCH_CHECK_VALUE(std::isfinite(eta) && eta >= 0, kOp, ": eta must be finite and >= 0, got ", eta);
   TORCH_CHECK_VALUE(std::isfinite(alpha) && alpha >= 0 && alpha <= 1, kOp, ": alpha must be in [0, 1], got ",
                     alpha);
-  if (!check_values || B == 0) return;
+  if (!check_values) return;
   // Index and range checks (host tensors only: on CUDA they are preconditions, see docs/ops.md).
-  at::Tensor nd64 = num_draft.has_value() ? num_draft->to(at::kLong) : at::full({B}, g, draft_tokens.options());
-  const auto nd_bad = (nd64 < 0) | (nd64 > g);
-  if (nd_bad.any().item<bool>()) {
-    const int64_t b = nd_bad.nonzero()[0][0].item<int64_t>();
-    TORCH_CHECK_VALUE(false, kOp, ": num_draft must be in [0, ", g, "], got ", nd64[b].item<int64_t>(),
-                      " in row ", b);
+  at::Tensor used;  // which draft tokens are verified (same shape as draft_tokens)
+  if (ragged) {
+    const at::Tensor cu = cu_num_draft->to(at::kLong);
+    const auto c = cu.accessor<int64_t, 1>();
+    TORCH_CHECK_VALUE(c[0] == 0 && c[B] == T, kOp, ": cu_num_draft must start at 0 and end at T = ", T,
+                      " (the number of draft tokens), got ", c[0], " .. ", c[B]);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(c[b + 1] >= c[b], kOp, ": cu_num_draft must be non-decreasing, got ", c[b], " then ",
+                        c[b + 1], " at ", b);
+    }
+    used = at::ones({T}, draft_tokens.options().dtype(at::kBool));
+  } else {
+    if (B == 0) return;
+    at::Tensor nd64 = num_draft.has_value() ? num_draft->to(at::kLong) : at::full({B}, g, draft_tokens.options());
+    const auto nd_bad = (nd64 < 0) | (nd64 > g);
+    if (nd_bad.any().item<bool>()) {
+      const int64_t b = nd_bad.nonzero()[0][0].item<int64_t>();
+      TORCH_CHECK_VALUE(false, kOp, ": num_draft must be in [0, ", g, "], got ", nd64[b].item<int64_t>(),
+                        " in row ", b);
+    }
+    used = at::arange(g, draft_tokens.options()).unsqueeze(0) < nd64.unsqueeze(1);
   }
-  if (g > 0) {
-    const auto used = at::arange(g, draft_tokens.options()).unsqueeze(0) < nd64.unsqueeze(1);
+  if (draft_tokens.numel() > 0) {
     const auto tok_bad = used & ((draft_tokens < 0) | (draft_tokens >= V));
     if (tok_bad.any().item<bool>()) {
       const auto at_ = tok_bad.nonzero()[0];
-      const int64_t b = at_[0].item<int64_t>(), j = at_[1].item<int64_t>();
-      TORCH_CHECK_VALUE(false, kOp, ": draft_tokens must be in [0, V = ", V, "), got ",
-                        draft_tokens[b][j].item<int64_t>(), " at [", b, ", ", j, "]");
+      std::ostringstream where;
+      where << "[" << at_[0].item<int64_t>();
+      if (!ragged) where << ", " << at_[1].item<int64_t>();
+      where << "]";
+      const at::Tensor bad_val = ragged ? draft_tokens[at_[0]] : draft_tokens[at_[0]][at_[1]];
+      TORCH_CHECK_VALUE(false, kOp, ": draft_tokens must be in [0, V = ", V, "), got ", bad_val.item<int64_t>(),
+                        " at ", where.str());
     }
   }
   const auto u_bad = ~((uniforms >= 0) & (uniforms < 1));  // NaN is bad too
   if (u_bad.any().item<bool>()) {
     const auto at_ = u_bad.nonzero()[0];
-    const int64_t b = at_[0].item<int64_t>(), j = at_[1].item<int64_t>();
-    TORCH_CHECK_VALUE(false, kOp, ": uniforms must be in [0, 1), got ", uniforms[b][j].item<float>(), " at [", b,
-                      ", ", j, "]");
+    std::ostringstream where;
+    where << "[" << at_[0].item<int64_t>();
+    if (!ragged) where << ", " << at_[1].item<int64_t>();
+    where << "]";
+    const at::Tensor bad_val = ragged ? uniforms[at_[0]] : uniforms[at_[0]][at_[1]];
+    TORCH_CHECK_VALUE(false, kOp, ": uniforms must be in [0, 1), got ", bad_val.item<float>(), " at ", where.str());
   }
 }
 
@@ -135,16 +193,20 @@ void warp_inclusive_scan(std::array<float, kWarpSize>& x) {
 
 struct RowView {
   const void* z;   // target logits row (kind below)
-  const float* q;  // draft probabilities row, or nullptr (bonus position)
+  const float* q;  // draft probabilities row, or nullptr (one-hot on `x`, or the bonus position)
+  bool has_q;      // a drafted position (q given or one-hot), not the bonus position
+  int64_t x;       // the draft token (one-hot q)
   int kind;
   int V;
 };
+
+float q_at(const RowView& r, int v) { return draft_prob(r.q, r.x, v); }
 
 float logit_at(const RowView& r, int v) { return load_logit(r.z, r.kind, v); }
 
 PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
   const int nchunks = (r.V + kChunk - 1) / kChunk;
-  const bool with_q = eta > 0.0f && r.q != nullptr;
+  const bool with_q = eta > 0.0f && r.has_q;
   std::vector<SoftmaxState> st(kThreads);
   std::vector<float> qmax(kThreads);
   for (int t = 0; t < kThreads; ++t) {
@@ -154,7 +216,7 @@ PositionStats position_stats(const RowView& r, float inv_t, float eta, float alp
       const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
       for (int v = v0; v < v1; ++v) {
         softmax_update(s, logit_at(r, v), v, inv_t);
-        if (with_q) qm = f_max(qm, r.q[v]);
+        if (with_q) qm = f_max(qm, q_at(r, v));
       }
     }
     st[t] = s;
@@ -173,7 +235,7 @@ PositionStats position_stats(const RowView& r, float inv_t, float eta, float alp
       const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
       for (int v = v0; v < v1; ++v) {
         const float y = scaled_logit(logit_at(r, v), ps.m_z, inv_t);
-        softmax_update(s, modified_logit(y, r.q[v], eta, ps.q_thresh, ps.inv_sp), v, 1.0f);
+        softmax_update(s, modified_logit(y, q_at(r, v), eta, ps.q_thresh, ps.inv_sp), v, 1.0f);
       }
     }
     st[t] = s;
@@ -210,7 +272,7 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t,
           const int v = v0 + e;
           float wv = 0.0f;
           if (v < r.V) {
-            wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : r.q[v], ps, inv_t, eta);
+            wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : q_at(r, v), ps, inv_t, eta);
             if (wv > 0.0f && v > *last_pos) *last_pos = v;
           }
           w[t * kChunk + e] = wv;
@@ -264,18 +326,22 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t,
   return ps.argmax_z;
 }
 
-template <typename index_t>
-void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, const at::Tensor& target_logits,
-                 const at::Tensor& uniforms, float inv_t, float eta, float alpha, bool greedy,
-                 const index_t* num_draft, at::Tensor& out_tokens, at::Tensor& num_accepted) {
-  const int64_t B = draft_tokens.size(0), g = draft_tokens.size(1);
-  const int V = static_cast<int>(target_logits.size(2));
+// Where row b's data lives: draft tokens / probs from tok_off, logits / uniforms / outputs from
+// row_off (padded layout: b * g and b * (g + 1); flat layout: cu[b] and cu[b] + b).
+struct RowPlan {
+  int64_t tok_off, row_off, nd, out_len;
+  int64_t u_last;  // index of the final draw's uniform (padded: column g; flat: the request's last row)
+};
+
+void verify_rows(const at::Tensor& draft_tokens, const float* q_base, const at::Tensor& target_logits,
+                 const at::Tensor& uniforms, float inv_t, float eta, float alpha, bool greedy, int64_t B,
+                 const std::function<RowPlan(int64_t)>& plan, at::Tensor& out_tokens, at::Tensor& num_accepted) {
+  const int V = static_cast<int>(target_logits.size(-1));
   const int kind = target_logits.scalar_type() == at::kFloat  ? kLogitsF32
                    : target_logits.scalar_type() == at::kHalf ? kLogitsF16
                                                               : kLogitsBF16;
   const size_t esize = target_logits.element_size();
   const char* z_base = static_cast<const char*>(target_logits.const_data_ptr());
-  const float* q_base = draft_probs.const_data_ptr<float>();
   const int64_t* tok = draft_tokens.const_data_ptr<int64_t>();
   const float* uni = uniforms.const_data_ptr<float>();
   int64_t* out = out_tokens.data_ptr<int64_t>();
@@ -283,14 +349,16 @@ void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, 
 
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t nd = num_draft ? static_cast<int64_t>(num_draft[b]) : g;
-      const float u_last = uni[b * (g + 1) + g];
+      const RowPlan rp = plan(b);
+      const int64_t nd = rp.nd;
+      const float u_last = uni[rp.u_last];
       int64_t n = nd;
       int token = -1;
       for (int64_t j = 0; j < nd; ++j) {
-        RowView r{z_base + static_cast<size_t>((b * (g + 1) + j) * V) * esize, q_base + (b * g + j) * V, kind, V};
+        const int64_t x = tok[rp.tok_off + j];
+        RowView r{z_base + static_cast<size_t>((rp.row_off + j) * V) * esize,
+                  q_base ? q_base + (rp.tok_off + j) * V : nullptr, true, x, kind, V};
         const PositionStats ps = position_stats(r, inv_t, eta, alpha);
-        const int64_t x = tok[b * g + j];
         bool ok;
         if (greedy) {
           const int best = eta > 0.0f ? ps.argmax_a : ps.argmax_z;
@@ -298,25 +366,25 @@ void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, 
           if (!ok) token = best;
         } else {
           float p, p_hat;
-          const float q_x = r.q[x];
+          const float q_x = q_at(r, static_cast<int>(x));
           token_probs(load_logit(r.z, kind, x), q_x, ps, inv_t, eta, &p, &p_hat);
-          ok = accept_draft(uni[b * (g + 1) + j], q_x, p_hat);
+          ok = accept_draft(uni[rp.row_off + j], q_x, p_hat);
           if (!ok) token = draw_token(r, ps, kWeightResidual, inv_t, eta, u_last);
         }
         if (!ok) {
           n = j;
           break;
         }
-        out[b * (g + 1) + j] = x;
+        out[rp.row_off + j] = x;
       }
       if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
-        RowView r{z_base + static_cast<size_t>((b * (g + 1) + nd) * V) * esize, nullptr, kind, V};
+        RowView r{z_base + static_cast<size_t>((rp.row_off + nd) * V) * esize, nullptr, false, -1, kind, V};
         const PositionStats ps = position_stats(r, inv_t, 0.0f, alpha);
         token = greedy ? ps.argmax_z : draw_token(r, ps, kWeightTarget, inv_t, eta, u_last);
       }
-      if (token < 0 || token >= V) token = 0;  // only for rows of all -inf / NaN logits
-      out[b * (g + 1) + n] = token;
-      for (int64_t j = n + 1; j <= g; ++j) out[b * (g + 1) + j] = -1;
+      if (token < 0 || token >= V) token = 0;  // only for positions of all -inf / NaN logits
+      out[rp.row_off + n] = token;
+      for (int64_t j = n + 1; j < rp.out_len; ++j) out[rp.row_off + j] = -1;
       nacc[b] = static_cast<int32_t>(n);
     }
   });
@@ -324,33 +392,43 @@ void verify_rows(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens,
+                                                    const std::optional<at::Tensor>& draft_probs,
                                                     const at::Tensor& target_logits, const at::Tensor& uniforms,
                                                     double temperature, double eta, double alpha, bool greedy,
-                                                    const std::optional<at::Tensor>& num_draft) {
+                                                    const std::optional<at::Tensor>& num_draft,
+                                                    const std::optional<at::Tensor>& cu_num_draft) {
   check_verify_draft_args(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
-                          /*check_values=*/true);
+                          cu_num_draft, /*check_values=*/true);
   TORCH_CHECK_VALUE(target_logits.device().is_cpu(), kOp, ": the CPU implementation got tensors on ",
                     target_logits.device());
-  const int64_t B = draft_tokens.size(0), g = draft_tokens.size(1);
-  auto out_tokens = at::empty({B, g + 1}, draft_tokens.options());
+  const bool ragged = cu_num_draft.has_value();
+  const int64_t B = ragged ? cu_num_draft->size(0) - 1 : draft_tokens.size(0);
+  const int64_t g = ragged ? 0 : draft_tokens.size(1);
+  auto out_tokens = ragged ? at::empty({target_logits.size(0)}, draft_tokens.options())
+                           : at::empty({B, g + 1}, draft_tokens.options());
   auto num_accepted = at::empty({B}, draft_tokens.options().dtype(at::kInt));
   if (B == 0) return {out_tokens, num_accepted};
   const auto tok = draft_tokens.contiguous();
-  const auto probs = draft_probs.contiguous();
+  at::Tensor probs;
+  if (draft_probs.has_value()) probs = draft_probs->contiguous();
   const auto logits = target_logits.contiguous();
   const auto uni = uniforms.contiguous();
   const float t = inverse_temperature(temperature), e = static_cast<float>(eta), a = static_cast<float>(alpha);
-  if (num_draft.has_value() && num_draft->scalar_type() == at::kInt) {
-    const auto nd = num_draft->contiguous();
-    verify_rows<int32_t>(tok, probs, logits, uni, t, e, a, greedy, nd.const_data_ptr<int32_t>(), out_tokens,
-                         num_accepted);
-  } else if (num_draft.has_value()) {
-    const auto nd = num_draft->contiguous();
-    verify_rows<int64_t>(tok, probs, logits, uni, t, e, a, greedy, nd.const_data_ptr<int64_t>(), out_tokens,
-                         num_accepted);
+  const float* q_base = probs.defined() ? probs.const_data_ptr<float>() : nullptr;
+  if (ragged) {
+    const at::Tensor cu = cu_num_draft->to(at::kLong).contiguous();
+    const int64_t* c = cu.const_data_ptr<int64_t>();
+    verify_rows(tok, q_base, logits, uni, t, e, a, greedy, B,
+                [c](int64_t b) { return RowPlan{c[b], c[b] + b, c[b + 1] - c[b], c[b + 1] - c[b] + 1, c[b + 1] + b}; }, out_tokens,
+                num_accepted);
   } else {
-    verify_rows<int32_t>(tok, probs, logits, uni, t, e, a, greedy, nullptr, out_tokens, num_accepted);
+    at::Tensor nd;
+    if (num_draft.has_value()) nd = num_draft->to(at::kLong).contiguous();
+    const int64_t* ndp = nd.defined() ? nd.const_data_ptr<int64_t>() : nullptr;
+    verify_rows(tok, q_base, logits, uni, t, e, a, greedy, B,
+                [ndp, g](int64_t b) { return RowPlan{b * g, b * (g + 1), ndp ? ndp[b] : g, g + 1, b * (g + 1) + g}; }, out_tokens,
+                num_accepted);
   }
   return {out_tokens, num_accepted};
 }

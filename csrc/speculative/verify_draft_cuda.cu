@@ -11,38 +11,48 @@
 
 namespace ragattn {
 
-std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens,
+                                                     const std::optional<at::Tensor>& draft_probs,
                                                      const at::Tensor& target_logits, const at::Tensor& uniforms,
                                                      double temperature, double eta, double alpha, bool greedy,
-                                                     const std::optional<at::Tensor>& num_draft) {
+                                                     const std::optional<at::Tensor>& num_draft,
+                                                     const std::optional<at::Tensor>& cu_num_draft) {
   check_verify_draft_args(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
-                          /*check_values=*/false);
+                          cu_num_draft, /*check_values=*/false);
   TORCH_CHECK_VALUE(target_logits.is_cuda(), "ragattn.verify_draft: the CUDA implementation got tensors on ",
                     target_logits.device());
   const c10::cuda::CUDAGuard guard(target_logits.device());
-  const int64_t B = draft_tokens.size(0), g = draft_tokens.size(1);
-  auto out_tokens = at::empty({B, g + 1}, draft_tokens.options());
+  const bool ragged = cu_num_draft.has_value();
+  const int64_t B = ragged ? cu_num_draft->size(0) - 1 : draft_tokens.size(0);
+  const int64_t g = ragged ? 0 : draft_tokens.size(1);
+  auto out_tokens = ragged ? at::empty({target_logits.size(0)}, draft_tokens.options())
+                           : at::empty({B, g + 1}, draft_tokens.options());
   auto num_accepted = at::empty({B}, draft_tokens.options().dtype(at::kInt));
   if (B == 0) return {out_tokens, num_accepted};
   TORCH_CHECK_VALUE(B <= 0x7fffffff, "ragattn.verify_draft: batch must be below 2^31, got ", B);
 
-  const at::Tensor tok = draft_tokens.contiguous(), probs = draft_probs.contiguous();
+  const at::Tensor tok = draft_tokens.contiguous();
+  at::Tensor probs, cu;
+  if (draft_probs.has_value()) probs = draft_probs->contiguous();
+  if (ragged) cu = cu_num_draft->contiguous();
   const at::Tensor logits = target_logits.contiguous(), uni = uniforms.contiguous();
   at::Tensor nd;
   if (num_draft.has_value()) nd = num_draft->contiguous();
 
   speculative::VerifyDraftArgs args{};
   args.draft_tokens = tok.const_data_ptr<int64_t>();
-  args.draft_probs = probs.const_data_ptr<float>();
+  args.draft_probs = probs.defined() ? probs.const_data_ptr<float>() : nullptr;
   args.target_logits = logits.const_data_ptr();
   args.uniforms = uni.const_data_ptr<float>();
   args.num_draft = nd.defined() ? nd.const_data_ptr() : nullptr;
   args.num_draft_is_int64 = nd.defined() && nd.scalar_type() == at::kLong;
+  args.cu_num_draft = cu.defined() ? cu.const_data_ptr() : nullptr;
+  args.cu_is_int64 = cu.defined() && cu.scalar_type() == at::kLong;
   args.out_tokens = out_tokens.data_ptr<int64_t>();
   args.num_accepted = num_accepted.data_ptr<int32_t>();
   args.batch = static_cast<int>(B);
   args.g = static_cast<int>(g);
-  args.vocab = static_cast<int>(logits.size(2));
+  args.vocab = static_cast<int>(logits.size(-1));
   args.logits_kind = logits.scalar_type() == at::kFloat  ? speculative::kLogitsF32
                      : logits.scalar_type() == at::kHalf ? speculative::kLogitsF16
                                                          : speculative::kLogitsBF16;

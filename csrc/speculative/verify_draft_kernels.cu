@@ -126,8 +126,12 @@ __device__ __forceinline__ void load_logits(const void* row, int v0, int cnt, bo
   }
 }
 
-__device__ __forceinline__ void load_probs(const float* row, int v0, int cnt, bool vec, float (&q)[kChunk]) {
-  if (vec && cnt == kChunk) {
+// Draft probabilities of tokens [v0, v0 + cnt) (one-hot on the draft token x when row is nullptr).
+__device__ __forceinline__ void load_probs(const float* row, int64_t x, int v0, int cnt, bool vec, float (&q)[kChunk]) {
+  if (row == nullptr) {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) q[e] = draft_prob(nullptr, x, v0 + e);
+  } else if (vec && cnt == kChunk) {
     const float4* p = reinterpret_cast<const float4*>(row + v0);
     const float4 a = p[0], b = p[1];
     q[0] = a.x, q[1] = a.y, q[2] = a.z, q[3] = a.w, q[4] = b.x, q[5] = b.y, q[6] = b.z, q[7] = b.w;
@@ -140,7 +144,7 @@ __device__ __forceinline__ void load_probs(const float* row, int v0, int cnt, bo
 // Calls f(v0, cnt, z, q) for this thread's chunks in order (t, t + kThreads, ...), loading two
 // chunks ahead of the arithmetic to keep more bytes in flight.
 template <int KIND, bool WITH_Q, class F>
-__device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int vocab, bool vec, F&& f) {
+__device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int64_t x, int vocab, bool vec, F&& f) {
   const int nchunks = (vocab + kChunk - 1) / kChunk;
   int c = threadIdx.x;
   float z0[kChunk], q0[kChunk], z1[kChunk], q1[kChunk];
@@ -149,8 +153,8 @@ __device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int v
     load_logits<KIND>(zrow, v0, kChunk, vec, z0);
     load_logits<KIND>(zrow, v1, min(kChunk, vocab - v1), vec, z1);
     if (WITH_Q) {
-      load_probs(qrow, v0, kChunk, vec, q0);
-      load_probs(qrow, v1, min(kChunk, vocab - v1), vec, q1);
+      load_probs(qrow, x, v0, kChunk, vec, q0);
+      load_probs(qrow, x, v1, min(kChunk, vocab - v1), vec, q1);
     }
     f(v0, kChunk, z0, q0);
     f(v1, min(kChunk, vocab - v1), z1, q1);
@@ -158,21 +162,22 @@ __device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int v
   if (c < nchunks) {
     const int v0 = c * kChunk, cnt = min(kChunk, vocab - v0);
     load_logits<KIND>(zrow, v0, cnt, vec, z0);
-    if (WITH_Q) load_probs(qrow, v0, cnt, vec, q0);
+    if (WITH_Q) load_probs(qrow, x, v0, cnt, vec, q0);
     f(v0, cnt, z0, q0);
   }
 }
 
 // The block-wide statistics of p (and p_hat when eta > 0 and q is given) at one position.
+// has_q: a drafted position (qrow, or one-hot on x when qrow is nullptr), not the bonus position.
 template <int KIND>
-__device__ PositionStats position_stats(const void* zrow, const float* qrow, int vocab, float inv_t, float eta,
-                                        float alpha, Shared& sh) {
-  const bool with_q = eta > 0.0f && qrow != nullptr;
-  const bool vec = aligned16(zrow) && (!with_q || aligned16(qrow));
+__device__ PositionStats position_stats(const void* zrow, const float* qrow, bool has_q, int64_t x, int vocab,
+                                        float inv_t, float eta, float alpha, Shared& sh) {
+  const bool with_q = eta > 0.0f && has_q;
+  const bool vec = aligned16(zrow) && (!with_q || qrow == nullptr || aligned16(qrow));
   SoftmaxState s = softmax_identity();
   float qm = -INFINITY;
   if (with_q) {
-    sweep<KIND, true>(zrow, qrow, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
+    sweep<KIND, true>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) {
         if (e < cnt) {
@@ -182,7 +187,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
       }
     });
   } else {
-    sweep<KIND, false>(zrow, qrow, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&)[kChunk]) {
+    sweep<KIND, false>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&)[kChunk]) {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e)
         if (e < cnt) softmax_update(s, z[e], v0 + e, inv_t);
@@ -193,7 +198,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
   if (!with_q) return ps;
   ps.q_thresh = f_mul(alpha, block_max(qm, sh));
   SoftmaxState sa = softmax_identity();
-  sweep<KIND, true>(zrow, qrow, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
+  sweep<KIND, true>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
       if (e < cnt) {
@@ -211,7 +216,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, int
 
 // Draw weights of this thread's chunk in `tile` (0 past the vocabulary) and their sum from 0.
 template <int KIND>
-__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int vocab, bool vec, int tile,
+__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int64_t x, int vocab, bool vec, int tile,
                                                int mode, const PositionStats& ps, float inv_t, float eta,
                                                float (&w)[kChunk], int* last_pos) {
   const int v0 = (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
@@ -220,7 +225,7 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
   if (cnt > 0) {
     load_logits<KIND>(zrow, v0, cnt, vec, z);
     if (mode == kWeightResidual) {
-      load_probs(qrow, v0, cnt, vec, q);
+      load_probs(qrow, x, v0, cnt, vec, q);
     } else {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
@@ -238,17 +243,17 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
 
 // Inverse-CDF draw at uniform u from the residual (falling back to p when it is all zero) or p.
 template <int KIND>
-__device__ int draw_token(const void* zrow, const float* qrow, int vocab, const PositionStats& ps, int mode,
+__device__ int draw_token(const void* zrow, const float* qrow, int64_t x, int vocab, const PositionStats& ps, int mode,
                           float inv_t, float eta, float u, Shared& sh) {
   const int nchunks = (vocab + kChunk - 1) / kChunk;
   const int ntiles = (nchunks + kThreads - 1) / kThreads;
   float w[kChunk];
   for (int attempt = 0; attempt < 2; ++attempt) {
-    const bool vec = aligned16(zrow) && (mode != kWeightResidual || aligned16(qrow));
+    const bool vec = aligned16(zrow) && (mode != kWeightResidual || qrow == nullptr || aligned16(qrow));
     int last_pos = -1;
     float total = 0.0f;
     for (int tile = 0; tile < ntiles; ++tile) {
-      const float s = chunk_weights<KIND>(zrow, qrow, vocab, vec, tile, mode, ps, inv_t, eta, w, &last_pos);
+      const float s = chunk_weights<KIND>(zrow, qrow, x, vocab, vec, tile, mode, ps, inv_t, eta, w, &last_pos);
       float base;
       total = f_add(total, block_scan(s, total, &base, sh));
     }
@@ -265,7 +270,7 @@ __device__ int draw_token(const void* zrow, const float* qrow, int vocab, const 
     int ignored = -1;
     for (int tile = 0; tile < ntiles; ++tile) {
       if (threadIdx.x == 0) sh.found = kNoToken;  // published by block_scan's barrier
-      const float s = chunk_weights<KIND>(zrow, qrow, vocab, vec, tile, mode, ps, inv_t, eta, w, &ignored);
+      const float s = chunk_weights<KIND>(zrow, qrow, x, vocab, vec, tile, mode, ps, inv_t, eta, w, &ignored);
       float run;
       const float tile_total = block_scan(s, tile_base, &run, sh);
       int cand = kNoToken;
@@ -290,23 +295,41 @@ template <int KIND>
 __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraftArgs a) {
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
-  const int g = a.g, vocab = a.vocab;
   const size_t esize = KIND == kLogitsF32 ? 4 : 2;
-  int nd = g;
-  if (a.num_draft != nullptr) {
-    const int64_t v = a.num_draft_is_int64 ? static_cast<const int64_t*>(a.num_draft)[b]
-                                           : static_cast<const int32_t*>(a.num_draft)[b];
-    nd = static_cast<int>(v < 0 ? 0 : (v > g ? g : v));
+  const int vocab = a.vocab;
+  // Row b's drafts from tok_off, its logits / uniforms / outputs from row_off (padded or flat layout).
+  int64_t tok_off, row_off, nd, out_len;
+  if (a.cu_num_draft != nullptr) {
+    const int64_t c0 = a.cu_is_int64 ? static_cast<const int64_t*>(a.cu_num_draft)[b]
+                                     : static_cast<const int32_t*>(a.cu_num_draft)[b];
+    const int64_t c1 = a.cu_is_int64 ? static_cast<const int64_t*>(a.cu_num_draft)[b + 1]
+                                     : static_cast<const int32_t*>(a.cu_num_draft)[b + 1];
+    tok_off = c0;
+    row_off = c0 + b;
+    nd = c1 > c0 ? c1 - c0 : 0;
+    out_len = nd + 1;
+  } else {
+    const int g = a.g;
+    tok_off = b * g;
+    row_off = b * (g + 1);
+    nd = g;
+    if (a.num_draft != nullptr) {
+      const int64_t v = a.num_draft_is_int64 ? static_cast<const int64_t*>(a.num_draft)[b]
+                                             : static_cast<const int32_t*>(a.num_draft)[b];
+      nd = v < 0 ? 0 : (v > g ? g : v);
+    }
+    out_len = g + 1;
   }
-  const float u_last = a.uniforms[b * (g + 1) + g];
+  // the final draw's uniform: column g (padded) or the request's last row (flat)
+  const float u_last = a.uniforms[row_off + (a.cu_num_draft != nullptr ? nd : out_len - 1)];
   const char* zbase = static_cast<const char*>(a.target_logits);
-  int n = nd;
+  int64_t n = nd;
   int token = -1;
-  for (int j = 0; j < nd; ++j) {
-    const void* zrow = zbase + static_cast<size_t>((b * (g + 1) + j) * vocab) * esize;
-    const float* qrow = a.draft_probs + (b * g + j) * vocab;
-    const PositionStats ps = position_stats<KIND>(zrow, qrow, vocab, a.inv_temperature, a.eta, a.alpha, sh);
-    const int64_t x = a.draft_tokens[b * g + j];
+  for (int64_t j = 0; j < nd; ++j) {
+    const void* zrow = zbase + static_cast<size_t>((row_off + j) * vocab) * esize;
+    const float* qrow = a.draft_probs != nullptr ? a.draft_probs + (tok_off + j) * vocab : nullptr;
+    const int64_t x = a.draft_tokens[tok_off + j];
+    const PositionStats ps = position_stats<KIND>(zrow, qrow, true, x, vocab, a.inv_temperature, a.eta, a.alpha, sh);
     const bool in_range = x >= 0 && x < vocab;
     bool ok;
     if (a.greedy) {
@@ -317,26 +340,28 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
       ok = false;
       if (in_range) {  // every thread reads the same two values (a broadcast) and decides alike
         float p, p_hat;
-        const float q_x = qrow[x];
+        const float q_x = draft_prob(qrow, x, x);
         token_probs(load_logit(zrow, KIND, x), q_x, ps, a.inv_temperature, a.eta, &p, &p_hat);
-        ok = accept_draft(a.uniforms[b * (g + 1) + j], q_x, p_hat);
+        ok = accept_draft(a.uniforms[row_off + j], q_x, p_hat);
       }
-      if (!ok) token = draw_token<KIND>(zrow, qrow, vocab, ps, kWeightResidual, a.inv_temperature, a.eta, u_last, sh);
+      if (!ok) token = draw_token<KIND>(zrow, qrow, x, vocab, ps, kWeightResidual, a.inv_temperature, a.eta, u_last, sh);
     }
     if (!ok) {
       n = j;
       break;
     }
-    if (threadIdx.x == 0) a.out_tokens[b * (g + 1) + j] = x;
+    if (threadIdx.x == 0) a.out_tokens[row_off + j] = x;
   }
   if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
-    const void* zrow = zbase + static_cast<size_t>((b * (g + 1) + nd) * vocab) * esize;
-    const PositionStats ps = position_stats<KIND>(zrow, nullptr, vocab, a.inv_temperature, 0.0f, a.alpha, sh);
-    token = a.greedy ? ps.argmax_z : draw_token<KIND>(zrow, nullptr, vocab, ps, kWeightTarget, a.inv_temperature, a.eta, u_last, sh);
+    const void* zrow = zbase + static_cast<size_t>((row_off + nd) * vocab) * esize;
+    const PositionStats ps = position_stats<KIND>(zrow, nullptr, false, -1, vocab, a.inv_temperature, 0.0f, a.alpha, sh);
+    token = a.greedy ? ps.argmax_z
+                     : draw_token<KIND>(zrow, nullptr, -1, vocab, ps, kWeightTarget, a.inv_temperature, a.eta, u_last, sh);
   }
-  if (token < 0 || token >= vocab) token = 0;  // only for rows of all -inf / NaN logits
-  for (int j = n + static_cast<int>(threadIdx.x); j <= g; j += kThreads) a.out_tokens[b * (g + 1) + j] = j == n ? token : -1;
-  if (threadIdx.x == 0) a.num_accepted[b] = n;
+  if (token < 0 || token >= vocab) token = 0;  // only for positions of all -inf / NaN logits
+  for (int64_t j = n + static_cast<int>(threadIdx.x); j < out_len; j += kThreads)
+    a.out_tokens[row_off + j] = j == n ? token : -1;
+  if (threadIdx.x == 0) a.num_accepted[b] = static_cast<int32_t>(n);
 }
 
 }  // namespace

@@ -11,13 +11,16 @@ namespace ragattn {
 namespace speculative {
 
 struct VerifyDraftArgs {
-  const int64_t* draft_tokens;  // [B, g]
-  const float* draft_probs;     // [B, g, V]
-  const void* target_logits;    // [B, g + 1, V] in logits_kind (a LogitsKind of verify_draft_math.h)
-  const float* uniforms;        // [B, g + 1]
+  // Padded layout (cu_num_draft == nullptr) / flat layout (vLLM's: cu_num_draft [B + 1], T drafts):
+  const int64_t* draft_tokens;  // [B, g] / [T]
+  const float* draft_probs;     // [B, g, V] / [T, V], or nullptr: one-hot on the draft token
+  const void* target_logits;    // [B, g + 1, V] / [T + B, V] in logits_kind (a LogitsKind of verify_draft_math.h)
+  const float* uniforms;        // [B, g + 1] / [T + B]
   const void* num_draft;        // [B] int32 or int64 (num_draft_is_int64), or nullptr (= g)
   bool num_draft_is_int64;
-  int64_t* out_tokens;    // [B, g + 1]
+  const void* cu_num_draft;  // [B + 1] int32 or int64 (cu_is_int64), or nullptr (padded layout)
+  bool cu_is_int64;
+  int64_t* out_tokens;    // [B, g + 1] / [T + B]
   int32_t* num_accepted;  // [B]
   int batch;
   int g;

@@ -160,6 +160,14 @@ inline float inverse_temperature(double temperature) {
   return inv < 3.4028234663852886e38 ? static_cast<float>(inv) : 3.4028234663852886e38f;
 }
 
+// ---- non-finite logits: one rule on every backend -------------------------------------------------
+// NaN and -inf logits have probability 0. +inf logits share all the mass equally (the limit of a
+// logit growing without bound): every +inf token has probability 1 / (number of +inf tokens) and
+// every other token 0. A position whose logits are all -inf/NaN has no mass at all: its draft is
+// rejected and it emits token 0 (argmax and inverse CDF find nothing).
+// x - m, except that +inf - +inf is 0 (a +inf token at the running +inf maximum), not NaN.
+RAGATTN_HD float logit_diff(float x, float m) { return (x == INFINITY && m == INFINITY) ? 0.0f : f_sub(x, m); }
+
 // ---- online softmax with argmax ---------------------------------------------------------------
 // Running (max m, sum s of exp((x - m) * inv_t), first argmax idx) over the tokens seen. -inf and NaN
 // inputs contribute nothing (probability 0).
@@ -177,7 +185,7 @@ RAGATTN_HD void softmax_update(SoftmaxState& st, float x, int v, float inv_t) {
     st.m = x;
     st.idx = v;
   } else if (x > -INFINITY) {
-    st.s = f_add(st.s, vexp(f_mul(f_sub(x, st.m), inv_t)));
+    st.s = f_add(st.s, vexp(f_mul(logit_diff(x, st.m), inv_t)));
   }
 }
 
@@ -189,8 +197,8 @@ RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState&
   if (a.s == 0.0f && a.idx == kNoToken) return b;
   SoftmaxState r;
   r.m = f_max(a.m, b.m);
-  const float sa = a.s > 0.0f ? f_mul(a.s, vexp(f_mul(f_sub(a.m, r.m), inv_t))) : 0.0f;
-  const float sb = b.s > 0.0f ? f_mul(b.s, vexp(f_mul(f_sub(b.m, r.m), inv_t))) : 0.0f;
+  const float sa = a.s > 0.0f ? f_mul(a.s, vexp(f_mul(logit_diff(a.m, r.m), inv_t))) : 0.0f;
+  const float sb = b.s > 0.0f ? f_mul(b.s, vexp(f_mul(logit_diff(b.m, r.m), inv_t))) : 0.0f;
   r.s = f_add(sa, sb);
   r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : (a.idx < b.idx ? a.idx : b.idx));
   return r;
@@ -221,8 +229,14 @@ RAGATTN_HD PositionStats target_stats(const SoftmaxState& sz) {
   return ps;
 }
 
-// y = (z - max z) / T <= 0: never overflows, however small T is.
-RAGATTN_HD float scaled_logit(float z, float m_z, float inv_t) { return f_mul(f_sub(z, m_z), inv_t); }
+// y = (z - max z) / T <= 0: never overflows, however small T is (0 for a +inf token at a +inf max).
+RAGATTN_HD float scaled_logit(float z, float m_z, float inv_t) { return f_mul(logit_diff(z, m_z), inv_t); }
+
+// Draft probability of token v: the row of draft_probs, or one-hot on the draft token x when the
+// drafter gave no distribution (draft_probs=None: n-gram / prompt-lookup drafters).
+RAGATTN_HD float draft_prob(const float* q_row, int64_t x, int64_t v) {
+  return q_row != nullptr ? q_row[v] : (v == x ? 1.0f : 0.0f);
+}
 
 // p(v) from its scaled logit.
 RAGATTN_HD float target_prob(float y, float inv_sp) { return f_mul(vexp(y), inv_sp); }

@@ -26,6 +26,10 @@ and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
   every key; keys past the last query's slot (a static cache's empty tail) are never read.
 * ``q == 1`` (decode): ``ragattn.paged_attention`` reading the cache in place (its strides, no
   copy): unpadded, one page per row; with a mask, pages of one slot listing the visible slots.
+* Sliding windows (Mistral, Qwen2's sliding layers): decode reads only the window's slots (the
+  mask says which); a prefill longer than the window falls back to SDPA with the sliding mask
+  (``varlen_attention`` has no window yet); the paged paths pass ``window_left = W - 1`` to
+  ``ragattn.paged_attention``.
 * With no mask (an unpadded batch) the path has no host sync and builds its index tensors once
   per shape, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
 
@@ -143,10 +147,12 @@ class PagedKV:
         return self._plan
 
 
-    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True):
+    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1):
         """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
-        None)`` when every row's pages are consecutive, else None; computed at the first layer."""
-        if first_layer or getattr(self, "_cpu_rows_key", None) != (q, self.lengths.shape[0]):
+        None)`` when every row's pages are consecutive, else None; computed at the first layer
+        (per window: layers of a mixed model may differ)."""
+        key = (q, self.lengths.shape[0], window_left)
+        if first_layer or getattr(self, "_cpu_rows_key", None) != key:
             bt = self.block_table
             plan = None
             if bt.device.type == "cpu" and bool((bt[:, 1:] - bt[:, :-1] == 1).all()):
@@ -154,10 +160,14 @@ class PagedKV:
                 for i, (page0, length) in enumerate(zip(bt[:, 0].tolist(), kv_lens.tolist())):
                     qp = q_pos[i * q:(i + 1) * q]
                     mask = None
-                    if not (q == 1 and int(qp[0]) >= length - 1):
-                        mask = torch.arange(length)[None, :] <= qp[:, None].long()
+                    windowed = 0 <= window_left < length - 1
+                    if windowed or not (q == 1 and int(qp[0]) >= length - 1):
+                        j = torch.arange(length)[None, :]
+                        mask = j <= qp[:, None].long()
+                        if windowed:
+                            mask &= j >= qp[:, None].long() - window_left
                     plan.append((page0 * self.page_size, length, mask))
-            self._cpu_rows_key, self._cpu_rows = (q, self.lengths.shape[0]), plan
+            self._cpu_rows_key, self._cpu_rows = key, plan
         return self._cpu_rows
 
     def masked_append_plan(self, valid: torch.Tensor, first_layer: bool = True):
@@ -183,9 +193,18 @@ class PagedKV:
         return self._plan
 
 
-def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None, valid=None):
+def _window_left(module, kwargs) -> int:
+    """transformers' sliding window W (key visible iff ``q_pos - W < kv_pos <= q_pos``) as
+    FlashAttention's ``window_left = W - 1``; -1 when the layer has none."""
+    w = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    return int(w) - 1 if w else -1
+
+
+def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None, valid=None,
+                   window_left: int = -1):
     """Write the new K/V into ``cache`` and attend through it; ``valid`` bool ``[B, q]`` marks
-    the real (non-padding) new tokens. Returns ``((out, None), counts or None)``."""
+    the real (non-padding) new tokens; ``window_left`` >= 0: sliding window. Returns
+    ``((out, None), counts or None)``."""
     b, hq, q, d = query.shape
     layer = module.layer_idx
     first = layer == 0
@@ -209,13 +228,13 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     kf.index_copy_(0, rows, k_new)
     vf.index_copy_(0, rows, v_new)
     if slots is None and query.device.type == "cpu" and cpu_sdpa_enabled():
-        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
         if rows_plan is not None:
             return (_cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module), None), counts
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d),
                                 q_pos, cu, cache.k[layer], cache.v[layer],
-                                cache.block_table, kv_lens, scaling)
+                                cache.block_table, kv_lens, scaling, window_left)
     return (o.view(b, q, hq, d), None), counts
 
 
@@ -244,7 +263,7 @@ def _cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module):
     return out
 
 
-def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner):
+def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner, window_left=-1):
     """The :class:`ragattn.hf.cache.PagedCache` path: the mask covers only the new tokens
     (``[B, 1, q, q]``: causal + their padding); its diagonal says which tokens are real."""
     b, q = query.shape[0], query.shape[2]
@@ -254,7 +273,8 @@ def _paged_cache_forward(module, query, key, value, attention_mask, scaling, own
         if vis is None:
             raise NotImplementedError("ragattn attention: a custom attention mask with a PagedCache")
         valid = torch.diagonal(vis, dim1=1, dim2=2)                     # [B, q]
-    out, counts = _paged_forward(module, query, key, value, scaling, owner.paged, valid=valid)
+    out, counts = _paged_forward(module, query, key, value, scaling, owner.paged, valid=valid,
+                                 window_left=window_left)
     if module.layer_idx == owner.num_layers - 1:
         owner._advance(q, counts)
     return out
@@ -448,10 +468,12 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
         kwargs["ragattn_capture_query"].append(query)
     owner = getattr(key, "_ragattn_cache", None)       # set by PagedCache.update
     if owner is not None:
-        return _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner)
+        return _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner,
+                                    _window_left(module, kwargs))
     paged = kwargs.get("ragattn_paged")
     if paged is not None:
-        return _paged_forward(module, query, key, value, scaling, paged, kwargs.get("ragattn_slots"))[0]
+        return _paged_forward(module, query, key, value, scaling, paged, kwargs.get("ragattn_slots"),
+                              window_left=_window_left(module, kwargs))[0]
     kv = key.shape[2]
     cu_packed = kwargs.get("ragattn_cu_seqlens")
     if cu_packed is not None:

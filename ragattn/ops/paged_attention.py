@@ -16,7 +16,7 @@ from ragattn.ops._validate import (
     check_tensor,
     device_guard,
 )
-from ragattn.reference.paged_attention import gather_paged, paged_attention as _reference
+from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
 
@@ -74,18 +74,23 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
     if not read_values or dev.type == "meta":
         return
     if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+        # few reductions, one host read each (this runs on every CPU call)
         max_pages = block_table.shape[1]
-        if batch and bool(((kv_lens < 0) | (kv_lens > max_pages * page_size)).any()):
-            raise ValueError(
-                f"ragattn.{_OP}: kv_lens must lie in [0, max_pages * page_size = {max_pages * page_size}], "
-                f"got {kv_lens.tolist()}"
-            )
-        if total_q and bool((q_pos < 0).any()):
+        if batch:
+            lo, hi = (int(x) for x in torch.aminmax(kv_lens))
+            if lo < 0 or hi > max_pages * page_size:
+                raise ValueError(
+                    f"ragattn.{_OP}: kv_lens must lie in [0, max_pages * page_size = {max_pages * page_size}], "
+                    f"got {kv_lens.tolist()}"
+                )
+        if total_q and int(q_pos.min()) < 0:
             raise ValueError(f"ragattn.{_OP}: q_pos must be >= 0, got min {int(q_pos.min())}")
         if batch and max_pages:
-            used = torch.arange(max_pages, dtype=torch.int64, device=dev)[None, :] * page_size < kv_lens[:, None]
-            pages = block_table[used]
-            if pages.numel() and bool(((pages < 0) | (pages >= num_pages)).any()):
+            # pages used by kv_lens: the first ceil(kv_lens / page_size) of each row; others may be anything
+            used = torch.arange(max_pages, device=dev)[None, :] * page_size < kv_lens[:, None]
+            bad = used & ((block_table < 0) | (block_table >= num_pages))
+            if bool(bad.any()):
+                pages = block_table[used]
                 raise ValueError(
                     f"ragattn.{_OP}: block_table entries used by kv_lens must lie in [0, num_pages = {num_pages}), "
                     f"got {int(pages.min())} .. {int(pages.max())}"
@@ -168,9 +173,10 @@ def paged_attention(
     split-KV for few-row cases, forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The one-call path
     plans the launch from ``cu_seqlens_q`` and ``kv_lens`` (one host sync); engines that need a
     sync-free, CUDA-graph-capturable call use ``ragattn.triton_kernels.paged_attention``'s
-    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs torch's
-    fused CPU flash attention per sequence (a position/window mask, GQA folded into the rows; a
-    sequence with non-finite K/V among its gathered slots goes through the reference), the
+    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs one call
+    of torch's fused CPU flash attention for the batch (visible slot spans gathered, a
+    position/window mask, GQA folded into the rows; a batch with non-finite K/V among its
+    gathered slots goes through the reference), the
     reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel under the interpreter
     with ``RAGATTN_CPU_BACKEND=triton``. On
     CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
@@ -199,55 +205,113 @@ def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scal
     )
 
 
+def _gather_slots(cache, pages, offsets, flat_index):
+    """``cache[pages, offsets]`` ([B, span] indices -> [B, span, Hkv, D]): one index_select of the
+    ``flat_index = pages * page_size + offsets`` rows when the cache's first two dims merge (much
+    cheaper than advanced indexing on the CPU), advanced indexing for other strided views."""
+    if cache.stride(0) == cache.shape[1] * cache.stride(1):
+        return cache.flatten(0, 1).index_select(0, flat_index).view(*pages.shape, *cache.shape[2:])
+    return cache[pages, offsets]
+
+
 def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
-    """The default CPU path: per sequence, torch's fused CPU flash attention (it returns the LSE)
-    with an additive position/window mask; the GQA group is folded into the query rows (no
-    repeated K/V) and only the slots between the rows' first window start and their largest
-    ``q_pos`` are gathered. A sequence whose gathered slots hold a non-finite K/V goes through the
-    reference (whose rule: a masked slot is never read)."""
+    """The default CPU path: one call of torch's fused CPU flash attention (it returns the LSE) for
+    the whole batch. Each sequence's visible slot span (from its rows' first window start to their
+    largest ``q_pos``) is gathered into a padded ``[B, span]`` K/V batch, the GQA group is folded
+    into the query rows (no repeated K/V), and an additive mask hides what a row may not see; it
+    is dropped when every row sees all its gathered slots (decode). Gathered slots past a
+    sequence's span are zeroed (never read: 0 * NaN). If a gathered slot holds a non-finite K/V,
+    the batch goes through the reference, which owns the non-finite rule."""
     total_q, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = q.new_zeros(q.shape)
-    lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
-    cu, lens = cu_seqlens_q.tolist(), kv_lens.tolist()
-    for b in range(len(cu) - 1):
-        q0, q1 = cu[b], cu[b + 1]
-        n = q1 - q0
-        if n == 0 or lens[b] == 0:
-            continue
-        pos = q_pos[q0:q1].long()
-        hi = min(lens[b], int(pos.max()) + 1)  # slots [lo, hi) are visible to some row
-        lo = max(0, int(pos.min()) - window_left) if window_left >= 0 else 0
-        if lo >= hi:
-            continue  # no row sees any slot
-        k = gather_paged(k_cache, block_table[b], hi)[lo:]  # [hi - lo, Hkv, D]
-        v = gather_paged(v_cache, block_table[b], hi)[lo:]
-        # one cheap reduction instead of an elementwise test: a finite sum means finite values
-        # (an overflowing sum only sends a finite sequence to the reference: still correct)
-        if not math.isfinite(float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32))):
-            one = torch.tensor([0, n], dtype=torch.int32)
-            o, l = _reference(q[q0:q1], pos - lo, one, k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
-                              torch.tensor([hi - lo], dtype=torch.int32), scale, window_left)
-            out[q0:q1], lse[q0:q1] = o, l
-            continue
-        qg = q[q0:q1].reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qg = qg.reshape(1, num_kv_heads, group * n, head_dim)
-        slot = torch.arange(lo, hi)[None, :]
-        hidden = slot > pos[:, None]  # [n, hi - lo]
+    batch = kv_lens.numel()
+
+    def empty_rows():  # out 0, lse -inf: what a row that sees no slot gets
+        return q.new_zeros(q.shape), torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
+
+    if total_q == 0 or batch == 0:
+        return empty_rows()
+    cu = cu_seqlens_q.long()
+    rows = cu[1:] - cu[:-1]
+    row_min, row_max = (int(x) for x in torch.aminmax(rows))
+    pos = q_pos.long()
+    # uniform batches (decode: one row per sequence; equal tails) need no row scatter at all
+    uniform = row_min == row_max
+    if uniform:
+        pos_b = pos.reshape(batch, row_max)
+        pos_max = pos_b.amax(1)
+    else:
+        seq = torch.repeat_interleave(torch.arange(batch), rows)
+        pos_max = torch.full((batch,), -1, dtype=torch.long).scatter_reduce_(0, seq, pos, "amax")
+    hi = torch.minimum(kv_lens.long(), pos_max + 1)  # slots [lo, hi) are visible to some row
+    if window_left >= 0:
+        if uniform:
+            pos_min = pos_b.amin(1)
+        else:
+            pos_min = torch.full((batch,), torch.iinfo(torch.long).max).scatter_reduce_(0, seq, pos, "amin")
+        lo = torch.minimum((pos_min - window_left).clamp_(min=0), hi)
+    else:
+        lo = torch.zeros_like(hi)
+    spans = hi - lo
+    span_min, span = (int(x) for x in torch.aminmax(spans))
+    if span == 0:
+        return empty_rows()
+    slot_pos = lo[:, None] + torch.arange(span)  # [B, span]
+    all_valid = span_min == span
+    valid = None if all_valid else slot_pos < hi[:, None]
+    slot = slot_pos if all_valid else torch.where(valid, slot_pos, lo[:, None])
+    pages = block_table.gather(1, slot // page_size)
+    if not all_valid:
+        pages = torch.where(valid, pages, 0)
+    offsets = slot % page_size
+    flat_index = (pages * page_size + offsets).flatten()
+    k = _gather_slots(k_cache, pages, offsets, flat_index)  # [B, span, Hkv, D]
+    v = _gather_slots(v_cache, pages, offsets, flat_index)
+    if not all_valid:
+        k.masked_fill_(~valid[..., None, None], 0)
+        v.masked_fill_(~valid[..., None, None], 0)
+    # one cheap reduction instead of an elementwise test: a finite sum means finite values
+    # (an overflowing sum only sends a finite batch to the reference: still correct)
+    if not bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
+        return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    if uniform:
+        row_ok = None
+        qb = q.reshape(batch, row_max, num_kv_heads, group, head_dim)
+        p = pos_b[:, :, None]
+    else:
+        r = torch.arange(row_max)
+        row_ok = r[None, :] < rows[:, None]  # [B, R]
+        row_idx = torch.where(row_ok, cu[:-1, None] + r, 0)
+        qb = q[row_idx].view(batch, row_max, num_kv_heads, group, head_dim)
+        p = pos[row_idx][:, :, None]  # [B, R, 1]
+    qb = qb.transpose(1, 2).reshape(batch, num_kv_heads, row_max * group, head_dim)  # row (r, g) at r * group + g
+    mask = None
+    seen = None
+    if row_max > 1 or not all_valid:  # else: one row per sequence sees its whole gathered span
+        slot_pos = slot_pos[:, None, :]  # [B, 1, span]
+        visible = slot_pos <= p
+        if valid is not None:
+            visible &= valid[:, None, :]
+        if row_ok is not None:
+            visible &= row_ok[:, :, None]
         if window_left >= 0:
-            hidden |= slot < pos[:, None] - window_left
-        bias = torch.zeros(n, hi - lo, dtype=q.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
-        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=bias[None, None], scale=scale)
-        o = o[0].reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
-        l = l[0].reshape(num_kv_heads, group, n).permute(2, 0, 1).reshape(n, num_heads).float()
-        blind = hidden.all(1)  # rows whose window holds no slot: out 0, lse -inf
-        if window_left >= 0 and bool(blind.any()):
-            o = o.masked_fill(blind[:, None, None], 0)
-            l = l.masked_fill(blind[:, None], float("-inf"))
-        out[q0:q1], lse[q0:q1] = o, l
+            visible &= slot_pos >= p - window_left
+        seen = visible.any(-1)  # [B, R]
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None, :, None, :].expand(batch, 1, row_max, group, span).reshape(batch, 1, -1, span)
+    o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    o = o.view(batch, num_kv_heads, row_max, group, head_dim).transpose(1, 2).reshape(batch, row_max, num_heads, head_dim)
+    l = l.view(batch, num_kv_heads, row_max, group).transpose(1, 2).reshape(batch, row_max, num_heads).float()
+    if row_ok is None and (seen is None or bool(seen.all())):
+        return o.reshape(total_q, num_heads, head_dim).to(q.dtype), l.reshape(total_q, num_heads)
+    keep = seen if row_ok is None else (row_ok if seen is None else row_ok & seen)
+    out, lse = empty_rows()
+    dest = torch.arange(total_q).view(batch, row_max) if row_ok is None else row_idx
+    out[dest[keep]] = o[keep]  # rows that see no slot keep out 0, lse -inf
+    lse[dest[keep]] = l[keep]
     return out, lse
 
 

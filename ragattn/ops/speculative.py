@@ -20,22 +20,41 @@ def _check_scalar_types(temperature, eta, alpha) -> None:
             raise TypeError(f"ragattn.{_OP}: {name} must be a float, got {type(val).__name__}")
 
 
-def _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft) -> None:
+def _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
+              cu_num_draft=None) -> None:
     """The Python twin of check_verify_draft_args (csrc/speculative/verify_draft_cpu.cpp), for the
     paths that do not reach it: the reference, the fake impl, and the CUDA debug-mode value checks."""
-    check_tensor(_OP, "draft_tokens", draft_tokens, dtypes=(torch.int64,), ndim=2)
-    bsz, g = draft_tokens.shape
-    check_tensor(_OP, "target_logits", target_logits, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor(_OP, "target_logits", target_logits, shape=(bsz, g + 1, None))
-    vocab = target_logits.shape[2]
-    if vocab < 1:
-        raise ValueError(f"ragattn.{_OP}: target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
-    check_tensor(_OP, "draft_probs", draft_probs, dtypes=(torch.float32,), shape=(bsz, g, vocab))
-    check_tensor(_OP, "uniforms", uniforms, dtypes=(torch.float32,), shape=(bsz, g + 1))
+    check_tensor(_OP, "draft_tokens", draft_tokens, dtypes=(torch.int64,))
+    if cu_num_draft is not None:
+        check_tensor(_OP, "cu_num_draft", cu_num_draft, dtypes=(torch.int32, torch.int64), ndim=1)
+        if cu_num_draft.shape[0] < 1:
+            raise ValueError(f"ragattn.{_OP}: cu_num_draft must have shape (B + 1,), got {tuple(cu_num_draft.shape)}")
+        if num_draft is not None:
+            raise ValueError(f"ragattn.{_OP}: num_draft (padded layout) and cu_num_draft (flat layout) cannot both be given")
+        if draft_tokens.dim() != 1:
+            raise ValueError(f"ragattn.{_OP}: with cu_num_draft, draft_tokens must be flat with shape (T,), got {tuple(draft_tokens.shape)}")
+        bsz, total = cu_num_draft.shape[0] - 1, draft_tokens.shape[0]
+        check_tensor(_OP, "target_logits", target_logits, dtypes=FLOAT_DTYPES)
+        if target_logits.dim() != 2 or target_logits.shape[0] != total + bsz or target_logits.shape[1] < 1:
+            raise ValueError(f"ragattn.{_OP}: with cu_num_draft, target_logits must have shape (T + B, V) = ({total + bsz}, V) with V >= 1, got {tuple(target_logits.shape)}")
+        vocab = target_logits.shape[1]
+        q_shape, u_shape = (total, vocab), (total + bsz,)
+    else:
+        check_tensor(_OP, "draft_tokens", draft_tokens, ndim=2)
+        bsz, g = draft_tokens.shape
+        check_tensor(_OP, "target_logits", target_logits, dtypes=FLOAT_DTYPES, ndim=3)
+        check_tensor(_OP, "target_logits", target_logits, shape=(bsz, g + 1, None))
+        vocab = target_logits.shape[2]
+        if vocab < 1:
+            raise ValueError(f"ragattn.{_OP}: target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
+        q_shape, u_shape = (bsz, g, vocab), (bsz, g + 1)
+    if draft_probs is not None:
+        check_tensor(_OP, "draft_probs", draft_probs, dtypes=(torch.float32,), shape=q_shape)
+    check_tensor(_OP, "uniforms", uniforms, dtypes=(torch.float32,), shape=u_shape)
     if num_draft is not None:
         check_tensor(_OP, "num_draft", num_draft, dtypes=(torch.int32, torch.int64), shape=(bsz,))
     check_same_device(_OP, target_logits=target_logits, draft_tokens=draft_tokens, draft_probs=draft_probs,
-                      uniforms=uniforms, num_draft=num_draft)
+                      uniforms=uniforms, num_draft=num_draft, cu_num_draft=cu_num_draft)
     _check_scalar_types(temperature, eta, alpha)
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"ragattn.{_OP}: temperature must be finite and > 0, got {temperature}")
@@ -45,29 +64,38 @@ def _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, e
         raise ValueError(f"ragattn.{_OP}: alpha must be in [0, 1], got {alpha}")
 
 
-def _check_values(draft_tokens, target_logits, uniforms, num_draft) -> None:
+def _check_values(draft_tokens, target_logits, uniforms, num_draft, cu_num_draft=None) -> None:
     """Index and range checks (they read the data: a sync on CUDA, so only on CPU or in debug mode)."""
-    bsz, g = draft_tokens.shape
-    vocab = target_logits.shape[2]
-    nd = torch.full((bsz,), g, device=draft_tokens.device) if num_draft is None else num_draft.long()
-    bad = (nd < 0) | (nd > g)
-    if bool(bad.any()):
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(f"ragattn.{_OP}: num_draft must be in [0, {g}], got {int(nd[b])} in row {b}")
-    used = torch.arange(g, device=draft_tokens.device)[None, :] < nd[:, None]
+    vocab = target_logits.shape[-1]
+    if cu_num_draft is not None:
+        cu = cu_num_draft.long()
+        total = draft_tokens.shape[0]
+        if int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(f"ragattn.{_OP}: cu_num_draft must start at 0 and end at T = {total} (the number of draft tokens), got {int(cu[0])} .. {int(cu[-1])}")
+        if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"ragattn.{_OP}: cu_num_draft must be non-decreasing")
+        used = torch.ones_like(draft_tokens, dtype=torch.bool)
+    else:
+        bsz, g = draft_tokens.shape
+        nd = torch.full((bsz,), g, device=draft_tokens.device) if num_draft is None else num_draft.long()
+        bad = (nd < 0) | (nd > g)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"ragattn.{_OP}: num_draft must be in [0, {g}], got {int(nd[b])} in row {b}")
+        used = torch.arange(g, device=draft_tokens.device)[None, :] < nd[:, None]
     bad = used & ((draft_tokens < 0) | (draft_tokens >= vocab))
     if bool(bad.any()):
-        b, j = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"ragattn.{_OP}: draft_tokens must be in [0, V = {vocab}), got {int(draft_tokens[b, j])} at [{b}, {j}]")
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"ragattn.{_OP}: draft_tokens must be in [0, V = {vocab}), got {int(draft_tokens[at])} at {list(at)}")
     bad = ~((uniforms >= 0) & (uniforms < 1))
     if bool(bad.any()):
-        b, j = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"ragattn.{_OP}: uniforms must be in [0, 1), got {float(uniforms[b, j])} at [{b}, {j}]")
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"ragattn.{_OP}: uniforms must be in [0, 1), got {float(uniforms[at])} at {list(at)}")
 
 
 def verify_draft(
     draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
     target_logits: torch.Tensor,
     uniforms: torch.Tensor,
     temperature: float = 1.0,
@@ -75,13 +103,19 @@ def verify_draft(
     alpha: float = 0.1,
     greedy: bool = False,
     num_draft: Optional[torch.Tensor] = None,
+    cu_num_draft: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Verify a batch of draft chains against the target model in one call (no host sync).
 
     Args:
         draft_tokens: int64 ``[B, g]``, the drafted tokens ``x_j`` of each chain.
         draft_probs: float32 ``[B, g, V]``, the draft distribution ``q_j`` each ``x_j`` was sampled
-            from (already at the sampling temperature; rows need not be exactly normalised).
+            from (already at the sampling temperature; rows need not be exactly normalised), or
+            None for drafters without a distribution (n-gram / prompt lookup): ``q_j`` is then
+            one-hot on ``x_j``, so a draft is accepted iff ``u_j < p_hat(x_j)``, the residual is
+            ``max(p - min(onehot, p_hat), 0)`` (for ``eta = 0``: ``p`` with ``x_j`` removed), and
+            ``eta > 0`` is defined by the same formula (the mask ``q >= alpha * max q`` is ``{x_j}``
+            for ``alpha > 0``: RAPID's shift then raises the draft token only).
         target_logits: fp16/bf16/fp32 ``[B, g + 1, V]``, raw target logits ``z`` at the ``g + 1``
             verified positions (position ``g`` scores the bonus token). ``-inf`` marks a token the
             target forbids (probability 0). Math is fp32 whatever the dtype.
@@ -97,6 +131,14 @@ def verify_draft(
         num_draft: optional int32/int64 ``[B]`` in ``[0, g]``: row ``b`` verifies only its first
             ``num_draft[b]`` drafts (chains of different lengths padded to ``g``; padded tokens, probs
             and acceptance uniforms are ignored, the final draw still uses ``uniforms[:, g]``).
+        cu_num_draft: optional int32/int64 ``[B + 1]``, vLLM's flat layout instead of the padded
+            one (cumulative draft counts from 0, non-decreasing, ending at T): ``draft_tokens [T]``,
+            ``draft_probs [T, V]`` or None, ``target_logits [T + B, V]`` and ``uniforms [T + B]``,
+            where request ``b`` owns draft rows ``cu[b] .. cu[b + 1]`` and logits / uniform rows
+            ``cu[b] + b .. cu[b + 1] + b`` (its ``g_b`` drafted positions, then its bonus
+            position: the rows a verification forward over ``last token + drafts`` produces);
+            uniform row ``cu[b + 1] + b`` is the final draw. ``out_tokens`` is then ``[T + B]``
+            in the same rows (accepted drafts, the emitted token, then -1). Not with ``num_draft``.
 
     Returns:
         ``out_tokens`` int64 ``[B, g + 1]``: the accepted drafts, then the one token drawn at the first
@@ -124,9 +166,15 @@ def verify_draft(
 
     Deterministic given ``uniforms``; the CUDA kernel and the CPU twin return the same tokens.
     CPU: draft tokens outside ``[0, V)``, uniforms outside ``[0, 1)`` and ``num_draft`` outside
-    ``[0, g]`` raise ValueError. CUDA: those are preconditions (not checked unless
-    ``RAGATTN_DEBUG=1``, which syncs); an out-of-range draft token is rejected, never read.
-    Target logits must not be NaN or ``+inf``.
+    ``[0, g]`` (or a ``cu_num_draft`` that does not start at 0, decreases or does not end at T)
+    raise ValueError. CUDA: those are preconditions (not checked unless ``RAGATTN_DEBUG=1``,
+    which syncs); an out-of-range draft token is rejected, never read.
+
+    Non-finite target logits, one rule on every backend: NaN and ``-inf`` have probability 0;
+    where a position has ``+inf`` logits they share all the mass equally (probability
+    ``1 / count`` each, every other token 0: the limit of a logit growing without bound, e.g.
+    an fp16 overflow); a position whose logits are all ``-inf``/NaN has no mass: its draft is
+    rejected and it emits token 0.
 
     Backends: CUDA C++ kernel (one block per batch row); CPU C++ twin, or the float64 reference
     with ``RAGATTN_CPU_BACKEND=reference``.
@@ -137,20 +185,25 @@ def verify_draft(
     # The C++ op validates shapes, dtypes and devices, and on CPU the values too; check here only
     # where it is not reached (reference) or does not look (CUDA values, in debug mode: a sync).
     if reference or (not on_cpu and os.environ.get("RAGATTN_DEBUG", "0") == "1"):
-        _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft)
-        _check_values(draft_tokens, target_logits, uniforms, num_draft)
+        _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft, cu_num_draft)
+        _check_values(draft_tokens, target_logits, uniforms, num_draft, cu_num_draft)
     if reference:
-        return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft)
+        return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft,
+                          cu_num_draft=cu_num_draft)
     return torch.ops.ragattn.verify_draft(
         draft_tokens, draft_probs, target_logits, uniforms, float(temperature), float(eta), float(alpha), bool(greedy),
-        num_draft,
+        num_draft, cu_num_draft,
     )
 
 
 @torch.library.register_fake("ragattn::verify_draft")
 def _verify_draft_fake(draft_tokens, draft_probs, target_logits, uniforms, temperature=1.0, eta=0.0, alpha=0.1,
-                       greedy=False, num_draft=None):
-    _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft)
-    bsz, g = draft_tokens.shape
-    out = draft_tokens.new_empty((bsz, g + 1))
+                       greedy=False, num_draft=None, cu_num_draft=None):
+    _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft, cu_num_draft)
+    if cu_num_draft is not None:
+        bsz = cu_num_draft.shape[0] - 1
+        out = draft_tokens.new_empty((target_logits.shape[0],))
+    else:
+        bsz, g = draft_tokens.shape
+        out = draft_tokens.new_empty((bsz, g + 1))
     return out, draft_tokens.new_empty((bsz,), dtype=torch.int32)
