@@ -3,6 +3,8 @@
     python -m ragattn demo [--method M ...] [--question TEXT] [--corpus DIR] [--model NAME]
                            [--top-k K] [--max-new-tokens N] [--limit N] [--device cpu|cuda]
     python -m ragattn build-store --corpus DIR --out DIR [--neighbours N] [--shard i/n] [--batch B]
+    python -m ragattn eval [--corpus DIR] [--model NAME] [--methods M,M] [--top-k 8,16]
+                           [--ratios 0,5,15,30,100] [--limit N] [--device cpu|cuda] [--out DIR]
     python -m ragattn finetune [...]     # Block-Attention fine-tuning (see scripts/finetune_block.py)
     python -m ragattn bench [...]        # micro-benchmarks (== python -m bench in a checkout)
     python -m ragattn bench e2e [...]    # end-to-end TTFT benchmark (== python -m bench.e2e)
@@ -26,6 +28,10 @@ def main(argv=None) -> int:
         from ragattn.build_store import main as build_store_main
 
         return build_store_main(rest)
+    if cmd == "eval":
+        from ragattn.eval import main as eval_main
+
+        return eval_main(rest)
     if cmd == "finetune":
         from ragattn.finetune import main as finetune_main
 
@@ -38,7 +44,7 @@ def main(argv=None) -> int:
         from ragattn.bench.__main__ import main as bench_main
 
         return bench_main(rest)
-    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, build-store, finetune, bench)", file=sys.stderr)
+    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, build-store, eval, finetune, bench)", file=sys.stderr)
     return 2
 
 

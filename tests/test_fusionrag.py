@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from ragattn.demo import kl_divergence
 from ragattn.hf.attention import use_ragattn
 from ragattn.hf.models import random_llama
 from ragattn.methods import fusionrag, full_prefill, turborag
@@ -97,9 +98,10 @@ def test_partial_ratio_selects_budget_and_is_deterministic(model_tok):
         assert len(sel) == math.floor(0.3 * n) and sel == sorted(set(sel))
         assert sel == b.extra["recomputed_slots"] and torch.equal(a.first_logits, b.first_logits)
         assert a.extra["select_s"] >= 0 and a.extra["recompute_s"] > 0
-        # recomputing 30% moves the answer away from Full Reuse (towards full attention, usually)
-        assert not torch.equal(a.first_logits, reuse.first_logits)
-        assert torch.isfinite(a.first_logits).all() and _rel(a.first_logits, ref) < 10
+        # recomputing 30% moves the answer away from Full Reuse; with real weights, towards full attention
+        assert not torch.equal(a.first_logits, reuse.first_logits) and torch.isfinite(a.first_logits).all()
+        if not isinstance(tok, CharTokenizer):
+            assert kl_divergence(ref, a.first_logits) < kl_divergence(ref, reuse.first_logits), kw
 
 
 def _context(model, tok, store):

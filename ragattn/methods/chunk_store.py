@@ -134,9 +134,17 @@ def weight_checksums(tensors: Sequence[torch.Tensor]) -> list[bytes]:
         tails.append(b[rows * 8 * _WORDS_PER_ROW:])
     if not sums:
         return []
-    host = torch.stack([s.to("cpu", non_blocking=True) for s in sums]).numpy()
-    tail_bytes = [x.cpu().numpy().tobytes() for x in tails]
-    return [host[i].tobytes() + tail_bytes[i] for i in range(len(sums))]
+    if len({s.device for s in sums}) == 1:   # one device-to-host copy each (one sync)
+        host = torch.stack(sums).cpu().numpy()
+        tail_all = torch.cat(tails).cpu().numpy().tobytes()
+    else:                                     # a model spread over devices
+        host = torch.stack([s.cpu() for s in sums]).numpy()
+        tail_all = b"".join(x.cpu().numpy().tobytes() for x in tails)
+    out, at = [], 0
+    for i, x in enumerate(tails):
+        out.append(host[i].tobytes() + tail_all[at: at + x.numel()])
+        at += x.numel()
+    return out
 
 
 def _state_versions(named):
