@@ -13,6 +13,8 @@ Baselines in the same case: SDPA with a dense boolean mask (memory-efficient bac
 repeated to 32 heads), FlexAttention (compiled on CUDA) with the equivalent ``BlockMask``
 (creation time in ``setup_ms``) and SDPA full causal (flash backend). ``flops`` counts the
 visible (query, key) pairs only: 4 * head_dim * heads per pair forward, 2.5x that backward.
+* ``window``: a Mistral-style sliding window (``window_left = 4095``, 16,384 tokens causal)
+  against SDPA with the dense band mask.
 cpu: the same cases on ~90 tokens (ragattn runs its CPU path; FlexAttention runs eagerly,
 uncompiled, so its CPU time says nothing about its GPU speed).
 """
@@ -190,6 +192,42 @@ def _backward_case(device, size, gen):
     )
 
 
+def _window_case(device, size, gen):
+    """Mistral-style sliding window: one causal sequence, each query sees the last ``window_left + 1``
+    keys. Baseline: SDPA with the dense band mask (K/V repeated), the generic engine's fallback."""
+    import ragattn
+
+    if size == "gpu":
+        L, H, Hkv, D, W, dtype = 16384, 32, 8, 128, 4095, torch.bfloat16
+    else:
+        L, H, Hkv, D, W, dtype = 96, 4, 2, 64, 31, torch.float32
+    q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    cu = torch.tensor([0, L], dtype=I32, device=device)
+    pairs = sum(min(i + 1, W + 1) for i in range(L))
+    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
+    kr, vr = (t.transpose(0, 1).unsqueeze(0).repeat_interleave(H // Hkv, 1).contiguous() for t in (k, v))
+    i = torch.arange(L, device=device)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - W)
+
+    def dense_band():
+        with _efficient_only(device):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kr, vr, attn_mask=band)
+
+    return Case(
+        family="varlen_attention",
+        name=f"window{W + 1}_L{L}_h{H}_kv{Hkv}_d{D}",
+        run=lambda: ragattn.varlen_attention(q, k, v, cu, cu, window_left=W),
+        baselines=_runnable({"sdpa_dense_band_mask": dense_band}, device),
+        flops=4.0 * D * H * pairs,
+        peak="matmul",
+        peak_dtype=dtype,
+        params={"dtype": str(dtype).replace("torch.", ""), "tokens": L, "window_left": W},
+    )
+
+
 def cases(device: torch.device, size: str):
     gen = torch.Generator().manual_seed(0)
-    return [_forward_case(device, size, 500, gen), _forward_case(device, size, 4096, gen), _backward_case(device, size, gen)]
+    return [_forward_case(device, size, 500, gen), _forward_case(device, size, 4096, gen), _backward_case(device, size, gen),
+            _window_case(device, size, gen)]

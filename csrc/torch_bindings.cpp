@@ -13,12 +13,17 @@ TORCH_LIBRARY(ragattn, m) {
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? q_pos=None, Tensor? kv_pos=None, Tensor? q_block=None, Tensor? kv_block=None, "
-      "bool causal=True, float? scale=None) -> (Tensor out, Tensor lse)");
+      "bool causal=True, float? scale=None, int window_left=-1) -> (Tensor out, Tensor lse)");
+  //    Into preallocated outputs (engines' out=/lse_out=): out like q, lse_out float32 [total_q, H].
+  m.def(
+      "varlen_attention.out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor? q_pos=None, Tensor? kv_pos=None, Tensor? q_block=None, Tensor? kv_block=None, "
+      "bool causal=True, float? scale=None, int window_left=-1, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
   //    Its backward (Triton on CUDA, reference autograd on CPU); dq/dk/dv in the inputs' dtypes.
   m.def(
       "varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "
-      "Tensor? kv_block, bool causal, float? scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? kv_block, bool causal, float? scale, int window_left=-1) -> (Tensor dq, Tensor dk, Tensor dv)");
 
   // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton).
   m.def(

@@ -119,7 +119,7 @@ def _i32(*vals):
         (lambda q, k, cq, ck: (q[:, 0], k, cq, ck), ValueError, "q must have 3 dims"),
         (lambda q, k, cq, ck: (q, k[:, :, :32], cq, ck), ValueError, "k must have head_dim 64"),
         (lambda q, k, cq, ck: (q[:, :3], k, cq, ck), ValueError, "num_kv_heads must divide"),
-        (lambda q, k, cq, ck: (q, k, cq.long(), ck), TypeError, "cu_seqlens_q must be int32"),
+        (lambda q, k, cq, ck: (q, k, cq.float(), ck), TypeError, "cu_seqlens_q must be int32 or int64"),
         (lambda q, k, cq, ck: (q, k, cq, _i32(0, 4, 8)(ck)), ValueError, "cu_seqlens_k must start at 0 and end at 9"),
         (lambda q, k, cq, ck: (q, k, cq, _i32(0, 10, 9)(ck)), ValueError, "cu_seqlens_k must be non-decreasing"),
         (lambda q, k, cq, ck: (q, k, _i32(0, 5)(cq), ck), ValueError, "same batch"),
@@ -163,3 +163,79 @@ def test_kernels_compile_for_sm90():
     """Both passes compile for an H100 (sm_90) at the GPU launch configs, within its shared
     memory; needs no GPU (runs in a subprocess: this process's kernels are interpreter objects)."""
     run_compile_check(_COMPILE_CHECK)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 14.7: one rule for non-finite inputs on every backend; issue 15.10: batch > 65535;
+# issue 16: int64 offsets; inference mode; the fake impl validates
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["default", "reference", "triton"])
+@pytest.mark.parametrize("where, value", [("k", float("nan")), ("k", float("inf")), ("q", float("nan"))])
+def test_nonfinite_input_rule(device, monkeypatch, backend, where, value):
+    """A NaN (or +inf) in a sequence's q or k makes every score of that sequence NaN, and nothing
+    else: the float64 reference's rule, on every backend."""
+    if backend == "reference":
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
+    else:
+        use_kernel_backend(monkeypatch, device, backend)
+    q, k, cu_q, cu_k = make_inputs([3, 4, 2], [70, 9, 5], 4, 2, 64, torch.float32, device)
+    if where == "k":
+        k[75, 1, 3] = value  # sequence 1's key 5
+    else:
+        q[4, 2, 0] = value  # sequence 1's query row 1
+        k[70:79] = k[70:79].abs()  # the sign cannot turn the product into -inf
+    got = ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    ref = ref_scores(q.double(), k.double(), cu_q, cu_k)
+    assert torch.isnan(ref[70:79]).all() and torch.isfinite(ref[:70]).all() and torch.isfinite(ref[79:]).all()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    ok = ~torch.isnan(ref)
+    assert (got[ok].double() - ref[ok]).abs().max() < 1e-4
+
+
+def test_large_batch_grid(monkeypatch):
+    """Both passes put the batch on grid axis 0: axes 1 and 2 stay within CUDA's 65535 with a
+    batch of 70000 (launch recorded, not run: the interpreter would take minutes)."""
+    import ragattn.triton_kernels.key_attention_scores as kas
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **kw: None
+
+    monkeypatch.setattr(kas, "_row_lse_kernel", Recorder())
+    monkeypatch.setattr(kas, "_column_sum_kernel", Recorder())
+    batch = 70000
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.ones(batch, 2, 64)
+    kas.key_attention_scores(q, q.clone(), cu, cu)
+    assert len(grids) == 2
+    for grid in grids:
+        assert all(g <= 65535 for g in grid[1:]), grid
+        assert grid[0] < 2**31
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_offsets_and_inference_mode(device, monkeypatch, backend):
+    use_kernel_backend(monkeypatch, device, backend)
+    q, k, cu_q, cu_k = make_inputs([3, 0, 5], [40, 3, 17], 4, 2, 64, torch.float32, device)
+    want = ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    got = ragattn.key_attention_scores(q, k, cu_q.long(), cu_k.long())
+    assert torch.equal(got, want)
+    with torch.inference_mode():
+        qi, ki, cqi, cki = (t.clone() for t in (q, k, cu_q, cu_k))
+        assert torch.equal(ragattn.key_attention_scores(qi, ki, cqi, cki), want)
+
+
+def test_fake_validates_and_meta_mix_raises():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, cu_q, cu_k = make_inputs([3, 4], [7, 9], 4, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="ragattn.key_attention_scores: all tensors must be on one device"):
+        ragattn.key_attention_scores(q.to("meta"), k, cu_q, cu_k)
+    with FakeTensorMode() as mode:
+        fq, fk, fcq, fck = (mode.from_tensor(t) for t in (q, k, cu_q, cu_k))
+        assert ragattn.key_attention_scores(fq, fk, fcq, fck).shape == (k.shape[0],)
+        with pytest.raises(ValueError, match="num_kv_heads must divide"):
+            ragattn.key_attention_scores(fq[:, :3], fk, fcq, fck)

@@ -225,7 +225,7 @@ def test_opcheck(device, backend, monkeypatch):
     use_kernel_backend(monkeypatch, device, backend)
     args = _case([9, 0, 12], [9, 4, 12], 4, 2, 64, torch.float32, device, blocks="sys")
     q, k, v = (t.requires_grad_(True) for t in args[:3])
-    torch.library.opcheck(OP, (q, k, v) + tuple(args[3:]), {"scale": 0.1})
+    torch.library.opcheck(OP.default, (q, k, v) + tuple(args[3:]), {"scale": 0.1, "window_left": 4})
 
 
 @pytest.mark.parametrize(
@@ -236,7 +236,7 @@ def test_opcheck(device, backend, monkeypatch):
         (lambda a: a.update(v=a["v"][:, :, :32]), ValueError, "v must have shape"),
         (lambda a: a.update(k=a["k"][:, :, :32], v=a["v"][:, :, :32]), ValueError, "k must have shape"),
         (lambda a: a.update(q=torch.cat([a["q"]] * 3, 1)[:, :3]), ValueError, "multiple"),
-        (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), TypeError, "cu_seqlens_q"),
+        (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].float()), TypeError, "cu_seqlens_q"),
         (lambda a: a.update(cu_seqlens_k=a["cu_seqlens_k"][:-1]), ValueError, "cu_seqlens_k"),
         (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].flip(0)), ValueError, "cu_seqlens_q"),
         (lambda a: a.update(q_pos=torch.zeros(3, dtype=torch.int32)), ValueError, "q_pos"),
@@ -277,17 +277,19 @@ assert not va._INTERPRET
 ints = ("QPos", "KPos", "QBlk", "KBlk", "CuQ", "CuK", "QTileSeq", "QTileStart", "QMeta", "KTileOff", "KMeta",
         "KSearch", "KTileSeq", "KTileStart", "QTileOff", "QSearch")
 jobs = []
-for elt, head_dim in SM90_CASES:
+for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
     types = {n: "*i32" for n in ints}
     types.update({n: "*" + elt for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")})
     types.update(Lse="*fp32", Delta="*fp32", qk_scale="fp32", sm_scale="fp32")
     for backward, kernels in [(False, (va._fwd_kernel,)), (True, (va._bwd_dq_kernel, va._bwd_dkdv_kernel))]:
         bm, bn, warps, stages = va._config(head_dim, backward)
-        consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True, UPCAST=False,
-                      PREC="ieee" if elt == "fp32" else "tf32", STEPS=8)
+        consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=va.block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True,
+                      WINDOW=True, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32", STEPS=8)
+        if head_dim == 96 and backward:
+            continue
         jobs += [(fn, consts, types, dict(num_warps=warps, num_stages=stages)) for fn in kernels]
     if head_dim == 256:  # the tiny delta kernel: its largest rows only
-        jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK=64), types, {}))
+        jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK=64), types, {}))
 compile_many_sm90(jobs)
 print("compiled")
 """
@@ -298,3 +300,312 @@ def test_kernels_compile_for_sm90():
     dtype and head dim, within its shared memory; needs no GPU (a subprocess: this process's
     kernels are interpreter objects)."""
     run_compile_check(_COMPILE_CHECK)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sliding window (window_left): FlashAttention's window_size=(window_left, -1)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["triton", "default"])
+@pytest.mark.parametrize(
+    "mask, causal, window, ratio, dtype, pos",
+    [
+        ("none", True, 5, 4, torch.bfloat16, "default"),
+        ("chunks", True, 9, 3, torch.float16, "offset"),
+        ("sys", True, 40, 1, torch.float32, "default"),
+        ("none", False, 6, 8, torch.float16, "shuffled"),
+        ("random", True, 3, 4, torch.float32, "shuffled"),
+    ],
+)
+def test_sliding_window_matches_reference(device, seed, backend, monkeypatch, mask, causal, window, ratio, dtype, pos):
+    if backend == "default" and device.type == "cpu" and window not in (5, 6):
+        pytest.skip("default CPU path is the reference itself: a few cases suffice")
+    use_kernel_backend(monkeypatch, device, backend)
+    lens_q, lens_k = _lens(pos)
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens_q, lens_k, hkv * ratio, hkv, 64, dtype, device, blocks=mask, causal=causal, pos=pos,
+                 gen=torch.Generator().manual_seed(seed))
+    out, lse = ragattn.varlen_attention(*args, None, window)
+    o64, l64 = ref_varlen(*_float64(args), None, window)
+    o_lp, l_lp = ref_varlen(*args, None, window, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64))
+    # the window changes the answer (the test would pass without it otherwise)
+    assert max_abs_err(o64, ref_varlen(*_float64(args))[0]) > 1e-3
+
+
+@pytest.mark.parametrize("mask, causal, window", [("many", True, 7), ("sys", False, 12), ("random", True, 0)])
+def test_sliding_window_small_tiles(device, mask, causal, window):
+    """16-row tiles: whole key tiles left of the window are skipped (forward, dq) and whole query
+    tiles right of it (dk/dv); gradients against the float64 reference's autograd."""
+    from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
+
+    lens = [40, 0, 21] if mask == "random" else [70, 0, 33]  # shuffled positions: every tile pair partial
+    args = _case(lens, [lens[0], 2, lens[2]], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
+                 pos="shuffled" if mask == "random" else "default", gen=torch.Generator().manual_seed(11))
+    out, lse = varlen_attention_fwd(*args, None, window, block_m=16, block_n=16)
+    o64, l64 = ref_varlen(*_float64(args), None, window)
+    o32, l32 = ref_varlen(*args, None, window)
+    assert_precision(out, o64, o32, what="out")
+    assert_precision(lse, l64, l32, what="lse")
+    dout = randn_nonzero(*out.shape, device=device, generator=torch.Generator().manual_seed(12))
+    got = varlen_attention_bwd(dout, *args[:3], out, lse, *args[3:], None, window, block_m=16, block_n=16)
+    leaves = [t.double().requires_grad_(True) for t in args[:3]]
+    want = torch.autograd.grad(ref_varlen(*leaves, *args[3:], None, window)[0], leaves, dout.double())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert max_abs_err(g, w) < 1e-4 * max(1.0, float(w.abs().max())), name
+
+
+def test_sliding_window_is_transformers_sliding_window():
+    """window_left = sliding_window - 1 gives exactly transformers' sliding-window causal mask."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    from ragattn.reference.varlen_attention import visible_mask
+
+    n = 23
+    pos = torch.arange(n, dtype=torch.int32)
+    blk = torch.full((n,), -1, dtype=torch.int32)
+    for sliding_window in (1, 2, 5, 30):
+        fn = masking_utils.sliding_window_causal_mask_function(sliding_window)
+        idx = torch.arange(n)
+        want = fn(torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :]).expand(n, n)
+        got = visible_mask(pos, pos, blk, blk, True, sliding_window - 1)
+        assert torch.equal(got, want), sliding_window
+
+
+def test_sliding_window_matches_sdpa(device):
+    """One sequence, float64: the window equals SDPA with the explicit band mask."""
+    g = torch.Generator().manual_seed(2)
+    q = randn_nonzero(29, 2, 64, dtype=torch.float64, device=device, generator=g)
+    k = randn_nonzero(29, 2, 64, dtype=torch.float64, device=device, generator=g)
+    v = randn_nonzero(29, 2, 64, dtype=torch.float64, device=device, generator=g)
+    cu = torch.tensor([0, 29], dtype=torch.int32, device=device)
+    i = torch.arange(29, device=device)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 4)
+    out, _ = ragattn.varlen_attention(q, k, v, cu, cu, window_left=4)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=band).transpose(0, 1)
+    assert max_abs_err(out, want) < 1e-10
+
+
+def test_window_left_validated():
+    q, k, v, cu_q, cu_k, *_ = _case([5], [5], 2, 1, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="ragattn.varlen_attention: window_left"):
+        ragattn.varlen_attention(q, k, v, cu_q, cu_k, window_left=-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 14.1: a non-finite value of a key a query cannot see never reaches that query
+# ----------------------------------------------------------------------------------------------
+def _poisoned_case(device, dtype, kind):
+    """4 causal tokens with v[3] (or k[3]) poisoned; or Block-Attention blocks / a window."""
+    g = torch.Generator().manual_seed(21)
+    n = 4 if kind == "causal" else 40
+    q, k, v, cu, _, *_ = _case([n], [n], 4, 2, 64, dtype, device, gen=g)
+    q_blk = kv_blk = None
+    window = -1
+    bad = [3]
+    if kind == "blocks":  # chunks 0..9 / 10..19 / 20..39 independent: poison a chunk-0 and a chunk-2 key
+        q_blk = kv_blk = torch.tensor([0] * 10 + [1] * 10 + [2] * 20, dtype=torch.int32, device=device)
+        bad = [2, 37]
+    elif kind == "window":  # window of 8: key 5 is out of every query >= 14's window
+        window = 8
+        bad = [5]
+    return q, k, v, cu, q_blk, kv_blk, window, bad
+
+
+def _blind_rows(n, kind, bad, window):
+    """Query rows that see none of the poisoned keys."""
+    from ragattn.reference.varlen_attention import visible_mask
+
+    pos = torch.arange(n, dtype=torch.int32)
+    blk = torch.tensor([0] * 10 + [1] * 10 + [2] * 20, dtype=torch.int32) if kind == "blocks" else torch.full((n,), -1, dtype=torch.int32)
+    vis = visible_mask(pos, pos, blk, blk, True, window)
+    return (~vis[:, bad].any(1)).nonzero().flatten()
+
+
+@pytest.mark.parametrize("backend", ["default", "triton"])
+@pytest.mark.parametrize("kind", ["causal", "blocks", "window"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_masked_nonfinite_never_reaches_a_query(device, backend, monkeypatch, kind, poison):
+    use_kernel_backend(monkeypatch, device, backend)
+    dtype = torch.float32 if backend == "default" else torch.float16
+    q, k, v, cu, q_blk, kv_blk, window, bad = _poisoned_case(device, dtype, kind)
+    blind = _blind_rows(q.shape[0], kind, bad, window)
+    assert blind.numel() >= 3
+    clean_args = (q, k, v, cu, cu, None, None, q_blk, kv_blk, True, None, window)
+    want, want_lse = ref_varlen(*_float64(clean_args))
+    vp, kp = v.clone(), k.clone()
+    vp[bad, 1, 5] = poison
+    kp[bad, 0, 7] = -poison  # K too: its score is masked, but the backward multiplies dS by K
+    leaves = [t.detach().requires_grad_(True) for t in (q, kp, vp)]
+    out, lse = ragattn.varlen_attention(*leaves, cu, cu, None, None, q_blk, kv_blk, True, None, window)
+    assert torch.isfinite(out[blind]).all() and torch.isfinite(lse[blind]).all()
+    assert max_abs_err(out[blind], want[blind]) < 2e-3 and max_abs_err(lse[blind], want_lse[blind]) < 2e-3
+    # the queries that do see a poisoned key are not silently finite
+    seen = torch.ones(q.shape[0], dtype=torch.bool)
+    seen[blind] = False
+    assert not torch.isfinite(out[seen]).all(dim=(1, 2)).any()
+    # gradients: only rows whose loss terms are finite, dq of a blind row must be finite and right
+    dout = torch.zeros_like(out)
+    dout[blind] = randn_nonzero(blind.numel(), *out.shape[1:], dtype=dtype, device=device, generator=torch.Generator().manual_seed(3))
+    dq = torch.autograd.grad(out, leaves[0], dout)[0]
+    ql = q.double().requires_grad_(True)
+    want_dq = torch.autograd.grad(ref_varlen(ql, *_float64(clean_args[1:]))[0], ql, dout.double())[0]
+    assert torch.isfinite(dq[blind]).all()
+    assert max_abs_err(dq[blind], want_dq[blind]) < 5e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 14.4 / 14 head_dim 0 / 15.1: fake impl validates, named errors, inference mode
+# ----------------------------------------------------------------------------------------------
+def test_meta_tensor_mixed_with_cpu_raises():
+    q, k, v, cu_q, cu_k, *_ = _case([5, 6], [5, 7], 4, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="ragattn.varlen_attention: all tensors must be on one device"):
+        ragattn.varlen_attention(q.to("meta"), k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="ragattn.varlen_attention: all tensors must be on one device"):
+        ragattn.varlen_attention(q, k, v.to("meta"), cu_q, cu_k)
+
+
+def test_fake_impl_validates_like_the_real_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, cu_q, cu_k, *_ = _case([5, 6], [5, 7], 4, 2, 64, torch.float32, "cpu")
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fcq, fck = (mode.from_tensor(t) for t in (q, k, v, cu_q, cu_k))
+        out, lse = ragattn.varlen_attention(fq, fk, fv, fcq, fck)
+        assert out.shape == q.shape and lse.shape == q.shape[:2]
+        with pytest.raises(ValueError, match="v must have shape"):
+            ragattn.varlen_attention(fq, fk, fv[:, :, :32], fcq, fck)
+        with pytest.raises(TypeError, match="k must be"):
+            ragattn.varlen_attention(fq, fk.half(), fv.half(), fcq, fck)
+        with pytest.raises(ValueError, match="multiple"):
+            ragattn.varlen_attention(fq[:, :3], fk, fv, fcq, fck)
+        with pytest.raises(ValueError, match="q_pos"):
+            ragattn.varlen_attention(fq, fk, fv, fcq, fck, fcq)
+
+
+def test_head_dim_zero_is_a_named_error():
+    q, k, v, cu_q, cu_k, *_ = _case([5], [5], 2, 1, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="ragattn.varlen_attention: q must have head_dim > 0"):
+        ragattn.varlen_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], cu_q, cu_k)
+
+
+@pytest.mark.parametrize("backend", ["default", "triton"])
+def test_inference_mode(device, backend, monkeypatch):
+    """Serving runs under torch.inference_mode(): forward and out= on every backend, with the
+    plan cache (which cannot see in-place edits of inference tensors) bypassed."""
+    use_kernel_backend(monkeypatch, device, backend)
+    with torch.inference_mode():
+        args = list(_case([40, 3], [40, 3], 4, 2, 64, torch.float32, device, blocks="chunks", gen=torch.Generator().manual_seed(9)))
+        out, lse = ragattn.varlen_attention(*args, None, 5)
+        o64, l64 = ref_varlen(*_float64(args), None, 5)
+        assert max_abs_err(out, o64) < 1e-4 and max_abs_err(lse, l64) < 1e-4
+        args[8].fill_(-1)  # in-place edit of an inference tensor: the next call must see it
+        args[7].fill_(-1)
+        out2, _ = ragattn.varlen_attention(*args, None, 5)
+        assert max_abs_err(out2, ref_varlen(*_float64(args), None, 5)[0]) < 1e-4
+        o_buf, l_buf = poison_like(out), poison_like(lse)
+        ragattn.varlen_attention(*args, None, 5, out=o_buf, lse_out=l_buf)
+        assert torch.equal(o_buf, out2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 16: engine-style inputs (int64 indices, out= / lse_out=)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["default", "triton"])
+def test_int64_indices(device, backend, monkeypatch):
+    use_kernel_backend(monkeypatch, device, backend)
+    args = _case([30, 0, 17], [30, 2, 17], 4, 2, 64, torch.float32, device, blocks="sys", pos="shuffled",
+                 gen=torch.Generator().manual_seed(13))
+    args64 = [a.long() if torch.is_tensor(a) and not a.is_floating_point() else a for a in args]
+    out32, lse32 = ragattn.varlen_attention(*args, None, 7)
+    out64, lse64 = ragattn.varlen_attention(*args64, None, 7)
+    assert torch.equal(out32, out64) and torch.equal(lse32, lse64)
+    o64, _ = ref_varlen(*_float64(args64), None, 7)
+    assert max_abs_err(out64, o64) < 1e-4
+
+
+def test_int64_positions_outside_int32_refused():
+    q, k, v, cu_q, cu_k, *_ = _case([5], [5], 2, 1, 64, torch.float32, "cpu")
+    pos = torch.arange(5, dtype=torch.int64) + 2**31
+    with pytest.raises(ValueError, match="q_pos values must fit in int32"):
+        ragattn.varlen_attention(q, k, v, cu_q, cu_k, pos)
+
+
+@pytest.mark.parametrize("backend", ["default", "triton"])
+def test_out_variant(device, backend, monkeypatch):
+    use_kernel_backend(monkeypatch, device, backend)
+    args = _case([21, 4], [21, 9], 4, 2, 64, torch.float16, device, blocks="chunks", pos="offset",
+                 gen=torch.Generator().manual_seed(14))
+    want_o, want_l = ragattn.varlen_attention(*args, None, 6)
+    out, lse = poison_like(want_o), poison_like(want_l)
+    got_o, got_l = ragattn.varlen_attention(*args, None, 6, out=out, lse_out=lse)
+    assert got_o is out and got_l is lse
+    assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+    torch.library.opcheck(torch.ops.ragattn.varlen_attention.out, tuple(args) + (None, 6),
+                          {"out": poison_like(want_o), "lse_out": poison_like(want_l)})
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda q: (torch.empty(q.shape[0] + 1, *q.shape[1:]), None), "out must have shape"),
+        (lambda q: (torch.empty_like(q, dtype=torch.float64), None), "out must be float32"),
+        (lambda q: (torch.empty(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2), None), "out must be contiguous"),
+        (lambda q: (None, torch.empty(q.shape[0], q.shape[1], dtype=torch.float16)), "lse_out must be float32"),
+        (lambda q: (q, None), "out must not share memory with q"),
+        (lambda q: (torch.empty_like(q, device="meta"), None), "out must be on cpu"),
+    ],
+)
+def test_out_variant_refuses_bad_buffers(make, words):
+    q, k, v, cu_q, cu_k, *_ = _case([5, 6], [5, 7], 4, 2, 64, torch.float32, "cpu")
+    out, lse = make(q)
+    with pytest.raises(ValueError if "float" not in words else TypeError, match=words):
+        ragattn.varlen_attention(q, k, v, cu_q, cu_k, out=out, lse_out=lse)
+
+
+def test_out_variant_refuses_overlapping_lse_and_out():
+    q, k, v, cu_q, cu_k, *_ = _case([5, 6], [5, 7], 4, 2, 64, torch.float32, "cpu")
+    buf = torch.empty(q.numel() + 44)
+    with pytest.raises(ValueError, match="out must not share memory with lse_out"):
+        ragattn.varlen_attention(q, k, v, cu_q, cu_k, out=buf[: q.numel()].view(q.shape), lse_out=buf[q.numel() - 4:][: 44].view(11, 4))
+
+
+def test_out_variant_under_compile():
+    """The out= overload mutates its buffers and returns nothing: torch.compile functionalises it."""
+    args = _case([9, 4], [9, 6], 4, 2, 64, torch.float32, "cpu", blocks="chunks", gen=torch.Generator().manual_seed(15))
+
+    def f(o, l, *a):
+        torch.ops.ragattn.varlen_attention.out(*a, None, 3, out=o, lse_out=l)
+        return o * 2, l
+
+    want = ragattn.varlen_attention(*args, None, 3)
+    o, l = poison_like(want[0]), poison_like(want[1])
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(o, l, *args)
+    assert torch.equal(got[0], want[0] * 2) and torch.equal(o, want[0]) and torch.equal(l, want[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 15.4: head dims that are not powers of two run in Triton (BLOCK_D padded and masked)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim, dtype", [(80, torch.bfloat16), (96, torch.float32), (112, torch.float16)])
+def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
+    from ragattn.ops.varlen_attention import _use_triton
+
+    use_kernel_backend(monkeypatch, device, "triton")
+    args = _case([29, 1, 18], [29, 1, 18], 6, 2, dim, dtype, device, blocks="chunks", gen=torch.Generator().manual_seed(dim))
+    assert _use_triton(args[0])
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    out, lse = ragattn.varlen_attention(*leaves, *args[3:], None, 9)
+    o64, l64 = ref_varlen(*_float64(args), None, 9)
+    o_lp, l_lp = ref_varlen(*args, None, 9, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    dout = randn_nonzero(*out.shape, dtype=dtype, device=device, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, leaves, dout)
+    l64s = [t.detach().double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:], None, 9)[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], None, 9, upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)

@@ -77,16 +77,19 @@ def _row_lse_kernel(
     q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [NUM_SPLITS, total_q, num_heads], base 2
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    total_q, num_heads, num_splits,
+    total_q, num_heads, num_splits, num_q_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Pass 1: base-2 LSE of each packed query row over one split of the sequence's keys."""
-    tile_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    """Pass 1: base-2 LSE of each packed query row over one split of the sequence's keys.
+
+    Grid ``(num_q_tiles * batch, num_kv_heads * num_splits)``: the batch shares axis 0 (up to
+    2^31 - 1 programs) with the tiles, since axes 1 and 2 stop at 65535."""
+    tile_m = tl.program_id(0) % num_q_tiles
+    seq = tl.program_id(0) // num_q_tiles
+    kv_head = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
 
     q_start = tl.load(cu_q_ptr + seq)
     num_q = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -115,11 +118,13 @@ def _row_lse_kernel(
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m_i = m_new
 
-    # An empty split leaves m_i = -inf and l_i = 0: its LSE is -inf, neutral in the merge.
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    # An empty split leaves m_i = -inf and l_i = 0: its LSE is -inf, neutral in the merge. A NaN
+    # or +inf logit makes l_i NaN, and the LSE stays NaN (the documented rule: the sequence's
+    # scores all become NaN, as in the reference), never -inf.
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     rows = r_offs // GROUP
     heads = kv_head * GROUP + r_offs % GROUP
-    out_ptrs = lse_ptr + (split * total_q + q_start + rows).to(tl.int64) * num_heads + heads
+    out_ptrs = lse_ptr + (split.to(tl.int64) * total_q + q_start + rows) * num_heads + heads
     tl.store(out_ptrs, lse, mask=rows < num_q)
 
 
@@ -129,15 +134,17 @@ def _column_sum_kernel(
     partial_ptr,  # fp32 [num_kv_heads, total_k]: this kv head's share of each key's score
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    total_k, num_heads,
+    total_k, num_heads, num_k_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Pass 2: for one key tile of one kv head, sum exp2(s - lse) over all packed query rows."""
-    tile_n = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """Pass 2: for one key tile of one kv head, sum exp2(s - lse) over all packed query rows.
+
+    Grid ``(num_k_tiles * batch, num_kv_heads)`` (the batch on axis 0, as in pass 1)."""
+    tile_n = tl.program_id(0) % num_k_tiles
+    seq = tl.program_id(0) // num_k_tiles
+    kv_head = tl.program_id(1)
 
     q_start = tl.load(cu_q_ptr + seq)
     num_q = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -157,10 +164,10 @@ def _column_sum_kernel(
         heads = kv_head * GROUP + r_offs % GROUP
         row_ok = rows < num_q
         q = _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs, GROUP, HEAD_DIM)
-        # Padded rows get lse = +inf, so their probabilities are exactly 0.
         lse = tl.load(lse_ptr + (q_start + rows).to(tl.int64) * num_heads + heads, mask=row_ok, other=float("inf"))
         s = _logits(q, kt, qk_scale, UPCAST, IEEE)
-        p = tl.exp2(s - lse[:, None])
+        # Padded rows are selected out (not exp'd to 0: their logit is NaN against a NaN key).
+        p = tl.where(row_ok[:, None], tl.exp2(s - lse[:, None]), 0.0)
         acc += tl.sum(p, axis=0)
 
     tl.store(partial_ptr + kv_head.to(tl.int64) * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
@@ -209,6 +216,7 @@ def key_attention_scores(
     total_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     batch = cu_seqlens_q.numel() - 1
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.int(), cu_seqlens_k.int()  # int64 accepted, read as int32
     scores = torch.zeros(total_k, dtype=torch.float32, device=q.device)
     if total_q == 0 or total_k == 0 or batch == 0:
         return scores
@@ -243,8 +251,8 @@ def key_attention_scores(
         num_splits = _num_splits(num_q_tiles, batch, num_kv_heads, max_k_tiles, q.device)
     num_splits = max(1, min(int(num_splits), max_k_tiles))
     lse_parts = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
-    _row_lse_kernel[(num_q_tiles, batch, num_kv_heads * num_splits)](
-        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads, num_splits,
+    _row_lse_kernel[(num_q_tiles * batch, num_kv_heads * num_splits)](
+        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads, num_splits, num_q_tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
     )
     if num_splits == 1:
@@ -255,8 +263,8 @@ def key_attention_scores(
     # Pass 2: column sums per kv head, then over the kv heads (a [Hkv, total_k] reduction).
     # Every key belongs to a sequence with at least one key tile, so every entry gets written.
     partial = torch.empty((num_kv_heads, total_k), dtype=torch.float32, device=q.device)
-    _column_sum_kernel[(max_k_tiles, batch, num_kv_heads)](
-        q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads,
+    _column_sum_kernel[(max_k_tiles * batch, num_kv_heads)](
+        q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads, max_k_tiles,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
     )
     return partial.sum(dim=0) if num_kv_heads > 1 else partial[0]

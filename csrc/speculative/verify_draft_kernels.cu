@@ -126,9 +126,11 @@ __device__ __forceinline__ void load_logits(const void* row, int v0, int cnt, bo
   }
 }
 
-// Draft probabilities of tokens [v0, v0 + cnt) (one-hot on the draft token x when row is nullptr).
-__device__ __forceinline__ void load_probs(const float* row, int64_t x, int v0, int cnt, bool vec, float (&q)[kChunk]) {
-  if (row == nullptr) {
+// Draft probabilities of tokens [v0, v0 + cnt) (ONEHOT: one-hot on the draft token x, row unused).
+// A compile-time switch, so that the kernels with draft_probs keep their own register allocation.
+template <bool ONEHOT>
+__device__ __forceinline__ void load_probs(const float* row, int x, int v0, int cnt, bool vec, float (&q)[kChunk]) {
+  if (ONEHOT) {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) q[e] = draft_prob(nullptr, x, v0 + e);
   } else if (vec && cnt == kChunk) {
@@ -143,8 +145,8 @@ __device__ __forceinline__ void load_probs(const float* row, int64_t x, int v0, 
 
 // Calls f(v0, cnt, z, q) for this thread's chunks in order (t, t + kThreads, ...), loading two
 // chunks ahead of the arithmetic to keep more bytes in flight.
-template <int KIND, bool WITH_Q, class F>
-__device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int64_t x, int vocab, bool vec, F&& f) {
+template <int KIND, bool WITH_Q, bool ONEHOT, class F>
+__device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int x, int vocab, bool vec, F&& f) {
   const int nchunks = (vocab + kChunk - 1) / kChunk;
   int c = threadIdx.x;
   float z0[kChunk], q0[kChunk], z1[kChunk], q1[kChunk];
@@ -153,8 +155,8 @@ __device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int64
     load_logits<KIND>(zrow, v0, kChunk, vec, z0);
     load_logits<KIND>(zrow, v1, min(kChunk, vocab - v1), vec, z1);
     if (WITH_Q) {
-      load_probs(qrow, x, v0, kChunk, vec, q0);
-      load_probs(qrow, x, v1, min(kChunk, vocab - v1), vec, q1);
+      load_probs<ONEHOT>(qrow, x, v0, kChunk, vec, q0);
+      load_probs<ONEHOT>(qrow, x, v1, min(kChunk, vocab - v1), vec, q1);
     }
     f(v0, kChunk, z0, q0);
     f(v1, min(kChunk, vocab - v1), z1, q1);
@@ -162,22 +164,22 @@ __device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int64
   if (c < nchunks) {
     const int v0 = c * kChunk, cnt = min(kChunk, vocab - v0);
     load_logits<KIND>(zrow, v0, cnt, vec, z0);
-    if (WITH_Q) load_probs(qrow, x, v0, cnt, vec, q0);
+    if (WITH_Q) load_probs<ONEHOT>(qrow, x, v0, cnt, vec, q0);
     f(v0, cnt, z0, q0);
   }
 }
 
 // The block-wide statistics of p (and p_hat when eta > 0 and q is given) at one position.
 // has_q: a drafted position (qrow, or one-hot on x when qrow is nullptr), not the bonus position.
-template <int KIND>
-__device__ PositionStats position_stats(const void* zrow, const float* qrow, bool has_q, int64_t x, int vocab,
+template <int KIND, bool ONEHOT>
+__device__ PositionStats position_stats(const void* zrow, const float* qrow, bool has_q, int x, int vocab,
                                         float inv_t, float eta, float alpha, Shared& sh) {
   const bool with_q = eta > 0.0f && has_q;
   const bool vec = aligned16(zrow) && (!with_q || qrow == nullptr || aligned16(qrow));
   SoftmaxState s = softmax_identity();
   float qm = -INFINITY;
   if (with_q) {
-    sweep<KIND, true>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
+    sweep<KIND, true, ONEHOT>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) {
         if (e < cnt) {
@@ -187,7 +189,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, boo
       }
     });
   } else {
-    sweep<KIND, false>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&)[kChunk]) {
+    sweep<KIND, false, ONEHOT>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&)[kChunk]) {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e)
         if (e < cnt) softmax_update(s, z[e], v0 + e, inv_t);
@@ -198,7 +200,7 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, boo
   if (!with_q) return ps;
   ps.q_thresh = f_mul(alpha, block_max(qm, sh));
   SoftmaxState sa = softmax_identity();
-  sweep<KIND, true>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
+  sweep<KIND, true, ONEHOT>(zrow, qrow, x, vocab, vec, [&](int v0, int cnt, const float(&z)[kChunk], const float(&q)[kChunk]) {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
       if (e < cnt) {
@@ -215,8 +217,8 @@ __device__ PositionStats position_stats(const void* zrow, const float* qrow, boo
 }
 
 // Draw weights of this thread's chunk in `tile` (0 past the vocabulary) and their sum from 0.
-template <int KIND>
-__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int64_t x, int vocab, bool vec, int tile,
+template <int KIND, bool ONEHOT>
+__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int vocab, bool vec, int tile,
                                                int mode, const PositionStats& ps, float inv_t, float eta,
                                                float (&w)[kChunk], int* last_pos) {
   const int v0 = (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
@@ -225,7 +227,7 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
   if (cnt > 0) {
     load_logits<KIND>(zrow, v0, cnt, vec, z);
     if (mode == kWeightResidual) {
-      load_probs(qrow, x, v0, cnt, vec, q);
+      load_probs<ONEHOT>(qrow, x, v0, cnt, vec, q);
     } else {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
@@ -242,8 +244,8 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
 }
 
 // Inverse-CDF draw at uniform u from the residual (falling back to p when it is all zero) or p.
-template <int KIND>
-__device__ int draw_token(const void* zrow, const float* qrow, int64_t x, int vocab, const PositionStats& ps, int mode,
+template <int KIND, bool ONEHOT>
+__device__ int draw_token(const void* zrow, const float* qrow, int x, int vocab, const PositionStats& ps, int mode,
                           float inv_t, float eta, float u, Shared& sh) {
   const int nchunks = (vocab + kChunk - 1) / kChunk;
   const int ntiles = (nchunks + kThreads - 1) / kThreads;
@@ -253,7 +255,7 @@ __device__ int draw_token(const void* zrow, const float* qrow, int64_t x, int vo
     int last_pos = -1;
     float total = 0.0f;
     for (int tile = 0; tile < ntiles; ++tile) {
-      const float s = chunk_weights<KIND>(zrow, qrow, x, vocab, vec, tile, mode, ps, inv_t, eta, w, &last_pos);
+      const float s = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, vocab, vec, tile, mode, ps, inv_t, eta, w, &last_pos);
       float base;
       total = f_add(total, block_scan(s, total, &base, sh));
     }
@@ -270,7 +272,7 @@ __device__ int draw_token(const void* zrow, const float* qrow, int64_t x, int vo
     int ignored = -1;
     for (int tile = 0; tile < ntiles; ++tile) {
       if (threadIdx.x == 0) sh.found = kNoToken;  // published by block_scan's barrier
-      const float s = chunk_weights<KIND>(zrow, qrow, x, vocab, vec, tile, mode, ps, inv_t, eta, w, &ignored);
+      const float s = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, vocab, vec, tile, mode, ps, inv_t, eta, w, &ignored);
       float run;
       const float tile_total = block_scan(s, tile_base, &run, sh);
       int cand = kNoToken;
@@ -291,7 +293,7 @@ __device__ int draw_token(const void* zrow, const float* qrow, int64_t x, int vo
   return ps.argmax_z;
 }
 
-template <int KIND>
+template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraftArgs a) {
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
@@ -329,8 +331,10 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
     const void* zrow = zbase + static_cast<size_t>((row_off + j) * vocab) * esize;
     const float* qrow = a.draft_probs != nullptr ? a.draft_probs + (tok_off + j) * vocab : nullptr;
     const int64_t x = a.draft_tokens[tok_off + j];
-    const PositionStats ps = position_stats<KIND>(zrow, qrow, true, x, vocab, a.inv_temperature, a.eta, a.alpha, sh);
     const bool in_range = x >= 0 && x < vocab;
+    const int xi = in_range ? static_cast<int>(x) : -1;  // (one-hot q of an out-of-range draft: all zero)
+    const PositionStats ps = position_stats<KIND, ONEHOT>(zrow, qrow, true, xi, vocab, a.inv_temperature, a.eta,
+                                                          a.alpha, sh);
     bool ok;
     if (a.greedy) {
       const int best = a.eta > 0.0f ? ps.argmax_a : ps.argmax_z;
@@ -340,11 +344,14 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
       ok = false;
       if (in_range) {  // every thread reads the same two values (a broadcast) and decides alike
         float p, p_hat;
-        const float q_x = draft_prob(qrow, x, x);
+        const float q_x = ONEHOT ? 1.0f : qrow[x];
         token_probs(load_logit(zrow, KIND, x), q_x, ps, a.inv_temperature, a.eta, &p, &p_hat);
         ok = accept_draft(a.uniforms[row_off + j], q_x, p_hat);
       }
-      if (!ok) token = draw_token<KIND>(zrow, qrow, x, vocab, ps, kWeightResidual, a.inv_temperature, a.eta, u_last, sh);
+      if (!ok) {
+        token = draw_token<KIND, ONEHOT>(zrow, qrow, xi, vocab, ps, kWeightResidual, a.inv_temperature, a.eta, u_last,
+                                         sh);
+      }
     }
     if (!ok) {
       n = j;
@@ -354,9 +361,11 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
   }
   if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
     const void* zrow = zbase + static_cast<size_t>((row_off + nd) * vocab) * esize;
-    const PositionStats ps = position_stats<KIND>(zrow, nullptr, false, -1, vocab, a.inv_temperature, 0.0f, a.alpha, sh);
+    const PositionStats ps =
+        position_stats<KIND, ONEHOT>(zrow, nullptr, false, -1, vocab, a.inv_temperature, 0.0f, a.alpha, sh);
     token = a.greedy ? ps.argmax_z
-                     : draw_token<KIND>(zrow, nullptr, -1, vocab, ps, kWeightTarget, a.inv_temperature, a.eta, u_last, sh);
+                     : draw_token<KIND, ONEHOT>(zrow, nullptr, -1, vocab, ps, kWeightTarget, a.inv_temperature, a.eta,
+                                                u_last, sh);
   }
   if (token < 0 || token >= vocab) token = 0;  // only for positions of all -inf / NaN logits
   for (int64_t j = n + static_cast<int>(threadIdx.x); j < out_len; j += kThreads)
@@ -369,17 +378,22 @@ __global__ void __launch_bounds__(kThreads) verify_draft_kernel(const VerifyDraf
 cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream) {
   if (args.batch == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(args.batch)), block(kThreads);
+  const bool onehot = args.draft_probs == nullptr;
+#define RAGATTN_VD(KIND) \
+  (onehot ? verify_draft_kernel<KIND, true><<<grid, block, 0, stream>>>(args) \
+          : verify_draft_kernel<KIND, false><<<grid, block, 0, stream>>>(args))
   switch (args.logits_kind) {
     case kLogitsF32:
-      verify_draft_kernel<kLogitsF32><<<grid, block, 0, stream>>>(args);
+      RAGATTN_VD(kLogitsF32);
       break;
     case kLogitsF16:
-      verify_draft_kernel<kLogitsF16><<<grid, block, 0, stream>>>(args);
+      RAGATTN_VD(kLogitsF16);
       break;
     default:
-      verify_draft_kernel<kLogitsBF16><<<grid, block, 0, stream>>>(args);
+      RAGATTN_VD(kLogitsBF16);
       break;
   }
+#undef RAGATTN_VD
   return cudaGetLastError();
 }
 

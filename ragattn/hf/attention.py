@@ -36,7 +36,7 @@ and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
 Refused with a named error (rather than computed wrong): attention-logit soft-capping (Gemma 2),
 attention sinks, dropout in training, non-causal attention modules, ``output_attentions=True``,
 and model families whose attention this path has not been checked against
-(:data:`SUPPORTED_FAMILIES`). The transformers version must lie in :data:`TESTED_TRANSFORMERS`
+(:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`). The transformers version must lie in :data:`TESTED_TRANSFORMERS`
 (``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` turns the error into a warning).
 
 Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
@@ -71,12 +71,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ragattn import ops as _ops
+from ragattn.hf.rope import SUPPORTED_FAMILIES  # the families whose attention modules are checked
 
 NAME = "ragattn"
 # transformers versions this path is tested with (inclusive, major.minor)
 TESTED_TRANSFORMERS = ((5, 17), (5, 23))
-# model_type of the families whose attention modules this path is checked against
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ALLOW_UNTESTED_ENV = "RAGATTN_ALLOW_UNTESTED_TRANSFORMERS"
 _FAR = 1 << 30  # a key position no query reaches (padding keys) is _FAR; padded queries sit at -1
 
@@ -308,7 +307,7 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
     if family not in SUPPORTED_FAMILIES:
         raise NotImplementedError(
             f"ragattn attention: model family {family!r} is not supported (supported: "
-            f"{list(SUPPORTED_FAMILIES)}); use attn_implementation='sdpa' for it")
+            f"{sorted(SUPPORTED_FAMILIES)}); use attn_implementation='sdpa' for it")
     if kwargs.get("softcap") is not None or getattr(config, "attn_logit_softcapping", None):
         raise NotImplementedError("ragattn attention: attention-logit soft-capping "
                                   "(attn_logit_softcapping) is not supported")

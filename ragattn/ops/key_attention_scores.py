@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
+from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
 from ragattn.reference import key_attention_scores as _reference
 
 _OP = "key_attention_scores"
@@ -34,12 +34,9 @@ def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) ->
         raise ValueError(
             f"ragattn.{_OP}: k's num_kv_heads must divide q's num_heads {num_heads}, got {num_kv_heads}"
         )
-    if check_values:
-        bq = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
-        bk = check_cu_seqlens(_OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev)
-    else:
-        bq = check_tensor(_OP, "cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1).numel() - 1
-        bk = check_tensor(_OP, "cu_seqlens_k", cu_seqlens_k, dtypes=(torch.int32,), ndim=1).numel() - 1
+    kw = dict(dtypes=INDEX_DTYPES, read_values=check_values)
+    bq = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, **kw)
+    bk = check_cu_seqlens(_OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev, **kw)
     if bq != bk:
         raise ValueError(
             f"ragattn.{_OP}: cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
@@ -95,8 +92,8 @@ def key_attention_scores(
         k: ``[total_k, num_kv_heads, head_dim]``, q's dtype, packed key rows (the chunks' keys);
             ``num_heads % num_kv_heads == 0``, query head ``h`` reads kv head
             ``h // (num_heads // num_kv_heads)`` (no repeated K is materialised).
-        cu_seqlens_q: int32 ``[batch + 1]``, offsets of each sequence's query rows (from 0).
-        cu_seqlens_k: int32 ``[batch + 1]``, offsets of each sequence's key rows (from 0).
+        cu_seqlens_q: int32 or int64 ``[batch + 1]``, offsets of each sequence's query rows (from 0).
+        cu_seqlens_k: int32 or int64 ``[batch + 1]``, offsets of each sequence's key rows (from 0).
         scale: logit scale, default ``1 / sqrt(head_dim)``.
 
     Returns:
@@ -107,6 +104,12 @@ def key_attention_scores(
         with the softmax over ALL keys of sequence ``b`` (non-causal, one normalisation per query
         row and head), computed in float32. So the scores of a sequence sum to
         ``num_q_rows * num_heads``; a sequence without query rows gets 0 for each of its keys.
+
+    Non-finite inputs (one rule on every backend, that of the float64 reference): every key of a
+    sequence takes part in every one of its query rows' softmax, so a logit that leaves a row's
+    softmax undefined (NaN, or ``+inf``: a NaN or inf in any of the sequence's q or k rows,
+    unless the product is exactly ``-inf``) makes **every** score of that sequence NaN, not only
+    the key's own. A ``-inf`` logit is a key of probability 0. Other sequences are unaffected.
 
     Differences from the FusionRAG code: its repository softmaxes each chunk separately (in
     fp16), giving every chunk the same total mass. Here one sequence is normalised as a whole;

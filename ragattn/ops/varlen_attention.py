@@ -2,8 +2,9 @@
 
 Dispatch: CUDA tensors run the Triton kernels (triton_kernels/varlen_attention.py); CPU tensors
 run the plain-torch reference, or the Triton kernels in the interpreter when
-``RAGATTN_CPU_BACKEND=triton``. head_dim outside {64, 128, 256} and float64 inputs always take the
-reference (on any device). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
+``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
+two with a mask: 80, 96, 112 included); larger head dims and float64 inputs always take the
+reference (on any device, O(L^2) memory). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
 forward is Triton, the reference's autograd otherwise), wired with ``torch.library.register_autograd``.
 """
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
+from ragattn.ops._validate import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor, device_guard,
+)
 from ragattn.reference import varlen_attention as _ref
 
 OP = "varlen_attention"
-TRITON_HEAD_DIMS = (64, 128, 256)
+MAX_TRITON_HEAD_DIM = 256  # kernels pad head_dim to the next power of two (>= 16)
 
 __all__ = ["varlen_attention"]
 
@@ -35,6 +38,10 @@ def varlen_attention(
     kv_block: Optional[torch.Tensor] = None,
     causal: bool = True,
     scale: Optional[float] = None,
+    window_left: int = -1,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences with a structured (position, block) mask.
 
@@ -42,17 +49,30 @@ def varlen_attention(
         q: ``[total_q, H, D]`` fp16 / bf16 / fp32 (fp64 runs the reference), packed query rows.
         k, v: ``[total_k, H_kv, D]``, same dtype as ``q``; ``H % H_kv == 0`` and query head ``h``
             reads kv head ``h // (H // H_kv)`` (GQA by index, K/V are never repeated).
-        cu_seqlens_q: int32 ``[B + 1]``, sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
-        cu_seqlens_k: int32 ``[B + 1]``, likewise for key rows. Lengths may differ from the queries'
-            and may be 0.
-        q_pos: int32 ``[total_q]`` absolute positions; default ``arange(len_q)`` per sequence.
-        kv_pos: int32 ``[total_k]``; default ``arange(len_k)`` per sequence. With different q/k
+        cu_seqlens_q: int32 or int64 ``[B + 1]``, sequence ``b`` owns query rows
+            ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+        cu_seqlens_k: int32 or int64 ``[B + 1]``, likewise for key rows. Lengths may differ from the
+            queries' and may be 0.
+        q_pos: int32 or int64 ``[total_q]`` absolute positions (values within int32); default
+            ``arange(len_q)`` per sequence.
+        kv_pos: int32 or int64 ``[total_k]``; default ``arange(len_k)`` per sequence. With different q/k
             lengths the defaults are aligned at the top-left (both start at 0): pass ``q_pos``
             explicitly (e.g. ``len_k - len_q + arange(len_q)``) for a bottom-right aligned mask.
-        q_block: int32 ``[total_q]`` block ids, ``-1`` = global; default all ``-1``.
-        kv_block: int32 ``[total_k]`` block ids, ``-1`` = global; default all ``-1``.
+        q_block: int32 or int64 ``[total_q]`` block ids, ``-1`` = global; default all ``-1``.
+        kv_block: int32 or int64 ``[total_k]`` block ids, ``-1`` = global; default all ``-1``.
         causal: apply ``kv_pos <= q_pos``.
         scale: softmax scale; default ``1 / sqrt(D)``.
+        window_left: sliding window, FlashAttention's ``window_size=(window_left, -1)`` and
+            FlashInfer's ``window_left``: a key is visible only if ``kv_pos >= q_pos - window_left``,
+            so a causal query sees itself and the ``window_left`` positions before it
+            (``window_left + 1`` keys). ``-1`` (default): no window. Applies to global (block -1)
+            tokens too. transformers' ``config.sliding_window`` (Mistral, Qwen2, Gemma local
+            layers: ``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``) maps to
+            ``window_left = sliding_window - 1``.
+        out, lse_out: optional preallocated outputs (engines' ``out=``): ``out`` contiguous like
+            ``q``, ``lse_out`` contiguous float32 ``[total_q, H]``, on ``q``'s device, sharing no
+            memory with any input; written in place and returned (one given, the other is
+            allocated). Runs ``torch.ops.ragattn.varlen_attention.out``; not differentiable.
 
     Returns:
         ``out`` ``[total_q, H, D]`` in ``q``'s dtype and ``lse`` float32 ``[total_q, H]`` (natural
@@ -62,7 +82,25 @@ def varlen_attention(
     Query ``i`` sees key ``j`` of the same sequence iff::
 
         (not causal or kv_pos[j] <= q_pos[i]) and
-        (q_block[i] == kv_block[j] or q_block[i] == -1 or kv_block[j] == -1)
+        (q_block[i] == kv_block[j] or q_block[i] == -1 or kv_block[j] == -1) and
+        (window_left < 0 or kv_pos[j] >= q_pos[i] - window_left)
+
+    Sliding window, ``causal=True, window_left=2`` (each query sees itself and 2 keys back)::
+
+               keys: 0 1 2 3 4 5
+        query 0      #
+        query 1      # #
+        query 2      # # #
+        query 3        # # #
+        query 4          # # #
+        query 5            # # #
+
+    Masked keys are never read: a NaN or inf in the K or V of a key that query ``i`` cannot see
+    never reaches ``out[i]``, ``lse[i]`` or any gradient of query ``i``. Non-finite values in a
+    *visible* key follow IEEE arithmetic over the visible keys only: wherever the float64
+    reference restricted to the visible keys is non-finite, the op's output is non-finite too
+    (NaN, or the reference's ``+-inf``; which of the two is not specified), and where it is finite
+    the op matches it. Gradients are specified for finite visible inputs only.
 
     Block-Attention / TurboRAG prefill (causal, chunks independent, final block global; a shared
     system prompt is block -1 and seen by every chunk)::
@@ -82,12 +120,22 @@ def varlen_attention(
         chunk 1           |  #####  |
         chunk 2           |         |  #####
     """
-    return torch.ops.ragattn.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale
-    )
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
+    if out is None and lse_out is None:
+        return torch.ops.ragattn.varlen_attention(*args)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(f"ragattn.{OP}: out= / lse_out= do not support automatic differentiation (as in ATen)")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse_out is None:
+        lse_out = q.new_empty(q.shape[:2], dtype=torch.float32)
+    torch.ops.ragattn.varlen_attention.out(*args, out=out, lse_out=lse_out)
+    return out, lse_out
 
 
-def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale):
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, *,
+              check_values: bool = True):
+    """Every check of the op; the fake impl runs it too (``check_values=False``: no data to read)."""
     dtypes = FLOAT_DTYPES + (torch.float64,)
     check_tensor(OP, "q", q, dtypes=dtypes, ndim=3)
     dev = check_same_device(
@@ -95,6 +143,8 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_bl
         q_pos=q_pos, kv_pos=kv_pos, q_block=q_block, kv_block=kv_block,
     )
     total_q, num_heads, head_dim = q.shape
+    if head_dim == 0:
+        raise ValueError(f"ragattn.{OP}: q must have head_dim > 0, got shape {tuple(q.shape)}")
     check_tensor(OP, "k", k, dtypes=(q.dtype,), ndim=3)
     total_k, num_kv_heads = k.shape[0], k.shape[1]
     check_tensor(OP, "k", k, shape=(None, None, head_dim))
@@ -103,21 +153,37 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_bl
         raise ValueError(
             f"ragattn.{OP}: q's head count must be a multiple of k's (GQA), got {num_heads} and {num_kv_heads}"
         )
-    b_q = check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev)
-    b_k = check_cu_seqlens(OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev)
+    kw = dict(dtypes=INDEX_DTYPES, read_values=check_values)
+    b_q = check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, **kw)
+    b_k = check_cu_seqlens(OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev, **kw)
     if b_q != b_k:
         raise ValueError(
             f"ragattn.{OP}: cu_seqlens_q and cu_seqlens_k must describe the same batch, got {b_q + 1} and {b_k + 1} entries"
         )
     for name, t, n in (("q_pos", q_pos, total_q), ("kv_pos", kv_pos, total_k), ("q_block", q_block, total_q), ("kv_block", kv_block, total_k)):
         if t is not None:
-            check_tensor(OP, name, t, dtypes=(torch.int32,), shape=(n,))
+            check_tensor(OP, name, t, dtypes=INDEX_DTYPES, shape=(n,))
+            if check_values and t.dtype == torch.int64 and t.device.type == "cpu" and t.numel():
+                lo, hi = int(t.min()), int(t.max())  # int64 is accepted, but values are int32 (the kernels')
+                if lo < -(2**31) or hi > 2**31 - 1:
+                    raise ValueError(f"ragattn.{OP}: {name} values must fit in int32, got {lo} .. {hi}")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"ragattn.{OP}: scale must be finite, got {scale}")
+    if window_left < -1 or window_left > 2**31 - 1:
+        raise ValueError(f"ragattn.{OP}: window_left must be -1 (no window) or in [0, 2^31 - 1], got {window_left}")
+
+
+def _validate_out(q, out, lse_out, inputs):
+    """Preallocated outputs: exact shape and dtype, q's device, contiguous, no memory shared with
+    an input or with each other (the kernel would read what it already wrote)."""
+    check_tensor(OP, "out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=q.device, contiguous=True)
+    check_tensor(OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=tuple(q.shape[:2]), device=q.device,
+                 contiguous=True)
+    check_no_overlap(OP, {"out": out, "lse_out": lse_out}, inputs)
 
 
 def _use_triton(q: torch.Tensor) -> bool:
-    if q.dtype == torch.float64 or q.shape[-1] not in TRITON_HEAD_DIMS:
+    if q.dtype == torch.float64 or q.shape[-1] > MAX_TRITON_HEAD_DIM:
         return False
     if q.device.type == "cuda":
         return True
@@ -129,60 +195,94 @@ def _contig(*ts):
 
 
 @torch.library.impl("ragattn::varlen_attention", ("CPU", "CUDA"))
-def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale)
+def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left)
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
         with device_guard(q):
-            return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale)
+            return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale, window_left)
     with torch.no_grad():
-        out, lse = _ref(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale)
+        out, lse = _ref(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
     return out.contiguous(), lse.contiguous()
 
 
 @torch.library.register_fake("ragattn::varlen_attention")
-def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None):
+def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+@torch.library.impl("ragattn::varlen_attention.out", ("CPU", "CUDA"))
+def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None,
+                               causal=True, scale=None, window_left=-1, *, out, lse_out):
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
+    _validate(*args, scale, window_left)
+    _validate_out(q, out, lse_out, dict(zip(_ARG_NAMES, args)))
+    if _use_triton(q):
+        from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
+
+        with device_guard(q):
+            varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_out)
+        return
+    with torch.no_grad():
+        o, l = _ref(*args, causal, scale, window_left)
+    out.copy_(o)
+    lse_out.copy_(l)
+
+
+@torch.library.register_fake("ragattn::varlen_attention.out")
+def _varlen_attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None,
+                               causal=True, scale=None, window_left=-1, *, out, lse_out):
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
+    _validate(*args, scale, window_left, check_values=False)
+    _validate_out(q, out, lse_out, dict(zip(_ARG_NAMES, args)))
+
+
+_ARG_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "q_pos", "kv_pos", "q_block", "kv_block")
+
+
 @torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"))
-def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale):
+def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left)
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd
 
         with device_guard(q):
             return varlen_attention_bwd(
-                *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale
+                *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale,
+                window_left,
             )
     # Reference autograd: recompute the dense forward with grad and pull dout through it.
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale)
+        o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
         grads = torch.autograd.grad(o, (qq, kk, vv), dout, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
 
 
 @torch.library.register_fake("ragattn::varlen_attention_backward")
-def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale):
+def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False)
     return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale = inputs
+    q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.window_left = causal, scale, window_left
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block = ctx.saved_tensors
     dq, dk, dv = torch.ops.ragattn.varlen_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, ctx.causal, ctx.scale
+        dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, ctx.causal, ctx.scale,
+        ctx.window_left,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("ragattn::varlen_attention", _backward, setup_context=_setup_context)

@@ -23,13 +23,14 @@ def key_attention_scores(
 
     q             [total_q, H, D]   fp16/bf16/fp32/fp64
     k             [total_k, Hkv, D] same dtype, H % Hkv == 0; query head h reads kv head h // (H // Hkv)
-    cu_seqlens_q  int32 [B + 1]
-    cu_seqlens_k  int32 [B + 1]
+    cu_seqlens_q  int32/int64 [B + 1]
+    cu_seqlens_k  int32/int64 [B + 1]
     returns       float32 [total_k] (float64 when the inputs are float64)
 
     For sequence b with queries Q_b and keys K_b:
     ``scores[j] = sum_h sum_i softmax_j(scale * q[i, h] . k[j, h // G])`` over all keys of b
-    (non-causal). ``compute_dtype`` (default: float64 for float64 inputs, else float32) is the
+    (non-causal). A NaN or ``+inf`` logit leaves its row's softmax NaN, and so every score of the
+    sequence (the documented rule of the op on every backend). ``compute_dtype`` (default: float64 for float64 inputs, else float32) is the
     dtype the logits and softmax are computed in; the tests pass the input dtype to measure the
     error of a low-precision computation.
     """
