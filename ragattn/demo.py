@@ -10,7 +10,10 @@ block), then answer it with
   prefilled online;
 * FusionRAG and CacheBlend at 15% recompute: the same cached passages (FusionRAG's fused with
   their 10 most similar passages of the corpus, offline), then the top 15% of the passage tokens
-  (by question attention / by K/V deviation) and the final block recomputed through every layer.
+  (by question attention / by K/V deviation) and the final block recomputed through every layer;
+* RAPID (speculative decoding, gamma 4, eta 10): the target prefills every passage, a RAG drafter
+  (the same model) the MiniLM-retrieved third of them and drafts for it (a decode-speed method:
+  its TTFT includes both prefills and the first round).
 
 and print one table: time to first token (TTFT), speedup over full prefill, the answer, and its
 agreement with the baseline (argmax of the first token, KL(baseline || method) of the
@@ -34,7 +37,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
-from ragattn.methods import block_attention, fusionrag, turborag
+from ragattn.methods import block_attention, fusionrag, rapid, turborag
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 from ragattn.methods.common import full_prefill, prompt_parts
 
@@ -114,6 +117,10 @@ def _runners(model, tokenizer, store) -> Dict[str, Callable]:
             model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
         "cacheblend": lambda chunks, q, n: _from_answer(fusionrag.cacheblend(
             model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
+        # speculative decoding: the target reads every passage, the drafter (the same model) the
+        # MiniLM-retrieved third of them; eta = 10 biases the target towards the drafter
+        "rapid": lambda chunks, q, n: _from_answer(rapid.answer(
+            model, tokenizer, chunks, q, max_new_tokens=n, gamma=4, eta=10.0)),
     }
 
 

@@ -250,6 +250,11 @@ def test_generate_api_modes(smollm2, short_qa):
     torch.testing.assert_close(out.first_logits, lc.first_logits, atol=1e-3, rtol=1e-3)
     ans = rapid.answer(model, tok, docs, questions[0], max_new_tokens=6, gamma=3, budget_tokens=80)
     assert ans.tokens == out.tokens and 0 < ans.ttft_s <= ans.total_s and ans.method == "rapid"
+    # through model.generate(): transformers prepares the inputs, rapid.hf_generate decodes
+    target_ids, draft_ids = rapid.prompts(tok, docs, questions[0], out.retrieval)
+    seq = model.generate(torch.tensor([target_ids]), custom_generate=rapid.hf_generate,
+                         rapid_draft_ids=draft_ids, rapid_gamma=3, max_new_tokens=6, do_sample=False)
+    assert seq[0, len(target_ids):].tolist() == out.tokens
     with pytest.raises(ValueError, match="mode"):
         rapid.generate(model, tok, docs, questions[0], mode="magic")
     with pytest.raises(ValueError, match="context is empty"):

@@ -343,11 +343,13 @@ class RapidDecoder:
     ``target_ids``/``draft_ids``: the two prompts (lists of int, at least 1 token each);
     ``drafter``: None = the target itself (self-speculation, its own short cache).
     :meth:`prefill` fills both caches, :meth:`step` runs one round; :meth:`reset` rolls both caches
-    back to the prompts in O(1) (to decode again from the same prefill)."""
+    back to the prompts in O(1) (to decode again from the same prefill). ``target_cache``: a
+    :class:`PagedKV` to use for the target (e.g. one already holding a shared prefix)."""
 
     def __init__(self, target, target_ids: Sequence[int], draft_ids: Sequence[int], *, drafter=None,
                  options: RapidOptions = RapidOptions(), max_new_tokens: int = 64, eos_ids=(),
-                 generator: Optional[torch.Generator] = None, page_size: int = 16):
+                 generator: Optional[torch.Generator] = None, page_size: int = 16,
+                 target_cache: Optional[PagedKV] = None):
         if not isinstance(options, RapidOptions):
             raise TypeError(f"{_WHERE}: options must be a RapidOptions, got {type(options).__name__}")
         _check_max_new_tokens(max_new_tokens)
@@ -360,7 +362,10 @@ class RapidDecoder:
         self.t_dev, self.d_dev = _device(self.target), _device(self.drafter)
         self.target_ids, self.draft_ids = list(target_ids), list(draft_ids)
         extra = max_new_tokens + options.gamma + 2
-        self.t_cache = new_cache(self.target, len(self.target_ids) + extra, page_size)
+        self.t_cache = target_cache or new_cache(self.target, len(self.target_ids) + extra, page_size)
+        if self.t_cache.capacity < len(self.target_ids) + extra:
+            raise ValueError(f"{_WHERE}: target_cache holds {self.t_cache.capacity} slots, "
+                             f"{len(self.target_ids) + extra} needed")
         self.d_cache = new_cache(self.drafter, len(self.draft_ids) + extra, page_size)
         self.stats = RapidStats()
         self.first_logits: Optional[torch.Tensor] = None
@@ -370,14 +375,19 @@ class RapidDecoder:
 
     # -- prefill / reset
 
-    def prefill(self) -> None:
-        """Prefill the target with ``target_ids[:-1]`` and the drafter with ``draft_ids[:-1]``."""
-        for model, ids, cache, dev, attr in ((self.target, self.target_ids, self.t_cache, self.t_dev,
-                                              "prefill_target_s"),
-                                             (self.drafter, self.draft_ids, self.d_cache, self.d_dev,
-                                              "prefill_drafter_s")):
+    def prefill(self, target_cached: int = 0) -> None:
+        """Prefill the target with ``target_ids[:-1]`` and the drafter with ``draft_ids[:-1]``.
+        ``target_cached``: the target cache (``target_cache=`` of the constructor) already holds
+        ``target_ids[:target_cached]`` (a shared prefix); only the rest is appended."""
+        for model, ids, cache, dev, attr, cached in (
+                (self.target, self.target_ids, self.t_cache, self.t_dev, "prefill_target_s", target_cached),
+                (self.drafter, self.draft_ids, self.d_cache, self.d_dev, "prefill_drafter_s", 0)):
             t0 = time.perf_counter()
-            prefill(model, ids[:-1], cache)
+            if cached == 0:
+                prefill(model, ids[:-1], cache)
+            elif cached < len(ids) - 1:
+                with use_ragattn(model):
+                    forward_rows(model, torch.tensor(ids[cached:-1], device=dev), cache, cached, 1)
             _sync(dev)
             setattr(self.stats, attr, time.perf_counter() - t0)
         self.reset()
@@ -613,3 +623,43 @@ def answer(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32,
     ttft = out.extra["first_token_at"] - t0
     return Answer(out.tokens, out.text, ttft, total, out.first_logits, out.target_prompt_len, "rapid",
                   {"stats": st, "retrieval": out.retrieval, "draft_prompt_len": out.draft_prompt_len})
+
+
+@torch.no_grad()
+def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                synced_gpus: bool = False, streamer=None, rapid_draft_ids=None, rapid_drafter=None,
+                rapid_gamma: int = 4, rapid_eta: float = 0.0, rapid_alpha: float = 0.1,
+                rapid_confidence_threshold: Optional[float] = None,
+                rapid_generator: Optional[torch.Generator] = None, **model_kwargs):
+    """RAPID as a transformers decoding method: ``model.generate()`` prepares the inputs and the
+    generation config, this runs the loop (batch 1)::
+
+        target_ids, draft_ids = rapid.prompts(tok, context, question, retrieval)
+        seq = model.generate(torch.tensor([target_ids]), custom_generate=rapid.hf_generate,
+                             rapid_draft_ids=draft_ids, rapid_gamma=4, rapid_eta=10.0,
+                             max_new_tokens=32, do_sample=True, temperature=0.7)
+
+    ``rapid_draft_ids``: the drafter's prompt (list of int); ``rapid_drafter``: None =
+    self-speculation. From the generation config: ``max_new_tokens``/``max_length``,
+    ``do_sample`` (False = greedy), ``temperature`` and ``eos_token_id``; other logits processors
+    (top-k/top-p, penalties) and stopping criteria are not applied (RAPID's distributions are
+    softmax(logits / T)). Returns the sequences ``[1, prompt + new]`` like ``generate()``."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"{_WHERE}.hf_generate: batch 1 only, got input_ids {tuple(input_ids.shape)}")
+    if rapid_draft_ids is None:
+        raise ValueError(f"{_WHERE}.hf_generate: pass rapid_draft_ids (the drafter's prompt, e.g. from rapid.prompts)")
+    cfg = generation_config or model.generation_config
+    max_new = cfg.max_length - input_ids.shape[1]
+    if cfg.max_new_tokens is not None:
+        max_new = cfg.max_new_tokens
+    greedy = not cfg.do_sample
+    temperature = float(cfg.temperature) if (cfg.do_sample and cfg.temperature) else 1.0
+    eos = cfg.eos_token_id
+    eos = [] if eos is None else (eos.tolist() if isinstance(eos, torch.Tensor) else
+                                  list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    opt = RapidOptions(rapid_gamma, rapid_eta, rapid_alpha, temperature, greedy, rapid_confidence_threshold)
+    dec = RapidDecoder(model, input_ids[0].tolist(), list(rapid_draft_ids), drafter=rapid_drafter, options=opt,
+                       max_new_tokens=max_new, eos_ids=eos, generator=rapid_generator)
+    dec.prefill()
+    toks = dec.run()
+    return torch.cat([input_ids, torch.tensor([toks], dtype=input_ids.dtype, device=input_ids.device)], 1)
