@@ -418,6 +418,15 @@ def roofline_cases() -> List[dict]:
     t_q, t_k = 64, 32768  # bench_key_attention_scores: two passes over K (row LSE, column sums)
     cases.append(dict(case="key_attention_scores/scores", bytes=2 * t_k * Hkv * D * bf + t_q * H * D * bf + t_k * 4,
                       flops=2 * 2.0 * H * t_q * t_k * D))
+    for tag, layers, N in [("N8192", 32, 8192), ("chunk512", 32, 512)]:  # bench_kv_cache: L=32, H=8, D=128 bf16
+        kv = N * layers * Hkv * D * bf
+        cases.append(dict(case=f"kv_cache/rerotate_keys_ {tag}", bytes=2 * kv, flops=None))
+        cases.append(dict(case=f"kv_cache/copy_kv_ {tag}", bytes=2 * 2 * kv, flops=None))
+    for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft (fp32 logits), eta 0
+        # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads)
+        per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4
+        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta0 (all accepted)",
+                          bytes=float(b * (g + 1) * vocab * 4 + b * per_row), flops=None))
     for c in cases:
         t_mem = c["bytes"] / H100["hbm_bytes_per_s"]
         t_math = (c["flops"] or 0.0) / H100["bf16_flops_per_s"]
@@ -480,7 +489,9 @@ def to_markdown(r: dict) -> str:
         for k in r["cuda_kernels"]:
             lines.append(f"| `{k['kernel']}` | {k['file']} | {k['threads']} | {k['regs']} | "
                          f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) |")
-        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch."]
+        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch. "
+                  f"`verify_draft` launches one CTA per batch row (grid = (batch,)): at B=64 it occupies 64 of the "
+                  f"{H100['sms']} SMs (modelled)."]
     lines += ["", "## Roofline lower bounds (modelled)", "",
               "| case | bytes | FLOPs | FLOP/B | memory us | compute us | lower bound us | bound |",
               "|---|---|---|---|---|---|---|---|"]
