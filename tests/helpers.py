@@ -49,15 +49,20 @@ def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Ten
 
 
 def use_kernel_backend(monkeypatch, device: torch.device, backend: str) -> None:
-    """Route the Triton-backed ops' CPU calls: "triton" runs the kernel in the interpreter,
-    anything else the default path (the reference). CUDA tensors always run Triton.
+    """Route the ops' CPU calls: "triton" runs the Triton kernels in the interpreter, "reference"
+    the plain-torch references (skipped on CUDA, where there is no such switch), anything else
+    the default path. CUDA tensors always run their kernels.
 
     Never sets TRITON_INTERPRET: a ``triton_kernels`` module first imported under it would keep
     interpreted kernels for the whole session, CUDA tensors included (conftest sets it once, only
     without CUDA).
     """
-    if backend == "triton" and device.type == "cpu":
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    if backend == "reference" and device.type != "cpu":
+        import pytest
+
+        pytest.skip("CPU backend switch")
+    if backend in ("triton", "reference") and device.type == "cpu":
+        monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     else:
         monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
 

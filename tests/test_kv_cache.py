@@ -7,7 +7,7 @@ import torch
 
 import ragattn
 from ragattn.reference import kv_cache as ref
-from tests.helpers import assert_precision, max_abs_err, randn_nonzero
+from tests.helpers import assert_precision, max_abs_err, randn_nonzero, use_kernel_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -355,14 +355,6 @@ def test_copy_kv_reference_backend_matches_cpp(device, monkeypatch, seed):
 BACKENDS = ["default", "reference"]
 
 
-def _backend(monkeypatch, device, backend):
-    if backend == "reference":
-        if device.type != "cpu":
-            pytest.skip("CPU backend switch")
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
-    else:
-        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
-
 
 def _flashinfer_caches(L, pages, page_size, H, D, dtype, device):
     """FlashInfer's per-layer paged cache [pages, 2, page_size, H, D]: K = [:, 0], V = [:, 1]."""
@@ -381,7 +373,7 @@ def _vllm_caches(L, blocks, block_size, H, D, dtype, device):
 def test_copy_kv_into_engine_layouts(device, seed, monkeypatch, backend, engine, rotate, row_dtype):
     """Chunk K/V (contiguous store) into an engine's own paged cache, as it is, through its K/V views;
     then back out (strided source). int32 rows like the engines'. Untouched rows stay bit-identical."""
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     L, H, D, page, pages = 3, 2, 64, 16, 5
     make = _flashinfer_caches if engine == "flashinfer" else _vllm_caches
     caches = make(L, pages, page, H, D, torch.bfloat16, device)
@@ -422,7 +414,7 @@ def test_copy_kv_into_engine_layouts(device, seed, monkeypatch, backend, engine,
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("row_dtype", [torch.int32, torch.int64])
 def test_rerotate_engine_layout_int32_rows(device, seed, monkeypatch, backend, row_dtype):
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     caches = _flashinfer_caches(2, 4, 16, 2, 64, torch.float32, device)
     before = [c.clone() for c in caches]
     rows = rand_rows(64, 29, device).to(row_dtype)
@@ -445,7 +437,7 @@ def test_rerotate_engine_layout_int32_rows(device, seed, monkeypatch, backend, r
 def test_unaddressable_layouts_refused(device, monkeypatch, backend, entry):
     """Head-major pages ([pages, H, page_size, D] transposed), rows overlapping in memory and three
     row levels are refused by name, on every backend, and nothing is written."""
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     fn = ragattn.copy_kv_ if entry == "wrapper" else torch.ops.ragattn.copy_kv_
     src = make_layers(1, (6, 2, 32), torch.float32, device)
     hnd = randn_nonzero(3, 2, 4, 32, device=device).transpose(1, 2)  # [pages, page_size, H, D], H stride != D
@@ -462,7 +454,7 @@ def test_unaddressable_layouts_refused(device, monkeypatch, backend, entry):
 def test_copy_kv_aliased_views_gather_then_scatter(device, seed, monkeypatch, backend):
     """Source and destination are different views of one storage with overlapping rows: every
     backend reads all sources before writing (issue 14.3: the C++ twin returned wrong rows)."""
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     cache = randn_nonzero(12, 2, 32, device=device)
     keys = randn_nonzero(12, 2, 32, device=device)
     want_c, want_k = cache.clone(), keys.clone()
@@ -489,7 +481,7 @@ def test_copy_kv_aliased_views_gather_then_scatter(device, seed, monkeypatch, ba
 def test_overlapping_written_layers_refused(device, monkeypatch, backend, entry):
     """Written layers that share memory are refused by name on every backend and in the fake impl
     (issue 14.3: rerotate_keys_ rotated the shared rows twice); nothing is written."""
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     dev = torch.device("meta") if entry == "meta" else device
     fn_r = ragattn.rerotate_keys_ if entry == "wrapper" else torch.ops.ragattn.rerotate_keys_
     fn_c = ragattn.copy_kv_ if entry == "wrapper" else torch.ops.ragattn.copy_kv_
@@ -527,7 +519,7 @@ def test_engine_layouts_opcheck(device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inference_mode(device, seed, monkeypatch, backend):
     """Serving code runs under torch.inference_mode() (issue 15.1): both ops, every path."""
-    _backend(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     with torch.inference_mode():
         layers = make_layers(2, (20, 2, 64), torch.float32, device)
         before = [t.clone() for t in layers]

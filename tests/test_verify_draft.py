@@ -7,7 +7,7 @@ import torch
 
 import ragattn
 from ragattn.reference import speculative as ref
-from tests.helpers import randn_nonzero
+from tests.helpers import randn_nonzero, use_kernel_backend
 
 OP = torch.ops.ragattn.verify_draft
 
@@ -509,21 +509,13 @@ def test_draft_forbidden_by_target(device, seed):
 BACKENDS = ["default", "reference"]
 
 
-def _use(monkeypatch, device, backend):
-    if backend == "reference":
-        if device.type != "cpu":
-            pytest.skip("CPU backend switch")
-        monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
-    else:
-        monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_non_finite_logits_one_rule(device, monkeypatch, backend, dtype):
     """NaN/-inf: probability 0; +inf tokens share the mass; all -inf/NaN: reject, emit 0. Same
     tokens on every backend (the reference used to emit token 0 for a +inf logit)."""
-    _use(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     gen = torch.Generator().manual_seed(21)
     bsz, g, vocab = 64, 2, 40
     x, q, z, u = make_case(bsz, g, vocab, gen=gen, dtype=dtype)
@@ -577,7 +569,7 @@ def _flatten(x, q, z, u, nd):
 def test_flat_layout_and_one_hot_drafts(device, seed, monkeypatch, backend, with_probs, eta):
     """cu_num_draft (vLLM's flat layout) gives the padded layout's tokens; draft_probs=None gives
     what an explicit one-hot q gives; both match the float64 reference."""
-    _use(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     gen = torch.Generator().manual_seed(seed)
     bsz, g, vocab = 11, 5, 301
     x, q, z, u = make_case(bsz, g, vocab, gen=gen, dtype=torch.bfloat16)
@@ -659,7 +651,7 @@ def test_opcheck_engine_layouts(device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inference_mode(device, monkeypatch, backend):
     """Serving code runs under torch.inference_mode() (issue 15.1): every layout, every backend."""
-    _use(monkeypatch, device, backend)
+    use_kernel_backend(monkeypatch, device, backend)
     x, q, z, u = make_case(4, 3, 64)
     nd = torch.tensor([3, 0, 1, 2])
     cu, xf, qf, zf, uf, _ = _flatten(x, q, z, u, nd)
