@@ -58,8 +58,8 @@ def test_generate_equals_sdpa_every_cache(family):
 
 
 def test_sliding_window_model_equals_sdpa():
-    """Mistral with a window shorter than the prompt: the sliding mask is honoured (prefill falls
-    back to SDPA with that mask, decode reads only the window's slots)."""
+    """Mistral with a window shorter than the prompt: the sliding mask is honoured (prefill runs
+    varlen_attention with the window, decode reads only the window's slots)."""
     model = _model("mistral", sliding_window=5)
     ids, mask = _inputs(2, True, n=12)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
@@ -67,6 +67,38 @@ def test_sliding_window_model_equals_sdpa():
     assert torch.equal(ref.sequences, got.sequences)
     for a, b in zip(ref.logits, got.logits):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_prefill_runs_varlen_and_equals_eager(monkeypatch, family):
+    """A prefill longer than the window (padded batch; Qwen2 with full and sliding layers) runs
+    varlen_attention with window_left = W - 1, never the SDPA fallback, and its logits lie as
+    close to the float64 reference (SDPA with transformers' sliding mask: float64 eager turns the
+    padded rows into NaN and spreads them) as float32 eager's do. Before the window reached
+    varlen, every such prefill fell back to SDPA (the fallback raises here)."""
+    over = dict(sliding_window=4)
+    if family == "qwen2":   # layer 0 full attention, layer 1 sliding
+        over.update(use_sliding_window=True, max_window_layers=1)
+    model = _model(family, **over)
+    ids, mask = _inputs(2, True, n=13, seed=5)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref64 = model.double()(ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        ref32 = model.float()(ids, attention_mask=mask).logits
+        calls = []
+        real = hfattn._ops.varlen_attention
+        monkeypatch.setattr(hfattn._ops, "varlen_attention", lambda *a: calls.append(a[-1]) or real(*a))
+        monkeypatch.setattr(hfattn, "_sdpa_fallback", lambda *a, **k: pytest.fail("SDPA fallback"))
+        model.set_attn_implementation("ragattn")
+        try:
+            got = model(ids, attention_mask=mask).logits
+        finally:
+            model.set_attn_implementation("sdpa")
+    assert calls == ([-1, 3] if family == "qwen2" else [3, 3])
+    real_rows = mask.bool()   # padded query rows' outputs are never used
+    err = (got.double() - ref64)[real_rows].abs().max()
+    assert err <= 2 * (ref32.double() - ref64)[real_rows].abs().max() + 1e-5
 
 
 @pytest.mark.parametrize("kind", ["float", "bool"])
