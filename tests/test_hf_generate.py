@@ -196,6 +196,43 @@ def test_unpadded_forward_compiles_without_graph_breaks():
     assert exp.graph_break_count == 0, [str(b.reason)[:200] for b in exp.break_reasons]
 
 
+@pytest.mark.parametrize("cpu_sdpa", ["1", "0"])
+def test_decode_step_compiles_fullgraph(monkeypatch, cpu_sdpa):
+    """Issue 15.5's proof on the HF side: a decode step's attention traces under
+    ``torch.compile(fullgraph=True)`` (a host sync such as ``.item()`` or ``bool(tensor)`` is a
+    graph break, an error under fullgraph): the transformers-cache step (no mask, and a padding
+    mask: plan built from tensors only) and the paged request cache's step at a layer after the
+    first (the step's plan, with its one host sync, was made at layer 0), on both CPU paths."""
+    monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", cpu_sdpa)
+    model = _model()
+    m0, m1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 1, 4, 16, generator=g).transpose(1, 2)              # [B, Hq, 1, D] view
+    k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(2))
+    pad = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+    pad[1, ..., :4] = False
+
+    def hf_step(q, k, v, mask):
+        return hfattn.ragattn_attention_forward(m1, q, k, v, mask, scaling=0.25)[0]
+
+    cache = PagedKV(2, 2, 32, 2, 16, page_size=4)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    cache.lengths.copy_(torch.tensor([9, 5], dtype=torch.int32))
+    kn, vn = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(2))
+    hfattn._paged_forward(m0, q, kn, vn, 0.25, cache)                     # layer 0 plans the step
+
+    def paged_step(q, k, v):
+        return hfattn._paged_forward(m1, q, k, v, 0.25, cache)[0][0]
+
+    with torch.no_grad():
+        for fn, args in [(hf_step, (q, k, v, None)), (hf_step, (q, k, v, pad)), (paged_step, (q, kn, vn))]:
+            torch._dynamo.reset()
+            want = fn(*args)
+            got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_paged_cache_generate_batch_matches_rows_alone():
     """PagedCache under generate(): two rows with different cached lengths (prefix left-padded in
     input_ids) and padded new tokens give each row's tokens when generated alone, and those equal
