@@ -1,4 +1,4 @@
-"""REFRAG training recipe and selective-expansion policies (ragattn.methods.refrag.policy / .train).
+"""REFRAG training recipe and selective-expansion policies (ragattn.methods.refrag.expansion / .train).
 
 Math tests run everywhere; the model tests (PerplexityPolicy, training loss, checkpoints) use the
 ``smollm2`` fixture and skip without the model packages.
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ragattn.methods.refrag.policy import (
+from ragattn.methods.refrag.expansion import (
     LearnedPolicy, PerplexityPolicy, PolicyNetwork, chunk_perplexities, greedy_top_k,
     grpo_clip_loss, group_advantages, gumbel_top_k, selection_log_prob, selection_step_log_probs)
 

@@ -1,7 +1,7 @@
-"""REFRAG selective-expansion policies: which compressed chunks go back to full tokens.
+"""REFRAG selective expansion beyond the base policies: heuristics, the learned policy, its RL math.
 
-A policy is any object with ``select(c, chunk_token_ids, n_expand) -> BoolTensor[L]`` (the hook
-``RefragModel`` calls; ``RandomPolicy`` and ``NoExpansion`` live beside the model). This module adds
+The policy hook, ``NoExpansion`` and ``RandomPolicy`` live in ``ragattn.methods.refrag.policy``
+(``select(c, chunk_token_ids, n_expand) -> BoolTensor[L]``, exactly ``n_expand`` True). This module adds
 
 - ``PerplexityPolicy(model, tokenizer, order)``: the paper's heuristic baselines (Fig. 3).
   Every context chunk's perplexity is measured by the decoder over the whole context (teacher
