@@ -192,6 +192,23 @@ class RefragModel(nn.Module):
         return nll.sum(1) / n
 
     # ----- generation -------------------------------------------------------------------------
+    def _rag_example(self, question: str, passages: Sequence, k: int) -> RefragExample:
+        """The RAG row of :meth:`generate`: ``[chat head][passages as chunks][question tail]``."""
+        from ragattn.methods.common import prompt_parts
+
+        if len(passages) == 0:
+            raise ValueError("ragattn.refrag.generate: no passages given (empty context)")
+        head, chunk_ids, tail = prompt_parts(self.tokenizer, passages, question)
+        return RefragExample(chunk_context(chunk_ids, k, allowed_k=None), prompt=tail, prefix=head)
+
+    @torch.no_grad()
+    def precompute(self, passages: Sequence, question: str = "", k: Optional[int] = None) -> int:
+        """Fill the chunk-embedding cache with the chunks :meth:`generate` will use for these
+        passages (offline: the paper's "with cache" mode). Returns the number of chunks."""
+        ex = self._rag_example(question, passages, k or self.k)
+        self.encoder.embed(ex.context.chunk_token_ids(), need_c=True, need_e=True)
+        return ex.context.num_chunks
+
     @torch.no_grad()
     def generate(self, question: str, passages: Sequence, max_new_tokens: int = 32, k: Optional[int] = None,
                  expand_fraction: float = 0.0, policy=None, **generate_kwargs):
@@ -203,15 +220,13 @@ class RefragModel(nn.Module):
         otherwise); positions continue compactly after the compressed prompt. Returns a
         :class:`ragattn.methods.common.Answer` (``ttft_s`` includes chunking, encoding or cache
         lookup, assembly and prefill; ``extra``: slots, chunks, expanded, effective compression)."""
-        from ragattn.methods.common import _generate, prompt_parts
+        from ragattn.methods.common import _generate
 
-        if len(passages) == 0:
-            raise ValueError("ragattn.refrag.generate: no passages given (empty context)")
         k = k or self.k
-        head, chunk_ids, tail = prompt_parts(self.tokenizer, passages, question)
         limit = getattr(self.decoder.config, "max_position_embeddings", None)
         t0 = time.perf_counter()
-        ex = RefragExample(chunk_context(chunk_ids, k, allowed_k=None), prompt=tail, prefix=head)
+        ex = self._rag_example(question, passages, k)
+        head, tail = ex.prefix, ex.prompt
         inputs = self.build_inputs([ex], policy=policy, expand_fraction=expand_fraction, k=k)
         n = inputs.layout.num_slots
         if limit is not None and n + max_new_tokens > limit:
