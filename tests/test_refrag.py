@@ -149,22 +149,40 @@ def _ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_encoder_packed_equals_stock_hf_per_chunk(refrag):
-    from ragattn.methods.refrag import minilm_encoder
+def _stock_per_chunk(stock, stok, tok, chunks, dtype):
+    """Each chunk alone through the stock HF encoder (sdpa), mean-pooled in fp32."""
+    out = []
+    for ch in chunks:
+        b = stok(tok.decode(ch), return_tensors="pt")
+        out.append(stock.to(dtype)(**b).last_hidden_state[0].float().mean(0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encoder_packed_equals_stock_hf_per_chunk(refrag, dtype):
+    """One packed varlen_attention call over all chunks == each chunk alone through stock HF
+    attention: fp32 to rounding; bf16 within 2x the stock bf16 encoder's own error vs fp32."""
+    from ragattn.methods.refrag import ChunkEncoder, minilm_encoder
+    from tests.helpers import max_abs_err
 
     tok = refrag.tokenizer
-    lay = chunk_context([_ids(tok, p) for p in PASSAGES], 8)
+    lay = chunk_context([_ids(tok, p) for p in PASSAGES] + [_ids(tok, "x")], 8)
     chunks = lay.chunk_token_ids()
-    refrag.encoder.eval()
     with torch.no_grad():
-        c = refrag.encoder._encode_uncached(chunks)
         stock, stok = minilm_encoder()
         stock.eval()
-        want = []
-        for ch in chunks:   # each chunk alone, stock HF attention, the same mean pooling
-            b = stok(tok.decode(ch), return_tensors="pt")
-            want.append(stock(**b).last_hidden_state[0].mean(0))
-    torch.testing.assert_close(c, torch.stack(want), atol=2e-5, rtol=1e-4)
+        want32 = _stock_per_chunk(stock, stok, tok, chunks, torch.float32)
+        if dtype == torch.float32:
+            refrag.encoder.eval()
+            c = refrag.encoder._encode_uncached(chunks)
+            torch.testing.assert_close(c, want32, atol=2e-5, rtol=1e-4)
+            return
+        packed_model, _ = minilm_encoder()
+        enc = ChunkEncoder(tok, 576, encoder=packed_model.to(dtype).eval(), encoder_tokenizer=stok, use_cache=False)
+        c = enc._encode_uncached(chunks)
+        want_lp = _stock_per_chunk(stock, stok, tok, chunks, dtype)
+    assert c.dtype == torch.float32 and c.shape == want32.shape
+    assert max_abs_err(c, want32) <= 2 * max_abs_err(want_lp, want32) + 1e-3
 
 
 def test_encoder_gradients_flow_and_cache(refrag):

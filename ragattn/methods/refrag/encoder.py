@@ -192,8 +192,9 @@ class ChunkEncoder(nn.Module):
                               **{_CU_KW: cu}).last_hidden_state[0]                  # [S, d_enc]
         lens = (cu[1:] - cu[:-1]).long()
         seg = torch.repeat_interleave(torch.arange(len(chunks), device=hidden.device), lens)
+        hidden = hidden.float()                                  # pool in fp32 whatever the encoder's dtype
         summed = hidden.new_zeros((len(chunks), hidden.shape[1])).index_add(0, seg, hidden)
-        return (summed / lens[:, None].to(hidden.dtype)).float()
+        return summed / lens[:, None].float()
 
     def _cache_usable(self) -> bool:
         return self.cache is not None and not (torch.is_grad_enabled() and
