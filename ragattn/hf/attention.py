@@ -196,7 +196,9 @@ class PagedKV:
 def _window_left(module, kwargs) -> int:
     """transformers' sliding window W (key visible iff ``q_pos - W < kv_pos <= q_pos``) as
     FlashAttention's ``window_left = W - 1``; -1 when the layer has none."""
-    w = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    # the module's own attribute via its __dict__: nn.Module.__getattr__ on a missing name (every
+    # layer of a model without windows, every decode step) raises and catches an AttributeError
+    w = kwargs.get("sliding_window") or vars(module).get("sliding_window")
     return int(w) - 1 if w else -1
 
 
