@@ -298,6 +298,14 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _work_item(Work, item):
+    """The 7 numbers of work item ``item`` (see ``Csr``)."""
+    base = Work + item * 8
+    return (tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
+            tl.load(base + 5), tl.load(base + 6))
+
+
+@triton.jit
 def _load_rows(Ptr, offs, row_ok, col_off, offs_d, d_ok, stride, UPCAST: tl.constexpr):
     """Rows ``offs`` [R] of a [rows, heads, HEAD_DIM] tensor at column ``col_off`` (int64 offsets)."""
     x = tl.load(Ptr + offs.to(tl.int64)[:, None] * stride + col_off + offs_d[None, :],
@@ -328,13 +336,7 @@ def _fwd_kernel(
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
     item = tl.program_id(1)
-    q_start = tl.load(Work + item * 8 + 0)
-    q_end = tl.load(Work + item * 8 + 1)
-    k_end = tl.load(Work + item * 8 + 2)
-    e_start = tl.load(Work + item * 8 + 3)
-    e_mid = tl.load(Work + item * 8 + 4)
-    e_end = tl.load(Work + item * 8 + 5)
-    dest = tl.load(Work + item * 8 + 6)
+    q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -422,12 +424,7 @@ def _bwd_dq_kernel(
 ):
     h = tl.program_id(0)
     item = tl.program_id(1)
-    q_start = tl.load(Work + item * 8 + 0)
-    q_end = tl.load(Work + item * 8 + 1)
-    k_end = tl.load(Work + item * 8 + 2)
-    e_start = tl.load(Work + item * 8 + 3)
-    e_mid = tl.load(Work + item * 8 + 4)
-    e_end = tl.load(Work + item * 8 + 5)
+    q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -476,12 +473,7 @@ def _bwd_dkdv_kernel(
 ):
     kvh = tl.program_id(0)
     item = tl.program_id(1)
-    k_start = tl.load(Work + item * 8 + 0)
-    k_end = tl.load(Work + item * 8 + 1)
-    q_end = tl.load(Work + item * 8 + 2)
-    e_start = tl.load(Work + item * 8 + 3)
-    e_mid = tl.load(Work + item * 8 + 4)
-    e_end = tl.load(Work + item * 8 + 5)
+    k_start, k_end, q_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
 
     offs_n = k_start + tl.arange(0, BLOCK_N)
     n_valid = offs_n < k_end
