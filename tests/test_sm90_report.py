@@ -14,8 +14,6 @@ from tests.helpers import run_compile_check
 
 # (kernel label substring, defect) pairs that the report shows today; keep in sync with the report.
 KNOWN_DEFECTS = {
-    # windowed decode (HAS_WINDOW) at 4 warps: 255 registers and 4 B of spill stores/loads
-    ("paged_attention._paged_attention_kernel [paged_attention/decode_window]", "spills"),
     # issue 15.7: 1024 threads per CTA cap registers at 64; the kernels with draft probabilities spill 4/8 B
     *((f"void ragattn::speculative::(anonymous namespace)::verify_draft_kernel<{k}, false>"
        "(ragattn::speculative::VerifyDraftArgs)", "spills") for k in range(3)),
