@@ -150,10 +150,28 @@ class TritonSpec:
     grid: Tuple[int, ...]
     ints: Dict[str, int] = dataclasses.field(default_factory=dict)
     loop: bool = True  # has a main loop over key/query tiles (pipelining applies)
+    costs: Optional[List[int]] = None  # per program in launch order: main-loop trips + 1 (varlen)
 
     @property
     def label(self) -> str:
         return f"{self.kernel} [{self.case}]"
+
+
+def schedule_balance(costs: List[int], slots: int) -> float:
+    """Modelled load balance of a launch: programs start in launch order on the first free of
+    ``slots`` CTA slots and run for their cost; returns (total / slots) / makespan (1.0: perfect)."""
+    import heapq
+
+    free = [0] * slots
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return round(sum(costs) / slots / max(max(free), 1), 3)
+
+
+def _varlen_costs(csr, heads: int) -> List[int]:
+    """Main-loop trips + 1 of each program of a varlen launch, grid (heads, items): item-major."""
+    trips = (csr.work[:, 5] - csr.work[:, 3] + 1).tolist()
+    return [t for t in trips for _ in range(heads)]
 
 
 def _fn(kernel: str):
@@ -208,8 +226,9 @@ def triton_specs() -> List[TritonSpec]:
                           WINDOW=False, UPCAST=False, PREC=prec)
             fn, grid = {"fwd": ("_fwd_kernel", (H, plan.by_q.items)), "dq": ("_bwd_dq_kernel", (H, plan.by_q.items)),
                         "dkdv": ("_bwd_dkdv_kernel", (Hkv, plan.by_k.items if plan.by_k else 0))}[kernel]
+            csr = plan.by_k if kernel == "dkdv" else plan.by_q
             specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name}", kernel == "fwd", consts,
-                                    types_va, warps, stages, grid, ints_va))
+                                    types_va, warps, stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
             if plan.by_q.split_tiles and kernel == "fwd":  # the merge of split rows
                 block_h = triton.next_power_of_2(H)
                 rows = plan.by_q.split_tiles * bm
@@ -311,6 +330,7 @@ def analyse_triton(spec: TritonSpec) -> dict:
         warps_per_sm=ctas * spec.num_warps,
         cp_async="cp.async" in ptx, tma="cp.async.bulk" in ptx,
         waves=round(math.prod(spec.grid) / (ctas * H100["sms"]), 2) if ctas else None,
+        balance=schedule_balance(spec.costs, ctas * H100["sms"]) if spec.costs and ctas else None,
     )
 
 
@@ -491,14 +511,14 @@ def to_markdown(r: dict) -> str:
         "roofline are **modelled** from the H100's limits (65536 regs, 228 KB smem, 2048 threads, 32 CTAs per SM; "
         "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense).", "",
         "## Triton kernels (benchmark GPU shapes, launcher configs)", "",
-        "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves | balance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k in r["triton_kernels"]:
         pipe = _yn(k["cp_async"]) + ("" if k["has_main_loop"] else " (no loop)")
         lines.append(f"| `{k['kernel']}` | {k['case']} | {k['num_warps']} | {k['num_stages']} | {k['regs']} | "
                      f"{k['spill_stores']}/{k['spill_loads']} | {k['smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
-                     f"{pipe} | {tuple(k['grid'])} | {k['waves']} |")
+                     f"{pipe} | {tuple(k['grid'])} | {k['waves']} | {k.get('balance') or '-'} |")
     lines += ["", "## CUDA kernels (`csrc/**/*_kernels.cu`, sm_90a, at `__launch_bounds__`)", ""]
     if not r["cuda_kernels"]:
         lines.append("nvcc absent: not compiled.")
