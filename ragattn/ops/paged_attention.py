@@ -230,7 +230,7 @@ def _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, 
     backend = _extension.cpu_backend()
     # the C++ kernel checks the index values itself (same messages, one pass without Python reductions)
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
-              read_values=backend != "default")
+              read_values=backend in ("reference", "triton"))
     if backend == "triton":
         return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
     if backend != "reference":
