@@ -106,6 +106,36 @@ RAGATTN_ALWAYS_INLINE void dot4_f32(const float* q, const T* k0, const T* k1, co
   out[3] = t3;
 }
 
+// Dot products of two query rows qa, qb with the rows k0..k3: out[0:4] for qa, out[4:8] for qb
+// (eight accumulator chains; six loads per eight multiply-adds).
+template <typename T>
+RAGATTN_ALWAYS_INLINE void dot2x4_f32(const float* qa, const float* qb, const T* k0, const T* k1, const T* k2,
+                                      const T* k3, int64_t n, float* out) {
+  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const v8f x = load8(qa + d), y = load8(qb + d);
+    const v8f c0 = load8(k0 + d), c1 = load8(k1 + d), c2 = load8(k2 + d), c3 = load8(k3 + d);
+    a0 += x * c0;
+    a1 += x * c1;
+    a2 += x * c2;
+    a3 += x * c3;
+    b0 += y * c0;
+    b1 += y * c1;
+    b2 += y * c2;
+    b3 += y * c3;
+  }
+  float t[8] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3), hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)};
+  const T* k[4] = {k0, k1, k2, k3};
+  for (; d < n; ++d) {  // head dims that are not a multiple of 8
+    for (int r = 0; r < 4; ++r) {
+      t[r] += qa[d] * static_cast<float>(k[r][d]);
+      t[4 + r] += qb[d] * static_cast<float>(k[r][d]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) out[r] = t[r];
+}
+
 // exp(x) of 8 values x <= 0 (score - running max): Cody-Waite reduction x = n ln2 + r and
 // Cephes' degree-6 expf polynomial (about 1 ulp); x < -87.3 -> 0 (what expf returns there is
 // below 2^-126, negligible beside the max's weight 1).
@@ -144,6 +174,25 @@ RAGATTN_ALWAYS_INLINE void axpy_f32(float* acc, float p, const T* v, int64_t n) 
   for (; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
+// acc_a[0:n] += pa * v[0:n] and acc_b[0:n] += pb * v[0:n]
+template <typename T>
+RAGATTN_ALWAYS_INLINE void axpy2_f32(float* acc_a, float* acc_b, float pa, float pb, const T* v, int64_t n) {
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const v8f x = load8(v + d);
+    v8f a = load8(acc_a + d), b = load8(acc_b + d);
+    a += pa * x;
+    b += pb * x;
+    std::memcpy(acc_a + d, &a, sizeof(a));
+    std::memcpy(acc_b + d, &b, sizeof(b));
+  }
+  for (; d < n; ++d) {
+    const float x = static_cast<float>(v[d]);
+    acc_a[d] += pa * x;
+    acc_b[d] += pb * x;
+  }
+}
+
 // Query rows x kv heads [begin, end): item = row * num_kv_heads + kv_head.
 template <typename T>
 RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_t end) {
@@ -173,17 +222,30 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
       bad[h] = 0.f;
     }
     std::fill(acc, acc + G * D, 0.f);
+    int64_t page_idx = lo / S, off = lo % S;  // slot lo's page-table entry and offset, stepped below
     for (int64_t c = lo; c < hi; c += kChunk) {
       const int64_t n = std::min(kChunk, hi - c);
       for (int64_t s = 0; s < n; ++s) {
-        const int64_t j = c + s, page = a.block_table(b, j / S), off = j % S;
+        const int64_t page = a.block_table(b, page_idx);
         kslot[s] = static_cast<const T*>(a.k) + page * a.k_s0 + off * a.k_s1 + g * a.k_s2;
         vslot[s] = static_cast<const T*>(a.v) + page * a.v_s0 + off * a.v_s1 + g * a.v_s2;
+        if (++off == S) {
+          off = 0;
+          ++page_idx;
+        }
       }
       for (int64_t s = n; s < (n + 3) / 4 * 4; ++s) kslot[s] = kslot[0];  // pad the last quad (ignored)
-      float dots[4];
+      float dots[8];
       for (int64_t s = 0; s < n; s += 4) {
-        for (int64_t h = 0; h < G; ++h) {
+        int64_t h = 0;
+        for (; h + 2 <= G; h += 2) {  // two heads at once: each K row loaded once for both
+          dot2x4_f32(qf + h * D, qf + (h + 1) * D, kslot[s], kslot[s + 1], kslot[s + 2], kslot[s + 3], D, dots);
+          for (int64_t r = 0; r < 4 && s + r < n; ++r) {
+            p[h * kChunk + s + r] = dots[r] * a.scale;
+            p[(h + 1) * kChunk + s + r] = dots[4 + r] * a.scale;
+          }
+        }
+        for (; h < G; ++h) {
           dot4_f32(qf + h * D, kslot[s], kslot[s + 1], kslot[s + 2], kslot[s + 3], D, dots);
           for (int64_t r = 0; r < 4 && s + r < n; ++r) p[h * kChunk + s + r] = dots[r] * a.scale;
         }
@@ -217,9 +279,19 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
         l[h] = l[h] * alpha + sum;
         m[h] = m_new;
       }
-      for (int64_t s = 0; s < n; ++s)
-        for (int64_t h = 0; h < G; ++h)
+      for (int64_t s = 0; s < n; ++s) {
+        int64_t h = 0;
+        for (; h + 2 <= G; h += 2) {  // two heads at once: each V row loaded once for both
+          if (bad[h] == 0.f && bad[h + 1] == 0.f) {
+            axpy2_f32(acc + h * D, acc + (h + 1) * D, p[h * kChunk + s], p[(h + 1) * kChunk + s], vslot[s], D);
+          } else {
+            if (bad[h] == 0.f) axpy_f32(acc + h * D, p[h * kChunk + s], vslot[s], D);
+            if (bad[h + 1] == 0.f) axpy_f32(acc + (h + 1) * D, p[(h + 1) * kChunk + s], vslot[s], D);
+          }
+        }
+        for (; h < G; ++h)
           if (bad[h] == 0.f) axpy_f32(acc + h * D, p[h * kChunk + s], vslot[s], D);
+      }
     }
     for (int64_t h = 0; h < G; ++h) {
       const int64_t head = g * G + h;
