@@ -2,7 +2,7 @@
 //
 // C++ ops register their CPU twin and (when built with CUDA) their CUDA launcher here.
 // Triton-backed ops (varlen_attention, paged_attention, merge_attention_states,
-// key_attention_scores) register their CPU/CUDA kernels and fake impls from Python
+// key_attention_scores, refrag_assemble) register their CPU/CUDA kernels and fake impls from Python
 // (ragattn/ops/), against the schemas declared below.
 #include <torch/library.h>
 
@@ -66,6 +66,11 @@ TORCH_LIBRARY(ragattn, m) {
       "verify_draft(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
       "float temperature=1.0, float eta=0.0, float alpha=0.1, bool greedy=False, "
       "Tensor? num_draft=None, Tensor? cu_num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
+
+  // 8. REFRAG's decoder input: token embeddings and projected chunk embeddings interleaved in one
+  //    pass (Triton; plain torch on CPU), with autograd (registered from Python).
+  //    slot_src[t] >= 0: embed_weight[token_ids[slot_src[t]]]; < 0: chunk_embeds[-slot_src[t] - 1].
+  m.def("refrag_assemble(Tensor embed_weight, Tensor token_ids, Tensor chunk_embeds, Tensor slot_src) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ragattn, CPU, m) {

@@ -17,7 +17,9 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
 #   "default":   C++ ops run their CPU C++ twin; Triton-backed ops run the plain-torch reference
 #   "reference": every op runs the plain-torch reference in ragattn.reference
 #   "triton":    Triton-backed ops run their Triton kernel under TRITON_INTERPRET=1
-CPU_BACKENDS = ("default", "reference", "triton")
+#   "twin":      C++ ops whose default CPU path is not their CUDA kernel's bit-faithful twin
+#                (verify_draft) run that twin instead (read by the C++ op itself); others as "default"
+CPU_BACKENDS = ("default", "reference", "triton", "twin")
 
 
 def cpu_backend() -> str:

@@ -14,6 +14,12 @@ block), then answer it with
 * RAPID (speculative decoding, gamma 4, eta 10): the target prefills every passage, a RAG drafter
   (the same model) the MiniLM-retrieved third of them and drafts for it (a decode-speed method:
   its TTFT includes both prefills and the first round).
+* REFRAG (k = 16, nothing expanded): every 16-token chunk of the passages becomes one projected
+  MiniLM embedding in the decoder input (``ragattn.methods.refrag``); the chunk embeddings are
+  precomputed offline (the paper's "with cache" mode), the prompt's head and question stay tokens.
+  It needs a trained encoder/projector: the row is marked **untrained projector** unless a
+  checkpoint is found at ``$RAGATTN_REFRAG_CKPT`` or ``~/.cache/ragattn/refrag/smollm2-minilm-k16.pt``
+  (untrained, its answers are not meaningful; the row shows the speed of the shorter input).
 
 and print one table: time to first token (TTFT), speedup over full prefill, the answer, and its
 agreement with the baseline (argmax of the first token, KL(baseline || method) of the
@@ -121,7 +127,40 @@ def _runners(model, tokenizer, store) -> Dict[str, Callable]:
         # MiniLM-retrieved third of them; eta = 10 biases the target towards the drafter
         "rapid": lambda chunks, q, n: _from_answer(rapid.answer(
             model, tokenizer, chunks, q, max_new_tokens=n, gamma=4, eta=10.0)),
+        "refrag": _RefragRunner(model, tokenizer),
     }
+
+
+class _RefragRunner:
+    """The REFRAG row: a RefragModel over the demo's decoder, built on first use (loads MiniLM and
+    the default checkpoint if present); ``prepare`` fills its chunk-embedding cache offline."""
+    K = 16
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self._rm = model, tokenizer, None
+
+    @property
+    def rm(self):
+        if self._rm is None:
+            from ragattn.methods.refrag.model import RefragModel
+
+            self._rm = RefragModel.from_smollm2(k=self.K, decoder_and_tokenizer=(self.model, self.tokenizer))
+        return self._rm
+
+    def prepare(self, passages, question) -> None:
+        self.rm.precompute(passages, question)
+
+    def label(self) -> str:
+        rm = self.rm
+        if rm.trained:
+            return f"refrag: k = {rm.k}, trained checkpoint {rm.checkpoint_path}"
+        from ragattn.methods.refrag.model import default_checkpoint_path
+
+        return (f"refrag: k = {rm.k}, UNTRAINED PROJECTOR (no checkpoint at {default_checkpoint_path(rm.k)}): "
+                "its answers are not meaningful, only its TTFT is")
+
+    def __call__(self, chunks, q, n):
+        return _from_answer(self.rm.generate(q, chunks, max_new_tokens=n))
 
 
 METHOD_NAMES = list(_runners(None, None, None))  # the runners are only built here, not called
@@ -261,6 +300,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         fusionrag.fuse_chunks(model, store, head, all_ids, fusionrag.neighbours(retriever.embeddings, 10),
                               sorted(retrieved))
 
+    if "refrag" in runners:  # offline too: the passages' chunk embeddings
+        for _, text, _, passages, _ in prompts:
+            runners["refrag"].prepare(passages, text)
+
     # warm-up (allocator, first-call overheads), not reported
     for name, runner in runners.items():
         runner(prompts[0][3], prompts[0][1], 2)
@@ -284,8 +327,9 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
             ))
             bar.update(1)
     bar.close()
+    notes = [runners["refrag"].label()] if "refrag" in runners else []
     print(format_report(rows, list(runners), has_gold=not args.question, model_name=args.model,
-                        device=device, top_k=args.top_k), file=out)
+                        device=device, top_k=args.top_k, notes=notes), file=out)
     return rows
 
 
@@ -295,7 +339,7 @@ def _short(text: str, n: int = 40) -> str:
 
 
 def format_report(rows: List[Row], methods: List[str], *, has_gold: bool,
-                  model_name: str, device, top_k: int) -> str:
+                  model_name: str, device, top_k: int, notes: Optional[List[str]] = None) -> str:
     head = ["question", "method", "ctx tok", "TTFT ms", "speedup", "answer", "1st tok", "KL", "EM"]
     lines = [f"ragattn demo: model {model_name}, retriever all-MiniLM-L6-v2 (top-{top_k}), device {device}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -319,6 +363,8 @@ def format_report(rows: List[Row], methods: List[str], *, has_gold: bool,
             f"{statistics.fmean(r.kl for r in rs):.2e}", f"{max(r.kl for r in rs):.2e}",
             f"{sum(r.em for r in rs)}/{len(rs)}" if has_gold else "-",
         ]) + " |")
+    if notes:
+        lines += [""] + [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
 

@@ -50,8 +50,9 @@ def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Ten
 
 def use_kernel_backend(monkeypatch, device: torch.device, backend: str) -> None:
     """Route the ops' CPU calls: "triton" runs the Triton kernels in the interpreter, "reference"
-    the plain-torch references (skipped on CUDA, where there is no such switch), anything else
-    the default path. CUDA tensors always run their kernels.
+    the plain-torch references (skipped on CUDA, where there is no such switch), "twin" the
+    bit-faithful C++ twins of the CUDA kernels where the default CPU path is another one
+    (verify_draft), anything else the default path. CUDA tensors always run their kernels.
 
     Never sets TRITON_INTERPRET: a ``triton_kernels`` module first imported under it would keep
     interpreted kernels for the whole session, CUDA tensors included (conftest sets it once, only
@@ -61,7 +62,7 @@ def use_kernel_backend(monkeypatch, device: torch.device, backend: str) -> None:
         import pytest
 
         pytest.skip("CPU backend switch")
-    if backend in ("triton", "reference") and device.type == "cpu":
+    if backend in ("triton", "reference", "twin") and device.type == "cpu":
         monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     else:
         monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)

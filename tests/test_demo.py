@@ -30,8 +30,13 @@ def test_demo_runs_and_agrees_with_baseline(model_tok):
         assert r.ttft_ms > 0 and r.context_tokens > 100
     # every method that ran is exact w.r.t. its own definition, so it stays close to the baseline
     # on the first token for at least one question (they differ from full prefill by the mask only)
-    for m in methods - {"full-prefill"}:
+    # (REFRAG approximates the context by chunk embeddings: without a trained projector it is not
+    # close to the baseline, and the report says so)
+    for m in methods - {"full-prefill", "refrag"}:
         assert any(r.first_token_match for r in rows if r.method == m), m
+    assert "note: refrag: k = 16, " in text
+    if "UNTRAINED PROJECTOR" not in text:
+        assert "trained checkpoint" in text
 
 
 def test_demo_user_question(model_tok):

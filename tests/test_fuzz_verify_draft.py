@@ -1,7 +1,7 @@
 """Property test of ``verify_draft``: random batch sizes (0 included), chain lengths (0 and 1
 included), vocabularies, logits dtypes, temperatures, eta, padded / flat (vLLM) layouts, with and
-without draft probabilities, and non-finite logits (+inf, -inf, NaN) injected, on the C++ twin and
-the reference path, token for token against the float64 reference (uniforms kept away from the
+without draft probabilities, and non-finite logits (+inf, -inf, NaN) injected, on the fast C++ default,
+the C++ twin and the reference path, token for token against the float64 reference (uniforms kept away from the
 rounding thresholds, see test_verify_draft.robust_uniforms)."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def cases(draw):
     layout = draw(st.sampled_from(["padded", "num_draft", "flat"]))
     with_probs = draw(st.booleans())
     special = draw(st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIAL)), max_size=6))
-    backend = draw(st.sampled_from(["default", "reference"]))
+    backend = draw(st.sampled_from(["default", "reference", "twin"]))
     seed = draw(st.integers(0, 2**16))
     return bsz, g, vocab, dtype, temperature, eta, alpha, layout, with_probs, special, backend, seed
 
@@ -39,8 +39,8 @@ def cases(draw):
 @given(cases())
 def test_verify_draft_property(case):
     with pytest.MonkeyPatch.context() as mp:
-        if case[-2] == "reference":
-            mp.setenv("RAGATTN_CPU_BACKEND", "reference")
+        if case[-2] in ("reference", "twin"):
+            mp.setenv("RAGATTN_CPU_BACKEND", case[-2])
         else:
             mp.delenv("RAGATTN_CPU_BACKEND", raising=False)
         _check(case)

@@ -14,12 +14,6 @@ from tests.helpers import run_compile_check
 
 # (kernel label substring, defect) pairs that the report shows today; keep in sync with the report.
 KNOWN_DEFECTS = {
-    # issue 15.2: data-dependent `while` loops over key tiles: scf.while, no cp.async, num_stages ignored;
-    # since the sliding-window change (BLOCK_D/WINDOW) also 255 registers with 340 B spill stores/loads
-    *((f"varlen_attention._fwd_kernel [varlen_attention/{case}]", defect)
-      for case in ("fwd_chunks64x500+50", "fwd_chunks8x4096+50") for defect in ("not pipelined", "spills")),
-    # windowed decode (HAS_WINDOW) at 4 warps: 255 registers and 4 B of spill stores/loads
-    ("paged_attention._paged_attention_kernel [paged_attention/decode_window]", "spills"),
     # issue 15.7: 1024 threads per CTA cap registers at 64; the kernels with draft probabilities spill 4/8 B
     *((f"void ragattn::speculative::(anonymous namespace)::verify_draft_kernel<{k}, false>"
        "(ragattn::speculative::VerifyDraftArgs)", "spills") for k in range(3)),

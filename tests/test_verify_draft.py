@@ -1,4 +1,4 @@
-"""verify_draft: the C++ twin (and the CUDA kernel) vs the float64 reference token for token,
+"""verify_draft: the fast CPU default, the C++ twin (and the CUDA kernel) vs the float64 reference token for token,
 the output distributions of each mode, greedy decoding, padding, edge cases and bad inputs."""
 from __future__ import annotations
 
@@ -144,8 +144,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["default", "twin"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-g{c[1]}-V{c[2]}-{str(c[3])[6:]}-T{c[4]}-eta{c[5]}")
-def test_matches_reference(device, seed, case):
+def test_matches_reference(device, seed, monkeypatch, case, backend):
+    """The fast default CPU path and the bit-faithful twin (and on --device cuda the kernel) give the
+    float64 reference's tokens wherever its decisions are not within float32 rounding of a threshold."""
+    if backend == "twin" and device.type != "cpu":
+        pytest.skip("CPU backend switch")
+    use_kernel_backend(monkeypatch, device, backend)
     bsz, g, vocab, dtype, temperature, eta, alpha, padded = case
     gen = torch.Generator().manual_seed(seed)
     x, q, z, u = make_case(bsz, g, vocab, dtype=dtype, temperature=temperature, gen=gen)
@@ -165,23 +171,27 @@ def test_matches_reference(device, seed, case):
     assert_same(got, want, "greedy")
 
 
-def test_reference_backend_matches_twin(monkeypatch, seed):
+def test_reference_backend_matches_default(monkeypatch, seed):
     gen = torch.Generator().manual_seed(seed)
     x, q, z, u = make_case(8, 4, 101, gen=gen)
     u = robust_uniforms(x, q, z, u, 1.0, 5.0, 0.1, None, gen)
-    twin = ragattn.verify_draft(x, q, z, u, eta=5.0)
+    fast = ragattn.verify_draft(x, q, z, u, eta=5.0)
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "reference")
-    assert_same(ragattn.verify_draft(x, q, z, u, eta=5.0), twin, "reference backend")
+    assert_same(ragattn.verify_draft(x, q, z, u, eta=5.0), fast, "reference backend")
 
 
-def test_cuda_matches_cpu_twin(device, seed):
-    """The kernel and the twin share every rounding: same tokens on any uniforms, no margin."""
+def test_cuda_matches_cpu_twin(device, seed, monkeypatch):
+    """The kernel and the twin (RAGATTN_CPU_BACKEND=twin) share every rounding: same tokens on any
+    uniforms, no margin, whatever cluster size the launcher picks for the batch (8, 4, 2, 1 CTAs
+    per row on an H100 for the batches below; 1 before sm_90)."""
     if device.type != "cuda":
         pytest.skip("needs --device cuda")
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "twin")
     gen = torch.Generator().manual_seed(seed)
     for bsz, g, vocab, dtype, eta in [(64, 10, 128256, torch.bfloat16, 0.0), (64, 10, 128256, torch.bfloat16, 10.0),
                                       (33, 16, 49157, torch.float16, 20.0), (128, 4, 32000, torch.float32, 5.0),
-                                      (7, 3, 151, torch.bfloat16, 0.0)]:
+                                      (7, 3, 151, torch.bfloat16, 0.0), (200, 2, 1001, torch.bfloat16, 3.0),
+                                      (1, 6, 50257, torch.float32, 10.0)]:
         x, q, z, u = make_case(bsz, g, vocab, dtype=dtype, gen=gen, closeness=0.3)
         nd = torch.randint(0, g + 1, (bsz,), generator=gen)
         for greedy in (False, True):
@@ -506,7 +516,21 @@ def test_draft_forbidden_by_target(device, seed):
 # non-finite logits (issue 14.7), engine layouts (issue 16), fake impl and inference mode
 
 
-BACKENDS = ["default", "reference"]
+BACKENDS = ["default", "reference", "twin"]
+
+
+def test_twin_backend_is_selectable(monkeypatch, seed):
+    """RAGATTN_CPU_BACKEND=twin runs the bit-faithful twin of the CUDA kernel (another accumulation
+    order than the fast default: on robust uniforms both give the reference's tokens) through the
+    wrapper and through torch.ops alike."""
+    gen = torch.Generator().manual_seed(seed)
+    x, q, z, u = make_case(6, 3, 3001, gen=gen, dtype=torch.bfloat16)
+    u = robust_uniforms(x, q, z, u, 1.0, 10.0, 0.1, None, gen)
+    want = ref.verify_draft(x, q, z, u, 1.0, 10.0)
+    assert_same(ragattn.verify_draft(x, q, z, u, eta=10.0), want, "default")
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "twin")
+    assert_same(ragattn.verify_draft(x, q, z, u, eta=10.0), want, "twin (wrapper)")
+    assert_same(OP(x, q, z, u, eta=10.0), want, "twin (torch.ops)")
 
 
 

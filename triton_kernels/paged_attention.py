@@ -193,6 +193,10 @@ def tile_config(m_tile: int, block_d: int, elt: int, interp: bool):
             m_tile //= 2
         else:
             break
+    if m_tile <= 16:
+        # decode-sized tiles keep K and V in registers: 64-key tiles need 206 registers at 4 warps
+        # (255 and a spill with a window); 32-key tiles ~150, no spill, 3 CTAs/SM (bench.sm90)
+        block_n = min(block_n, 32)
     return m_tile, block_n, stages, 8 if m_tile >= 128 else 4
 
 

@@ -1,19 +1,21 @@
-// verify_draft: argument checks (shared with the CUDA launcher) and the CPU twin.
-//
-// The twin replays the CUDA kernel's arithmetic on kThreads virtual threads (chunk ownership,
-// warp butterflies, Kogge-Stone scans: see verify_draft_math.h), so that both emit the same
-// tokens for the same uniforms. Batch rows run in parallel; each row is sequential.
+// verify_draft: argument checks (shared with the CUDA launcher) and the CPU op: the chain driver
+// over the batch rows (in parallel; each row sequential, stopping at the first rejection), running
+// the fast default path or, with RAGATTN_CPU_BACKEND=twin, the bit-faithful twin of the CUDA kernel
+// (verify_draft_cpu.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <sstream>
 #include <array>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <cmath>
 #include <vector>
 
 #include "ops.h"
+#include "speculative/verify_draft_cpu.h"
 #include "speculative/verify_draft_math.h"
 
 namespace ragattn {
@@ -154,177 +156,10 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
   }
 }
 
+
 namespace {
 
 using namespace speculative;
-
-// One xor butterfly over 32 lanes, the way __shfl_xor_sync pairs them; returns lane 0.
-template <class T, class F>
-T butterfly(std::array<T, kWarpSize> x, F combine) {
-  for (int off = kWarpSize / 2; off > 0; off /= 2) {
-    std::array<T, kWarpSize> y;
-    for (int i = 0; i < kWarpSize; ++i) y[i] = combine(x[i], x[i ^ off]);
-    x = y;
-  }
-  return x[0];
-}
-
-// Block reduction of per-thread partials: a butterfly per warp, then one over the warp results.
-template <class T, class F>
-T block_reduce(const std::vector<T>& partial, T identity, F combine) {
-  std::array<T, kWarpSize> warp_res;
-  warp_res.fill(identity);
-  for (int w = 0; w < kWarps; ++w) {
-    std::array<T, kWarpSize> lanes;
-    for (int i = 0; i < kWarpSize; ++i) lanes[i] = partial[w * kWarpSize + i];
-    warp_res[w] = butterfly(lanes, combine);
-  }
-  return butterfly(warp_res, combine);
-}
-
-// Kogge-Stone inclusive scan over 32 lanes (shfl_up 1, 2, 4, 8, 16), in place.
-void warp_inclusive_scan(std::array<float, kWarpSize>& x) {
-  for (int d = 1; d < kWarpSize; d *= 2) {
-    std::array<float, kWarpSize> y = x;
-    for (int i = d; i < kWarpSize; ++i) y[i] = f_add(x[i - d], x[i]);
-    x = y;
-  }
-}
-
-struct RowView {
-  const void* z;   // target logits row (kind below)
-  const float* q;  // draft probabilities row, or nullptr (one-hot on `x`, or the bonus position)
-  bool has_q;      // a drafted position (q given or one-hot), not the bonus position
-  int64_t x;       // the draft token (one-hot q)
-  int kind;
-  int V;
-};
-
-float q_at(const RowView& r, int v) { return draft_prob(r.q, r.x, v); }
-
-float logit_at(const RowView& r, int v) { return load_logit(r.z, r.kind, v); }
-
-PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
-  const int nchunks = (r.V + kChunk - 1) / kChunk;
-  const bool with_q = eta > 0.0f && r.has_q;
-  std::vector<SoftmaxState> st(kThreads);
-  std::vector<float> qmax(kThreads);
-  for (int t = 0; t < kThreads; ++t) {
-    SoftmaxState s = softmax_identity();
-    float qm = -INFINITY;
-    for (int c = t; c < nchunks; c += kThreads) {
-      const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
-      for (int v = v0; v < v1; ++v) {
-        softmax_update(s, logit_at(r, v), v, inv_t);
-        if (with_q) qm = f_max(qm, q_at(r, v));
-      }
-    }
-    st[t] = s;
-    qmax[t] = qm;
-  }
-  auto merge_t = [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); };
-  const SoftmaxState sz = block_reduce(st, softmax_identity(), merge_t);
-  PositionStats ps = target_stats(sz);
-  if (!with_q) return ps;
-  const float qm = block_reduce(qmax, -INFINITY, [](float a, float b) { return f_max(a, b); });
-  ps.q_thresh = f_mul(alpha, qm);
-  // Second pass: online softmax of the modified logits a = y + eta * mask * (q - p).
-  for (int t = 0; t < kThreads; ++t) {
-    SoftmaxState s = softmax_identity();
-    for (int c = t; c < nchunks; c += kThreads) {
-      const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
-      for (int v = v0; v < v1; ++v) {
-        const float y = scaled_logit(logit_at(r, v), ps.m_z, inv_t);
-        softmax_update(s, modified_logit(y, q_at(r, v), eta, ps.q_thresh, ps.inv_sp), v, 1.0f);
-      }
-    }
-    st[t] = s;
-  }
-  auto merge_1 = [](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, 1.0f); };
-  const SoftmaxState sa = block_reduce(st, softmax_identity(), merge_1);
-  ps.m_a = sa.m;
-  ps.inv_sa = f_div(1.0f, sa.s);
-  ps.argmax_a = sa.idx;
-  return ps;
-}
-
-// Inverse-CDF draw of one token from the weights of `mode` at this position (see the
-// "Summation order" of verify_draft_math.h); falls back from the residual to p when the
-// residual is all zero.
-int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t, float eta, float u) {
-  const int nchunks = (r.V + kChunk - 1) / kChunk;
-  const int ntiles = (nchunks + kThreads - 1) / kThreads;
-  std::vector<float> w(static_cast<size_t>(kTile));
-  std::vector<float> base(kThreads);
-
-  // Weights of one tile (0 past the vocabulary), chunk sums, and the block scan -> tile total.
-  auto tile_scan = [&](int tile, float tile_base, int* last_pos) {
-    std::array<float, kWarpSize> warp_tot;
-    warp_tot.fill(0.0f);
-    std::array<std::array<float, kWarpSize>, kWarps> lane_excl;
-    for (int wi = 0; wi < kWarps; ++wi) {
-      std::array<float, kWarpSize> x;
-      for (int lane = 0; lane < kWarpSize; ++lane) {
-        const int t = wi * kWarpSize + lane;
-        const int v0 = (tile * kThreads + t) * kChunk;
-        float s = 0.0f;
-        for (int e = 0; e < kChunk; ++e) {
-          const int v = v0 + e;
-          float wv = 0.0f;
-          if (v < r.V) {
-            wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : q_at(r, v), ps, inv_t, eta);
-            if (wv > 0.0f && v > *last_pos) *last_pos = v;
-          }
-          w[t * kChunk + e] = wv;
-          s = f_add(s, wv);
-        }
-        x[lane] = s;
-      }
-      warp_inclusive_scan(x);
-      lane_excl[wi][0] = 0.0f;
-      for (int lane = 1; lane < kWarpSize; ++lane) lane_excl[wi][lane] = x[lane - 1];
-      warp_tot[wi] = x[kWarpSize - 1];
-    }
-    warp_inclusive_scan(warp_tot);
-    for (int wi = 0; wi < kWarps; ++wi) {
-      const float warp_excl = wi == 0 ? 0.0f : warp_tot[wi - 1];
-      for (int lane = 0; lane < kWarpSize; ++lane)
-        base[wi * kWarpSize + lane] = chunk_base(tile_base, warp_excl, lane_excl[wi][lane]);
-    }
-    return warp_tot[kWarpSize - 1];
-  };
-
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    int last_pos = -1;
-    float total = 0.0f;
-    for (int tile = 0; tile < ntiles; ++tile) total = f_add(total, tile_scan(tile, total, &last_pos));
-    if (!(total > 0.0f)) {
-      if (mode == kWeightResidual) {
-        mode = kWeightTarget;  // all-zero residual: draw from p
-        continue;
-      }
-      return ps.argmax_z;  // degenerate row (all logits -inf): no weight anywhere
-    }
-    const float target = f_mul(u, total);
-    float tile_base = 0.0f;
-    int ignored = -1;
-    for (int tile = 0; tile < ntiles; ++tile) {
-      const float tile_total = tile_scan(tile, tile_base, &ignored);
-      for (int t = 0; t < kThreads; ++t) {
-        float run = base[t];
-        const int v0 = (tile * kThreads + t) * kChunk;
-        for (int e = 0; e < kChunk; ++e) {
-          const float wv = w[t * kChunk + e];
-          run = f_add(run, wv);
-          if (wv > 0.0f && run > target) return v0 + e;
-        }
-      }
-      tile_base = f_add(tile_base, tile_total);
-    }
-    return last_pos;  // rounding left u * total at or past the last prefix
-  }
-  return ps.argmax_z;
-}
 
 // Where row b's data lives: draft tokens / probs from tok_off, logits / uniforms / outputs from
 // row_off (padded layout: b * g and b * (g + 1); flat layout: cu[b] and cu[b] + b).
@@ -333,21 +168,26 @@ struct RowPlan {
   int64_t u_last;  // index of the final draw's uniform (padded: column g; flat: the request's last row)
 };
 
+// RAGATTN_CPU_BACKEND=twin selects the bit-faithful twin (read on every call, like the Python side).
+bool use_twin() {
+  const char* env = std::getenv("RAGATTN_CPU_BACKEND");
+  return env != nullptr && std::strcmp(env, "twin") == 0;
+}
+
 void verify_rows(const at::Tensor& draft_tokens, const float* q_base, const at::Tensor& target_logits,
-                 const at::Tensor& uniforms, float inv_t, float eta, float alpha, bool greedy, int64_t B,
+                 const at::Tensor& uniforms, const VerifyParams& params, int64_t B,
                  const std::function<RowPlan(int64_t)>& plan, at::Tensor& out_tokens, at::Tensor& num_accepted) {
-  const int V = static_cast<int>(target_logits.size(-1));
-  const int kind = target_logits.scalar_type() == at::kFloat  ? kLogitsF32
-                   : target_logits.scalar_type() == at::kHalf ? kLogitsF16
-                                                              : kLogitsBF16;
-  const size_t esize = target_logits.element_size();
+  const int V = params.vocab;
+  const size_t row_bytes = static_cast<size_t>(V) * target_logits.element_size();
   const char* z_base = static_cast<const char*>(target_logits.const_data_ptr());
   const int64_t* tok = draft_tokens.const_data_ptr<int64_t>();
   const float* uni = uniforms.const_data_ptr<float>();
   int64_t* out = out_tokens.data_ptr<int64_t>();
   int32_t* nacc = num_accepted.data_ptr<int32_t>();
+  const bool twin = use_twin();
 
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    const std::unique_ptr<PositionVerifier> verifier = twin ? make_twin_verifier(params) : make_fast_verifier(params);
     for (int64_t b = begin; b < end; ++b) {
       const RowPlan rp = plan(b);
       const int64_t nd = rp.nd;
@@ -356,32 +196,18 @@ void verify_rows(const at::Tensor& draft_tokens, const float* q_base, const at::
       int token = -1;
       for (int64_t j = 0; j < nd; ++j) {
         const int64_t x = tok[rp.tok_off + j];
-        RowView r{z_base + static_cast<size_t>((rp.row_off + j) * V) * esize,
-                  q_base ? q_base + (rp.tok_off + j) * V : nullptr, true, x, kind, V};
-        const PositionStats ps = position_stats(r, inv_t, eta, alpha);
-        bool ok;
-        if (greedy) {
-          const int best = eta > 0.0f ? ps.argmax_a : ps.argmax_z;
-          ok = x == best;
-          if (!ok) token = best;
-        } else {
-          float p, p_hat;
-          const float q_x = q_at(r, static_cast<int>(x));
-          token_probs(load_logit(r.z, kind, x), q_x, ps, inv_t, eta, &p, &p_hat);
-          ok = accept_draft(uni[rp.row_off + j], q_x, p_hat);
-          if (!ok) token = draw_token(r, ps, kWeightResidual, inv_t, eta, u_last);
-        }
-        if (!ok) {
+        const Decision d = verifier->drafted(z_base + static_cast<size_t>(rp.row_off + j) * row_bytes,
+                                             q_base ? q_base + (rp.tok_off + j) * V : nullptr, x,
+                                             uni[rp.row_off + j], u_last);
+        if (!d.accepted) {
           n = j;
+          token = d.token;
           break;
         }
         out[rp.row_off + j] = x;
       }
-      if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
-        RowView r{z_base + static_cast<size_t>((rp.row_off + nd) * V) * esize, nullptr, false, -1, kind, V};
-        const PositionStats ps = position_stats(r, inv_t, 0.0f, alpha);
-        token = greedy ? ps.argmax_z : draw_token(r, ps, kWeightTarget, inv_t, eta, u_last);
-      }
+      if (n == nd)  // every draft accepted: bonus token from p at position num_draft
+        token = verifier->bonus(z_base + static_cast<size_t>(rp.row_off + nd) * row_bytes, u_last);
       if (token < 0 || token >= V) token = 0;  // only for positions of all -inf / NaN logits
       out[rp.row_off + n] = token;
       for (int64_t j = n + 1; j < rp.out_len; ++j) out[rp.row_off + j] = -1;
@@ -414,21 +240,29 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_toke
   if (draft_probs.has_value()) probs = draft_probs->contiguous();
   const auto logits = target_logits.contiguous();
   const auto uni = uniforms.contiguous();
-  const float t = inverse_temperature(temperature), e = static_cast<float>(eta), a = static_cast<float>(alpha);
+  VerifyParams params{};
+  params.vocab = static_cast<int>(logits.size(-1));
+  params.logits_kind = logits.scalar_type() == at::kFloat  ? kLogitsF32
+                       : logits.scalar_type() == at::kHalf ? kLogitsF16
+                                                           : kLogitsBF16;
+  params.inv_t = inverse_temperature(temperature);
+  params.eta = static_cast<float>(eta);
+  params.alpha = static_cast<float>(alpha);
+  params.greedy = greedy;
   const float* q_base = probs.defined() ? probs.const_data_ptr<float>() : nullptr;
   if (ragged) {
     const at::Tensor cu = cu_num_draft->to(at::kLong).contiguous();
     const int64_t* c = cu.const_data_ptr<int64_t>();
-    verify_rows(tok, q_base, logits, uni, t, e, a, greedy, B,
-                [c](int64_t b) { return RowPlan{c[b], c[b] + b, c[b + 1] - c[b], c[b + 1] - c[b] + 1, c[b + 1] + b}; }, out_tokens,
-                num_accepted);
+    verify_rows(tok, q_base, logits, uni, params, B,
+                [c](int64_t b) { return RowPlan{c[b], c[b] + b, c[b + 1] - c[b], c[b + 1] - c[b] + 1, c[b + 1] + b}; },
+                out_tokens, num_accepted);
   } else {
     at::Tensor nd;
     if (num_draft.has_value()) nd = num_draft->to(at::kLong).contiguous();
     const int64_t* ndp = nd.defined() ? nd.const_data_ptr<int64_t>() : nullptr;
-    verify_rows(tok, q_base, logits, uni, t, e, a, greedy, B,
-                [ndp, g](int64_t b) { return RowPlan{b * g, b * (g + 1), ndp ? ndp[b] : g, g + 1, b * (g + 1) + g}; }, out_tokens,
-                num_accepted);
+    verify_rows(tok, q_base, logits, uni, params, B,
+                [ndp, g](int64_t b) { return RowPlan{b * g, b * (g + 1), ndp ? ndp[b] : g, g + 1, b * (g + 1) + g}; },
+                out_tokens, num_accepted);
   }
   return {out_tokens, num_accepted};
 }

@@ -9,6 +9,7 @@ from ragattn.ops.key_attention_scores import key_attention_scores
 from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_
 from ragattn.ops.merge_attention_states import merge_attention_states
 from ragattn.ops.paged_attention import paged_attention
+from ragattn.ops.refrag_assemble import refrag_assemble
 from ragattn.ops.speculative import verify_draft
 from ragattn.ops.varlen_attention import varlen_attention
 
@@ -21,4 +22,5 @@ __all__ = [
     "copy_kv_",
     "key_attention_scores",
     "verify_draft",
+    "refrag_assemble",
 ]

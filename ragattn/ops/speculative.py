@@ -164,7 +164,11 @@ def verify_draft(
       emit ``argmax p_hat_j`` at the first mismatch and ``argmax p`` as the bonus: greedy decoding
       of ``p_hat``, independent of ``g`` apart from the bonus.
 
-    Deterministic given ``uniforms``; the CUDA kernel and the CPU twin return the same tokens.
+    Deterministic given ``uniforms``; the CUDA kernel and the CPU twin (``RAGATTN_CPU_BACKEND=twin``)
+    return the same tokens. The fast default CPU path rounds differently: it returns the float64
+    reference's tokens wherever the reference's decisions are not within float32 rounding of a
+    threshold (acceptance ``u q(x) < p_hat(x)``, the inverse-CDF crossing, a greedy near-tie of
+    ``p_hat``); exact ties of ``z`` are decided alike by every backend.
     CPU: draft tokens outside ``[0, V)``, uniforms outside ``[0, 1)`` and ``num_draft`` outside
     ``[0, g]`` (or a ``cu_num_draft`` that does not start at 0, decreases or does not end at T)
     raise ValueError. CUDA: those are preconditions (not checked unless ``RAGATTN_DEBUG=1``,
@@ -176,8 +180,8 @@ def verify_draft(
     an fp16 overflow); a position whose logits are all ``-inf``/NaN has no mass: its draft is
     rejected and it emits token 0.
 
-    Backends: CUDA C++ kernel (one block per batch row); CPU C++ twin, or the float64 reference
-    with ``RAGATTN_CPU_BACKEND=reference``.
+    Backends: CUDA C++ kernel; on CPU a fast C++ path (default), the kernel's bit-faithful C++ twin
+    with ``RAGATTN_CPU_BACKEND=twin``, or the float64 reference with ``RAGATTN_CPU_BACKEND=reference``.
     """
     _check_scalar_types(temperature, eta, alpha)  # (the schema would coerce or reject them unnamed)
     on_cpu = isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"

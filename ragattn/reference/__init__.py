@@ -9,6 +9,7 @@ from ragattn.reference.key_attention_scores import key_attention_scores
 from ragattn.reference.kv_cache import copy_kv_, rerotate_keys_
 from ragattn.reference.merge_attention_states import merge_attention_states
 from ragattn.reference.paged_attention import paged_attention
+from ragattn.reference.refrag_assemble import refrag_assemble
 from ragattn.reference.speculative import verify_draft
 from ragattn.reference.varlen_attention import varlen_attention
 
@@ -21,4 +22,5 @@ __all__ = [
     "kv_cache",
     "key_attention_scores",
     "verify_draft",
+    "refrag_assemble",
 ]
