@@ -6,6 +6,8 @@
     python -m ragattn eval [--corpus DIR] [--model NAME] [--methods M,M] [--top-k 8,16]
                            [--ratios 0,5,15,30,100] [--limit N] [--device cpu|cuda] [--out DIR]
     python -m ragattn finetune [...]     # Block-Attention fine-tuning (see scripts/finetune_block.py)
+    python -m ragattn refrag-train [--stages recon,cpt,rl] [--k 8] [--device cpu|cuda] [--out DIR] [...]
+                                         # REFRAG training recipe (docs/refrag.md, "Training")
     python -m ragattn bench [...]        # micro-benchmarks (== python -m bench in a checkout)
     python -m ragattn bench e2e [...]    # end-to-end TTFT benchmark (== python -m bench.e2e)
     python -m ragattn bench sm90 [...]   # static H100 report, no GPU (== python -m bench.sm90)
@@ -37,6 +39,10 @@ def main(argv=None) -> int:
         from ragattn.finetune import main as finetune_main
 
         return finetune_main(rest)
+    if cmd == "refrag-train":
+        from ragattn.methods.refrag.train import main as refrag_train_main
+
+        return refrag_train_main(rest)
     if cmd == "bench":
         if rest[:1] == ["e2e"]:
             from ragattn.bench.e2e import main as e2e_main
@@ -50,7 +56,7 @@ def main(argv=None) -> int:
         from ragattn.bench.__main__ import main as bench_main
 
         return bench_main(rest)
-    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, build-store, eval, finetune, bench)", file=sys.stderr)
+    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, build-store, eval, finetune, refrag-train, bench)", file=sys.stderr)
     return 2
 
 

@@ -14,10 +14,6 @@ from tests.helpers import run_compile_check
 
 # (kernel label substring, defect) pairs that the report shows today; keep in sync with the report.
 KNOWN_DEFECTS = {
-    # issue 15.2: data-dependent `while` loops over key tiles: scf.while, no cp.async, num_stages ignored;
-    # since the sliding-window change (BLOCK_D/WINDOW) also 255 registers with 340 B spill stores/loads
-    *((f"varlen_attention._fwd_kernel [varlen_attention/{case}]", defect)
-      for case in ("fwd_chunks64x500+50", "fwd_chunks8x4096+50") for defect in ("not pipelined", "spills")),
 }
 
 # one spec per kernel family and launch shape (labels from bench.sm90.triton_specs)

@@ -12,7 +12,8 @@ The policy hook, ``NoExpansion`` and ``RandomPolicy`` live in ``ragattn.methods.
   once and not recomputed after each pick (as the paper does), so the paper's masked sequential
   sampling is exactly Plackett-Luce sampling without replacement, i.e. Gumbel-top-T'
   (``gumbel_top_k``); greedy decoding is plain top-T'.
-- ``LearnedPolicy(net, mode)``: the network wrapped in the ``select`` hook (greedy at inference).
+- ``LearnedPolicy(net, mode)``: the network wrapped in the ``select`` hook (greedy at inference);
+  ``save_policy`` / ``load_policy`` store it (hyper-parameters + weights, ~1 MB).
 - ``selection_step_log_probs`` / ``selection_log_prob``: log-probability of an ordered selection,
   ``log pi(l_t | l_<t) = s_{l_t} - logsumexp_{j not in l_<t} s_j``, the per-step terms the PPO
   ratio of the GRPO objective needs.
@@ -129,6 +130,7 @@ class PolicyNetwork(nn.Module):
             raise ValueError(f"PolicyNetwork: need d_enc > 0 and d_model ({d_model}) divisible by "
                              f"n_heads ({n_heads})")
         self.d_enc, self.max_chunks = d_enc, max_chunks
+        self.hparams = dict(d_enc=d_enc, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_chunks=max_chunks)
         self.inp = nn.Linear(d_enc, d_model)
         self.pos = nn.Embedding(max_chunks, d_model)
         layer = nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0,
@@ -157,6 +159,34 @@ class PolicyNetwork(nn.Module):
         h = self.body(h, src_key_padding_mask=None if valid is None else ~valid)
         s = self.head(h).squeeze(-1).float()
         return s[0] if squeeze else s
+
+
+POLICY_FORMAT = "ragattn-refrag-policy-v1"
+
+
+def save_policy(net: PolicyNetwork, path, extra: Optional[dict] = None):
+    """Save a ``PolicyNetwork`` (hyper-parameters + state dict + ``extra`` metadata) to ``path``."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": POLICY_FORMAT, "hparams": net.hparams,
+             "state": {k: v.detach().cpu() for k, v in net.state_dict().items()}, "extra": extra or {}}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_policy(path, device="cpu") -> PolicyNetwork:
+    """The ``PolicyNetwork`` saved by :func:`save_policy` (eval mode); ``net.extra`` holds the metadata."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != POLICY_FORMAT:
+        raise ValueError(f"ragattn.refrag.load_policy: {path} is not a {POLICY_FORMAT} file")
+    net = PolicyNetwork(**state["hparams"])
+    net.load_state_dict(state["state"])
+    net.extra = state.get("extra", {})
+    return net.to(device).eval()
 
 
 class LearnedPolicy:
