@@ -13,8 +13,7 @@ import pytest
 from tests.helpers import run_compile_check
 
 # (kernel label substring, defect) pairs that the report shows today; keep in sync with the report.
-KNOWN_DEFECTS = {
-}
+KNOWN_DEFECTS: set = set()
 
 # one spec per kernel family and launch shape (labels from bench.sm90.triton_specs)
 SUBSET = [
