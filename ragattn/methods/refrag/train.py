@@ -349,7 +349,7 @@ def run_reconstruction(rm, cfg: TrainConfig, train_docs, eval_windows: Sequence[
 
 def _eval_cpt(rm, eval_windows: Sequence[Window], expand_p: float, seed: int) -> Dict[str, float]:
     """Held-out next-paragraph NLL: compressed (no expansion), random expansion at ``expand_p``,
-    and the full-context (every chunk expanded) reference."""
+    and the references full context (every chunk expanded) and no context (decoder alone)."""
     rm.encoder.eval()
     rm.decoder.eval()
     L = eval_windows[0].context.numel() // rm.k
@@ -357,6 +357,7 @@ def _eval_cpt(rm, eval_windows: Sequence[Window], expand_p: float, seed: int) ->
     rng = random.Random(seed)
     with torch.no_grad():
         out = {"nll_compressed": float(example_nll(rm, eval_windows).mean()),
+               "nll_no_context": float(no_context_nll(rm, eval_windows).mean()),
                "nll_full_context": float(example_nll(
                    rm, eval_windows, expand_masks=[torch.ones(L, dtype=torch.bool)] * len(eval_windows)).mean())}
         if n:
@@ -422,7 +423,8 @@ def grpo_step(net, opt, sched, params, c: torch.Tensor, reward_fn: Callable[[tor
     net.eval()
     with torch.no_grad():
         s_old = net(c).unsqueeze(1).expand(-1, group, -1)                   # [B, G, L]
-        orders = gumbel_top_k(s_old, n_expand, generator=generator)         # [B, G, T']
+        # sampled on the CPU (the generator is a CPU one), scored where the policy lives
+        orders = gumbel_top_k(s_old.cpu(), n_expand, generator=generator).to(s_old.device)  # [B, G, T']
         logp_old = selection_step_log_probs(s_old, orders)
     rewards = reward_fn(orders)
     adv = group_advantages(rewards.double()).float().to(s_old.device)
