@@ -18,7 +18,12 @@ question) it measures the time to the first token's logits of
 
 For ``full-prefill`` and ``cached (on device)`` it also times a ``--answer-tokens`` answer (32 by
 default) with ``model.generate()`` (greedy, no early stop): ``total`` is call to last token, and
-``per token`` is ``(total - TTFT) / (answer_tokens - 1)``, the decode cost at that context.
+``per token`` the median time between two consecutive tokens (one decode step at that context,
+clocked inside generate()), with its ratio to full prefill's decode.
+
+Every figure is a median over ``--repeats`` rounds after a warm-up; each round runs every path
+once, in a rotated order, so that the load of a shared machine falls on all paths alike. The
+load average (``os.getloadavg``) before and after the run goes into the report.
 
 Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (TTFT vs context tokens, log-log) to ``--out``.
 The module is named without the ``bench_`` prefix so the micro-benchmark discovery skips it.
@@ -35,6 +40,7 @@ import time
 from typing import Callable, Dict, List
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from .__main__ import _commit
 from .harness import synchronize
@@ -66,22 +72,40 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, num_layers:
     raise SystemExit(f"bench.e2e: unknown --model {name!r} (smollm2, llama3-8b-random, tiny-random)")
 
 
-def _time_ms(fn: Callable[[], object], device, repeats: int) -> float:
-    fn()  # warm-up (Triton compilation, allocator)
-    samples = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    # CPU: best of N (a shared CPU's load only ever adds time); CUDA: median
-    return min(samples) if device.type == "cpu" else statistics.median(samples)
+class _StepClock(LogitsProcessor):
+    """Notes the time of every generation step (generate() calls it once per new token)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        synchronize(scores.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _timed(fn: Callable[[], object], device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _timed_answer(fn: Callable[[_StepClock], object], device):
+    """(total ms, [ms between consecutive tokens]) of one answer."""
+    clock = _StepClock()
+    total = _timed(lambda: fn(clock), device)
+    return total, [(b - a) * 1e3 for a, b in zip(clock.times, clock.times[1:])]
 
 
 @torch.no_grad()
 def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer_tokens: int = 32) -> List[Dict]:
-    """One row per (context, path)."""
+    """One row per (context, path). Every figure is the median over ``repeats`` rounds after a
+    warm-up; each round runs every path once, in an order rotated per round, so that a shared
+    machine's load falls on all paths alike. ``per_token_ms`` is the median time between two
+    consecutive tokens of the answers (the decode step at that context, read from a clock in
+    generate()'s logits processors), ``total_ms`` the median time of a whole answer."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -93,44 +117,35 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
         question = torch.randint(10, vocab, (question_len,), generator=gen).tolist()
         ctx = num_chunks * chunk_size
         ids = torch.tensor([sum(chunks, []) + question], device=device)
+        q = torch.tensor([question], device=device)
         base = dict(num_chunks=num_chunks, chunk_size=chunk_size, context_tokens=ctx, question_tokens=question_len)
+        store = ChunkStore(model)
+        keys = store.add(chunks)  # offline precompute, not timed
 
         def full():
             return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
 
-        def full_answer():
+        def full_answer(clock):
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
-
-        t_full = _time_ms(full, device, repeats)
-        t_full_n = _time_ms(full_answer, device, max(1, repeats - 1)) if n > 1 else t_full
-        rows.append(dict(base, path="full-prefill", ttft_ms=t_full, speedup=1.0, total_ms=t_full_n,
-                         per_token_ms=(t_full_n - t_full) / max(n - 1, 1)))
-        q = torch.tensor([question], device=device)
+                                  min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                  logits_processor=LogitsProcessorList([clock]))
 
         def bound():
             return model(input_ids=q, use_cache=True, logits_to_keep=1).logits
-
-        t_bound = _time_ms(bound, device, repeats)
-        rows.append(dict(base, path="final block alone (bound)", ttft_ms=t_bound, speedup=t_full / t_bound))
-        store = ChunkStore(model)
-        keys = store.add(chunks)  # offline precompute, not timed
 
         def cached():
             req = store.assemble(keys, positions="reordered", extra_slots=question_len + 1)
             pos = req.next_position + torch.arange(question_len, device=device)
             return paged_forward(model, q, pos, req.cache)[-1]
 
-        def cached_answer():
+        def cached_answer(clock):
             t0 = time.perf_counter()
             req = store.assemble(keys, positions="reordered", extra_slots=question_len + n)
             return generate_paged(model, tok, req.cache, question, req.next_position, n, t0, "cached",
-                                  ctx + question_len, min_new_tokens=n)
+                                  ctx + question_len, min_new_tokens=n, logits_processor=[clock])
 
-        t_cached = _time_ms(cached, device, repeats)
-        t_cached_n = _time_ms(cached_answer, device, max(1, repeats - 1)) if n > 1 else t_cached
-        rows.append(dict(base, path="cached (on device)", ttft_ms=t_cached, speedup=t_full / t_cached,
-                         total_ms=t_cached_n, per_token_ms=(t_cached_n - t_cached) / max(n - 1, 1)))
+        ttft_fns = {"full-prefill": full, "final block alone (bound)": bound, "cached (on device)": cached}
+        answer_fns = {"full-prefill": full_answer, "cached (on device)": cached_answer} if n > 1 else {}
         if device.type == "cuda":
             # the chunk KV lives in pinned host memory; the store's device pool is refilled from it
             host_k, host_v = store.pooled_kv("cpu", pin_memory=True)
@@ -139,12 +154,35 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
                 store.load_pooled_kv_(host_k, host_v, non_blocking=True)
                 return cached()
 
-            t_h2d = _time_ms(from_host, device, repeats)
-            rows.append(dict(base, path="cached (KV from CPU)", ttft_ms=t_h2d, speedup=t_full / t_h2d))
+            ttft_fns["cached (KV from CPU)"] = from_host
+        ttft = {k: [] for k in ttft_fns}
+        totals = {k: [] for k in answer_fns}
+        steps = {k: [] for k in answer_fns}
+        for f in list(ttft_fns.values()) + [lambda f=f: f(_StepClock()) for f in answer_fns.values()]:
+            f()  # warm-up (Triton compilation, allocator)
+        for r in range(repeats):
+            names = list(ttft_fns)
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                ttft[k].append(_timed(ttft_fns[k], device))
+            names = list(answer_fns)
+            for k in names[r % max(len(names), 1):] + names[:r % max(len(names), 1)]:
+                total, gaps = _timed_answer(answer_fns[k], device)
+                totals[k].append(total)
+                steps[k] += gaps
+        med = {k: statistics.median(v) for k, v in ttft.items()}
+        t_full, t_bound = med["full-prefill"], med["final block alone (bound)"]
+        for k, t in med.items():
+            row = dict(base, path=k, ttft_ms=t, speedup=t_full / t, vs_bound=t / t_bound)
+            if k in answer_fns:
+                row.update(total_ms=statistics.median(totals[k]), per_token_ms=statistics.median(steps[k]))
+            rows.append(row)
+        if "per_token_ms" in rows[-len(med)]:
+            full_tok = rows[-len(med)]["per_token_ms"]
+            for row in rows[-len(med):]:
+                if "per_token_ms" in row:
+                    row["per_token_vs_full"] = row["per_token_ms"] / full_tok
+        if device.type == "cuda":
             del host_k, host_v
-        for r in rows[-4:]:
-            if r["context_tokens"] == ctx and r["num_chunks"] == num_chunks:
-                r["vs_bound"] = r["ttft_ms"] / t_bound
         del store
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -163,7 +201,8 @@ class _IdTokenizer:
 
 def format_table(rows: List[Dict]) -> str:
     lines = ["| chunks x size | context tokens | path | TTFT (ms) | vs bound | speedup vs full prefill "
-             "| per output token (ms) | total, answer (ms) |", "|---|---|---|---|---|---|---|---|"]
+             "| per output token (ms) | vs full prefill's | total, answer (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, k, fmt):
         return fmt.format(r[k]) if k in r else "-"
@@ -171,7 +210,8 @@ def format_table(rows: List[Dict]) -> str:
     for r in rows:
         lines.append(f"| {r['num_chunks']} x {r['chunk_size']} | {r['context_tokens']} | {r['path']} | "
                      f"{r['ttft_ms']:.1f} | {f(r, 'vs_bound', '{:.2f}x')} | {r['speedup']:.2f}x | "
-                     f"{f(r, 'per_token_ms', '{:.1f}')} | {f(r, 'total_ms', '{:.0f}')} |")
+                     f"{f(r, 'per_token_ms', '{:.1f}')} | {f(r, 'per_token_vs_full', '{:.2f}x')} | "
+                     f"{f(r, 'total_ms', '{:.0f}')} |")
     return "\n".join(lines)
 
 
@@ -207,7 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="depth override for random models")
     p.add_argument("--question-len", type=int, default=50)
     p.add_argument("--answer-tokens", type=int, default=32, help="tokens per timed answer (1: TTFT only)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per point (the best of them on the CPU, the median on CUDA)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds per point (each path once per round; medians reported)")
     p.add_argument("--out", default="bench_results/e2e")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -223,16 +263,18 @@ def main(argv=None) -> int:
     repeats = args.repeats or (5 if device.type == "cuda" else 3)
 
     model = build_model(model_name, device, dtype, args.layers)
+    load_before = os.getloadavg()
     rows = measure(model, sizes, args.question_len, repeats, answer_tokens=args.answer_tokens)
     meta = dict(model=model_name, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 dtype=str(dtype).replace("torch.", ""), question_tokens=args.question_len, repeats=repeats,
                 answer_tokens=args.answer_tokens,
                 date=datetime.date.today().isoformat(), torch=torch.__version__, commit=_commit(),
-                threads=torch.get_num_threads())
-    stat = "median" if device.type == "cuda" else "best"
-    header = (f"# ragattn end-to-end TTFT\n\n- model: {meta['model']} ({meta['dtype']})\n- device: {meta['device']}"
-              f" ({meta['threads']} threads)\n- question: {args.question_len} tokens; {stat} of {repeats} calls after a warm-up "
-              f"(answers: {stat} of {max(1, repeats - 1)}, {args.answer_tokens} tokens)\n"
+                threads=torch.get_num_threads(), loadavg_before=load_before, loadavg_after=os.getloadavg())
+    load = " / ".join(f"{x:.1f}" for x in meta["loadavg_before"]) + " before, " + \
+        " / ".join(f"{x:.1f}" for x in meta["loadavg_after"]) + " after (1 / 5 / 15 min)"
+    header = (f"# ragattn end-to-end: TTFT, time per output token, answer time\n\n- model: {meta['model']} ({meta['dtype']})\n- device: {meta['device']}"
+              f" ({meta['threads']} threads; load average {load})\n- question: {args.question_len} tokens; "
+              f"median of {repeats} interleaved rounds after a warm-up ({args.answer_tokens}-token answers)\n"
               f"- date: {meta['date']}, commit {meta['commit']}, torch {meta['torch']}\n\n")
     table = format_table(rows)
     print(header + table)

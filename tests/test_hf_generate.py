@@ -58,8 +58,8 @@ def test_generate_equals_sdpa_every_cache(family):
 
 
 def test_sliding_window_model_equals_sdpa():
-    """Mistral with a window shorter than the prompt: the sliding mask is honoured (prefill falls
-    back to SDPA with that mask, decode reads only the window's slots)."""
+    """Mistral with a window shorter than the prompt: the sliding mask is honoured (prefill runs
+    varlen_attention with the window, decode reads only the window's slots)."""
     model = _model("mistral", sliding_window=5)
     ids, mask = _inputs(2, True, n=12)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
@@ -67,6 +67,38 @@ def test_sliding_window_model_equals_sdpa():
     assert torch.equal(ref.sequences, got.sequences)
     for a, b in zip(ref.logits, got.logits):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_prefill_runs_varlen_and_equals_eager(monkeypatch, family):
+    """A prefill longer than the window (padded batch; Qwen2 with full and sliding layers) runs
+    varlen_attention with window_left = W - 1, never the SDPA fallback, and its logits lie as
+    close to the float64 reference (SDPA with transformers' sliding mask: float64 eager turns the
+    padded rows into NaN and spreads them) as float32 eager's do. Before the window reached
+    varlen, every such prefill fell back to SDPA (the fallback raises here)."""
+    over = dict(sliding_window=4)
+    if family == "qwen2":   # layer 0 full attention, layer 1 sliding
+        over.update(use_sliding_window=True, max_window_layers=1)
+    model = _model(family, **over)
+    ids, mask = _inputs(2, True, n=13, seed=5)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref64 = model.double()(ids, attention_mask=mask).logits
+        model.set_attn_implementation("eager")
+        ref32 = model.float()(ids, attention_mask=mask).logits
+        calls = []
+        real = hfattn._ops.varlen_attention
+        monkeypatch.setattr(hfattn._ops, "varlen_attention", lambda *a: calls.append(a[-1]) or real(*a))
+        monkeypatch.setattr(hfattn, "_sdpa_fallback", lambda *a, **k: pytest.fail("SDPA fallback"))
+        model.set_attn_implementation("ragattn")
+        try:
+            got = model(ids, attention_mask=mask).logits
+        finally:
+            model.set_attn_implementation("sdpa")
+    assert calls == ([-1, 3] if family == "qwen2" else [3, 3])
+    real_rows = mask.bool()   # padded query rows' outputs are never used
+    err = (got.double() - ref64)[real_rows].abs().max()
+    assert err <= 2 * (ref32.double() - ref64)[real_rows].abs().max() + 1e-5
 
 
 @pytest.mark.parametrize("kind", ["float", "bool"])
@@ -162,6 +194,43 @@ def test_unpadded_forward_compiles_without_graph_breaks():
     finally:
         model.set_attn_implementation("sdpa")
     assert exp.graph_break_count == 0, [str(b.reason)[:200] for b in exp.break_reasons]
+
+
+@pytest.mark.parametrize("cpu_sdpa", ["1", "0"])
+def test_decode_step_compiles_fullgraph(monkeypatch, cpu_sdpa):
+    """Issue 15.5's proof on the HF side: a decode step's attention traces under
+    ``torch.compile(fullgraph=True)`` (a host sync such as ``.item()`` or ``bool(tensor)`` is a
+    graph break, an error under fullgraph): the transformers-cache step (no mask, and a padding
+    mask: plan built from tensors only) and the paged request cache's step at a layer after the
+    first (the step's plan, with its one host sync, was made at layer 0), on both CPU paths."""
+    monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", cpu_sdpa)
+    model = _model()
+    m0, m1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 1, 4, 16, generator=g).transpose(1, 2)              # [B, Hq, 1, D] view
+    k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(2))
+    pad = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+    pad[1, ..., :4] = False
+
+    def hf_step(q, k, v, mask):
+        return hfattn.ragattn_attention_forward(m1, q, k, v, mask, scaling=0.25)[0]
+
+    cache = PagedKV(2, 2, 32, 2, 16, page_size=4)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    cache.lengths.copy_(torch.tensor([9, 5], dtype=torch.int32))
+    kn, vn = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(2))
+    hfattn._paged_forward(m0, q, kn, vn, 0.25, cache)                     # layer 0 plans the step
+
+    def paged_step(q, k, v):
+        return hfattn._paged_forward(m1, q, k, v, 0.25, cache)[0][0]
+
+    with torch.no_grad():
+        for fn, args in [(hf_step, (q, k, v, None)), (hf_step, (q, k, v, pad)), (paged_step, (q, kn, vn))]:
+            torch._dynamo.reset()
+            want = fn(*args)
+            got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_paged_cache_generate_batch_matches_rows_alone():

@@ -467,6 +467,42 @@ def test_run_has_no_host_sync(monkeypatch):
                                lse_out=torch.empty(meta[0].shape[:2], device="meta"))
 
 
+def test_run_compiles_fullgraph(monkeypatch):
+    """Issue 15.5's proof: ``run_paged_attention`` with a ready plan traces under
+    ``torch.compile(fullgraph=True)``, so it holds no host sync (``.item()``, ``bool(tensor)``,
+    ``.tolist()`` are graph breaks, and fullgraph turns a break into an error). The Triton launches
+    are replaced by traceable stand-ins (dynamo would trace into the CPU interpreter itself; on
+    CUDA it captures a real launch as one node): everything around them is the real run path."""
+    import ragattn.triton_kernels.paged_attention as pa
+
+    class StandIn:   # kernel[grid](...) writes a value that depends on its inputs
+        def __getitem__(self, grid):
+            def launch(q, q_pos, cu, k, v, bt, kvl, tile_seq, tile_row0, o, lse, *rest, **kw):
+                o.copy_((q.float() * 2 + k.float().mean()).expand_as(o).to(o.dtype))
+                lse.fill_(float(grid[2]))
+            return launch
+
+    def merge_standin(o_buf, l_buf, out, lse_out):
+        out.copy_(o_buf.sum(0).to(out.dtype))
+        lse_out.copy_(l_buf.amax(0))
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", StandIn())
+    monkeypatch.setattr(pa, "merge_split_states", merge_standin)
+    args = make_case([[80], [10, 11, 12], [5]], [81, 13, 6], num_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, dtype=torch.bfloat16, device="cpu")
+    for splits, window in [(1, -1), (3, 40)]:
+        plan = pa.plan_paged_attention(args[2], args[6], num_heads=8, num_kv_heads=2, head_dim=64,
+                                       dtype=torch.bfloat16, window_left=window, num_splits=splits)
+
+        def step(*a):
+            return pa.run_paged_attention(plan, *a, None, window)
+
+        torch._dynamo.reset()
+        want = step(*args)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_sampled_grid(backend, device, seed):
     """Random awkward configurations (sampled, to keep the interpreter cheap)."""
     gen = torch.Generator().manual_seed(seed)

@@ -18,17 +18,18 @@ and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
   is read once per forward (at layer 0, one host sync) into a *plan*: each query row's slot
   (its last visible key) and each key's validity (padding). When the mask is exactly
   "causal by slot and padding" (what transformers builds for any cache, padded or not), the
-  plan runs ragattn's kernels; **any other mask (block-diagonal, sliding window over a long
-  prefill, a custom bias) falls back to SDPA with that mask**, so a custom mask is always
-  honoured, never approximated.
+  plan runs ragattn's kernels (a sliding layer's mask: "causal + padding + window W");
+  **any other mask (block-diagonal, a custom bias) falls back to SDPA with that mask**, so a
+  custom mask is always honoured, never approximated.
 * ``q > 1`` (prefill, chunked prefill): ``ragattn.varlen_attention`` over the batch with no
   packing: keys of padding get a position no query reaches, padded query rows a position below
   every key; keys past the last query's slot (a static cache's empty tail) are never read.
 * ``q == 1`` (decode): ``ragattn.paged_attention`` reading the cache in place (its strides, no
   copy): unpadded, one page per row; with a mask, pages of one slot listing the visible slots.
 * Sliding windows (Mistral, Qwen2's sliding layers): decode reads only the window's slots (the
-  mask says which); a prefill longer than the window falls back to SDPA with the sliding mask
-  (``varlen_attention`` has no window yet); the paged paths pass ``window_left = W - 1`` to
+  mask says which); a prefill whose mask is "causal + padding + window W by slot" runs
+  ``varlen_attention`` with ``window_left = W - 1`` (the window is checked against the mask, and
+  any other mask falls back to SDPA); the paged paths pass ``window_left = W - 1`` to
   ``ragattn.paged_attention``.
 * With no mask (an unpadded batch) the path has no host sync and builds its index tensors once
   per shape, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
@@ -250,6 +251,16 @@ def _cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module):
     """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
     ``kf[start:start + length]`` (a view), GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
     b, hq, q, d = query.shape
+    hkv = kf.shape[1]
+    if b == 1 and q == 1 and rows_plan[0][2] is None and rows_plan[0][1] > 0:
+        # decode, every slot visible (the common case): no mask, no output buffer to fill, SDPA's
+        # [1, Hq, 1, D] viewed as the [1, 1, Hq, D] result
+        start, length, _ = rows_plan[0]
+        k = kf[start:start + length].permute(1, 0, 2)[None]
+        v = vf[start:start + length].permute(1, 0, 2)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scaling,
+                                                             enable_gqa=hq != hkv)
+        return o.view(1, 1, hq, d)
     out = query.new_zeros(b, q, hq, d)
     for i, (start, length, mask) in enumerate(rows_plan):
         if length == 0:
@@ -326,7 +337,7 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
 class _Plan:
     """Index tensors shared by every layer of one forward (see the module docstring)."""
     __slots__ = ("key", "mask", "fallback", "kv_end", "cu_q", "cu_k", "q_pos", "kv_pos",
-                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view")
+                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view", "window_left")
 
 
 _local = threading.local()
@@ -368,12 +379,14 @@ def _plan(module, query, key, attention_mask, kwargs):
     b, hq, q, d = query.shape
     kv = key.shape[2]
     dev = query.device
-    shape_key = (b, q, kv, dev)
+    window_left = _window_left(module, kwargs)
+    shape_key = (b, q, kv, dev, window_left)
     plan = _cached_plan(getattr(module, "layer_idx", 0), shape_key, attention_mask)
     if plan is not None:
         return plan
     plan = _Plan()
     plan.key, plan.mask, plan.fallback, plan.page_view = shape_key, attention_mask, False, None
+    plan.window_left = window_left
     if attention_mask is None:
         if q > 1:   # SDPA's is_causal: top-left aligned, keys past the last query never seen
             plan.kv_end = min(q, kv)
@@ -406,7 +419,10 @@ def _plan(module, query, key, attention_mask, kwargs):
     # prefill: row slot = last visible key; key valid = seen by some row; must be causal + padding
     last = torch.where(vis, slot, -1).amax(-1)                          # [B, q]
     kv_ok = vis.any(1)                                                  # [B, kv]
-    structured = (vis == (kv_ok[:, None, :] & (slot <= last[..., None]))).all()
+    allowed = kv_ok[:, None, :] & (slot <= last[..., None])
+    if window_left >= 0:    # transformers' sliding window, by slot: last - W < slot
+        allowed &= slot >= last[..., None] - window_left
+    structured = (vis == allowed).all()
     if torch.compiler.is_compiling():
         # no host sync in a graph: a mask that is not causal + padding is refused, not approximated
         torch._assert_async(structured, "ragattn attention: under torch.compile the attention mask "
@@ -500,7 +516,8 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
         return o[:, None], None
     e = plan.kv_end
     o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key[:, :, :e]), _rows_view(value[:, :, :e]),
-                                 plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos, None, None, True, scaling)
+                                 plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos, None, None, True, scaling,
+                                 plan.window_left)
     return o.view(b, q, hq, d), None
 
 
