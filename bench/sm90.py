@@ -150,10 +150,28 @@ class TritonSpec:
     grid: Tuple[int, ...]
     ints: Dict[str, int] = dataclasses.field(default_factory=dict)
     loop: bool = True  # has a main loop over key/query tiles (pipelining applies)
+    costs: Optional[List[int]] = None  # per program in launch order: main-loop trips + 1 (varlen)
 
     @property
     def label(self) -> str:
         return f"{self.kernel} [{self.case}]"
+
+
+def schedule_balance(costs: List[int], slots: int) -> float:
+    """Modelled load balance of a launch: programs start in launch order on the first free of
+    ``slots`` CTA slots and run for their cost; returns (total / slots) / makespan (1.0: perfect)."""
+    import heapq
+
+    free = [0] * slots
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return round(sum(costs) / slots / max(max(free), 1), 3)
+
+
+def _varlen_costs(csr, heads: int) -> List[int]:
+    """Main-loop trips + 1 of each program of a varlen launch, grid (heads, items): item-major."""
+    trips = (csr.work[:, 5] - csr.work[:, 3] + 1).tolist()
+    return [t for t in trips for _ in range(heads)]
 
 
 def _fn(kernel: str):
@@ -161,6 +179,17 @@ def _fn(kernel: str):
 
     mod, name = kernel.rsplit(".", 1)
     return getattr(importlib.import_module("ragattn.triton_kernels." + mod), name)
+
+
+def _varlen_bench_plan(va, n_chunks: int, chunk: int, tail: int, bm: int, bn: int, backward: bool, slots):
+    """The varlen launcher's plan for bench_varlen_attention's GPU problem (CPU tensors: only its shape counts)."""
+    import torch
+
+    L = n_chunks * chunk + tail
+    cu = torch.tensor([0, L], dtype=torch.int32)
+    blk = torch.cat([torch.arange(n_chunks).repeat_interleave(chunk), torch.full((tail,), -1)]).to(torch.int32)
+    return va.build_plan(cu, cu, None, None, blk, blk, L, L, block_m=bm, block_n=bn, causal=True, window_left=-1,
+                         backward=backward, split_slots=slots)
 
 
 def triton_specs() -> List[TritonSpec]:
@@ -178,30 +207,39 @@ def triton_specs() -> List[TritonSpec]:
     bf16 = torch.bfloat16
     specs: List[TritonSpec] = []
 
-    # varlen_attention (bench_varlen_attention _shape("gpu")): one packed sequence of chunk blocks + tail
+    # varlen_attention (bench_varlen_attention _shape("gpu")): one packed sequence of chunk blocks + tail;
+    # the grid is the launcher's own plan for that shape (work items: query tiles, long rows split)
     H, Hkv, D = 32, 8, 128
     prec = va._prec(torch.empty(0, dtype=bf16, device="meta"))
-    ints_va = {n: "*i32" for n in ("QPos", "KPos", "QBlk", "KBlk", "CuQ", "CuK", "QTileSeq", "QTileStart", "QMeta",
-                                   "KTileOff", "KMeta", "KSearch", "KTileSeq", "KTileStart", "QTileOff", "QSearch")}
-    types_va = dict(ints_va, **{n: "*bf16" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")},
-                    Lse="*fp32", Delta="*fp32", qk_scale="fp32", sm_scale="fp32")
-    for n_chunks, chunk, name in [(64, 500, "fwd_chunks64x500+50"), (8, 4096, "fwd_chunks8x4096+50")]:
-        L = n_chunks * chunk + 50
-        bm, bn, warps, stages = va._config(D, backward=False)
-        consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True, WINDOW=False, UPCAST=False, PREC=prec,
-                      STEPS=va._steps(triton.cdiv(L, bn)))
-        specs.append(TritonSpec("varlen_attention._fwd_kernel", f"varlen_attention/{name}", True, consts, types_va,
-                                warps, stages, (triton.cdiv(L, bm), H), dict(num_batch=1, num_heads=H, window_left=0)))
-    L = 64 * 500 + 50
-    bm, bn, warps, stages = va._config(D, backward=True)
-    consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True, WINDOW=False, UPCAST=False, PREC=prec,
-                  STEPS=va._steps(max(triton.cdiv(L, bm), triton.cdiv(L, bn))))
-    case = "varlen_attention/bwd_chunks64x500+50"
-    ints = dict(num_batch=1, num_heads=H, window_left=0)  # no window: the launcher passes max(-1, 0)
-    specs.append(TritonSpec("varlen_attention._bwd_dq_kernel", case, False, consts, types_va, warps, stages,
-                            (triton.cdiv(L, bm), H), ints))
-    specs.append(TritonSpec("varlen_attention._bwd_dkdv_kernel", case, False, consts, types_va, warps, stages,
-                            (triton.cdiv(L, bn), Hkv), ints))
+    types_va = {n: "*i32" for n in ("QPos", "KPos", "QBlk", "KBlk", "Work", "KvRows", "QRows")}
+    types_va.update({n: "*bf16" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")},
+                    Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32")
+    ints_va = dict(num_heads=H, window_left=0)  # no window: the launcher passes max(-1, 0)
+    for n_chunks, chunk, name, kernels in [(64, 500, "fwd_chunks64x500+50", ("fwd",)),
+                                            (8, 4096, "fwd_chunks8x4096+50", ("fwd",)),
+                                            (64, 500, "bwd_chunks64x500+50", ("dq", "dkdv"))]:
+        for kernel in kernels:
+            bm, bn, warps, stages = va._config(D, kernel, bf16)
+            plan = _varlen_bench_plan(va, n_chunks, chunk, 50, bm, bn, kernel == "dkdv",
+                                      2 * sms / H if kernel == "fwd" else None)
+            consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True,
+                          WINDOW=False, UPCAST=False, PREC=prec)
+            fn, grid = {"fwd": ("_fwd_kernel", (H, plan.by_q.items)), "dq": ("_bwd_dq_kernel", (H, plan.by_q.items)),
+                        "dkdv": ("_bwd_dkdv_kernel", (Hkv, plan.by_k.items if plan.by_k else 0))}[kernel]
+            csr = plan.by_k if kernel == "dkdv" else plan.by_q
+            specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name}", kernel == "fwd", consts,
+                                    types_va, warps, stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
+            if plan.by_q.split_tiles and kernel == "fwd":  # the merge of split rows
+                block_h = triton.next_power_of_2(H)
+                rows = plan.by_q.split_tiles * bm
+                specs.append(TritonSpec(
+                    "merge_attention_states._merge_split_kernel", f"varlen_attention/{name}", True,
+                    dict(BLOCK_S=max(2, triton.next_power_of_2(plan.by_q.max_splits)), BLOCK_H=block_h, BLOCK_D=D),
+                    {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*bf16", "lse": "*fp32"},
+                    mas._num_warps(block_h, D), 3, (rows,),
+                    dict(stride_ps=rows * H * D, stride_pt=H * D, stride_ph=D, stride_ls=rows * H, stride_lt=H,
+                         stride_ot=H * D, stride_oh=D, stride_lot=H, num_splits=plan.by_q.max_splits, num_heads=H,
+                         head_dim=D), loop=False))
 
     # paged_attention (bench_paged_attention, gpu): sparse prefill, decode, windowed decode; bf16 d128 page 16
     types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
@@ -292,6 +330,7 @@ def analyse_triton(spec: TritonSpec) -> dict:
         warps_per_sm=ctas * spec.num_warps,
         cp_async="cp.async" in ptx, tma="cp.async.bulk" in ptx,
         waves=round(math.prod(spec.grid) / (ctas * H100["sms"]), 2) if ctas else None,
+        balance=schedule_balance(spec.costs, ctas * H100["sms"]) if spec.costs and ctas else None,
     )
 
 
@@ -380,6 +419,32 @@ def analyse_cuda(select: Optional[List[str]] = None) -> List[dict]:
     return rows
 
 
+def verify_draft_cluster_size(batch: int, sms: int = H100["sms"], cc_major: int = 9) -> int:
+    """CTAs per batch row of the verify_draft kernel: the launcher's rule
+    (``verify_draft_cluster_size`` in csrc/speculative/verify_draft_kernels.cuh, mirrored here)."""
+    c = 1
+    if cc_major < 9:
+        return c
+    while c < 8 and batch * c < sms:
+        c *= 2
+    return c
+
+
+def verify_draft_coverage(cuda_rows: List[dict]) -> List[dict]:
+    """SM coverage of the verify_draft launches at the benchmark's batch sizes (modelled): grid =
+    batch x cluster size CTAs; a grid of at least one CTA per SM, at the kernel's CTAs/SM, occupies
+    min(grid, 132) SMs in one wave (the block scheduler spreads CTAs over idle SMs first)."""
+    vd = [r for r in cuda_rows if "verify_draft_kernel" in r["kernel"]]
+    per_sm = min((r["ctas_per_sm"] for r in vd), default=None)
+    rows = []
+    for b in (1, 8, 64):
+        c = verify_draft_cluster_size(b)
+        grid = b * c
+        rows.append(dict(batch=b, cluster=c, ctas=grid, sms_used=min(grid, H100["sms"]), ctas_per_sm=per_sm,
+                         waves=math.ceil(grid / (H100["sms"] * per_sm)) if per_sm else None))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # roofline (modelled)
 
@@ -422,11 +487,15 @@ def roofline_cases() -> List[dict]:
         kv = N * layers * Hkv * D * bf
         cases.append(dict(case=f"kv_cache/rerotate_keys_ {tag}", bytes=2 * kv, flops=None))
         cases.append(dict(case=f"kv_cache/copy_kv_ {tag}", bytes=2 * 2 * kv, flops=None))
-    for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft (fp32 logits), eta 0
-        # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads)
-        per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4
+    for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft: bf16 logits, fp32 draft probs
+        # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads); eta 0 reads
+        # draft probs only at the draft tokens, eta > 0 every drafted row (max q, p_hat)
+        per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4 + g * 4
+        logits = b * (g + 1) * vocab * bf
         cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta0 (all accepted)",
-                          bytes=float(b * (g + 1) * vocab * 4 + b * per_row), flops=None))
+                          bytes=float(logits + b * per_row), flops=None))
+        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta10 (all accepted)",
+                          bytes=float(logits + b * g * vocab * 4 + b * per_row), flops=None))
     for c in cases:
         t_mem = c["bytes"] / H100["hbm_bytes_per_s"]
         t_math = (c["flops"] or 0.0) / H100["bf16_flops_per_s"]
@@ -454,8 +523,8 @@ def build_report(workers: int = 2) -> dict:
         note="Static report: compiled for sm_90 without a GPU. regs/spills/smem/cp.async are measured from the "
              "compilers; ctas_per_sm, waves and the roofline are modelled from the H100's limits. Nothing ran on a GPU.",
         triton=triton.__version__, nvcc=nvcc_version(), commit=_git_commit(), h100=H100,
-        triton_kernels=triton_report_subprocess(workers=workers), cuda_kernels=analyse_cuda(),
-        roofline=roofline_cases(),
+        triton_kernels=triton_report_subprocess(workers=workers), cuda_kernels=(cuda := analyse_cuda()),
+        verify_draft_coverage=verify_draft_coverage(cuda), roofline=roofline_cases(),
     )
 
 
@@ -472,14 +541,14 @@ def to_markdown(r: dict) -> str:
         "roofline are **modelled** from the H100's limits (65536 regs, 228 KB smem, 2048 threads, 32 CTAs per SM; "
         "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense).", "",
         "## Triton kernels (benchmark GPU shapes, launcher configs)", "",
-        "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves | balance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k in r["triton_kernels"]:
         pipe = _yn(k["cp_async"]) + ("" if k["has_main_loop"] else " (no loop)")
         lines.append(f"| `{k['kernel']}` | {k['case']} | {k['num_warps']} | {k['num_stages']} | {k['regs']} | "
                      f"{k['spill_stores']}/{k['spill_loads']} | {k['smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
-                     f"{pipe} | {tuple(k['grid'])} | {k['waves']} |")
+                     f"{pipe} | {tuple(k['grid'])} | {k['waves']} | {k.get('balance') or '-'} |")
     lines += ["", "## CUDA kernels (`csrc/**/*_kernels.cu`, sm_90a, at `__launch_bounds__`)", ""]
     if not r["cuda_kernels"]:
         lines.append("nvcc absent: not compiled.")
@@ -489,9 +558,14 @@ def to_markdown(r: dict) -> str:
         for k in r["cuda_kernels"]:
             lines.append(f"| `{k['kernel']}` | {k['file']} | {k['threads']} | {k['regs']} | "
                          f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) |")
-        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch. "
-                  f"`verify_draft` launches one CTA per batch row (grid = (batch,)): at B=64 it occupies 64 of the "
-                  f"{H100['sms']} SMs (modelled)."]
+        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch.", "",
+                  "`verify_draft` launches a thread-block cluster of C CTAs per batch row (C = 1, 2, 4, 8: the smallest "
+                  "giving at least one CTA per SM; each CTA owns kSlices / C of the 8 vocabulary slices, exchanged "
+                  "through distributed shared memory). SM coverage at the benchmark's batch sizes (modelled):", "",
+                  "| batch | CTAs per row | grid (CTAs) | SMs used | CTAs/SM | waves |", "|---|---|---|---|---|---|"]
+        for c in r.get("verify_draft_coverage", []):
+            lines.append(f"| {c['batch']} | {c['cluster']} | {c['ctas']} | {c['sms_used']} of {H100['sms']} | "
+                         f"{c['ctas_per_sm']} | {c['waves']} |")
     lines += ["", "## Roofline lower bounds (modelled)", "",
               "| case | bytes | FLOPs | FLOP/B | memory us | compute us | lower bound us | bound |",
               "|---|---|---|---|---|---|---|---|"]

@@ -92,8 +92,6 @@ def _lens(pos):
 @pytest.mark.parametrize("backend", ["triton", "default"])
 @pytest.mark.parametrize("mask, causal, ratio, dim, dtype, pos", _grid())
 def test_forward_matches_reference(device, seed, backend, monkeypatch, mask, causal, ratio, dim, dtype, pos):
-    if backend == "default" and device.type == "cpu" and (mask, causal) not in {("chunks", True), ("random", False), ("many", True)}:
-        pytest.skip("default CPU path is the reference itself: a few cases suffice")
     use_kernel_backend(monkeypatch, device, backend)
     lens_q, lens_k = _lens(pos)
     hkv = 1 if ratio == 8 else 2
@@ -123,8 +121,6 @@ def test_forward_matches_reference(device, seed, backend, monkeypatch, mask, cau
 )
 @pytest.mark.parametrize("backend", ["triton", "default"])
 def test_gradients_match_reference(device, backend, monkeypatch, mask, causal, ratio, dim, dtype, pos):
-    if backend == "default" and device.type == "cpu" and mask != "chunks":
-        pytest.skip("default CPU path is the reference's autograd: one case suffices")
     use_kernel_backend(monkeypatch, device, backend)
     lens_q, lens_k = _lens(pos)
     hkv = 1 if ratio == 8 else 2
@@ -168,24 +164,22 @@ def test_kernel_small_tiles(device, mask, causal):
 
 def test_tile_metadata_skips(device):
     """Metadata of independent chunks: the tile pairs of different chunks cannot meet."""
-    from ragattn.triton_kernels.varlen_attention import tile_metadata
+    from ragattn.triton_kernels.varlen_attention import tile_metadata, tile_pairs
 
     cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
     pos = torch.arange(64, dtype=torch.int32, device=device)
     blk = (pos // 16).int()
     blk[48:] = -1
-    off, seq, start, meta, search = tile_metadata(cu, pos, blk, 64, 16)
-    assert off.tolist() == [0, 4] and seq.tolist()[:4] == [0, 0, 0, 0] and start.tolist()[:4] == [0, 16, 32, 48]
+    off, seq, start, meta = tile_metadata(cu, pos, blk, 64, 16)
+    assert off.tolist() == [0, 4] and seq.tolist() == [0, 0, 0, 0] and start.tolist() == [0, 16, 32, 48]
     assert meta[1].tolist() == [16, 31, 1, 1, 0]
     assert meta[3].tolist() == [48, 63, 2**31 - 1, -(2**31), 1]
-    # search columns: prefix max of max block, suffix min of min block, next global tile,
-    # suffix min of min position, prefix max of max position (what the kernels binary-search)
-    assert search[:4].tolist() == [
-        [0, 0, 3, 0, 15],
-        [1, 1, 3, 16, 31],
-        [2, 2, 3, 32, 47],
-        [2, 2**31 - 1, 3, 48, 63],
-    ]
+    qt, kt = torch.cartesian_prod(torch.arange(4), torch.arange(4)).unbind(1)
+    any_vis, all_vis = tile_pairs(meta, meta, qt, kt, True, -1)
+    # chunk tiles see themselves (the diagonal: partially, causal) and nothing else; the global
+    # tile sees every earlier tile in full and itself partially
+    assert any_vis.view(4, 4).int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [1, 1, 1, 1]]
+    assert all_vis.view(4, 4).int().tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]]
 
 
 def test_basic_causal_matches_sdpa(device):
@@ -274,20 +268,19 @@ import ragattn.triton_kernels.varlen_attention as va
 from tests.helpers import SM90_CASES, compile_many_sm90
 
 assert not va._INTERPRET
-ints = ("QPos", "KPos", "QBlk", "KBlk", "CuQ", "CuK", "QTileSeq", "QTileStart", "QMeta", "KTileOff", "KMeta",
-        "KSearch", "KTileSeq", "KTileStart", "QTileOff", "QSearch")
+ints = ("QPos", "KPos", "QBlk", "KBlk", "Work", "KvRows", "QRows")
 jobs = []
 for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
     types = {n: "*i32" for n in ints}
     types.update({n: "*" + elt for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")})
-    types.update(Lse="*fp32", Delta="*fp32", qk_scale="fp32", sm_scale="fp32")
-    for backward, kernels in [(False, (va._fwd_kernel,)), (True, (va._bwd_dq_kernel, va._bwd_dkdv_kernel))]:
-        bm, bn, warps, stages = va._config(head_dim, backward)
+    types.update(Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32")
+    for backward, kernel, fn in [(False, "fwd", va._fwd_kernel), (True, "dq", va._bwd_dq_kernel), (True, "dkdv", va._bwd_dkdv_kernel)]:
+        bm, bn, warps, stages = va._config(head_dim, kernel, dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[elt])
         consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=va.block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True,
-                      WINDOW=True, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32", STEPS=8)
+                      WINDOW=True, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32")
         if head_dim == 96 and backward:
             continue
-        jobs += [(fn, consts, types, dict(num_warps=warps, num_stages=stages)) for fn in kernels]
+        jobs.append((fn, consts, types, dict(num_warps=warps, num_stages=stages)))
     if head_dim == 256:  # the tiny delta kernel: its largest rows only
         jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK=64), types, {}))
 compile_many_sm90(jobs)
@@ -317,8 +310,6 @@ def test_kernels_compile_for_sm90():
     ],
 )
 def test_sliding_window_matches_reference(device, seed, backend, monkeypatch, mask, causal, window, ratio, dtype, pos):
-    if backend == "default" and device.type == "cpu" and window not in (5, 6):
-        pytest.skip("default CPU path is the reference itself: a few cases suffice")
     use_kernel_backend(monkeypatch, device, backend)
     lens_q, lens_k = _lens(pos)
     hkv = 1 if ratio == 8 else 2
@@ -609,3 +600,201 @@ def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
     want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], None, 9, upcast=False)[0], llp, dout)
     for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
         assert_precision(g, w64, wlp, what=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 15.2: the launch plan (visible key tiles per query tile, longest first, split long rows)
+# ----------------------------------------------------------------------------------------------
+def _tile_visibility(args, bm, bn):
+    """Dense [q tiles, k tiles] any/all visibility (all: every pair visible and the key tile full)."""
+    from ragattn.reference.varlen_attention import visible_mask
+
+    q, k, _, cu_q, cu_k, q_pos, kv_pos, q_blk, kv_blk, causal = args[:10]
+    window = args[11] if len(args) > 11 else -1
+    anys, alls, q_tiles, k_tiles = [], [], [], []
+    for b in range(cu_q.numel() - 1):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qp = torch.arange(qe - qs, dtype=torch.int32) if q_pos is None else q_pos[qs:qe]
+        kp = torch.arange(ke - ks, dtype=torch.int32) if kv_pos is None else kv_pos[ks:ke]
+        qb = torch.full((qe - qs,), -1, dtype=torch.int32) if q_blk is None else q_blk[qs:qe]
+        kb = torch.full((ke - ks,), -1, dtype=torch.int32) if kv_blk is None else kv_blk[ks:ke]
+        vis = visible_mask(qp, kp, qb, kb, causal, window)
+        for i in range(0, qe - qs, bm):
+            for j in range(0, ke - ks, bn):
+                t = vis[i:i + bm, j:j + bn]
+                q_tiles.append(qs + i)
+                k_tiles.append(ks + j)
+                anys.append(bool(t.any()))
+                alls.append(bool(t.all()) and j + bn <= ke - ks)
+    return q_tiles, k_tiles, anys, alls
+
+
+@pytest.mark.parametrize("mask, causal, pos, window", [("chunks", True, "default", -1), ("sys", False, "offset", -1),
+                                                       ("random", True, "shuffled", 5), ("many", True, "default", 9)])
+def test_plan_lists_every_visible_tile_once_longest_first(mask, causal, pos, window):
+    """The plan's work items cover exactly the visible tile pairs, fully visible ones in the
+    mask-free range, split rows in consecutive pieces, and launch in descending order of work."""
+    from ragattn.triton_kernels.varlen_attention import build_plan
+
+    lens_k = [70, 0, 33, 1, 40]
+    lens_q = [30, 0, 33, 1, 40] if pos == "offset" else lens_k
+    args = _case(lens_q, lens_k, 2, 1, 16, torch.float32, "cpu", blocks=mask, causal=causal, pos=pos,
+                 gen=torch.Generator().manual_seed(11)) + (None, window)
+    bm, bn = 16, 8
+    plan = build_plan(*args[3:9], sum(lens_q), sum(lens_k), block_m=bm, block_n=bn, causal=causal,
+                      window_left=window, backward=True, split_len=2)
+    q_tiles, k_tiles, anys, alls = _tile_visibility(args, bm, bn)
+    visible = {(qt, kt) for qt, kt, a in zip(q_tiles, k_tiles, anys) if a}
+    in_full = {(qt, kt) for qt, kt, full in zip(q_tiles, k_tiles, alls) if full}
+    for csr, swap in ((plan.by_q, False), (plan.by_k, True)):
+        work, rows = csr.work.long(), csr.rows.long()
+        sizes = (work[:, 5] - work[:, 3]).tolist()
+        assert sizes == sorted(sizes, reverse=True)  # longest first
+        got = {}
+        for start, end_row, _, e0, e1, e2, dest, _ in work.tolist():
+            assert e0 <= e1 <= e2 and start < end_row
+            for e in range(e0, e2):
+                pair = (rows[e].item(), start) if swap else (start, rows[e].item())
+                assert pair not in got, "a tile pair listed twice"
+                got[pair] = e < e1
+        # every visible pair is listed (the metadata may add a few invisible ones: min/max summaries),
+        # and a pair on the mask-free path is visible in full
+        assert visible <= set(got) and {p for p, full in got.items() if full} <= in_full
+        assert len(got) < len(q_tiles) or not causal  # and tile pairs are skipped
+        # every row tile has an item (rows with no visible tile write their zeros)
+        cu, block = (args[4], bn) if swap else (args[3], bm)
+        tiles = {int(cu[b]) + i for b in range(cu.numel() - 1) for i in range(0, int(cu[b + 1] - cu[b]), block)}
+        assert set(work[:, 0].tolist()) == tiles
+        assert len(visible) * 2 >= len(got) or mask == "random"
+    assert plan.by_q.split_tiles > 0 and plan.by_q.max_splits > 1  # split_len 2 splits long rows
+    assert plan.by_k.split_tiles == 0
+
+
+def test_plan_is_cached_for_equal_and_inference_index_tensors():
+    """A model builds new (or inference) index tensors in every layer: equal ones reuse the plan;
+    different ones do not."""
+    import ragattn.triton_kernels.varlen_attention as va
+
+    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+    blk = torch.arange(45, dtype=torch.int32) // 7
+    params = dict(block_m=16, block_n=16, causal=True, window_left=-1, backward=False, split_len=None, split_slots=None)
+    first = va._cached_plan((cu, cu, None, None, blk, blk), 45, 45, **params)
+    assert va._cached_plan((cu, cu, None, None, blk, blk), 45, 45, **params) is first
+    assert va._cached_plan((cu.clone(), cu.clone(), None, None, blk.clone(), blk.clone()), 45, 45, **params) is first
+    with torch.inference_mode():
+        inf = (cu.clone(), cu.clone(), None, None, blk.clone(), blk.clone())
+        assert va._cached_plan(inf, 45, 45, **params) is first
+        inf[4][3] = -1  # an in-place edit of an inference tensor is seen by content
+        assert va._cached_plan(inf, 45, 45, **params) is not first
+    assert va._cached_plan((cu, cu, None, None, blk, blk), 45, 45, **dict(params, causal=False)) is not first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_rows_are_merged(device, dtype):
+    """Long rows split over several programs (split_len=2 tiles) and merged: the same answer as
+    the float64 reference, including empty sequences, rows with no visible key, GQA, and masked
+    NaN/inf keys inside a split row's key range that no query of it can see."""
+    from ragattn.triton_kernels.varlen_attention import _cached_plan, varlen_attention_fwd
+
+    args = list(_case([45, 0, 3, 38], [45, 5, 0, 38], 4, 2, 64, dtype, device, blocks="chunks",
+                      gen=torch.Generator().manual_seed(17)))
+    k, v = args[1].clone(), args[2].clone()
+    # keys 7..13 form chunk 1 of sequence 0: visible to chunk 1 and the global tail (rows 39..44) only;
+    # key 40 (global tail) lies in the causal future of every row before it
+    bad = [9, 40]
+    k[bad, 0, 3] = float("nan")
+    v[bad, 1, 5] = float("inf")
+    args[1], args[2] = k, v
+    out, lse = varlen_attention_fwd(*args, None, block_m=16, block_n=16, split_len=2)
+    plan = _cached_plan(tuple(args[3:9]), 86, 88, block_m=16, block_n=16, causal=True, window_left=-1, backward=False,
+                        split_len=2, split_slots=None)
+    assert plan.by_q.split_tiles >= 2 and plan.by_q.max_splits >= 2
+    from ragattn.reference.varlen_attention import visible_mask
+
+    vis = visible_mask(torch.arange(45, dtype=torch.int32), torch.arange(45, dtype=torch.int32), args[7][:45],
+                       args[8][:45], True, -1)
+    blind = torch.cat([(~vis[:, bad].any(1)).nonzero().flatten(), torch.arange(48, 86)])  # + sequence 3
+    clean = list(args)
+    clean[1], clean[2] = clean[1].clone(), clean[2].clone()
+    clean[1][bad], clean[2][bad] = 1.0, 1.0
+    o64, l64 = ref_varlen(*_float64(clean))
+    olp, llp = ref_varlen(*clean)
+    assert torch.isfinite(out[blind]).all() and torch.isfinite(lse[blind]).all()
+    assert_precision(out[blind], o64[blind], olp[blind], what="out")
+    assert_precision(lse[blind], l64[blind], llp[blind], what="lse")
+    seen = torch.zeros(86, dtype=torch.bool)
+    seen[:45] = vis[:, bad].any(1)
+    assert seen.any() and not torch.isfinite(out[seen]).all(dim=(1, 2)).any()  # NaN propagates when seen
+    assert torch.isneginf(lse[45:48]).all() and (out[45:48] == 0).all()  # sequence 2 has no keys
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 15.3: the default CPU path's Block-Attention split (chunk blocks as short sequences of
+# their own, global rows over everything) and REFRAG's encoder layout, forward and backward
+# ----------------------------------------------------------------------------------------------
+def _block_layout(kind, n_seq_tokens, gen):
+    """Block ids of one sequence: 'block_attention' = a global system prompt of 5, chunks of 23
+    (the last one shorter), a global tail of 7; 'refrag' = independent chunks of 16 (the last
+    one shorter), no global token."""
+    if kind == "refrag":
+        return [i // 16 for i in range(n_seq_tokens)]
+    if n_seq_tokens < 20:  # a short question alone: global
+        return [-1] * n_seq_tokens
+    body = n_seq_tokens - 5 - 7
+    return [-1] * 5 + [i // 23 for i in range(body)] + [-1] * 7
+
+
+@pytest.mark.parametrize("kind, causal, dtype, ratio", [
+    ("block_attention", True, torch.bfloat16, 3),
+    ("block_attention", False, torch.float32, 1),
+    ("refrag", False, torch.float16, 4),
+])
+def test_block_split_path_matches_reference(kind, causal, dtype, ratio):
+    """Sequences long enough that the default CPU path splits them into per-chunk calls (checked),
+    with an empty and a length-1 sequence beside them: out, lse, dq, dk, dv vs float64."""
+    from ragattn.ops import _varlen_sdpa_cpu
+
+    gen = torch.Generator().manual_seed(21)
+    lens = [131, 0, 1, 97]
+    hkv = 2
+    args = list(_case(lens, lens, hkv * ratio, hkv, 64, dtype, "cpu", causal=causal, gen=gen))
+    blk = torch.tensor(sum((_block_layout(kind, n, gen) for n in lens), []), dtype=torch.int32)
+    args[7], args[8] = blk, blk.clone()
+    groups = _varlen_sdpa_cpu.plan(args[3], args[4], None, None, args[7], args[8], causal, -1, sum(lens), sum(lens))
+    assert len(groups) >= 2 or kind == "refrag", "the split path was not taken"
+    assert groups[-1].q_idx.shape[0] > 2, "chunks were not batched as sequences of their own"
+    out, lse = ragattn.varlen_attention(*args)
+    o64, l64 = ref_varlen(*_float64(args))
+    o_lp, l_lp = ref_varlen(*args, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64))
+    dout = randn_nonzero(*out.shape, dtype=dtype, generator=torch.Generator().manual_seed(22))
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
+    l64s = [t.double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)
+
+
+def test_block_split_path_never_reads_masked_nan():
+    """A NaN in the K/V of a chunk another chunk's rows cannot see stays out of those rows on the
+    split path (the fused kernel would read it: the result is recomputed by the reference)."""
+    gen = torch.Generator().manual_seed(23)
+    lens = [131]
+    args = list(_case(lens, lens, 4, 2, 64, torch.float32, "cpu", gen=gen))
+    blk = torch.tensor(_block_layout("block_attention", 131, gen), dtype=torch.int32)
+    args[7], args[8] = blk, blk.clone()
+    want, want_lse = ref_varlen(*_float64(args))
+    bad = 5 + 23 + 4  # a token of chunk 1
+    args[1][bad, 1, 3] = float("nan")
+    args[2][bad, 0, 9] = float("nan")
+    out, lse = ragattn.varlen_attention(*args)
+    # rows that see the token: its chunk's and the global tail's, at or after it (causal)
+    blind = ~((torch.arange(131) >= bad) & ((blk == 1) | (blk == -1)))
+    assert torch.isfinite(out[blind]).all() and torch.isfinite(lse[blind]).all()
+    assert max_abs_err(out[blind], want[blind]) < 1e-4
+    assert not torch.isfinite(out[~blind]).all(dim=(1, 2)).any()

@@ -6,30 +6,41 @@ Query ``i`` sees key ``j`` of the same sequence iff ``(not causal or kv_pos[j] <
 
 Masked keys are never read into a sum: in partially visible tile pairs the scores are selected
 (``where``), not multiplied by a 0/1 mask, and the second dot of each pair (P@V, dS@K, P^T@dO,
-dS^T@Q) zeroes non-finite operands first (``_dot_visible``), because 0 * NaN is NaN. Fully
-visible tile pairs take the unchanged fast path.
+dS^T@Q) zeroes non-finite operands first (``_dot_finite``), because 0 * NaN is NaN; the forward
+puts NaN back where a visible value was non-finite (``_dot_visible``: issue 14's per-element
+rule; gradients are specified for finite visible inputs only). Fully visible tile pairs take the
+fast path without any mask.
 
-The mask is never materialised. Each query tile and key tile gets five numbers of metadata
-(min/max position, min/max non-global block id, "has a global token"); a program skips every
-tile pair whose blocks cannot meet or whose keys all lie in the causal future or left of every
-query's sliding window, and drops the
-element-wise mask for tile pairs that are visible in full. Block-Attention's 64 chunks of 500
-tokens therefore cost about what 64 independent 500-token prefills cost.
+The mask is never materialised. A plan (``VarlenPlan``, built once per index tensors on the
+host, cached) summarises each query and key tile by five numbers (min/max position, min/max
+non-global block id, "has a global token") and lists, per query tile, the key tiles that can be
+visible to it (a CSR): first the ones visible in full, then the partially visible ones. The
+kernels run two plain ``for`` loops over that list (the mask-free one, then the masked one), so
+Triton software-pipelines the K/V loads (``cp.async``, ``num_stages``). Work items launch
+longest first, and a query tile that sees many key tiles (a global question block) is split over
+several programs whose partial (out, lse) are merged by ``merge_attention_states``' split kernel.
+Block-Attention's 64 chunks of 500 tokens therefore cost about what 64 independent 500-token
+prefills cost, and the global tail runs beside them instead of after them.
 
 Layout: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (contiguous), GQA by index
 (query head ``h`` reads kv head ``h // GROUP``). Work is split as in FlashAttention-2:
-forward and dq one program per (query tile, query head), dk/dv one program per (key tile, kv
-head) looping over the group's query heads, so no atomics are needed.
+forward and dq one program per (query head, work item), dk/dv one program per (kv head, key
+tile) looping over the group's query heads, so no atomics are needed (the backward does not
+split rows).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from ragattn.triton_kernels.merge_attention_states import merge_split_states
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -38,176 +49,204 @@ _INT_MAX = 2**31 - 1
 _INT_MIN = -(2**31)
 _LOG2E = 1.4426950408889634
 _META = 5  # min_pos, max_pos, min_block (non-global), max_block (non-global), has_global
+_WORK = 8  # a work item: row start, row end (sequence), other side's end, e_start, e_mid, e_end, dest, 0
+_PAIR_CHUNK = 1 << 22  # tile pairs examined at once while planning (bounds the plan's memory)
 
 
 # ----------------------------------------------------------------------------------------------
-# Tile metadata (plain torch, no host sync: the tile count is bounded by total // BLOCK + batch)
+# The plan (plain torch on the inputs' device; syncs with the host, built once per index tensors)
 # ----------------------------------------------------------------------------------------------
 def tile_metadata(cu: torch.Tensor, pos: torch.Tensor, blk: torch.Tensor, total: int, block: int):
     """Split each sequence of ``cu`` into tiles of ``block`` rows and summarise each tile.
 
-    Returns ``tile_off`` int32 ``[B + 1]`` (sequence ``b`` owns tiles ``tile_off[b]:tile_off[b+1]``),
-    ``tile_seq`` int32 ``[T]`` (``B`` for the unused tail of the upper bound ``T``), ``tile_start``
-    int32 ``[T]`` (first row), ``meta`` int32 ``[T, 5]`` and ``search`` int32 ``[T, 5]``: within each
-    sequence, the prefix max of the tiles' max block, the suffix min of their min block, the next
-    tile holding a global token (INT_MAX if none), the suffix min of min position and the prefix
-    max of max position. All five are non-decreasing along a sequence's tiles, so a program finds
-    the only tiles that can be visible to it by binary search instead of visiting every tile.
+    Returns ``tile_off`` int64 ``[B + 1]`` (sequence ``b`` owns tiles ``tile_off[b]:tile_off[b+1]``),
+    ``tile_seq`` int64 ``[T]``, ``tile_start`` int64 ``[T]`` (first row) and ``meta`` int64 ``[T, 5]``:
+    min/max position, min/max non-global block id (INT_MAX/INT_MIN if none) and "has a global
+    token" (0/1). ``T`` is the exact tile count (one host sync).
     """
     dev = cu.device
-    batch = cu.numel() - 1
     cu64 = cu.long()
     ntiles = (cu64[1:] - cu64[:-1] + block - 1) // block
-    tile_end = torch.cumsum(ntiles, 0)
-    tile_off = torch.cat([tile_end.new_zeros(1), tile_end])
-    num_tiles = total // block + batch  # each sequence adds at most one partial tile
+    tile_off = torch.cat([ntiles.new_zeros(1), torch.cumsum(ntiles, 0)])
+    num_tiles = int(tile_off[-1])
     t = torch.arange(num_tiles, device=dev)
-    tile_seq = torch.searchsorted(tile_end, t, right=True)
-    seq_c = tile_seq.clamp(max=max(batch - 1, 0))
-    tile_start = cu64[seq_c] + (t - tile_off[seq_c]) * block
+    tile_seq = torch.searchsorted(tile_off[1:], t, right=True)
+    tile_start = cu64[tile_seq] + (t - tile_off[tile_seq]) * block
 
     tok = torch.arange(total, device=dev)
     tok_seq = torch.searchsorted(cu64[1:], tok, right=True)
     tok_tile = tile_off[tok_seq] + (tok - cu64[tok_seq]) // block
     glob = blk == -1
-    meta = torch.empty(num_tiles, _META, dtype=torch.int32, device=dev)
+    meta = torch.empty(num_tiles, _META, dtype=torch.long, device=dev)
     fill = (_INT_MAX, _INT_MIN, _INT_MAX, _INT_MIN, 0)
     vals = (
         (pos, "amin"),
         (pos, "amax"),
         (torch.where(glob, _INT_MAX, blk), "amin"),
         (torch.where(glob, _INT_MIN, blk), "amax"),
-        (glob.to(torch.int32), "amax"),
+        (glob.long(), "amax"),
     )
     for i, ((src, how), f) in enumerate(zip(vals, fill)):
-        col = torch.full((num_tiles,), f, dtype=torch.int32, device=dev)
-        meta[:, i] = col.scatter_reduce(0, tok_tile, src.to(torch.int32), how, include_self=True)
-
-    # Segmented scans: offset each sequence by 2^34 so that no value crosses a sequence boundary.
-    seg = tile_seq * (1 << 34)
-
-    def prefix_max(x):
-        return torch.cummax(x.long() + seg, 0).values - seg
-
-    def suffix_min(x):
-        return torch.flip(torch.cummin(torch.flip(x.long() + seg, [0]), 0).values, [0]) - seg
-
-    search = torch.stack(
-        [
-            prefix_max(meta[:, 3]),
-            suffix_min(meta[:, 2]),
-            suffix_min(torch.where(meta[:, 4] != 0, t, _INT_MAX)),
-            suffix_min(meta[:, 0]),
-            prefix_max(meta[:, 1]),
-        ],
-        dim=1,
-    ).to(torch.int32).contiguous()
-    return tile_off.int(), tile_seq.int(), tile_start.int(), meta, search
+        col = torch.full((num_tiles,), f, dtype=torch.long, device=dev)
+        meta[:, i] = col.scatter_reduce(0, tok_tile, src.long(), how, include_self=True)
+    return tile_off, tile_seq, tile_start, meta
 
 
-@triton.jit
-def _search(Arr, col: tl.constexpr, lo, hi, value, STRICT: tl.constexpr, STEPS: tl.constexpr):
-    """First tile t in [lo, hi) with Arr[t, col] >= value (> value if STRICT), else hi.
-
-    Arr[:, col] is non-decreasing on [lo, hi) (a prefix max / suffix min of tile_metadata)."""
-    a = lo
-    b = hi
-    for _ in range(STEPS):
-        go = a < b
-        mid = (a + b) // 2
-        v = tl.load(Arr + mid * 5 + col, mask=go, other=0)
-        if STRICT:
-            right = go & (v <= value)
-        else:
-            right = go & (v < value)
-        a = tl.where(right, mid + 1, a)
-        b = tl.where(go & (right == 0), mid, b)
-    return a
-
-
-@triton.jit
-def _next_candidate(Arr, x, a, b, end):
-    """Smallest tile >= x that is global or inside the block-overlap range [a, b); end if none."""
-    next_global = tl.load(Arr + x * 5 + 2, mask=x < end, other=end)
-    nb = tl.where(x < a, a, x)
-    nb = tl.where(nb < b, nb, end)
-    return tl.minimum(tl.minimum(next_global, nb), end)
-
-
-@triton.jit
-def _kv_candidates(QMeta, q_tile, KSearch, lo, hi, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                   STEPS: tl.constexpr):
-    """For a query tile: (first, a, b, end) so that only global key tiles and tiles in [a, b), all in
-    [first, end), can be visible. end: first key tile entirely in the causal future of every query;
-    first: first key tile not entirely left of every query's window."""
-    first = lo
-    if WINDOW:  # key tiles whose running max position is below the window start cannot be seen
-        q_min_pos = tl.load(QMeta + q_tile * 5 + 0).to(tl.int64)
-        first = _search(KSearch, 4, lo, hi, q_min_pos - window_left, False, STEPS)
-    q_max_pos = tl.load(QMeta + q_tile * 5 + 1)
-    q_bmin = tl.load(QMeta + q_tile * 5 + 2)
-    q_bmax = tl.load(QMeta + q_tile * 5 + 3)
-    q_glob = tl.load(QMeta + q_tile * 5 + 4)
-    end = hi
-    if CAUSAL:
-        end = _search(KSearch, 3, lo, hi, q_max_pos, True, STEPS)
-    a = _search(KSearch, 0, lo, hi, q_bmin, False, STEPS)
-    b = tl.minimum(_search(KSearch, 1, lo, hi, q_bmax, True, STEPS), end)
-    a = tl.where(q_glob != 0, lo, a)  # global queries see every block
-    b = tl.where(q_glob != 0, end, b)
-    return first, a, b, end
-
-
-@triton.jit
-def _q_candidates(KMeta, k_tile, QSearch, lo, hi, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                  STEPS: tl.constexpr):
-    """For a key tile: (start, a, b, stop) so that only global query tiles and tiles in [a, b), all
-    in [start, stop), can see it. start: first query tile not entirely in the causal past of every
-    key; stop: first query tile whose every query's window starts right of every key."""
-    stop = hi
-    if WINDOW:  # query tiles whose running min position exceeds max key position + window
-        k_max_pos = tl.load(KMeta + k_tile * 5 + 1).to(tl.int64)
-        stop = _search(QSearch, 3, lo, hi, k_max_pos + window_left, True, STEPS)
-    k_min_pos = tl.load(KMeta + k_tile * 5 + 0)
-    k_bmin = tl.load(KMeta + k_tile * 5 + 2)
-    k_bmax = tl.load(KMeta + k_tile * 5 + 3)
-    k_glob = tl.load(KMeta + k_tile * 5 + 4)
-    start = lo
-    if CAUSAL:
-        start = _search(QSearch, 4, lo, hi, k_min_pos, False, STEPS)
-    a = tl.maximum(_search(QSearch, 0, lo, hi, k_bmin, False, STEPS), start)
-    b = _search(QSearch, 1, lo, hi, k_bmax, True, STEPS)
-    a = tl.where(k_glob != 0, start, a)
-    b = tl.minimum(tl.where(k_glob != 0, hi, b), stop)
-    return start, a, b, stop
-
-
-@triton.jit
-def _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """(any pair visible, every pair visible) for a query tile and a key tile, from their metadata."""
-    q_min_pos = tl.load(QMeta + q_tile * 5 + 0)
-    q_max_pos = tl.load(QMeta + q_tile * 5 + 1)
-    q_bmin = tl.load(QMeta + q_tile * 5 + 2)
-    q_bmax = tl.load(QMeta + q_tile * 5 + 3)
-    q_glob = tl.load(QMeta + q_tile * 5 + 4)
-    k_min_pos = tl.load(KMeta + k_tile * 5 + 0)
-    k_max_pos = tl.load(KMeta + k_tile * 5 + 1)
-    k_bmin = tl.load(KMeta + k_tile * 5 + 2)
-    k_bmax = tl.load(KMeta + k_tile * 5 + 3)
-    k_glob = tl.load(KMeta + k_tile * 5 + 4)
+def tile_pairs(q_meta, k_meta, q_tiles, k_tiles, causal: bool, window_left: int):
+    """(any visible, all visible) bool for tile pairs ``q_tiles[i]``, ``k_tiles[i]`` from their metadata."""
+    q_min, q_max, q_bmin, q_bmax, q_glob = q_meta[q_tiles].unbind(1)
+    k_min, k_max, k_bmin, k_bmax, k_glob = k_meta[k_tiles].unbind(1)
     # Some pair shares a block (or one side is global): the block ranges overlap.
     any_vis = (q_glob != 0) | (k_glob != 0) | ((k_bmin <= q_bmax) & (q_bmin <= k_bmax))
     # Every pair shares a block: one side is all global, or both sides are one and the same block.
     all_vis = (q_bmin > q_bmax) | (k_bmin > k_bmax) | ((q_bmin == q_bmax) & (k_bmin == k_bmax) & (q_bmin == k_bmin))
-    if CAUSAL:
-        any_vis = any_vis & (k_min_pos <= q_max_pos)  # not entirely in the causal future
-        all_vis = all_vis & (k_max_pos <= q_min_pos)  # entirely in the causal past
-    if WINDOW:  # int64: q_pos - window_left must not wrap
-        any_vis = any_vis & (k_max_pos.to(tl.int64) >= q_min_pos.to(tl.int64) - window_left)
-        all_vis = all_vis & (k_min_pos.to(tl.int64) >= q_max_pos.to(tl.int64) - window_left)
+    if causal:
+        any_vis &= k_min <= q_max  # not entirely in the causal future
+        all_vis &= k_max <= q_min  # entirely in the causal past
+    if window_left >= 0:
+        any_vis &= k_max >= q_min - window_left
+        all_vis &= k_min >= q_max - window_left
     return any_vis, all_vis
 
 
+@dataclasses.dataclass
+class Csr:
+    """Per row tile of one side, the visible tiles of the other side, as work items.
+
+    ``work`` int32 ``[items, 8]``: (first row, end row of its sequence, end row of the other side's
+    sequence, e_start, e_mid, e_end, dest, 0); entries ``[e_start, e_mid)`` of ``rows`` are tiles
+    visible in full and ``[e_mid, e_end)`` partially visible ones; ``dest`` is -1 (write the
+    output) or the first row of this item's slot in the split partials. Items are sorted by
+    descending ``e_end - e_start`` (longest first). ``rows`` int32 ``[nnz]``: first row of each
+    listed tile. ``split_rows`` / ``split_local`` int64: output rows of split tiles and their row in
+    the merged partials; ``split_tiles``, ``max_splits``: the partials' shape.
+    """
+
+    work: torch.Tensor
+    rows: torch.Tensor
+    split_rows: torch.Tensor
+    split_local: torch.Tensor
+    split_tiles: int
+    max_splits: int
+
+    @property
+    def items(self) -> int:
+        return self.work.shape[0]
+
+
+def _csr(row_start, row_end, other_end, other_start, row_of_pair, other_of_pair, masked, num_rows, block,
+         split_len: Optional[int]) -> Csr:
+    """Build a ``Csr`` from the visible pairs (row tile, other tile, masked) of ``num_rows`` row tiles."""
+    dev = row_start.device
+    order = torch.argsort(row_of_pair * 2 + masked.long(), stable=True)  # by row tile, full ones first
+    rows = other_start[other_of_pair[order]].int()
+    n = torch.bincount(row_of_pair, minlength=num_rows)
+    n_full = torch.bincount(row_of_pair[~masked], minlength=num_rows)
+    ptr = torch.cat([n.new_zeros(1), torch.cumsum(n, 0)])
+    if split_len:
+        splits = torch.clamp((n + split_len - 1) // split_len, min=1)
+    else:
+        splits = torch.ones_like(n)
+    chunk = torch.clamp((n + splits - 1) // splits, min=1)
+    item_row = torch.repeat_interleave(torch.arange(num_rows, device=dev), splits)
+    first_item = torch.cumsum(splits, 0) - splits
+    part = torch.arange(item_row.numel(), device=dev) - first_item[item_row]
+    e_start = torch.minimum(ptr[item_row] + part * chunk[item_row], ptr[item_row + 1])
+    e_end = torch.minimum(e_start + chunk[item_row], ptr[item_row + 1])
+    e_mid = torch.clamp(ptr[item_row] + n_full[item_row], e_start, e_end)
+    is_split = splits > 1
+    split_tiles = int(is_split.sum())
+    max_splits = int(splits.max()) if num_rows else 1
+    split_idx = torch.cumsum(is_split.long(), 0) - 1  # rank of a split row tile among them
+    dest = torch.where(is_split[item_row], part * (split_tiles * block) + split_idx[item_row] * block, -1)
+    work = torch.stack([row_start[item_row], row_end[item_row], other_end[item_row], e_start, e_mid, e_end, dest,
+                        torch.zeros_like(dest)], 1)
+    work = work[torch.argsort(e_end - e_start, descending=True, stable=True)].int().contiguous()
+    # output rows of the split tiles (valid rows only) and their rows in the merged partials
+    tiles = is_split.nonzero().flatten()
+    local = torch.arange(block, device=dev)
+    grid_rows = row_start[tiles][:, None] + local[None, :]
+    valid = grid_rows < row_end[tiles][:, None]
+    split_local = (torch.arange(split_tiles, device=dev)[:, None] * block + local[None, :])[valid]
+    return Csr(work, rows.contiguous(), grid_rows[valid], split_local, split_tiles, max_splits)
+
+
+def _visible_pairs(q_side, k_side, causal: bool, window_left: int, bn: int):
+    """(q tile, k tile, masked) of every tile pair that can be visible, sequence by sequence."""
+    q_off, q_seq, _, q_meta = q_side
+    k_off, _, k_start, k_meta, k_end = k_side
+    dev = q_meta.device
+    nk = (k_off[1:] - k_off[:-1])[q_seq]  # key tiles of each query tile's sequence
+    bounds = torch.cumsum(nk, 0)
+    qs, ks, ms = [], [], []
+    lo, num_q = 0, q_seq.numel()
+    cum = bounds.tolist()
+    while lo < num_q:  # chunks of query tiles with at most _PAIR_CHUNK pairs (at least one tile)
+        base = cum[lo - 1] if lo else 0
+        hi = lo + 1
+        while hi < num_q and cum[hi] - base <= _PAIR_CHUNK:
+            hi += 1
+        qt = torch.arange(lo, hi, device=dev)
+        cnt = nk[lo:hi]
+        pq = torch.repeat_interleave(qt, cnt)
+        first = torch.cumsum(cnt, 0) - cnt
+        pk = k_off[q_seq[pq]] + torch.arange(pq.numel(), device=dev) - first[pq - lo]
+        any_vis, all_vis = tile_pairs(q_meta, k_meta, pq, pk, causal, window_left)
+        full = all_vis & (k_start[pk] + bn <= k_end[pk])  # a partial key tile needs the row mask
+        qs.append(pq[any_vis])
+        ks.append(pk[any_vis])
+        ms.append(~full[any_vis])
+        lo = hi
+    if not qs:
+        e = torch.zeros(0, dtype=torch.long, device=dev)
+        return e, e, e.bool()
+    return torch.cat(qs), torch.cat(ks), torch.cat(ms)
+
+
+@dataclasses.dataclass
+class VarlenPlan:
+    """Everything the kernels need besides q, k, v for one (cu, pos, blk) pair of sides, tile sizes,
+    causality and window: int32 index tensors with defaults filled, the forward's ``Csr`` by query
+    tile (``by_q``) and, for the backward, the same pairs by key tile (``by_k``)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    q_pos: torch.Tensor
+    kv_pos: torch.Tensor
+    q_block: torch.Tensor
+    kv_block: torch.Tensor
+    by_q: Csr
+    by_k: Optional[Csr]
+
+
+def build_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, total_q: int, total_k: int, *, block_m: int,
+               block_n: int, causal: bool, window_left: int, backward: bool, split_len: Optional[int] = None,
+               split_slots: Optional[float] = None) -> VarlenPlan:
+    """The launch plan (see ``VarlenPlan``). The forward splits a query tile that sees more than
+    ``split_len`` key tiles over several programs; without ``split_len``, ``split_slots`` (parallel
+    programs per head) sets it so that no program has more than 1/slots of the work (at least
+    ``_MIN_SPLIT`` tiles); with neither, nothing is split."""
+    cu_q, q_pos, q_block = _defaults(cu_q, q_pos, q_block, total_q)
+    cu_k, kv_pos, kv_block = _defaults(cu_k, kv_pos, kv_block, total_k)
+    q_off, q_seq, q_start, q_meta = tile_metadata(cu_q, q_pos, q_block, total_q, block_m)
+    k_off, k_seq, k_start, k_meta = tile_metadata(cu_k, kv_pos, kv_block, total_k, block_n)
+    cq, ck = cu_q.long(), cu_k.long()
+    q_end, k_end = cq[1:][q_seq], ck[1:][k_seq]
+    window_left = int(window_left) if window_left is not None and window_left >= 0 else -1
+    pq, pk, masked = _visible_pairs((q_off, q_seq, q_start, q_meta), (k_off, k_seq, k_start, k_meta, k_end),
+                                    causal, window_left, block_n)
+    if split_len is None and split_slots:
+        split_len = max(_MIN_SPLIT, math.ceil(pq.numel() / split_slots))
+    by_q = _csr(q_start, q_end, ck[1:][q_seq], k_start, pq, pk, masked, q_seq.numel(), block_m, split_len)
+    by_k = None
+    if backward:
+        by_k = _csr(k_start, k_end, cq[1:][k_seq], q_start, pk, pq, masked, k_seq.numel(), block_n, None)
+    return VarlenPlan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, by_q, by_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel helpers
+# ----------------------------------------------------------------------------------------------
 @triton.jit
 def _pair_mask(q_pos, q_blk, k_pos, k_blk, k_valid, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """Element-wise visibility [BLOCK_M, BLOCK_N] of a partially visible tile pair."""
@@ -221,20 +260,30 @@ def _pair_mask(q_pos, q_blk, k_pos, k_blk, k_valid, window_left, CAUSAL: tl.cons
 
 
 @triton.jit
-def _dot_visible(a, vis, b, PREC: tl.constexpr):
-    """``a @ b`` for a partially visible tile: ``a`` [M, N] is 0 wherever ``vis`` [M, N] is False,
-    and ``b`` [N, D] rows may hold non-finite values of keys (or queries) that are not visible.
+def _dot_finite(acc, a, b, PREC: tl.constexpr):
+    """``acc + a @ b`` with the non-finite elements of ``b`` read as 0: the backward's second dots in
+    partially visible tiles, where a masked row's NaN must not meet a 0 of ``a`` (gradients are
+    specified for finite visible inputs only, so a visible one needs no NaN put back)."""
+    finite = (b == b) & (tl.abs(b) < float("inf"))
+    return tl.dot(a, tl.where(finite, b, 0.0).to(b.dtype), acc, input_precision=PREC)
+
+
+@triton.jit
+def _dot_visible(acc, a, vis, b, PREC: tl.constexpr):
+    """``acc + a @ b`` for a partially visible tile: ``a`` [M, N] is 0 wherever ``vis`` [M, N] is
+    False, and ``b`` [N, D] rows may hold non-finite values of keys (or queries) that are not visible.
 
     0 * NaN is NaN, so non-finite elements of ``b`` are zeroed for the dot; only when the tile has
-    one, a second dot counts the visible non-finite elements per output and makes those outputs
-    NaN (a visible non-finite value still propagates). Fully visible tiles never come here.
+    one, a second dot counts the visible non-finite elements per output (fp16 counts: exact up to
+    2048, and half the registers of fp32) and makes those outputs NaN (a visible non-finite value
+    still propagates). Fully visible tiles never come here.
     """
     finite = (b == b) & (tl.abs(b) < float("inf"))
-    r = tl.dot(a, tl.where(finite, b, 0.0).to(b.dtype), input_precision=PREC)
+    acc = _dot_finite(acc, a, b, PREC)
     if tl.sum((finite == 0).to(tl.int32)) > 0:
-        hits = tl.dot(vis.to(a.dtype), (finite == 0).to(a.dtype), input_precision=PREC)
-        r = tl.where(hits > 0, float("nan"), r)
-    return r
+        hits = tl.dot(vis.to(tl.float16), (finite == 0).to(tl.float16), out_dtype=tl.float16)
+        acc = tl.where(hits > 0, float("nan"), acc)
+    return acc
 
 
 @triton.jit
@@ -248,29 +297,47 @@ def _softmax_step(s, m_i, l_i):
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
+@triton.jit
+def _work_item(Work, item):
+    """The 7 numbers of work item ``item`` (see ``Csr``)."""
+    base = Work + item * 8
+    return (tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
+            tl.load(base + 5), tl.load(base + 6))
+
+
+@triton.jit
+def _load_rows(Ptr, offs, row_ok, col_off, offs_d, d_ok, stride, UPCAST: tl.constexpr):
+    """Rows ``offs`` [R] of a [rows, heads, HEAD_DIM] tensor at column ``col_off`` (int64 offsets)."""
+    x = tl.load(Ptr + offs.to(tl.int64)[:, None] * stride + col_off + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _low(x, Ref, UPCAST: tl.constexpr):
+    """``x`` in the element type of ``Ref`` (the second dot runs in the input dtype, as FlashAttention's)."""
+    x = x.to(Ref.dtype.element_ty)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, QPos, KPos, QBlk, KBlk,
-    CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta, KSearch,
-    qk_scale, num_batch, num_heads, window_left,
+    Q, K, V, Out, Lse, Parts, PartsLse, QPos, KPos, QBlk, KBlk, Work, KvRows,
+    qk_scale, num_heads, window_left,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.load(QTileSeq + q_tile)
-    if seq >= num_batch:  # beyond the last real tile of the upper-bound grid
-        return
+    h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
+    item = tl.program_id(1)
+    q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
-    q_start = tl.load(QTileStart + q_tile)
-    q_end = tl.load(CuQ + seq + 1)
-    k_seq_start = tl.load(CuK + seq)
-    k_end = tl.load(CuK + seq + 1)
-    k_tile_lo = tl.load(KTileOff + seq)
-    k_tile_hi = tl.load(KTileOff + seq + 1)
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
     m_valid = offs_m < q_end
@@ -278,55 +345,49 @@ def _fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
-    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], mask=m_valid[:, None] & d_ok[None, :], other=0.0)
-    q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
-    q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
-    if UPCAST:
-        q = q.to(tl.float32)
-
+    q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Visit only the key tiles that can be visible: global ones and the block-overlap range.
-    first, a, b, k_tile_end = _kv_candidates(QMeta, q_tile, KSearch, k_tile_lo, k_tile_hi, window_left, CAUSAL, WINDOW, STEPS)
-    k_tile = _next_candidate(KSearch, first, a, b, k_tile_end)
-    while k_tile < k_tile_end:
-        any_vis, all_vis = _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, window_left, CAUSAL, WINDOW)
-        if any_vis:  # tiles whose blocks cannot meet are skipped, not masked
-            n_start = k_seq_start + (k_tile - k_tile_lo) * BLOCK_N
-            offs_n = n_start + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < k_end
-            kv_off = offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(V + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
-            if (all_vis == 0) | (n_start + BLOCK_N > k_end):
-                # Partially visible: mask the scores, and read no masked V into P@V (0 * NaN).
-                k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
-                k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
-                vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
-                p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
-                p = p.to(V.dtype.element_ty)  # P@V in the input dtype, as FlashAttention does
-                if UPCAST:
-                    p = p.to(tl.float32)
-                acc = acc * alpha[:, None] + _dot_visible(p, vis, v, PREC)
-            else:
-                p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i)
-                p = p.to(V.dtype.element_ty)
-                if UPCAST:
-                    p = p.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
-        k_tile = _next_candidate(KSearch, k_tile + 1, a, b, k_tile_end)
+    all_rows = tl.full([BLOCK_N], 1, tl.int1)
+
+    # Key tiles visible in full (and full-length): no mask at all.
+    for e in range(e_start, e_mid):
+        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
+        k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
+        p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i)
+        acc = acc * alpha[:, None] + tl.dot(_low(p, V, UPCAST), v, input_precision=PREC)
+
+    # Partially visible key tiles: mask the scores, and read no masked V into P@V (0 * NaN).
+    q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
+    q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
+    for e in range(e_mid, e_end):
+        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < k_end
+        k = _load_rows(K, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        v = _load_rows(V, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
+        k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
+        p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
+        acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
 
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
-    tl.store(Out + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
-    tl.store(Lse + offs_m.to(tl.int64) * num_heads + h, lse, mask=m_valid)
+    if dest < 0:
+        tl.store(Out + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
+        tl.store(Lse + offs_m.to(tl.int64) * num_heads + h, lse, mask=m_valid)
+    else:  # one split of a long row: fp32 partials, merged by the launcher
+        rows = (dest + tl.arange(0, BLOCK_M)).to(tl.int64)
+        tl.store(Parts + rows[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :], out,
+                 mask=m_valid[:, None] & d_ok[None, :])
+        tl.store(PartsLse + rows * num_heads + h, lse, mask=m_valid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,25 +406,26 @@ def _bwd_preprocess(Out, DOut, Delta, total_rows, HEAD_DIM: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads):
+    """(base-2 lse, delta) [BLOCK_M] of query rows; rows with no visible key get lse = +inf (P = 0)."""
+    row = offs_m.to(tl.int64) * num_heads + h
+    lse = tl.load(Lse + row, mask=m_valid, other=float("inf")) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(Delta + row, mask=m_valid, other=0.0)
+    return lse, delta
+
+
+@triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, QPos, KPos, QBlk, KBlk,
-    CuQ, CuK, QTileSeq, QTileStart, QMeta, KTileOff, KMeta, KSearch,
-    qk_scale, sm_scale, num_batch, num_heads, window_left,
+    Q, K, V, DOut, Lse, Delta, DQ, QPos, KPos, QBlk, KBlk, Work, KvRows,
+    qk_scale, sm_scale, num_heads, window_left,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
-    h = tl.program_id(1)
-    seq = tl.load(QTileSeq + q_tile)
-    if seq >= num_batch:
-        return
+    h = tl.program_id(0)
+    item = tl.program_id(1)
+    q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
-    q_start = tl.load(QTileStart + q_tile)
-    q_end = tl.load(CuQ + seq + 1)
-    k_seq_start = tl.load(CuK + seq)
-    k_end = tl.load(CuK + seq + 1)
-    k_tile_lo = tl.load(KTileOff + seq)
-    k_tile_hi = tl.load(KTileOff + seq + 1)
 
     offs_m = q_start + tl.arange(0, BLOCK_M)
     m_valid = offs_m < q_end
@@ -371,76 +433,47 @@ def _bwd_dq_kernel(
     d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
-    q_off = offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DOut + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    row = offs_m.to(tl.int64) * num_heads + h
-    lse = tl.load(Lse + row, mask=m_valid, other=float("inf")) * 1.4426950408889634
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows with no visible key: P = 0
-    delta = tl.load(Delta + row, mask=m_valid, other=0.0)
+    q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+    do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+    lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    all_rows = tl.full([BLOCK_N], 1, tl.int1)
+
+    for e in range(e_start, e_mid):  # key tiles visible in full
+        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
+        k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        dq += tl.dot(_low(ds, K, UPCAST), k, input_precision=PREC)
+
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Visit only the key tiles that can be visible: global ones and the block-overlap range.
-    first, a, b, k_tile_end = _kv_candidates(QMeta, q_tile, KSearch, k_tile_lo, k_tile_hi, window_left, CAUSAL, WINDOW, STEPS)
-    k_tile = _next_candidate(KSearch, first, a, b, k_tile_end)
-    while k_tile < k_tile_end:
-        any_vis, all_vis = _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, window_left, CAUSAL, WINDOW)
-        if any_vis:
-            n_start = k_seq_start + (k_tile - k_tile_lo) * BLOCK_N
-            offs_n = n_start + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < k_end
-            kv_off = offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :]
-            k = tl.load(K + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(V + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            p = tl.math.exp2(s - lse[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            if (all_vis == 0) | (n_start + BLOCK_N > k_end):
-                # Select (not multiply) so that a masked key's NaN in K or V stays out of dq.
-                k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
-                k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
-                vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
-                ds_lo = tl.where(vis, ds, 0.0).to(K.dtype.element_ty)
-                if UPCAST:
-                    ds_lo = ds_lo.to(tl.float32)
-                dq += _dot_visible(ds_lo, vis, k, PREC)
-            else:
-                ds_lo = ds.to(K.dtype.element_ty)
-                if UPCAST:
-                    ds_lo = ds_lo.to(tl.float32)
-                dq += tl.dot(ds_lo, k, input_precision=PREC)
-        k_tile = _next_candidate(KSearch, k_tile + 1, a, b, k_tile_end)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
+    for e in range(e_mid, e_end):  # partially visible: select, so a masked key's NaN stays out of dq
+        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < k_end
+        k = _load_rows(K, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        v = _load_rows(V, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
+        k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
+        dq = _dot_finite(dq, _low(tl.where(vis, ds, 0.0), K, UPCAST), k, PREC)
+    tl.store(DQ + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, QPos, KPos, QBlk, KBlk,
-    CuQ, CuK, KTileSeq, KTileStart, KMeta, QTileOff, QMeta, QSearch,
-    qk_scale, sm_scale, num_batch, num_heads, window_left,
+    Q, K, V, DOut, Lse, Delta, DK, DV, QPos, KPos, QBlk, KBlk, Work, QRows,
+    qk_scale, sm_scale, num_heads, window_left,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, STEPS: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    k_tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    seq = tl.load(KTileSeq + k_tile)
-    if seq >= num_batch:
-        return
-    k_start = tl.load(KTileStart + k_tile)
-    k_end = tl.load(CuK + seq + 1)
-    q_seq_start = tl.load(CuQ + seq)
-    q_end = tl.load(CuQ + seq + 1)
-    q_tile_lo = tl.load(QTileOff + seq)
-    q_tile_hi = tl.load(QTileOff + seq + 1)
+    kvh = tl.program_id(0)
+    item = tl.program_id(1)
+    k_start, k_end, q_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
 
     offs_n = k_start + tl.arange(0, BLOCK_N)
     n_valid = offs_n < k_end
@@ -448,73 +481,51 @@ def _bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
-    kv_off = offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :]
-    k = tl.load(K + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-    v = tl.load(V + kv_off, mask=n_valid[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_rows(K, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+    v = _load_rows(V, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
     k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
     k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
-    k_partial = k_start + BLOCK_N > k_end
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # Only global query tiles from q_first on and the block-overlap range [a, b) can see this tile.
-    q_first, a, b, q_stop = _q_candidates(KMeta, k_tile, QSearch, q_tile_lo, q_tile_hi, window_left, CAUSAL, WINDOW, STEPS)
     for g in range(GROUP):  # the query heads sharing this kv head
         h = kvh * GROUP + g
-        q_tile = _next_candidate(QSearch, q_first, a, b, q_stop)
-        while q_tile < q_stop:
-            any_vis, all_vis = _tiles_may_meet(QMeta, KMeta, q_tile, k_tile, window_left, CAUSAL, WINDOW)
-            if any_vis:
-                offs_m = q_seq_start + (q_tile - q_tile_lo) * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_valid = offs_m < q_end
-                q_off = offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :]
-                q = tl.load(Q + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
-                do = tl.load(DOut + q_off, mask=m_valid[:, None] & d_ok[None, :], other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                    do = do.to(tl.float32)
-                row = offs_m.to(tl.int64) * num_heads + h
-                lse = tl.load(Lse + row, mask=m_valid, other=float("inf")) * 1.4426950408889634
-                lse = tl.where(lse == float("-inf"), float("inf"), lse)
-                delta = tl.load(Delta + row, mask=m_valid, other=0.0)
-                # Transposed scores [BLOCK_N, BLOCK_M] so that dk, dv come out of plain dots.
-                s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-                p_t = tl.math.exp2(s_t - lse[None, :])
-                dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-                ds_t = p_t * (dp_t - delta[None, :])
-                if (all_vis == 0) | k_partial:
-                    # Select (not multiply): nothing of a query that cannot see a key reaches it.
-                    q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
-                    q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
-                    vis = tl.trans(_pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW))
-                    p_lo = tl.where(vis, p_t, 0.0).to(Q.dtype.element_ty)
-                    ds_lo = tl.where(vis, ds_t, 0.0).to(Q.dtype.element_ty)
-                    if UPCAST:
-                        p_lo = p_lo.to(tl.float32)
-                        ds_lo = ds_lo.to(tl.float32)
-                    dv += _dot_visible(p_lo, vis, do, PREC)
-                    dk += _dot_visible(ds_lo, vis, q, PREC)
-                else:
-                    p_lo = p_t.to(Q.dtype.element_ty)
-                    ds_lo = ds_t.to(Q.dtype.element_ty)
-                    if UPCAST:
-                        p_lo = p_lo.to(tl.float32)
-                        ds_lo = ds_lo.to(tl.float32)
-                    dv += tl.dot(p_lo, do, input_precision=PREC)
-                    dk += tl.dot(ds_lo, q, input_precision=PREC)
-            q_tile = _next_candidate(QSearch, q_tile + 1, a, b, q_stop)
-    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_valid[:, None] & d_ok[None, :])
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=n_valid[:, None] & d_ok[None, :])
+        for e in range(e_start, e_mid):  # query tiles that see this (full-length) key tile in full
+            offs_m = tl.load(QRows + e) + tl.arange(0, BLOCK_M)
+            m_valid = offs_m < q_end
+            q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+            do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+            lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+            # Transposed scores [BLOCK_N, BLOCK_M] so that dk, dv come out of plain dots.
+            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+            dv += tl.dot(_low(p_t, Q, UPCAST), do, input_precision=PREC)
+            dk += tl.dot(_low(ds_t, Q, UPCAST), q, input_precision=PREC)
+        for e in range(e_mid, e_end):  # partially: nothing of a query that cannot see a key reaches it
+            offs_m = tl.load(QRows + e) + tl.arange(0, BLOCK_M)
+            m_valid = offs_m < q_end
+            q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+            do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+            lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+            q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
+            q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
+            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+            vis = tl.trans(_pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW))
+            dv = _dot_finite(dv, _low(tl.where(vis, p_t, 0.0), Q, UPCAST), do, PREC)
+            dk = _dot_finite(dk, _low(tl.where(vis, ds_t, 0.0), Q, UPCAST), q, PREC)
+    tl.store(DK + offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=n_valid[:, None] & d_ok[None, :])
+    tl.store(DV + offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=n_valid[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
 # Launch helpers
 # ----------------------------------------------------------------------------------------------
 def _defaults(cu, pos, blk, total):
-    """int32 offsets, positions (default: arange per sequence) and blocks (default: -1).
+    """int32 offsets, positions (default: arange per sequence) and blocks (default: -1), owned by
+    the plan (copies: a cached plan must not change when the caller edits its tensors).
 
     Engines pass int64 as often as int32; the kernels read int32 (values fit: validated)."""
     if pos is None:
@@ -523,38 +534,44 @@ def _defaults(cu, pos, blk, total):
         pos = (idx - cu.long()[seq]).int()
     if blk is None:
         blk = torch.full((total,), -1, dtype=torch.int32, device=cu.device)
-    return cu.int(), pos.int(), blk.int()
+    return tuple(t.to(torch.int32, copy=True) for t in (cu, pos, blk))
 
 
-# A model calls the op once per layer with the same index tensors: keep the last few tile plans.
-# Entries hold strong references, so an `is` match cannot be a recycled tensor, and the version
-# counters catch in-place edits. Inference tensors have no version counter (an in-place edit
-# would go unseen), so their plans are never cached.
-_PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-_PLAN_CACHE_SIZE = 8
+# A model calls the op once per layer with the same index tensors: keep the last few plans. A hit
+# is the same tensor objects with unchanged version counters (no host sync), or else index tensors
+# equal to a plan's own copies (one sync; inference tensors have no version counter, and a model
+# may build new but equal index tensors in every layer).
+_PLAN_CACHE: "collections.deque" = collections.deque(maxlen=8)
 
 
-def _tile_plan(cu, pos, blk, total, block):
-    """(cu, pos, blk, tile_off, tile_seq, tile_start, meta, search) for one side (int32), cached
-    per call site."""
-    if any(t is not None and t.is_inference() for t in (cu, pos, blk)):
-        full = _defaults(cu, pos, blk, total)
-        return full + tile_metadata(*full, total, block)
-    key = (id(cu), id(pos), id(blk), total, block)
-    hit = _PLAN_CACHE.get(key)
-    versions = tuple(-1 if t is None else t._version for t in (cu, pos, blk))
-    if hit is not None and hit[0] is cu and hit[1] is pos and hit[2] is blk and hit[3] == versions:
-        _PLAN_CACHE.move_to_end(key)
-        return hit[4]
-    full = _defaults(cu, pos, blk, total)
-    plan = full + tile_metadata(*full, total, block)
-    _PLAN_CACHE[key] = (cu, pos, blk, versions, plan)
-    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+
+
+def _cached_plan(index, total_q, total_k, **params) -> VarlenPlan:
+    """``build_plan`` for ``index`` = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block), cached."""
+    key = (total_q, total_k, tuple(sorted(params.items())))
+    versions = None
+    if not any(t is not None and t.is_inference() for t in index):
+        versions = tuple(-1 if t is None else t._version for t in index)
+    for entry in reversed(_PLAN_CACHE):
+        if entry["key"] == key and versions is not None and entry["versions"] == versions and all(
+                a is b for a, b in zip(entry["index"], index)):
+            return entry["plan"]
+    for entry in reversed(_PLAN_CACHE):
+        if entry["key"] == key and all(_same(a, b) for a, b in zip(entry["copies"], index)):
+            entry.update(index=index, versions=versions)
+            return entry["plan"]
+    plan = build_plan(*index, total_q, total_k, **params)
+    copies = tuple(None if t is None else t.clone() for t in index)
+    _PLAN_CACHE.append(dict(key=key, index=index, versions=versions, copies=copies, plan=plan))
     return plan
 
 
 MAX_HEAD_DIM = 256
+_MIN_SPLIT = 16  # key tiles per split at least: a split costs a partial write and a merge
 
 
 def block_d(head_dim: int) -> int:
@@ -562,55 +579,77 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _config(head_dim: int, backward: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the padded head dim. The interpreter wants
-    few, big tiles."""
-    head_dim = block_d(head_dim)
+def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
+    head dim and dtype, chosen from the sm_90 compile (``python -m ragattn.bench.sm90``) so that the
+    kernels do not spill; the 16-bit forward at d <= 128 fits 2 CTAs per SM. The partially visible
+    loops' NaN guards (operands through registers) are what bounds the tiles. The interpreter
+    wants few, big tiles."""
+    d = block_d(head_dim)
     if _INTERPRET:
         return 32, 32, 4, 1
-    if backward:
-        return (64, 64, 4, 2) if head_dim <= 128 else (32, 32, 4, 1)
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    if head_dim <= 128:
-        return 128, 64, 8, 3
-    return 64, 32, 8, 2
-
-
-def _steps(num_tiles: int) -> int:
-    """Binary-search steps covering num_tiles (a power of two, to bound recompilations)."""
-    return max(1, int(num_tiles).bit_length() + 1)
+    wide = dtype == torch.float32  # fp32 "ieee" dots: no tensor cores, operands in registers
+    table = {  # (d <= 64, d <= 128, d <= 256)
+        ("fwd", False): ((64, 32, 4, 3), (64, 32, 4, 3), (64, 32, 8, 2)),
+        ("fwd", True): ((32, 16, 4, 2), (32, 16, 8, 2), (16, 16, 8, 1)),
+        ("dq", False): ((64, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
+        ("dq", True): ((32, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
+        ("dkdv", False): ((32, 32, 4, 2), (32, 32, 4, 2), (16, 32, 8, 1)),
+        ("dkdv", True): ((16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 8, 1)),
+    }[kernel, wide]
+    return table[0] if d <= 64 else table[1] if d <= 128 else table[2]
 
 
 def _prec(q):
     return "ieee" if (q.dtype == torch.float32 or _INTERPRET) else "tf32"
 
 
+def _split_slots(q, num_heads: int) -> Optional[float]:
+    """Programs' worth of parallel slots per head: long query rows are split until each is at most
+    1/slots of the total work (the GPU: 2 CTAs on each SM); no split in the interpreter."""
+    if q.device.type != "cuda":
+        return None
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return 2 * sms / num_heads
+
+
 def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1, *,
-                         block_m=None, block_n=None, out=None, lse=None):
+                         block_m=None, block_n=None, split_len=None, out=None, lse=None):
     """Forward launcher: ``(out [total_q, H, D] like q, lse float32 [total_q, H])``. Inputs contiguous;
-    ``out``/``lse`` (optional) are contiguous preallocated outputs, written in place."""
+    ``out``/``lse`` (optional) are contiguous preallocated outputs, written in place. ``split_len``
+    (tests): split query tiles that see more than that many key tiles (default: by SM count)."""
     total_q, num_heads, head_dim = q.shape
     total_k, num_kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    bm, bn, warps, stages = _config(head_dim, backward=False)
+    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype)
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
-    batch = cu_q.numel() - 1
-    if total_q == 0 or batch == 0:
+    if total_q == 0 or cu_q.numel() <= 1:
         return out, lse
-    cu_q, q_pos, q_block, q_off, q_seq, q_start, q_meta, _ = _tile_plan(cu_q, q_pos, q_block, total_q, bm)
-    cu_k, kv_pos, kv_block, k_off, k_seq, _, k_meta, k_search = _tile_plan(cu_k, kv_pos, kv_block, total_k, bn)
-    grid = (q_seq.numel(), num_heads)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, q_pos, kv_pos, q_block, kv_block,
-        cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta, k_search,
-        scale * _LOG2E, batch, num_heads, max(int(window_left), 0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
-        CAUSAL=bool(causal), WINDOW=window_left >= 0, UPCAST=_INTERPRET, PREC=_prec(q), STEPS=_steps(k_seq.numel()),
-        num_warps=warps, num_stages=stages,
-    )
+    window = int(window_left) if window_left is not None and window_left >= 0 else -1
+    plan = _cached_plan((cu_q, cu_k, q_pos, kv_pos, q_block, kv_block), total_q, total_k, block_m=bm, block_n=bn,
+                        causal=bool(causal), window_left=window, backward=False, split_len=split_len,
+                        split_slots=None if split_len else _split_slots(q, num_heads))
+    csr = plan.by_q
+    parts_rows = csr.split_tiles * bm
+    parts = torch.empty(csr.max_splits if parts_rows else 0, parts_rows, num_heads, head_dim, dtype=torch.float32,
+                        device=q.device)
+    parts_lse = torch.full(parts.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    if csr.items:
+        _fwd_kernel[(num_heads, csr.items)](
+            q, k, v, out, lse, parts, parts_lse, plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block, csr.work, csr.rows,
+            scale * _LOG2E, num_heads, max(window, 0),
+            GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
+            CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
+            num_warps=warps, num_stages=stages,
+        )
+    if parts_rows:  # merge the splits of long rows, then put their valid rows in place
+        merged = torch.empty(parts_rows, num_heads, head_dim, dtype=out.dtype, device=q.device)
+        merged_lse = torch.empty(parts_rows, num_heads, dtype=torch.float32, device=q.device)
+        merge_split_states(parts, parts_lse, merged, merged_lse)
+        out.index_copy_(0, csr.split_rows, merged.index_select(0, csr.split_local))
+        lse.index_copy_(0, csr.split_rows, merged_lse.index_select(0, csr.split_local))
     return out, lse
 
 
@@ -620,37 +659,36 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
     total_q, num_heads, head_dim = q.shape
     total_k, num_kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    bm, bn, warps, stages = _config(head_dim, backward=True)
-    bm, bn = block_m or bm, block_n or bn
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    batch = cu_q.numel() - 1
-    if batch == 0 or (total_q == 0 and total_k == 0):
+    if cu_q.numel() <= 1 or (total_q == 0 and total_k == 0):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cu_q, q_pos, q_block, q_off, q_seq, q_start, q_meta, q_search = _tile_plan(cu_q, q_pos, q_block, total_q, bm)
-    cu_k, kv_pos, kv_block, k_off, k_seq, k_start, k_meta, k_search = _tile_plan(cu_k, kv_pos, kv_block, total_k, bn)
-
+    window = int(window_left) if window_left is not None and window_left >= 0 else -1
     delta = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
     rows = total_q * num_heads
     if rows:
         pre_block = 64
         _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim,
                                                           BLOCK_D=block_d(head_dim), BLOCK=pre_block)
-    common = dict(
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
-        CAUSAL=bool(causal), WINDOW=window_left >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
-        STEPS=_steps(max(q_seq.numel(), k_seq.numel())),
-        num_warps=warps, num_stages=stages,
-    )
-    if q_seq.numel():
-        _bwd_dq_kernel[(q_seq.numel(), num_heads)](
-            q, k, v, dout, lse, delta, dq, q_pos, kv_pos, q_block, kv_block,
-            cu_q, cu_k, q_seq, q_start, q_meta, k_off, k_meta, k_search,
-            scale * _LOG2E, scale, batch, num_heads, max(int(window_left), 0), **common,
-        )
-    if k_seq.numel():
-        _bwd_dkdv_kernel[(k_seq.numel(), num_kv_heads)](
-            q, k, v, dout, lse, delta, dk, dv, q_pos, kv_pos, q_block, kv_block,
-            cu_q, cu_k, k_seq, k_start, k_meta, q_off, q_meta, q_search,
-            scale * _LOG2E, scale, batch, num_heads, max(int(window_left), 0), **common,
-        )
+    index = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
+    configs = {kernel: _config(head_dim, kernel, q.dtype) for kernel in ("dq", "dkdv")}
+    configs = {kernel: (block_m or c[0], block_n or c[1]) + c[2:] for kernel, c in configs.items()}
+    for kernel, (bm, bn, warps, stages) in configs.items():
+        # one plan serves both kernels when their tiles agree
+        both = configs["dq"][:2] == configs["dkdv"][:2]
+        plan = _cached_plan(index, total_q, total_k, block_m=bm, block_n=bn, causal=bool(causal), window_left=window,
+                            backward=both or kernel == "dkdv", split_len=None, split_slots=None)
+        args = (plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block)
+        common = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm,
+                      BLOCK_N=bn, CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
+                      num_warps=warps, num_stages=stages)
+        if kernel == "dq" and plan.by_q.items:
+            _bwd_dq_kernel[(num_heads, plan.by_q.items)](
+                q, k, v, dout, lse, delta, dq, *args, plan.by_q.work, plan.by_q.rows,
+                scale * _LOG2E, scale, num_heads, max(window, 0), **common,
+            )
+        if kernel == "dkdv" and plan.by_k.items:
+            _bwd_dkdv_kernel[(num_kv_heads, plan.by_k.items)](
+                q, k, v, dout, lse, delta, dk, dv, *args, plan.by_k.work, plan.by_k.rows,
+                scale * _LOG2E, scale, num_heads, max(window, 0), **common,
+            )
     return dq, dk, dv
