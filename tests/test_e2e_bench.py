@@ -14,7 +14,9 @@ def test_e2e_bench_tiny(tmp_path):
     assert {"full-prefill", "final block alone (bound)", "cached (on device)"} <= paths
     for r in data["rows"]:
         if r["path"] != "final block alone (bound)":
-            assert r["total_ms"] >= r["ttft_ms"] > 0 and r["per_token_ms"] > 0
+            # 3 tokens: 2 gaps, their median is their mean and both lie inside the answer's time
+            # (TTFT comes from separate calls, so a shared machine may put it above the total)
+            assert r["total_ms"] >= 2 * r["per_token_ms"] > 0 and r["ttft_ms"] > 0
         assert r["vs_bound"] > 0
     assert {r["context_tokens"] for r in data["rows"]} == {32, 48}
     assert all(r["ttft_ms"] > 0 for r in data["rows"])
