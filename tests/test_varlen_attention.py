@@ -798,3 +798,29 @@ def test_block_split_path_never_reads_masked_nan():
     assert torch.isfinite(out[blind]).all() and torch.isfinite(lse[blind]).all()
     assert max_abs_err(out[blind], want[blind]) < 1e-4
     assert not torch.isfinite(out[~blind]).all(dim=(1, 2)).any()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_equal_length_sequences_read_as_views(causal):
+    """Sequences of one length packed back to back: the default CPU path reads and writes them as
+    views of the packed tensors (no gather/scatter); out, lse and the gradients vs float64."""
+    from ragattn.ops import _varlen_sdpa_cpu
+
+    args = list(_case([24, 24, 24], [24, 24, 24], 6, 2, 64, torch.float32, "cpu", causal=causal,
+                      gen=torch.Generator().manual_seed(31)))
+    (group,) = _varlen_sdpa_cpu.plan(args[3], args[4], None, None, None, None, causal, -1, 72, 72)
+    assert group.q_span == (0, 72) and group.k_span == (0, 72) and group.q_idx.shape == (3, 24)
+    out, lse = ragattn.varlen_attention(*args)
+    o64, l64 = ref_varlen(*_float64(args))
+    o_lp, l_lp = ref_varlen(*args, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    dout = randn_nonzero(*out.shape, generator=torch.Generator().manual_seed(32))
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
+    l64s = [t.double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)
