@@ -67,6 +67,8 @@ setup(
     + ["ragattn.triton_kernels", "ragattn.bench"],
     package_dir={"ragattn.triton_kernels": "triton_kernels", "ragattn.bench": "bench"},
     package_data={"ragattn": ["data/*.json", "data/**/*"]},
-    ext_modules=[_extension()],
+    # RAGATTN_REUSE_EXT=1: install without building, keeping the ragattn/_C*.so already in the tree
+    # (scripts/setup_vllm.sh, for a second environment with the very same torch build)
+    ext_modules=[] if os.environ.get("RAGATTN_REUSE_EXT") == "1" else [_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -416,6 +416,32 @@ def analyse_cuda(select: Optional[List[str]] = None) -> List[dict]:
     return rows
 
 
+def verify_draft_cluster_size(batch: int, sms: int = H100["sms"], cc_major: int = 9) -> int:
+    """CTAs per batch row of the verify_draft kernel: the launcher's rule
+    (``verify_draft_cluster_size`` in csrc/speculative/verify_draft_kernels.cuh, mirrored here)."""
+    c = 1
+    if cc_major < 9:
+        return c
+    while c < 8 and batch * c < sms:
+        c *= 2
+    return c
+
+
+def verify_draft_coverage(cuda_rows: List[dict]) -> List[dict]:
+    """SM coverage of the verify_draft launches at the benchmark's batch sizes (modelled): grid =
+    batch x cluster size CTAs; a grid of at least one CTA per SM, at the kernel's CTAs/SM, occupies
+    min(grid, 132) SMs in one wave (the block scheduler spreads CTAs over idle SMs first)."""
+    vd = [r for r in cuda_rows if "verify_draft_kernel" in r["kernel"]]
+    per_sm = min((r["ctas_per_sm"] for r in vd), default=None)
+    rows = []
+    for b in (1, 8, 64):
+        c = verify_draft_cluster_size(b)
+        grid = b * c
+        rows.append(dict(batch=b, cluster=c, ctas=grid, sms_used=min(grid, H100["sms"]), ctas_per_sm=per_sm,
+                         waves=math.ceil(grid / (H100["sms"] * per_sm)) if per_sm else None))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # roofline (modelled)
 
@@ -458,11 +484,15 @@ def roofline_cases() -> List[dict]:
         kv = N * layers * Hkv * D * bf
         cases.append(dict(case=f"kv_cache/rerotate_keys_ {tag}", bytes=2 * kv, flops=None))
         cases.append(dict(case=f"kv_cache/copy_kv_ {tag}", bytes=2 * 2 * kv, flops=None))
-    for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft (fp32 logits), eta 0
-        # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads)
-        per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4
+    for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft: bf16 logits, fp32 draft probs
+        # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads); eta 0 reads
+        # draft probs only at the draft tokens, eta > 0 every drafted row (max q, p_hat)
+        per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4 + g * 4
+        logits = b * (g + 1) * vocab * bf
         cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta0 (all accepted)",
-                          bytes=float(b * (g + 1) * vocab * 4 + b * per_row), flops=None))
+                          bytes=float(logits + b * per_row), flops=None))
+        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta10 (all accepted)",
+                          bytes=float(logits + b * g * vocab * 4 + b * per_row), flops=None))
     for c in cases:
         t_mem = c["bytes"] / H100["hbm_bytes_per_s"]
         t_math = (c["flops"] or 0.0) / H100["bf16_flops_per_s"]
@@ -490,8 +520,8 @@ def build_report(workers: int = 2) -> dict:
         note="Static report: compiled for sm_90 without a GPU. regs/spills/smem/cp.async are measured from the "
              "compilers; ctas_per_sm, waves and the roofline are modelled from the H100's limits. Nothing ran on a GPU.",
         triton=triton.__version__, nvcc=nvcc_version(), commit=_git_commit(), h100=H100,
-        triton_kernels=triton_report_subprocess(workers=workers), cuda_kernels=analyse_cuda(),
-        roofline=roofline_cases(),
+        triton_kernels=triton_report_subprocess(workers=workers), cuda_kernels=(cuda := analyse_cuda()),
+        verify_draft_coverage=verify_draft_coverage(cuda), roofline=roofline_cases(),
     )
 
 
@@ -526,9 +556,14 @@ def to_markdown(r: dict) -> str:
         for k in r["cuda_kernels"]:
             lines.append(f"| `{k['kernel']}` | {k['file']} | {k['threads']} | {k['regs']} | "
                          f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) |")
-        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch. "
-                  f"`verify_draft` launches one CTA per batch row (grid = (batch,)): at B=64 it occupies 64 of the "
-                  f"{H100['sms']} SMs (modelled)."]
+        lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch.", "",
+                  "`verify_draft` launches a thread-block cluster of C CTAs per batch row (C = 1, 2, 4, 8: the smallest "
+                  "giving at least one CTA per SM; each CTA owns kSlices / C of the 8 vocabulary slices, exchanged "
+                  "through distributed shared memory). SM coverage at the benchmark's batch sizes (modelled):", "",
+                  "| batch | CTAs per row | grid (CTAs) | SMs used | CTAs/SM | waves |", "|---|---|---|---|---|---|"]
+        for c in r.get("verify_draft_coverage", []):
+            lines.append(f"| {c['batch']} | {c['cluster']} | {c['ctas']} | {c['sms_used']} of {H100['sms']} | "
+                         f"{c['ctas_per_sm']} | {c['waves']} |")
     lines += ["", "## Roofline lower bounds (modelled)", "",
               "| case | bytes | FLOPs | FLOP/B | memory us | compute us | lower bound us | bound |",
               "|---|---|---|---|---|---|---|---|"]

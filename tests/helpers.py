@@ -152,3 +152,26 @@ def run_compile_check(code: str, timeout: float = 600) -> str:
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+def tiny_causal_lm(family: str = "llama", folder=None, seed: int = 0, **overrides):
+    """A small random HF causal LM in eval mode (fp32, GQA 4/2 heads, 2 layers, head_dim 16):
+    ``family`` "llama", "llama3" (Llama with llama3 RoPE scaling) or "qwen2"; saved (safetensors
+    and config) to ``folder`` when given, so that vLLM's ModelConfig and transformers read it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+    if family == "llama3":
+        kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(architectures=["Qwen2ForCausalLM"], **kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(architectures=["LlamaForCausalLM"], **kw))
+    model = model.eval()
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model

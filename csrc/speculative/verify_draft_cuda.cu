@@ -60,6 +60,12 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
   args.eta = static_cast<float>(eta);
   args.alpha = static_cast<float>(alpha);
   args.greedy = greedy;
+  int num_sms = 0, cc_major = 0;  // device attributes: host queries, no stream sync (graph safe)
+  const int dev = target_logits.device().index();
+  TORCH_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+                  cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess,
+              "ragattn.verify_draft: cannot query the device's attributes");
+  args.cluster_size = speculative::verify_draft_cluster_size(B, num_sms, cc_major);
   const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out_tokens, num_accepted};

@@ -30,13 +30,25 @@ struct VerifyDraftArgs {
   float eta;          // >= 0
   float alpha;        // in [0, 1]
   bool greedy;
+  int cluster_size;  // CTAs per batch row: 1, 2, 4 or 8 (verify_draft_cluster_size; > 1 needs sm_90)
 };
 
-// One block of kThreads threads per batch row, sequential over the row's drafts (early exit at
-// the first rejection), no host synchronisation. Preconditions (not checked here): draft tokens
-// in [0, V) (an out-of-range one is rejected, never read), num_draft in [0, g] (clamped),
-// uniforms in [0, 1).
+// A cluster of cluster_size CTAs of kThreads threads per batch row (grid = batch * cluster_size),
+// sequential over the row's drafts (early exit at the first rejection), no host synchronisation, no
+// global workspace (CUDA-graph safe). The tokens do not depend on cluster_size. Preconditions (not
+// checked here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in
+// [0, g] (clamped), uniforms in [0, 1).
 cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream);
+
+// CTAs per batch row: the smallest power of two up to 8 (kSlices) that gives at least one CTA per SM
+// (B = 64 on an H100's 132 SMs: 4, a grid of 256 CTAs); 1 before sm_90 (no clusters). A function of
+// the shapes and the device only, so a CUDA graph replays the same launch. bench/sm90.py mirrors it.
+inline int verify_draft_cluster_size(int64_t batch, int num_sms, int cc_major) {
+  int c = 1;
+  if (cc_major < 9) return c;
+  while (c < 8 && batch * c < num_sms) c *= 2;
+  return c;
+}
 
 }  // namespace speculative
 }  // namespace ragattn

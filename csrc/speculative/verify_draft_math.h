@@ -5,19 +5,29 @@
 // sides compute every intermediate value bit for bit alike:
 //   * every fp32 operation is an explicitly rounded add/sub/mul/div or an explicit fmaf (so that
 //     neither nvcc nor a host compiler fuses a multiply into an add behind our back);
-//   * exp is our own (vexp below), not the CUDA or libm one, which differ in the last bit;
+//   * exp is our own (vexp below, branch-free), not the CUDA or libm one, which differ in the last bit;
 //   * sums are taken in one canonical order (see "Summation order"), which the CPU twin
 //     replays on virtual threads. Maxima and argmaxima are order-independent.
 //
-// Summation order (block of kThreads threads, one block per batch row):
-//   * the vocabulary is cut into chunks of kChunk consecutive tokens; thread t owns chunks
-//     t, t + kThreads, t + 2 kThreads, ... and folds its chunks' tokens in increasing order;
+// Summation order. The vocabulary is cut into kSlices slices of slice_len(V) tokens (a multiple of
+// kChunk; the last slice ends at V, trailing slices may be empty). Every statistic is first reduced
+// per slice by one block of kThreads threads, then the kSlices slice results are folded in slice
+// order from the identity. A cluster of C CTAs (C divides kSlices; C = 1 without clusters) gives
+// CTA rank r the slices r, r + C, ...: the slice results travel through distributed shared memory
+// and every CTA folds all of them in the same order, so the result does not depend on C.
+// Within a slice:
+//   * the slice is cut into chunks of kChunk consecutive tokens; thread t owns the slice's chunks
+//     t, t + kThreads, t + 2 kThreads, ... and folds them in increasing order, one chunk at a time
+//     (softmax_update_chunk: the chunk's max first, then one rescale and the chunk's exps in order);
 //   * per-thread partials are combined by an xor butterfly inside each warp (offsets 16..1),
 //     then the warp results by the same butterfly in warp 0 (padded with the identity);
-//   * inverse-CDF prefix sums go tile by tile (a tile = kThreads chunks): a chunk's base is
-//     tile_base + (warp_exclusive + lane_exclusive), both exclusive prefixes taken from
+//   * inverse-CDF prefix sums go tile by tile (a tile = kThreads chunks of the slice): a chunk's base
+//     is tile_base + (warp_exclusive + lane_exclusive), both exclusive prefixes taken from
 //     Kogge-Stone inclusive scans (shfl_up 1, 2, 4, 8, 16) of the chunk sums, each chunk sum
 //     folded from 0 in token order; inside a chunk the prefix is base + w0 + w1 + ... in order.
+//     The slice total T_s folds its tile totals from 0; slice s starts its prefixes at
+//     T_0 + T_1 + ... + T_{s-1} (folded from 0 in slice order), the grand total is that fold over
+//     all slices; the drawn token is the first crossing of the first slice that has one.
 #pragma once
 
 #include <cmath>
@@ -33,11 +43,12 @@
 namespace ragattn {
 namespace speculative {
 
-constexpr int kThreads = 1024;  // threads per batch row (CUDA block size; the twin's virtual threads)
+constexpr int kThreads = 256;   // threads per CTA (CUDA block size; the twin's virtual threads)
 constexpr int kWarpSize = 32;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kChunk = 8;                    // consecutive tokens per thread step (one 16-byte bf16 load)
 constexpr int kTile = kThreads * kChunk;     // tokens per block-wide step
+constexpr int kSlices = 8;                   // canonical vocabulary slices (the largest cluster: 8 CTAs)
 constexpr int kNoToken = 0x7fffffff;         // "no index yet" in argmin/argmax reductions
 
 // Storage format of target_logits.
@@ -45,6 +56,19 @@ enum LogitsKind : int { kLogitsF32 = 0, kLogitsF16 = 1, kLogitsBF16 = 2 };
 
 // Which weights the final draw uses.
 enum WeightMode : int { kWeightTarget = 0, kWeightResidual = 1 };
+
+// Tokens per canonical slice (see "Summation order"): ceil(V / kSlices) rounded up to whole chunks,
+// so that every slice but the last holds full chunks and starts 16-byte aligned.
+RAGATTN_HD int slice_len(int vocab) {
+  const int per = (vocab + kSlices - 1) / kSlices;
+  return (per + kChunk - 1) / kChunk * kChunk;
+}
+// First token of slice s and one past its last (begin == end for an empty slice).
+RAGATTN_HD int slice_begin(int s, int vocab) {
+  const int b = s * slice_len(vocab);
+  return b < vocab ? b : vocab;
+}
+RAGATTN_HD int slice_end(int s, int vocab) { return slice_begin(s + 1, vocab); }
 
 // ---- explicitly rounded fp32 arithmetic ------------------------------------------------------
 // Host compilers only fuse a*b+c into an FMA when the target has one (__FP_FAST_FMAF); there the
@@ -87,13 +111,6 @@ RAGATTN_HD float f_fma(float a, float b, float c) {
   return std::fma(a, b, c);  // correctly rounded on every host (hardware or libm)
 #endif
 }
-RAGATTN_HD float f_rint(float a) {
-#if defined(__CUDA_ARCH__)
-  return rintf(a);
-#else
-  return std::rint(a);  // round half to even, the default rounding mode
-#endif
-}
 RAGATTN_HD float f_max(float a, float b) { return a > b ? a : (b > a ? b : (a == a ? a : b)); }
 RAGATTN_HD float f_min(float a, float b) { return a < b ? a : (b < a ? b : (a == a ? a : b)); }
 
@@ -134,11 +151,13 @@ RAGATTN_HD float load_logit(const void* row, int kind, int64_t v) {
 
 // exp(x) for x <= 88 (the op only ever needs x <= 0): Cody-Waite reduction by ln2 and a degree-7
 // polynomial, about 1 ulp. Returns 0 below -87 (no subnormal results) and for -inf and NaN.
+// Branch-free (the argument is clamped, the result selected): no divergent warps on the GPU, and
+// k is rounded to an integer by adding and subtracting 1.5 * 2^23 (exact, ties to even, like rint).
 RAGATTN_HD float vexp(float x) {
-  if (!(x >= -87.0f)) return 0.0f;
-  if (x > 88.0f) return INFINITY;
-  const float k = f_rint(f_mul(x, 1.44269504088896341f));
-  float r = f_fma(k, -0.693145751953125f, x);  // ln2 split: hi has 16 significant bits
+  const bool live = x >= -87.0f;  // false for NaN and -inf
+  const float xc = live ? f_min(x, 88.0f) : 0.0f;
+  const float k = f_sub(f_add(f_mul(xc, 1.44269504088896341f), 12582912.0f), 12582912.0f);
+  float r = f_fma(k, -0.693145751953125f, xc);  // ln2 split: hi has 16 significant bits
   r = f_fma(k, -1.428606765330187045e-06f, r);
   float p = 1.98412698412698413e-4f;  // 1/7!
   p = f_fma(p, r, 1.38888888888888889e-3f);
@@ -149,7 +168,8 @@ RAGATTN_HD float vexp(float x) {
   p = f_fma(p, r, 1.0f);
   p = f_fma(p, r, 1.0f);
   const int ki = static_cast<int>(k);  // in [-126, 127]
-  return f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
+  const float e = f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
+  return live ? (x > 88.0f ? INFINITY : e) : 0.0f;
 }
 
 // 1/T in fp32, saturated at FLT_MAX: for T below 1/FLT_MAX every token but the argmax ties of z
@@ -179,14 +199,29 @@ struct SoftmaxState {
 
 RAGATTN_HD SoftmaxState softmax_identity() { return SoftmaxState{-INFINITY, 0.0f, kNoToken}; }
 
-RAGATTN_HD void softmax_update(SoftmaxState& st, float x, int v, float inv_t) {
-  if (x > st.m) {
-    st.s = f_add(f_mul(st.s, vexp(f_mul(f_sub(st.m, x), inv_t))), 1.0f);
-    st.m = x;
-    st.idx = v;
-  } else if (x > -INFINITY) {
-    st.s = f_add(st.s, vexp(f_mul(logit_diff(x, st.m), inv_t)));
+// Folds one chunk of kChunk logits (tokens v0, v0 + 1, ...; -inf past the end of the slice) into
+// st: the chunk's max and first argmax, one rescale of st.s to the new max (an exact 1 when the
+// max does not move), then the chunk's exps in token order. Branch-free: one vexp per token plus
+// one per chunk, where a per-token online update pays a data-dependent rescale.
+RAGATTN_HD void softmax_update_chunk(SoftmaxState& st, const float (&x)[kChunk], int v0, float inv_t) {
+  float cm = -INFINITY;
+  int ci = kNoToken;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int e = 0; e < kChunk; ++e) {
+    const bool up = x[e] > cm;  // strict: the first index of the max; NaN and -inf never win
+    cm = up ? x[e] : cm;
+    ci = up ? v0 + e : ci;
   }
+  const float m = f_max(st.m, cm);
+  st.idx = cm > st.m ? ci : st.idx;
+  st.s = f_mul(st.s, vexp(f_mul(logit_diff(st.m, m), inv_t)));  // vexp(NaN) = 0 when both are -inf
+  st.m = m;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(logit_diff(x[e], m), inv_t)));
 }
 
 // Symmetric in (a, b) bit for bit, so both lanes of a butterfly hold the same result.

@@ -1,6 +1,7 @@
 // verify_draft's bit-faithful CPU twin (RAGATTN_CPU_BACKEND=twin): replays the CUDA kernel's
-// arithmetic on kThreads virtual threads (chunk ownership, warp butterflies, Kogge-Stone scans: see
-// verify_draft_math.h), so that both emit the same tokens for the same uniforms. Slow (a scalar
+// arithmetic on kThreads virtual threads, slice by slice (chunk ownership, warp butterflies,
+// Kogge-Stone scans, the fold over the kSlices slices: see verify_draft_math.h), so that both emit
+// the same tokens for the same uniforms, whatever cluster size the kernel runs with. Slow (a scalar
 // replay with correctly rounded software FMAs): the tests that compare against the CUDA order use
 // it; the default CPU path is verify_draft_fast_cpu.cpp.
 #include <algorithm>
@@ -62,44 +63,68 @@ float q_at(const RowView& r, int v) { return draft_prob(r.q, r.x, v); }
 
 float logit_at(const RowView& r, int v) { return load_logit(r.z, r.kind, v); }
 
+// Chunk [v0, v0 + kChunk) of a slice ending at `end`: logits (-inf past the end) and draft
+// probabilities (0 past the end), as the kernel loads them.
+void chunk_logits(const RowView& r, int v0, int end, float (&z)[kChunk]) {
+  for (int e = 0; e < kChunk; ++e) z[e] = v0 + e < end ? logit_at(r, v0 + e) : -INFINITY;
+}
+void chunk_probs(const RowView& r, int v0, int end, float (&q)[kChunk]) {
+  for (int e = 0; e < kChunk; ++e) q[e] = v0 + e < end ? q_at(r, v0 + e) : 0.0f;
+}
+
+// One sweep of the kernel over slice s: thread t folds the slice's chunks t, t + kThreads, ... in
+// order; f(thread, v0, z, q) does the per-chunk work (q only when with_q).
+template <class F>
+void slice_sweep(const RowView& r, int s, bool with_q, F&& f) {
+  const int b = slice_begin(s, r.V), e = slice_end(s, r.V);
+  const int nchunks = (e - b + kChunk - 1) / kChunk;
+  float z[kChunk], q[kChunk] = {};
+  for (int t = 0; t < kThreads; ++t) {
+    for (int c = t; c < nchunks; c += kThreads) {
+      const int v0 = b + c * kChunk;
+      chunk_logits(r, v0, e, z);
+      if (with_q) chunk_probs(r, v0, e, q);
+      f(t, v0, z, q);
+    }
+  }
+}
+
 PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
-  const int nchunks = (r.V + kChunk - 1) / kChunk;
   const bool with_q = eta > 0.0f && r.has_q;
   std::vector<SoftmaxState> st(kThreads);
   std::vector<float> qmax(kThreads);
-  for (int t = 0; t < kThreads; ++t) {
-    SoftmaxState s = softmax_identity();
-    float qm = -INFINITY;
-    for (int c = t; c < nchunks; c += kThreads) {
-      const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
-      for (int v = v0; v < v1; ++v) {
-        softmax_update(s, logit_at(r, v), v, inv_t);
-        if (with_q) qm = f_max(qm, q_at(r, v));
-      }
-    }
-    st[t] = s;
-    qmax[t] = qm;
-  }
   auto merge_t = [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); };
-  const SoftmaxState sz = block_reduce(st, softmax_identity(), merge_t);
+  auto max_f = [](float a, float b) { return f_max(a, b); };
+  // Per slice: block reduction of the per-thread states; then the slices folded in order.
+  SoftmaxState sz = softmax_identity();
+  float qm = -INFINITY;
+  for (int s = 0; s < kSlices; ++s) {
+    std::fill(st.begin(), st.end(), softmax_identity());
+    std::fill(qmax.begin(), qmax.end(), -INFINITY);
+    slice_sweep(r, s, with_q, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+      softmax_update_chunk(st[t], z, v0, inv_t);
+      if (with_q)
+        for (int e = 0; e < kChunk; ++e) qmax[t] = f_max(qmax[t], q[e]);
+    });
+    sz = softmax_merge(sz, block_reduce(st, softmax_identity(), merge_t), inv_t);
+    if (with_q) qm = f_max(qm, block_reduce(qmax, -INFINITY, max_f));
+  }
   PositionStats ps = target_stats(sz);
   if (!with_q) return ps;
-  const float qm = block_reduce(qmax, -INFINITY, [](float a, float b) { return f_max(a, b); });
   ps.q_thresh = f_mul(alpha, qm);
-  // Second pass: online softmax of the modified logits a = y + eta * mask * (q - p).
-  for (int t = 0; t < kThreads; ++t) {
-    SoftmaxState s = softmax_identity();
-    for (int c = t; c < nchunks; c += kThreads) {
-      const int v0 = c * kChunk, v1 = std::min(v0 + kChunk, r.V);
-      for (int v = v0; v < v1; ++v) {
-        const float y = scaled_logit(logit_at(r, v), ps.m_z, inv_t);
-        softmax_update(s, modified_logit(y, q_at(r, v), eta, ps.q_thresh, ps.inv_sp), v, 1.0f);
-      }
-    }
-    st[t] = s;
-  }
+  // Second sweep: online softmax of the modified logits a = y + eta * mask * (q - p).
   auto merge_1 = [](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, 1.0f); };
-  const SoftmaxState sa = block_reduce(st, softmax_identity(), merge_1);
+  SoftmaxState sa = softmax_identity();
+  for (int s = 0; s < kSlices; ++s) {
+    std::fill(st.begin(), st.end(), softmax_identity());
+    slice_sweep(r, s, true, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+      float a[kChunk];
+      for (int e = 0; e < kChunk; ++e)
+        a[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+      softmax_update_chunk(st[t], a, v0, 1.0f);
+    });
+    sa = softmax_merge(sa, block_reduce(st, softmax_identity(), merge_1), 1.0f);
+  }
   ps.m_a = sa.m;
   ps.inv_sa = f_div(1.0f, sa.s);
   ps.argmax_a = sa.idx;
@@ -110,13 +135,12 @@ PositionStats position_stats(const RowView& r, float inv_t, float eta, float alp
 // "Summation order" of verify_draft_math.h); falls back from the residual to p when the
 // residual is all zero.
 int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t, float eta, float u) {
-  const int nchunks = (r.V + kChunk - 1) / kChunk;
-  const int ntiles = (nchunks + kThreads - 1) / kThreads;
   std::vector<float> w(static_cast<size_t>(kTile));
   std::vector<float> base(kThreads);
 
-  // Weights of one tile (0 past the vocabulary), chunk sums, and the block scan -> tile total.
-  auto tile_scan = [&](int tile, float tile_base, int* last_pos) {
+  // Weights of one tile of slice s (0 past the slice), chunk sums, and the block scan -> tile total.
+  auto tile_scan = [&](int s, int tile, float tile_base, int* last_pos) {
+    const int sb = slice_begin(s, r.V), se = slice_end(s, r.V);
     std::array<float, kWarpSize> warp_tot;
     warp_tot.fill(0.0f);
     std::array<std::array<float, kWarpSize>, kWarps> lane_excl;
@@ -124,19 +148,19 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t,
       std::array<float, kWarpSize> x;
       for (int lane = 0; lane < kWarpSize; ++lane) {
         const int t = wi * kWarpSize + lane;
-        const int v0 = (tile * kThreads + t) * kChunk;
-        float s = 0.0f;
+        const int v0 = sb + (tile * kThreads + t) * kChunk;
+        float sum = 0.0f;
         for (int e = 0; e < kChunk; ++e) {
           const int v = v0 + e;
           float wv = 0.0f;
-          if (v < r.V) {
+          if (v < se) {
             wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : q_at(r, v), ps, inv_t, eta);
             if (wv > 0.0f && v > *last_pos) *last_pos = v;
           }
           w[t * kChunk + e] = wv;
-          s = f_add(s, wv);
+          sum = f_add(sum, wv);
         }
-        x[lane] = s;
+        x[lane] = sum;
       }
       warp_inclusive_scan(x);
       lane_excl[wi][0] = 0.0f;
@@ -151,11 +175,21 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t,
     }
     return warp_tot[kWarpSize - 1];
   };
+  auto ntiles = [&](int s) {
+    const int nchunks = (slice_end(s, r.V) - slice_begin(s, r.V) + kChunk - 1) / kChunk;
+    return (nchunks + kThreads - 1) / kThreads;
+  };
 
   for (int attempt = 0; attempt < 2; ++attempt) {
     int last_pos = -1;
+    std::array<float, kSlices> slice_total;
+    for (int s = 0; s < kSlices; ++s) {
+      slice_total[s] = 0.0f;
+      for (int tile = 0; tile < ntiles(s); ++tile)
+        slice_total[s] = f_add(slice_total[s], tile_scan(s, tile, slice_total[s], &last_pos));
+    }
     float total = 0.0f;
-    for (int tile = 0; tile < ntiles; ++tile) total = f_add(total, tile_scan(tile, total, &last_pos));
+    for (int s = 0; s < kSlices; ++s) total = f_add(total, slice_total[s]);
     if (!(total > 0.0f)) {
       if (mode == kWeightResidual) {
         mode = kWeightTarget;  // all-zero residual: draw from p
@@ -164,20 +198,24 @@ int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t,
       return ps.argmax_z;  // degenerate row (all logits -inf): no weight anywhere
     }
     const float target = f_mul(u, total);
-    float tile_base = 0.0f;
+    float slice_base = 0.0f;  // T_0 + ... + T_{s-1}
     int ignored = -1;
-    for (int tile = 0; tile < ntiles; ++tile) {
-      const float tile_total = tile_scan(tile, tile_base, &ignored);
-      for (int t = 0; t < kThreads; ++t) {
-        float run = base[t];
-        const int v0 = (tile * kThreads + t) * kChunk;
-        for (int e = 0; e < kChunk; ++e) {
-          const float wv = w[t * kChunk + e];
-          run = f_add(run, wv);
-          if (wv > 0.0f && run > target) return v0 + e;
+    for (int s = 0; s < kSlices; ++s) {
+      float tile_base = slice_base;
+      for (int tile = 0; tile < ntiles(s); ++tile) {
+        const float tile_total = tile_scan(s, tile, tile_base, &ignored);
+        const int v_tile = slice_begin(s, r.V) + tile * kTile;
+        for (int t = 0; t < kThreads; ++t) {
+          float run = base[t];
+          for (int e = 0; e < kChunk; ++e) {
+            const float wv = w[t * kChunk + e];
+            run = f_add(run, wv);
+            if (wv > 0.0f && run > target) return v_tile + t * kChunk + e;
+          }
         }
+        tile_base = f_add(tile_base, tile_total);
       }
-      tile_base = f_add(tile_base, tile_total);
+      slice_base = f_add(slice_base, slice_total[s]);
     }
     return last_pos;  // rounding left u * total at or past the last prefix
   }

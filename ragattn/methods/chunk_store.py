@@ -11,8 +11,8 @@ Chunk K/V are computed by one ``varlen_attention`` forward over all missing chun
 sequence per chunk, positions 0..n-1 per chunk), so each chunk's keys are stored rotated at its
 local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
 fingerprint (:func:`model_fingerprint`) hashes the model's config (every value but the attention
-implementation) and a checksum of every weight and buffer (two exact int64 sums over each
-tensor's bytes: any changed bit changes it), recomputed at every store creation (about 0.1 s for
+implementation and the path it was loaded from) and a checksum of every weight and buffer (two
+exact int64 sums over each tensor's bytes: any changed bit changes it), recomputed at every store creation (about 0.1 s for
 SmolLM2-135M on one CPU core): a store built before a fine-tuning step or a config change never
 serves its chunks to the changed model, in memory or from disk.
 
@@ -30,10 +30,12 @@ Public API (for the methods, FusionRAG's offline fusion and serving-engine conne
 * ``store.get_kv(key)`` -> ``(k_layers, v_layers)``: per layer ``[n, Hkv, D]`` *copies* (the pool
   reuses the pages of evicted chunks, so a view could later show another chunk's rows);
   ``store.kv(key)`` -> the same stacked ``[L, n, Hkv, D]``; ``store.tokens(key)`` int64 ``[n]``.
-* ``store.gather_into_(keys, dst_k, dst_v, dst_rows, positions)``: writes the chunks (in order,
-  ``T`` rows in all) into any caller cache (per layer, viewed as ``[rows, Hkv, D]``, e.g. a
-  vLLM paged cache) at ``dst_rows`` int64 ``[T]``, keys re-rotated from their local positions to
-  ``positions`` int ``[T]``: one ``ragattn.copy_kv_`` per pool slab the chunks live in (usually one).
+* ``store.gather_into_(keys, dst_k, dst_v, dst_rows, positions, skip=0, split_heads=False)``:
+  writes the chunks (in order, ``T`` rows in all, the first ``skip`` left out) into any caller
+  cache (per layer viewed as ``[rows, Hkv, D]``, or per layer and head as ``[rows, 1, D]`` with
+  ``split_heads``, e.g. vLLM's paged caches: :mod:`ragattn.vllm`) at ``dst_rows`` int64, keys
+  re-rotated from their local positions to ``positions``: one ``ragattn.copy_kv_`` per pool
+  slab the chunks live in (usually one).
 * ``store.assemble(keys, ...)``: :meth:`gather_into_` into a fresh batch-1 ``PagedKV``.
 
 Memory: a byte budget, LRU eviction, no 2x growth
@@ -99,7 +101,9 @@ class ChunkStoreError(ValueError):
 # ----- fingerprint ------------------------------------------------------------------------------
 def _config_json(model) -> str:
     cfg = model.config.to_dict()
-    for k in ("_attn_implementation_autoset", "_attn_implementation", "attn_implementation"):
+    # not what the model is: its attention kernel, and the path it was loaded from (a store built
+    # from "org/model" serves the same weights loaded from /abs/path/model, e.g. by vLLM)
+    for k in ("_attn_implementation_autoset", "_attn_implementation", "attn_implementation", "_name_or_path"):
         cfg.pop(k, None)
     return json.dumps(cfg, sort_keys=True, default=str)
 
@@ -156,8 +160,9 @@ def _state_versions(named):
 
 
 def model_fingerprint(model, cached: bool = True) -> str:
-    """Hex fingerprint of a model: its config (all but the attention implementation) and an exact
-    checksum of every parameter and buffer (:func:`weight_checksums`) with names, shapes, dtypes.
+    """Hex fingerprint of a model: its config (all but the attention implementation and the path
+    it was loaded from) and an exact checksum of every parameter and buffer
+    (:func:`weight_checksums`) with names, shapes, dtypes.
 
     ``cached=True`` reuses the last value while the config and every tensor's identity and
     in-place version counter are unchanged (cheap: for per-request checks); writes that bypass
@@ -779,29 +784,44 @@ class ChunkStore:
 
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
-                     dst_rows: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+                     dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
+                     split_heads: bool = False) -> None:
         """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
 
         ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
-        ``[rows, Hkv, D]`` (contiguous, e.g. ``[num_pages, page_size, Hkv, D]``); ``dst_rows``
-        int64 ``[T]``: the row of each chunk token, distinct; ``positions`` int ``[T]`` (or None:
-        keep the local positions): the RoPE position each key is re-rotated to (from its
-        local position ``j`` within its chunk). Chunks not in memory are loaded or recomputed
-        first (evicting others, never these). One ``copy_kv_`` per pool slab involved."""
+        ``[rows, Hkv, D]`` (contiguous, e.g. ``[num_pages, page_size, Hkv, D]``); with
+        ``split_heads=True``, ``L * Hkv`` single-head caches instead (layer ``l``, head ``h`` at
+        index ``l * Hkv + h``), each viewed as ``[rows, 1, D]``: for caches whose heads are not
+        contiguous within a row, such as vLLM's ``[blocks, Hkv, block_size, 2 * D]`` pages.
+        ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
+        caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
+        token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
+        RoPE position each key is re-rotated to (from its local position ``j`` within its chunk).
+        Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
+        unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
+        involved."""
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
             total = sum(lens)
-            if tuple(dst_rows.shape) != (total,):
+            if not 0 <= skip <= total:
+                raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: skip={skip} is outside [0, {total}]")
+            n = total - skip
+            if tuple(dst_rows.shape) != (n,):
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: dst_rows has shape "
-                                      f"{tuple(dst_rows.shape)}, expected ({total},) (the chunks' tokens)")
+                                      f"{tuple(dst_rows.shape)}, expected ({n},) (the chunks' tokens)")
+            want = self.num_layers * (self.num_kv_heads if split_heads else 1)
+            if len(dst_k) != want or len(dst_v) != want:
+                raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
+                                      f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
+                                      f"{len(dst_k)} and {len(dst_v)}")
             delta = None
             if positions is not None:
-                if tuple(positions.shape) != (total,):
+                if tuple(positions.shape) != (n,):
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
-                                          f"{tuple(positions.shape)}, expected ({total},)")
-                delta = (positions.to(self.device, torch.int64) - self._local_positions(lens)).to(torch.int32)
-            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta)
+                                          f"{tuple(positions.shape)}, expected ({n},)")
+                delta = (positions.to(self.device, torch.int64) - self._local_positions(lens)[skip:]).to(torch.int32)
+            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta, skip, split_heads)
         finally:
             self._unpin(pinned)
 
@@ -812,21 +832,28 @@ class ChunkStore:
         offs = torch.repeat_interleave(starts, torch.tensor(lens), output_size=total)
         return torch.arange(total, dtype=torch.int64).sub_(offs).to(self.device)
 
-    def _copy(self, entries, lens, dst_k, dst_v, dst, delta):
+    def _slab_layers(self, slab: _Slab, split_heads: bool):
+        if not split_heads:
+            return slab.k, slab.v
+        hs = range(self.num_kv_heads)
+        return ([k[:, h:h + 1] for k in slab.k for h in hs], [v[:, h:h + 1] for v in slab.v for h in hs])
+
+    def _copy(self, entries, lens, dst_k, dst_v, dst, delta, skip: int = 0, split_heads: bool = False):
+        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst`` (``delta``: rotation of each)."""
         slabs = list({id(e.slab): e.slab for e in entries}.values())
         rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved) if delta is not None else (None, 0, False)
         if len(slabs) == 1:
             src = torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows
-            _ops.copy_kv_(dst_k, dst_v, slabs[0].k, slabs[0].v, src, dst, delta, *rot)
+            _ops.copy_kv_(dst_k, dst_v, *self._slab_layers(slabs[0], split_heads), src[skip:], dst, delta, *rot)
             return
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        for s in slabs:
-            idx = [i for i, e in enumerate(entries) if e.slab is s]
-            sel = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in idx]).to(self.device)
-            src = torch.cat([entries[i].rows for i in idx])
-            _ops.copy_kv_(dst_k, dst_v, s.k, s.v, src, dst[sel],
+        slab_of = torch.cat([torch.full((n,), slabs.index(e.slab), dtype=torch.int64)
+                             for e, n in zip(entries, lens)])[skip:].to(self.device)
+        src_all = torch.cat([e.rows for e in entries])[skip:]
+        for i, s in enumerate(slabs):
+            sel = (slab_of == i).nonzero()[:, 0]
+            if sel.numel() == 0:
+                continue
+            _ops.copy_kv_(dst_k, dst_v, *self._slab_layers(s, split_heads), src_all[sel], dst[sel],
                           delta[sel] if delta is not None else None, *rot)
 
     @torch.no_grad()

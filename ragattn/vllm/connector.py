@@ -1,0 +1,238 @@
+"""``RagattnConnector``: Block-Attention / TurboRAG chunk reuse inside vLLM 0.33 (a KV connector).
+
+    vllm serve <model> --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "RagattnConnector",
+        "kv_connector_module_path": "ragattn.vllm.connector", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"chunk_dir": "kv/"}}'
+
+Scheduler side: finds the chunk spans of a prompt (``kv_transfer_params["ragattn_spans"]`` of
+the request, or the ``separator_token_id`` configured), looks each chunk up in the chunk
+store's directory and claims the prompt tokens up to the end of the last span whose chunks are
+all cached (:func:`ragattn.vllm.spans.plan_claim`: never the whole prompt); the request's block
+ids go to the worker in the step's metadata. Worker side: :class:`~ragattn.vllm.pages.PageWriter`
+writes those chunks' K/V into vLLM's own cache tensors at the request's slots, keys re-rotated
+to their real positions, with one ``copy_kv_`` for all layers before the forward; saves are
+no-ops. Options (``kv_connector_extra_config``) are listed in :data:`OPTIONS`; see docs/vllm.md.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, chunk_key
+from ragattn.vllm.pages import BACKEND_KV_SPLIT, KV_SPLITS, CacheLayoutError, PageWriter
+from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
+                                separator_salt, span_salt, spans_from_params,
+                                spans_from_separator)
+from ragattn.vllm.store import check_directory_fingerprint, served_model
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# kv_connector_extra_config keys
+OPTIONS = {
+    "chunk_dir": "directory of the chunk store (ChunkStore files built offline for this model); required",
+    "separator_token_id": "token id that ends every chunk (spans from the prompt itself); optional",
+    "spans_param": f"kv_transfer_params key holding [[start, end], ...] (default {SPANS_PARAM!r})",
+    "hf_model": "HF model folder the store was built from (default: the served model's folder)",
+    "memory_budget": "bytes of chunk K/V the worker keeps in host memory (default: ChunkStore's)",
+    "kv_split": f"one of {KV_SPLITS}: where K and V sit in a cache block (default: from the attention backend)",
+}
+
+
+@dataclass
+class RequestLoad:
+    """One request's load: chunks ``keys`` at prompt ranges ``spans``, the request's blocks
+    (first KV cache group) and ``skip`` tokens vLLM already holds (its own prefix-cache hit)."""
+    req_id: str
+    keys: tuple[str, ...]
+    spans: tuple[tuple[int, int], ...]
+    block_ids: list[int]
+    skip: int
+
+
+@dataclass
+class RagattnConnectorMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+
+
+class RagattnConnector(KVConnectorBase_V1):
+    """See the module docstring. Does not support vLLM's hybrid KV cache manager (not a
+    ``SupportsHMA`` connector: vLLM turns it off by itself for a connector without it, and
+    refuses ``--no-disable-hybrid-kv-cache-manager``), tensor parallelism (one worker holds
+    every KV head), or quantized KV caches."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        unknown = set(cfg.kv_connector_extra_config) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"ragattn.vllm: unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                             f"known: {sorted(OPTIONS)}")
+        chunk_dir = cfg.get_from_extra_config("chunk_dir", None)
+        if not chunk_dir:
+            raise ValueError("ragattn.vllm: kv_connector_extra_config needs 'chunk_dir' (the chunk store directory)")
+        self._dir = Path(chunk_dir)
+        if not self._dir.is_dir():
+            raise ChunkStoreError(f"ragattn.vllm: chunk_dir {self._dir} is not a directory")
+        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise NotImplementedError("ragattn.vllm: tensor/pipeline parallelism is not supported yet "
+                                      "(a worker would need its share of the KV heads or layers)")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise NotImplementedError(f"ragattn.vllm: the model has {len(groups)} KV cache groups (sliding-window "
+                                      "or hybrid layers); the connector supports one full-attention group "
+                                      "(Llama, Qwen2, Mistral): run with --disable-hybrid-kv-cache-manager")
+        self._sep = cfg.get_from_extra_config("separator_token_id", None)
+        self._spans_param = cfg.get_from_extra_config("spans_param", SPANS_PARAM)
+        self._block_size = vllm_config.cache_config.block_size
+        self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        mc = vllm_config.model_config
+        hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
+        self._model, self.fingerprint = served_model(hf_path, mc.dtype)
+        check_directory_fingerprint(self._dir, self.fingerprint)
+        # scheduler side
+        self._claims: dict[str, tuple[Claim, int]] = {}   # claim, vLLM's own hit
+        self._pending: dict[str, tuple[Claim, int]] = {}
+        # worker side
+        self._store: ChunkStore | None = None
+        self._writer: PageWriter | None = None
+        self._failed_blocks: set[int] = set()
+        if role == KVConnectorRole.WORKER:
+            budget = cfg.get_from_extra_config("memory_budget", None)
+            self._store = ChunkStore(self._model, self._dir, page_size=self._block_size, read_only=True,
+                                     memory_budget=None if budget is None else int(budget))
+
+    # ----- scheduler side ---------------------------------------------------------------
+    def _spans(self, request: "Request"):
+        """(spans or None, the cache_salt they need under prefix caching)."""
+        tokens = request.prompt_token_ids or []
+        spans = spans_from_params(request.kv_transfer_params, len(tokens), self._spans_param)
+        if spans is not None:
+            return spans, span_salt(spans)
+        if self._sep is not None:
+            return spans_from_separator(tokens, int(self._sep)), separator_salt(int(self._sep))
+        return None, None
+
+    def _claim(self, request: "Request") -> Claim:
+        tokens = request.prompt_token_ids or []
+        try:
+            spans, salt = self._spans(request)
+        except SpanError as exc:
+            log.warning("request %s: %s; computing it without cached chunks", request.request_id, exc)
+            return NO_CLAIM
+        if not spans:
+            return NO_CLAIM
+        if self._prefix_caching and request.cache_salt != salt:
+            log.warning("request %s: vLLM's prefix cache is on and the request's cache_salt is not %r "
+                        "(docs/vllm.md): computing it without cached chunks (its approximate pages would "
+                        "otherwise be served as an exact prefix)", request.request_id, salt)
+            return NO_CLAIM
+        fp = self.fingerprint
+        return plan_claim(tokens, spans, lambda t: chunk_key(fp, t),
+                          lambda k: (self._dir / f"{k}.safetensors").is_file())
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        claim = self._claim(request)
+        self._claims[request.request_id] = (claim, num_computed_tokens)
+        return max(0, claim.num_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        if num_external_tokens <= 0:
+            self._claims.pop(request.request_id, None)
+            return
+        claim, local = self._claims.pop(request.request_id)
+        if local + num_external_tokens != claim.num_tokens:
+            # vLLM trimmed the claim (only DeepSeek's sliding-window replay does): the pages of
+            # exactly [local, local + num_external_tokens) would have to be written
+            raise RuntimeError(f"ragattn.vllm: request {request.request_id}: vLLM took {num_external_tokens} of "
+                               f"the {claim.num_tokens - local} claimed tokens; partial claims are not supported")
+        self._pending[request.request_id] = (claim, local)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = RagattnConnectorMetadata()
+        for req in scheduler_output.scheduled_new_reqs:
+            if req.req_id in self._pending:
+                claim, skip = self._pending.pop(req.req_id)
+                meta.loads.append(RequestLoad(req.req_id, claim.keys, claim.spans, list(req.block_ids[0]), skip))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                claim, skip = self._pending.pop(req_id)
+                meta.loads.append(RequestLoad(req_id, claim.keys, claim.spans, list(cached.new_block_ids[i][0]), skip))
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._claims.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ----- worker side ------------------------------------------------------------------
+    def _kv_split(self) -> str:
+        split = self._kv_transfer_config.get_from_extra_config("kv_split", None)
+        if split is not None:
+            return split
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        names = {layer.get_attn_backend().get_name()
+                 for layer in get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase).values()}
+        if len(names) != 1 or next(iter(names)) not in BACKEND_KV_SPLIT:
+            raise CacheLayoutError(f"ragattn.vllm: unsupported attention backend(s) {sorted(names)} (known cache "
+                                   f"layouts: {sorted(BACKEND_KV_SPLIT)}); set kv_connector_extra_config "
+                                   "'kv_split' if the backend stores K/V like one of them")
+        return BACKEND_KV_SPLIT[next(iter(names))]
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        names = sorted(kv_caches, key=layer_index)
+        self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, self._kv_split())
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Writes every claimed request's chunks (all layers at once) before the forward. A
+        request whose chunks cannot all be loaded (unknown, foreign or corrupt file) is written
+        not at all: its blocks are reported by :meth:`get_block_ids_with_load_errors`."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RagattnConnectorMetadata)
+        if meta.loads and self._writer is None:
+            raise RuntimeError("ragattn.vllm: start_load_kv before register_kv_caches")
+        for load in meta.loads:
+            try:
+                with torch.inference_mode():
+                    self._writer.write(load.keys, load.spans, load.block_ids, load.skip)
+            except (ChunkStoreError, OSError) as exc:
+                n = -(-load.spans[-1][1] // self._block_size)
+                failed = set(load.block_ids[load.skip // self._block_size: n])
+                log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
+                          "as failed loads", load.req_id, exc, sorted(failed))
+                self._failed_blocks |= failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return   # start_load_kv wrote every layer synchronously
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return   # chunks are built offline (ChunkStore.add); nothing is saved from vLLM
+
+    def wait_for_save(self):
+        return
+
+
+__all__ = ["RagattnConnector", "RagattnConnectorMetadata", "RequestLoad", "OPTIONS", "span_salt", "separator_salt"]

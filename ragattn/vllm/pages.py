@@ -1,0 +1,140 @@
+"""Worker side of the vLLM connector, free of vLLM: chunk K/V into vLLM's paged caches.
+
+vLLM 0.33 gives each attention layer one cache tensor, logically ``[num_blocks, Hkv, block_size,
+2 * head_size]`` (RFC 42082's per-layer ``[B, H, N, C]`` view; its physical dim order depends on
+the backend's KV cache layout). Where K and V live inside ``C`` depends on the backend:
+
+* ``"channel"`` (FLASH_ATTN, TRITON_ATTN): ``C = [K | V]`` of each token, ``kv[..., :D]`` is K.
+* ``"rows"`` (CPU_ATTN): each ``(block, head)`` tile ``[N, 2D]`` is read as ``[2N, D]``: the
+  first ``N`` rows are the block's keys, the next ``N`` its values (contiguous tiles only).
+
+Neither puts a token's heads next to each other, so the writer addresses every (layer, head) as
+its own ``[num_blocks * block_size, 1, D]`` cache (a strided view: no copy of the cache) and
+writes all of them with one ``ragattn.copy_kv_`` (keys re-rotated to the request's positions in
+the same pass) through :meth:`ChunkStore.gather_into_` with ``split_heads=True``. Row ``r`` of
+such a view is vLLM's slot ``r = block_id * block_size + offset``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ragattn import ops as _ops
+from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+
+KV_SPLITS = ("channel", "rows")
+# vLLM attention backends (get_name()) whose cache layout the writer knows
+BACKEND_KV_SPLIT = {"FLASH_ATTN": "channel", "TRITON_ATTN": "channel", "CPU_ATTN": "rows"}
+
+
+class CacheLayoutError(ValueError):
+    """A vLLM KV cache the writer cannot address (shape, dtype, strides or backend)."""
+
+
+def head_views(kv: torch.Tensor, num_kv_heads: int, head_size: int, block_size: int, split: str
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-head K and V views of one layer's cache ``kv`` (logical ``[B, Hkv, N, 2 * D]``, any
+    strides), each ``[B, N, 1, D]`` (rows ``b * N + n``) over ``kv``'s memory."""
+    if split not in KV_SPLITS:
+        raise CacheLayoutError(f"ragattn.vllm: kv split must be one of {KV_SPLITS}, got {split!r}")
+    want = (num_kv_heads, block_size, 2 * head_size)
+    if kv.dim() != 4 or tuple(kv.shape[1:]) != want:
+        raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache of shape {tuple(kv.shape)}: expected "
+                               f"[num_blocks, {want[0]}, {want[1]}, {want[2]}] ([B, Hkv, block_size, 2 * head_size])")
+    if kv.stride(3) != 1:
+        raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache strides {kv.stride()}: the channel dim must be contiguous")
+    B, H, N, D = kv.shape[0], num_kv_heads, block_size, head_size
+    if split == "channel":
+        ks = [kv[:, h, :, :D].unsqueeze(2) for h in range(H)]
+        vs = [kv[:, h, :, D:].unsqueeze(2) for h in range(H)]
+        return ks, vs
+    if kv.stride(2) != 2 * D:
+        raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache strides {kv.stride()} for the 'rows' split "
+                               "(CPU_ATTN): each (block, head) tile [block_size, 2 * head_size] must be contiguous")
+    sb, sh, off = kv.stride(0), kv.stride(1), kv.storage_offset()
+    size, stride = (B, N, 1, D), (sb, D, D, 1)
+    ks = [kv.as_strided(size, stride, off + h * sh) for h in range(H)]
+    vs = [kv.as_strided(size, stride, off + h * sh + N * D) for h in range(H)]
+    return ks, vs
+
+
+def slot_rows(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """int64 ``[end - start]``: vLLM's slot of each request token ``start..end-1`` (token ``t``
+    lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``)."""
+    if end > len(block_ids) * block_size:
+        raise ChunkStoreError(f"ragattn.vllm: tokens up to {end} need {-(-end // block_size)} blocks, "
+                              f"the request has {len(block_ids)}")
+    t = torch.arange(start, end, dtype=torch.int64)
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
+    return blocks[t // block_size] * block_size + t % block_size
+
+
+class PageWriter:
+    """Writes cached chunks into one worker's vLLM KV caches.
+
+    ``kv_caches``: the worker's per-layer caches in model layer order (``[B, Hkv, N, 2D]``
+    each); ``split``: ``"channel"`` or ``"rows"`` (see the module docstring). The store must
+    hold the same layers, KV heads and head size; its dtype must be the caches' dtype. A store
+    on another device (chunk KV kept in host memory) is staged: the claimed rows are gathered on
+    the store's device, moved over once, and written with one ``copy_kv_`` there."""
+
+    def __init__(self, store: ChunkStore, kv_caches: Sequence[torch.Tensor], block_size: int, split: str):
+        if len(kv_caches) != store.num_layers:
+            raise CacheLayoutError(f"ragattn.vllm: the worker has {len(kv_caches)} attention layers, the chunk "
+                                   f"store's model {store.num_layers}")
+        first = kv_caches[0]
+        for i, kv in enumerate(kv_caches):
+            if kv.dtype != store.dtype:
+                raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} has dtype {kv.dtype}, the chunk store "
+                                       f"{store.dtype} (quantized or other-dtype KV caches are not supported)")
+            if kv.device != first.device or kv.shape != first.shape or kv.stride() != first.stride():
+                raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} differs from layer 0 in device, shape or "
+                                       "strides; every layer must share one layout")
+        self.store, self.block_size, self.split = store, block_size, split
+        self.device = first.device
+        self.k, self.v = [], []
+        for kv in kv_caches:
+            ks, vs = head_views(kv, store.num_kv_heads, store.head_dim, block_size, split)
+            self.k += ks
+            self.v += vs
+        self._inv_freq = store.rope.inv_freq.to(self.device)
+
+    def write(self, keys: Sequence[str], spans: Sequence[tuple[int, int]], block_ids: Sequence[int],
+              skip: int = 0, stage: bool | None = None) -> None:
+        """Write the chunks ``keys`` (prompt token ranges ``spans``, contiguous from token 0) into
+        the request's pages ``block_ids``, keys re-rotated to their prompt positions; tokens below
+        ``skip`` (vLLM's own prefix-cache hit) are left alone. Every chunk is loaded and checked
+        before the first write: an unknown, foreign or corrupt chunk raises ChunkStoreError with
+        the caches untouched. ``stage``: go through a staging copy (default: only when the store
+        is on another device than the caches)."""
+        if not keys:
+            return
+        end = spans[-1][1]
+        if spans[0][0] != 0 or any(a != b for (_, a), (b, _) in zip(spans[:-1], spans[1:])):
+            raise ChunkStoreError(f"ragattn.vllm: spans {list(spans)} must tile the prompt from token 0")
+        rows = slot_rows(block_ids, self.block_size, skip, end).to(self.device)
+        positions = torch.arange(skip, end, dtype=torch.int64)
+        if not (stage if stage is not None else self.store.device != self.device):
+            self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True)
+            return
+        self._write_staged(keys, rows, positions, skip)
+
+    def _write_staged(self, keys, rows, positions, skip):
+        st = self.store
+        n = rows.numel()
+        shape = (n, st.num_kv_heads, st.head_dim)
+        sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
+        sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
+        # keys stay at their local positions here; the one rotation happens on the cache's device
+        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), skip=skip)
+        lens = [st.tokens(k).numel() for k in keys]
+        local = st._local_positions(lens)[skip:].cpu()
+        delta = (positions - local).to(torch.int32).to(self.device)
+        hs = range(st.num_kv_heads)
+        sk = [t.to(self.device, non_blocking=True) for t in sk]
+        sv = [t.to(self.device, non_blocking=True) for t in sv]
+        src_k = [k[:, h:h + 1] for k in sk for h in hs]
+        src_v = [v[:, h:h + 1] for v in sv for h in hs]
+        _ops.copy_kv_(self.k, self.v, src_k, src_v, torch.arange(n, device=self.device), rows, delta,
+                      self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)

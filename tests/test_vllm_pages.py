@@ -1,0 +1,198 @@
+"""ragattn.vllm without vLLM: the claim (scheduler side) and the page writer (worker side) on
+CPU tensors in vLLM 0.33's cache layouts, checked against the HF path (ChunkStore.assemble) bit
+for bit and against one Block-Attention-masked forward. tests/vllm/ runs the connector itself."""
+import pytest
+import torch
+
+from ragattn.methods.block_attention import block_ids
+from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+from ragattn.methods.common import paged_forward
+from ragattn.vllm.pages import CacheLayoutError, PageWriter, slot_rows
+from ragattn.vllm.spans import (SpanError, check_spans, layer_index, plan_claim, span_salt,
+                                spans_from_params, spans_from_separator)
+from tests.helpers import tiny_causal_lm
+
+H, D, BS = 2, 16, 16   # the tiny model's KV heads and head size; vLLM's block size here
+
+
+# ----- claims ---------------------------------------------------------------------------------
+def _claim(prompt, spans, cached):
+    return plan_claim(prompt, spans, lambda t: tuple(t), lambda k: k in cached)
+
+
+def test_claim_chunks_at_offsets_and_repeats():
+    a, b, c = [5, 6, 7], [8, 9], [10, 11, 12, 13]
+    prompt = a + b + a + c + [1, 2]           # chunk a twice, at offsets 0 and 5
+    spans = [(0, 3), (3, 5), (5, 8), (8, 12)]
+    cl = _claim(prompt, spans, {tuple(a), tuple(b), tuple(c)})
+    assert cl.num_tokens == 12 and cl.spans == tuple(spans)
+    assert cl.keys == (tuple(a), tuple(b), tuple(a), tuple(c))
+
+
+def test_claim_stops_at_missing_chunk_gap_and_prompt_end():
+    a, b, c = [5, 6, 7], [8, 9], [10, 11, 12, 13]
+    prompt = a + b + c + [1]
+    spans = [(0, 3), (3, 5), (5, 9)]
+    assert _claim(prompt, spans, {tuple(a), tuple(c)}).num_tokens == 3          # b missing
+    assert _claim(prompt, spans, {tuple(b), tuple(c)}).num_tokens == 0          # the first chunk missing
+    assert _claim(prompt, [(0, 3), (4, 5)], {tuple(a), (9,)}).num_tokens == 3   # a gap at token 3
+    full = a + b + c                                                             # fully cached prompt:
+    cl = _claim(full, spans, {tuple(a), tuple(b), tuple(c)})                     # the last span is vLLM's
+    assert cl.num_tokens == 5 and len(full) - cl.num_tokens == 4
+    assert _claim([5], [(0, 1)], {(5,)}).num_tokens == 0                         # length-1 prompt
+    assert _claim([], [], set()).num_tokens == 0
+
+
+def test_spans_from_params_and_separator():
+    assert spans_from_params(None, 9) is None and spans_from_params({"x": 1}, 9) is None
+    assert spans_from_params({"ragattn_spans": [[0, 3], [3, 7]]}, 9) == ((0, 3), (3, 7))
+    for bad in ([[0, 3], [2, 5]], [[0, 10]], [[3, 3]], [[0, 1.5]], [[0, 1, 2]], "0-3"):
+        with pytest.raises(SpanError, match="ragattn.vllm"):
+            spans_from_params({"ragattn_spans": bad}, 9)
+    sep = 0
+    assert spans_from_separator([4, 4, 0, 5, 0, 7, 8], sep) == ((0, 3), (3, 5))
+    assert spans_from_separator([4, 5], sep) == ()
+    assert check_spans([], 0) == ()
+    assert span_salt([(0, 3), (3, 5)]) != span_salt([(0, 2), (2, 5)])
+    assert layer_index("model.layers.11.self_attn.attn") == 11
+
+
+# ----- pages ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2"])
+def model(request):
+    return tiny_causal_lm(request.param)
+
+
+@pytest.fixture(scope="module")
+def store(model):
+    return ChunkStore(model, memory_budget=1 << 24)
+
+
+def _vllm_caches(num_blocks, dtype=torch.float32):
+    """Two layers of vLLM's per-layer cache [B, Hkv, N, 2D], NaN-poisoned."""
+    return [torch.full((num_blocks, H, BS, 2 * D), float("nan"), dtype=dtype) for _ in range(2)]
+
+
+def _read_pages(caches, split, rows):
+    """K, V per layer at ``rows`` (vLLM slots) as [n, Hkv, D], read with vLLM's own views."""
+    out = []
+    for kv in caches:
+        B = kv.shape[0]
+        if split == "channel":   # flash_attn: kv.transpose(1, 2).split(D, -1)
+            k, v = kv.transpose(1, 2).split(D, dim=-1)
+        else:                    # cpu_attn: kv.view(B, H, 2N, D).chunk(2, dim=2)
+            k, v = (t.transpose(1, 2) for t in kv.view(B, H, 2 * BS, D).chunk(2, dim=2))
+        out.append((k.reshape(B * BS, H, D)[rows], v.reshape(B * BS, H, D)[rows]))
+    return out
+
+
+def _chunks(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 211, (n,), generator=g).tolist() for n in (7, 19, 5)]
+
+
+@pytest.mark.parametrize("split", ["channel", "rows"])
+@pytest.mark.parametrize("skip", [0, 16])
+@pytest.mark.parametrize("stage", [False, True])
+def test_pages_equal_assembled_request(store, split, skip, stage):
+    """Chunks at different offsets, one repeated, written into scattered blocks: the pages hold
+    exactly the HF path's assembled request (bit for bit), and nothing else is touched."""
+    k = store.add(_chunks(1))
+    keys = [k[0], k[1], k[0], k[2]]
+    lens = [7, 19, 7, 5]
+    spans, s = [], 0
+    for n in lens:
+        spans.append((s, s + n))
+        s += n
+    total = s
+    req = store.assemble(keys, positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(total))
+    block_ids = [6, 1, 4]                    # 38 tokens over 3 blocks, not in order
+    caches = _vllm_caches(8)
+    PageWriter(store, caches, BS, split).write(keys, spans, block_ids, skip=skip, stage=stage)
+    rows = slot_rows(block_ids, BS, 0, total)
+    for l, (pk, pv) in enumerate(_read_pages(caches, split, rows)):
+        want_k = req.cache.k[l].reshape(-1, H, D)[ref_rows]
+        want_v = req.cache.v[l].reshape(-1, H, D)[ref_rows]
+        assert torch.equal(pk[skip:], want_k[skip:]) and torch.equal(pv[skip:], want_v[skip:])
+        assert pk[:skip].isnan().all() and pv[:skip].isnan().all()    # vLLM's own prefix hit
+    untouched = torch.ones(8 * BS, dtype=torch.bool)
+    untouched[rows[skip:]] = False
+    for pk, pv in _read_pages(caches, split, untouched.nonzero()[:, 0]):
+        assert pk.isnan().all() and pv.isnan().all()
+
+
+@pytest.mark.parametrize("split", ["channel", "rows"])
+def test_final_block_over_pages_gives_block_attention_logits(model, store, split):
+    """The final block run over the request's pages (gathered from vLLM's layout) gives the HF
+    path's logits bit for bit, and Block-Attention's single masked forward within fp32 rounding."""
+    blocks = _chunks(2)
+    final = [3, 17, 29, 41, 5]
+    keys = store.add(blocks)
+    lens = [len(b) for b in blocks]
+    total = sum(lens)
+    spans = [(sum(lens[:i]), sum(lens[:i + 1])) for i in range(len(lens))]
+    block_table = [2, 0, 5]
+    caches = _vllm_caches(6)
+    PageWriter(store, caches, BS, split).write(keys, spans, block_table)
+
+    hf = store.assemble(keys, positions="reordered", extra_slots=len(final))
+    mine = store.assemble(keys, positions="reordered", extra_slots=len(final))
+    for l in range(len(mine.cache.k)):
+        mine.cache.k[l].fill_(float("nan"))
+        mine.cache.v[l].fill_(float("nan"))
+    dst = mine.cache.slot_rows(0, torch.arange(total))
+    for l, (pk, pv) in enumerate(_read_pages(caches, split, slot_rows(block_table, BS, 0, total))):
+        mine.cache.k[l].view(-1, H, D)[dst] = pk
+        mine.cache.v[l].view(-1, H, D)[dst] = pv
+    pos = total + torch.arange(len(final))
+    got = paged_forward(model, torch.tensor([final]), pos, mine.cache)
+    want = paged_forward(model, torch.tensor([final]), pos, hf.cache)
+    assert torch.equal(got, want)
+
+    ids = torch.tensor([[t for b in blocks for t in b] + final])
+    blk = block_ids(lens, len(final))
+    n = ids.shape[1]
+    allow = torch.ones(n, n, dtype=torch.bool).tril() & ((blk[:, None] == blk[None, :]) | (blk[:, None] == -1))
+    mask = torch.zeros(n, n).masked_fill(~allow, float("-inf"))[None, None]
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=torch.arange(n)[None], attention_mask=mask,
+                    use_cache=False).logits[0, -len(final):].float()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+
+
+def test_unknown_chunk_writes_nothing(store):
+    keys = store.add(_chunks(3))
+    caches = _vllm_caches(4)
+    with pytest.raises(ChunkStoreError, match="no chunk with key"):
+        PageWriter(store, caches, BS, "channel").write([keys[0], "0" * 40], [(0, 7), (7, 26)], [0, 1])
+    assert all(kv.isnan().all() for kv in caches)
+
+
+def test_unsupported_layouts_are_refused(store):
+    with pytest.raises(CacheLayoutError, match="shape"):
+        PageWriter(store, [torch.zeros(4, H, BS, D) for _ in range(2)], BS, "channel")   # K only
+    with pytest.raises(CacheLayoutError, match="shape"):
+        PageWriter(store, _vllm_caches(4), 8, "channel")                               # other block size
+    with pytest.raises(CacheLayoutError, match="dtype"):
+        PageWriter(store, _vllm_caches(4, torch.bfloat16), BS, "channel")
+    with pytest.raises(CacheLayoutError, match="attention layers"):
+        PageWriter(store, _vllm_caches(4)[:1], BS, "channel")
+    nhd = [torch.zeros(4, BS, H, 2 * D).transpose(1, 2) for _ in range(2)]              # LBNHC memory
+    with pytest.raises(CacheLayoutError, match="'rows' split"):
+        PageWriter(store, nhd, BS, "rows")
+    with pytest.raises(CacheLayoutError, match="kv split"):
+        PageWriter(store, _vllm_caches(4), BS, "hnd")
+
+
+def test_nhd_memory_layout_channel_split(store):
+    """The 'channel' split over an LBNHC (token-major) physical layout: the same bits."""
+    keys = store.add(_chunks(4))
+    spans = [(0, 7), (7, 26), (26, 31)]
+    caches = [torch.full((3, BS, H, 2 * D), float("nan")).transpose(1, 2) for _ in range(2)]
+    PageWriter(store, caches, BS, "channel").write(keys, spans, [2, 0])
+    req = store.assemble(keys, positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(31))
+    for l, (pk, pv) in enumerate(_read_pages(caches, "channel", slot_rows([2, 0], BS, 0, 31))):
+        assert torch.equal(pk, req.cache.k[l].reshape(-1, H, D)[ref_rows])
+        assert torch.equal(pv, req.cache.v[l].reshape(-1, H, D)[ref_rows])
