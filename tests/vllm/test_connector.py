@@ -290,3 +290,13 @@ def test_prefix_cache_hit_is_not_rewritten(served, tmp_path):
         assert k[:BS].isnan().all() and v[:BS].isnan().all()                  # vLLM's block: untouched
         assert torch.equal(k[BS:], req.cache.k[l].reshape(-1, H, D)[ref_rows][BS:])
         assert torch.equal(v[BS:], req.cache.v[l].reshape(-1, H, D)[ref_rows][BS:])
+
+
+def test_importing_ragattn_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, ragattn, ragattn.vllm, ragattn.vllm.pages, ragattn.vllm.spans, ragattn.vllm.store, "
+            "ragattn.methods; assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
