@@ -24,6 +24,14 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
                   const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved);
 #endif
 
+// ---- attention CPU paths (csrc/attention/): called by the Python ops after their validation ----
+void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                         const at::Tensor& kv_lens, double scale, int64_t window_left, const at::Tensor& out,
+                         const at::Tensor& lse_out);
+void merge_attention_states_cpu(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                                const at::Tensor& lse_b, const at::Tensor& out, const at::Tensor& lse_out);
+
 // ---- speculative verification (csrc/speculative/) ----
 // Shape/dtype/device/scalar checks of verify_draft (ValueError/TypeError naming the argument);
 // check_values adds the index and range checks that need host data (CPU only).

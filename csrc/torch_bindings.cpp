@@ -59,6 +59,17 @@ TORCH_LIBRARY(ragattn, m) {
       "key_attention_scores(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "float? scale=None) -> Tensor scores");
 
+  // CPU paths of the Triton-backed attention ops (csrc/attention/), private: the public ops'
+  // CPU impls validate (ragattn/ops/) and call these with preallocated outputs (unit last-dim
+  // stride); RAGATTN_CPU_BACKEND=reference/triton bypasses them.
+  m.def(
+      "_paged_attention_cpu(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor kv_lens, float scale, int window_left, *, Tensor(a!) out, "
+      "Tensor(b!) lse_out) -> ()");
+  m.def(
+      "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+      "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+
   // 7. Chain speculative verification, standard and RAPID's modified target (CUDA C++).
   //    num_draft [B] (optional) verifies chains of different lengths padded to g; cu_num_draft
   //    [B + 1] (optional) takes vLLM's flat layout instead; draft_probs=None: one-hot drafts (n-gram).
@@ -79,6 +90,9 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   m.impl("copy_kv_", &ragattn::copy_kv_cpu);
   // speculative: verify_draft
   m.impl("verify_draft", &ragattn::verify_draft_cpu);
+  // attention CPU paths
+  m.impl("_paged_attention_cpu", &ragattn::paged_attention_cpu);
+  m.impl("_merge_attention_states_cpu", &ragattn::merge_attention_states_cpu);
 }
 
 #ifdef RAGATTN_WITH_CUDA

@@ -14,7 +14,8 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
     ) from exc
 
 # Which path CPU tensors take (design.md, "Backends"):
-#   "default":   C++ ops run their CPU C++ twin; Triton-backed ops run the plain-torch reference
+#   "default":   C++ ops run their CPU C++ twin; Triton-backed ops their CPU path (a C++ CPU kernel,
+#                torch's fused CPU attention or the reference: docs/ops.md, "Backends")
 #   "reference": every op runs the plain-torch reference in ragattn.reference
 #   "triton":    Triton-backed ops run their Triton kernel under TRITON_INTERPRET=1
 #   "twin":      C++ ops whose default CPU path is not their CUDA kernel's bit-faithful twin

@@ -97,9 +97,10 @@ def test_mixed_batch(backend, device, seed, num_heads, num_kv_heads, head_dim, d
     check_against_reference(args, out, lse)
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(80, torch.float16), (256, torch.bfloat16)])
+@pytest.mark.parametrize("head_dim,dtype", [(80, torch.float16), (256, torch.bfloat16), (20, torch.float32)])
 def test_other_head_dims(backend, device, seed, head_dim, dtype):
-    """A head_dim that is not a power of two (padded tile) and the largest supported one."""
+    """A head_dim that is not a power of two (padded tile), the largest supported one, and one
+    that is not a multiple of 8 (the C++ CPU kernel's vector tail)."""
     args = make_case([[40], scattered_rows(50, 0.2, 4)], [41, 50], num_heads=4, num_kv_heads=2, head_dim=head_dim,
                      page_size=16, dtype=dtype, device=device)
     out, lse = ragattn.paged_attention(*args)

@@ -72,12 +72,13 @@ def check_cu_seqlens(
     if cu.numel() < 1:
         raise ValueError(f"ragattn.{op}: {name} must have at least one entry (batch + 1)")
     if cu.device.type == "cpu" and read_values:
-        if int(cu[0]) != 0 or int(cu[-1]) != total:
+        vals = cu.tolist()  # one host read (B is small): cheaper than three tensor reductions
+        if vals[0] != 0 or vals[-1] != total:
             raise ValueError(
                 f"ragattn.{op}: {name} must start at 0 and end at {total} (the packed length), "
-                f"got {int(cu[0])} .. {int(cu[-1])}"
+                f"got {vals[0]} .. {vals[-1]}"
             )
-        if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+        if any(b < a for a, b in zip(vals, vals[1:])):
             raise ValueError(f"ragattn.{op}: {name} must be non-decreasing")
     return cu.numel() - 1
 

@@ -1,11 +1,13 @@
 """``ragattn.key_attention_scores``: FusionRAG's query-guided key importance (design.md op 6).
 
-Registers the CPU impl (reference, or the Triton kernel in the interpreter when
+Registers the CPU impl (the reference's arithmetic with GQA folded into the rows, the reference
+itself with ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel in the interpreter when
 ``RAGATTN_CPU_BACKEND=triton``), the CUDA impl (Triton) and the fake impl against the schema
 declared in csrc/torch_bindings.cpp.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -55,9 +57,35 @@ def _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale):
 @torch.library.impl(f"ragattn::{_OP}", "CPU")
 def _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
     _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=True)
-    if _extension.cpu_backend() == "triton":
+    backend = _extension.cpu_backend()
+    if backend == "triton":
         return _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)
-    return _reference(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+    if backend == "reference":
+        return _reference(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+    return _cpu_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def _cpu_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale):
+    """The default CPU path: the reference's arithmetic (float32 logits, softmax over each
+    sequence's keys, summed over rows and heads) with the GQA group folded into the query rows
+    (one batched matmul per kv head, K never repeated) and the scale folded into the matmul."""
+    total_q, num_heads, head_dim = q.shape
+    total_k, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scores = torch.zeros(total_k, dtype=torch.float32)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue  # no query: every key receives 0; no key: nothing to write
+        # rows (i, g) of kv head h: [Hkv, Mq * G, D]
+        qb = q[q0:q1].float().reshape(q1 - q0, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
+            num_kv_heads, (q1 - q0) * group, head_dim)
+        kb = k[k0:k1].float().transpose(0, 1)  # [Hkv, Nk, D], a view
+        logits = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0.0, alpha=scale)
+        scores[k0:k1] = torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    return scores
 
 
 @torch.library.impl(f"ragattn::{_OP}", "CUDA")

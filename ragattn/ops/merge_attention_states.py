@@ -57,8 +57,10 @@ def merge_attention_states(
     * a side that is read contributes all of its values, even where its weight underflows to 0:
       a non-finite value in it makes that element of out NaN (never a finite number).
 
-    Backends: CUDA runs the Triton kernel (one program per row, all heads); CPU the reference, or
-    the Triton kernel under the interpreter with ``RAGATTN_CPU_BACKEND=triton``.
+    Backends: CUDA runs the Triton kernel (one program per row, all heads); CPU a C++ loop over
+    (row, head) with the same weights (``csrc/attention/``), the reference with
+    ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel under the interpreter with
+    ``RAGATTN_CPU_BACKEND=triton``.
     """
     if out is None and lse_out is None:
         return torch.ops.ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
@@ -81,8 +83,14 @@ def _run(out_a, lse_a, out_b, lse_b, out=None, lse_out=None):
         lse_k = lse_out if lse_out is not None and lse_out.stride(-1) == 1 else None
         with device_guard(out_a):
             o, lse = merge_two_states(out_a, lse_a, out_b, lse_b, out_k, lse_k)
-    else:
+    elif _extension.cpu_backend() == "reference":
         o, lse = _reference(out_a, lse_a, out_b, lse_b)
+    else:  # the C++ kernel (csrc/attention/merge_attention_states_cpu.cpp): one pass, any row/head strides
+        out_a = out_a if out_a.stride(-1) == 1 else out_a.contiguous()
+        out_b = out_b if out_b.stride(-1) == 1 else out_b.contiguous()
+        o = out if out is not None and out.stride(-1) == 1 else out_a.new_empty(out_a.shape)
+        lse = lse_out if lse_out is not None else lse_a.new_empty(lse_a.shape)
+        torch.ops.ragattn._merge_attention_states_cpu(out_a, lse_a, out_b, lse_b, out=o, lse_out=lse)
     if out is None:
         return o, lse
     if o is not out:

@@ -173,12 +173,11 @@ def paged_attention(
     split-KV for few-row cases, forced with ``RAGATTN_PAGED_NUM_SPLITS=<n>``). The one-call path
     plans the launch from ``cu_seqlens_q`` and ``kv_lens`` (one host sync); engines that need a
     sync-free, CUDA-graph-capturable call use ``ragattn.triton_kernels.paged_attention``'s
-    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs one call
-    of torch's fused CPU flash attention for the batch (visible slot spans gathered, a
-    position/window mask, GQA folded into the rows; a batch with non-finite K/V among its
-    gathered slots goes through the reference), the
-    reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton kernel under the interpreter
-    with ``RAGATTN_CPU_BACKEND=triton``. On
+    ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs a C++
+    kernel (``csrc/attention/paged_attention_cpu.cpp``: per query row and kv head, the visible
+    slots read in place through the page table, the GQA group's heads together, online softmax;
+    no gather and no mask), the reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton
+    kernel under the interpreter with ``RAGATTN_CPU_BACKEND=triton``. On
     CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
     are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
@@ -205,123 +204,39 @@ def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scal
     )
 
 
-def _gather_slots(cache, pages, offsets, flat_index):
-    """``cache[pages, offsets]`` ([B, span] indices -> [B, span, Hkv, D]): one index_select of the
-    ``flat_index = pages * page_size + offsets`` rows when the cache's first two dims merge (much
-    cheaper than advanced indexing on the CPU), advanced indexing for other strided views."""
-    if cache.stride(0) == cache.shape[1] * cache.stride(1):
-        return cache.flatten(0, 1).index_select(0, flat_index).view(*pages.shape, *cache.shape[2:])
-    return cache[pages, offsets]
-
-
-def _cpu_flash(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
-    """The default CPU path: one call of torch's fused CPU flash attention (it returns the LSE) for
-    the whole batch. Each sequence's visible slot span (from its rows' first window start to their
-    largest ``q_pos``) is gathered into a padded ``[B, span]`` K/V batch, the GQA group is folded
-    into the query rows (no repeated K/V), and an additive mask hides what a row may not see; it
-    is dropped when every row sees all its gathered slots (decode). Gathered slots past a
-    sequence's span are zeroed (never read: 0 * NaN). If a gathered slot holds a non-finite K/V,
-    the batch goes through the reference, which owns the non-finite rule."""
-    total_q, num_heads, head_dim = q.shape
-    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    batch = kv_lens.numel()
-
-    def empty_rows():  # out 0, lse -inf: what a row that sees no slot gets
-        return q.new_zeros(q.shape), torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
-
-    if total_q == 0 or batch == 0:
-        return empty_rows()
-    cu = cu_seqlens_q.long()
-    rows = cu[1:] - cu[:-1]
-    row_min, row_max = (int(x) for x in torch.aminmax(rows))
-    pos = q_pos.long()
-    # uniform batches (decode: one row per sequence; equal tails) need no row scatter at all
-    uniform = row_min == row_max
-    if uniform:
-        pos_b = pos.reshape(batch, row_max)
-        pos_max = pos_b.amax(1)
-    else:
-        seq = torch.repeat_interleave(torch.arange(batch), rows)
-        pos_max = torch.full((batch,), -1, dtype=torch.long).scatter_reduce_(0, seq, pos, "amax")
-    hi = torch.minimum(kv_lens.long(), pos_max + 1)  # slots [lo, hi) are visible to some row
-    if window_left >= 0:
-        if uniform:
-            pos_min = pos_b.amin(1)
-        else:
-            pos_min = torch.full((batch,), torch.iinfo(torch.long).max).scatter_reduce_(0, seq, pos, "amin")
-        lo = torch.minimum((pos_min - window_left).clamp_(min=0), hi)
-    else:
-        lo = torch.zeros_like(hi)
-    spans = hi - lo
-    span_min, span = (int(x) for x in torch.aminmax(spans))
-    if span == 0:
-        return empty_rows()
-    slot_pos = lo[:, None] + torch.arange(span)  # [B, span]
-    all_valid = span_min == span
-    valid = None if all_valid else slot_pos < hi[:, None]
-    slot = slot_pos if all_valid else torch.where(valid, slot_pos, lo[:, None])
-    pages = block_table.gather(1, slot // page_size)
-    if not all_valid:
-        pages = torch.where(valid, pages, 0)
-    offsets = slot % page_size
-    flat_index = (pages * page_size + offsets).flatten()
-    k = _gather_slots(k_cache, pages, offsets, flat_index)  # [B, span, Hkv, D]
-    v = _gather_slots(v_cache, pages, offsets, flat_index)
-    if not all_valid:
-        k.masked_fill_(~valid[..., None, None], 0)
-        v.masked_fill_(~valid[..., None, None], 0)
-    # one cheap reduction instead of an elementwise test: a finite sum means finite values
-    # (an overflowing sum only sends a finite batch to the reference: still correct)
-    if not bool(torch.isfinite(k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32))):
-        return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
-    if uniform:
-        row_ok = None
-        qb = q.reshape(batch, row_max, num_kv_heads, group, head_dim)
-        p = pos_b[:, :, None]
-    else:
-        r = torch.arange(row_max)
-        row_ok = r[None, :] < rows[:, None]  # [B, R]
-        row_idx = torch.where(row_ok, cu[:-1, None] + r, 0)
-        qb = q[row_idx].view(batch, row_max, num_kv_heads, group, head_dim)
-        p = pos[row_idx][:, :, None]  # [B, R, 1]
-    qb = qb.transpose(1, 2).reshape(batch, num_kv_heads, row_max * group, head_dim)  # row (r, g) at r * group + g
-    mask = None
-    seen = None
-    if row_max > 1 or not all_valid:  # else: one row per sequence sees its whole gathered span
-        slot_pos = slot_pos[:, None, :]  # [B, 1, span]
-        visible = slot_pos <= p
-        if valid is not None:
-            visible &= valid[:, None, :]
-        if row_ok is not None:
-            visible &= row_ok[:, :, None]
-        if window_left >= 0:
-            visible &= slot_pos >= p - window_left
-        seen = visible.any(-1)  # [B, R]
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
-        mask = mask[:, None, :, None, :].expand(batch, 1, row_max, group, span).reshape(batch, 1, -1, span)
-    o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qb, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    o = o.view(batch, num_kv_heads, row_max, group, head_dim).transpose(1, 2).reshape(batch, row_max, num_heads, head_dim)
-    l = l.view(batch, num_kv_heads, row_max, group).transpose(1, 2).reshape(batch, row_max, num_heads).float()
-    if row_ok is None and (seen is None or bool(seen.all())):
-        return o.reshape(total_q, num_heads, head_dim).to(q.dtype), l.reshape(total_q, num_heads)
-    keep = seen if row_ok is None else (row_ok if seen is None else row_ok & seen)
-    out, lse = empty_rows()
-    dest = torch.arange(total_q).view(batch, row_max) if row_ok is None else row_idx
-    out[dest[keep]] = o[keep]  # rows that see no slot keep out 0, lse -inf
-    lse[dest[keep]] = l[keep]
-    return out, lse
+def _cpu_kernel(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+               out=None, lse_out=None):
+    """The default CPU path: the C++ kernel (``csrc/attention/paged_attention_cpu.cpp``), which
+    reads each row's visible slots in place through the page table (no gather, no mask) with an
+    online softmax, the GQA group's heads together. Writes ``out``/``lse_out`` when they have a
+    unit last-dim stride (else a temporary is copied in)."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(-1) != 1:
+        v_cache = v_cache.contiguous()
+    o = out if out is not None and out.stride(-1) == 1 else q.new_empty(q.shape)
+    lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    torch.ops.ragattn._paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens,
+                                           scale, window_left, out=o, lse_out=lse)
+    if out is not None and o is not out:
+        out.copy_(o)
+    return (o if out is None else out), lse
 
 
 def _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
     backend = _extension.cpu_backend()
+    # the C++ kernel checks the index values itself (same messages, one pass without Python reductions)
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+              read_values=backend in ("reference", "triton"))
     if backend == "triton":
         return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
-    run = _reference if backend == "reference" else _cpu_flash
-    o, lse = run(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    if backend != "reference":
+        return _cpu_kernel(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+                           out, lse_out)
+    o, lse = _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
     if out is None:
         return o, lse
     out.copy_(o)

@@ -1,8 +1,9 @@
 """``ragattn.varlen_attention``: packed prefill with position/block masks, never materialised.
 
 Dispatch: CUDA tensors run the Triton kernels (triton_kernels/varlen_attention.py); CPU tensors
-run the plain-torch reference, or the Triton kernels in the interpreter when
-``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
+run torch's fused CPU flash attention forward and backward (``_varlen_sdpa_cpu``; the reference
+where its result is non-finite), the plain-torch reference with ``RAGATTN_CPU_BACKEND=reference``,
+or the Triton kernels in the interpreter with ``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
 two with a mask: 80, 96, 112 included); larger head dims and float64 inputs always take the
 reference (on any device, O(L^2) memory). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
 forward is Triton, the reference's autograd otherwise), wired with ``torch.library.register_autograd``.
@@ -18,6 +19,7 @@ from ragattn import _extension
 from ragattn.ops._validate import (
     FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor, device_guard,
 )
+from ragattn.ops import _varlen_sdpa_cpu as _sdpa_cpu
 from ragattn.reference import varlen_attention as _ref
 
 OP = "varlen_attention"
@@ -190,6 +192,12 @@ def _use_triton(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and _extension.cpu_backend() == "triton"
 
 
+def _use_sdpa_cpu(q: torch.Tensor) -> bool:
+    """The default CPU path (``_varlen_sdpa_cpu``) for fp16/bf16/fp32 CPU inputs; the caller
+    reruns the reference where it returns a non-finite value (it may come from a masked key)."""
+    return q.device.type == "cpu" and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
+
+
 def _contig(*ts):
     return [None if t is None else t.contiguous() for t in ts]
 
@@ -202,6 +210,11 @@ def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
 
         with device_guard(q):
             return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale, window_left)
+    if _use_sdpa_cpu(q):
+        out, lse = _sdpa_cpu.run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal,
+                                         scale, window_left)
+        if not _sdpa_cpu.has_nonfinite(out):
+            return out, lse
     with torch.no_grad():
         out, lse = _ref(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
     return out.contiguous(), lse.contiguous()
@@ -225,8 +238,12 @@ def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, 
         with device_guard(q):
             varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_out)
         return
-    with torch.no_grad():
-        o, l = _ref(*args, causal, scale, window_left)
+    o = None
+    if _use_sdpa_cpu(q):
+        o, l = _sdpa_cpu.run_forward(*args, causal, scale, window_left)
+    if o is None or _sdpa_cpu.has_nonfinite(o):
+        with torch.no_grad():
+            o, l = _ref(*args, causal, scale, window_left)
     out.copy_(o)
     lse_out.copy_(l)
 
@@ -253,6 +270,11 @@ def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                 *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale,
                 window_left,
             )
+    if _use_sdpa_cpu(q):
+        grads = _sdpa_cpu.run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
+                                       kv_block, causal, scale, window_left)
+        if not _sdpa_cpu.has_nonfinite(*grads):
+            return grads
     # Reference autograd: recompute the dense forward with grad and pull dout through it.
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))

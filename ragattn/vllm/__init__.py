@@ -11,6 +11,7 @@
 
 Importing this package does not import vLLM (nor does ``import ragattn``). See docs/vllm.md.
 """
-from ragattn.vllm.spans import SPANS_PARAM, Claim, SpanError, plan_claim, span_salt, spans_from_params, spans_from_separator
+from ragattn.vllm.spans import (SPANS_PARAM, Claim, SpanError, plan_claim, separator_salt, span_salt, spans_from_params,
+                                spans_from_separator)
 
-__all__ = ["SPANS_PARAM", "Claim", "SpanError", "plan_claim", "span_salt", "spans_from_params", "spans_from_separator"]
+__all__ = ["SPANS_PARAM", "Claim", "SpanError", "plan_claim", "separator_salt", "span_salt", "spans_from_params", "spans_from_separator"]

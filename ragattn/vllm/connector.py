@@ -31,7 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, chunk_key
 from ragattn.vllm.pages import BACKEND_KV_SPLIT, KV_SPLITS, CacheLayoutError, PageWriter
 from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
-                                span_salt, spans_from_params, spans_from_separator)
+                                separator_salt, span_salt, spans_from_params,
+                                spans_from_separator)
 from ragattn.vllm.store import check_directory_fingerprint, served_model
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class RagattnConnector(KVConnectorBase_V1):
         self._model, self.fingerprint = served_model(hf_path, mc.dtype)
         check_directory_fingerprint(self._dir, self.fingerprint)
         # scheduler side
-        self._claims: dict[str, Claim] = {}
+        self._claims: dict[str, tuple[Claim, int]] = {}   # claim, vLLM's own hit
         self._pending: dict[str, tuple[Claim, int]] = {}
         # worker side
         self._store: ChunkStore | None = None
@@ -119,25 +120,28 @@ class RagattnConnector(KVConnectorBase_V1):
 
     # ----- scheduler side ---------------------------------------------------------------
     def _spans(self, request: "Request"):
+        """(spans or None, the cache_salt they need under prefix caching)."""
         tokens = request.prompt_token_ids or []
         spans = spans_from_params(request.kv_transfer_params, len(tokens), self._spans_param)
-        if spans is None and self._sep is not None:
-            spans = spans_from_separator(tokens, int(self._sep))
-        return spans
+        if spans is not None:
+            return spans, span_salt(spans)
+        if self._sep is not None:
+            return spans_from_separator(tokens, int(self._sep)), separator_salt(int(self._sep))
+        return None, None
 
     def _claim(self, request: "Request") -> Claim:
         tokens = request.prompt_token_ids or []
         try:
-            spans = self._spans(request)
+            spans, salt = self._spans(request)
         except SpanError as exc:
             log.warning("request %s: %s; computing it without cached chunks", request.request_id, exc)
             return NO_CLAIM
         if not spans:
             return NO_CLAIM
-        if self._prefix_caching and request.cache_salt != span_salt(spans):
-            log.warning("request %s: vLLM's prefix cache is on and the request's cache_salt is not "
-                        "ragattn.vllm.span_salt(spans): computing it without cached chunks (its approximate "
-                        "pages would otherwise be served as an exact prefix)", request.request_id)
+        if self._prefix_caching and request.cache_salt != salt:
+            log.warning("request %s: vLLM's prefix cache is on and the request's cache_salt is not %r "
+                        "(docs/vllm.md): computing it without cached chunks (its approximate pages would "
+                        "otherwise be served as an exact prefix)", request.request_id, salt)
             return NO_CLAIM
         fp = self.fingerprint
         return plan_claim(tokens, spans, lambda t: chunk_key(fp, t),
@@ -145,15 +149,20 @@ class RagattnConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         claim = self._claim(request)
-        self._claims[request.request_id] = claim
+        self._claims[request.request_id] = (claim, num_computed_tokens)
         return max(0, claim.num_tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens <= 0:
             self._claims.pop(request.request_id, None)
             return
-        claim = self._claims.pop(request.request_id)
-        self._pending[request.request_id] = (claim, claim.num_tokens - num_external_tokens)
+        claim, local = self._claims.pop(request.request_id)
+        if local + num_external_tokens != claim.num_tokens:
+            # vLLM trimmed the claim (only DeepSeek's sliding-window replay does): the pages of
+            # exactly [local, local + num_external_tokens) would have to be written
+            raise RuntimeError(f"ragattn.vllm: request {request.request_id}: vLLM took {num_external_tokens} of "
+                               f"the {claim.num_tokens - local} claimed tokens; partial claims are not supported")
+        self._pending[request.request_id] = (claim, local)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = RagattnConnectorMetadata()
@@ -226,4 +235,4 @@ class RagattnConnector(KVConnectorBase_V1):
         return
 
 
-__all__ = ["RagattnConnector", "RagattnConnectorMetadata", "RequestLoad", "OPTIONS", "span_salt"]
+__all__ = ["RagattnConnector", "RagattnConnectorMetadata", "RequestLoad", "OPTIONS", "span_salt", "separator_salt"]

@@ -100,11 +100,18 @@ def plan_claim(tokens: Sequence[int], spans: Sequence[tuple[int, int]], key: Cal
 
 
 def span_salt(spans: Sequence[tuple[int, int]]) -> str:
-    """The ``cache_salt`` a request must carry when vLLM's prefix cache is on: its approximate
-    (Block-Attention) pages are then hashed apart from every exact prefix and from requests that
-    split the same tokens into other blocks."""
+    """The ``cache_salt`` a request whose spans come in its ``kv_transfer_params`` must carry
+    when vLLM's prefix cache is on: its approximate (Block-Attention) pages are then hashed apart
+    from every exact prefix and from requests that split the same tokens into other blocks."""
     digest = hashlib.sha256(json.dumps([list(s) for s in spans]).encode()).hexdigest()[:24]
     return f"ragattn-{digest}"
+
+
+def separator_salt(separator: int) -> str:
+    """The ``cache_salt`` of requests split by a separator token: their spans follow from their
+    tokens, so equal token prefixes are equal Block-Attention computations and may share pages
+    (one salt for all such requests)."""
+    return f"ragattn-sep-{int(separator)}"
 
 
 def layer_index(name: str) -> int:

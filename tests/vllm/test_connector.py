@@ -23,7 +23,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError  # noqa: E402
 from ragattn.vllm.connector import RagattnConnector, RagattnConnectorMetadata  # noqa: E402
 from ragattn.vllm.pages import CacheLayoutError, slot_rows  # noqa: E402
-from ragattn.vllm.spans import span_salt  # noqa: E402
+from ragattn.vllm.spans import separator_salt, span_salt  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
 BS, H, D, L, NUM_BLOCKS = 16, 2, 16, 2, 24
@@ -45,6 +45,7 @@ def _config(served, prefix_caching=False, **extra):
     folder, kv, _, _ = served
     extra.setdefault("chunk_dir", str(kv))
     extra.setdefault("kv_split", "rows")
+    extra = {k: v for k, v in extra.items() if v is not None}
     return VllmConfig(
         model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
@@ -236,3 +237,66 @@ def test_bad_setups_are_refused(served):
         _worker(served, chunk_dri="x")
     with pytest.raises(ValueError, match="chunk_dir"):
         _worker(served, chunk_dir="")
+
+
+def test_separator_spans(served, tmp_path):
+    """Spans from a separator token the server is configured with (no kv_transfer_params)."""
+    _, _, model, chunks = served
+    sep = 210
+    a, b = chunks[0] + [sep], chunks[2] + [sep]
+    ChunkStore(model, tmp_path / "kv", page_size=BS, memory_budget=1 << 24).add([a, b])
+    sched = _scheduler(_config(served, chunk_dir=str(tmp_path / "kv"), separator_token_id=sep))
+    r = _request(a + b + a + [4, 6, 8])
+    out, loads = _schedule(sched, r)
+    assert loads[r.request_id].spans == ((0, 10), (10, 17), (17, 27))
+    assert out.num_scheduled_tokens[r.request_id] == 3
+
+
+def test_unknown_backend_layout_is_refused(served):
+    """Without kv_split the layout comes from the attention backend: none known here."""
+    with pytest.raises(CacheLayoutError, match="unsupported attention backend"):
+        _worker(served, kv_split=None)
+
+
+def test_prefix_cache_hit_is_not_rewritten(served, tmp_path):
+    """Separator mode with prefix caching: a second request sharing the first block of an
+    earlier one (same separator salt) gets vLLM's own hit for it; the connector claims the rest
+    of its spans and writes only those tokens, leaving the shared block alone."""
+    _, _, model, chunks = served
+    sep = 210
+    a, b = chunks[1] + [sep], chunks[2] + [sep]                 # 22 and 7 tokens
+    ChunkStore(model, tmp_path / "kv", page_size=BS, memory_budget=1 << 24).add([a, b])
+    cfg = _config(served, prefix_caching=True, chunk_dir=str(tmp_path / "kv"), separator_token_id=sep)
+    sched = _scheduler(cfg)
+    salt = separator_salt(sep)
+    first = _request(a + b + [4, 6, 8], salt=salt, prefix_caching=True)          # 32 tokens: 2 full blocks
+    out1, loads1 = _schedule(sched, first)
+    assert loads1[first.request_id].skip == 0 and loads1[first.request_id].spans[-1][1] == 29
+    second = _request(a + b + a + [5, 7], salt=salt, prefix_caching=True)       # shares block 0 only
+    out2, loads2 = _schedule(sched, second)
+    load = loads2[second.request_id]
+    assert load.skip == BS and load.spans[-1][1] == 51
+    assert out2.num_scheduled_tokens[second.request_id] == 53 - 51
+    assert load.block_ids[0] == loads1[first.request_id].block_ids[0]          # the shared page
+
+    conn, caches = _worker(served, chunk_dir=str(tmp_path / "kv"), separator_token_id=sep)
+    conn.bind_connector_metadata(out2.kv_connector_metadata)
+    conn.start_load_kv(None)
+    store = ChunkStore(model, tmp_path / "kv", page_size=BS, read_only=True, memory_budget=1 << 24)
+    req = store.assemble(list(load.keys), positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(51))
+    rows = slot_rows(load.block_ids, BS, 0, 51)
+    for l, (k, v) in enumerate(_read(caches, rows)):
+        assert k[:BS].isnan().all() and v[:BS].isnan().all()                  # vLLM's block: untouched
+        assert torch.equal(k[BS:], req.cache.k[l].reshape(-1, H, D)[ref_rows][BS:])
+        assert torch.equal(v[BS:], req.cache.v[l].reshape(-1, H, D)[ref_rows][BS:])
+
+
+def test_importing_ragattn_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, ragattn, ragattn.vllm, ragattn.vllm.pages, ragattn.vllm.spans, ragattn.vllm.store, "
+            "ragattn.methods; assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

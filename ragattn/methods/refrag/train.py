@@ -580,7 +580,10 @@ def write_curves(record: Dict, out_dir: Path) -> None:
             ax.plot(st["steps"], st["extra"]["reward"], color="C2", label="mean reward (-NLL) of samples")
             ax.set_ylabel("reward")
         else:
-            ax.plot(st["steps"], st["loss"], color="C0", label="train loss (target NLL)")
+            ax.plot(st["steps"], st["loss"], color="C0", alpha=0.45, label="train loss (target NLL)")
+            run = [sum(st["loss"][max(0, i - 3):i + 1]) / len(st["loss"][max(0, i - 3):i + 1])
+                   for i in range(len(st["loss"]))]
+            ax.plot(st["steps"], run, color="C0", label="running mean (4 steps)")
             ax2 = ax.twinx()
             ax2.step(st["steps"], st["chunks"], color="C1", alpha=0.4, where="mid")
             ax2.set_ylabel("chunks per example (curriculum)", color="C1")
@@ -589,8 +592,9 @@ def write_curves(record: Dict, out_dir: Path) -> None:
             after = st["heldout_after"].get(key)
             if after is not None and key in ("recon_nll", "nll_compressed", "nll_learned"):
                 ax.axhline(before if name != "rl" else -before, color="grey", ls=":", lw=1)
+                sign = "" if name != "rl" else "-"
                 ax.axhline(after if name != "rl" else -after, color="k", ls="--", lw=1,
-                           label=f"held-out {key}: {before:.2f} -> {after:.2f}")
+                           label=f"held-out {sign}{key}: {sign}{before:.2f} -> {sign}{after:.2f} (dotted -> dashed)")
         ax.set_title(titles.get(name, name))
         ax.set_xlabel("step")
         ax.legend(fontsize=7, loc="upper right")
