@@ -297,3 +297,18 @@ def test_checkpoint_roundtrip(refrag, tmp_path):
     with pytest.raises(ValueError, match="another decoder"):
         refrag.load_checkpoint(tmp_path / "other.pt")
     refrag.trained = False
+
+
+def test_default_checkpoint_for_another_decoder_warns(refrag, tmp_path, monkeypatch):
+    from ragattn.methods.refrag import RefragModel
+
+    path = refrag.save_checkpoint(tmp_path / "ck.pt")
+    state = torch.load(path, weights_only=True)
+    state["decoder_fingerprint"] = "f" * 32
+    torch.save(state, path)
+    monkeypatch.setenv("RAGATTN_REFRAG_CKPT", str(path))
+    with pytest.warns(UserWarning, match="another decoder"):
+        rm = RefragModel.from_smollm2(k=8, decoder_and_tokenizer=(refrag.decoder, refrag.tokenizer))
+    assert not rm.trained
+    monkeypatch.setenv("RAGATTN_REFRAG_CKPT", str(tmp_path / "missing.pt"))
+    assert not RefragModel.from_smollm2(k=8, decoder_and_tokenizer=(refrag.decoder, refrag.tokenizer)).trained

@@ -160,3 +160,25 @@ def test_validation(args, err, match):
     src = torch.tensor(args.get("src", [0, -1, 2]), dtype=torch.int64)
     with pytest.raises(err, match=f"ragattn.refrag_assemble: .*{match}"):
         ragattn.refrag_assemble(w, ids, c, src)
+
+
+_COMPILE_CHECK = r"""
+import ragattn.triton_kernels.refrag_assemble as ra
+from tests.helpers import compile_many_sm90
+
+jobs = []
+for elt, idx in (("bf16", "i64"), ("fp32", "i32")):   # a pure copy: fp16 compiles like bf16
+    jobs.append((ra._assemble_kernel, dict(BLOCK_D=1024),
+                 {"weight": "*" + elt, "chunks": "*" + elt, "out": "*" + elt,
+                  "token_ids": "*" + idx, "slot_src": "*" + idx}, {}))
+compile_many_sm90(jobs)
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The assembly kernel compiles for an H100 (sm_90) in bf16 and fp32, int64 and int32 indices; needs no
+    GPU (a subprocess: this process's kernels are interpreter objects)."""
+    from tests.helpers import run_compile_check
+
+    run_compile_check(_COMPILE_CHECK)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -100,9 +101,10 @@ class RefragModel(nn.Module):
     @classmethod
     def from_smollm2(cls, k: int = 16, checkpoint: Optional[str | os.PathLike] = "default",
                      dtype: torch.dtype = torch.float32, device="cpu", decoder_and_tokenizer=None) -> "RefragModel":
-        """SmolLM2-135M-Instruct + MiniLM. ``checkpoint``: "default" loads
-        :func:`default_checkpoint_path` when that file exists (else the projector is untrained:
-        ``rm.trained`` is False), a path loads that file, None loads nothing."""
+        """SmolLM2-135M-Instruct (or ``decoder_and_tokenizer``) + MiniLM. ``checkpoint``: "default"
+        loads :func:`default_checkpoint_path` when that file exists and fits the decoder (else a
+        warning; the projector is untrained: ``rm.trained`` is False), a path loads that file
+        (errors raise), None loads nothing."""
         if decoder_and_tokenizer is None:
             from ragattn.hf.models import load_smollm2
 
@@ -111,7 +113,10 @@ class RefragModel(nn.Module):
         if checkpoint == "default":
             path = default_checkpoint_path(k)
             if path.is_file():
-                rm.load_checkpoint(path)
+                try:
+                    rm.load_checkpoint(path)
+                except ValueError as exc:  # e.g. trained for another decoder: stay untrained, say so
+                    warnings.warn(f"{exc}; the projector stays untrained", stacklevel=2)
         elif checkpoint is not None:
             rm.load_checkpoint(checkpoint)
         return rm
