@@ -334,20 +334,17 @@ def analyse_triton(spec: TritonSpec) -> dict:
     )
 
 
-def _analyse_index(i: int) -> dict:
-    return analyse_triton(triton_specs()[i])
-
-
 def analyse_triton_all(select: Optional[List[str]] = None, workers: int = 2) -> List[dict]:
     """Compile the specs (all, or those whose label contains one of ``select``) over forked workers."""
     import multiprocessing
 
-    specs = triton_specs()
-    idx = [i for i, s in enumerate(specs) if not select or any(t in s.label for t in select)]
-    if workers <= 1 or len(idx) <= 1:
-        return [_analyse_index(i) for i in idx]
-    with multiprocessing.get_context("fork").Pool(min(workers, len(idx))) as pool:
-        return pool.map(_analyse_index, idx, chunksize=1)
+    # the specs travel to the workers: they must not run torch ops after the fork (a parent that
+    # used torch's OpenMP pool can hang them)
+    specs = [s for s in triton_specs() if not select or any(t in s.label for t in select)]
+    if workers <= 1 or len(specs) <= 1:
+        return [analyse_triton(s) for s in specs]
+    with multiprocessing.get_context("fork").Pool(min(workers, len(specs))) as pool:
+        return pool.map(analyse_triton, specs, chunksize=1)
 
 
 def triton_report_subprocess(select: Optional[List[str]] = None, workers: int = 2) -> List[dict]:
@@ -539,7 +536,8 @@ def to_markdown(r: dict) -> str:
         f"nvcc {r['nvcc'] or 'absent'}. No GPU was used: registers, spills, shared memory and async copies are "
         "**measured** from the compilers (Triton's bundled `ptxas -v`, `nvcc -Xptxas -v`); CTAs/SM, waves and the "
         "roofline are **modelled** from the H100's limits (65536 regs, 228 KB smem, 2048 threads, 32 CTAs per SM; "
-        "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense).", "",
+        "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense). Balance (varlen kernels, modelled): the launch's programs in "
+        "launch order, each costing its main-loop trips + 1, on CTAs/SM x 132 slots; (total / slots) / makespan.", "",
         "## Triton kernels (benchmark GPU shapes, launcher configs)", "",
         "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves | balance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -105,26 +105,34 @@ SM90_CASES = (("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 64), ("fp32",
 _JOBS: list = []
 
 
-def _compile_job(i: int):
+def _compile_job(i: int, ptxas: bool = False):
     fn, constexprs, types, options = _JOBS[i]
-    compile_sm90(fn, constexprs, types, **options)
+    compiled = compile_sm90(fn, constexprs, types, **options)
+    if ptxas:
+        from ragattn.bench.sm90 import ptxas_report
+
+        return ptxas_report(compiled.asm["ptx"])
     return i
 
 
-def compile_many_sm90(jobs) -> None:
+def _ptxas_job(i: int):
+    return _compile_job(i, ptxas=True)
+
+
+def compile_many_sm90(jobs, ptxas: bool = False):
     """``compile_sm90(fn, constexprs, types, **options)`` for each ``(fn, constexprs, types, options)``,
-    spread over forked worker processes (compilation is CPU-bound and mostly single-threaded)."""
+    spread over forked worker processes (compilation is CPU-bound and mostly single-threaded).
+    With ``ptxas``: returns each job's ``bench.sm90.ptxas_report`` (registers, spills)."""
     import multiprocessing
     import os
 
     _JOBS[:] = list(jobs)
+    job = _ptxas_job if ptxas else _compile_job
     workers = min(len(_JOBS), os.cpu_count() or 1, 8)
     if workers <= 1:
-        for i in range(len(_JOBS)):
-            _compile_job(i)
-        return
+        return [job(i) for i in range(len(_JOBS))]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        pool.map(_compile_job, range(len(_JOBS)), chunksize=1)
+        return pool.map(job, range(len(_JOBS)), chunksize=1)
 
 
 def run_compile_check(code: str, timeout: float = 600) -> str:

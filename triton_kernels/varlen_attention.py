@@ -248,14 +248,23 @@ def build_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, total_q: int, total
 # Kernel helpers
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _pair_mask(q_pos, q_blk, k_pos, k_blk, k_valid, window_left, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """Element-wise visibility [BLOCK_M, BLOCK_N] of a partially visible tile pair."""
+def _window_start(q_pos, window_left):
+    """Smallest key position each query's window admits, as int32: ``q_pos - window_left`` computed
+    in int64 and clamped at INT_MIN (exact: no position is below it), so the per-tile compare
+    stays 32-bit."""
+    return tl.maximum(q_pos.to(tl.int64) - window_left, -2147483648).to(tl.int32)
+
+
+@triton.jit
+def _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, k_valid, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Element-wise visibility [BLOCK_M, BLOCK_N] of a partially visible tile pair (``q_lo``: the
+    queries' ``_window_start``)."""
     vis = (q_blk[:, None] == k_blk[None, :]) | (q_blk[:, None] == -1) | (k_blk[None, :] == -1)
     vis = vis & k_valid[None, :]
     if CAUSAL:
         vis = vis & (k_pos[None, :] <= q_pos[:, None])
     if WINDOW:
-        vis = vis & (k_pos.to(tl.int64)[None, :] >= q_pos.to(tl.int64)[:, None] - window_left)
+        vis = vis & (k_pos[None, :] >= q_lo[:, None])
     return vis
 
 
@@ -362,6 +371,7 @@ def _fwd_kernel(
 
     # Partially visible key tiles: mask the scores, and read no masked V into P@V (0 * NaN).
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
+    q_lo = _window_start(q_pos, window_left)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
     for e in range(e_mid, e_end):
         offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
@@ -371,7 +381,7 @@ def _fwd_kernel(
         k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
         k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
+        vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
         p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
         acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
 
@@ -448,6 +458,7 @@ def _bwd_dq_kernel(
         dq += tl.dot(_low(ds, K, UPCAST), k, input_precision=PREC)
 
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
+    q_lo = _window_start(q_pos, window_left)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
     for e in range(e_mid, e_end):  # partially visible: select, so a masked key's NaN stays out of dq
         offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
@@ -458,7 +469,7 @@ def _bwd_dq_kernel(
         k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-        vis = _pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW)
+        vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
         dq = _dot_finite(dq, _low(tl.where(vis, ds, 0.0), K, UPCAST), k, PREC)
     tl.store(DQ + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_valid[:, None] & d_ok[None, :])
@@ -508,10 +519,11 @@ def _bwd_dkdv_kernel(
             do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
             lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
             q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
+            q_lo = _window_start(q_pos, window_left)
             q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
             p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
             ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
-            vis = tl.trans(_pair_mask(q_pos, q_blk, k_pos, k_blk, n_valid, window_left, CAUSAL, WINDOW))
+            vis = tl.trans(_pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW))
             dv = _dot_finite(dv, _low(tl.where(vis, p_t, 0.0), Q, UPCAST), do, PREC)
             dk = _dot_finite(dk, _low(tl.where(vis, ds_t, 0.0), Q, UPCAST), q, PREC)
     tl.store(DK + offs_n.to(tl.int64)[:, None] * kv_stride + kvh * HEAD_DIM + offs_d[None, :],
@@ -579,12 +591,13 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16):
+def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
     head dim and dtype, chosen from the sm_90 compile (``python -m ragattn.bench.sm90``) so that the
     kernels do not spill; the 16-bit forward at d <= 128 fits 2 CTAs per SM. The partially visible
-    loops' NaN guards (operands through registers) are what bounds the tiles. The interpreter
-    wants few, big tiles."""
+    loops' NaN guards (operands through registers) are what bounds the tiles; a sliding window's
+    compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants few, big
+    tiles."""
     d = block_d(head_dim)
     if _INTERPRET:
         return 32, 32, 4, 1
@@ -595,8 +608,10 @@ def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16):
         ("dq", False): ((64, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
         ("dq", True): ((32, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
         ("dkdv", False): ((32, 32, 4, 2), (32, 32, 4, 2), (16, 32, 8, 1)),
-        ("dkdv", True): ((16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 8, 1)),
+        ("dkdv", True): ((16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 16, 1)),
     }[kernel, wide]
+    if window and kernel == "fwd" and not wide:
+        table = table[:1] + ((64, 16, 4, 3), (64, 16, 8, 2))
     return table[0] if d <= 64 else table[1] if d <= 128 else table[2]
 
 
@@ -621,13 +636,13 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     total_q, num_heads, head_dim = q.shape
     total_k, num_kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype)
+    window = int(window_left) if window_left is not None and window_left >= 0 else -1
+    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0)
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
     if total_q == 0 or cu_q.numel() <= 1:
         return out, lse
-    window = int(window_left) if window_left is not None and window_left >= 0 else -1
     plan = _cached_plan((cu_q, cu_k, q_pos, kv_pos, q_block, kv_block), total_q, total_k, block_m=bm, block_n=bn,
                         causal=bool(causal), window_left=window, backward=False, split_len=split_len,
                         split_slots=None if split_len else _split_slots(q, num_heads))
@@ -670,7 +685,7 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
         _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim,
                                                           BLOCK_D=block_d(head_dim), BLOCK=pre_block)
     index = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
-    configs = {kernel: _config(head_dim, kernel, q.dtype) for kernel in ("dq", "dkdv")}
+    configs = {kernel: _config(head_dim, kernel, q.dtype, window >= 0) for kernel in ("dq", "dkdv")}
     configs = {kernel: (block_m or c[0], block_n or c[1]) + c[2:] for kernel, c in configs.items()}
     for kernel, (bm, bn, warps, stages) in configs.items():
         # one plan serves both kernels when their tiles agree

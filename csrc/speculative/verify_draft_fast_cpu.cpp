@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/cpu_isa.h"
 #include "speculative/verify_draft_cpu.h"
 #include "speculative/verify_draft_math.h"
 
@@ -38,12 +39,11 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 constexpr int kLanes = 8;
 using vf8 = float __attribute__((vector_size(32)));
 using vi8 = int32_t __attribute__((vector_size(32)));
-#define RAGATTN_LANES_INLINE inline __attribute__((always_inline))  // into each clone, never called
 
-RAGATTN_LANES_INLINE vf8 splat(float x) { return vf8{} + x; }
+RAGATTN_ALWAYS_INLINE vf8 splat(float x) { return vf8{} + x; }
 
 // x[v, v + 8) with lanes past n set to `pad`.
-RAGATTN_LANES_INLINE vf8 load8(const float* x, int v, int n, float pad) {
+RAGATTN_ALWAYS_INLINE vf8 load8(const float* x, int v, int n, float pad) {
   vf8 r;
   if (v + kLanes <= n) {
     std::memcpy(&r, x + v, sizeof(r));
@@ -53,7 +53,7 @@ RAGATTN_LANES_INLINE vf8 load8(const float* x, int v, int n, float pad) {
   return r;
 }
 
-RAGATTN_LANES_INLINE void store8(float* x, int v, int n, const vf8& r) {
+RAGATTN_ALWAYS_INLINE void store8(float* x, int v, int n, const vf8& r) {
   if (v + kLanes <= n) {
     std::memcpy(x + v, &r, sizeof(r));
   } else {
@@ -64,7 +64,7 @@ RAGATTN_LANES_INLINE void store8(float* x, int v, int n, const vf8& r) {
 // exp(x) for x <= 0, about 2 ulp; 0 below -87 and for -inf / NaN. Branch-free (Cody-Waite and a
 // degree-7 polynomial, like vexp of verify_draft_math.h but with whatever rounding the compiler
 // picks: FMA contraction is allowed here).
-RAGATTN_LANES_INLINE vf8 exp8(const vf8& x) {
+RAGATTN_ALWAYS_INLINE vf8 exp8(const vf8& x) {
   vf8 xc = x < -87.0f ? splat(-87.0f) : x;  // (NaN lanes compute garbage, masked below)
   xc = xc > 0.0f ? vf8{} : xc;
   const vf8 k = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
@@ -84,7 +84,7 @@ RAGATTN_LANES_INLINE vf8 exp8(const vf8& x) {
 }
 
 // Lanes folded in a fixed order: the result does not depend on the machine or the thread count.
-RAGATTN_LANES_INLINE float lane_sum(const vf8& a) {
+RAGATTN_ALWAYS_INLINE float lane_sum(const vf8& a) {
   float s = 0.0f;
   for (int l = 0; l < kLanes; ++l) s += a[l];
   return s;

@@ -155,7 +155,7 @@ RAGATTN_HD float load_logit(const void* row, int kind, int64_t v) {
 // k is rounded to an integer by adding and subtracting 1.5 * 2^23 (exact, ties to even, like rint).
 RAGATTN_HD float vexp(float x) {
   const bool live = x >= -87.0f;  // false for NaN and -inf
-  const float xc = live ? f_min(x, 88.0f) : 0.0f;
+  const float xc = live ? (x < 88.0f ? x : 88.0f) : 0.0f;  // (live: x is not NaN; plain selects)
   const float k = f_sub(f_add(f_mul(xc, 1.44269504088896341f), 12582912.0f), 12582912.0f);
   float r = f_fma(k, -0.693145751953125f, xc);  // ln2 split: hi has 16 significant bits
   r = f_fma(k, -1.428606765330187045e-06f, r);

@@ -68,10 +68,13 @@ class _Group:
 
 
 def _span(idx: torch.Tensor, ok: Optional[torch.Tensor]):
-    if idx.shape[0] != 1 or ok is not None or idx.shape[1] == 0:
+    """(start, end) when the padded indices are one contiguous run of packed rows (``idx`` is
+    ``arange(start, end).view(n, L)``: read and written as views, no gather or scatter), else None."""
+    if ok is not None or idx.numel() == 0:
         return None
-    start, end = int(idx[0, 0]), int(idx[0, -1]) + 1
-    if end - start != idx.shape[1] or not bool((torch.diff(idx[0]) == 1).all()):
+    flat = idx.flatten()
+    start, end = int(flat[0]), int(flat[-1]) + 1
+    if end - start != flat.numel() or not bool((torch.diff(flat) == 1).all()):
         return None
     return start, end
 
@@ -158,7 +161,7 @@ def plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, tota
 def _split_block_sequence(qb, kb, qs, ks, dense_q, dense_k, chunk_q, chunk_k) -> bool:
     """Append a block sequence's global rows (over all keys) to the dense lists and each chunk
     block's rows (over the global keys and its own) to the chunk lists, if that saves at least
-    a third of the dense mask's (row, key) pairs; return whether it did."""
+    a third of the dense mask's (row, key) pairs and about 8K pairs; return whether it did."""
     ids, counts = torch.unique(qb, return_counts=True)
     chunk = ids >= 0
     if int(chunk.sum()) < 2:
@@ -172,7 +175,9 @@ def _split_block_sequence(qb, kb, qs, ks, dense_q, dense_k, chunk_q, chunk_k) ->
     max_keys = glob_keys.numel() + max(key_count.get(c, 0) for c in row_count)
     split_pairs = len(row_count) * max_rows * max_keys + n_glob_rows * kb.numel()
     dense_pairs = qb.numel() * kb.numel()
-    if 3 * split_pairs > 2 * dense_pairs or dense_pairs - split_pairs < 2048:  # not worth two calls
+    # a second fused call costs about as much as ~8K (row, key) pairs of a dense one (measured
+    # on the 2-core CPU machine: 4 chunks of 20 are faster dense, 4 chunks of 40 split)
+    if 3 * split_pairs > 2 * dense_pairs or dense_pairs - split_pairs < 8192:
         return False
     if n_glob_rows:
         dense_q.append((qb == -1).nonzero().flatten() + qs)
@@ -186,21 +191,24 @@ def _split_block_sequence(qb, kb, qs, ks, dense_q, dense_k, chunk_q, chunk_k) ->
 def _fold(x: torch.Tensor, idx: torch.Tensor, span) -> torch.Tensor:
     """packed ``[T, H, D]`` -> ``[n, H, L, D]`` at the padded indices ``idx [n, L]`` (a view for a span)."""
     if span is not None:
-        return x[span[0]: span[1]].transpose(0, 1)[None]
+        return x[span[0]: span[1]].view(*idx.shape, *x.shape[1:]).transpose(1, 2)
     return x[idx].transpose(1, 2)
 
 
 def forward(q, k, v, groups: List[_Group], scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     total_q, num_heads, _ = q.shape
     if len(groups) == 1 and groups[0].keep is None and groups[0].q_span == (0, total_q):
-        o, lse = _run(q, k, v, groups[0], scale)  # one sequence, every row sees a key: no scatter
-        return o[0].transpose(0, 1).contiguous(), lse[0].transpose(0, 1).contiguous()
+        o, lse = _run(q, k, v, groups[0], scale)  # rows in packed order, every row sees a key: no scatter
+        return o.transpose(1, 2).reshape(q.shape), lse.transpose(1, 2).reshape(total_q, num_heads)
     out = q.new_zeros(q.shape)
     lse_out = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
     for g in groups:
         o, lse = _run(q, k, v, g, scale)
         o, lse = o.transpose(1, 2), lse.transpose(1, 2)  # [n, L, H, (D)]
-        if g.keep is None:
+        if g.keep is None and g.q_span is not None:
+            out[g.q_span[0]: g.q_span[1]].view(o.shape).copy_(o)
+            lse_out[g.q_span[0]: g.q_span[1]].view(lse.shape).copy_(lse)
+        elif g.keep is None:
             out[g.q_idx.flatten()] = o.flatten(0, 1)
             lse_out[g.q_idx.flatten()] = lse.flatten(0, 1).float()
         else:
@@ -229,12 +237,16 @@ def backward(dout, q, k, v, out, lse, groups: List[_Group], scale: float):
         gq, gk, gv = _FLASH_BWD(df.contiguous(), qf, kf, vf, of, lf.float().contiguous(), 0.0, False,
                                 attn_mask=g.mask_as(q.dtype), scale=scale)
         gq, gk, gv = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)  # [n, L, H, D]
-        keep_q = g.q_ok
-        if keep_q is None:
+        if g.q_span is not None:  # every query row lies in exactly one group: a plain copy
+            dq[g.q_span[0]: g.q_span[1]].view(gq.shape).copy_(gq)
+        elif g.q_ok is None:
             dq.index_add_(0, g.q_idx.flatten(), gq.flatten(0, 1).to(dq.dtype))
         else:
-            dq.index_add_(0, g.q_idx[keep_q], gq[keep_q].to(dq.dtype))
-        if g.k_ok is None:
+            dq.index_add_(0, g.q_idx[g.q_ok], gq[g.q_ok].to(dq.dtype))
+        if g.k_span is not None:  # keys may appear in several groups (global keys): accumulate
+            dk[g.k_span[0]: g.k_span[1]].view(gk.shape).add_(gk)
+            dv[g.k_span[0]: g.k_span[1]].view(gv.shape).add_(gv)
+        elif g.k_ok is None:
             dk.index_add_(0, g.k_idx.flatten(), gk.flatten(0, 1).to(dk.dtype))
             dv.index_add_(0, g.k_idx.flatten(), gv.flatten(0, 1).to(dv.dtype))
         else:
