@@ -748,6 +748,26 @@ def _block_layout(kind, n_seq_tokens, gen):
     return [-1] * 5 + [i // 23 for i in range(body)] + [-1] * 7
 
 
+def _check_forward_backward(args, seed):
+    """out, lse and dq/dk/dv of ragattn.varlen_attention(*args) against the float64 reference,
+    within twice the error of the same computation in the input dtype."""
+    out, lse = ragattn.varlen_attention(*args)
+    o64, l64 = ref_varlen(*_float64(args))
+    o_lp, l_lp = ref_varlen(*args, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64))
+    dout = randn_nonzero(*out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
+    l64s = [t.double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)
+
+
 @pytest.mark.parametrize("kind, causal, dtype, ratio", [
     ("block_attention", True, torch.bfloat16, 3),
     ("block_attention", False, torch.float32, 1),
@@ -767,21 +787,7 @@ def test_block_split_path_matches_reference(kind, causal, dtype, ratio):
     groups = _varlen_sdpa_cpu.plan(args[3], args[4], None, None, args[7], args[8], causal, -1, sum(lens), sum(lens))
     assert len(groups) >= 2 or kind == "refrag", "the split path was not taken"
     assert groups[-1].q_idx.shape[0] > 2, "chunks were not batched as sequences of their own"
-    out, lse = ragattn.varlen_attention(*args)
-    o64, l64 = ref_varlen(*_float64(args))
-    o_lp, l_lp = ref_varlen(*args, upcast=False)
-    assert_precision(out, o64, o_lp, what="out")
-    assert_precision(lse, l64, l_lp, what="lse")
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64))
-    dout = randn_nonzero(*out.shape, dtype=dtype, generator=torch.Generator().manual_seed(22))
-    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
-    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
-    l64s = [t.double().requires_grad_(True) for t in args[:3]]
-    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
-    llp = [t.detach().requires_grad_(True) for t in args[:3]]
-    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
-    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
-        assert_precision(g, w64, wlp, what=name)
+    _check_forward_backward(args, seed=22)
 
 
 def test_block_split_path_never_reads_masked_nan():
@@ -814,17 +820,4 @@ def test_equal_length_sequences_read_as_views(causal):
                       gen=torch.Generator().manual_seed(31)))
     (group,) = _varlen_sdpa_cpu.plan(args[3], args[4], None, None, None, None, causal, -1, 72, 72)
     assert group.q_span == (0, 72) and group.k_span == (0, 72) and group.q_idx.shape == (3, 24)
-    out, lse = ragattn.varlen_attention(*args)
-    o64, l64 = ref_varlen(*_float64(args))
-    o_lp, l_lp = ref_varlen(*args, upcast=False)
-    assert_precision(out, o64, o_lp, what="out")
-    assert_precision(lse, l64, l_lp, what="lse")
-    dout = randn_nonzero(*out.shape, generator=torch.Generator().manual_seed(32))
-    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
-    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
-    l64s = [t.double().requires_grad_(True) for t in args[:3]]
-    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
-    llp = [t.detach().requires_grad_(True) for t in args[:3]]
-    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
-    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
-        assert_precision(g, w64, wlp, what=name)
+    _check_forward_backward(args, seed=32)
