@@ -137,7 +137,7 @@ def refrag_assemble(
     Autograd: gradients flow to ``embed_weight`` (``index_add`` of each token slot's gradient
     into its vocab row, as the embedding backward) and to ``chunk_embeds`` (summed over the slots
     that read a chunk). Position ids, ``cu_seqlens`` and labels of a layout come from
-    :func:`ragattn.methods.refrag.chunking.build_layout` (not from this op: they are index math
+    :func:`ragattn.methods.refrag.layout.build_layout` (not from this op: they are index math
     on the host-side layout, needed before the encoder runs).
 
     Validation: dtype, shape, device, ``d`` match, non-empty ``slot_src``; on CPU also every
