@@ -20,6 +20,7 @@
 
 #include "attention/softmax_math.h"
 #include "common/cpu_isa.h"
+#include "common/vec8.h"
 #include "ops.h"
 
 namespace ragattn {
@@ -54,11 +55,6 @@ struct PagedArgs {
   float scale;
   int64_t window_left;
 };
-
-// 8 floats as one value: GCC vector extensions, one ymm register in the AVX2 variant, two xmm
-// registers in the baseline one (auto-vectorisation left the dot products scalar).
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 template <typename T>
 RAGATTN_ALWAYS_INLINE v8f load8(const T* p) {
@@ -134,32 +130,6 @@ RAGATTN_ALWAYS_INLINE void dot2x4_f32(const float* qa, const float* qb, const T*
     }
   }
   for (int r = 0; r < 8; ++r) out[r] = t[r];
-}
-
-// exp(x) of 8 values x <= 0 (score - running max): Cody-Waite reduction x = n ln2 + r and
-// Cephes' degree-6 expf polynomial (about 1 ulp); x < -87.3 -> 0 (what expf returns there is
-// below 2^-126, negligible beside the max's weight 1).
-RAGATTN_ALWAYS_INLINE v8f exp8_nonpositive(v8f x) {
-  const v8f lo = x < -87.3f ? v8f{} - 87.3f : x;  // GCC: vector ?: selects lanes
-  const v8f shifter = v8f{} + 12582912.0f;        // 1.5 * 2^23: adding it rounds to an integer
-  const v8f t = lo * 1.44269504088896341f + shifter;
-  const v8f n = t - shifter;
-  v8f r = lo - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v8f p = v8f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v8f y = p * r * r + r + 1.0f;
-  v8i yi, ti;
-  std::memcpy(&yi, &y, sizeof(y));
-  std::memcpy(&ti, &t, sizeof(t));
-  yi += (ti - 0x4B400000) << 23;  // y * 2^n, n in [-126, 0]
-  v8f out;
-  std::memcpy(&out, &yi, sizeof(out));
-  return x < -87.3f ? v8f{} : out;
 }
 
 // acc[0:n] += p * v[0:n]

@@ -2,7 +2,7 @@
 //
 // Unlike the twin (verify_draft_twin_cpu.cpp) this path does not replay the CUDA kernel's
 // reduction order: sums run in 8 float lanes (combined in a fixed order, so the result does not
-// depend on the thread count), exp is a branch-free 8-lane polynomial (exp8), and the
+// depend on the thread count), exp is the branch-free 8-lane polynomial of common/vec8.h, and the
 // inverse-CDF prefix sums are float64. It follows the same rule, including the edge rule for
 // non-finite logits; its tokens agree with the float64 reference wherever the reference's decision
 // is not within float32 rounding of a threshold (tests/test_verify_draft.py).
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
+#include "common/vec8.h"
 #include "speculative/verify_draft_cpu.h"
 #include "speculative/verify_draft_math.h"
 
@@ -34,17 +35,14 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
-// 8 float lanes (GCC/clang vector extensions: explicit SIMD that does not depend on the
-// auto-vectoriser, two SSE registers on baseline x86-64, one AVX register in the x86-64-v3 clone).
+// 8 float lanes (v8f of common/vec8.h; one AVX register in the x86-64-v3 clone).
 constexpr int kLanes = 8;
-using vf8 = float __attribute__((vector_size(32)));
-using vi8 = int32_t __attribute__((vector_size(32)));
 
-RAGATTN_ALWAYS_INLINE vf8 splat(float x) { return vf8{} + x; }
+RAGATTN_ALWAYS_INLINE v8f splat(float x) { return v8f{} + x; }
 
 // x[v, v + 8) with lanes past n set to `pad`.
-RAGATTN_ALWAYS_INLINE vf8 load8(const float* x, int v, int n, float pad) {
-  vf8 r;
+RAGATTN_ALWAYS_INLINE v8f load8(const float* x, int v, int n, float pad) {
+  v8f r;
   if (v + kLanes <= n) {
     std::memcpy(&r, x + v, sizeof(r));
   } else {
@@ -53,7 +51,7 @@ RAGATTN_ALWAYS_INLINE vf8 load8(const float* x, int v, int n, float pad) {
   return r;
 }
 
-RAGATTN_ALWAYS_INLINE void store8(float* x, int v, int n, const vf8& r) {
+RAGATTN_ALWAYS_INLINE void store8(float* x, int v, int n, const v8f& r) {
   if (v + kLanes <= n) {
     std::memcpy(x + v, &r, sizeof(r));
   } else {
@@ -61,30 +59,8 @@ RAGATTN_ALWAYS_INLINE void store8(float* x, int v, int n, const vf8& r) {
   }
 }
 
-// exp(x) for x <= 0, about 2 ulp; 0 below -87 and for -inf / NaN. Branch-free (Cody-Waite and a
-// degree-7 polynomial, like vexp of verify_draft_math.h but with whatever rounding the compiler
-// picks: FMA contraction is allowed here).
-RAGATTN_ALWAYS_INLINE vf8 exp8(const vf8& x) {
-  vf8 xc = x < -87.0f ? splat(-87.0f) : x;  // (NaN lanes compute garbage, masked below)
-  xc = xc > 0.0f ? vf8{} : xc;
-  const vf8 k = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf8 r = xc - k * 0.693145751953125f;
-  r = r - k * 1.428606765330187045e-06f;
-  vf8 p = splat(1.98412698412698413e-4f);
-  p = p * r + 1.38888888888888889e-3f;
-  p = p * r + 8.33333333333333333e-3f;
-  p = p * r + 4.16666666666666667e-2f;
-  p = p * r + 1.66666666666666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vi8 bits = (__builtin_convertvector(k, vi8) + 127) << 23;
-  const vf8 e = p * (vf8)bits;
-  return x >= -87.0f ? e : vf8{};
-}
-
 // Lanes folded in a fixed order: the result does not depend on the machine or the thread count.
-RAGATTN_ALWAYS_INLINE float lane_sum(const vf8& a) {
+RAGATTN_ALWAYS_INLINE float lane_sum(const v8f& a) {
   float s = 0.0f;
   for (int l = 0; l < kLanes; ++l) s += a[l];
   return s;
@@ -114,9 +90,9 @@ RAGATTN_CLONES void load_row(const void* z, int kind, int n, float* out) {
 
 // max over x[0, n) (no NaN in x), -inf if n == 0.
 RAGATTN_CLONES float row_max(const float* x, int n) {
-  vf8 acc = splat(kNegInf);
+  v8f acc = splat(kNegInf);
   for (int v = 0; v < n; v += kLanes) {
-    const vf8 xv = load8(x, v, n, kNegInf);
+    const v8f xv = load8(x, v, n, kNegInf);
     acc = xv > acc ? xv : acc;
   }
   float m = kNegInf;
@@ -126,9 +102,9 @@ RAGATTN_CLONES float row_max(const float* x, int n) {
 
 // e[v] = exp(y[v]) and their sum.
 RAGATTN_CLONES float exp_and_sum(const float* y, int n, float* e) {
-  vf8 acc = {};
+  v8f acc = {};
   for (int v = 0; v < n; v += kLanes) {
-    const vf8 ev = exp8(load8(y, v, n, kNegInf));
+    const v8f ev = exp8_nonpositive(load8(y, v, n, kNegInf));
     store8(e, v, n, ev);
     acc += ev;
   }
@@ -148,10 +124,10 @@ RAGATTN_CLONES void scale_logits(float* y, int n, float m, float inv_t) {
 // (returned; a row with mass has a finite one).
 RAGATTN_CLONES float modified_logits(const float* y, const float* e, const float* q, int n, float inv_s, float eta,
                                      float thresh, float* a) {
-  vf8 acc = splat(kNegInf);
+  v8f acc = splat(kNegInf);
   for (int v = 0; v < n; v += kLanes) {
-    const vf8 yv = load8(y, v, n, kNegInf), qv = load8(q, v, n, 0.0f);
-    const vf8 av = qv >= thresh ? yv + eta * (qv - load8(e, v, n, 0.0f) * inv_s) : yv;
+    const v8f yv = load8(y, v, n, kNegInf), qv = load8(q, v, n, 0.0f);
+    const v8f av = qv >= thresh ? yv + eta * (qv - load8(e, v, n, 0.0f) * inv_s) : yv;
     store8(a, v, n, av);
     acc = av > acc ? av : acc;
   }
@@ -166,9 +142,9 @@ RAGATTN_CLONES float modified_logits(const float* y, const float* e, const float
 RAGATTN_CLONES void residual(const float* e, float inv_s, const float* eh, float inv_sh, const float* q, int n,
                              float* w) {
   for (int v = 0; v < n; v += kLanes) {
-    const vf8 p = load8(e, v, n, 0.0f) * inv_s, ph = load8(eh, v, n, 0.0f) * inv_sh, qv = load8(q, v, n, 0.0f);
-    const vf8 m = qv < ph ? qv : ph;
-    store8(w, v, n, p > m ? p - m : vf8{});
+    const v8f p = load8(e, v, n, 0.0f) * inv_s, ph = load8(eh, v, n, 0.0f) * inv_sh, qv = load8(q, v, n, 0.0f);
+    const v8f m = qv < ph ? qv : ph;
+    store8(w, v, n, p > m ? p - m : v8f{});
   }
 }
 
