@@ -100,6 +100,7 @@ class PagedKV:
         self.block_table = torch.arange(n_pages, dtype=torch.int32, device=device).view(batch, pages_per_row)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self._plan_key = self._scatter_key = None
+        self._head_views = {}
 
     def slot_rows(self, b: int, slots: torch.Tensor) -> torch.Tensor:
         """Flat row indices (into a layer viewed as ``[num_pages * page_size, Hkv, D]``) of ``slots``."""
@@ -147,12 +148,30 @@ class PagedKV:
         return self._plan
 
 
+    def head_views(self, layer: int):
+        """``(k, v)`` of ``layer`` as ``[1, Hkv, num_pages * page_size, D]`` views (flat slot rows,
+        no copy), or ``(None, None)`` when the pages do not merge into rows. Cached per layer (a
+        decode step builds none) and rebuilt when ``k[layer]`` or ``v[layer]`` is replaced."""
+        k, v = self.k[layer], self.v[layer]
+        hv = self._head_views.get(layer)
+        if hv is None or hv[0] is not k or hv[1] is not v:
+            try:
+                hv = (k, v, k.view(-1, *k.shape[2:]).permute(1, 0, 2)[None],
+                      v.view(-1, *v.shape[2:]).permute(1, 0, 2)[None])
+            except RuntimeError:   # pages whose slots do not merge into one row stride
+                hv = (k, v, None, None)
+            self._head_views[layer] = hv
+        return hv[2], hv[3]
+
     def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1):
         """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
         None)`` when every row's pages are consecutive, else None; computed at the first layer
-        (per window: layers of a mixed model may differ)."""
+        (per window: layers of a mixed model may differ). ``kv_lens`` None: ``lengths + q``
+        (an append)."""
         key = (q, self.lengths.shape[0], window_left)
         if first_layer or getattr(self, "_cpu_rows_key", None) != key:
+            if kv_lens is None:
+                kv_lens = self.lengths + q
             bt = self.block_table
             plan = None
             if bt.device.type == "cpu" and bool((bt[:, 1:] - bt[:, :-1] == 1).all()):
@@ -210,6 +229,18 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     b, hq, q, d = query.shape
     layer = module.layer_idx
     first = layer == 0
+    cpu_sdpa = slots is None and query.device.type == "cpu" and cpu_sdpa_enabled()
+    if cpu_sdpa and valid is None:
+        # the CPU decode (and unpadded prefill) step: the new K/V go to consecutive slot rows of
+        # [1, Hkv, rows, D] views, read back by SDPA in place (no index tensors, no reshapes)
+        _, q_pos = cache.append_plan(q, query.device, first_layer=first)   # capacity check
+        rows_plan = cache.cpu_rows(q_pos, None, q, first, window_left)
+        k4, v4 = cache.head_views(layer)
+        if rows_plan is not None and k4 is not None:
+            for i, (start, length, _) in enumerate(rows_plan):
+                k4[:, :, start + length - q:start + length].copy_(key[i:i + 1])
+                v4[:, :, start + length - q:start + length].copy_(value[i:i + 1])
+            return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
     k_new = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
@@ -229,10 +260,11 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         kv_lens = cache.lengths
     kf.index_copy_(0, rows, k_new)
     vf.index_copy_(0, rows, v_new)
-    if slots is None and query.device.type == "cpu" and cpu_sdpa_enabled():
+    if cpu_sdpa:
         rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
-        if rows_plan is not None:
-            return (_cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module), None), counts
+        k4, v4 = cache.head_views(layer)
+        if rows_plan is not None and k4 is not None:
+            return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), counts
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d),
                                 q_pos, cu, cache.k[layer], cache.v[layer],
@@ -249,28 +281,26 @@ def cpu_sdpa_enabled() -> bool:
     return os.environ.get("RAGATTN_HF_CPU_SDPA", "1") != "0"
 
 
-def _cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module):
+def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
     """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
-    ``kf[start:start + length]`` (a view), GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
+    ``k4[:, :, start:start + length]`` (``k4``, ``v4``: ``[1, Hkv, rows, D]`` views of the pages),
+    GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
     b, hq, q, d = query.shape
-    hkv = kf.shape[1]
+    gqa = hq != k4.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if b == 1 and q == 1 and rows_plan[0][2] is None and rows_plan[0][1] > 0:
         # decode, every slot visible (the common case): no mask, no output buffer to fill, SDPA's
         # [1, Hq, 1, D] viewed as the [1, 1, Hq, D] result
         start, length, _ = rows_plan[0]
-        k = kf[start:start + length].permute(1, 0, 2)[None]
-        v = vf[start:start + length].permute(1, 0, 2)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scaling,
-                                                             enable_gqa=hq != hkv)
+        o = sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], scale=scaling,
+                 enable_gqa=gqa)
         return o.view(1, 1, hq, d)
     out = query.new_zeros(b, q, hq, d)
     for i, (start, length, mask) in enumerate(rows_plan):
         if length == 0:
             continue
-        k = kf[start:start + length].permute(1, 0, 2)[None]             # [1, Hkv, L, D] view
-        v = vf[start:start + length].permute(1, 0, 2)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            query[i:i + 1], k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        o = sdpa(query[i:i + 1], k4[:, :, start:start + length], v4[:, :, start:start + length],
+                 attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[i] = o[0].transpose(0, 1)
     return out
 
