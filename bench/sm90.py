@@ -460,7 +460,8 @@ def analyse_cuda(select: Optional[List[str]] = None, kernels: Optional[List[str]
             subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3",
                             "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", "-ptx", str(cu), "-o", ptx],
                            capture_output=True, text=True, check=True)
-            entries = re.findall(r"^(?:\.visible\s+)?\.entry\s+([\w$]+)\(", Path(ptx).read_text(), re.M)
+            ptx_text = Path(ptx).read_text()
+            entries = re.findall(r"^(?:\.visible\s+)?\.entry\s+([\w$]+)\(", ptx_text, re.M)
             names = _demangle(entries)
             chosen = [e for e in entries if not kernels or any(k in names[e] for k in kernels)]
             if not chosen:
@@ -474,8 +475,24 @@ def analyse_cuda(select: Optional[List[str]] = None, kernels: Optional[List[str]
             rows.append(dict(file=str(cu.relative_to(ROOT)), kernel=names[mangled], threads=threads, regs=r["regs"],
                              spill_stores=r["spill_stores"], spill_loads=r["spill_loads"],
                              static_smem=r["static_smem"], ctas_per_sm=ctas, occupancy_bound=bound,
-                             warps_per_sm=ctas * threads // 32 if ctas else None))
+                             warps_per_sm=ctas * threads // 32 if ctas else None,
+                             load16_runs=load16_runs(ptx_text, mangled)))
     return rows
+
+
+def load16_runs(ptx: str, entry: str) -> List[int]:
+    """Runs of 16-byte global loads (``ld.global[.nc].v4.b32``-like) between global stores, in the PTX
+    order of one entry function: the loads a thread issues before it waits on any of them."""
+    body = ptx[ptx.index(f".entry {entry}("):]
+    body = body[:body.index("\n}")]
+    runs, n = [], 0
+    for op in re.findall(r"\b(ld|st)\.global(?:\.\w+)*?\.(v4\.(?:[usbf]32)|v2\.(?:[usbf]64))?\b", body):
+        if op[0] == "ld" and op[1]:
+            n += 1
+        elif op[0] == "st" and n:
+            runs.append(n)
+            n = 0
+    return runs + ([n] if n else [])
 
 
 def verify_draft_cluster_size(batch: int, sms: int = H100["sms"], cc_major: int = 9) -> int:
@@ -619,23 +636,23 @@ def launch_bandwidth(grid_ctas: int, ctas_per_sm: int, inflight_per_cta: float, 
                 tbps=round(bw / 1e12, 3), pct=round(100 * bw / peak, 1))
 
 
-def _kv_cache_row_loads(kind: str, layers: int, heads: int, head_dim: int, rotary_dim: int, elt: int,
-                        threads: int, batch: int) -> Tuple[int, int]:
-    """(main-loop trips, bytes read) of one CTA of the kv_cache kernels (one row, every layer), NeoX
-    layout with 16-byte slots, mirroring the loops of csrc/kv_cache/kv_cache_kernels.cu: each trip
-    issues ``batch`` slots per thread (kBatch) before any of their stores."""
+def kv_cache_row_loops(kind: str, layers: int, heads: int, head_dim: int, rotary_dim: int, elt: int) -> List[Tuple[int, int]]:
+    """The load loops of one CTA of the kv_cache kernels (one row, every layer), in code order, NeoX
+    layout with 16-byte slots, mirroring csrc/kv_cache/kv_cache_kernels.cu: [(slots, bytes per slot)].
+    Each trip of a loop issues kBatch slots per thread before any of their stores."""
     vec = 16 // elt
-    loops = []  # (slots, bytes per slot)
-    if kind in ("rerotate", "copy_rotate"):
-        loops.append((layers * heads * (rotary_dim // 2) // vec, 32))  # rotate_slots: a slot and its partner
-    if kind == "copy_rotate":
-        loops.append((layers * heads * (head_dim - rotary_dim) // vec, 16))  # copy_units: the unrotated dims
+    if kind == "rerotate":
+        return [(layers * heads * (rotary_dim // 2) // vec, 32)]  # rotate_slots: a slot and its NeoX partner
+    v_row = (layers * heads * head_dim // vec, 16)  # copy_units: the V row
     if kind == "copy":
-        loops.append((layers * heads * head_dim // vec, 16))  # copy_units: the whole K row
-    if kind in ("copy", "copy_rotate"):
-        loops.append((layers * heads * head_dim // vec, 16))  # copy_units: the V row
-    trips = sum(math.ceil(n / (batch * threads)) for n, _ in loops if n)
-    return trips, sum(n * b for n, b in loops)
+        return [(layers * heads * head_dim // vec, 16), v_row]  # copy_units: the K row
+    # copy_kv_ with rotation: rotate_slots, copy_units of the unrotated dims, the V row
+    return [(layers * heads * (rotary_dim // 2) // vec, 32), (layers * heads * (head_dim - rotary_dim) // vec, 16), v_row]
+
+
+def _row_trips_bytes(loops: List[Tuple[int, int]], threads: int, batch: int) -> Tuple[int, int]:
+    """(main-loop trips, bytes read) of one CTA running ``loops``."""
+    return sum(math.ceil(n / (batch * threads)) for n, _ in loops), sum(n * b for n, b in loops)
 
 
 def bandwidth_cases(triton_rows: List[dict], cuda_rows: List[dict]) -> List[dict]:
@@ -706,12 +723,14 @@ def bandwidth_cases(triton_rows: List[dict], cuda_rows: List[dict]) -> List[dict
         if row is None:
             continue
         for tag, layers, n in KV_CACHE_SHAPES:
-            trips, read = _kv_cache_row_loads(kind, layers, Hkv, D, D, bf, row["threads"], batch)
+            loops = kv_cache_row_loops(kind, layers, Hkv, D, D, bf)
+            trips, read = _row_trips_bytes(loops, row["threads"], batch)
             pro = PROLOGUE_ROUND_TRIPS[kind]
             case(f"kv_cache/{bench} {tag}", [dict(
                 kernel=instance, grid_ctas=n, ctas_per_sm=row["ctas_per_sm"], inflight_per_trip=round(read / trips),
                 trips=trips, prologue_round_trips=pro, inflight_per_cta=read / (trips + pro),
-                inflight_source=f"source: kBatch {batch} x {row['threads']} threads x 16 B slots per trip",
+                inflight_source=f"kBatch {batch} x {row['threads']} threads x 16 B slots (x2 rotated) per trip; "
+                                f"PTX: runs of {row.get('load16_runs')} 16-byte loads per thread before their stores",
                 nominal_inflight_per_trip=round(read / trips), read_bytes=n * read, traffic_bytes=2 * n * read)])
     return out
 
@@ -766,11 +785,12 @@ def to_markdown(r: dict) -> str:
     if not r["cuda_kernels"]:
         lines.append("nvcc absent: not compiled.")
     else:
-        lines += ["| kernel | file | threads | regs | spill st/ld (B) | static smem (B) | CTAs/SM (bound) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| kernel | file | threads | regs | spill st/ld (B) | static smem (B) | CTAs/SM (bound) | 16 B loads before a store (PTX runs) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for k in r["cuda_kernels"]:
             lines.append(f"| `{k['kernel']}` | {k['file']} | {k['threads']} | {k['regs']} | "
-                         f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) |")
+                         f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
+                         f"{k.get('load16_runs') or '-'} |")
         lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch.", "",
                   "`verify_draft` launches a thread-block cluster of C CTAs per batch row (C = 1, 2, 4, 8: the smallest "
                   "giving at least one CTA per SM; each CTA owns kSlices / C of the 8 vocabulary slices, exchanged "

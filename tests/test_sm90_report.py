@@ -126,13 +126,21 @@ def test_occupancy_model():
 def test_bandwidth_saturation_at_benchmark_configs(triton_rows):
     """Issue 15: paged decode (split-KV kernel + merge) and rerotate_keys_ / copy_kv_ at the benchmarks'
     GPU shapes predict >= 85% of 3.35 TB/s by the Little's-law model (bench.sm90.bandwidth_cases)."""
-    from ragattn.bench.sm90 import TARGET_PCT, analyse_cuda, bandwidth_cases, nvcc_version
+    from ragattn.bench.sm90 import (ROOT, TARGET_PCT, _file_constant, analyse_cuda, bandwidth_cases, kv_cache_row_loops,
+                                    nvcc_version)
 
     cuda = analyse_cuda(["kv_cache_kernels.cu"], kernels=KV_CACHE_BENCH_KERNELS) if nvcc_version() else []
     cases = {c["case"]: c for c in bandwidth_cases(triton_rows, cuda)}
     expected = {"paged_attention/decode", "paged_attention/decode_window"}
     if nvcc_version():
         assert len(cuda) == 3 and all(r["spill_stores"] == 0 == r["spill_loads"] for r in cuda), cuda
+        # the model's loads per trip are the compiled ones: per loop, kBatch slots per thread of one
+        # (copy) or two (a rotated slot and its partner) 16-byte loads, all issued before any store
+        runs = {k: r["load16_runs"] for k in KV_CACHE_BENCH_KERNELS for r in cuda if k in r["kernel"]}
+        batch = _file_constant(ROOT / "csrc" / "kv_cache" / "kv_cache_kernels.cu", "kBatch")
+        for (kernel, kind) in zip(KV_CACHE_BENCH_KERNELS, ("rerotate", "copy", "copy_rotate")):
+            loops = kv_cache_row_loops(kind, 32, 8, 128, 128, 2)
+            assert runs[kernel] == [batch * b // 16 for _, b in loops], (kernel, runs[kernel])
         expected |= {f"kv_cache/{op} {tag}" for op in ("rerotate_keys_", "copy_kv_", "copy_kv_+rotate")
                      for tag in ("N8192", "chunk512")}
     assert set(cases) == expected, sorted(cases)
@@ -145,7 +153,7 @@ def test_bandwidth_saturation_at_benchmark_configs(triton_rows):
 
 def test_littles_law_model():
     """The model's arithmetic on hand-computed launches (it can fail: too few CTAs or bytes in flight)."""
-    from ragattn.bench.sm90 import _kv_cache_row_loads, bytes_in_flight_needed, launch_bandwidth
+    from ragattn.bench.sm90 import _row_trips_bytes, bytes_in_flight_needed, kv_cache_row_loops, launch_bandwidth
 
     assert bytes_in_flight_needed(1.0, 700.0) == pytest.approx(3.35e12 * 700e-9 / 132)  # ~17.8 KB per SM
     assert bytes_in_flight_needed(0.5, 700.0) == pytest.approx(3.35e12 * 350e-9 / 132)  # a copy: half are loads
@@ -160,6 +168,10 @@ def test_littles_law_model():
     assert launch_bandwidth(528, 4, 8192, 0.5, 700.0)["pct"] == 100.0
     # the kv_cache loops at the benchmark's shape (32 layers x 8 heads x 128 dims bf16, 256 threads x 4 slots):
     # rerotate: 2048 NeoX slot pairs of 2 x 16 B, 2 trips; copy: 4096 + 4096 16-byte slots, 8 trips
-    assert _kv_cache_row_loads("rerotate", 32, 8, 128, 128, 2, 256, 4) == (2, 2048 * 32)
-    assert _kv_cache_row_loads("copy", 32, 8, 128, 128, 2, 256, 4) == (8, 8192 * 16)
-    assert _kv_cache_row_loads("copy_rotate", 32, 8, 128, 64, 2, 256, 4) == (1 + 2 + 4, 1024 * 32 + 2048 * 16 + 4096 * 16)
+    def trips_bytes(kind, rotary):
+        return _row_trips_bytes(kv_cache_row_loops(kind, 32, 8, 128, rotary, 2), 256, 4)
+
+    assert trips_bytes("rerotate", 128) == (2, 2048 * 32)
+    assert trips_bytes("copy", 128) == (8, 8192 * 16)
+    assert trips_bytes("copy_rotate", 64) == (1 + 2 + 4, 1024 * 32 + 2048 * 16 + 4096 * 16)
+    assert trips_bytes("copy_rotate", 128) == (2 + 0 + 4, 2048 * 32 + 4096 * 16)
