@@ -24,9 +24,12 @@ clocked inside generate()), with its ratio to full prefill's decode.
 ``--decode-rounds N`` adds the decode-step check: ``model()`` decode steps (one token each, at the
 context's length) after a full prefill with the model's own ``DynamicCache`` (SDPA) against steps
 after a cached assembly with the ``PagedCache`` ("ragattn"), once per CPU route of the paged
-decode (``RAGATTN_HF_CPU_SDPA``: SDPA over the pages, or ``ragattn.paged_attention``); ``N``
-interleaved rounds of ``--decode-steps`` steps per path, median step time and its ratio to the
-model's own. No ``generate()`` around the steps: the attention and the cache are all that differ.
+decode (``RAGATTN_HF_CPU_SDPA``: the default, ``ragattn.paged_attention``'s C++ kernel, and SDPA
+over the pages). Each of
+``N`` rounds (after a warm-up round) builds every path's cache afresh and runs
+``--decode-steps`` steps, one step per path in turn (order rotated per step), so that a shared
+machine's load falls on every path alike; median step time and its ratio to the model's own.
+No ``generate()`` around the steps: the attention and the cache are all that differ.
 
 Every figure is a median over ``--repeats`` rounds after a warm-up; each round runs every path
 once, in a rotated order, so that the load of a shared machine falls on all paths alike. The
@@ -211,15 +214,17 @@ def _cpu_route(flag: str):
             os.environ["RAGATTN_HF_CPU_SDPA"] = old
 
 
-DECODE_ROUTES = {"cached, SDPA over the pages": "1", "cached, ragattn.paged_attention": "0"}
+# the CPU routes of the paged decode step (RAGATTN_HF_CPU_SDPA): the default takes paged_attention
+DECODE_ROUTES = {"cached, default (ragattn.paged_attention)": "auto", "cached, SDPA over the pages": "1"}
 
 
 @torch.no_grad()
 def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: int, seed: int = 0,
                          routes: Dict[str, str] | None = None) -> List[Dict]:
     """The decode-step check (see the module docstring): one row per (context, path) with
-    ``step_ms`` (median over ``rounds`` x ``steps`` steps) and ``vs_full``. ``routes``: path name
-    -> ``RAGATTN_HF_CPU_SDPA`` value (default :data:`DECODE_ROUTES` on the CPU, the one CUDA path
+    ``step_ms`` (median over ``rounds`` x ``steps`` steps, interleaved per step), ``vs_full`` (ratio
+    of the medians) and ``vs_full_paired`` (median of the ratios of steps run back to back).
+    ``routes``: path name -> ``RAGATTN_HF_CPU_SDPA`` value (default :data:`DECODE_ROUTES` on the CPU, the one CUDA path
     elsewhere)."""
     from transformers import DynamicCache
 
@@ -241,53 +246,60 @@ def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: in
         store = ChunkStore(model)
         keys = store.add(chunks)
 
-        def run_steps(cache):
-            times = []
-            for i in range(steps):
-                pos = torch.tensor([n + i], device=device)
-                t0 = time.perf_counter()
-                model(input_ids=toks[i], past_key_values=cache, use_cache=True, position_ids=pos[None],
-                      cache_position=pos, logits_to_keep=1)
-                synchronize(device)
-                times.append((time.perf_counter() - t0) * 1e3)
-            return times
+        def step(cache, i):
+            pos = torch.tensor([n + i], device=device)
+            synchronize(device)
+            t0 = time.perf_counter()
+            model(input_ids=toks[i], past_key_values=cache, use_cache=True, position_ids=pos[None],
+                  cache_position=pos, logits_to_keep=1)
+            synchronize(device)
+            return (time.perf_counter() - t0) * 1e3
 
         def full():
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            return run_steps(cache)
+            return lambda i: step(cache, i)
 
         def cached(flag):
             req = store.assemble(keys, positions="reordered", extra_slots=question_len + steps)
             paged_forward(model, torch.tensor([question], device=device),
                           req.next_position + torch.arange(question_len, device=device), req.cache)
-            with _cpu_route(flag), use_ragattn(model):
-                return run_steps(PagedCache(req.cache, seen=n))
+            cache = PagedCache(req.cache, seen=n)
 
-        fns = {"full-prefill (DynamicCache)": full}
-        fns.update({name: (lambda f=flag: cached(f)) for name, flag in routes.items()})
-        for f in fns.values():
-            f()  # warm-up
-        times = {k: [] for k in fns}
-        names = list(fns)
-        for r in range(rounds):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                times[k] += fns[k]()
+            def one(i):
+                with _cpu_route(flag), use_ragattn(model):
+                    return step(cache, i)
+            return one
+
+        setups = {"full-prefill (DynamicCache)": full}
+        setups.update({name: (lambda f=flag: cached(f)) for name, flag in routes.items()})
+        names = list(setups)
+        times = {k: [] for k in names}
+        for r in range(rounds + 1):   # round 0: warm-up
+            stepper = {k: f() for k, f in setups.items()}
+            for i in range(steps):    # one step per path in turn (order rotated): the load is shared
+                for k in names[i % len(names):] + names[:i % len(names)]:
+                    t = stepper[k](i)
+                    if r:
+                        times[k].append(t)
+            del stepper
         full_ms = statistics.median(times[names[0]])
         for k in names:
             ms = statistics.median(times[k])
+            paired = statistics.median(a / b for a, b in zip(times[k], times[names[0]]))
             rows.append(dict(num_chunks=num_chunks, chunk_size=chunk_size, context_tokens=n, path=k,
-                             step_ms=ms, vs_full=ms / full_ms, steps=len(times[k])))
+                             step_ms=ms, vs_full=ms / full_ms, vs_full_paired=paired, steps=len(times[k])))
         del store
     return rows
 
 
 def format_decode_table(rows: List[Dict]) -> str:
-    lines = ["| chunks x size | slots at the first step | path | decode step (ms, median) | vs full prefill's | steps |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| chunks x size | slots at the first step | path | decode step (ms, median) | vs full prefill's "
+             "| paired (median of step ratios) | steps |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['num_chunks']} x {r['chunk_size']} | {r['context_tokens']} | {r['path']} | "
-                     f"{r['step_ms']:.2f} | {r['vs_full']:.3f}x | {r['steps']} |")
+                     f"{r['step_ms']:.2f} | {r['vs_full']:.3f}x | {r['vs_full_paired']:.3f}x | {r['steps']} |")
     return "\n".join(lines)
 
 
@@ -387,8 +399,8 @@ def main(argv=None) -> int:
               f"- date: {meta['date']}, commit {meta['commit']}, torch {meta['torch']}\n\n")
     table = format_table(rows)
     if decode_rows:
-        table += (f"\n\nDecode-step check ({args.decode_rounds} interleaved rounds x {args.decode_steps} "
-                  f"`model()` steps per path, no generate()):\n\n" + format_decode_table(decode_rows))
+        table += (f"\n\nDecode-step check ({args.decode_rounds} rounds x {args.decode_steps} `model()` "
+                  f"steps per path, the paths' steps interleaved, no generate()):\n\n" + format_decode_table(decode_rows))
     print(header + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as f:

@@ -300,8 +300,41 @@ def test_paged_cpu_sdpa_path_equals_paged_op(monkeypatch):
             b = model(input_ids=ids[:, 7:8], position_ids=torch.full((2, 1), 7), use_cache=False,
                       ragattn_paged=cache).logits
         outs.append(torch.cat([a, b], 1))
-    assert hfattn.cpu_sdpa_enabled() is False
+    assert hfattn.cpu_sdpa_enabled(1) is False and hfattn.cpu_sdpa_enabled(7) is False
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["auto", "1", "0"])
+def test_paged_cache_decode_routes_equal_full_prefill(monkeypatch, route):
+    """Every CPU route of the PagedCache step (default: paged_attention for decode rows, SDPA for
+    the prefill; forced SDPA; forced kernel) writes the new K/V into the right slots and gives
+    generate()'s tokens and logits of the model's own decode after a full prefill. Pages poisoned
+    with NaN: a slot read before it is written (or past the row's length) shows up as NaN; rows of
+    9 and 5 cached slots cross 4-slot page boundaries; GQA 4/2."""
+    from ragattn.hf.cache import PagedCache
+
+    monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", route)
+    model = _model()
+    g = torch.Generator().manual_seed(11)
+    for n in (9, 5):
+        ids = torch.randint(1, 97, (1, n + 2), generator=g)
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        cache = PagedKV(2, 1, n + 9, 2, 16, page_size=4)
+        for t in cache.k + cache.v:
+            t.fill_(float("nan"))
+        with use_ragattn(model), torch.no_grad():
+            model(input_ids=ids[:, :n], use_cache=False, ragattn_paged=cache)   # q = n > 1: prefill
+            cache.lengths += n
+            got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 past_key_values=PagedCache(cache), max_new_tokens=6, min_new_tokens=6,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, ref.sequences), (route, n)
+        for a, b in zip(ref.logits, got.logits):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert int(cache.lengths[0]) == n + 2 + 5          # the prompt's 2 new tokens + 5 decoded
+        assert not any(t.view(-1, 2, 16)[:n + 7].isnan().any() for t in cache.k + cache.v)
 
 
 @pytest.mark.parametrize("cpu_sdpa", ["1", "0"])

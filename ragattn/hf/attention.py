@@ -130,23 +130,25 @@ class PagedKV:
             self._scatter = (self.slot_rows(0, slots), slots.to(torch.int32))
         return self._scatter
 
-    def append_plan(self, q: int, device, first_layer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows [B * q] int64, slots [B * q] int32)``: where ``q`` new tokens per row go.
+    def append_plan(self, q: int, device, first_layer: bool = True):
+        """``(rows [B * q] int64, slots [B * q] int32, cu_seqlens_q [B + 1] int32, kv_lens [B]
+        int32)``: where ``q`` new tokens per row go, and ``paged_attention``'s metadata for them.
 
         The same for every layer of one forward: computed at the forward's first layer (one host
         sync for the capacity check) and reused by the others (the caller advances ``lengths``
         after the forward). Keyed by the layer, not by ``lengths``' version counter, so that it
         works on inference tensors (``torch.inference_mode()``), which have none."""
-        key = (q, self.lengths.shape[0])
+        b = self.lengths.shape[0]
+        key = (q, b)
         if first_layer or self._plan_key != key:
             if int(self.lengths.max()) + q > self.capacity:
                 raise ValueError(f"ragattn attention: paged request cache full ({self.capacity} slots), "
                                  f"cannot append {q} tokens")
             slots = self.lengths[:, None] + torch.arange(q, device=device, dtype=torch.int32)   # [B, q]
+            cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=device)
             self._plan_key = key
-            self._plan = (self.all_slot_rows(slots).reshape(-1), slots.reshape(-1))
+            self._plan = (self.all_slot_rows(slots).reshape(-1), slots.reshape(-1), cu, self.lengths + q)
         return self._plan
-
 
     def head_views(self, layer: int):
         """``(k, v)`` of ``layer`` as ``[1, Hkv, num_pages * page_size, D]`` views (flat slot rows,
@@ -229,18 +231,24 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     b, hq, q, d = query.shape
     layer = module.layer_idx
     first = layer == 0
-    cpu_sdpa = slots is None and query.device.type == "cpu" and cpu_sdpa_enabled()
-    if cpu_sdpa and valid is None:
+    cpu_sdpa = slots is None and query.device.type == "cpu" and cpu_sdpa_enabled(q)
+    if slots is None and valid is None and query.device.type == "cpu":
         # the CPU decode (and unpadded prefill) step: the new K/V go to consecutive slot rows of
-        # [1, Hkv, rows, D] views, read back by SDPA in place (no index tensors, no reshapes)
-        _, q_pos = cache.append_plan(q, query.device, first_layer=first)   # capacity check
-        rows_plan = cache.cpu_rows(q_pos, None, q, first, window_left)
+        # [1, Hkv, rows, D] views (no index tensors, no reshapes), then ragattn.paged_attention
+        # (C++) reads the pages, or SDPA reads the row's slots in place (see cpu_sdpa_enabled)
+        _, q_pos, cu, kv_lens = cache.append_plan(q, query.device, first_layer=first)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             for i, (start, length, _) in enumerate(rows_plan):
                 k4[:, :, start + length - q:start + length].copy_(key[i:i + 1])
                 v4[:, :, start + length - q:start + length].copy_(value[i:i + 1])
-            return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
+            if cpu_sdpa:
+                return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
+            qr = query[:, :, 0] if q == 1 else query.transpose(1, 2).reshape(b * q, hq, d)
+            o, _ = torch.ops.ragattn.paged_attention(qr, q_pos, cu, cache.k[layer], cache.v[layer],
+                                                     cache.block_table, kv_lens, scaling, window_left)
+            return (o.view(b, q, hq, d), None), None
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
     k_new = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
@@ -250,8 +258,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         rows, src, q_pos, kv_lens, counts = cache.masked_append_plan(valid, first)
         k_new, v_new = k_new.index_select(0, src), v_new.index_select(0, src)
     elif slots is None:
-        rows, q_pos = cache.append_plan(q, query.device, first_layer=first)
-        kv_lens = cache.lengths + q
+        rows, q_pos, _, kv_lens = cache.append_plan(q, query.device, first_layer=first)
     else:
         if b != 1 or slots.shape != (q,):
             raise ValueError(f"ragattn attention: ragattn_slots must be [q] = [{q}] with batch 1, "
@@ -272,13 +279,19 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     return (o.view(b, q, hq, d), None), counts
 
 
-def cpu_sdpa_enabled() -> bool:
-    """On the CPU, a paged request whose rows own consecutive pages (every :class:`PagedKV` as
-    allocated) attends with torch's SDPA over the row's slots in place (same rule: slot ``j``
-    visible to a query at slot ``s`` iff ``j <= s``, ``j < kv_lens``): the CPU paged op is the
-    plain-torch reference (a gather + repeated K/V per call), several times slower per decode
-    step. ``RAGATTN_HF_CPU_SDPA=0`` routes these calls through ``ragattn.paged_attention``."""
-    return os.environ.get("RAGATTN_HF_CPU_SDPA", "1") != "0"
+def cpu_sdpa_enabled(q_rows: int) -> bool:
+    """Whether a CPU paged step of ``q_rows`` new tokens per row attends with torch's SDPA over
+    the row's slots in place (rows owning consecutive pages, as every :class:`PagedKV` is
+    allocated; same rule: slot ``j`` visible to a query at slot ``s`` iff ``j <= s``,
+    ``j < kv_lens``) rather than ``ragattn.paged_attention``'s C++ kernel. By default a decode
+    step (one row) takes the kernel (it reads each row of the paged layout once for the whole GQA
+    group; SDPA over the strided ``[page, slot, Hkv, D]`` rows is ~2x slower per layer) and a
+    longer step (a final block's prefill, masked) takes SDPA. ``RAGATTN_HF_CPU_SDPA=1`` forces
+    SDPA, ``=0`` the kernel, for every step."""
+    flag = os.environ.get("RAGATTN_HF_CPU_SDPA")
+    if flag is None or flag == "auto":
+        return q_rows > 1
+    return flag != "0"
 
 
 def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
