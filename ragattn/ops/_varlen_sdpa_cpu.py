@@ -216,11 +216,12 @@ def _split_block_sequence(qb, kb, qp, kp, qs, ks, causal, window_left, dense, sp
 
 
 def _fold(x: torch.Tensor, idx: torch.Tensor, span) -> torch.Tensor:
-    """packed ``[T, H, D]`` -> ``[n, H, L, D]`` at the padded indices ``idx [n, L]`` (a view for a span)."""
+    """packed ``[T, H, (D)]`` -> ``[n, H, L, (D)]`` at the padded indices ``idx [n, L]`` (a view for a span)."""
     if span is not None:  # one as_strided instead of slice + view + transpose (this runs on every call)
         n, rows = idx.shape
-        st, sh, sd = x.stride()
-        return x.as_strided((n, x.shape[1], rows, x.shape[2]), (rows * st, sh, st, sd), x.storage_offset() + span[0] * st)
+        st, sh = x.stride()[:2]
+        return x.as_strided((n, x.shape[1], rows) + tuple(x.shape[2:]), (rows * st, sh, st) + tuple(x.stride()[2:]),
+                            x.storage_offset() + span[0] * st)
     return x[idx].transpose(1, 2)
 
 
@@ -273,11 +274,10 @@ def _run(q, k, v, g: _Group, scale):
 
 def backward(dout, q, k, v, out, lse, groups: List[_Group], scale: float):
     """dq, dk, dv of the op from its saved out and lse (the fused CPU backward per group)."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grads = []
     for g in groups:
         qf, kf, vf = _fold(q, g.q_idx, g.q_span), _fold(k, g.k_idx, g.k_span), _fold(v, g.k_idx, g.k_span)
-        of, df = _fold(out, g.q_idx, g.q_span), _fold(dout, g.q_idx, g.q_span)
-        lf = lse[g.q_idx].transpose(1, 2)  # [n, H, L]
+        of, df, lf = _fold(out, g.q_idx, g.q_span), _fold(dout, g.q_idx, g.q_span), _fold(lse, g.q_idx, g.q_span)
         if g.keep is not None:
             # rows that see no key and padded rows: no gradient; lse +inf makes every weight
             # exp(s - lse) of the row 0 (its own -inf would give exp(-inf + inf) = NaN)
@@ -285,14 +285,31 @@ def backward(dout, q, k, v, out, lse, groups: List[_Group], scale: float):
             lf = lf.masked_fill(~g.keep[:, None, :], float("inf"))
         gq, gk, gv = _FLASH_BWD(df.contiguous(), qf, kf, vf, of, lf.float().contiguous(), 0.0, False,
                                 attn_mask=g.mask_as(q.dtype), scale=scale)
-        gq, gk, gv = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)  # [n, L, H, D]
-        if g.q_span is not None:  # every query row lies in exactly one group: a plain copy
-            dq[g.q_span[0]: g.q_span[1]].view(gq.shape).copy_(gq)
-        elif g.q_ok is None:
-            dq.index_add_(0, g.q_idx.flatten(), gq.flatten(0, 1).to(dq.dtype))
-        else:
-            dq.index_add_(0, g.q_idx[g.q_ok], gq[g.q_ok].to(dq.dtype))
-        if g.k_span is not None:  # keys may appear in several groups (global keys): accumulate
+        grads.append((g, gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)))  # [n, L, H, D]
+    in_order = _row_order(groups, q.shape[0])
+    if in_order is not None:  # every query row lies in exactly one group: concatenate
+        by_group = {id(g): gq for g, gq, _, _ in grads}
+        dq = torch.cat([by_group[id(g)].reshape(-1, *q.shape[1:]) for g in in_order])
+    else:
+        dq = torch.zeros_like(q)
+        for g, gq, _, _ in grads:
+            if g.q_span is not None:
+                dq[g.q_span[0]: g.q_span[1]].view(gq.shape).copy_(gq)
+            elif g.q_ok is None:
+                dq.index_add_(0, g.q_idx.flatten(), gq.flatten(0, 1).to(dq.dtype))
+            else:
+                dq.index_add_(0, g.q_idx[g.q_ok], gq[g.q_ok].to(dq.dtype))
+    # keys may appear in several groups (global keys): accumulate, onto a group's own dk/dv where
+    # one group has every key (Block-Attention's global rows) instead of onto zeros
+    base = next((i for i, (g, *_) in enumerate(grads) if g.k_span == (0, k.shape[0]) and g.k_idx.shape[0] == 1), None)
+    if base is None:
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        dk, dv = grads[base][2].reshape(k.shape), grads[base][3].reshape(v.shape)
+    for i, (g, _, gk, gv) in enumerate(grads):
+        if i == base:
+            continue
+        if g.k_span is not None:
             dk[g.k_span[0]: g.k_span[1]].view(gk.shape).add_(gk)
             dv[g.k_span[0]: g.k_span[1]].view(gv.shape).add_(gv)
         elif g.k_ok is None:

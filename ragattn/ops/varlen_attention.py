@@ -318,7 +318,6 @@ def _varlen_attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, 
 _ARG_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "q_pos", "kv_pos", "q_block", "kv_block")
 
 
-@torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"))
 def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
     index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
     _validate(q, k, v, *index, scale, window_left, check_values=False)
@@ -340,6 +339,9 @@ def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
         grads = torch.autograd.grad(o, (qq, kk, vv), dout, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"), _varlen_attention_backward_impl)
 
 
 @torch.library.register_fake("ragattn::varlen_attention_backward")
