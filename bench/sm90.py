@@ -9,8 +9,10 @@ subprocess with TRITON_INTERPRET unset, then its PTX is run through Triton's bun
 For every CUDA kernel (``csrc/**/*_kernels.cu``): ``nvcc -gencode=arch=compute_90a,code=sm_90a
 -Xptxas -v``. Measured (from the compilers): registers per thread, spill bytes, shared memory, the
 presence of asynchronous copies (``cp.async``/``cp.async.bulk``: a software-pipelined main loop).
-Modelled (from the H100's published limits): CTAs per SM, and a roofline lower bound per
-benchmark case from its bytes and FLOPs. Nothing here ran on a GPU.
+Modelled (from the H100's published limits): CTAs per SM, a roofline lower bound per
+benchmark case from its bytes and FLOPs, and whether paged decode and the kv_cache kernels keep
+enough loads in flight to saturate HBM (Little's law at an assumed loaded DRAM latency,
+``DRAM_LATENCY_NS``; ``bandwidth_cases``). Nothing here ran on a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ H100 = dict(
     smem_per_sm=228 * 1024, smem_per_cta=227 * 1024, smem_reserved_per_cta=1024,
     threads_per_sm=2048, ctas_per_sm=32, hbm_bytes_per_s=3.35e12, bf16_flops_per_s=989e12,
 )
+# the benchmarks' GPU shapes the models below use (bench_paged_attention / bench_kv_cache, size "gpu")
+PAGED_CTX, PAGED_BATCH, PAGED_WINDOW = 32768, 32, 4096  # decode: 32 sequences x 32K slots; window 4096
+KV_CACHE_SHAPES = [("N8192", 32, 8192), ("chunk512", 32, 512)]  # (tag, layers, rows); 8 KV heads, d 128, bf16
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "perf" / "sm90-static"
 
@@ -244,8 +249,9 @@ def triton_specs() -> List[TritonSpec]:
     # paged_attention (bench_paged_attention, gpu): sparse prefill, decode, windowed decode; bf16 d128 page 16
     types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
     types_pa.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32")
-    ctx, page = 32768, 16
-    for name, batch, rows, window in [("sparse_prefill", 1, 64, -1), ("decode", 32, 1, -1), ("decode_window", 32, 1, 4096)]:
+    ctx, page = PAGED_CTX, 16
+    for name, batch, rows, window in [("sparse_prefill", 1, 64, -1), ("decode", PAGED_BATCH, 1, -1),
+                                      ("decode_window", PAGED_BATCH, 1, PAGED_WINDOW)]:
         group = H // Hkv
         group_pad = triton.next_power_of_2(group)
         m_tile = min(128, max(16, triton.next_power_of_2(rows * group_pad)))
@@ -312,6 +318,43 @@ def triton_specs() -> List[TritonSpec]:
     return specs
 
 
+_ELT_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "i64": 8, "i8": 1, "i1": 1, "f64": 8}
+
+
+def _shape_bytes(dims: str, dtype: str) -> int:
+    return math.prod(int(x) for x in dims.split("x")) * _ELT_BYTES[dtype]
+
+
+def loop_inflight(ttgir: str) -> Optional[dict]:
+    """Global-load bytes one CTA keeps in flight in its main loop, read from the compiled TTGIR.
+
+    The main loop is the first ``scf.for`` whose body has a dot. Its loads are either the
+    software pipeliner's asynchronous copies, into multi-buffers ``ttg.local_alloc : () ->
+    !ttg.memdesc<N x tile, mutable>`` (N buffers = N tiles in flight ahead of their use), or plain
+    ``tt.load`` of a tensor in the loop body (issued and awaited within one trip: one tile in flight).
+    Returns {async_buffers, loop_loads: [(shape, dtype, bytes)], inflight_bytes} or None (no loop).
+    """
+    lines = ttgir.splitlines()
+    start = end = None
+    for i, ln in enumerate(lines):
+        if "scf.for" not in ln:
+            continue
+        indent = len(ln) - len(ln.lstrip())
+        j = i + 1
+        while j < len(lines) and not (lines[j].strip().startswith("}") and len(lines[j]) - len(lines[j].lstrip()) <= indent):
+            j += 1
+        if any("tt.dot" in x or "warp_group_dot" in x for x in lines[i + 1:j]):
+            start, end = i, j
+            break
+    if start is None:
+        return None
+    buffers = [(m.group(1), m.group(2), _shape_bytes(m.group(1), m.group(2)))
+               for m in re.finditer(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([\dx]+)x(\w+),[^>]*mutable>", ttgir)]
+    loads = [(m.group(1), m.group(2), _shape_bytes(m.group(1), m.group(2)))
+             for ln in lines[start + 1:end] for m in [re.search(r"= tt\.load .*: tensor<([\dx]+)x!tt\.ptr<(\w+)>", ln)] if m]
+    return dict(async_buffers=buffers, loop_loads=loads, inflight_bytes=sum(b for *_, b in buffers + loads))
+
+
 def analyse_triton(spec: TritonSpec) -> dict:
     """Compile one spec and read what the compilers report (run with TRITON_INTERPRET unset)."""
     compiled = compile_sm90(_fn(spec.kernel), spec.constexprs, spec.types, num_warps=spec.num_warps,
@@ -331,6 +374,7 @@ def analyse_triton(spec: TritonSpec) -> dict:
         cp_async="cp.async" in ptx, tma="cp.async.bulk" in ptx,
         waves=round(math.prod(spec.grid) / (ctas * H100["sms"]), 2) if ctas else None,
         balance=schedule_balance(spec.costs, ctas * H100["sms"]) if spec.costs and ctas else None,
+        pipeline=loop_inflight(compiled.asm["ttgir"]) if spec.loop else None,
     )
 
 
@@ -364,10 +408,11 @@ def triton_report_subprocess(select: Optional[List[str]] = None, workers: int = 
 # CUDA kernels
 
 
-def _threads_per_block(cu: Path) -> Optional[int]:
-    """``kThreads`` of a kernel file (its ``__launch_bounds__``), from the file or its directory's headers."""
+def _file_constant(cu: Path, name: str) -> Optional[int]:
+    """``constexpr int <name> = N`` of a kernel file, from the file or its directory's headers
+    (``kThreads``: the threads of its ``__launch_bounds__``)."""
     for f in [cu, *sorted(cu.parent.glob("*.h")), *sorted(cu.parent.glob("*.cuh"))]:
-        m = re.search(r"constexpr int kThreads = (\d+)", f.read_text())
+        m = re.search(rf"constexpr int {name} = (\d+)", f.read_text())
         if m:
             return int(m.group(1))
     return None
@@ -390,9 +435,20 @@ def nvcc_version() -> Optional[str]:
     return m.group(2) if m else out.strip().splitlines()[-1]
 
 
-def analyse_cuda(select: Optional[List[str]] = None) -> List[dict]:
+def _toolkit_ptxas() -> str:
+    """The ptxas of nvcc's own toolkit (the one ``nvcc -c`` would run)."""
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    cand = Path(nvcc).resolve().parent / "ptxas" if nvcc else None
+    return str(cand) if cand and cand.exists() else "ptxas"
+
+
+def analyse_cuda(select: Optional[List[str]] = None, kernels: Optional[List[str]] = None) -> List[dict]:
     """Every ``csrc/**/*_kernels.cu`` (or those whose path contains one of ``select``) compiled for
-    sm_90a with ``-Xptxas -v``, one row per kernel instantiation (empty without nvcc)."""
+    sm_90a, one row per kernel instantiation (empty without nvcc): ``nvcc -ptx`` then the toolkit's
+    ``ptxas -v`` on the PTX (what ``nvcc -c -Xptxas -v`` runs). ``kernels``: only the instantiations
+    whose demangled name contains one of these strings (ptxas ``--entry``: the rest is not assembled)."""
     if nvcc_version() is None:
         return []
     rows = []
@@ -400,20 +456,43 @@ def analyse_cuda(select: Optional[List[str]] = None) -> List[dict]:
         if select and not any(t in str(cu) for t in select):
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run(
-                ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
-                 "-Xptxas", "-v", f"-I{ROOT / 'csrc'}", "-c", str(cu), "-o", os.path.join(tmp, "k.o")],
-                capture_output=True, text=True, check=True)
+            ptx = os.path.join(tmp, "k.ptx")
+            subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3",
+                            "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", "-ptx", str(cu), "-o", ptx],
+                           capture_output=True, text=True, check=True)
+            ptx_text = Path(ptx).read_text()
+            entries = re.findall(r"^(?:\.visible\s+)?\.entry\s+([\w$]+)\(", ptx_text, re.M)
+            names = _demangle(entries)
+            chosen = [e for e in entries if not kernels or any(k in names[e] for k in kernels)]
+            if not chosen:
+                continue
+            proc = subprocess.run([_toolkit_ptxas(), "-v", "--gpu-name=sm_90a", *(f"--entry={e}" for e in chosen), ptx,
+                                   "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True)
         funcs = parse_ptxas(proc.stdout + proc.stderr)
-        threads = _threads_per_block(cu)
-        names = _demangle(list(funcs))
+        threads = _file_constant(cu, "kThreads")
         for mangled, r in sorted(funcs.items(), key=lambda kv: names[kv[0]]):
             ctas, bound = ctas_per_sm(r["regs"], r["static_smem"], threads) if threads else (None, None)
             rows.append(dict(file=str(cu.relative_to(ROOT)), kernel=names[mangled], threads=threads, regs=r["regs"],
                              spill_stores=r["spill_stores"], spill_loads=r["spill_loads"],
                              static_smem=r["static_smem"], ctas_per_sm=ctas, occupancy_bound=bound,
-                             warps_per_sm=ctas * threads // 32 if ctas else None))
+                             warps_per_sm=ctas * threads // 32 if ctas else None,
+                             load16_runs=load16_runs(ptx_text, mangled)))
     return rows
+
+
+def load16_runs(ptx: str, entry: str) -> List[int]:
+    """Runs of 16-byte global loads (``ld.global[.nc].v4.b32``-like) between global stores, in the PTX
+    order of one entry function: the loads a thread issues before it waits on any of them."""
+    body = ptx[ptx.index(f".entry {entry}("):]
+    body = body[:body.index("\n}")]
+    runs, n = [], 0
+    for op in re.findall(r"\b(ld|st)\.global(?:\.\w+)*?\.(v4\.(?:[usbf]32)|v2\.(?:[usbf]64))?\b", body):
+        if op[0] == "ld" and op[1]:
+            n += 1
+        elif op[0] == "st" and n:
+            runs.append(n)
+            n = 0
+    return runs + ([n] if n else [])
 
 
 def verify_draft_cluster_size(batch: int, sms: int = H100["sms"], cc_major: int = 9) -> int:
@@ -468,10 +547,10 @@ def roofline_cases() -> List[dict]:
     pairs = sum(ctx - tail + i + 1 for i in range(tail))
     cases.append(dict(case="paged_attention/sparse_prefill", bytes=2 * ctx * Hkv * D * bf + 2 * tail * H * D * bf,
                       flops=4.0 * D * H * pairs))
-    batch = 32
+    batch = PAGED_BATCH
     cases.append(dict(case="paged_attention/decode", bytes=2 * batch * ctx * Hkv * D * bf + 2 * batch * H * D * bf,
                       flops=4.0 * D * H * batch * ctx))
-    window = 4096
+    window = PAGED_WINDOW
     cases.append(dict(case="paged_attention/decode_window",
                       bytes=2 * batch * (window + 1) * Hkv * D * bf + 2 * batch * H * D * bf,
                       flops=4.0 * D * H * batch * window))
@@ -480,10 +559,11 @@ def roofline_cases() -> List[dict]:
     t_q, t_k = 64, 32768  # bench_key_attention_scores: two passes over K (row LSE, column sums)
     cases.append(dict(case="key_attention_scores/scores", bytes=2 * t_k * Hkv * D * bf + t_q * H * D * bf + t_k * 4,
                       flops=2 * 2.0 * H * t_q * t_k * D))
-    for tag, layers, N in [("N8192", 32, 8192), ("chunk512", 32, 512)]:  # bench_kv_cache: L=32, H=8, D=128 bf16
+    for tag, layers, N in KV_CACHE_SHAPES:  # bench_kv_cache: H=8, D=128 bf16
         kv = N * layers * Hkv * D * bf
         cases.append(dict(case=f"kv_cache/rerotate_keys_ {tag}", bytes=2 * kv, flops=None))
         cases.append(dict(case=f"kv_cache/copy_kv_ {tag}", bytes=2 * 2 * kv, flops=None))
+        cases.append(dict(case=f"kv_cache/copy_kv_+rotate {tag}", bytes=2 * 2 * kv, flops=None))
     for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft: bf16 logits, fp32 draft probs
         # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads); eta 0 reads
         # draft probs only at the draft tokens, eta > 0 every drafted row (max q, p_hat)
@@ -500,6 +580,159 @@ def roofline_cases() -> List[dict]:
                  memory_us=round(1e6 * t_mem, 2), compute_us=round(1e6 * t_math, 2),
                  arithmetic_intensity=round(c["flops"] / c["bytes"], 1) if c["flops"] else None)
     return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# bandwidth saturation (modelled): Little's law
+
+# Loaded DRAM latency assumed for the H100 SXM5: the time from a global load's issue to its data
+# while HBM is busy (an assumption, not measured here). Pointer-chasing microbenchmarks give the
+# *unloaded* latency (roughly 500-600 ns on Hopper); queueing at high bandwidth adds to it, and
+# 600-800 ns is the range commonly used for the loaded figure: 700 ns is its middle. Every
+# "needed" figure scales linearly with it; the report also gives each launch's break-even latency.
+DRAM_LATENCY_NS = 700.0
+TARGET_PCT = 85.0  # issue 15: paged decode and rerotate/copy_kv must predict >= 85% of 3.35 TB/s
+# Dependent global round trips before a CTA's first main-loop load (counted from the kernel source):
+PROLOGUE_ROUND_TRIPS = {
+    "paged": 4,  # tile map -> sequence bounds and kv_len -> q_pos -> page index -> first K tile
+    "rerotate": 3,  # delta -> inv_freq (cos/sin staging, barrier) -> rows -> row data
+    "copy_rotate": 3,  # delta -> inv_freq (barrier) -> src/dst rows -> row data
+    "copy": 1,  # src/dst rows -> row data
+    "merge": 0,  # every load of the program is independent
+}
+
+
+def bytes_in_flight_needed(read_fraction: float = 1.0, latency_ns: float = DRAM_LATENCY_NS) -> float:
+    """Bytes of loads one SM must keep in flight for the whole H100 to move 3.35 TB/s (Little's law:
+    bandwidth x latency / SMs). Stores are posted (nothing waits for them), so a launch whose
+    traffic is ``read_fraction`` reads needs only that share of it as loads in flight."""
+    return H100["hbm_bytes_per_s"] * latency_ns * 1e-9 * read_fraction / H100["sms"]
+
+
+def launch_bandwidth(grid_ctas: int, ctas_per_sm: int, inflight_per_cta: float, read_fraction: float,
+                     latency_ns: float = DRAM_LATENCY_NS) -> dict:
+    """Modelled DRAM bandwidth of a launch of equal CTAs (Little's law, wave by wave).
+
+    ``inflight_per_cta``: bytes of loads a CTA keeps in flight on average (per main-loop trip x the
+    share of its round trips that are main-loop trips). Full waves hold ``ctas_per_sm`` x 132 CTAs,
+    the tail the rest; a wave of n CTAs moves min(3.35 TB/s, n x inflight / latency / read_fraction),
+    and each CTA moves the same bytes, so time is sum over waves of n / rate.
+    """
+    sms, peak = H100["sms"], H100["hbm_bytes_per_s"]
+    slots = ctas_per_sm * sms
+    full, tail = divmod(grid_ctas, slots)
+    lat = latency_ns * 1e-9
+
+    def rate(n):
+        return min(peak, n * inflight_per_cta / (lat * read_fraction))
+
+    time = full * slots / rate(slots) + (tail / rate(tail) if tail else 0.0)
+    bw = grid_ctas / time
+    per_sm = min(grid_ctas, slots) / min(grid_ctas, sms) * inflight_per_cta  # the first wave's
+    return dict(grid_ctas=grid_ctas, ctas_per_sm=ctas_per_sm, waves=round(grid_ctas / slots, 2), tail_ctas=tail,
+                tail_sms=min(tail, sms), inflight_per_sm=round(per_sm), needed_per_sm=round(bytes_in_flight_needed(read_fraction, latency_ns)),
+                # the latency at which the first wave would fall to the target (the assumption's margin)
+                latency_at_target_ns=round(min(grid_ctas, slots) * inflight_per_cta / (TARGET_PCT / 100 * peak * read_fraction) * 1e9),
+                tbps=round(bw / 1e12, 3), pct=round(100 * bw / peak, 1))
+
+
+def kv_cache_row_loops(kind: str, layers: int, heads: int, head_dim: int, rotary_dim: int, elt: int) -> List[Tuple[int, int]]:
+    """The load loops of one CTA of the kv_cache kernels (one row, every layer), in code order, NeoX
+    layout with 16-byte slots, mirroring csrc/kv_cache/kv_cache_kernels.cu: [(slots, bytes per slot)].
+    Each trip of a loop issues kBatch slots per thread before any of their stores."""
+    vec = 16 // elt
+    if kind == "rerotate":
+        return [(layers * heads * (rotary_dim // 2) // vec, 32)]  # rotate_slots: a slot and its NeoX partner
+    v_row = (layers * heads * head_dim // vec, 16)  # copy_units: the V row
+    if kind == "copy":
+        return [(layers * heads * head_dim // vec, 16), v_row]  # copy_units: the K row
+    # copy_kv_ with rotation: rotate_slots, copy_units of the unrotated dims, the V row
+    return [(layers * heads * (rotary_dim // 2) // vec, 32), (layers * heads * (head_dim - rotary_dim) // vec, 16), v_row]
+
+
+def _row_trips_bytes(loops: List[Tuple[int, int]], threads: int, batch: int) -> Tuple[int, int]:
+    """(main-loop trips, bytes read) of one CTA running ``loops``."""
+    return sum(math.ceil(n / (batch * threads)) for n, _ in loops), sum(n * b for n, b in loops)
+
+
+def bandwidth_cases(triton_rows: List[dict], cuda_rows: List[dict]) -> List[dict]:
+    """The Little's-law model of paged decode (split-KV kernel + its merge) and of rerotate_keys_ /
+    copy_kv_ at the benchmarks' GPU shapes, from the compiled rows (CTAs/SM; for Triton the bytes
+    in flight read from the TTGIR). Cases whose kernels are not among the rows are left out.
+
+    Each launch gets ``launch_bandwidth``; a case's predicted bandwidth is its compulsory bytes
+    (the roofline's) over the sum of its launches' modelled times, as % of 3.35 TB/s.
+    """
+    H, Hkv, D, bf = 32, 8, 128, 2
+    compulsory = {c["case"]: c["bytes"] for c in roofline_cases()}
+    out = []
+
+    def case(name, launches):
+        for ln in launches:
+            ln.update(launch_bandwidth(ln["grid_ctas"], ln["ctas_per_sm"], ln["inflight_per_cta"],
+                                       ln["read_bytes"] / ln["traffic_bytes"]))
+            ln["time_us"] = ln["traffic_bytes"] / (ln["tbps"] * 1e12) * 1e6
+        t = sum(ln["time_us"] for ln in launches)
+        bw = compulsory[name] / (t * 1e-6)
+        out.append(dict(case=name, launches=launches, time_us=round(t, 2), tbps=round(bw / 1e12, 3),
+                        pct=round(100 * bw / H100["hbm_bytes_per_s"], 1)))
+
+    for tag, window in (("decode", -1), ("decode_window", PAGED_WINDOW)):
+        name = f"paged_attention/{tag}"
+        rows = {r["kernel"].split(".")[-1]: r for r in triton_rows if r["case"] == name}
+        k = rows.get("_paged_attention_kernel")
+        if k is None:
+            continue
+        tiles, kv_heads, splits = k["grid"]
+        span = PAGED_CTX if window < 0 else min(PAGED_CTX, window + 1)
+        keys = span / splits  # per program (the last split is shorter)
+        trips = keys / k["constexprs"]["BLOCK_N"]
+        duty = trips / (trips + PROLOGUE_ROUND_TRIPS["paged"])
+        q_bytes = PAGED_BATCH * H * D * bf
+        kv_read = PAGED_BATCH * span * kv_heads * D * bf * 2
+        part_out = splits * PAGED_BATCH * H * (D * 4 + 4) if splits > 1 else PAGED_BATCH * H * (D * bf + 4)
+        launches = [dict(kernel=k["kernel"], grid_ctas=tiles * kv_heads * splits, ctas_per_sm=k["ctas_per_sm"],
+                         inflight_per_trip=k["pipeline"]["inflight_bytes"], trips=round(trips, 1),
+                         prologue_round_trips=PROLOGUE_ROUND_TRIPS["paged"],
+                         inflight_per_cta=k["pipeline"]["inflight_bytes"] * duty,
+                         inflight_source="TTGIR: " + ", ".join(
+                             [f"cp.async buffers {s} {t}" for s, t, _ in k["pipeline"]["async_buffers"]]
+                             + [f"loop load {s} {t}" for s, t, _ in k["pipeline"]["loop_loads"]]),
+                         nominal_inflight_per_trip=(k["num_stages"] - 1) * 2 * k["constexprs"]["BLOCK_N"] * D * bf,
+                         read_bytes=kv_read + q_bytes, traffic_bytes=kv_read + q_bytes + part_out)]
+        m = rows.get("_merge_split_kernel")
+        if splits > 1:
+            if m is None:
+                continue
+            per_row = splits * H * (D * 4 + 4)  # one program per query row reads every split's partials at once
+            launches.append(dict(kernel=m["kernel"], grid_ctas=m["grid"][0], ctas_per_sm=m["ctas_per_sm"],
+                                 inflight_per_trip=per_row, trips=1, prologue_round_trips=PROLOGUE_ROUND_TRIPS["merge"],
+                                 inflight_per_cta=per_row, inflight_source="source: all partials of a row in one load",
+                                 nominal_inflight_per_trip=per_row, read_bytes=part_out,
+                                 traffic_bytes=part_out + PAGED_BATCH * H * (D * bf + 4)))
+        case(name, launches)
+
+    kv_rows = [r for r in cuda_rows if "kv_cache" in r["file"]]
+    kv_cu = ROOT / "csrc" / "kv_cache" / "kv_cache_kernels.cu"
+    batch = _file_constant(kv_cu, "kBatch")
+    # the benchmark's configuration: bf16 (16-byte slots: VEC 8), NeoX, rotary_dim = head_dim
+    for kind, bench, instance in (("rerotate", "rerotate_keys_", "rerotate_keys_kernel<__nv_bfloat16, 8, false>"),
+                                  ("copy", "copy_kv_", "copy_kv_kernel<__nv_bfloat16, 8, false, false>"),
+                                  ("copy_rotate", "copy_kv_+rotate", "copy_kv_kernel<__nv_bfloat16, 8, false, true>")):
+        row = next((r for r in kv_rows if instance in r["kernel"]), None)
+        if row is None:
+            continue
+        for tag, layers, n in KV_CACHE_SHAPES:
+            loops = kv_cache_row_loops(kind, layers, Hkv, D, D, bf)
+            trips, read = _row_trips_bytes(loops, row["threads"], batch)
+            pro = PROLOGUE_ROUND_TRIPS[kind]
+            case(f"kv_cache/{bench} {tag}", [dict(
+                kernel=instance, grid_ctas=n, ctas_per_sm=row["ctas_per_sm"], inflight_per_trip=round(read / trips),
+                trips=trips, prologue_round_trips=pro, inflight_per_cta=read / (trips + pro),
+                inflight_source=f"kBatch {batch} x {row['threads']} threads x 16 B slots (x2 rotated) per trip; "
+                                f"PTX: runs of {row.get('load16_runs')} 16-byte loads per thread before their stores",
+                nominal_inflight_per_trip=round(read / trips), read_bytes=n * read, traffic_bytes=2 * n * read)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,8 +753,9 @@ def build_report(workers: int = 2) -> dict:
         note="Static report: compiled for sm_90 without a GPU. regs/spills/smem/cp.async are measured from the "
              "compilers; ctas_per_sm, waves and the roofline are modelled from the H100's limits. Nothing ran on a GPU.",
         triton=triton.__version__, nvcc=nvcc_version(), commit=_git_commit(), h100=H100,
-        triton_kernels=triton_report_subprocess(workers=workers), cuda_kernels=(cuda := analyse_cuda()),
+        triton_kernels=(tri_rows := triton_report_subprocess(workers=workers)), cuda_kernels=(cuda := analyse_cuda()),
         verify_draft_coverage=verify_draft_coverage(cuda), roofline=roofline_cases(),
+        dram_latency_ns=DRAM_LATENCY_NS, bandwidth=bandwidth_cases(tri_rows, cuda),
     )
 
 
@@ -551,11 +785,12 @@ def to_markdown(r: dict) -> str:
     if not r["cuda_kernels"]:
         lines.append("nvcc absent: not compiled.")
     else:
-        lines += ["| kernel | file | threads | regs | spill st/ld (B) | static smem (B) | CTAs/SM (bound) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| kernel | file | threads | regs | spill st/ld (B) | static smem (B) | CTAs/SM (bound) | 16 B loads before a store (PTX runs) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for k in r["cuda_kernels"]:
             lines.append(f"| `{k['kernel']}` | {k['file']} | {k['threads']} | {k['regs']} | "
-                         f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) |")
+                         f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
+                         f"{k.get('load16_runs') or '-'} |")
         lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch.", "",
                   "`verify_draft` launches a thread-block cluster of C CTAs per batch row (C = 1, 2, 4, 8: the smallest "
                   "giving at least one CTA per SM; each CTA owns kSlices / C of the 8 vocabulary slices, exchanged "
@@ -570,7 +805,50 @@ def to_markdown(r: dict) -> str:
     for c in r["roofline"]:
         lines.append(f"| {c['case']} | {c['bytes']:.3g} | {c['flops'] or 0:.3g} | {c['arithmetic_intensity']} | "
                      f"{c['memory_us']} | {c['compute_us']} | {c['lower_bound_us']} | {c['bound']} |")
+    lines += bandwidth_markdown(r.get("bandwidth", []), r.get("dram_latency_ns", DRAM_LATENCY_NS))
     return "\n".join(lines) + "\n"
+
+
+def bandwidth_markdown(cases: List[dict], latency_ns: float) -> List[str]:
+    """The report's bandwidth-saturation section (all modelled)."""
+    need = bytes_in_flight_needed(1.0, latency_ns)
+    lines = [
+        "", "## Bandwidth saturation (modelled: Little's law)", "",
+        f"Assumption: loaded HBM3 latency **{latency_ns:.0f} ns** (`DRAM_LATENCY_NS`; the middle of the 600-800 ns "
+        "range usually quoted for loaded Hopper DRAM latency; unloaded pointer-chase figures are lower; not measured "
+        f"here). Sustaining 3.35 TB/s then needs 3.35 TB/s x {latency_ns:.0f} ns = "
+        f"{H100['hbm_bytes_per_s'] * latency_ns * 1e-9 / 1e6:.2f} MB of loads in flight, **{need / 1024:.1f} KB per SM** "
+        "over 132 SMs (x the read share of the traffic: stores are posted, nothing waits for them, so a copy that "
+        "reads half its bytes needs half).", "",
+        "Per launch (all **modelled**): *in flight / trip* = bytes of independent global loads a CTA has "
+        "outstanding in one main-loop trip: for the Triton kernel read from its compiled TTGIR (the pipeliner's "
+        "`cp.async` multi-buffers, N buffers = N tiles ahead, plus loads issued and awaited inside the loop body), "
+        "next to the *nominal* (num_stages - 1) K and V tiles; for the CUDA kernels kBatch x threads x 16-byte slots "
+        "(2 per slot when a slot is rotated with its NeoX partner). *Duty* = trips / (trips + prologue round trips), "
+        "the dependent loads before the first main-loop load (tile map, positions, cos/sin staging), so "
+        "in flight per CTA = in flight / trip x duty. A wave of n CTAs moves "
+        "min(3.35 TB/s, n x in flight per CTA / latency / read share); full waves hold CTAs/SM x 132 CTAs, the "
+        "tail the rest (too few CTAs cannot saturate); each CTA moves the same bytes, so the launch time is the "
+        "sum over waves. *Break-even* = the latency at which the first wave would fall to 85% (the margin on the "
+        "assumption). A case's % = its compulsory bytes (the roofline's) / the sum of its launches' modelled "
+        "times / 3.35 TB/s. Not modelled: DRAM efficiency losses (refresh, row and read/write turnarounds), L2 "
+        "effects, launch gaps: this is what occupancy and loads in flight allow, an upper bound, not a "
+        "prediction of a measured number.", "",
+        "| case | kernel | grid (CTAs) | CTAs/SM | in flight / trip (B): compiled (nominal) | trips/CTA | prologue | "
+        "in flight / SM, wave 1 (B) | needed / SM (B) | waves (tail CTAs) | break-even ns | launch TB/s | case % of peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        for i, ln in enumerate(c["launches"]):
+            lines.append(
+                f"| {c['case'] if i == 0 else ''} | `{ln['kernel']}` | {ln['grid_ctas']} | {ln['ctas_per_sm']} | "
+                f"{ln['inflight_per_trip']} ({ln['nominal_inflight_per_trip']}) | {ln['trips']} | "
+                f"{ln['prologue_round_trips']} | {ln['inflight_per_sm']} | {ln['needed_per_sm']} | "
+                f"{ln['waves']} ({ln['tail_ctas']}) | {ln['latency_at_target_ns']} | {ln['tbps']} | "
+                f"{('**' + str(c['pct']) + '**') if i == len(c['launches']) - 1 else ''} |")
+    lines += ["", "In-flight sources: " + "; ".join(
+        sorted({f"`{ln['kernel']}`: {ln['inflight_source']}" for c in cases for ln in c["launches"]}))]
+    return lines
 
 
 def main(argv=None) -> None:
