@@ -586,10 +586,10 @@ def roofline_cases() -> List[dict]:
 # bandwidth saturation (modelled): Little's law
 
 # Loaded DRAM latency assumed for the H100 SXM5: the time from a global load's issue to its data
-# while HBM is busy (an assumption, not measured here). Pointer-chasing microbenchmarks give the
-# *unloaded* latency (roughly 500-600 ns on Hopper); queueing at high bandwidth adds to it, and
-# 600-800 ns is the range commonly used for the loaded figure: 700 ns is its middle. Every
-# "needed" figure scales linearly with it; the report also gives each launch's break-even latency.
+# while HBM is busy (an assumption, not measured here). Pointer-chasing microbenchmarks measure
+# the *unloaded* latency, which is lower; queueing at high bandwidth adds to it, and 600-800 ns is
+# the range commonly used for the loaded figure: 700 ns is its middle. Every "needed" figure
+# scales linearly with it; the report also gives each launch's break-even latency.
 DRAM_LATENCY_NS = 700.0
 TARGET_PCT = 85.0  # issue 15: paged decode and rerotate/copy_kv must predict >= 85% of 3.35 TB/s
 # Dependent global round trips before a CTA's first main-loop load (counted from the kernel source):
