@@ -751,7 +751,8 @@ def build_report(workers: int = 2) -> dict:
 
     return dict(
         note="Static report: compiled for sm_90 without a GPU. regs/spills/smem/cp.async are measured from the "
-             "compilers; ctas_per_sm, waves and the roofline are modelled from the H100's limits. Nothing ran on a GPU.",
+             "compilers; ctas_per_sm, waves, the roofline and the bandwidth-saturation model (Little's law at an "
+             "assumed loaded DRAM latency) are modelled from the H100's limits. Nothing ran on a GPU.",
         triton=triton.__version__, nvcc=nvcc_version(), commit=_git_commit(), h100=H100,
         triton_kernels=(tri_rows := triton_report_subprocess(workers=workers)), cuda_kernels=(cuda := analyse_cuda()),
         verify_draft_coverage=verify_draft_coverage(cuda), roofline=roofline_cases(),
@@ -771,7 +772,9 @@ def to_markdown(r: dict) -> str:
         "**measured** from the compilers (Triton's bundled `ptxas -v`, `nvcc -Xptxas -v`); CTAs/SM, waves and the "
         "roofline are **modelled** from the H100's limits (65536 regs, 228 KB smem, 2048 threads, 32 CTAs per SM; "
         "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense). Balance (varlen kernels, modelled): the launch's programs in "
-        "launch order, each costing its main-loop trips + 1, on CTAs/SM x 132 slots; (total / slots) / makespan.", "",
+        "launch order, each costing its main-loop trips + 1, on CTAs/SM x 132 slots; (total / slots) / makespan. "
+        "The last section models whether paged decode and the kv_cache kernels keep enough loads in flight to "
+        "saturate HBM (Little's law, **modelled**).", "",
         "## Triton kernels (benchmark GPU shapes, launcher configs)", "",
         "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves | balance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
