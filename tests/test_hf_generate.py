@@ -324,3 +324,68 @@ def test_paged_cache_sliding_window_equals_sdpa(monkeypatch, cpu_sdpa):
                              past_key_values=PagedCache(cache), max_new_tokens=5, min_new_tokens=5,
                              do_sample=False)
     assert torch.equal(got, ref)
+
+
+# ----- issue 15.5 / 15.6 audit: per-forward work and in-place cache reads --------------------------
+def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
+    """Issue 15.6: a padded prefill packs its rows once per forward (layer 0) and every later layer
+    reuses that plan; the varlen op then sees the very same index tensors, so its tile-plan cache
+    hits instead of re-planning per layer (the old path built new cu/pos tensors per layer)."""
+    from ragattn.ops import _varlen_sdpa_cpu
+
+    model = _model(num_hidden_layers=3)
+    ids, mask = _inputs(2, True, n=13, seed=4)
+    plans, tile_plans = [], []
+
+    class CountedPlan(hfattn._Plan):
+        __slots__ = ()
+
+        def __init__(self):
+            plans.append(1)
+
+    def counted_tile_plan(*a, _f=_varlen_sdpa_cpu.plan):
+        tile_plans.append(1)
+        return _f(*a)
+
+    monkeypatch.setattr(hfattn, "_Plan", CountedPlan)
+    monkeypatch.setattr(_varlen_sdpa_cpu, "plan", counted_tile_plan)
+    monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
+    _varlen_sdpa_cpu._PLAN_CACHE.clear()
+    with use_ragattn(model), torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert len(plans) == 1 and len(tile_plans) == 1, (len(plans), len(tile_plans))
+    want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_reads_the_cache_in_place(monkeypatch, padded):
+    """Issue 15.5: a decode step hands paged_attention the transformers cache's own storage
+    (page views by strides), never a copy of K/V (the old path copied the whole cache with
+    ``kt.contiguous()`` in every layer, every token)."""
+    model = _model()
+    m1 = model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(2))
+    mask = None
+    if padded:
+        mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+        mask[1, ..., :4] = False
+    seen = []
+    real = hfattn._ops.paged_attention
+
+    def spy(q, q_pos, cu, k_cache, v_cache, *rest):
+        seen.append((k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()))
+        return real(q, q_pos, cu, k_cache, v_cache, *rest)
+
+    monkeypatch.setattr(hfattn._ops, "paged_attention", spy)
+    with torch.no_grad():
+        out = hfattn.ragattn_attention_forward(m1, q, k, v, mask, scaling=0.25)[0]
+    assert seen == [(k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())]
+    vis = torch.ones(2, 13, dtype=torch.bool) if mask is None else mask[:, 0, 0]
+    for b in range(2):   # against plain attention over the visible keys (GQA: kv head = h // 2)
+        kb, vb = k[b, :, vis[b]].repeat_interleave(2, 0), v[b, :, vis[b]].repeat_interleave(2, 0)
+        want = torch.softmax(q[b].double() @ kb.double().transpose(1, 2) * 0.25, -1) @ vb.double()
+        torch.testing.assert_close(out[b, 0].double(), want[:, 0], rtol=1e-5, atol=1e-5)

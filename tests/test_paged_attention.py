@@ -407,13 +407,22 @@ la, lb = torch.randn(4, 2), torch.randn(4, 2)
 out = huge_rows(torch.zeros_like(oa))
 merge_two_states(huge_rows(oa), la, huge_rows(ob), lb, out)
 assert (out.double() - ref_merge(oa.double(), la.double(), ob.double(), lb.double())[0]).abs().max() < 2e-3, "merge"
+# K/V pages past 2^31 elements: page * page stride must be int64 too (4 pages, 2^30 elements apart)
+q, q_pos, cu, k, v, bt, kvl = make_case([[0, 9, 17, 29]], [30], num_heads=2, num_kv_heads=1, head_dim=16,
+                                        page_size=8, dtype=torch.float16, device="cpu")
+used = bt[0, :4].long()   # the sequence's 4 pages, renumbered 0..3 (huge_rows spaces 4 rows)
+k, v, bt = k[used], v[used], torch.arange(4, dtype=bt.dtype)[None]
+want, _ = ref_paged(q.double(), q_pos, cu, k.double(), v.double(), bt, kvl)
+for splits in (1, 2):
+    out, _ = paged_attention_fwd(q, q_pos, cu, huge_rows(k), huge_rows(v), bt, kvl, num_splits=splits)
+    assert (out.double() - want).abs().max() < 2e-3, ("paged K/V pages", splits)
 print("compiled")  # run_compile_check's success marker
 """
 
 
 def test_offsets_past_2_31_elements():
-    """Issue 15.10: q, out and merge inputs whose rows lie past 2^31 elements (views with a row
-    stride of 2^30 over virtual storage) in the interpreter: int32 row * stride products wrapped
+    """Issue 15.10: q, out, K/V cache pages and merge inputs whose rows lie past 2^31 elements
+    (views with a row or page stride of 2^30 over virtual storage) in the interpreter: int32 row * stride products wrapped
     (the old kernels read a negative offset and crashed). A subprocess, so a crash is a failure."""
     run_compile_check(_HUGE_OFFSETS, timeout=300)
 

@@ -7,7 +7,7 @@ from ragattn.methods.retrieval import Retriever, SentenceEncoder
 
 
 @pytest.fixture(scope="module")
-def encoder():
+def encoder(minilm_dir):
     import os
 
     before = os.environ.get("HF_HUB_OFFLINE")
