@@ -529,3 +529,36 @@ def test_inference_mode(device, seed, monkeypatch, backend):
         dst = make_layers(2, (20, 2, 64), torch.float32, device)
         ragattn.copy_kv_(dst, [], layers, [], rows, rows.flip(0), delta, f, 64, False)
         ragattn.copy_kv_(layers, [], layers, [], rows[:3], rows[3:6])  # aliased: staged
+
+
+def test_layer_pointers_travel_in_the_kernel_parameters(tmp_path):
+    """Issue 15.9: the layer base pointers are a ``__grid_constant__`` kernel parameter (captured by
+    value in a CUDA graph), not a device table filled per call from a recycled pinned host buffer
+    (a graph replay would copy whatever that buffer held by then). Static check for sm_90a with
+    nvcc alone: every kernel takes one parameter block that holds the whole pointer table, and the
+    ATen launchers copy nothing host-to-device."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    root = Path(__file__).resolve().parent.parent
+    ptx = tmp_path / "kv_cache_kernels.ptx"
+    subprocess.run([nvcc, "-gencode=arch=compute_90a,code=compute_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
+                    f"-I{root / 'csrc'}", "-ptx", str(root / "csrc/kv_cache/kv_cache_kernels.cu"), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=600)
+    header = (root / "csrc/kv_cache/kv_cache_kernels.cuh").read_text()
+    max_ptrs = int(re.search(r"kMaxLayerPtrs = (\d+);", header).group(1))
+    entries = re.findall(r"\.entry (\w+)\(\s*((?:\.param[^\n]*\n?\s*)+)\)", ptx.read_text())
+    assert len(entries) >= 2, "no kernel entries found"
+    for name, params in entries:
+        sizes = [int(s) for s in re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", params)]
+        assert len(sizes) == 1 and params.count(".param") == 1, (name, params)
+        assert sizes[0] >= 8 * max_ptrs, (name, sizes)   # the pointer table is inside the parameter
+    for launcher in (root / "csrc/kv_cache").glob("*_cuda.cu"):
+        text = launcher.read_text()
+        for word in ("pinned_memory", "non_blocking", "cudaMemcpy"):
+            assert word not in text, (launcher.name, word)
