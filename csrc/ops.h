@@ -25,10 +25,14 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
 #endif
 
 // ---- attention CPU paths (csrc/attention/): called by the Python ops after their validation ----
-void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
-                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                         const at::Tensor& kv_lens, double scale, int64_t window_left, const at::Tensor& out,
-                         const at::Tensor& lse_out);
+// paged_attention's CPU impls (checks in C++, like the Python _validate)
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left);
+void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                             const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
+                             const at::Tensor& out, const at::Tensor& lse_out);
 void merge_attention_states_cpu(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
                                 const at::Tensor& lse_b, const at::Tensor& out, const at::Tensor& lse_out);
 

@@ -3,7 +3,7 @@
 // C++ ops register their CPU twin and (when built with CUDA) their CUDA launcher here.
 // Triton-backed ops (varlen_attention, paged_attention, merge_attention_states,
 // key_attention_scores, refrag_assemble) register their CPU/CUDA kernels and fake impls from Python
-// (ragattn/ops/), against the schemas declared below.
+// (ragattn/ops/), against the schemas declared below; paged_attention's CPU impl is C++ (here).
 #include <torch/library.h>
 
 #include "ops.h"
@@ -25,7 +25,7 @@ TORCH_LIBRARY(ragattn, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "
       "Tensor? kv_block, bool causal, float? scale, int window_left=-1) -> (Tensor dq, Tensor dk, Tensor dv)");
 
-  // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton).
+  // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton; C++ on CPU).
   m.def(
       "paged_attention(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1) -> (Tensor out, Tensor lse)");
@@ -62,10 +62,11 @@ TORCH_LIBRARY(ragattn, m) {
   // CPU paths of the Triton-backed attention ops (csrc/attention/), private: the public ops'
   // CPU impls validate (ragattn/ops/) and call these with preallocated outputs (unit last-dim
   // stride); RAGATTN_CPU_BACKEND=reference/triton bypasses them.
+  //    paged_attention's CPU impl is C++ (below); with RAGATTN_CPU_BACKEND=reference|triton it
+  //    calls this one (Python, ragattn/ops/paged_attention.py) after its checks.
   m.def(
-      "_paged_attention_cpu(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor kv_lens, float scale, int window_left, *, Tensor(a!) out, "
-      "Tensor(b!) lse_out) -> ()");
+      "_paged_attention_cpu_backend(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, "
+      "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left) -> (Tensor out, Tensor lse)");
   m.def(
       "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
       "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
@@ -91,7 +92,8 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   // speculative: verify_draft
   m.impl("verify_draft", &ragattn::verify_draft_cpu);
   // attention CPU paths
-  m.impl("_paged_attention_cpu", &ragattn::paged_attention_cpu);
+  m.impl("paged_attention", &ragattn::paged_attention_cpu);
+  m.impl("paged_attention.out", &ragattn::paged_attention_out_cpu);
   m.impl("_merge_attention_states_cpu", &ragattn::merge_attention_states_cpu);
 }
 

@@ -1,21 +1,34 @@
-// CPU path of paged_attention: each (query row, kv head) reads its visible slots in place from
-// the page table (no gather, no mask), the GQA group's query heads together so every K/V row is
-// loaded once per group, with an online softmax over chunks of slots (softmax_math.h).
-// Registered as ragattn::_paged_attention_cpu; ragattn/ops/paged_attention.py validates and calls
-// it. Semantics are the op's (docs/ops.md): row i of sequence b sees slot j iff j < kv_lens[b],
-// j <= q_pos[i] and (window_left < 0 or j >= q_pos[i] - window_left); only those slots are ever
-// read; a non-finite visible score makes the (row, head) NaN in out and lse; a non-finite visible
-// v[j, d] makes out[i, h, d] NaN; a row that sees nothing gets out 0 and lse -inf.
+// CPU impl of ragattn::paged_attention and paged_attention.out (registered in torch_bindings.cpp,
+// no Python in the call): the checks of ragattn/ops/paged_attention.py's _validate in the same
+// order with the same messages (the fake impl keeps the Python ones; tests compare the two), then
+// the kernel below, or the Python backends when RAGATTN_CPU_BACKEND=reference|triton.
+//
+// Kernel: one task per (query row, kv head). Only the row's visible slots are read, in place
+// through the page table (no gather, no mask), in chunks of kChunk slots aligned to absolute slot
+// multiples, with an online softmax. Per chunk: the scores of the GQA group's heads (each K row
+// loaded once for two heads, eight dot products per reduction), the exp, then the V rows
+// accumulated into register-resident outputs (each V row loaded once for two heads). A row's
+// result depends only on its own visible slots (never on the other rows of the call).
+// Semantics are the op's (docs/ops.md): row i of sequence b sees slot j iff j < kv_lens[b],
+// j <= q_pos[i] and (window_left < 0 or j >= q_pos[i] - window_left); a non-finite visible score
+// makes the (row, head) NaN in out and lse; a non-finite visible v[j, d] makes out[i, h, d] NaN;
+// a row that sees nothing gets out 0 and lse -inf.
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "attention/softmax_math.h"
@@ -26,7 +39,51 @@
 namespace ragattn {
 namespace {
 
-constexpr int64_t kChunk = 32;  // slots per online-softmax step
+constexpr const char* kOp = "ragattn.paged_attention";
+
+// ------------------------------------------------------------------------------------ checks
+
+// Python's spelling of a dtype and of a shape tuple, so the messages equal _validate's.
+std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
+
+// want[d] < 0 prints as '*' (any size), like the repr of _validate's pretty tuple
+std::string shape_str(at::IntArrayRef shape, bool any_marks = false) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (d) o << ", ";
+    if (any_marks && shape[d] < 0) {
+      o << "'*'";
+    } else {
+      o << shape[d];
+    }
+  }
+  o << (shape.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+void check_dtype(const char* name, const at::Tensor& t, std::initializer_list<at::ScalarType> dtypes) {
+  if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end()) return;
+  std::string want;
+  for (auto d : dtypes) want += (want.empty() ? "" : " or ") + dtype_name(d);
+  TORCH_CHECK_TYPE(false, kOp, ": ", name, " must be ", want, ", got ", dtype_name(t.scalar_type()));
+}
+
+void check_ndim(const char* name, const at::Tensor& t, int64_t ndim) {
+  TORCH_CHECK_VALUE(t.dim() == ndim, kOp, ": ", name, " must have ", ndim, " dims, got shape ", shape_str(t.sizes()));
+}
+
+void check_shape(const char* name, const at::Tensor& t, std::vector<int64_t> want) {
+  bool ok = t.dim() == static_cast<int64_t>(want.size());
+  for (size_t d = 0; ok && d < want.size(); ++d) ok = want[d] < 0 || want[d] == t.size(d);
+  TORCH_CHECK_VALUE(ok, kOp, ": ", name, " must have shape ", shape_str(want, true), ", got ", shape_str(t.sizes()));
+}
+
+void check_device(const char* name, const at::Tensor& t, const at::Device& dev) {
+  TORCH_CHECK_VALUE(t.device() == dev, kOp, ": ", name, " must be on ", dev.str(), ", got ", t.device().str());
+}
+
+constexpr std::initializer_list<at::ScalarType> kIndexTypes = {at::kInt, at::kLong};
 
 // A 1-D or 2-D int32/int64 index tensor read element by element (metadata is tiny: no copies).
 struct IndexView {
@@ -41,6 +98,144 @@ struct IndexView {
     return is64 ? static_cast<const int64_t*>(data)[off] : static_cast<const int32_t*>(data)[off];
   }
 };
+
+// [first, last] byte of t in its storage (_validate's _byte_span); false for an empty tensor
+bool byte_span(const at::Tensor& t, int64_t* first, int64_t* last) {
+  if (t.numel() == 0) return false;
+  int64_t extent = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  *first = t.storage_offset() * t.element_size();
+  *last = *first + (extent + 1) * t.element_size() - 1;
+  return true;
+}
+
+// _validate's check_no_overlap: an output sharing bytes with an input or the other output
+void check_no_overlap(const at::Tensor& out, const at::Tensor& lse_out,
+                      std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  std::vector<std::pair<const char*, const at::Tensor*>> outs = {{"out", &out}, {"lse_out", &lse_out}};
+  std::vector<std::pair<const char*, const at::Tensor*>> others = outs;
+  others.insert(others.end(), inputs.begin(), inputs.end());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& o = *outs[i].second;
+    int64_t of, ol;
+    if (!byte_span(o, &of, &ol)) continue;
+    for (size_t j = i + 1; j < others.size(); ++j) {
+      const at::Tensor& t = *others[j].second;
+      if (t.device() != o.device() || !t.has_storage() || !o.has_storage() ||
+          t.storage().unsafeGetStorageImpl() != o.storage().unsafeGetStorageImpl())
+        continue;
+      int64_t tf, tl;
+      TORCH_CHECK_VALUE(!(byte_span(t, &tf, &tl) && of <= tl && tf <= ol), kOp, ": ", outs[i].first,
+                        " must not share memory with ", others[j].first);
+    }
+  }
+}
+
+// Every check of _validate (read_values=True: this path owns host data), in its order.
+void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                      const at::Tensor& kv_lens, std::optional<double> scale, const at::Tensor* out,
+                      const at::Tensor* lse_out) {
+  check_dtype("q", q, {at::kHalf, at::kBFloat16, at::kFloat});
+  check_ndim("q", q, 3);
+  const at::Device dev = q.device();
+  const int64_t total_q = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK_VALUE(head_dim >= 1, kOp, ": q's head_dim (dim 2) must be >= 1, got ", head_dim);
+  check_dtype("k_cache", k_cache, {q.scalar_type()});
+  check_ndim("k_cache", k_cache, 4);
+  check_device("k_cache", k_cache, dev);
+  check_shape("k_cache", k_cache, {-1, -1, -1, head_dim});
+  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  check_dtype("v_cache", v_cache, {q.scalar_type()});
+  check_shape("v_cache", v_cache, k_cache.sizes().vec());
+  check_device("v_cache", v_cache, dev);
+  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, kOp, ": q's num_heads (", num_heads,
+                    ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK_VALUE(page_size >= 1, kOp, ": k_cache's page_size (dim 1) must be >= 1, got ", page_size);
+  check_dtype("q_pos", q_pos, kIndexTypes);
+  check_shape("q_pos", q_pos, {total_q});
+  check_device("q_pos", q_pos, dev);
+  // check_cu_seqlens
+  check_dtype("cu_seqlens_q", cu_seqlens_q, kIndexTypes);
+  check_ndim("cu_seqlens_q", cu_seqlens_q, 1);
+  check_device("cu_seqlens_q", cu_seqlens_q, dev);
+  TORCH_CHECK_VALUE(cu_seqlens_q.numel() >= 1, kOp, ": cu_seqlens_q must have at least one entry (batch + 1)");
+  const int64_t batch = cu_seqlens_q.numel() - 1;
+  const IndexView cu(cu_seqlens_q);
+  TORCH_CHECK_VALUE(cu(0) == 0 && cu(batch) == total_q, kOp, ": cu_seqlens_q must start at 0 and end at ", total_q,
+                    " (the packed length), got ", cu(0), " .. ", cu(batch));
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK_VALUE(cu(b + 1) >= cu(b), kOp, ": cu_seqlens_q must be non-decreasing");
+  check_dtype("block_table", block_table, kIndexTypes);
+  check_ndim("block_table", block_table, 2);
+  check_device("block_table", block_table, dev);
+  check_shape("block_table", block_table, {batch, -1});
+  check_dtype("kv_lens", kv_lens, kIndexTypes);
+  check_shape("kv_lens", kv_lens, {batch});
+  check_device("kv_lens", kv_lens, dev);
+  TORCH_CHECK_VALUE(!scale || std::isfinite(*scale), kOp, ": scale must be finite, got ", scale ? *scale : 0.0);
+  if (out) {
+    check_dtype("out", *out, {q.scalar_type()});
+    check_shape("out", *out, q.sizes().vec());
+    check_device("out", *out, dev);
+    check_dtype("lse_out", *lse_out, {at::kFloat});
+    check_shape("lse_out", *lse_out, {total_q, num_heads});
+    check_device("lse_out", *lse_out, dev);
+    check_no_overlap(*out, *lse_out,
+                     {{"q", &q}, {"q_pos", &q_pos}, {"cu_seqlens_q", &cu_seqlens_q}, {"k_cache", &k_cache},
+                      {"v_cache", &v_cache}, {"block_table", &block_table}, {"kv_lens", &kv_lens}});
+  }
+  // the value checks (one pass each; the Python side reads the same values with reductions)
+  const IndexView pos(q_pos), bt(block_table), lens(kv_lens);
+  const int64_t max_pages = block_table.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens(b);
+    TORCH_CHECK_VALUE(len >= 0 && len <= max_pages * page_size, kOp,
+                      ": kv_lens must lie in [0, max_pages * page_size = ", max_pages * page_size, "], got ", len,
+                      " for sequence ", b);
+  }
+  for (int64_t r = 0; r < total_q; ++r)
+    TORCH_CHECK_VALUE(pos(r) >= 0, kOp, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
+  for (int64_t b = 0; b < batch; ++b) {
+    // pages used by kv_lens: the first ceil(kv_lens / page_size) of each row; others may be anything
+    for (int64_t j = 0; j * page_size < lens(b); ++j) {
+      const int64_t page = bt(b, j);
+      TORCH_CHECK_VALUE(page >= 0 && page < num_pages, kOp,
+                        ": block_table entries used by kv_lens must lie in [0, num_pages = ", num_pages, "), got ",
+                        page, " at [", b, ", ", j, "]");
+    }
+  }
+}
+
+// RAGATTN_CPU_BACKEND (read on every call, like ragattn._extension.cpu_backend): the kernel for
+// unset/"default"/"twin"; anything else goes to the Python backends, which also reject bad values.
+bool use_python_backend() {
+  const char* env = std::getenv("RAGATTN_CPU_BACKEND");
+  if (env == nullptr) return false;
+  std::string v;
+  for (const char* c = env; *c; ++c) v += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+  const size_t a = v.find_first_not_of(" \t\n\r\f\v"), e = v.find_last_not_of(" \t\n\r\f\v");
+  v = a == std::string::npos ? "" : v.substr(a, e - a + 1);
+  return !(v.empty() || v == "default" || v == "twin");
+}
+
+std::tuple<at::Tensor, at::Tensor> python_backend(const at::Tensor& q, const at::Tensor& q_pos,
+                                                  const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+                                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                  const at::Tensor& kv_lens, std::optional<double> scale,
+                                                  int64_t window_left) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ragattn::_paged_attention_cpu_backend", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, std::optional<double>, int64_t)>();
+  return op.call(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left);
+}
+
+// ------------------------------------------------------------------------------------ kernel
+
+constexpr int64_t kChunk = 128;  // slots per online-softmax step (a multiple of 8)
 
 struct PagedArgs {
   const void* q;
@@ -72,94 +267,94 @@ RAGATTN_ALWAYS_INLINE v8f load8<float>(const float* p) {
   return r;
 }
 
-RAGATTN_ALWAYS_INLINE float hsum8(v8f a) {
-  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+template <>
+RAGATTN_ALWAYS_INLINE v8f load8<c10::BFloat16>(const c10::BFloat16* p) {
+  return bf16x8_to_float(p);
 }
 
-// Four dot products of q with the rows k0..k3 (four independent accumulator chains).
-template <typename T>
-RAGATTN_ALWAYS_INLINE void dot4_f32(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t n,
-                                    float* out) {
-  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const v8f x = load8(q + d);
-    a0 += x * load8(k0 + d);
-    a1 += x * load8(k1 + d);
-    a2 += x * load8(k2 + d);
-    a3 += x * load8(k3 + d);
-  }
-  float t0 = hsum8(a0), t1 = hsum8(a1), t2 = hsum8(a2), t3 = hsum8(a3);
-  for (; d < n; ++d) {  // head dims that are not a multiple of 8
-    t0 += q[d] * static_cast<float>(k0[d]);
-    t1 += q[d] * static_cast<float>(k1[d]);
-    t2 += q[d] * static_cast<float>(k2[d]);
-    t3 += q[d] * static_cast<float>(k3[d]);
-  }
-  out[0] = t0;
-  out[1] = t1;
-  out[2] = t2;
-  out[3] = t3;
-}
+RAGATTN_ALWAYS_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
 
-// Dot products of two query rows qa, qb with the rows k0..k3: out[0:4] for qa, out[4:8] for qb
-// (eight accumulator chains; six loads per eight multiply-adds).
-template <typename T>
-RAGATTN_ALWAYS_INLINE void dot2x4_f32(const float* qa, const float* qb, const T* k0, const T* k1, const T* k2,
-                                      const T* k3, int64_t n, float* out) {
-  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+// Dot products of NQ query vectors (qf, qf + D, ...) with NS key rows k[0..NS) (NQ * NS == 8):
+// lane iq * NS + s = qf[iq] . k[s], summed in float in one fixed order whatever NQ, NS (8-lane
+// partial sums over D, reduce8's tree, then the head dims past the last multiple of 8).
+template <int NQ, int NS, typename T>
+RAGATTN_ALWAYS_INLINE v8f dots8(const float* qf, int64_t D, const T* const* k) {
+  static_assert(NQ * NS == 8, "eight dot products per call");
+  v8f acc[8] = {};
   int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const v8f x = load8(qa + d), y = load8(qb + d);
-    const v8f c0 = load8(k0 + d), c1 = load8(k1 + d), c2 = load8(k2 + d), c3 = load8(k3 + d);
-    a0 += x * c0;
-    a1 += x * c1;
-    a2 += x * c2;
-    a3 += x * c3;
-    b0 += y * c0;
-    b1 += y * c1;
-    b2 += y * c2;
-    b3 += y * c3;
-  }
-  float t[8] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3), hsum8(b0), hsum8(b1), hsum8(b2), hsum8(b3)};
-  const T* k[4] = {k0, k1, k2, k3};
-  for (; d < n; ++d) {  // head dims that are not a multiple of 8
-    for (int r = 0; r < 4; ++r) {
-      t[r] += qa[d] * static_cast<float>(k[r][d]);
-      t[4 + r] += qb[d] * static_cast<float>(k[r][d]);
+  for (; d + 8 <= D; d += 8) {
+    v8f kd[NS];
+    for (int s = 0; s < NS; ++s) kd[s] = load8(k[s] + d);
+    for (int iq = 0; iq < NQ; ++iq) {
+      const v8f x = load8(qf + iq * D + d);
+      for (int s = 0; s < NS; ++s) acc[iq * NS + s] += x * kd[s];
     }
   }
-  for (int r = 0; r < 8; ++r) out[r] = t[r];
+  v8f r = reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
+  for (; d < D; ++d)
+    for (int iq = 0; iq < NQ; ++iq)
+      for (int s = 0; s < NS; ++s) r[iq * NS + s] += qf[iq * D + d] * static_cast<float>(k[s][d]);
+  return r;
 }
 
-// acc[0:n] += p * v[0:n]
+// Scores of the G heads (rows of qf) with the n slots k[0..n): p[h * kChunk + s] = scale * dot.
+// k has room for a multiple of 8 entries (the caller pads with a visible slot; those lanes are
+// dropped).
 template <typename T>
-RAGATTN_ALWAYS_INLINE void axpy_f32(float* acc, float p, const T* v, int64_t n) {
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    v8f a = load8(acc + d);
-    a += p * load8(v + d);
-    std::memcpy(acc + d, &a, sizeof(a));
+RAGATTN_ALWAYS_INLINE void chunk_scores(const float* qf, int64_t G, int64_t D, const T* const* k, int64_t n,
+                                        float scale, float* p) {
+  int64_t h = 0;
+  for (; h + 2 <= G; h += 2) {  // two heads x four slots: each K row loaded once for both
+    for (int64_t s = 0; s < n; s += 4) {
+      const v8f r = dots8<2, 4>(qf + h * D, D, k + s);
+      for (int64_t u = 0; u < 4 && s + u < n; ++u) {
+        p[h * kChunk + s + u] = r[u] * scale;
+        p[(h + 1) * kChunk + s + u] = r[4 + u] * scale;
+      }
+    }
   }
-  for (; d < n; ++d) acc[d] += p * static_cast<float>(v[d]);
+  for (; h < G; ++h) {
+    for (int64_t s = 0; s < n; s += 8) {
+      const v8f r = dots8<1, 8>(qf + h * D, D, k + s);
+      for (int64_t u = 0; u < 8 && s + u < n; ++u) p[h * kChunk + s + u] = r[u] * scale;
+    }
+  }
 }
 
-// acc_a[0:n] += pa * v[0:n] and acc_b[0:n] += pb * v[0:n]
-template <typename T>
-RAGATTN_ALWAYS_INLINE void axpy2_f32(float* acc_a, float* acc_b, float pa, float pb, const T* v, int64_t n) {
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const v8f x = load8(v + d);
-    v8f a = load8(acc_a + d), b = load8(acc_b + d);
-    a += pa * x;
-    b += pb * x;
-    std::memcpy(acc_a + d, &a, sizeof(a));
-    std::memcpy(acc_b + d, &b, sizeof(b));
+// acc[h][0:D] = alpha[h] * acc[h][0:D] + sum_s p[h][s] * v[s][0:D] for NH heads (acc rows D
+// apart, p rows kChunk apart), d in blocks of DB vectors kept in registers over all n slots.
+template <int NH, int DB, typename T>
+RAGATTN_ALWAYS_INLINE int64_t accumulate_block(float* acc, const float* p, const float* alpha, const T* const* v,
+                                               int64_t n, int64_t D, int64_t d) {
+  for (; d + 8 * DB <= D; d += 8 * DB) {
+    v8f a[NH][DB];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < DB; ++u) a[h][u] = load8(acc + h * D + d + 8 * u) * alpha[h];
+    for (int64_t s = 0; s < n; ++s) {
+      v8f x[DB];
+      for (int u = 0; u < DB; ++u) x[u] = load8(v[s] + d + 8 * u);
+      for (int h = 0; h < NH; ++h) {
+        const float w = p[h * kChunk + s];
+        for (int u = 0; u < DB; ++u) a[h][u] += w * x[u];
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < DB; ++u) store8(acc + h * D + d + 8 * u, a[h][u]);
   }
-  for (; d < n; ++d) {
-    const float x = static_cast<float>(v[d]);
-    acc_a[d] += pa * x;
-    acc_b[d] += pb * x;
+  return d;
+}
+
+template <int NH, typename T>
+RAGATTN_ALWAYS_INLINE void accumulate(float* acc, const float* p, const float* alpha, const T* const* v, int64_t n,
+                                      int64_t D) {
+  int64_t d = accumulate_block<NH, 8 / NH>(acc, p, alpha, v, n, D, 0);
+  d = accumulate_block<NH, 1>(acc, p, alpha, v, n, D, d);
+  for (; d < D; ++d) {  // head dims that are not a multiple of 8
+    for (int h = 0; h < NH; ++h) {
+      float a = acc[h * D + d] * alpha[h];
+      for (int64_t s = 0; s < n; ++s) a += p[h * kChunk + s] * static_cast<float>(v[s][d]);
+      acc[h * D + d] = a;
+    }
   }
 }
 
@@ -169,14 +364,16 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
   const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> buf(G * D * 2 + G * kChunk + G * 3);
-  float* qf = buf.data();        // [G, D] the group's query rows in float
-  float* acc = qf + G * D;       // [G, D] unnormalised outputs
-  float* p = acc + G * D;        // [G, kChunk] scores, then probabilities
-  float* m = p + G * kChunk;     // [G] running max
-  float* l = m + G;              // [G] running sum
-  float* bad = l + G;            // [G] 1: a non-finite visible score
-  const T* kslot[kChunk];
+  std::vector<float> buf(G * D * 2 + G * kChunk + G * 4);
+  float* qf = buf.data();       // [G, D] the group's query rows in float
+  float* acc = qf + G * D;      // [G, D] unnormalised outputs
+  float* p = acc + G * D;       // [G, kChunk] scores, then probabilities
+  float* m = p + G * kChunk;    // [G] running max
+  float* l = m + G;             // [G] running sum
+  float* alpha = l + G;         // [G] this chunk's rescale of acc (0 for a poisoned head)
+  float* bad = alpha + G;       // [G] 1: a non-finite visible score
+  // chunk-local slot pointers (+ 8: the last block of dots8 is padded with a visible slot)
+  const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t i = item / a.num_kv_heads, g = item % a.num_kv_heads;
@@ -192,40 +389,36 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
       bad[h] = 0.f;
     }
     std::fill(acc, acc + G * D, 0.f);
+    const T* k_base = static_cast<const T*>(a.k) + g * a.k_s2;
+    const T* v_base = static_cast<const T*>(a.v) + g * a.v_s2;
     int64_t page_idx = lo / S, off = lo % S;  // slot lo's page-table entry and offset, stepped below
-    for (int64_t c = lo; c < hi; c += kChunk) {
-      const int64_t n = std::min(kChunk, hi - c);
-      for (int64_t s = 0; s < n; ++s) {
+    // chunks of absolute slots [c0, c0 + kChunk); this row reads [first, first + n) of each
+    for (int64_t c0 = lo / kChunk * kChunk; lo < hi && c0 < hi; c0 += kChunk) {
+      const int64_t first = std::max(lo, c0) - c0, n = std::min(hi, c0 + kChunk) - c0 - first;
+      for (int64_t s = first; s < first + n;) {  // the visible slots' rows, page by page
         const int64_t page = a.block_table(b, page_idx);
-        kslot[s] = static_cast<const T*>(a.k) + page * a.k_s0 + off * a.k_s1 + g * a.k_s2;
-        vslot[s] = static_cast<const T*>(a.v) + page * a.v_s0 + off * a.v_s1 + g * a.v_s2;
-        if (++off == S) {
+        const T* kp = k_base + page * a.k_s0 + off * a.k_s1;
+        const T* vp = v_base + page * a.v_s0 + off * a.v_s1;
+        const int64_t run = std::min(S - off, first + n - s);
+        for (int64_t u = 0; u < run; ++u, ++s) {
+          kslot[s] = kp + u * a.k_s1;
+          vslot[s] = vp + u * a.v_s1;
+        }
+        off += run;
+        if (off == S) {
           off = 0;
           ++page_idx;
         }
       }
-      for (int64_t s = n; s < (n + 3) / 4 * 4; ++s) kslot[s] = kslot[0];  // pad the last quad (ignored)
-      float dots[8];
-      for (int64_t s = 0; s < n; s += 4) {
-        int64_t h = 0;
-        for (; h + 2 <= G; h += 2) {  // two heads at once: each K row loaded once for both
-          dot2x4_f32(qf + h * D, qf + (h + 1) * D, kslot[s], kslot[s + 1], kslot[s + 2], kslot[s + 3], D, dots);
-          for (int64_t r = 0; r < 4 && s + r < n; ++r) {
-            p[h * kChunk + s + r] = dots[r] * a.scale;
-            p[(h + 1) * kChunk + s + r] = dots[4 + r] * a.scale;
-          }
-        }
-        for (; h < G; ++h) {
-          dot4_f32(qf + h * D, kslot[s], kslot[s + 1], kslot[s + 2], kslot[s + 3], D, dots);
-          for (int64_t r = 0; r < 4 && s + r < n; ++r) p[h * kChunk + s + r] = dots[r] * a.scale;
-        }
-      }
+      for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
+      chunk_scores(qf, G, D, kslot + first, n, a.scale, p + first);
       for (int64_t h = 0; h < G; ++h) {
+        alpha[h] = 0.f;  // a poisoned head's acc is never read again
         if (bad[h] != 0.f) continue;
         float* ph = p + h * kChunk;
         float cmax = neg_inf;
         bool finite = true;
-        for (int64_t s = 0; s < n; ++s) {
+        for (int64_t s = first; s < first + n; ++s) {
           finite &= std::isfinite(ph[s]);
           cmax = ph[s] > cmax ? ph[s] : cmax;
         }
@@ -234,34 +427,25 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
           continue;
         }
         const float m_new = std::max(m[h], cmax);
-        const float alpha = softmax::rescale(m[h], m_new);
-        float* acch = acc + h * D;
-        if (alpha != 1.f) {
-          for (int64_t d = 0; d < D; ++d) acch[d] *= alpha;
-        }
+        alpha[h] = softmax::rescale(m[h], m_new);
+        // whole vectors over the 8-aligned cover of [first, first + n); the lanes outside are
+        // -inf: exp 0, adding exactly nothing to the sum
+        const int64_t v0 = first / 8 * 8, v1 = (first + n + 7) / 8 * 8;
+        for (int64_t s = v0; s < first; ++s) ph[s] = neg_inf;
+        for (int64_t s = first + n; s < v1; ++s) ph[s] = neg_inf;
         float sum = 0.f;
-        for (int64_t s = n; s < (n + 7) / 8 * 8; ++s) ph[s] = neg_inf;  // whole vectors: exp(-inf) = 0
-        for (int64_t s = 0; s < n; s += 8) {
+        for (int64_t s = v0; s < v1; s += 8) {
           const v8f e = exp8_nonpositive(load8(ph + s) - m_new);
-          std::memcpy(ph + s, &e, sizeof(e));
+          store8(ph + s, e);
           sum += hsum8(e);
         }
-        l[h] = l[h] * alpha + sum;
+        l[h] = l[h] * alpha[h] + sum;
         m[h] = m_new;
       }
-      for (int64_t s = 0; s < n; ++s) {
-        int64_t h = 0;
-        for (; h + 2 <= G; h += 2) {  // two heads at once: each V row loaded once for both
-          if (bad[h] == 0.f && bad[h + 1] == 0.f) {
-            axpy2_f32(acc + h * D, acc + (h + 1) * D, p[h * kChunk + s], p[(h + 1) * kChunk + s], vslot[s], D);
-          } else {
-            if (bad[h] == 0.f) axpy_f32(acc + h * D, p[h * kChunk + s], vslot[s], D);
-            if (bad[h + 1] == 0.f) axpy_f32(acc + (h + 1) * D, p[(h + 1) * kChunk + s], vslot[s], D);
-          }
-        }
-        for (; h < G; ++h)
-          if (bad[h] == 0.f) axpy_f32(acc + h * D, p[h * kChunk + s], vslot[s], D);
-      }
+      // heads in pairs: each V row loaded once for both
+      int64_t h = 0;
+      for (; h + 2 <= G; h += 2) accumulate<2>(acc + h * D, p + h * kChunk + first, alpha + h, vslot + first, n, D);
+      for (; h < G; ++h) accumulate<1>(acc + h * D, p + h * kChunk + first, alpha + h, vslot + first, n, D);
     }
     for (int64_t h = 0; h < G; ++h) {
       const int64_t head = g * G + h;
@@ -295,60 +479,25 @@ RAGATTN_TARGET_AVX2 void paged_items_avx2(const PagedArgs& a, int64_t begin, int
 }
 #endif
 
-// The value checks of ragattn/ops/paged_attention.py's _validate (same messages; reading host
-// data is free here, and one pass in C++ costs less than the Python reductions). Fills row_seq.
-void check_paged_values(const at::Tensor& cu_seqlens_q, const at::Tensor& q_pos, const at::Tensor& block_table,
-                        const at::Tensor& kv_lens, int64_t total_q, int64_t num_pages, int64_t page_size,
-                        std::vector<int64_t>& row_seq) {
-  const IndexView cu(cu_seqlens_q), pos(q_pos), bt(block_table), lens(kv_lens);
-  const int64_t batch = kv_lens.size(0), max_pages = block_table.size(1);
-  TORCH_CHECK_VALUE(cu(0) == 0 && cu(batch) == total_q, "ragattn.paged_attention: cu_seqlens_q must start at 0 and end at ",
-                    total_q, " (the packed length), got ", cu(0), " .. ", cu(batch));
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK_VALUE(cu(b + 1) >= cu(b) && cu(b + 1) <= total_q,
-                      "ragattn.paged_attention: cu_seqlens_q must be non-decreasing");
-    const int64_t len = lens(b);
-    TORCH_CHECK_VALUE(len >= 0 && len <= max_pages * page_size,
-                      "ragattn.paged_attention: kv_lens must lie in [0, max_pages * page_size = ", max_pages * page_size,
-                      "], got ", len, " for sequence ", b);
-    // pages used by kv_lens: the first ceil(kv_lens / page_size) of each row; others may be anything
-    for (int64_t j = 0; j * page_size < len; ++j) {
-      const int64_t page = bt(b, j);
-      TORCH_CHECK_VALUE(page >= 0 && page < num_pages,
-                        "ragattn.paged_attention: block_table entries used by kv_lens must lie in [0, num_pages = ",
-                        num_pages, "), got ", page, " at [", b, ", ", j, "]");
-    }
-    for (int64_t r = cu(b); r < cu(b + 1); ++r) row_seq[r] = b;
-  }
-  for (int64_t r = 0; r < total_q; ++r) {
-    const int64_t p = pos(r);
-    TORCH_CHECK_VALUE(p >= 0, "ragattn.paged_attention: q_pos must be >= 0, got ", p, " at row ", r);
-  }
-}
-
-}  // namespace
-
-void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
-                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                         const at::Tensor& kv_lens, double scale, int64_t window_left, const at::Tensor& out,
-                         const at::Tensor& lse_out) {
-  // every shape/dtype/value check is the Python op's (ragattn/ops/paged_attention.py); this entry
-  // needs unit last-dim strides of q, the caches and out (the caller copies otherwise)
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && out.stride(2) == 1,
-              "ragattn._paged_attention_cpu: q, k_cache, v_cache and out need a unit last-dim stride");
+// The kernel on checked arguments; q, k_cache, v_cache and out have a unit last-dim stride.
+void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                const at::Tensor& kv_lens, float scale, int64_t window_left, const at::Tensor& out,
+                const at::Tensor& lse_out) {
   const int64_t total_q = q.size(0), batch = kv_lens.size(0);
-  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1);
+  if (total_q == 0) return;
   // sequence of each query row, from cu_seqlens_q
   std::vector<int64_t> row_seq(total_q);
-  check_paged_values(cu_seqlens_q, q_pos, block_table, kv_lens, total_q, num_pages, page_size, row_seq);
+  const IndexView cu(cu_seqlens_q);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = cu(b); r < cu(b + 1); ++r) row_seq[r] = b;
   PagedArgs a{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse_out.data_ptr<float>(),
               row_seq.data(), IndexView(q_pos), IndexView(block_table), IndexView(kv_lens),
               q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-              lse_out.stride(0), lse_out.stride(1), static_cast<float>(scale), window_left};
+              lse_out.stride(0), lse_out.stride(1), scale, window_left};
   const int64_t items = total_q * a.num_kv_heads;
-  if (items == 0) return;
   // grain: about GRAIN_SIZE multiply-adds per task, from the average cached length
   int64_t kv_total = 0;
   for (int64_t b = 0; b < batch; ++b) kv_total += a.kv_lens(b);
@@ -360,8 +509,51 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at:
 #if RAGATTN_HAVE_AVX2_VARIANT
     if (cpu_has_avx2()) run = &paged_items_avx2<scalar_t>;
 #endif
-    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+    if (items <= grain) {
+      run(a, 0, items);  // one task: no parallel region
+    } else {
+      at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+    }
   });
+}
+
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
+                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                                                       const at::Tensor& kv_lens, std::optional<double> scale,
+                                                       int64_t window_left) {
+  check_paged_args(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, nullptr, nullptr);
+  if (use_python_backend())
+    return python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like the fake impl
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
+             block_table, kv_lens, static_cast<float>(s), window_left, out, lse);
+  return {out, lse};
+}
+
+void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                             const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
+                             const at::Tensor& out, const at::Tensor& lse_out) {
+  check_paged_args(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, &out, &lse_out);
+  if (use_python_backend()) {
+    auto [o, lse] = python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
+                                   window_left);
+    out.copy_(o);
+    lse_out.copy_(lse);
+    return;
+  }
+  const at::Tensor o = out.stride(-1) == 1 ? out : at::empty(q.sizes(), q.options());  // copied in below
+  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
+             block_table, kv_lens, static_cast<float>(s), window_left, o, lse_out);
+  if (!o.is_same(out)) out.copy_(o);
 }
 
 }  // namespace ragattn

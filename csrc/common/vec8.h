@@ -1,6 +1,7 @@
 // 8 float lanes for the CPU kernels: GCC/clang vector extensions (explicit SIMD that does not
 // depend on the auto-vectoriser; one ymm register in an AVX2 variant, two xmm registers on
-// baseline x86-64) and the one branch-free exp the CPU paths share. Helpers are always inlined
+// baseline x86-64), the one branch-free exp the CPU paths share, horizontal sums and the bf16
+// widening load. Helpers are always inlined
 // (cpu_isa.h) so they compile for their caller's ISA and no 32-byte vector crosses a call.
 #pragma once
 
@@ -39,6 +40,42 @@ RAGATTN_ALWAYS_INLINE v8f exp8_nonpositive(v8f x) {
   v8f out;
   std::memcpy(&out, &yi, sizeof(out));
   return x >= -87.3f ? out : v8f{};  // NaN compares false: 0
+}
+
+// Sum of the 8 lanes, pairwise.
+RAGATTN_ALWAYS_INLINE float hsum8(v8f a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+#if defined(__clang__)
+#define RAGATTN_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define RAGATTN_SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
+// Lane i of the result = the sum of a_i's 8 lanes, in one order for every lane
+// (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))): eight horizontal sums in 7 vector adds.
+RAGATTN_ALWAYS_INLINE v8f reduce8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
+  // pairs: [a0 01, a1 01, a0 23, a1 23, a0 45, a1 45, a0 67, a1 67]
+  const v8f s01 = RAGATTN_SHUFFLE8(a0, a1, 0, 8, 2, 10, 4, 12, 6, 14) + RAGATTN_SHUFFLE8(a0, a1, 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8f s23 = RAGATTN_SHUFFLE8(a2, a3, 0, 8, 2, 10, 4, 12, 6, 14) + RAGATTN_SHUFFLE8(a2, a3, 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8f s45 = RAGATTN_SHUFFLE8(a4, a5, 0, 8, 2, 10, 4, 12, 6, 14) + RAGATTN_SHUFFLE8(a4, a5, 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8f s67 = RAGATTN_SHUFFLE8(a6, a7, 0, 8, 2, 10, 4, 12, 6, 14) + RAGATTN_SHUFFLE8(a6, a7, 1, 9, 3, 11, 5, 13, 7, 15);
+  // quads: [a0 0-3, a1 0-3, a2 0-3, a3 0-3, a0 4-7, a1 4-7, a2 4-7, a3 4-7] (u1: a4..a7)
+  const v8f u0 = RAGATTN_SHUFFLE8(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13) + RAGATTN_SHUFFLE8(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8f u1 = RAGATTN_SHUFFLE8(s45, s67, 0, 1, 8, 9, 4, 5, 12, 13) + RAGATTN_SHUFFLE8(s45, s67, 2, 3, 10, 11, 6, 7, 14, 15);
+  return RAGATTN_SHUFFLE8(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) + RAGATTN_SHUFFLE8(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// 8 bfloat16 values (raw bits at p) widened to float: exact (the upper half of a float32).
+RAGATTN_ALWAYS_INLINE v8f bf16x8_to_float(const void* p) {
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  v8u16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const v8i bits = __builtin_convertvector(raw, v8i) << 16;
+  v8f r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
 }
 
 }  // namespace ragattn

@@ -37,8 +37,11 @@ def _forced_num_splits() -> Optional[int]:
 
 def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
               out=None, lse_out=None, *, read_values=True) -> None:
-    """Every check of the op. ``read_values=False`` (fake impl) skips the checks that read tensor
-    contents; devices, dtypes, shapes and aliasing are checked on every path."""
+    """Every check of the op (CUDA path and fake impls). ``read_values=False`` (fake impl) skips the
+    checks that read tensor contents; devices, dtypes, shapes and aliasing are checked on every path.
+    The CPU impl makes the same checks in C++ (``check_paged_args`` in
+    ``csrc/attention/paged_attention_cpu.cpp``), in this order with these messages: change both
+    (tests/test_paged_attention.py compares them)."""
     check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
     dev = q.device
     total_q, num_heads, head_dim = q.shape
@@ -174,9 +177,9 @@ def paged_attention(
     plans the launch from ``cu_seqlens_q`` and ``kv_lens`` (one host sync); engines that need a
     sync-free, CUDA-graph-capturable call use ``ragattn.triton_kernels.paged_attention``'s
     ``plan_paged_attention`` once per step and ``run_paged_attention`` per layer. CPU runs a C++
-    kernel (``csrc/attention/paged_attention_cpu.cpp``: per query row and kv head, the visible
-    slots read in place through the page table, the GQA group's heads together, online softmax;
-    no gather and no mask), the reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton
+    kernel registered as the op's CPU impl, checks included (``csrc/attention/paged_attention_cpu.cpp``:
+    per query row and kv head, the visible slots read in place through the page table, the GQA
+    group's heads together, online softmax; no gather and no mask), the reference with ``RAGATTN_CPU_BACKEND=reference``, or the Triton
     kernel under the interpreter with ``RAGATTN_CPU_BACKEND=triton``. On
     CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
     are a precondition (checked when ``RAGATTN_DEBUG=1``).
@@ -204,44 +207,16 @@ def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scal
     )
 
 
-def _cpu_kernel(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-               out=None, lse_out=None):
-    """The default CPU path: the C++ kernel (``csrc/attention/paged_attention_cpu.cpp``), which
-    reads each row's visible slots in place through the page table (no gather, no mask) with an
-    online softmax, the GQA group's heads together. Writes ``out``/``lse_out`` when they have a
-    unit last-dim stride (else a temporary is copied in)."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1:
-        k_cache = k_cache.contiguous()
-    if v_cache.stride(-1) != 1:
-        v_cache = v_cache.contiguous()
-    o = out if out is not None and out.stride(-1) == 1 else q.new_empty(q.shape)
-    lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    torch.ops.ragattn._paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens,
-                                           scale, window_left, out=o, lse_out=lse)
-    if out is not None and o is not out:
-        out.copy_(o)
-    return (o if out is None else out), lse
-
-
-def _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
-    backend = _extension.cpu_backend()
-    # the C++ kernel checks the index values itself (same messages, one pass without Python reductions)
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
-              read_values=backend in ("reference", "triton"))
+@torch.library.impl("ragattn::_paged_attention_cpu_backend", "CPU")
+def _cpu_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
+    """``RAGATTN_CPU_BACKEND=reference|triton``: called by the op's C++ CPU impl
+    (``csrc/attention/paged_attention_cpu.cpp``) after its checks (``_validate``'s, in C++)."""
+    backend = _extension.cpu_backend()  # raises on a value that is not a backend
     if backend == "triton":
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
     if backend != "reference":
-        return _cpu_kernel(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-                           out, lse_out)
-    o, lse = _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
-    if out is None:
-        return o, lse
-    out.copy_(o)
-    lse_out.copy_(lse)
-    return out, lse_out
+        raise RuntimeError(f"ragattn.{_OP}: the C++ CPU impl runs backend {backend!r} itself")
+    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
 
 
 def _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
@@ -250,20 +225,9 @@ def _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
         return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
 
 
-@torch.library.impl("ragattn::paged_attention", "CPU")
-def _paged_attention_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
-    return _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
-
-
 @torch.library.impl("ragattn::paged_attention", "CUDA")
 def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
     return _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
-
-
-@torch.library.impl("ragattn::paged_attention.out", "CPU")
-def _paged_attention_out_cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
-                             window_left=-1, *, out, lse_out):
-    _cpu(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
 
 
 @torch.library.impl("ragattn::paged_attention.out", "CUDA")
