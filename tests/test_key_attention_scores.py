@@ -239,3 +239,31 @@ def test_fake_validates_and_meta_mix_raises():
         assert ragattn.key_attention_scores(fq, fk, fcq, fck).shape == (k.shape[0],)
         with pytest.raises(ValueError, match="num_kv_heads must divide"):
             ragattn.key_attention_scores(fq[:, :3], fk, fcq, fck)
+
+
+@pytest.mark.parametrize("lens", [([8], [256]), ([3, 0, 5], [40, 7, 0]), ([0], [9])])
+def test_direct_cpu_call_matches_the_dispatched_op(lens):
+    """The wrapper calls the CPU impl without torch.ops dispatch for plain CPU tensors (issue 15.3):
+    bit for bit the dispatched op's result, with a one-sequence fast path; a dispatch mode still
+    sees the op, and a bad offset is still the named error."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, cu_q, cu_k = make_inputs(*lens, 4, 2, 64, torch.float32, "cpu")
+    want = torch.ops.ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    assert torch.equal(ragattn.key_attention_scores(q, k, cu_q, cu_k), want)
+    check_against_reference(q, k, cu_q, cu_k)
+
+    class Record(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            self.seen.append(str(func))
+            return func(*a, **(kw or {}))
+
+    with Record():
+        ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    assert any("key_attention_scores" in s for s in Record.seen)
+    bad = cu_k.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and end at"):
+        ragattn.key_attention_scores(q, k, cu_q, bad)

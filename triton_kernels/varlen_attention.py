@@ -30,7 +30,6 @@ split rows).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -41,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ragattn.triton_kernels.merge_attention_states import merge_split_states
+from ragattn.ops._plan_cache import IndexPlanCache
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -572,37 +572,15 @@ def _defaults(cu, pos, blk, total):
     return tuple(t.to(torch.int32, copy=True) for t in (cu, pos, blk))
 
 
-# A model calls the op once per layer with the same index tensors: keep the last few plans. A hit
-# is the same tensor objects with unchanged version counters (no host sync), or else index tensors
-# equal to a plan's own copies (one sync; inference tensors have no version counter, and a model
-# may build new but equal index tensors in every layer).
-_PLAN_CACHE: "collections.deque" = collections.deque(maxlen=8)
-
-
-def _same(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+# A model calls the op once per layer with the same index tensors: keep the last few plans (the
+# hit rules are those of ragattn.ops._plan_cache: same objects and versions, or equal contents).
+_PLAN_CACHE = IndexPlanCache(8)
 
 
 def _cached_plan(index, total_q, total_k, **params) -> VarlenPlan:
     """``build_plan`` for ``index`` = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block), cached."""
     key = (total_q, total_k, tuple(sorted(params.items())))
-    versions = None
-    if not any(t is not None and t.is_inference() for t in index):
-        versions = tuple(-1 if t is None else t._version for t in index)
-    for entry in reversed(_PLAN_CACHE):
-        if entry["key"] == key and versions is not None and entry["versions"] == versions and all(
-                a is b for a, b in zip(entry["index"], index)):
-            return entry["plan"]
-    for entry in reversed(_PLAN_CACHE):
-        if entry["key"] == key and all(_same(a, b) for a, b in zip(entry["copies"], index)):
-            entry.update(index=index, versions=versions)
-            return entry["plan"]
-    plan = build_plan(*index, total_q, total_k, **params)
-    copies = tuple(None if t is None else t.clone() for t in index)
-    _PLAN_CACHE.append(dict(key=key, index=index, versions=versions, copies=copies, plan=plan))
-    return plan
+    return _PLAN_CACHE.get(index, key, lambda: build_plan(*index, total_q, total_k, **params))
 
 
 MAX_HEAD_DIM = 256
