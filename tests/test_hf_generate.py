@@ -410,3 +410,25 @@ def test_decode_step_plans_the_paged_launch_once(monkeypatch):
         plans.clear()
         model(input_ids=ids[:, 8:], past_key_values=past, use_cache=True)
     assert len(plans) == 1, f"{len(plans)} plans (host syncs) in one decode step of 3 layers"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 15.6 gap (routed): under inference_mode the varlen tile-plan cache "
+                   "cannot trust tensor identity (no version counter) and compares every index tensor's contents "
+                   "in every layer: a host sync per index tensor per layer on CUDA")
+def test_serving_prefill_compares_index_tensors_once_per_forward(monkeypatch):
+    """Issue 15.6 under serving conditions (``torch.inference_mode()``, the Triton path CUDA takes):
+    the layers after the first reuse the forward's tile plan without reading the index tensors
+    again (each ``torch.equal`` on CUDA is a host sync)."""
+    import ragattn.ops._plan_cache as plan_cache
+
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    compared = []
+    real = plan_cache._same
+    monkeypatch.setattr(plan_cache, "_same", lambda a, b: compared.append(1) or real(a, b))
+    model = _model(num_hidden_layers=3)
+    ids, mask = _inputs(2, True, n=13, seed=4)
+    with use_ragattn(model), torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        compared.clear()
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert len(compared) <= 6, f"{len(compared)} index-tensor comparisons in one 3-layer forward (6 per layer)"

@@ -562,3 +562,43 @@ def test_layer_pointers_travel_in_the_kernel_parameters(tmp_path):
         text = launcher.read_text()
         for word in ("pinned_memory", "non_blocking", "cudaMemcpy"):
             assert word not in text, (launcher.name, word)
+
+
+_HUGE_ROWS = r"""
+import torch
+import ragattn
+from ragattn.reference import kv_cache as ref
+
+def huge_rows(t):
+    # t's rows 2^30 elements apart over virtual storage (rows 2 and 3 start past 2^31 elements)
+    big = torch.empty((t.shape[0] - 1) * 2**30 + t[0].numel(), dtype=t.dtype)
+    view = torch.as_strided(big, t.shape, (2**30,) + t.stride()[1:])
+    view.copy_(t)
+    return view
+
+g = torch.Generator().manual_seed(0)
+k, src = torch.randn(4, 2, 16, generator=g).half(), torch.randn(4, 2, 16, generator=g).half()
+inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+rows, delta = torch.tensor([0, 2, 3]), torch.tensor([5, -7, 1000], dtype=torch.int32)
+want = k.clone()
+ref.rerotate_keys_([want], rows, delta, inv_freq, 16, False)
+got = huge_rows(k)
+ragattn.rerotate_keys_([got], rows, delta, inv_freq, 16, False)
+assert (got.float() - want.float()).abs().max() < 2e-3, "rerotate_keys_"
+dst_rows = torch.tensor([3, 0, 2])
+want_k, want_v = k.clone(), k.clone()
+ref.copy_kv_([want_k], [want_v], [src], [src], rows, dst_rows)
+got_k, got_v = huge_rows(k), huge_rows(k)
+ragattn.copy_kv_([got_k], [got_v], [huge_rows(src)], [huge_rows(src)], rows, dst_rows)
+assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), "copy_kv_"
+print("compiled")  # run_compile_check's success marker
+"""
+
+
+def test_rows_past_2_31_elements():
+    """Issue 15.10: cache rows past 2^31 elements (a row stride of 2^30 over virtual storage) on
+    the C++ path, whose row offsets (csrc/kv_cache/row_layout.h, shared with the CUDA kernels) are
+    int64. A subprocess, so a crash is a failure."""
+    from tests.helpers import run_compile_check
+
+    run_compile_check(_HUGE_ROWS, timeout=300)
