@@ -34,12 +34,12 @@ class IndexPlanCache:
         """The cached plan of (``index``, ``key``), or ``build()`` (cached unless it raises)."""
         index = tuple(index)
         versions = None
-        if not any(t is not None and t.is_inference() for t in index):
-            versions = tuple(-1 if t is None else t._version for t in index)
-        for entry in reversed(self._entries):
-            if entry["key"] == key and versions is not None and entry["versions"] == versions and all(
-                    a is b for a, b in zip(entry["index"], index)):
-                return entry["plan"]
+        if not any([t is not None and t.is_inference() for t in index]):
+            versions = tuple([-1 if t is None else t._version for t in index])
+            for entry in reversed(self._entries):  # the per-layer hit: no tensor data read
+                if entry["versions"] == versions and entry["key"] == key and all(
+                        [a is b for a, b in zip(entry["index"], index)]):
+                    return entry["plan"]
         for entry in reversed(self._entries):
             if entry["key"] == key and all(_same(a, b) for a, b in zip(entry["copies"], index)):
                 entry.update(index=index, versions=versions)

@@ -249,7 +249,7 @@ def _use_triton(q: torch.Tensor) -> bool:
 def _use_sdpa_cpu(q: torch.Tensor) -> bool:
     """The default CPU path (``_varlen_sdpa_cpu``) for fp16/bf16/fp32 CPU inputs; the caller
     reruns the reference where it returns a non-finite value (it may come from a masked key)."""
-    return q.device.type == "cpu" and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
+    return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
 
 
 def _contig(*ts):
