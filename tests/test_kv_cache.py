@@ -568,13 +568,7 @@ _HUGE_ROWS = r"""
 import torch
 import ragattn
 from ragattn.reference import kv_cache as ref
-
-def huge_rows(t):
-    # t's rows 2^30 elements apart over virtual storage (rows 2 and 3 start past 2^31 elements)
-    big = torch.empty((t.shape[0] - 1) * 2**30 + t[0].numel(), dtype=t.dtype)
-    view = torch.as_strided(big, t.shape, (2**30,) + t.stride()[1:])
-    view.copy_(t)
-    return view
+from tests.helpers import huge_rows
 
 g = torch.Generator().manual_seed(0)
 k, src = torch.randn(4, 2, 16, generator=g).half(), torch.randn(4, 2, 16, generator=g).half()
