@@ -479,17 +479,11 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
   }
 }
 
+// The one out-of-line copy of the kernel, per ISA (cpu_isa.h).
 template <typename T>
-void paged_items_generic(const PagedArgs& a, int64_t begin, int64_t end) {
+RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64_t end) {
   paged_items<T>(a, begin, end);
 }
-
-#if RAGATTN_HAVE_AVX2_VARIANT
-template <typename T>
-RAGATTN_TARGET_AVX2 void paged_items_avx2(const PagedArgs& a, int64_t begin, int64_t end) {
-  paged_items<T>(a, begin, end);
-}
-#endif
 
 // The kernel on checked arguments; q, k_cache, v_cache and out have a unit last-dim stride.
 void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
@@ -517,10 +511,7 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
                                                     (a.num_heads / a.num_kv_heads));
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_cpu", [&] {
-    void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_generic<scalar_t>;
-#if RAGATTN_HAVE_AVX2_VARIANT
-    if (cpu_has_avx2()) run = &paged_items_avx2<scalar_t>;
-#endif
+    void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_run<scalar_t>;
     if (items <= grain) {
       run(a, 0, items);  // one task: no parallel region
     } else {
