@@ -586,10 +586,10 @@ def roofline_cases() -> List[dict]:
 # bandwidth saturation (modelled): Little's law
 
 # Loaded DRAM latency assumed for the H100 SXM5: the time from a global load's issue to its data
-# while HBM is busy (an assumption, not measured here). Pointer-chasing microbenchmarks give the
-# *unloaded* latency (roughly 500-600 ns on Hopper); queueing at high bandwidth adds to it, and
-# 600-800 ns is the range commonly used for the loaded figure: 700 ns is its middle. Every
-# "needed" figure scales linearly with it; the report also gives each launch's break-even latency.
+# while HBM is busy (an assumption, not measured here). Pointer-chasing microbenchmarks measure
+# the *unloaded* latency, which is lower; queueing at high bandwidth adds to it, and 600-800 ns is
+# the range commonly used for the loaded figure: 700 ns is its middle. Every "needed" figure
+# scales linearly with it; the report also gives each launch's break-even latency.
 DRAM_LATENCY_NS = 700.0
 TARGET_PCT = 85.0  # issue 15: paged decode and rerotate/copy_kv must predict >= 85% of 3.35 TB/s
 # Dependent global round trips before a CTA's first main-loop load (counted from the kernel source):
@@ -751,7 +751,8 @@ def build_report(workers: int = 2) -> dict:
 
     return dict(
         note="Static report: compiled for sm_90 without a GPU. regs/spills/smem/cp.async are measured from the "
-             "compilers; ctas_per_sm, waves and the roofline are modelled from the H100's limits. Nothing ran on a GPU.",
+             "compilers; ctas_per_sm, waves, the roofline and the bandwidth-saturation model (Little's law at an "
+             "assumed loaded DRAM latency) are modelled from the H100's limits. Nothing ran on a GPU.",
         triton=triton.__version__, nvcc=nvcc_version(), commit=_git_commit(), h100=H100,
         triton_kernels=(tri_rows := triton_report_subprocess(workers=workers)), cuda_kernels=(cuda := analyse_cuda()),
         verify_draft_coverage=verify_draft_coverage(cuda), roofline=roofline_cases(),
@@ -771,7 +772,9 @@ def to_markdown(r: dict) -> str:
         "**measured** from the compilers (Triton's bundled `ptxas -v`, `nvcc -Xptxas -v`); CTAs/SM, waves and the "
         "roofline are **modelled** from the H100's limits (65536 regs, 228 KB smem, 2048 threads, 32 CTAs per SM; "
         "132 SMs, 3.35 TB/s, 989 TFLOP/s bf16 dense). Balance (varlen kernels, modelled): the launch's programs in "
-        "launch order, each costing its main-loop trips + 1, on CTAs/SM x 132 slots; (total / slots) / makespan.", "",
+        "launch order, each costing its main-loop trips + 1, on CTAs/SM x 132 slots; (total / slots) / makespan. "
+        "The last section models whether paged decode and the kv_cache kernels keep enough loads in flight to "
+        "saturate HBM (Little's law, **modelled**).", "",
         "## Triton kernels (benchmark GPU shapes, launcher configs)", "",
         "| kernel | case | warps | stages | regs | spill st/ld (B) | smem (B) | CTAs/SM (bound) | pipelined (cp.async) | grid | waves | balance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -239,3 +239,57 @@ def test_fake_validates_and_meta_mix_raises():
         assert ragattn.key_attention_scores(fq, fk, fcq, fck).shape == (k.shape[0],)
         with pytest.raises(ValueError, match="num_kv_heads must divide"):
             ragattn.key_attention_scores(fq[:, :3], fk, fcq, fck)
+
+
+@pytest.mark.parametrize("lens", [([8], [256]), ([3, 0, 5], [40, 7, 0]), ([0], [9])])
+def test_direct_cpu_call_matches_the_dispatched_op(lens):
+    """The wrapper calls the CPU impl without torch.ops dispatch for plain CPU tensors (issue 15.3):
+    bit for bit the dispatched op's result, with a one-sequence fast path; a dispatch mode still
+    sees the op, and a bad offset is still the named error."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, cu_q, cu_k = make_inputs(*lens, 4, 2, 64, torch.float32, "cpu")
+    want = torch.ops.ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    assert torch.equal(ragattn.key_attention_scores(q, k, cu_q, cu_k), want)
+    check_against_reference(q, k, cu_q, cu_k)
+
+    class Record(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            self.seen.append(str(func))
+            return func(*a, **(kw or {}))
+
+    with Record():
+        ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    assert any("key_attention_scores" in s for s in Record.seen)
+    bad = cu_k.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and end at"):
+        ragattn.key_attention_scores(q, k, cu_q, bad)
+
+
+_HUGE_OFFSETS = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from ragattn.reference.key_attention_scores import key_attention_scores as ref
+from ragattn.triton_kernels.key_attention_scores import key_attention_scores
+from tests.helpers import huge_rows
+
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(4, 4, 16, generator=g).half(), torch.randn(4, 2, 16, generator=g).half()
+cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+want = ref(q.double(), k.double(), cu, cu)
+for splits in (1, 2):
+    got = key_attention_scores(huge_rows(q), huge_rows(k), cu, cu, num_splits=splits)
+    assert (got.double() - want).abs().max() < 2e-3, (splits, got, want)
+print("compiled")  # run_compile_check's success marker
+"""
+
+
+def test_offsets_past_2_31_elements():
+    """Issue 15.10: q and k rows past 2^31 elements (views with a row stride of 2^30 over virtual
+    storage) in the interpreter; int32 row * stride products would wrap. A subprocess, so a crash
+    is a failure."""
+    run_compile_check(_HUGE_OFFSETS, timeout=300)

@@ -606,6 +606,45 @@ def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
         assert_precision(g, w64, wlp, what=name)
 
 
+def test_more_work_items_than_a_cuda_grid_axis_holds(monkeypatch):
+    """Issue 15.10: CUDA's grid axes y and z stop at 65535 programs, and a long packed batch has
+    more work items than that (1M query rows are 16K-64K tiles). Every launch keeps axes 1 and 2
+    within the limit (recorded with a plan that claims 70,000 items per side; nothing runs)."""
+    import dataclasses
+
+    import ragattn.triton_kernels.varlen_attention as va
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return lambda *a, **kw: None
+
+    for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        monkeypatch.setattr(va, name, Recorder())
+    real = va._cached_plan
+    plan_csr = []
+
+    def many_items(*a, **kw):
+        plan = real(*a, **kw)
+        plan_csr.append(plan.by_q)
+        many = lambda csr: csr if csr is None else dataclasses.replace(csr, work=csr.work.new_zeros(70_000, 8))  # noqa: E731
+        return dataclasses.replace(plan, by_q=many(plan.by_q), by_k=many(plan.by_k))
+
+    monkeypatch.setattr(va, "_cached_plan", many_items)
+    args = _case([40, 3], [40, 3], 4, 2, 64, torch.float32, "cpu", blocks="chunks")
+    out, lse = va.varlen_attention_fwd(*args[:9], True, None)
+    va.varlen_attention_bwd(torch.ones_like(out), *args[:3], out, lse, *args[3:9], True, None)
+    assert len(grids) == 3, grids
+    for grid, heads in zip(grids, (4, 4, 2)):   # forward, dq (query heads), dk/dv (kv heads)
+        assert grid[0] == heads and all(g <= 65535 for g in grid[1:]) and math.prod(grid[1:]) >= 70_000, grid
+    # the padding items (the grid's last row past 70,000) are empty: no rows, written in place
+    grid, work = va._launch(4, dataclasses.replace(plan_csr[0], work=plan_csr[0].work.new_ones(70_000, 8)))
+    assert grid == (4, 65535, 2) and work.shape == (2 * 65535, 8)
+    assert (work[70_000:, :6] == 0).all() and (work[70_000:, 6] == -1).all() and (work[:70_000] == 1).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Issue 15.2: the launch plan (visible key tiles per query tile, longest first, split long rows)
 # ----------------------------------------------------------------------------------------------
@@ -821,3 +860,115 @@ def test_equal_length_sequences_read_as_views(causal):
     (group,) = _varlen_sdpa_cpu.plan(args[3], args[4], None, None, None, None, causal, -1, 72, 72)
     assert group.q_span == (0, 72) and group.k_span == (0, 72) and group.q_idx.shape == (3, 24)
     _check_forward_backward(args, seed=32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 15.3: the default CPU path's fixed cost (direct call, checks once per cached plan)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal, window, pos", [(True, -1, "default"), (True, 9, "default"), (False, 11, "shuffled")])
+def test_block_split_trims_unseen_global_keys(causal, window, pos):
+    """The split path gives each chunk only the global keys its rows may see (a global tail after
+    the chunks is invisible to them when causal; a window cuts the keys far behind): vs float64,
+    with NaN in a trimmed tail key (never read, so no reference fallback is needed either)."""
+    from ragattn.ops import _varlen_sdpa_cpu
+
+    gen = torch.Generator().manual_seed(41)
+    lens = [3, 0, 90]
+    args = list(_case(lens, lens, 4, 2, 64, torch.float32, "cpu", causal=causal, pos=pos, gen=gen))
+    blk = torch.tensor(sum(([-1] * n if n < 20 else [i // 21 for i in range(n - 6)] + [-1] * 6 for n in lens), []),
+                       dtype=torch.int32)
+    args[7], args[8] = blk, blk.clone()
+    args = args[:10] + [None, window]
+    groups = _varlen_sdpa_cpu.plan(*args[3:9], causal, window, 93, 93)
+    assert len(groups) == 2 and groups[1].q_idx.shape[0] == 4, "the split path was not taken"
+    if causal and pos == "default":
+        assert groups[1].k_idx.shape[1] <= 21  # no tail key
+    _check_forward_backward(args, seed=42)
+    if causal and pos == "default":
+        args[1][92, 1, 5] = float("nan")  # the last tail key: only the tail's last row sees it
+        out, _ = ragattn.varlen_attention(*args)
+        assert torch.isfinite(out[:92]).all() and not torch.isfinite(out[92]).all()
+
+
+def test_index_value_checks_hold_on_cached_plans():
+    """The checks that read index values run once per cached plan: an index tensor edited in place
+    (a new version, or for an inference tensor new contents) is checked again."""
+    args = list(_case([20, 30], [20, 30], 4, 2, 64, torch.float32, "cpu", blocks="chunks",
+                      gen=torch.Generator().manual_seed(43)))
+    ragattn.varlen_attention(*args)
+    args[3][1] = 60  # cu_seqlens_q no longer non-decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        ragattn.varlen_attention(*args)
+    args[3][1] = 20
+    pos = torch.arange(50, dtype=torch.int64)
+    ragattn.varlen_attention(*args[:5], pos, pos)
+    pos[7] = 2**40
+    with pytest.raises(ValueError, match="q_pos values must fit in int32"):
+        ragattn.varlen_attention(*args[:5], pos, pos)
+    with torch.inference_mode():
+        cu = args[4].clone()
+        ragattn.varlen_attention(*args[:4], cu)
+        cu[2] = 49  # the packed length is 50
+        with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and end at 50"):
+            ragattn.varlen_attention(*args[:4], cu)
+
+
+def test_sdpa_plan_cached_for_equal_and_inference_index_tensors():
+    """A model builds new (or inference) index tensors in every layer: the default CPU path reuses
+    the plan for equal ones, and sees an in-place edit of an inference tensor."""
+    from ragattn.ops import _varlen_sdpa_cpu as sc
+
+    cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+    blk = torch.arange(45, dtype=torch.int32) // 7
+    first = sc.cached_plan(cu, cu, None, None, blk, blk, True, -1, 45, 45)
+    assert sc.cached_plan(cu, cu, None, None, blk, blk, True, -1, 45, 45) is first
+    assert sc.cached_plan(cu.clone(), cu.clone(), None, None, blk.clone(), blk.clone(), True, -1, 45, 45) is first
+    with torch.inference_mode():
+        inf = (cu.clone(), cu.clone(), None, None, blk.clone(), blk.clone())
+        assert sc.cached_plan(*inf, True, -1, 45, 45) is first
+        inf[4][3] = -1
+        assert sc.cached_plan(*inf, True, -1, 45, 45) is not first
+    assert sc.cached_plan(cu, cu, None, None, blk, blk, False, -1, 45, 45) is not first
+
+
+def test_wrapper_dispatches_where_the_op_must_be_seen():
+    """The wrapper calls the CPU impl directly only for plain CPU tensors that need no gradient,
+    outside modes and transforms; a dispatch mode, FakeTensorMode, a tensor that requires grad and
+    torch.compile all still see ``ragattn::varlen_attention`` (and get the same result)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ragattn.ops._direct_call import plain_cpu_call
+
+    args = list(_case([30, 5], [30, 5], 4, 2, 64, torch.float32, "cpu", blocks="chunks",
+                      gen=torch.Generator().manual_seed(44)))
+    want = OP(*args)
+    got = ragattn.varlen_attention(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert plain_cpu_call(*args[:9])
+    with torch.inference_mode():
+        assert plain_cpu_call(*args[:9])
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            self.ops.append(str(func))
+            return func(*a, **(kw or {}))
+
+    with Record() as rec:
+        ragattn.varlen_attention(*args)
+    assert any("ragattn.varlen_attention" in o for o in rec.ops), rec.ops[:5]
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if torch.is_tensor(a) else a for a in args]
+        out, lse = ragattn.varlen_attention(*fake)
+        assert out.shape == args[0].shape and lse.shape == args[0].shape[:2]
+    q = args[0].clone().requires_grad_(True)
+    assert not plain_cpu_call(q, *args[1:9])
+    out, _ = ragattn.varlen_attention(q, *args[1:])
+    assert out.grad_fn is not None and torch.equal(out.detach(), want[0])
+    with torch.no_grad():
+        assert plain_cpu_call(q, *args[1:9])
+    assert not plain_cpu_call(torch.nn.Parameter(args[0]), *args[1:9])

@@ -16,11 +16,12 @@ reference only runs where a non-finite input is involved.
 """
 from __future__ import annotations
 
-import collections
 import math
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
+
+from ragattn.ops._plan_cache import IndexPlanCache
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -29,7 +30,10 @@ _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 def has_nonfinite(*ts: torch.Tensor) -> bool:
     """One cheap reduction per tensor instead of an elementwise test: a finite float32 sum means
     finite values (an overflowing sum only sends a finite result to the reference: still correct)."""
-    return not all(bool(torch.isfinite(t.sum(dtype=torch.float32))) for t in ts if t.numel())
+    for t in ts:
+        if t.numel() and not math.isfinite(t.sum(dtype=torch.float32).item()):
+            return True
+    return False
 
 
 class _Group:
@@ -123,27 +127,31 @@ def _default_pos(cu: torch.Tensor, total: int) -> torch.Tensor:
 
 def plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, total_q, total_k) -> List[_Group]:
     """The fused calls of one op call, one per batch of padded (row list, key list) pairs: each
-    sequence as one pair, except that a Block-Attention sequence whose chunk blocks make the
-    dense mask wasteful is split into its global rows (over all its keys) and one pair per chunk
-    block (its rows over its own keys and the global keys). Every (row, key) pair the op may
-    see lies in exactly one pair of lists."""
+    sequence as one pair, except where the cost model (``_call_cost``) says that fewer
+    (row, key) pairs in more calls are faster: a Block-Attention sequence is split into its global
+    rows (over all its keys) and one pair per chunk block (its rows over its own keys and the
+    global keys they may see). Every (row, key) pair the op may see lies in exactly one pair of
+    lists. (Tiling a sliding-window sequence's rows, each tile over its own key range, does fewer
+    pairs but was no faster: the fused kernel's time at these sizes follows its task count.)"""
     cq, ck = cu_q.tolist(), cu_k.tolist()
     qpos = _default_pos(cu_q, total_q) if q_pos is None else q_pos.long()
     kpos = _default_pos(cu_k, total_k) if kv_pos is None else kv_pos.long()
     blocks = q_block is not None or kv_block is not None
     qb_all = (q_block.long() if q_block is not None else torch.full((total_q,), -1)) if blocks else None
     kb_all = (kv_block.long() if kv_block is not None else torch.full((total_k,), -1)) if blocks else None
-    dense_q, dense_k, chunk_q, chunk_k = [], [], [], []
+    dense, split = ([], []), ([], [])  # (row lists, key lists) of the two batches
     for b in range(len(cq) - 1):
         qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
         if qe == qs or ke == ks:  # no rows, or rows that see nothing (out 0, lse -inf)
             continue
-        if blocks and _split_block_sequence(qb_all[qs:qe], kb_all[ks:ke], qs, ks, dense_q, dense_k, chunk_q, chunk_k):
+        qp, kp = qpos[qs:qe], kpos[ks:ke]
+        if blocks and _split_block_sequence(qb_all[qs:qe], kb_all[ks:ke], qp, kp, qs, ks, causal, window_left, dense,
+                                            split):
             continue
-        dense_q.append(torch.arange(qs, qe))
-        dense_k.append(torch.arange(ks, ke))
+        dense[0].append(torch.arange(qs, qe))
+        dense[1].append(torch.arange(ks, ke))
     groups = []
-    for q_lists, k_lists in ((dense_q, dense_k), (chunk_q, chunk_k)):
+    for q_lists, k_lists in (dense, split):
         if not q_lists:
             continue
         q_idx, q_ok = _stack_padded(q_lists)
@@ -158,48 +166,78 @@ def plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, tota
     return groups
 
 
-def _split_block_sequence(qb, kb, qs, ks, dense_q, dense_k, chunk_q, chunk_k) -> bool:
-    """Append a block sequence's global rows (over all keys) to the dense lists and each chunk
-    block's rows (over the global keys and its own) to the chunk lists, if that saves at least
-    a third of the dense mask's (row, key) pairs and about 8K pairs; return whether it did."""
+# Cost of one fused CPU flash attention call, per head, in microseconds: the kernel runs one task
+# per (batch entry, head, block of query rows) at ~2.7 us each plus ~3.7 ns per padded
+# (row, key) pair; one more call costs ~10 us of Python, folding and scatter (~2.5 us per head at
+# 4 heads). Fit on this project's 2-core CPU machine (torch 2.13, fp32, head_dim 64, one thread):
+# 1x86x86 rows x keys 140 us, 4x20x26 73 us, 1x6x86 20 us, 1x166x166 460 us at 4 heads.
+_TASK_US, _PAIR_US, _CALL_US = 2.7, 0.0037, 2.5
+
+
+def _call_cost(n: int, rows: int, keys: int) -> float:
+    """Modelled time of one fused call over ``n`` padded lists of ``rows`` rows and ``keys`` keys."""
+    q_split = 256 if rows >= 768 else 64 if rows >= 192 else 32  # the kernel's query block
+    return n * (_TASK_US * -(-rows // q_split) + _PAIR_US * rows * keys)
+
+
+def _seen_keys(rows_pos, kp, causal, window_left) -> torch.Tensor:
+    """bool over keys: a key some row at positions ``rows_pos`` may see by position (causal, window)."""
+    keys = torch.ones(kp.shape, dtype=torch.bool)
+    if causal:
+        keys &= kp <= rows_pos.max()
+    if window_left >= 0:
+        keys &= kp >= rows_pos.min() - window_left
+    return keys
+
+
+def _split_block_sequence(qb, kb, qp, kp, qs, ks, causal, window_left, dense, split) -> bool:
+    """Append a block sequence's global rows (over all keys) to the ``dense`` lists and each chunk
+    block's rows (over its own keys and the global ones they may see) to the ``split`` lists, if
+    the cost model says that is faster than one dense pair; return whether it did."""
     ids, counts = torch.unique(qb, return_counts=True)
     chunk = ids >= 0
     if int(chunk.sum()) < 2:
         return False
-    glob_keys = (kb == -1).nonzero().flatten() + ks
-    kb_ids, kb_counts = torch.unique(kb[kb >= 0], return_counts=True)
-    key_count = dict(zip(kb_ids.tolist(), kb_counts.tolist()))
-    row_count = dict(zip(ids[chunk].tolist(), counts[chunk].tolist()))
+    glob = kb == -1
+    rows, keys = [], []
+    for c in ids[chunk].tolist():
+        r = (qb == c).nonzero().flatten()
+        rows.append(r + qs)
+        keys.append((((kb == c) | glob) & _seen_keys(qp[r], kp, causal, window_left)).nonzero().flatten() + ks)
     n_glob_rows = int(counts[~chunk].sum())
-    max_rows = max(row_count.values())
-    max_keys = glob_keys.numel() + max(key_count.get(c, 0) for c in row_count)
-    split_pairs = len(row_count) * max_rows * max_keys + n_glob_rows * kb.numel()
-    dense_pairs = qb.numel() * kb.numel()
-    # a second fused call costs about as much as ~8K (row, key) pairs of a dense one (measured
-    # on the 2-core CPU machine: 4 chunks of 20 are faster dense, 4 chunks of 40 split)
-    if 3 * split_pairs > 2 * dense_pairs or dense_pairs - split_pairs < 8192:
+    split_cost = _call_cost(len(rows), max(r.numel() for r in rows), max(k.numel() for k in keys))
+    if n_glob_rows:
+        split_cost += _call_cost(1, n_glob_rows, kb.numel()) + _CALL_US
+    if split_cost >= _call_cost(1, qb.numel(), kb.numel()):
         return False
     if n_glob_rows:
-        dense_q.append((qb == -1).nonzero().flatten() + qs)
-        dense_k.append(torch.arange(ks, ks + kb.numel()))
-    for c in row_count:
-        chunk_q.append((qb == c).nonzero().flatten() + qs)
-        chunk_k.append(torch.cat([glob_keys, (kb == c).nonzero().flatten() + ks]).sort().values)
+        dense[0].append((qb == -1).nonzero().flatten() + qs)
+        dense[1].append(torch.arange(ks, ks + kb.numel()))
+    split[0].extend(rows)
+    split[1].extend(keys)
     return True
 
 
 def _fold(x: torch.Tensor, idx: torch.Tensor, span) -> torch.Tensor:
-    """packed ``[T, H, D]`` -> ``[n, H, L, D]`` at the padded indices ``idx [n, L]`` (a view for a span)."""
-    if span is not None:
-        return x[span[0]: span[1]].view(*idx.shape, *x.shape[1:]).transpose(1, 2)
+    """packed ``[T, H, (D)]`` -> ``[n, H, L, (D)]`` at the padded indices ``idx [n, L]`` (a view for a span)."""
+    if span is not None:  # one as_strided instead of slice + view + transpose (this runs on every call)
+        n, rows = idx.shape
+        st, sh = x.stride()[:2]
+        return x.as_strided((n, x.shape[1], rows) + tuple(x.shape[2:]), (rows * st, sh, st) + tuple(x.stride()[2:]),
+                            x.storage_offset() + span[0] * st)
     return x[idx].transpose(1, 2)
 
 
 def forward(q, k, v, groups: List[_Group], scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    total_q, num_heads, _ = q.shape
-    if len(groups) == 1 and groups[0].keep is None and groups[0].q_span == (0, total_q):
-        o, lse = _run(q, k, v, groups[0], scale)  # rows in packed order, every row sees a key: no scatter
-        return o.transpose(1, 2).reshape(q.shape), lse.transpose(1, 2).reshape(total_q, num_heads)
+    total_q, num_heads, head_dim = q.shape
+    in_order = _row_order(groups, total_q)
+    if in_order is not None:  # the groups' outputs, concatenated, are the packed rows: no scatter
+        res = [_run(q, k, v, g, scale) for g in in_order]
+        if len(res) == 1:
+            o, lse = res[0]
+            return o.transpose(1, 2).reshape(q.shape), lse.transpose(1, 2).reshape(total_q, num_heads)
+        return (torch.cat([o.transpose(1, 2).reshape(-1, num_heads, head_dim) for o, _ in res]),
+                torch.cat([lse.transpose(1, 2).reshape(-1, num_heads) for _, lse in res]))
     out = q.new_zeros(q.shape)
     lse_out = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float32)
     for g in groups:
@@ -217,6 +255,21 @@ def forward(q, k, v, groups: List[_Group], scale: float) -> Tuple[torch.Tensor, 
     return out, lse_out
 
 
+def _row_order(groups: List[_Group], total_q: int) -> Optional[List[_Group]]:
+    """The groups sorted by their query rows when those are contiguous runs that tile
+    ``[0, total_q)`` and every row sees a key (e.g. Block-Attention's chunks, then its global
+    tail); else None."""
+    if any(g.keep is not None or g.q_span is None for g in groups):
+        return None
+    ordered = sorted(groups, key=lambda g: g.q_span[0])
+    end = 0
+    for g in ordered:
+        if g.q_span[0] != end:
+            return None
+        end = g.q_span[1]
+    return ordered if end == total_q else None
+
+
 def _run(q, k, v, g: _Group, scale):
     return _FLASH(_fold(q, g.q_idx, g.q_span), _fold(k, g.k_idx, g.k_span), _fold(v, g.k_idx, g.k_span),
                   attn_mask=g.mask_as(q.dtype), scale=scale)
@@ -224,11 +277,10 @@ def _run(q, k, v, g: _Group, scale):
 
 def backward(dout, q, k, v, out, lse, groups: List[_Group], scale: float):
     """dq, dk, dv of the op from its saved out and lse (the fused CPU backward per group)."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grads = []
     for g in groups:
         qf, kf, vf = _fold(q, g.q_idx, g.q_span), _fold(k, g.k_idx, g.k_span), _fold(v, g.k_idx, g.k_span)
-        of, df = _fold(out, g.q_idx, g.q_span), _fold(dout, g.q_idx, g.q_span)
-        lf = lse[g.q_idx].transpose(1, 2)  # [n, H, L]
+        of, df, lf = _fold(out, g.q_idx, g.q_span), _fold(dout, g.q_idx, g.q_span), _fold(lse, g.q_idx, g.q_span)
         if g.keep is not None:
             # rows that see no key and padded rows: no gradient; lse +inf makes every weight
             # exp(s - lse) of the row 0 (its own -inf would give exp(-inf + inf) = NaN)
@@ -236,14 +288,31 @@ def backward(dout, q, k, v, out, lse, groups: List[_Group], scale: float):
             lf = lf.masked_fill(~g.keep[:, None, :], float("inf"))
         gq, gk, gv = _FLASH_BWD(df.contiguous(), qf, kf, vf, of, lf.float().contiguous(), 0.0, False,
                                 attn_mask=g.mask_as(q.dtype), scale=scale)
-        gq, gk, gv = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)  # [n, L, H, D]
-        if g.q_span is not None:  # every query row lies in exactly one group: a plain copy
-            dq[g.q_span[0]: g.q_span[1]].view(gq.shape).copy_(gq)
-        elif g.q_ok is None:
-            dq.index_add_(0, g.q_idx.flatten(), gq.flatten(0, 1).to(dq.dtype))
-        else:
-            dq.index_add_(0, g.q_idx[g.q_ok], gq[g.q_ok].to(dq.dtype))
-        if g.k_span is not None:  # keys may appear in several groups (global keys): accumulate
+        grads.append((g, gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)))  # [n, L, H, D]
+    in_order = _row_order(groups, q.shape[0])
+    if in_order is not None:  # every query row lies in exactly one group: concatenate
+        by_group = {id(g): gq for g, gq, _, _ in grads}
+        dq = torch.cat([by_group[id(g)].reshape(-1, *q.shape[1:]) for g in in_order])
+    else:
+        dq = torch.zeros_like(q)
+        for g, gq, _, _ in grads:
+            if g.q_span is not None:
+                dq[g.q_span[0]: g.q_span[1]].view(gq.shape).copy_(gq)
+            elif g.q_ok is None:
+                dq.index_add_(0, g.q_idx.flatten(), gq.flatten(0, 1).to(dq.dtype))
+            else:
+                dq.index_add_(0, g.q_idx[g.q_ok], gq[g.q_ok].to(dq.dtype))
+    # keys may appear in several groups (global keys): accumulate, onto a group's own dk/dv where
+    # one group has every key (Block-Attention's global rows) instead of onto zeros
+    base = next((i for i, (g, *_) in enumerate(grads) if g.k_span == (0, k.shape[0]) and g.k_idx.shape[0] == 1), None)
+    if base is None:
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        dk, dv = grads[base][2].reshape(k.shape), grads[base][3].reshape(v.shape)
+    for i, (g, _, gk, gv) in enumerate(grads):
+        if i == base:
+            continue
+        if g.k_span is not None:
             dk[g.k_span[0]: g.k_span[1]].view(gk.shape).add_(gk)
             dv[g.k_span[0]: g.k_span[1]].view(gv.shape).add_(gv)
         elif g.k_ok is None:
@@ -259,39 +328,35 @@ def default_scale(head_dim: int, scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-# A model calls the op once per layer with the same index tensors: keep the last few plans
-# (the rule of the Triton launcher's tile-plan cache: strong references, so an `is` match cannot
-# be a recycled tensor; version counters catch in-place edits; inference tensors have no version
-# counter, so their plans are never cached).
-_PLAN_CACHE: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
-_PLAN_CACHE_SIZE = 8
+# A model calls the op once per layer with the same index tensors: keep the last few plans (hits:
+# the same tensor objects at the same versions, or equal contents, see ragattn.ops._plan_cache).
+_PLAN_CACHE = IndexPlanCache(8)
 
 
-def cached_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, total_q, total_k):
-    tensors = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
-    args = (causal, window_left, total_q, total_k)
-    if any(t is not None and t.is_inference() for t in tensors):
-        return plan(*tensors, *args)
-    key = tuple(id(t) for t in tensors) + args
-    versions = tuple(-1 if t is None else t._version for t in tensors)
-    hit = _PLAN_CACHE.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)) and hit[1] == versions:
-        _PLAN_CACHE.move_to_end(key)
-        return hit[2]
-    groups = plan(*tensors, *args)
-    _PLAN_CACHE[key] = (tensors, versions, groups)
-    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
-    return groups
+def cached_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, total_q, total_k,
+                check: Optional[Callable[[], None]] = None):
+    """``plan``, cached; ``check`` (the op's checks of the index values) runs before a plan is
+    built, so every plan in the cache was built from index values that passed it."""
+    index = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
+
+    def build():
+        if check is not None:
+            check()
+        return plan(*index, causal, window_left, total_q, total_k)
+
+    return _PLAN_CACHE.get(index, (bool(causal), int(window_left), total_q, total_k), build)
 
 
-def run_forward(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
-    """The op's forward on this path (the caller checked ``has_nonfinite``)."""
-    groups = cached_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, q.shape[0], k.shape[0])
+def run_forward(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left, check=None):
+    """The op's forward on this path (the caller checks ``has_nonfinite``); ``check`` as in ``cached_plan``."""
+    groups = cached_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, q.shape[0], k.shape[0],
+                         check)
     return forward(q, k, v, groups, default_scale(q.shape[-1], scale))
 
 
-def run_backward(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
-    """The op's backward on this path (the caller checked ``has_nonfinite``)."""
-    groups = cached_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, q.shape[0], k.shape[0])
+def run_backward(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,
+                 check=None):
+    """The op's backward on this path (the caller checks ``has_nonfinite``); ``check`` as in ``cached_plan``."""
+    groups = cached_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, window_left, q.shape[0], k.shape[0],
+                         check)
     return backward(dout, q, k, v, out, lse, groups, default_scale(q.shape[-1], scale))

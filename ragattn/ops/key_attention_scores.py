@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ragattn import _extension
+from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
 from ragattn.reference import key_attention_scores as _reference
 
@@ -21,6 +22,9 @@ _OP = "key_attention_scores"
 
 def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) -> None:
     """Shape/dtype/device checks; ``check_values`` also reads the (CPU) offsets' values."""
+    if _well_formed(q, k, cu_seqlens_q, cu_seqlens_k, scale):
+        if not check_values or (_offsets_ok(cu_seqlens_q, q.shape[0]) and _offsets_ok(cu_seqlens_k, k.shape[0])):
+            return
     check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(_OP, "k", k, dtypes=FLOAT_DTYPES, ndim=3)
     dev = check_same_device(_OP, q=q, k=k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
@@ -48,13 +52,37 @@ def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) ->
         raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
 
 
+def _well_formed(q, k, cu_seqlens_q, cu_seqlens_k, scale) -> bool:
+    """A fast sufficient condition for the metadata checks of ``_validate`` to pass, for CPU
+    tensors; False only means "run them" (they raise with the argument's name)."""
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(cu_seqlens_q, T) and isinstance(cu_seqlens_k, T)):
+        return False
+    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or q.dim() != 3 or k.dim() != 3:
+        return False
+    if not (q.is_cpu and k.is_cpu and cu_seqlens_q.is_cpu and cu_seqlens_k.is_cpu):
+        return False
+    heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    if dim == 0 or k.shape[2] != dim or kv_heads == 0 or heads % kv_heads:
+        return False
+    if (cu_seqlens_q.dtype not in INDEX_DTYPES or cu_seqlens_k.dtype not in INDEX_DTYPES or cu_seqlens_q.dim() != 1
+            or cu_seqlens_k.dim() != 1 or cu_seqlens_q.numel() < 1 or cu_seqlens_q.numel() != cu_seqlens_k.numel()):
+        return False
+    return scale is None or math.isfinite(scale)
+
+
+def _offsets_ok(cu: torch.Tensor, total: int) -> bool:
+    """The value checks of ``check_cu_seqlens`` as one predicate (False: run it, it raises)."""
+    vals = cu.tolist()
+    return vals[0] == 0 and vals[-1] == total and all(a <= b for a, b in zip(vals, vals[1:]))
+
+
 def _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale):
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as _kernel
 
     return _kernel(q, k, cu_seqlens_q, cu_seqlens_k, scale)
 
 
-@torch.library.impl(f"ragattn::{_OP}", "CPU")
 def _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
     _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=True)
     backend = _extension.cpu_backend()
@@ -65,6 +93,9 @@ def _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
     return _cpu_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale)
 
 
+torch.library.impl(f"ragattn::{_OP}", "CPU", _cpu_impl)
+
+
 def _cpu_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale):
     """The default CPU path: the reference's arithmetic (float32 logits, softmax over each
     sequence's keys, summed over rows and heads) with the GQA group folded into the query rows
@@ -73,18 +104,24 @@ def _cpu_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale):
     total_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    scores = torch.zeros(total_k, dtype=torch.float32)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
-        if q1 == q0 or k1 == k0:
-            continue  # no query: every key receives 0; no key: nothing to write
+
+    def sequence_scores(q0, q1, k0, k1):
         # rows (i, g) of kv head h: [Hkv, Mq * G, D]
         qb = q[q0:q1].float().reshape(q1 - q0, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
             num_kv_heads, (q1 - q0) * group, head_dim)
         kb = k[k0:k1].float().transpose(0, 1)  # [Hkv, Nk, D], a view
         logits = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0.0, alpha=scale)
-        scores[k0:k1] = torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+        return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+
+    if len(cq) == 2 and cq[1] > 0 and ck[1] > 0:  # one sequence (the common call): its scores are the output
+        return sequence_scores(0, cq[1], 0, ck[1])
+    scores = torch.zeros(total_k, dtype=torch.float32)
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue  # no query: every key receives 0; no key: nothing to write
+        scores[k0:k1] = sequence_scores(q0, q1, k0, k1)
     return scores
 
 
@@ -148,4 +185,6 @@ def key_attention_scores(
     On CUDA with batch > 1 the offsets are read back once (one host sync) to size the launch
     grids; a single sequence needs no sync.
     """
+    if (scale is None or type(scale) is float) and plain_cpu_call(q, k, cu_seqlens_q, cu_seqlens_k):
+        return _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)  # what torch.ops would run, without its dispatch
     return torch.ops.ragattn.key_attention_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale)

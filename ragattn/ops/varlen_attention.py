@@ -20,6 +20,7 @@ from ragattn.ops._validate import (
     FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor, device_guard,
 )
 from ragattn.ops import _varlen_sdpa_cpu as _sdpa_cpu
+from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.reference import varlen_attention as _ref
 
 OP = "varlen_attention"
@@ -124,6 +125,9 @@ def varlen_attention(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
     if out is None and lse_out is None:
+        if (type(causal) is bool and (scale is None or type(scale) is float) and type(window_left) is int
+                and plain_cpu_call(*args[:9])):
+            return _varlen_attention_impl(*args)  # what torch.ops would run, without its dispatch
         return torch.ops.ragattn.varlen_attention(*args)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         raise RuntimeError(f"ragattn.{OP}: out= / lse_out= do not support automatic differentiation (as in ATen)")
@@ -137,8 +141,48 @@ def varlen_attention(
 
 def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, *,
               check_values: bool = True):
-    """Every check of the op; the fake impl runs it too (``check_values=False``: no data to read)."""
-    dtypes = FLOAT_DTYPES + (torch.float64,)
+    """Every check of the op; the fake impl runs it too (``check_values=False``: no data to read).
+    ``check_values`` runs ``_check_index_values`` last (the default CPU path runs it once per
+    cached plan instead: those checks read only the index tensors)."""
+    if not _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left):
+        _check_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left)
+    if check_values:
+        _check_index_values(cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, q.shape[0], k.shape[0])
+
+
+_Q_DTYPES = FLOAT_DTYPES + (torch.float64,)
+
+
+def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left) -> bool:
+    """A fast sufficient condition for ``_check_metadata`` to pass, for the common case (every
+    tensor on the CPU): ~1/4 of its cost. False only means "run the full checks" (they raise)."""
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T) and isinstance(cu_seqlens_q, T)
+            and isinstance(cu_seqlens_k, T)):
+        return False
+    if q.dtype not in _Q_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or q.dim() != 3 or k.dim() != 3:
+        return False
+    total_q, heads, dim = q.shape
+    total_k, kv_heads, k_dim = k.shape
+    if dim == 0 or k_dim != dim or v.shape != k.shape or kv_heads == 0 or heads % kv_heads:
+        return False
+    if not (q.is_cpu and k.is_cpu and v.is_cpu and cu_seqlens_q.is_cpu and cu_seqlens_k.is_cpu):
+        return False
+    if (cu_seqlens_q.dtype not in INDEX_DTYPES or cu_seqlens_k.dtype not in INDEX_DTYPES or cu_seqlens_q.dim() != 1
+            or cu_seqlens_k.dim() != 1 or cu_seqlens_q.numel() < 1 or cu_seqlens_q.numel() != cu_seqlens_k.numel()):
+        return False
+    for t, n in ((q_pos, total_q), (kv_pos, total_k), (q_block, total_q), (kv_block, total_k)):
+        if t is not None and not (isinstance(t, T) and t.is_cpu and t.dtype in INDEX_DTYPES and t.dim() == 1
+                                  and t.shape[0] == n):
+            return False
+    if scale is not None and not math.isfinite(scale):
+        return False
+    return -1 <= window_left <= 2**31 - 1
+
+
+def _check_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left):
+    """The checks that read no tensor data, each with its named error."""
+    dtypes = _Q_DTYPES
     check_tensor(OP, "q", q, dtypes=dtypes, ndim=3)
     dev = check_same_device(
         OP, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -155,7 +199,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_bl
         raise ValueError(
             f"ragattn.{OP}: q's head count must be a multiple of k's (GQA), got {num_heads} and {num_kv_heads}"
         )
-    kw = dict(dtypes=INDEX_DTYPES, read_values=check_values)
+    kw = dict(dtypes=INDEX_DTYPES, read_values=False)
     b_q = check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, **kw)
     b_k = check_cu_seqlens(OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev, **kw)
     if b_q != b_k:
@@ -165,14 +209,24 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_bl
     for name, t, n in (("q_pos", q_pos, total_q), ("kv_pos", kv_pos, total_k), ("q_block", q_block, total_q), ("kv_block", kv_block, total_k)):
         if t is not None:
             check_tensor(OP, name, t, dtypes=INDEX_DTYPES, shape=(n,))
-            if check_values and t.dtype == torch.int64 and t.device.type == "cpu" and t.numel():
-                lo, hi = int(t.min()), int(t.max())  # int64 is accepted, but values are int32 (the kernels')
-                if lo < -(2**31) or hi > 2**31 - 1:
-                    raise ValueError(f"ragattn.{OP}: {name} values must fit in int32, got {lo} .. {hi}")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"ragattn.{OP}: scale must be finite, got {scale}")
     if window_left < -1 or window_left > 2**31 - 1:
         raise ValueError(f"ragattn.{OP}: window_left must be -1 (no window) or in [0, 2^31 - 1], got {window_left}")
+
+
+def _check_index_values(cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, total_q, total_k):
+    """The checks that read the (CPU) index tensors' values: offsets from 0 to the packed length,
+    non-decreasing; int64 positions and block ids within int32 (the kernels')."""
+    dev = cu_seqlens_q.device
+    check_cu_seqlens(OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, dtypes=INDEX_DTYPES)
+    check_cu_seqlens(OP, "cu_seqlens_k", cu_seqlens_k, total_k, dev, dtypes=INDEX_DTYPES)
+    for name, t in (("q_pos", q_pos), ("kv_pos", kv_pos), ("q_block", q_block), ("kv_block", kv_block)):
+        if t is not None and t.dtype == torch.int64 and t.device.type == "cpu" and t.numel():
+            lo, hi = t.aminmax()
+            lo, hi = int(lo), int(hi)
+            if lo < -(2**31) or hi > 2**31 - 1:
+                raise ValueError(f"ragattn.{OP}: {name} values must fit in int32, got {lo} .. {hi}")
 
 
 def _validate_out(q, out, lse_out, inputs):
@@ -195,29 +249,34 @@ def _use_triton(q: torch.Tensor) -> bool:
 def _use_sdpa_cpu(q: torch.Tensor) -> bool:
     """The default CPU path (``_varlen_sdpa_cpu``) for fp16/bf16/fp32 CPU inputs; the caller
     reruns the reference where it returns a non-finite value (it may come from a masked key)."""
-    return q.device.type == "cpu" and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
+    return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
 
 
 def _contig(*ts):
     return [None if t is None else t.contiguous() for t in ts]
 
 
-@torch.library.impl("ragattn::varlen_attention", ("CPU", "CUDA"))
 def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left)
+    index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
+    _validate(q, k, v, *index, scale, window_left, check_values=False)
+    if _use_sdpa_cpu(q):
+        out, lse = _sdpa_cpu.run_forward(q, k, v, *index, causal, scale, window_left,
+                                         check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
+        if not _sdpa_cpu.has_nonfinite(out):
+            return out, lse
+    else:
+        _check_index_values(*index, q.shape[0], k.shape[0])
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
         with device_guard(q):
-            return varlen_attention_fwd(*_contig(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale, window_left)
-    if _use_sdpa_cpu(q):
-        out, lse = _sdpa_cpu.run_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal,
-                                         scale, window_left)
-        if not _sdpa_cpu.has_nonfinite(out):
-            return out, lse
+            return varlen_attention_fwd(*_contig(q, k, v, *index), causal, scale, window_left)
     with torch.no_grad():
-        out, lse = _ref(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
+        out, lse = _ref(q, k, v, *index, causal, scale, window_left)
     return out.contiguous(), lse.contiguous()
+
+
+torch.library.impl("ragattn::varlen_attention", ("CPU", "CUDA"), _varlen_attention_impl)
 
 
 @torch.library.register_fake("ragattn::varlen_attention")
@@ -259,28 +318,30 @@ def _varlen_attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, 
 _ARG_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "q_pos", "kv_pos", "q_block", "kv_block")
 
 
-@torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"))
 def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left)
+    index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
+    _validate(q, k, v, *index, scale, window_left, check_values=False)
+    if _use_sdpa_cpu(q):
+        grads = _sdpa_cpu.run_backward(dout, q, k, v, out, lse, *index, causal, scale, window_left,
+                                       check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
+        if not _sdpa_cpu.has_nonfinite(*grads):
+            return grads
+    else:
+        _check_index_values(*index, q.shape[0], k.shape[0])
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd
 
         with device_guard(q):
-            return varlen_attention_bwd(
-                *_contig(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block), causal, scale,
-                window_left,
-            )
-    if _use_sdpa_cpu(q):
-        grads = _sdpa_cpu.run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
-                                       kv_block, causal, scale, window_left)
-        if not _sdpa_cpu.has_nonfinite(*grads):
-            return grads
+            return varlen_attention_bwd(*_contig(dout, q, k, v, out, lse, *index), causal, scale, window_left)
     # Reference autograd: recompute the dense forward with grad and pull dout through it.
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
         o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
         grads = torch.autograd.grad(o, (qq, kk, vv), dout, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"), _varlen_attention_backward_impl)
 
 
 @torch.library.register_fake("ragattn::varlen_attention_backward")
