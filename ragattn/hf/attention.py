@@ -71,6 +71,7 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ragattn import _extension
 from ragattn import ops as _ops
 from ragattn.hf.rope import SUPPORTED_FAMILIES  # the families whose attention modules are checked
 
@@ -116,6 +117,7 @@ class PagedKV:
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self._plan_key = self._scatter_key = None
         self._head_views = {}
+        self.launch_plans = {}   # the paged launch plans of the current forward (Triton route)
 
     @staticmethod
     def buffer_numel(num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16) -> int:
@@ -266,9 +268,11 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
                 v4[:, :, start + length - q:start + length].copy_(value[i:i + 1])
             if cpu_sdpa:
                 return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
+            if first:
+                cache.launch_plans = {}
             qr = query[:, :, 0] if q == 1 else query.transpose(1, 2).reshape(b * q, hq, d)
-            o, _ = torch.ops.ragattn.paged_attention(qr, q_pos, cu, cache.k[layer], cache.v[layer],
-                                                     cache.block_table, kv_lens, scaling, window_left)
+            o = _paged_attention(cache.launch_plans, qr, q_pos, cu, cache.k[layer], cache.v[layer],
+                                 cache.block_table, kv_lens, scaling, window_left)
             return (o.view(b, q, hq, d), None), None
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
@@ -293,11 +297,41 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), counts
+    if first:
+        cache.launch_plans = {}
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
-    o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d),
-                                q_pos, cu, cache.k[layer], cache.v[layer],
-                                cache.block_table, kv_lens, scaling, window_left)
+    o = _paged_attention(cache.launch_plans, query.transpose(1, 2).reshape(b * q, hq, d),
+                         q_pos, cu, cache.k[layer], cache.v[layer], cache.block_table, kv_lens, scaling,
+                         window_left)
     return (o.view(b, q, hq, d), None), counts
+
+
+def _paged_attention(launch_plans: dict, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens,
+                     scale, window_left):
+    """``ragattn.paged_attention`` for one layer of a forward whose layers share their index
+    tensors' values (``launch_plans``: a dict owned by that forward, empty at its first layer).
+
+    On the Triton route (CUDA, or the CPU under ``RAGATTN_CPU_BACKEND=triton``) the launch is
+    planned once per forward and window (``plan_paged_attention``: the step's one host sync) and
+    every layer only launches (``run_paged_attention``: no sync, CUDA-graph capturable); the one-
+    call op would plan, i.e. sync, in every layer. Elsewhere (the CPU's C++ kernel, which has no
+    plan; under ``torch.compile``, which sees the op as one node) the op itself. Returns
+    ``out [total_q, Hq, D]``."""
+    dev = q.device.type
+    triton_route = dev == "cuda" or (dev == "cpu" and _extension.cpu_backend() == "triton")
+    if not triton_route or torch.compiler.is_compiling():
+        return _ops.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
+                                    window_left)[0]
+    from ragattn.triton_kernels.paged_attention import plan_paged_attention, run_paged_attention
+
+    plan = launch_plans.get(window_left)
+    if plan is None:
+        plan = launch_plans[window_left] = plan_paged_attention(
+            cu_seqlens_q, kv_lens, num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2],
+            dtype=q.dtype, window_left=window_left)
+    with torch.cuda.device(q.device) if dev == "cuda" else contextlib.nullcontext():
+        return run_paged_attention(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
+                                   window_left)[0]
 
 
 def cpu_sdpa_enabled(q_rows: int) -> bool:
@@ -403,7 +437,7 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
 class _Plan:
     """Index tensors shared by every layer of one forward (see the module docstring)."""
     __slots__ = ("key", "mask", "fallback", "kv_end", "cu_q", "cu_k", "q_pos", "kv_pos",
-                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view", "window_left")
+                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view", "window_left", "launch_plans")
 
 
 _local = threading.local()
@@ -452,14 +486,15 @@ def _plan(module, query, key, attention_mask, kwargs):
         return plan
     plan = _Plan()
     plan.key, plan.mask, plan.fallback, plan.page_view = shape_key, attention_mask, False, None
-    plan.window_left = window_left
+    plan.window_left, plan.launch_plans = window_left, {}
     if attention_mask is None:
         if q > 1:   # SDPA's is_causal: top-left aligned, keys past the last query never seen
             plan.kv_end = min(q, kv)
-            plan.cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
-            plan.cu_k = torch.arange(0, (b + 1) * plan.kv_end, plan.kv_end, dtype=torch.int32, device=dev)
-            plan.q_pos = torch.arange(q, dtype=torch.int32, device=dev).repeat(b)
-            plan.kv_pos = torch.arange(plan.kv_end, dtype=torch.int32, device=dev).repeat(b)
+            plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos = _versioned(
+                torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
+                torch.arange(0, (b + 1) * plan.kv_end, plan.kv_end, dtype=torch.int32, device=dev),
+                torch.arange(q, dtype=torch.int32, device=dev).repeat(b),
+                torch.arange(plan.kv_end, dtype=torch.int32, device=dev).repeat(b))
         else:       # decode: every key, one page per row, read in place
             plan.page_view = "row"
             plan.table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
@@ -500,11 +535,25 @@ def _plan(module, query, key, attention_mask, kwargs):
             return _store_plan(plan)
         kv_end = max(int(last.max()) + 1, 1)                            # never read the empty tail
     plan.kv_end = kv_end
-    plan.cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
-    plan.cu_k = torch.arange(0, (b + 1) * kv_end, kv_end, dtype=torch.int32, device=dev)
-    plan.q_pos = last.to(torch.int32).reshape(-1)
-    plan.kv_pos = torch.where(kv_ok[:, :kv_end], slot[:kv_end], _FAR).to(torch.int32).reshape(-1)
+    plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos = _versioned(
+        torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
+        torch.arange(0, (b + 1) * kv_end, kv_end, dtype=torch.int32, device=dev),
+        last.to(torch.int32).reshape(-1),
+        torch.where(kv_ok[:, :kv_end], slot[:kv_end], _FAR).to(torch.int32).reshape(-1))
     return _store_plan(plan)
+
+
+def _versioned(*index):
+    """The forward's varlen index tensors as tensors with a version counter. Every layer passes
+    the same objects, and the op's tile-plan cache (``ragattn.ops._plan_cache``) hits on the same
+    objects at unchanged versions without reading them; but tensors made under
+    ``torch.inference_mode()`` (serving) have no version counter, so the cache would compare their
+    contents in every layer (a host sync per tensor and layer on CUDA). Made once per forward, so
+    only its first layer compares."""
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return index
+    with torch.inference_mode(False):
+        return tuple(t.clone() for t in index)
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -576,9 +625,9 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     if plan.fallback:
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if q == 1:
-        o, _ = _ops.paged_attention(query[:, :, 0], plan.dec_pos, plan.cu_dec,
-                                    _page_view(key, plan.page_view), _page_view(value, plan.page_view),
-                                    plan.table, plan.kv_lens, scaling)
+        o = _paged_attention(plan.launch_plans, query[:, :, 0], plan.dec_pos, plan.cu_dec,
+                             _page_view(key, plan.page_view), _page_view(value, plan.page_view),
+                             plan.table, plan.kv_lens, scaling, -1)
         return o[:, None], None
     e = plan.kv_end
     o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key[:, :, :e]), _rows_view(value[:, :, :e]),
