@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case
+from .harness import Case, small_dtype
 
 FAMILIES = ("chunk_store",)
 
@@ -27,7 +27,7 @@ def cases(device: torch.device, size: str):
     if size == "gpu":
         L, Hkv, D, n_lo, n_hi, dtype = 32, 8, 128, 480, 544, torch.bfloat16
     else:
-        L, Hkv, D, n_lo, n_hi, dtype = 30, 3, 64, 34, 47, torch.float32
+        L, Hkv, D, n_lo, n_hi, dtype = 30, 3, 64, 34, 47, small_dtype(device)
     # a thin model with that KV shape (hidden 16 x heads, no GQA): it never runs here, only its config does
     cfg = dict(hidden_size=16 * Hkv, intermediate_size=64, num_hidden_layers=L, num_attention_heads=Hkv,
                num_key_value_heads=Hkv, head_dim=D, vocab_size=1000, max_position_embeddings=32768,

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .harness import Case
+from .harness import Case, small_dtype
 
 FAMILIES = ("key_attention_scores",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -40,7 +40,7 @@ def cases(device: torch.device, size: str):
     if size == "gpu":
         t_q, t_k, heads, kv_heads, head_dim, dtype = 64, 32768, 32, 8, 128, torch.bfloat16
     else:
-        t_q, t_k, heads, kv_heads, head_dim, dtype = 8, 256, 4, 2, 64, torch.float32
+        t_q, t_k, heads, kv_heads, head_dim, dtype = 8, 256, 4, 2, 64, small_dtype(device)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(t_q, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     k = torch.randn(t_k, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)

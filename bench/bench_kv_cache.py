@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case
+from .harness import Case, small_dtype
 
 FAMILIES = ("kv_cache",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -43,7 +43,7 @@ def cases(device: torch.device, size: str):
     if size == "gpu":
         shapes = [("N8192", 32, 8, 128, 8192, torch.bfloat16), ("chunk512", 32, 8, 128, 512, torch.bfloat16)]
     else:
-        shapes = [("N256", 4, 2, 64, 256, torch.float32), ("chunk32", 4, 2, 64, 32, torch.float32)]
+        shapes = [("N256", 4, 2, 64, 256, small_dtype(device)), ("chunk32", 4, 2, 64, 32, small_dtype(device))]
     out = []
     gen = torch.Generator().manual_seed(0)
     for tag, L, H, D, N, dtype in shapes:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .harness import Case, synchronize
+from .harness import Case, small_dtype, synchronize
 
 FAMILIES = ("paged_attention", "merge_attention_states")  # the Case.family values of this module (lets --only skip building it)
 
@@ -59,7 +59,7 @@ def _sparse_prefill(device, size, gen):
     if size == "gpu":
         ctx, heads, kv_heads, head_dim, dtype, page_size, tail = 32768, 32, 8, 128, torch.bfloat16, 16, 64
     else:
-        ctx, heads, kv_heads, head_dim, dtype, page_size, tail = 300, 4, 2, 64, torch.float32, 16, 8
+        ctx, heads, kv_heads, head_dim, dtype, page_size, tail = 300, 4, 2, 64, small_dtype(device), 16, 8
     group = heads // kv_heads
     k, v, bt = _paged_cache(1, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
     body = torch.randperm(ctx - tail, generator=gen)[: int(0.15 * (ctx - tail))].sort().values
@@ -113,7 +113,7 @@ def _decode(device, size, gen):
     if size == "gpu":
         batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 32, 32768, 32, 8, 128, torch.bfloat16, 16
     else:
-        batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 4, 2, 64, torch.float32, 16
+        batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 4, 2, 64, small_dtype(device), 16
     k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
@@ -147,7 +147,7 @@ def _decode_window(device, size, gen):
     if size == "gpu":
         batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 32, 32768, 4096, 32, 8, 128, torch.bfloat16, 16
     else:
-        batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 32, 4, 2, 64, torch.float32, 16
+        batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 32, 4, 2, 64, small_dtype(device), 16
     k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
     q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
@@ -181,7 +181,7 @@ def _merge(device, size, gen):
     if size == "gpu":
         rows, heads, head_dim, dtype = 32 * 128, 32, 128, torch.bfloat16
     else:
-        rows, heads, head_dim, dtype = 64, 4, 64, torch.float32
+        rows, heads, head_dim, dtype = 64, 4, 64, small_dtype(device)
     out_a = torch.randn(rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     out_b = torch.randn(rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     lse_a = torch.randn(rows, heads, generator=gen).to(device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case
+from .harness import Case, small_dtype
 
 FAMILIES = ("refrag_assemble",)
 
@@ -23,7 +23,7 @@ def cases(device: torch.device, size: str):
     if size == "gpu":
         vocab, d, dtype, rows, q_len, ctx_len = 32000, 4096, torch.bfloat16, 16, 64, 2048
     else:
-        vocab, d, dtype, rows, q_len, ctx_len = 49152, 576, torch.float32, 2, 32, 512
+        vocab, d, dtype, rows, q_len, ctx_len = 49152, 576, small_dtype(device), 2, 32, 512
     k = 16
     gen = torch.Generator().manual_seed(0)
     examples, masks = [], []

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .harness import Case, synchronize
+from .harness import Case, small_dtype, synchronize
 
 FAMILIES = ("varlen_attention",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -40,16 +40,16 @@ def _flash_only(device):
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
-def _shape(size, chunk):
+def _shape(size, chunk, device):
     if size == "gpu":
         n_chunks = 64 if chunk == 500 else 8
         return dict(n_chunks=n_chunks, chunk=chunk, tail=50, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    return dict(n_chunks=4, chunk=20 if chunk == 500 else 40, tail=6, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32)
+    return dict(n_chunks=4, chunk=20 if chunk == 500 else 40, tail=6, heads=4, kv_heads=2, head_dim=64, dtype=small_dtype(device))
 
 
 def _problem(device, size, chunk, gen):
     """Packed inputs of one sequence: chunk blocks 0..n-1, then the global tail (block -1)."""
-    s = _shape(size, chunk)
+    s = _shape(size, chunk, device)
     n, c, tail, H, Hkv, D, dtype = (s[k] for k in ("n_chunks", "chunk", "tail", "heads", "kv_heads", "head_dim", "dtype"))
     L = n * c + tail
     blk = torch.cat([torch.arange(n).repeat_interleave(c), torch.full((tail,), -1)]).to(I32)
@@ -200,7 +200,7 @@ def _window_case(device, size, gen):
     if size == "gpu":
         L, H, Hkv, D, W, dtype = 16384, 32, 8, 128, 4095, torch.bfloat16
     else:
-        L, H, Hkv, D, W, dtype = 96, 4, 2, 64, 31, torch.float32
+        L, H, Hkv, D, W, dtype = 96, 4, 2, 64, 31, small_dtype(device)
     q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
     k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
     v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)

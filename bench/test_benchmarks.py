@@ -53,3 +53,36 @@ def test_only_builds_the_named_family(monkeypatch):
     built.clear()
     # a case-name prefix still works (every module is built and filtered)
     assert {c.family for c in harness.collect_cases(torch.device("cpu"), "cpu", only="copy_kv_")} == {"kv_cache"}
+
+
+def test_small_cases_take_the_gpu_dtype_on_a_gpu(monkeypatch):
+    """Issue 15.11: on CUDA the small cases (what ``pytest bench`` and the CUDA test stage run) use
+    the GPU's bfloat16, not the CPU's float32: every module takes the dtype of its small cases from
+    ``harness.small_dtype``, checked here by giving it the GPU's answer on the CPU (the two modules
+    whose small cases take seconds to build only show that they ask it)."""
+    import importlib
+
+    from . import harness
+
+    assert harness.small_dtype(torch.device("cuda")) == torch.bfloat16
+    assert harness.small_dtype(torch.device("cpu")) == torch.float32
+
+    class Asked(Exception):
+        pass
+
+    def ask(device):
+        raise Asked
+
+    slow = ("bench_chunk_store", "bench_varlen_attention")
+    dtypes = {}
+    for name in harness.discover_modules():
+        mod = importlib.import_module(name)
+        if name.endswith(slow):
+            monkeypatch.setattr(mod, "small_dtype", ask)
+            with pytest.raises(Asked):
+                mod.cases(torch.device("cpu"), "cpu")
+            continue
+        monkeypatch.setattr(mod, "small_dtype", lambda device: torch.bfloat16, raising=False)
+        for c in mod.cases(torch.device("cpu"), "cpu"):
+            dtypes[f"{c.family}/{c.name}"] = c.params.get("dtype", c.params.get("logits"))
+    assert len(dtypes) >= 8 and all(d == "bfloat16" for d in dtypes.values()), dtypes

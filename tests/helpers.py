@@ -135,6 +135,16 @@ def compile_many_sm90(jobs, ptxas: bool = False):
         return pool.map(job, range(len(_JOBS)), chunksize=1)
 
 
+def huge_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into a view whose rows lie 2^30 elements apart over virtual storage (rows 2 and
+    up start past 2^31 elements; the storage is never touched beyond these rows, so a few pages of
+    memory): for testing int64 row offsets without a 2^31-element tensor."""
+    big = torch.empty((t.shape[0] - 1) * 2**30 + t[0].numel(), dtype=t.dtype)
+    view = torch.as_strided(big, t.shape, (2**30,) + t.stride()[1:])
+    view.copy_(t)
+    return view
+
+
 def run_compile_check(code: str, timeout: float = 600) -> str:
     """Run ``code`` in a fresh Python with the repository on the path and TRITON_INTERPRET unset.
 

@@ -389,3 +389,46 @@ def test_decode_reads_the_cache_in_place(monkeypatch, padded):
         kb, vb = k[b, :, vis[b]].repeat_interleave(2, 0), v[b, :, vis[b]].repeat_interleave(2, 0)
         want = torch.softmax(q[b].double() @ kb.double().transpose(1, 2) * 0.25, -1) @ vb.double()
         torch.testing.assert_close(out[b, 0].double(), want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 15.5 gap (routed): the HF decode path calls the one-call "
+                   "paged_attention op in every layer, which plans (a host sync) in every layer on CUDA")
+def test_decode_step_plans_the_paged_launch_once(monkeypatch):
+    """Issue 15.5: a decode step plans the paged launch once (its one host sync: cu_seqlens and
+    kv_lens to the host) and runs every layer without a sync, so the step is CUDA-graph
+    capturable. Seen on the CPU through the Triton backend, which takes the CUDA code path."""
+    import ragattn.triton_kernels.paged_attention as pa
+
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    plans = []
+    real = pa.plan_paged_attention
+    monkeypatch.setattr(pa, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    model = _model(num_hidden_layers=3)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    with use_ragattn(model), torch.no_grad():
+        past = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        plans.clear()
+        model(input_ids=ids[:, 8:], past_key_values=past, use_cache=True)
+    assert len(plans) == 1, f"{len(plans)} plans (host syncs) in one decode step of 3 layers"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 15.6 gap (routed): under inference_mode the varlen tile-plan cache "
+                   "cannot trust tensor identity (no version counter) and compares every index tensor's contents "
+                   "in every layer: a host sync per index tensor per layer on CUDA")
+def test_serving_prefill_compares_index_tensors_once_per_forward(monkeypatch):
+    """Issue 15.6 under serving conditions (``torch.inference_mode()``, the Triton path CUDA takes):
+    the layers after the first reuse the forward's tile plan without reading the index tensors
+    again (each ``torch.equal`` on CUDA is a host sync)."""
+    import ragattn.ops._plan_cache as plan_cache
+
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
+    compared = []
+    real = plan_cache._same
+    monkeypatch.setattr(plan_cache, "_same", lambda a, b: compared.append(1) or real(a, b))
+    model = _model(num_hidden_layers=3)
+    ids, mask = _inputs(2, True, n=13, seed=4)
+    with use_ragattn(model), torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        compared.clear()
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert len(compared) <= 6, f"{len(compared)} index-tensor comparisons in one 3-layer forward (6 per layer)"

@@ -267,3 +267,29 @@ def test_direct_cpu_call_matches_the_dispatched_op(lens):
     bad[-1] += 1
     with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and end at"):
         ragattn.key_attention_scores(q, k, cu_q, bad)
+
+
+_HUGE_OFFSETS = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from ragattn.reference.key_attention_scores import key_attention_scores as ref
+from ragattn.triton_kernels.key_attention_scores import key_attention_scores
+from tests.helpers import huge_rows
+
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(4, 4, 16, generator=g).half(), torch.randn(4, 2, 16, generator=g).half()
+cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+want = ref(q.double(), k.double(), cu, cu)
+for splits in (1, 2):
+    got = key_attention_scores(huge_rows(q), huge_rows(k), cu, cu, num_splits=splits)
+    assert (got.double() - want).abs().max() < 2e-3, (splits, got, want)
+print("compiled")  # run_compile_check's success marker
+"""
+
+
+def test_offsets_past_2_31_elements():
+    """Issue 15.10: q and k rows past 2^31 elements (views with a row stride of 2^30 over virtual
+    storage) in the interpreter; int32 row * stride products would wrap. A subprocess, so a crash
+    is a failure."""
+    run_compile_check(_HUGE_OFFSETS, timeout=300)

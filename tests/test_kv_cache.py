@@ -529,3 +529,70 @@ def test_inference_mode(device, seed, monkeypatch, backend):
         dst = make_layers(2, (20, 2, 64), torch.float32, device)
         ragattn.copy_kv_(dst, [], layers, [], rows, rows.flip(0), delta, f, 64, False)
         ragattn.copy_kv_(layers, [], layers, [], rows[:3], rows[3:6])  # aliased: staged
+
+
+def test_layer_pointers_travel_in_the_kernel_parameters(tmp_path):
+    """Issue 15.9: the layer base pointers are a ``__grid_constant__`` kernel parameter (captured by
+    value in a CUDA graph), not a device table filled per call from a recycled pinned host buffer
+    (a graph replay would copy whatever that buffer held by then). Static check for sm_90a with
+    nvcc alone: every kernel takes one parameter block that holds the whole pointer table, and the
+    ATen launchers copy nothing host-to-device."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    root = Path(__file__).resolve().parent.parent
+    ptx = tmp_path / "kv_cache_kernels.ptx"
+    subprocess.run([nvcc, "-gencode=arch=compute_90a,code=compute_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
+                    f"-I{root / 'csrc'}", "-ptx", str(root / "csrc/kv_cache/kv_cache_kernels.cu"), "-o", str(ptx)],
+                   check=True, capture_output=True, timeout=600)
+    header = (root / "csrc/kv_cache/kv_cache_kernels.cuh").read_text()
+    max_ptrs = int(re.search(r"kMaxLayerPtrs = (\d+);", header).group(1))
+    entries = re.findall(r"\.entry (\w+)\(\s*((?:\.param[^\n]*\n?\s*)+)\)", ptx.read_text())
+    assert len(entries) >= 2, "no kernel entries found"
+    for name, params in entries:
+        sizes = [int(s) for s in re.findall(r"\.param \.align \d+ \.b8 \w+\[(\d+)\]", params)]
+        assert len(sizes) == 1 and params.count(".param") == 1, (name, params)
+        assert sizes[0] >= 8 * max_ptrs, (name, sizes)   # the pointer table is inside the parameter
+    for launcher in (root / "csrc/kv_cache").glob("*_cuda.cu"):
+        text = launcher.read_text()
+        for word in ("pinned_memory", "non_blocking", "cudaMemcpy"):
+            assert word not in text, (launcher.name, word)
+
+
+_HUGE_ROWS = r"""
+import torch
+import ragattn
+from ragattn.reference import kv_cache as ref
+from tests.helpers import huge_rows
+
+g = torch.Generator().manual_seed(0)
+k, src = torch.randn(4, 2, 16, generator=g).half(), torch.randn(4, 2, 16, generator=g).half()
+inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+rows, delta = torch.tensor([0, 2, 3]), torch.tensor([5, -7, 1000], dtype=torch.int32)
+want = k.clone()
+ref.rerotate_keys_([want], rows, delta, inv_freq, 16, False)
+got = huge_rows(k)
+ragattn.rerotate_keys_([got], rows, delta, inv_freq, 16, False)
+assert (got.float() - want.float()).abs().max() < 2e-3, "rerotate_keys_"
+dst_rows = torch.tensor([3, 0, 2])
+want_k, want_v = k.clone(), k.clone()
+ref.copy_kv_([want_k], [want_v], [src], [src], rows, dst_rows)
+got_k, got_v = huge_rows(k), huge_rows(k)
+ragattn.copy_kv_([got_k], [got_v], [huge_rows(src)], [huge_rows(src)], rows, dst_rows)
+assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), "copy_kv_"
+print("compiled")  # run_compile_check's success marker
+"""
+
+
+def test_rows_past_2_31_elements():
+    """Issue 15.10: cache rows past 2^31 elements (a row stride of 2^30 over virtual storage) on
+    the C++ path, whose row offsets (csrc/kv_cache/row_layout.h, shared with the CUDA kernels) are
+    int64. A subprocess, so a crash is a failure."""
+    from tests.helpers import run_compile_check
+
+    run_compile_check(_HUGE_ROWS, timeout=300)

@@ -199,8 +199,41 @@ for elt, head_dim in SM90_CASES:
         jobs.append((mas._merge_split_kernel, dict(BLOCK_S=block_s, BLOCK_H=32, BLOCK_D=block_d),
                      {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
 compile_many_sm90(jobs)
+
+# issue 15.8: vector loads and stores. With the integer specialisation a real launch gets (head_dim
+# and strides divisible by 16, unit head strides of the lse), each thread moves 16 bytes at a time;
+# the old one-(row, head)-per-program kernel masked by a runtime length and moved 2 bytes per load.
+import re
+from ragattn.bench.sm90 import compile_sm90
+ints = dict(num_heads=32, head_dim=128, stride_at=4096, stride_ah=128, stride_bt=4096, stride_bh=128, stride_ot=4096,
+            stride_oh=128, stride_lat=32, stride_lah=1, stride_lbt=32, stride_lbh=1, stride_lot=32, stride_loh=1)
+for elt in ("bf16", "fp32"):
+    ptx = compile_sm90(mas._merge_two_kernel, dict(BLOCK_H=32, BLOCK_D=128),
+                       {"out_a": "*" + elt, "out_b": "*" + elt, "out": "*" + elt, "lse_a": "*fp32", "lse_b": "*fp32",
+                        "lse": "*fp32"}, ints=ints).asm["ptx"]
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx) and re.search(r"st\.global(\.\w+)*\.v4", ptx), elt
 print("compiled")
 """
+
+
+def test_one_program_per_row_over_all_heads(monkeypatch):
+    """Issue 15.8: both merge kernels run one program per row covering every head (was one per
+    (row, head), one element per thread): the launch grids recorded, nothing runs."""
+    import ragattn.triton_kernels.merge_attention_states as mas
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((tuple(grid), kw["BLOCK_H"]))
+
+    monkeypatch.setattr(mas, "_merge_two_kernel", Recorder())
+    monkeypatch.setattr(mas, "_merge_split_kernel", Recorder())
+    oa, ob = randn_nonzero(37, 12, 80), randn_nonzero(37, 12, 80)
+    la, lb = randn_nonzero(37, 12), randn_nonzero(37, 12)
+    mas.merge_two_states(oa, la, ob, lb)
+    mas.merge_split_states(torch.stack([oa, ob]), torch.stack([la, lb]), torch.empty_like(oa), torch.empty_like(la))
+    assert launches == [((37,), 16), ((37,), 16)]
 
 
 def test_kernels_compile_for_sm90():

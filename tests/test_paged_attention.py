@@ -385,14 +385,7 @@ from ragattn.reference.paged_attention import paged_attention as ref_paged
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
 from ragattn.triton_kernels.paged_attention import paged_attention_fwd
 from ragattn.triton_kernels.merge_attention_states import merge_two_states
-
-def huge_rows(t):
-    # t's rows 2^30 elements apart: rows 2 and 3 start past 2^31 elements. The storage is virtual
-    # (6 GB, never touched beyond these rows), so this costs a few pages of memory.
-    big = torch.empty(3 * 2**30 + t[0].numel(), dtype=t.dtype)
-    view = torch.as_strided(big, t.shape, (2**30,) + t.stride()[1:])
-    view.copy_(t)
-    return view
+from tests.helpers import huge_rows
 
 torch.manual_seed(0)
 q, q_pos, cu, k, v, bt, kvl = make_case([[3, 5, 6, 7]], [8], num_heads=2, num_kv_heads=2, head_dim=16,

@@ -606,6 +606,45 @@ def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
         assert_precision(g, w64, wlp, what=name)
 
 
+def test_more_work_items_than_a_cuda_grid_axis_holds(monkeypatch):
+    """Issue 15.10: CUDA's grid axes y and z stop at 65535 programs, and a long packed batch has
+    more work items than that (1M query rows are 16K-64K tiles). Every launch keeps axes 1 and 2
+    within the limit (recorded with a plan that claims 70,000 items per side; nothing runs)."""
+    import dataclasses
+
+    import ragattn.triton_kernels.varlen_attention as va
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return lambda *a, **kw: None
+
+    for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        monkeypatch.setattr(va, name, Recorder())
+    real = va._cached_plan
+    plan_csr = []
+
+    def many_items(*a, **kw):
+        plan = real(*a, **kw)
+        plan_csr.append(plan.by_q)
+        many = lambda csr: csr if csr is None else dataclasses.replace(csr, work=csr.work.new_zeros(70_000, 8))  # noqa: E731
+        return dataclasses.replace(plan, by_q=many(plan.by_q), by_k=many(plan.by_k))
+
+    monkeypatch.setattr(va, "_cached_plan", many_items)
+    args = _case([40, 3], [40, 3], 4, 2, 64, torch.float32, "cpu", blocks="chunks")
+    out, lse = va.varlen_attention_fwd(*args[:9], True, None)
+    va.varlen_attention_bwd(torch.ones_like(out), *args[:3], out, lse, *args[3:9], True, None)
+    assert len(grids) == 3, grids
+    for grid, heads in zip(grids, (4, 4, 2)):   # forward, dq (query heads), dk/dv (kv heads)
+        assert grid[0] == heads and all(g <= 65535 for g in grid[1:]) and math.prod(grid[1:]) >= 70_000, grid
+    # the padding items (the grid's last row past 70,000) are empty: no rows, written in place
+    grid, work = va._launch(4, dataclasses.replace(plan_csr[0], work=plan_csr[0].work.new_ones(70_000, 8)))
+    assert grid == (4, 65535, 2) and work.shape == (2 * 65535, 8)
+    assert (work[70_000:, :6] == 0).all() and (work[70_000:, 6] == -1).all() and (work[:70_000] == 1).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # Issue 15.2: the launch plan (visible key tiles per query tile, longest first, split long rows)
 # ----------------------------------------------------------------------------------------------

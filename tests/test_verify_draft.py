@@ -685,3 +685,26 @@ def test_inference_mode(device, monkeypatch, backend):
         c = ragattn.verify_draft(xf.to(device), None, zf.to(device), uf.to(device), cu_num_draft=cu.to(device))
     check_structure(*a, x, nd)
     assert b[0].shape == (4, 4) and c[0].shape == (zf.shape[0],)
+
+
+def test_benchmark_bytes_are_what_a_call_touches(monkeypatch):
+    """Issue 15.7: the benchmark counts the bytes a call reads and writes, from its own
+    num_accepted: a batch whose rows all reject their first draft reads one target-logits row and
+    one draft-probs row per batch row (not every row of both tensors, which made "% of peak" able
+    to pass 100%); a batch that accepts everything reads every logits row."""
+    from ragattn.bench import bench_verify_draft as bench
+
+    for accepted in ("none", "all"):
+        def fake_verify(x, q, z, u, eta=0.0, _a=accepted):
+            n = torch.zeros(x.shape[0], dtype=torch.int32) if _a == "none" else torch.full((x.shape[0],), x.shape[1], dtype=torch.int32)
+            return torch.zeros(x.shape[0], x.shape[1] + 1, dtype=torch.int64), n
+
+        monkeypatch.setattr(ragattn, "verify_draft", fake_verify)
+        for case in bench.cases(torch.device("cpu"), "cpu"):
+            b, g, v = (int(t[1:]) for t in case.name.split("_")[:3])
+            small = b * 1024   # drafts, uniforms, outputs: a few hundred bytes per row
+            if accepted == "none":
+                assert b * v * (2 + 4) <= case.bytes <= b * v * (2 + 4) + small, case.name
+            else:  # every logits row; the draft-probs rows only with eta > 0 (eta = 0 reads single entries)
+                probs_rows = g if case.params["eta"] > 0 else 0
+                assert b * v * ((g + 1) * 2 + probs_rows * 4) <= case.bytes <= b * v * ((g + 1) * 2 + probs_rows * 4) + small, case.name

@@ -314,6 +314,29 @@ def _work_item(Work, item):
             tl.load(base + 5), tl.load(base + 6))
 
 
+_GRID_AXIS = 65535  # CUDA's limit on grid axes y and z
+
+
+def _launch(heads: int, csr: "Csr"):
+    """(grid, work) of a launch over heads x ``csr``'s work items: heads on axis 0 (they vary
+    fastest, so the longest item's heads start first), items on axes 1 and 2 (item = y + z * 65535:
+    a long packed batch has more than 65535 items, 1M query rows are 16K-64K tiles), the work
+    padded with empty items (no rows: they load and store nothing) up to a whole number of rows."""
+    items, work = csr.items, csr.work
+    rows = triton.cdiv(items, _GRID_AXIS)
+    if rows > 1:
+        pad = work.new_zeros(rows * _GRID_AXIS - items, work.shape[1])
+        pad[:, 6] = -1   # dest -1: an empty item writes its (no) rows in place
+        work = torch.cat([work, pad])
+    return (heads, min(items, _GRID_AXIS), rows), work
+
+
+@triton.jit
+def _item():
+    """This program's work item (see ``_launch``)."""
+    return tl.program_id(1) + tl.program_id(2) * 65535
+
+
 @triton.jit
 def _load_rows(Ptr, offs, row_ok, col_off, offs_d, d_ok, stride, UPCAST: tl.constexpr):
     """Rows ``offs`` [R] of a [rows, heads, HEAD_DIM] tensor at column ``col_off`` (int64 offsets)."""
@@ -344,7 +367,7 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
-    item = tl.program_id(1)
+    item = _item()
     q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
 
@@ -433,7 +456,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     h = tl.program_id(0)
-    item = tl.program_id(1)
+    item = _item()
     q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
 
@@ -483,7 +506,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     kvh = tl.program_id(0)
-    item = tl.program_id(1)
+    item = _item()
     k_start, k_end, q_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
 
     offs_n = k_start + tl.arange(0, BLOCK_N)
@@ -630,8 +653,9 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
                         device=q.device)
     parts_lse = torch.full(parts.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     if csr.items:
-        _fwd_kernel[(num_heads, csr.items)](
-            q, k, v, out, lse, parts, parts_lse, plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block, csr.work, csr.rows,
+        grid, work = _launch(num_heads, csr)
+        _fwd_kernel[grid](
+            q, k, v, out, lse, parts, parts_lse, plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block, work, csr.rows,
             scale * _LOG2E, num_heads, max(window, 0),
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
@@ -675,13 +699,15 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
                       BLOCK_N=bn, CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
                       num_warps=warps, num_stages=stages)
         if kernel == "dq" and plan.by_q.items:
-            _bwd_dq_kernel[(num_heads, plan.by_q.items)](
-                q, k, v, dout, lse, delta, dq, *args, plan.by_q.work, plan.by_q.rows,
+            grid, work = _launch(num_heads, plan.by_q)
+            _bwd_dq_kernel[grid](
+                q, k, v, dout, lse, delta, dq, *args, work, plan.by_q.rows,
                 scale * _LOG2E, scale, num_heads, max(window, 0), **common,
             )
         if kernel == "dkdv" and plan.by_k.items:
-            _bwd_dkdv_kernel[(num_kv_heads, plan.by_k.items)](
-                q, k, v, dout, lse, delta, dk, dv, *args, plan.by_k.work, plan.by_k.rows,
+            grid, work = _launch(num_kv_heads, plan.by_k)
+            _bwd_dkdv_kernel[grid](
+                q, k, v, dout, lse, delta, dk, dv, *args, work, plan.by_k.rows,
                 scale * _LOG2E, scale, num_heads, max(window, 0), **common,
             )
     return dq, dk, dv

@@ -235,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor> python_backend(const at::Tensor& q, const at:
 
 // ------------------------------------------------------------------------------------ kernel
 
-constexpr int64_t kChunk = 128;  // slots per online-softmax step (a multiple of 8)
+constexpr int64_t kChunk = 128;      // slots per online-softmax step (a multiple of 8)
+constexpr int64_t kPRow = kChunk + 8;  // a head's score row: whole 8-lane stores past the chunk's end
 
 struct PagedArgs {
   const void* q;
@@ -272,6 +273,11 @@ RAGATTN_ALWAYS_INLINE v8f load8<c10::BFloat16>(const c10::BFloat16* p) {
   return bf16x8_to_float(p);
 }
 
+template <>
+RAGATTN_ALWAYS_INLINE v8f load8<c10::Half>(const c10::Half* p) {
+  return f16x8_to_float(p);
+}
+
 RAGATTN_ALWAYS_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
 
 // Dot products of NQ query vectors (qf, qf + D, ...) with NS key rows k[0..NS) (NQ * NS == 8):
@@ -297,32 +303,64 @@ RAGATTN_ALWAYS_INLINE v8f dots8(const float* qf, int64_t D, const T* const* k) {
   return r;
 }
 
-// Scores of the G heads (rows of qf) with the n slots k[0..n): p[h * kChunk + s] = scale * dot.
-// k has room for a multiple of 8 entries (the caller pads with a visible slot; those lanes are
-// dropped).
+// Scores of the G heads (rows of qf) with the n slots k[0..n): p[h * kPRow + s] = scale * dot.
+// k and p's rows have room for a multiple of 8 entries: the caller pads k with a visible slot,
+// and the scores written past n are never used.
 template <typename T>
 RAGATTN_ALWAYS_INLINE void chunk_scores(const float* qf, int64_t G, int64_t D, const T* const* k, int64_t n,
                                         float scale, float* p) {
   int64_t h = 0;
   for (; h + 2 <= G; h += 2) {  // two heads x four slots: each K row loaded once for both
     for (int64_t s = 0; s < n; s += 4) {
-      const v8f r = dots8<2, 4>(qf + h * D, D, k + s);
-      for (int64_t u = 0; u < 4 && s + u < n; ++u) {
-        p[h * kChunk + s + u] = r[u] * scale;
-        p[(h + 1) * kChunk + s + u] = r[4 + u] * scale;
-      }
+      float r[8];
+      store8(r, dots8<2, 4>(qf + h * D, D, k + s) * scale);
+      std::memcpy(p + h * kPRow + s, r, 4 * sizeof(float));
+      std::memcpy(p + (h + 1) * kPRow + s, r + 4, 4 * sizeof(float));
     }
   }
-  for (; h < G; ++h) {
-    for (int64_t s = 0; s < n; s += 8) {
-      const v8f r = dots8<1, 8>(qf + h * D, D, k + s);
-      for (int64_t u = 0; u < 8 && s + u < n; ++u) p[h * kChunk + s + u] = r[u] * scale;
-    }
+  for (; h < G; ++h)
+    for (int64_t s = 0; s < n; s += 8) store8(p + h * kPRow + s, dots8<1, 8>(qf + h * D, D, k + s) * scale);
+}
+
+// One online-softmax step of a head over its scores ph[first, first + n) of this chunk (chunk-
+// local slots; lanes of the 8-aligned cover outside the range become -inf): the running max m
+// and sum l updated, alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m).
+// Returns false (and changes nothing else) when a visible score is not finite.
+RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, float* m, float* l, float* alpha) {
+  const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
+  const v8f iota = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+  const v8f minus_inf = v8f{} - inf;
+  const int64_t v0 = first / 8 * 8, v1 = (first + n + 7) / 8 * 8;
+  v8f vmax = minus_inf;
+  v8i nonfinite = {};
+  for (int64_t s = v0; s < v1; s += 8) {
+    const v8f slot = iota + static_cast<float>(s);  // exact: s < kChunk
+    const v8i visible = (slot >= static_cast<float>(first)) & (slot < static_cast<float>(first + n));
+    v8f x = load8(ph + s);
+    nonfinite |= visible & ~((x >= -big) & (x <= big));  // NaN compares false: non-finite
+    x = visible ? x : minus_inf;
+    vmax = x > vmax ? x : vmax;
+    store8(ph + s, x);
   }
+  for (int u = 0; u < 8; ++u)
+    if (nonfinite[u]) return false;
+  float cmax = vmax[0];
+  for (int u = 1; u < 8; ++u) cmax = vmax[u] > cmax ? vmax[u] : cmax;
+  const float m_new = std::max(*m, cmax);
+  *alpha = softmax::rescale(*m, m_new);
+  v8f sum = {};
+  for (int64_t s = v0; s < v1; s += 8) {
+    const v8f e = exp8_nonpositive(load8(ph + s) - m_new);  // -inf lanes: 0, adding exactly nothing
+    store8(ph + s, e);
+    sum += e;
+  }
+  *l = *l * *alpha + hsum8(sum);
+  *m = m_new;
+  return true;
 }
 
 // acc[h][0:D] = alpha[h] * acc[h][0:D] + sum_s p[h][s] * v[s][0:D] for NH heads (acc rows D
-// apart, p rows kChunk apart), d in blocks of DB vectors kept in registers over all n slots.
+// apart, p rows kPRow apart), d in blocks of DB vectors kept in registers over all n slots.
 template <int NH, int DB, typename T>
 RAGATTN_ALWAYS_INLINE int64_t accumulate_block(float* acc, const float* p, const float* alpha, const T* const* v,
                                                int64_t n, int64_t D, int64_t d) {
@@ -334,7 +372,7 @@ RAGATTN_ALWAYS_INLINE int64_t accumulate_block(float* acc, const float* p, const
       v8f x[DB];
       for (int u = 0; u < DB; ++u) x[u] = load8(v[s] + d + 8 * u);
       for (int h = 0; h < NH; ++h) {
-        const float w = p[h * kChunk + s];
+        const float w = p[h * kPRow + s];
         for (int u = 0; u < DB; ++u) a[h][u] += w * x[u];
       }
     }
@@ -352,7 +390,7 @@ RAGATTN_ALWAYS_INLINE void accumulate(float* acc, const float* p, const float* a
   for (; d < D; ++d) {  // head dims that are not a multiple of 8
     for (int h = 0; h < NH; ++h) {
       float a = acc[h * D + d] * alpha[h];
-      for (int64_t s = 0; s < n; ++s) a += p[h * kChunk + s] * static_cast<float>(v[s][d]);
+      for (int64_t s = 0; s < n; ++s) a += p[h * kPRow + s] * static_cast<float>(v[s][d]);
       acc[h * D + d] = a;
     }
   }
@@ -364,11 +402,11 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
   const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> buf(G * D * 2 + G * kChunk + G * 4);
+  std::vector<float> buf(G * D * 2 + G * kPRow + G * 4);
   float* qf = buf.data();       // [G, D] the group's query rows in float
   float* acc = qf + G * D;      // [G, D] unnormalised outputs
-  float* p = acc + G * D;       // [G, kChunk] scores, then probabilities
-  float* m = p + G * kChunk;    // [G] running max
+  float* p = acc + G * D;       // [G, kPRow] scores, then probabilities
+  float* m = p + G * kPRow;     // [G] running max
   float* l = m + G;             // [G] running sum
   float* alpha = l + G;         // [G] this chunk's rescale of acc (0 for a poisoned head)
   float* bad = alpha + G;       // [G] 1: a non-finite visible score
@@ -414,38 +452,12 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
       chunk_scores(qf, G, D, kslot + first, n, a.scale, p + first);
       for (int64_t h = 0; h < G; ++h) {
         alpha[h] = 0.f;  // a poisoned head's acc is never read again
-        if (bad[h] != 0.f) continue;
-        float* ph = p + h * kChunk;
-        float cmax = neg_inf;
-        bool finite = true;
-        for (int64_t s = first; s < first + n; ++s) {
-          finite &= std::isfinite(ph[s]);
-          cmax = ph[s] > cmax ? ph[s] : cmax;
-        }
-        if (!finite) {
-          bad[h] = 1.f;
-          continue;
-        }
-        const float m_new = std::max(m[h], cmax);
-        alpha[h] = softmax::rescale(m[h], m_new);
-        // whole vectors over the 8-aligned cover of [first, first + n); the lanes outside are
-        // -inf: exp 0, adding exactly nothing to the sum
-        const int64_t v0 = first / 8 * 8, v1 = (first + n + 7) / 8 * 8;
-        for (int64_t s = v0; s < first; ++s) ph[s] = neg_inf;
-        for (int64_t s = first + n; s < v1; ++s) ph[s] = neg_inf;
-        float sum = 0.f;
-        for (int64_t s = v0; s < v1; s += 8) {
-          const v8f e = exp8_nonpositive(load8(ph + s) - m_new);
-          store8(ph + s, e);
-          sum += hsum8(e);
-        }
-        l[h] = l[h] * alpha[h] + sum;
-        m[h] = m_new;
+        if (bad[h] == 0.f && !softmax_step(p + h * kPRow, first, n, m + h, l + h, alpha + h)) bad[h] = 1.f;
       }
       // heads in pairs: each V row loaded once for both
       int64_t h = 0;
-      for (; h + 2 <= G; h += 2) accumulate<2>(acc + h * D, p + h * kChunk + first, alpha + h, vslot + first, n, D);
-      for (; h < G; ++h) accumulate<1>(acc + h * D, p + h * kChunk + first, alpha + h, vslot + first, n, D);
+      for (; h + 2 <= G; h += 2) accumulate<2>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
+      for (; h < G; ++h) accumulate<1>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
     }
     for (int64_t h = 0; h < G; ++h) {
       const int64_t head = g * G + h;
@@ -467,17 +479,11 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
   }
 }
 
+// The one out-of-line copy of the kernel, per ISA (cpu_isa.h).
 template <typename T>
-void paged_items_generic(const PagedArgs& a, int64_t begin, int64_t end) {
+RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64_t end) {
   paged_items<T>(a, begin, end);
 }
-
-#if RAGATTN_HAVE_AVX2_VARIANT
-template <typename T>
-RAGATTN_TARGET_AVX2 void paged_items_avx2(const PagedArgs& a, int64_t begin, int64_t end) {
-  paged_items<T>(a, begin, end);
-}
-#endif
 
 // The kernel on checked arguments; q, k_cache, v_cache and out have a unit last-dim stride.
 void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
@@ -505,10 +511,7 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
                                                     (a.num_heads / a.num_kv_heads));
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_cpu", [&] {
-    void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_generic<scalar_t>;
-#if RAGATTN_HAVE_AVX2_VARIANT
-    if (cpu_has_avx2()) run = &paged_items_avx2<scalar_t>;
-#endif
+    void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_run<scalar_t>;
     if (items <= grain) {
       run(a, 0, items);  // one task: no parallel region
     } else {

@@ -1,15 +1,16 @@
-// Runtime ISA dispatch for CPU twins: the extension is built for the baseline x86-64 ISA (SSE2),
-// so a hot loop compiled a second time with RAGATTN_TARGET_AVX2 (and chosen with cpu_has_avx2())
-// gets 8-wide FMA code where the CPU has it, without requiring AVX2 to load the library.
-// Helpers called from such a loop are RAGATTN_ALWAYS_INLINE so they compile for the caller's ISA.
+// Runtime ISA dispatch for the CPU kernels, one style for all of them: the extension is built for
+// the baseline x86-64 ISA (SSE2), and a hot function marked RAGATTN_CPU_CLONES is compiled twice,
+// for baseline x86-64 and for x86-64-v3 (AVX2, FMA, F16C), with GCC's target_clones: an ifunc
+// resolver picks the variant once, at load time, so AVX2 is used where the CPU has it and never
+// required to load the library. Helpers called from such a function are RAGATTN_ALWAYS_INLINE,
+// so they compile for the caller's ISA (and no 32-byte vector crosses a call). Other compilers
+// (clang, MSVC) and non-x86 targets get the baseline build only.
 #pragma once
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
-#define RAGATTN_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define RAGATTN_HAVE_AVX2_VARIANT 1
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(__CUDACC__)
+#define RAGATTN_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
-#define RAGATTN_TARGET_AVX2
-#define RAGATTN_HAVE_AVX2_VARIANT 0
+#define RAGATTN_CPU_CLONES
 #endif
 
 #if defined(__GNUC__)
@@ -17,16 +18,3 @@
 #else
 #define RAGATTN_ALWAYS_INLINE inline
 #endif
-
-namespace ragattn {
-
-inline bool cpu_has_avx2() {
-#if RAGATTN_HAVE_AVX2_VARIANT
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-#else
-  return false;
-#endif
-}
-
-}  // namespace ragattn

@@ -78,4 +78,28 @@ RAGATTN_ALWAYS_INLINE v8f bf16x8_to_float(const void* p) {
   return r;
 }
 
+// 8 IEEE half values (raw bits at p) widened to float, exactly (normal, subnormal, zero, inf,
+// NaN), in integer vector ops: compilers scalarise a _Float16 vector conversion.
+RAGATTN_ALWAYS_INLINE v8f f16x8_to_float(const void* p) {
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  v8u16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const v8i h = __builtin_convertvector(raw, v8i);
+  const v8i em = (h & 0x7fff) << 13;  // exponent and mantissa at their float32 places
+  const v8i exp = em & (0x7c00 << 13);
+  v8i bits = em + ((127 - 15) << 23);                               // rebias the exponent
+  bits = exp == (0x7c00 << 13) ? bits + ((128 - 16) << 23) : bits;  // inf, NaN: all-ones exponent
+  v8f normal, low;
+  std::memcpy(&normal, &bits, sizeof(normal));
+  const v8i low_bits = bits + (1 << 23);  // zero, subnormal: 2^-14 * (1 + m / 1024) - 2^-14
+  std::memcpy(&low, &low_bits, sizeof(low));
+  low -= 6.103515625e-05f;  // 2^-14, exact
+  v8f r = exp == 0 ? low : normal;
+  v8i rb;
+  std::memcpy(&rb, &r, sizeof(rb));
+  rb |= (h & 0x8000) << 16;  // the sign
+  std::memcpy(&r, &rb, sizeof(r));
+  return r;
+}
+
 }  // namespace ragattn

@@ -7,7 +7,8 @@
 // non-finite logits; its tokens agree with the float64 reference wherever the reference's decision
 // is not within float32 rounding of a threshold (tests/test_verify_draft.py).
 //
-// Hot loops are compiled twice (baseline x86-64 and x86-64-v3, AVX2 + FMA) and picked at load time.
+// Hot loops are compiled twice (baseline x86-64 and x86-64-v3, AVX2 + FMA) and picked at load time
+// (RAGATTN_CPU_CLONES of common/cpu_isa.h).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -21,12 +22,6 @@
 
 // (the 8-lane helpers are always inlined: no 32-byte vector crosses a call boundary)
 #pragma GCC diagnostic ignored "-Wpsabi"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RAGATTN_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define RAGATTN_CLONES
-#endif
 
 namespace ragattn {
 namespace speculative {
@@ -67,7 +62,7 @@ RAGATTN_ALWAYS_INLINE float lane_sum(const v8f& a) {
 }
 
 // Row of logits widened to float32, NaN -> -inf (probability 0).
-RAGATTN_CLONES void load_row(const void* z, int kind, int n, float* out) {
+RAGATTN_CPU_CLONES void load_row(const void* z, int kind, int n, float* out) {
   if (kind == kLogitsF32) {
     const float* s = static_cast<const float*>(z);
     for (int v = 0; v < n; ++v) out[v] = s[v] == s[v] ? s[v] : kNegInf;
@@ -89,7 +84,7 @@ RAGATTN_CLONES void load_row(const void* z, int kind, int n, float* out) {
 }
 
 // max over x[0, n) (no NaN in x), -inf if n == 0.
-RAGATTN_CLONES float row_max(const float* x, int n) {
+RAGATTN_CPU_CLONES float row_max(const float* x, int n) {
   v8f acc = splat(kNegInf);
   for (int v = 0; v < n; v += kLanes) {
     const v8f xv = load8(x, v, n, kNegInf);
@@ -101,7 +96,7 @@ RAGATTN_CLONES float row_max(const float* x, int n) {
 }
 
 // e[v] = exp(y[v]) and their sum.
-RAGATTN_CLONES float exp_and_sum(const float* y, int n, float* e) {
+RAGATTN_CPU_CLONES float exp_and_sum(const float* y, int n, float* e) {
   v8f acc = {};
   for (int v = 0; v < n; v += kLanes) {
     const v8f ev = exp8_nonpositive(load8(y, v, n, kNegInf));
@@ -112,7 +107,7 @@ RAGATTN_CLONES float exp_and_sum(const float* y, int n, float* e) {
 }
 
 // y = (z - m) * inv_t in place (m finite), or the +inf rule (m = +inf: 0 at +inf tokens, -inf elsewhere).
-RAGATTN_CLONES void scale_logits(float* y, int n, float m, float inv_t) {
+RAGATTN_CPU_CLONES void scale_logits(float* y, int n, float m, float inv_t) {
   if (m == kPosInf) {
     for (int v = 0; v < n; ++v) y[v] = y[v] == kPosInf ? 0.0f : kNegInf;
   } else {
@@ -122,7 +117,7 @@ RAGATTN_CLONES void scale_logits(float* y, int n, float m, float inv_t) {
 
 // RAPID's modified logits a = y + eta * [q >= thresh] * (q - p), p = e * inv_s, minus their max
 // (returned; a row with mass has a finite one).
-RAGATTN_CLONES float modified_logits(const float* y, const float* e, const float* q, int n, float inv_s, float eta,
+RAGATTN_CPU_CLONES float modified_logits(const float* y, const float* e, const float* q, int n, float inv_s, float eta,
                                      float thresh, float* a) {
   v8f acc = splat(kNegInf);
   for (int v = 0; v < n; v += kLanes) {
@@ -139,7 +134,7 @@ RAGATTN_CLONES float modified_logits(const float* y, const float* e, const float
 // Residual weights max(p - min(q, p_hat), 0) with p = e * inv_s, p_hat = eh * inv_sh. The sign is
 // decided on the rounded p: a compiler may fuse p - m into one FMA (exact e * inv_s - m), which
 // would leave a rounding-size residual where p_hat == p <= q (eta = 0) instead of exactly 0.
-RAGATTN_CLONES void residual(const float* e, float inv_s, const float* eh, float inv_sh, const float* q, int n,
+RAGATTN_CPU_CLONES void residual(const float* e, float inv_s, const float* eh, float inv_sh, const float* q, int n,
                              float* w) {
   for (int v = 0; v < n; v += kLanes) {
     const v8f p = load8(e, v, n, 0.0f) * inv_s, ph = load8(eh, v, n, 0.0f) * inv_sh, qv = load8(q, v, n, 0.0f);
