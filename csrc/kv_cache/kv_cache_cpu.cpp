@@ -28,6 +28,14 @@ template <typename T>
 void rotate_row(T* row, int64_t heads, int64_t head_dim, int64_t rotary_dim, bool interleaved, const float* c,
                 const float* s) {
   const int64_t half = rotary_dim / 2;
+  if (!interleaved) {  // NeoX halves: two contiguous runs, a loop the compiler vectorises
+    for (int64_t h = 0; h < heads; ++h) {
+      T* __restrict__ x = row + h * head_dim;
+      T* __restrict__ y = x + half;
+      for (int64_t i = 0; i < half; ++i) rope::rotate_stored_pair(&x[i], &y[i], c[i], s[i]);
+    }
+    return;
+  }
   for (int64_t h = 0; h < heads; ++h) {
     T* x = row + h * head_dim;
     for (int64_t i = 0; i < half; ++i) {
@@ -66,10 +74,14 @@ void copy_pass(const Side& dst, const Side& src, const void* src_idx, bool src64
   const size_t kb = k_row * sizeof(T), vb = v_row * sizeof(T);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> c(rot.delta ? half : 0), s(rot.delta ? half : 0);
+    int32_t have = 0;  // the delta whose cos/sin c, s hold (0: none; rows of a chunk share one)
     for (int64_t r = begin; r < end; ++r) {
       const int64_t sr = kv_cache::load_index(src_idx, src64, r), dr = kv_cache::load_index(dst_idx, dst64, r);
       const bool rotate = rot.delta != nullptr && rot.delta[r] != 0;
-      if (rotate) row_cos_sin(rot.delta[r], rot.inv_freq, half, c.data(), s.data());
+      if (rotate && rot.delta[r] != have) {
+        row_cos_sin(rot.delta[r], rot.inv_freq, half, c.data(), s.data());
+        have = rot.delta[r];
+      }
       const int64_t sko = kv_cache::row_offset(src.lk, sr), dko = kv_cache::row_offset(dst.lk, dr);
       for (size_t l = 0; l < dst.k.size(); ++l) {
         T* d = static_cast<T*>(dst.k[l]) + dko;

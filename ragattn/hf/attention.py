@@ -87,19 +87,40 @@ class PagedKV:
     ``k[l]``, ``v[l]``: ``[num_pages, page_size, Hkv, D]`` per layer; ``block_table`` int32
     ``[B, max_pages]``; ``lengths`` int32 ``[B]`` (slots filled per row); ``capacity`` slots per
     row. :class:`ragattn.hf.cache.PagedCache` wraps one as a transformers ``Cache``.
+
+    ``buffer``: optional flat tensor (``dtype``, ``device``) of at least :meth:`buffer_numel`
+    elements whose leading part holds every layer's K then V (views, no copy; e.g. a recycled
+    request cache: :class:`ragattn.methods.chunk_store.ChunkStore`); by default one tensor per
+    layer is allocated.
     """
 
     def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", buffer: torch.Tensor | None = None):
         pages_per_row = max(1, -(-capacity // page_size))
         n_pages = batch * pages_per_row
         self.page_size, self.capacity = page_size, pages_per_row * page_size
-        self.k = [torch.empty(n_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-                  for _ in range(num_layers)]
-        self.v = [torch.empty_like(t) for t in self.k]
+        shape = (n_pages, page_size, num_kv_heads, head_dim)
+        if buffer is None:
+            self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.empty_like(t) for t in self.k]
+        else:
+            per = n_pages * page_size * num_kv_heads * head_dim
+            if (buffer.dim() != 1 or buffer.numel() < 2 * num_layers * per or buffer.dtype != dtype
+                    or buffer.device != torch.device(device)):
+                raise ValueError(f"ragattn PagedKV: buffer must be a flat {dtype} tensor on {device} of at "
+                                 f"least {2 * num_layers * per} elements, got {tuple(buffer.shape)} "
+                                 f"{buffer.dtype} on {buffer.device}")
+            layers = buffer[: 2 * num_layers * per].view(2 * num_layers, *shape).unbind(0)
+            self.k, self.v = list(layers[:num_layers]), list(layers[num_layers:])
         self.block_table = torch.arange(n_pages, dtype=torch.int32, device=device).view(batch, pages_per_row)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self._plan_key = self._scatter_key = None
+
+    @staticmethod
+    def buffer_numel(num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16) -> int:
+        """Elements of the ``buffer`` a cache of these sizes needs (K and V of every layer)."""
+        pages = batch * max(1, -(-capacity // page_size))
+        return 2 * num_layers * pages * page_size * num_kv_heads * head_dim
 
     def slot_rows(self, b: int, slots: torch.Tensor) -> torch.Tensor:
         """Flat row indices (into a layer viewed as ``[num_pages * page_size, Hkv, D]``) of ``slots``."""

@@ -20,6 +20,8 @@ row to reorder); sampling, logits processors, stopping criteria and stop strings
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -40,8 +42,14 @@ class PagedLayer(CacheLayerMixin):
 
     def __init__(self, owner: "PagedCache", layer_idx: int):
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        # a weak reference: no cycle cache <-> layers, so a finished request's pages are freed
+        # (or recycled by the ChunkStore) as soon as the cache is dropped, not at the next gc
+        self._owner, self.layer_idx = weakref.ref(owner), layer_idx
         self.is_initialized = True
+
+    @property
+    def owner(self) -> "PagedCache":
+        return self._owner()
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass

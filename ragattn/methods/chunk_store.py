@@ -74,6 +74,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,24 @@ DEFAULT_BUDGET_FRACTION = 0.25   # of the device's available memory, when no bud
 _FIRST_SLAB_BYTES = 64 << 20    # first slab at most (and two model windows, and the budget's
 _FIRST_SLAB_PAGES = 16          # quarter), at least 16 pages: a typical request spans one slab
 _WORDS_PER_ROW = 64              # checksum rows: 64 int64 words (512 bytes) each
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_LONE_REFS = _storage_refs(torch.empty(1))   # a tensor whose storage nothing else shares
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether no other tensor (a view kept by a caller) shares ``t``'s memory."""
+    return _storage_refs(t) == _LONE_REFS
+
+
+def _keep_spare(spare: list, buf: torch.Tensor) -> None:
+    """Finalizer of an assembled request cache: its buffer becomes the store's one spare."""
+    spare.clear()
+    spare.append(buf)
 
 
 class ChunkStoreError(ValueError):
@@ -314,6 +333,7 @@ class ChunkStore:
         self._layout = 0     # bumped whenever pool rows change meaning (insert, evict, overwrite)
         self._pooled_layout = None
         self._inv_freq = self.rope.inv_freq.to(self.device)
+        self._spare: list[torch.Tensor] = []   # at most one request-cache buffer (_request_cache)
         # counters: chunks computed, recomputed after eviction, loaded from disk; entries evicted
         self.stats = {"computed": 0, "recomputed": 0, "loaded": 0, "evicted": 0}
 
@@ -856,6 +876,24 @@ class ChunkStore:
             _ops.copy_kv_(dst_k, dst_v, *self._slab_layers(s, split_heads), src_all[sel], dst[sel],
                           delta[sel] if delta is not None else None, *rot)
 
+    def _request_cache(self, capacity: int, page_size: int) -> PagedKV:
+        """A fresh batch-1 :class:`PagedKV`. On the CPU its memory is the buffer of a request cache
+        that has died (when no view of it is left anywhere), so that assembling does not
+        page-fault a new 30+ MB allocation in on every request (about as long as the copy
+        itself); the buffer comes back when the returned cache is garbage-collected."""
+        dims = (self.num_layers, 1, capacity, self.num_kv_heads, self.head_dim, page_size)
+        if self.device.type != "cpu":   # the CUDA caching allocator already recycles
+            return PagedKV(*dims, self.dtype, self.device)
+        need = PagedKV.buffer_numel(*dims)
+        spare = self._spare
+        buf = spare.pop() if spare and spare[-1].numel() >= need and _sole_owner(spare[-1]) else None
+        spare.clear()   # a buffer still viewed elsewhere, or too small: let it go
+        if buf is None:
+            buf = torch.empty(need, dtype=self.dtype, device=self.device)
+        cache = PagedKV(*dims, self.dtype, self.device, buffer=buf)
+        weakref.finalize(cache, _keep_spare, spare, buf)
+        return cache
+
     @torch.no_grad()
     def assemble(self, keys: Sequence[str], positions: str = "reordered", extra_slots: int = 0,
                  rerotate: bool = True, page_size: int | None = None) -> AssembledRequest:
@@ -883,8 +921,7 @@ class ChunkStore:
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore.assemble: {total} chunk tokens + {extra_slots} extra slots exceed "
                     f"the model's window (max_position_embeddings={self.max_positions})")
-            cache = PagedKV(self.num_layers, 1, total + extra_slots, self.num_kv_heads, self.head_dim,
-                            page_size or self.page_size, self.dtype, self.device)
+            cache = self._request_cache(total + extra_slots, page_size or self.page_size)
             slots = torch.arange(total, device=self.device)
             dst = cache.slot_rows(0, slots)
             if positions == "reordered":
