@@ -21,6 +21,16 @@ default) with ``model.generate()`` (greedy, no early stop): ``total`` is call to
 ``per token`` the median time between two consecutive tokens (one decode step at that context,
 clocked inside generate()), with its ratio to full prefill's decode.
 
+``--decode-rounds N`` adds the decode-step check: ``model()`` decode steps (one token each, at the
+context's length) after a full prefill with the model's own ``DynamicCache`` (SDPA) against steps
+after a cached assembly with the ``PagedCache`` ("ragattn"), once per CPU route of the paged
+decode (``RAGATTN_HF_CPU_SDPA``: the default, ``ragattn.paged_attention``'s C++ kernel, and SDPA
+over the pages). Each of
+``N`` rounds (after a warm-up round) builds every path's cache afresh and runs
+``--decode-steps`` steps, one step per path in turn (order rotated per step), so that a shared
+machine's load falls on every path alike; median step time and its ratio to the model's own.
+No ``generate()`` around the steps: the attention and the cache are all that differ.
+
 Every figure is a median over ``--repeats`` rounds after a warm-up; each round runs every path
 once, in a rotated order, so that the load of a shared machine falls on all paths alike. The
 load average (``os.getloadavg``) before and after the run goes into the report.
@@ -31,6 +41,7 @@ The module is named without the ``bench_`` prefix so the micro-benchmark discove
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -189,6 +200,109 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
     return rows
 
 
+@contextlib.contextmanager
+def _cpu_route(flag: str):
+    """Set the HF path's CPU decode route (``RAGATTN_HF_CPU_SDPA``) for a with-block."""
+    old = os.environ.get("RAGATTN_HF_CPU_SDPA")
+    os.environ["RAGATTN_HF_CPU_SDPA"] = flag
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RAGATTN_HF_CPU_SDPA")
+        else:
+            os.environ["RAGATTN_HF_CPU_SDPA"] = old
+
+
+# the CPU routes of the paged decode step (RAGATTN_HF_CPU_SDPA): the default takes paged_attention
+DECODE_ROUTES = {"cached, default (ragattn.paged_attention)": "auto", "cached, SDPA over the pages": "1"}
+
+
+@torch.no_grad()
+def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: int, seed: int = 0,
+                         routes: Dict[str, str] | None = None) -> List[Dict]:
+    """The decode-step check (see the module docstring): one row per (context, path) with
+    ``step_ms`` (median over ``rounds`` x ``steps`` steps, interleaved per step), ``vs_full`` (ratio
+    of the medians) and ``vs_full_paired`` (median of the ratios of steps run back to back).
+    ``routes``: path name -> ``RAGATTN_HF_CPU_SDPA`` value (default :data:`DECODE_ROUTES` on the CPU, the one CUDA path
+    elsewhere)."""
+    from transformers import DynamicCache
+
+    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.cache import PagedCache
+
+    device = next(model.parameters()).device
+    if routes is None:
+        routes = DECODE_ROUTES if device.type == "cpu" else {"cached": "1"}
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for num_chunks, chunk_size in sizes:
+        chunks = [torch.randint(10, vocab, (chunk_size,), generator=gen).tolist() for _ in range(num_chunks)]
+        question = torch.randint(10, vocab, (question_len,), generator=gen).tolist()
+        ids = torch.tensor([sum(chunks, []) + question], device=device)
+        n = ids.shape[1]
+        toks = torch.randint(10, vocab, (steps, 1, 1), generator=gen).to(device)
+        store = ChunkStore(model)
+        keys = store.add(chunks)
+
+        def step(cache, i):
+            pos = torch.tensor([n + i], device=device)
+            synchronize(device)
+            t0 = time.perf_counter()
+            model(input_ids=toks[i], past_key_values=cache, use_cache=True, position_ids=pos[None],
+                  cache_position=pos, logits_to_keep=1)
+            synchronize(device)
+            return (time.perf_counter() - t0) * 1e3
+
+        def full():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return lambda i: step(cache, i)
+
+        def cached(flag):
+            req = store.assemble(keys, positions="reordered", extra_slots=question_len + steps)
+            paged_forward(model, torch.tensor([question], device=device),
+                          req.next_position + torch.arange(question_len, device=device), req.cache)
+            cache = PagedCache(req.cache, seen=n)
+
+            def one(i):
+                with _cpu_route(flag), use_ragattn(model):
+                    return step(cache, i)
+            return one
+
+        setups = {"full-prefill (DynamicCache)": full}
+        setups.update({name: (lambda f=flag: cached(f)) for name, flag in routes.items()})
+        names = list(setups)
+        times = {k: [] for k in names}
+        for r in range(rounds + 1):   # round 0: warm-up
+            stepper = {k: f() for k, f in setups.items()}
+            for i in range(steps):    # one step per path in turn (order rotated): the load is shared
+                for k in names[i % len(names):] + names[:i % len(names)]:
+                    t = stepper[k](i)
+                    if r:
+                        times[k].append(t)
+            del stepper
+        full_ms = statistics.median(times[names[0]])
+        for k in names:
+            ms = statistics.median(times[k])
+            paired = statistics.median(a / b for a, b in zip(times[k], times[names[0]]))
+            rows.append(dict(num_chunks=num_chunks, chunk_size=chunk_size, context_tokens=n, path=k,
+                             step_ms=ms, vs_full=ms / full_ms, vs_full_paired=paired, steps=len(times[k])))
+        del store
+    return rows
+
+
+def format_decode_table(rows: List[Dict]) -> str:
+    lines = ["| chunks x size | slots at the first step | path | decode step (ms, median) | vs full prefill's "
+             "| paired (median of step ratios) | steps |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['num_chunks']} x {r['chunk_size']} | {r['context_tokens']} | {r['path']} | "
+                     f"{r['step_ms']:.2f} | {r['vs_full']:.3f}x | {r['vs_full_paired']:.3f}x | {r['steps']} |")
+    return "\n".join(lines)
+
+
 class _IdTokenizer:
     """generate_paged needs only EOS/pad ids and decode; the benchmark's ids are random."""
     eos_token_id = None
@@ -248,6 +362,9 @@ def main(argv=None) -> int:
     p.add_argument("--question-len", type=int, default=50)
     p.add_argument("--answer-tokens", type=int, default=32, help="tokens per timed answer (1: TTFT only)")
     p.add_argument("--repeats", type=int, default=None, help="rounds per point (each path once per round; medians reported)")
+    p.add_argument("--decode-rounds", type=int, default=0,
+                   help="rounds of the decode-step check (0: skip it)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps per path and round")
     p.add_argument("--out", default="bench_results/e2e")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -265,6 +382,10 @@ def main(argv=None) -> int:
     model = build_model(model_name, device, dtype, args.layers)
     load_before = os.getloadavg()
     rows = measure(model, sizes, args.question_len, repeats, answer_tokens=args.answer_tokens)
+    decode_rows = []
+    if args.decode_rounds > 0:
+        decode_rows = measure_decode_steps(model, sizes, args.question_len, args.decode_rounds,
+                                           args.decode_steps)
     meta = dict(model=model_name, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 dtype=str(dtype).replace("torch.", ""), question_tokens=args.question_len, repeats=repeats,
                 answer_tokens=args.answer_tokens,
@@ -277,10 +398,13 @@ def main(argv=None) -> int:
               f"median of {repeats} interleaved rounds after a warm-up ({args.answer_tokens}-token answers)\n"
               f"- date: {meta['date']}, commit {meta['commit']}, torch {meta['torch']}\n\n")
     table = format_table(rows)
+    if decode_rows:
+        table += (f"\n\nDecode-step check ({args.decode_rounds} rounds x {args.decode_steps} `model()` "
+                  f"steps per path, the paths' steps interleaved, no generate()):\n\n" + format_decode_table(decode_rows))
     print(header + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "decode_steps": decode_rows}, f, indent=2)
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write(header + table + "\n\n![TTFT vs context](e2e.png)\n")
     plot(rows, os.path.join(args.out, "e2e.png"), f"TTFT, {model_name} {meta['dtype']} on {meta['device']}")

@@ -8,7 +8,8 @@ from bench import e2e
 def test_e2e_bench_tiny(tmp_path):
     out = tmp_path / "e2e"
     assert e2e.main(["--device", "cpu", "--model", "tiny-random", "--sizes", "tiny", "--question-len", "5",
-                     "--repeats", "1", "--answer-tokens", "3", "--out", str(out)]) == 0
+                     "--repeats", "1", "--answer-tokens", "3", "--decode-rounds", "1", "--decode-steps", "2",
+                     "--out", str(out)]) == 0
     data = json.loads((out / "e2e.json").read_text())
     paths = {r["path"] for r in data["rows"]}
     assert {"full-prefill", "final block alone (bound)", "cached (on device)"} <= paths
@@ -21,6 +22,11 @@ def test_e2e_bench_tiny(tmp_path):
     assert {r["context_tokens"] for r in data["rows"]} == {32, 48}
     assert all(r["ttft_ms"] > 0 for r in data["rows"])
     assert (out / "e2e.png").stat().st_size > 1000
+    # the decode-step check: every path per context, 1 round x 2 steps each, ratios to full prefill
+    dec = data["decode_steps"]
+    assert {r["path"] for r in dec} == {"full-prefill (DynamicCache)", *e2e.DECODE_ROUTES}
+    assert len(dec) == 2 * (1 + len(e2e.DECODE_ROUTES)) and all(r["steps"] == 2 and r["step_ms"] > 0 for r in dec)
+    assert all(r["vs_full"] == 1.0 for r in dec if r["path"].startswith("full"))
     assert "| 3 x 16 | 48 | full-prefill |" in (out / "e2e.md").read_text()
 
 

@@ -300,8 +300,41 @@ def test_paged_cpu_sdpa_path_equals_paged_op(monkeypatch):
             b = model(input_ids=ids[:, 7:8], position_ids=torch.full((2, 1), 7), use_cache=False,
                       ragattn_paged=cache).logits
         outs.append(torch.cat([a, b], 1))
-    assert hfattn.cpu_sdpa_enabled() is False
+    assert hfattn.cpu_sdpa_enabled(1) is False and hfattn.cpu_sdpa_enabled(7) is False
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["auto", "1", "0"])
+def test_paged_cache_decode_routes_equal_full_prefill(monkeypatch, route):
+    """Every CPU route of the PagedCache step (default: paged_attention for decode rows, SDPA for
+    the prefill; forced SDPA; forced kernel) writes the new K/V into the right slots and gives
+    generate()'s tokens and logits of the model's own decode after a full prefill. Pages poisoned
+    with NaN: a slot read before it is written (or past the row's length) shows up as NaN; rows of
+    9 and 5 cached slots cross 4-slot page boundaries; GQA 4/2."""
+    from ragattn.hf.cache import PagedCache
+
+    monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", route)
+    model = _model()
+    g = torch.Generator().manual_seed(11)
+    for n in (9, 5):
+        ids = torch.randint(1, 97, (1, n + 2), generator=g)
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        cache = PagedKV(2, 1, n + 9, 2, 16, page_size=4)
+        for t in cache.k + cache.v:
+            t.fill_(float("nan"))
+        with use_ragattn(model), torch.no_grad():
+            model(input_ids=ids[:, :n], use_cache=False, ragattn_paged=cache)   # q = n > 1: prefill
+            cache.lengths += n
+            got = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 past_key_values=PagedCache(cache), max_new_tokens=6, min_new_tokens=6,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(got.sequences, ref.sequences), (route, n)
+        for a, b in zip(ref.logits, got.logits):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert int(cache.lengths[0]) == n + 2 + 5          # the prompt's 2 new tokens + 5 decoded
+        assert not any(t.view(-1, 2, 16)[:n + 7].isnan().any() for t in cache.k + cache.v)
 
 
 @pytest.mark.parametrize("cpu_sdpa", ["1", "0"])
@@ -391,30 +424,40 @@ def test_decode_reads_the_cache_in_place(monkeypatch, padded):
         torch.testing.assert_close(out[b, 0].double(), want[:, 0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.5 gap (routed): the HF decode path calls the one-call "
-                   "paged_attention op in every layer, which plans (a host sync) in every layer on CUDA")
-def test_decode_step_plans_the_paged_launch_once(monkeypatch):
+@pytest.mark.parametrize("route", ["transformers-cache", "paged"])
+def test_decode_step_plans_the_paged_launch_once(monkeypatch, route):
     """Issue 15.5: a decode step plans the paged launch once (its one host sync: cu_seqlens and
     kv_lens to the host) and runs every layer without a sync, so the step is CUDA-graph
-    capturable. Seen on the CPU through the Triton backend, which takes the CUDA code path."""
+    capturable. Seen on the CPU through the Triton backend, which takes the CUDA code path; both
+    routes: a transformers cache (mask-planned decode) and ``ragattn_paged`` (the PagedKV step).
+    Before the fix every layer called the one-call op, which plans: 3 plans for 3 layers."""
     import ragattn.triton_kernels.paged_attention as pa
 
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
-    plans = []
-    real = pa.plan_paged_attention
-    monkeypatch.setattr(pa, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", "0")   # the CPU's SDPA shortcut would skip the op
+    plans, runs = [], []
+    real_plan, real_run = pa.plan_paged_attention, pa.run_paged_attention
+    monkeypatch.setattr(pa, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
+    monkeypatch.setattr(pa, "run_paged_attention", lambda *a, **kw: runs.append(1) or real_run(*a, **kw))
     model = _model(num_hidden_layers=3)
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5))
     with use_ragattn(model), torch.no_grad():
-        past = model(input_ids=ids[:, :8], use_cache=True).past_key_values
-        plans.clear()
-        model(input_ids=ids[:, 8:], past_key_values=past, use_cache=True)
-    assert len(plans) == 1, f"{len(plans)} plans (host syncs) in one decode step of 3 layers"
+        if route == "paged":
+            cache = PagedKV(3, 2, 16, 2, 16, page_size=4)
+            model(input_ids=ids[:, :8], use_cache=False, ragattn_paged=cache)
+            cache.lengths += 8
+            plans.clear(), runs.clear()
+            got = model(input_ids=ids[:, 8:], position_ids=torch.full((2, 1), 8), use_cache=False,
+                        ragattn_paged=cache).logits
+        else:
+            past = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+            plans.clear(), runs.clear()
+            got = model(input_ids=ids[:, 8:], past_key_values=past, use_cache=True).logits
+    assert (len(plans), len(runs)) == (1, 3), f"{len(plans)} plans (host syncs), {len(runs)} launches in a 3-layer step"
+    want = model(input_ids=ids).logits[:, -1:]   # stock attention over the whole sequence
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15.6 gap (routed): under inference_mode the varlen tile-plan cache "
-                   "cannot trust tensor identity (no version counter) and compares every index tensor's contents "
-                   "in every layer: a host sync per index tensor per layer on CUDA")
 def test_serving_prefill_compares_index_tensors_once_per_forward(monkeypatch):
     """Issue 15.6 under serving conditions (``torch.inference_mode()``, the Triton path CUDA takes):
     the layers after the first reuse the forward's tile plan without reading the index tensors

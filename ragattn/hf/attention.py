@@ -71,6 +71,7 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ragattn import _extension
 from ragattn import ops as _ops
 from ragattn.hf.rope import SUPPORTED_FAMILIES  # the families whose attention modules are checked
 
@@ -115,6 +116,8 @@ class PagedKV:
         self.block_table = torch.arange(n_pages, dtype=torch.int32, device=device).view(batch, pages_per_row)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self._plan_key = self._scatter_key = None
+        self._head_views = {}
+        self.launch_plans = {}   # the paged launch plans of the current forward (Triton route)
 
     @staticmethod
     def buffer_numel(num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16) -> int:
@@ -150,30 +153,50 @@ class PagedKV:
             self._scatter = (self.slot_rows(0, slots), slots.to(torch.int32))
         return self._scatter
 
-    def append_plan(self, q: int, device, first_layer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows [B * q] int64, slots [B * q] int32)``: where ``q`` new tokens per row go.
+    def append_plan(self, q: int, device, first_layer: bool = True):
+        """``(rows [B * q] int64, slots [B * q] int32, cu_seqlens_q [B + 1] int32, kv_lens [B]
+        int32)``: where ``q`` new tokens per row go, and ``paged_attention``'s metadata for them.
 
         The same for every layer of one forward: computed at the forward's first layer (one host
         sync for the capacity check) and reused by the others (the caller advances ``lengths``
         after the forward). Keyed by the layer, not by ``lengths``' version counter, so that it
         works on inference tensors (``torch.inference_mode()``), which have none."""
-        key = (q, self.lengths.shape[0])
+        b = self.lengths.shape[0]
+        key = (q, b)
         if first_layer or self._plan_key != key:
             if int(self.lengths.max()) + q > self.capacity:
                 raise ValueError(f"ragattn attention: paged request cache full ({self.capacity} slots), "
                                  f"cannot append {q} tokens")
             slots = self.lengths[:, None] + torch.arange(q, device=device, dtype=torch.int32)   # [B, q]
+            cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=device)
             self._plan_key = key
-            self._plan = (self.all_slot_rows(slots).reshape(-1), slots.reshape(-1))
+            self._plan = (self.all_slot_rows(slots).reshape(-1), slots.reshape(-1), cu, self.lengths + q)
         return self._plan
 
+    def head_views(self, layer: int):
+        """``(k, v)`` of ``layer`` as ``[1, Hkv, num_pages * page_size, D]`` views (flat slot rows,
+        no copy), or ``(None, None)`` when the pages do not merge into rows. Cached per layer (a
+        decode step builds none) and rebuilt when ``k[layer]`` or ``v[layer]`` is replaced."""
+        k, v = self.k[layer], self.v[layer]
+        hv = self._head_views.get(layer)
+        if hv is None or hv[0] is not k or hv[1] is not v:
+            try:
+                hv = (k, v, k.view(-1, *k.shape[2:]).permute(1, 0, 2)[None],
+                      v.view(-1, *v.shape[2:]).permute(1, 0, 2)[None])
+            except RuntimeError:   # pages whose slots do not merge into one row stride
+                hv = (k, v, None, None)
+            self._head_views[layer] = hv
+        return hv[2], hv[3]
 
     def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1):
         """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
         None)`` when every row's pages are consecutive, else None; computed at the first layer
-        (per window: layers of a mixed model may differ)."""
+        (per window: layers of a mixed model may differ). ``kv_lens`` None: ``lengths + q``
+        (an append)."""
         key = (q, self.lengths.shape[0], window_left)
         if first_layer or getattr(self, "_cpu_rows_key", None) != key:
+            if kv_lens is None:
+                kv_lens = self.lengths + q
             bt = self.block_table
             plan = None
             if bt.device.type == "cpu" and bool((bt[:, 1:] - bt[:, :-1] == 1).all()):
@@ -231,6 +254,26 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     b, hq, q, d = query.shape
     layer = module.layer_idx
     first = layer == 0
+    cpu_sdpa = slots is None and query.device.type == "cpu" and cpu_sdpa_enabled(q)
+    if slots is None and valid is None and query.device.type == "cpu":
+        # the CPU decode (and unpadded prefill) step: the new K/V go to consecutive slot rows of
+        # [1, Hkv, rows, D] views (no index tensors, no reshapes), then ragattn.paged_attention
+        # (C++) reads the pages, or SDPA reads the row's slots in place (see cpu_sdpa_enabled)
+        _, q_pos, cu, kv_lens = cache.append_plan(q, query.device, first_layer=first)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
+        k4, v4 = cache.head_views(layer)
+        if rows_plan is not None and k4 is not None:
+            for i, (start, length, _) in enumerate(rows_plan):
+                k4[:, :, start + length - q:start + length].copy_(key[i:i + 1])
+                v4[:, :, start + length - q:start + length].copy_(value[i:i + 1])
+            if cpu_sdpa:
+                return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
+            if first:
+                cache.launch_plans = {}
+            qr = query[:, :, 0] if q == 1 else query.transpose(1, 2).reshape(b * q, hq, d)
+            o = _paged_attention(cache.launch_plans, qr, q_pos, cu, cache.k[layer], cache.v[layer],
+                                 cache.block_table, kv_lens, scaling, window_left)
+            return (o.view(b, q, hq, d), None), None
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
     k_new = key.transpose(1, 2).reshape(b * q, *kf.shape[1:]).to(kf.dtype)    # [B * q, Hkv, D]
@@ -240,8 +283,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         rows, src, q_pos, kv_lens, counts = cache.masked_append_plan(valid, first)
         k_new, v_new = k_new.index_select(0, src), v_new.index_select(0, src)
     elif slots is None:
-        rows, q_pos = cache.append_plan(q, query.device, first_layer=first)
-        kv_lens = cache.lengths + q
+        rows, q_pos, _, kv_lens = cache.append_plan(q, query.device, first_layer=first)
     else:
         if b != 1 or slots.shape != (q,):
             raise ValueError(f"ragattn attention: ragattn_slots must be [q] = [{q}] with batch 1, "
@@ -250,48 +292,83 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         kv_lens = cache.lengths
     kf.index_copy_(0, rows, k_new)
     vf.index_copy_(0, rows, v_new)
-    if slots is None and query.device.type == "cpu" and cpu_sdpa_enabled():
+    if cpu_sdpa:
         rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
-        if rows_plan is not None:
-            return (_cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module), None), counts
+        k4, v4 = cache.head_views(layer)
+        if rows_plan is not None and k4 is not None:
+            return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), counts
+    if first:
+        cache.launch_plans = {}
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
-    o, _ = _ops.paged_attention(query.transpose(1, 2).reshape(b * q, hq, d),
-                                q_pos, cu, cache.k[layer], cache.v[layer],
-                                cache.block_table, kv_lens, scaling, window_left)
+    o = _paged_attention(cache.launch_plans, query.transpose(1, 2).reshape(b * q, hq, d),
+                         q_pos, cu, cache.k[layer], cache.v[layer], cache.block_table, kv_lens, scaling,
+                         window_left)
     return (o.view(b, q, hq, d), None), counts
 
 
-def cpu_sdpa_enabled() -> bool:
-    """On the CPU, a paged request whose rows own consecutive pages (every :class:`PagedKV` as
-    allocated) attends with torch's SDPA over the row's slots in place (same rule: slot ``j``
-    visible to a query at slot ``s`` iff ``j <= s``, ``j < kv_lens``): the CPU paged op is the
-    plain-torch reference (a gather + repeated K/V per call), several times slower per decode
-    step. ``RAGATTN_HF_CPU_SDPA=0`` routes these calls through ``ragattn.paged_attention``."""
-    return os.environ.get("RAGATTN_HF_CPU_SDPA", "1") != "0"
+def _paged_attention(launch_plans: dict, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens,
+                     scale, window_left):
+    """``ragattn.paged_attention`` for one layer of a forward whose layers share their index
+    tensors' values (``launch_plans``: a dict owned by that forward, empty at its first layer).
+
+    On the Triton route (CUDA, or the CPU under ``RAGATTN_CPU_BACKEND=triton``) the launch is
+    planned once per forward and window (``plan_paged_attention``: the step's one host sync) and
+    every layer only launches (``run_paged_attention``: no sync, CUDA-graph capturable); the one-
+    call op would plan, i.e. sync, in every layer. Elsewhere (the CPU's C++ kernel, which has no
+    plan; under ``torch.compile``, which sees the op as one node) the op itself. Returns
+    ``out [total_q, Hq, D]``."""
+    dev = q.device.type
+    triton_route = dev == "cuda" or (dev == "cpu" and _extension.cpu_backend() == "triton")
+    if not triton_route or torch.compiler.is_compiling():
+        return _ops.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
+                                    window_left)[0]
+    from ragattn.triton_kernels.paged_attention import plan_paged_attention, run_paged_attention
+
+    plan = launch_plans.get(window_left)
+    if plan is None:
+        plan = launch_plans[window_left] = plan_paged_attention(
+            cu_seqlens_q, kv_lens, num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2],
+            dtype=q.dtype, window_left=window_left)
+    with torch.cuda.device(q.device) if dev == "cuda" else contextlib.nullcontext():
+        return run_paged_attention(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
+                                   window_left)[0]
 
 
-def _cpu_rows_sdpa(query, kf, vf, rows_plan, scaling, module):
+def cpu_sdpa_enabled(q_rows: int) -> bool:
+    """Whether a CPU paged step of ``q_rows`` new tokens per row attends with torch's SDPA over
+    the row's slots in place (rows owning consecutive pages, as every :class:`PagedKV` is
+    allocated; same rule: slot ``j`` visible to a query at slot ``s`` iff ``j <= s``,
+    ``j < kv_lens``) rather than ``ragattn.paged_attention``'s C++ kernel. By default a decode
+    step (one row) takes the kernel (it reads each row of the paged layout once for the whole GQA
+    group; SDPA over the strided ``[page, slot, Hkv, D]`` rows is ~2x slower per layer) and a
+    longer step (a final block's prefill, masked) takes SDPA. ``RAGATTN_HF_CPU_SDPA=1`` forces
+    SDPA, ``=0`` the kernel, for every step."""
+    flag = os.environ.get("RAGATTN_HF_CPU_SDPA")
+    if flag is None or flag == "auto":
+        return q_rows > 1
+    return flag != "0"
+
+
+def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
     """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
-    ``kf[start:start + length]`` (a view), GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
+    ``k4[:, :, start:start + length]`` (``k4``, ``v4``: ``[1, Hkv, rows, D]`` views of the pages),
+    GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
     b, hq, q, d = query.shape
-    hkv = kf.shape[1]
+    gqa = hq != k4.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if b == 1 and q == 1 and rows_plan[0][2] is None and rows_plan[0][1] > 0:
         # decode, every slot visible (the common case): no mask, no output buffer to fill, SDPA's
         # [1, Hq, 1, D] viewed as the [1, 1, Hq, D] result
         start, length, _ = rows_plan[0]
-        k = kf[start:start + length].permute(1, 0, 2)[None]
-        v = vf[start:start + length].permute(1, 0, 2)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scaling,
-                                                             enable_gqa=hq != hkv)
+        o = sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], scale=scaling,
+                 enable_gqa=gqa)
         return o.view(1, 1, hq, d)
     out = query.new_zeros(b, q, hq, d)
     for i, (start, length, mask) in enumerate(rows_plan):
         if length == 0:
             continue
-        k = kf[start:start + length].permute(1, 0, 2)[None]             # [1, Hkv, L, D] view
-        v = vf[start:start + length].permute(1, 0, 2)[None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            query[i:i + 1], k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        o = sdpa(query[i:i + 1], k4[:, :, start:start + length], v4[:, :, start:start + length],
+                 attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[i] = o[0].transpose(0, 1)
     return out
 
@@ -360,7 +437,7 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
 class _Plan:
     """Index tensors shared by every layer of one forward (see the module docstring)."""
     __slots__ = ("key", "mask", "fallback", "kv_end", "cu_q", "cu_k", "q_pos", "kv_pos",
-                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view", "window_left")
+                 "table", "kv_lens", "dec_pos", "cu_dec", "page_view", "window_left", "launch_plans")
 
 
 _local = threading.local()
@@ -409,14 +486,15 @@ def _plan(module, query, key, attention_mask, kwargs):
         return plan
     plan = _Plan()
     plan.key, plan.mask, plan.fallback, plan.page_view = shape_key, attention_mask, False, None
-    plan.window_left = window_left
+    plan.window_left, plan.launch_plans = window_left, {}
     if attention_mask is None:
         if q > 1:   # SDPA's is_causal: top-left aligned, keys past the last query never seen
             plan.kv_end = min(q, kv)
-            plan.cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
-            plan.cu_k = torch.arange(0, (b + 1) * plan.kv_end, plan.kv_end, dtype=torch.int32, device=dev)
-            plan.q_pos = torch.arange(q, dtype=torch.int32, device=dev).repeat(b)
-            plan.kv_pos = torch.arange(plan.kv_end, dtype=torch.int32, device=dev).repeat(b)
+            plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos = _versioned(
+                torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
+                torch.arange(0, (b + 1) * plan.kv_end, plan.kv_end, dtype=torch.int32, device=dev),
+                torch.arange(q, dtype=torch.int32, device=dev).repeat(b),
+                torch.arange(plan.kv_end, dtype=torch.int32, device=dev).repeat(b))
         else:       # decode: every key, one page per row, read in place
             plan.page_view = "row"
             plan.table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
@@ -457,11 +535,25 @@ def _plan(module, query, key, attention_mask, kwargs):
             return _store_plan(plan)
         kv_end = max(int(last.max()) + 1, 1)                            # never read the empty tail
     plan.kv_end = kv_end
-    plan.cu_q = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev)
-    plan.cu_k = torch.arange(0, (b + 1) * kv_end, kv_end, dtype=torch.int32, device=dev)
-    plan.q_pos = last.to(torch.int32).reshape(-1)
-    plan.kv_pos = torch.where(kv_ok[:, :kv_end], slot[:kv_end], _FAR).to(torch.int32).reshape(-1)
+    plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos = _versioned(
+        torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
+        torch.arange(0, (b + 1) * kv_end, kv_end, dtype=torch.int32, device=dev),
+        last.to(torch.int32).reshape(-1),
+        torch.where(kv_ok[:, :kv_end], slot[:kv_end], _FAR).to(torch.int32).reshape(-1))
     return _store_plan(plan)
+
+
+def _versioned(*index):
+    """The forward's varlen index tensors as tensors with a version counter. Every layer passes
+    the same objects, and the op's tile-plan cache (``ragattn.ops._plan_cache``) hits on the same
+    objects at unchanged versions without reading them; but tensors made under
+    ``torch.inference_mode()`` (serving) have no version counter, so the cache would compare their
+    contents in every layer (a host sync per tensor and layer on CUDA). Made once per forward, so
+    only its first layer compares."""
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return index
+    with torch.inference_mode(False):
+        return tuple(t.clone() for t in index)
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -533,9 +625,9 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     if plan.fallback:
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if q == 1:
-        o, _ = _ops.paged_attention(query[:, :, 0], plan.dec_pos, plan.cu_dec,
-                                    _page_view(key, plan.page_view), _page_view(value, plan.page_view),
-                                    plan.table, plan.kv_lens, scaling)
+        o = _paged_attention(plan.launch_plans, query[:, :, 0], plan.dec_pos, plan.cu_dec,
+                             _page_view(key, plan.page_view), _page_view(value, plan.page_view),
+                             plan.table, plan.kv_lens, scaling, -1)
         return o[:, None], None
     e = plan.kv_end
     o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key[:, :, :e]), _rows_view(value[:, :, :e]),
