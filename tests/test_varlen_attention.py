@@ -961,6 +961,8 @@ def test_wrapper_dispatches_where_the_op_must_be_seen():
     with Record() as rec:
         ragattn.varlen_attention(*args)
     assert any("ragattn.varlen_attention" in o for o in rec.ops), rec.ops[:5]
+    traced = torch.jit.trace(lambda q, k, v: ragattn.varlen_attention(q, k, v, *args[3:])[0], tuple(args[:3]))
+    assert "ragattn::varlen_attention" in str(traced.graph)
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(a) if torch.is_tensor(a) else a for a in args]
         out, lse = ragattn.varlen_attention(*fake)

@@ -17,7 +17,7 @@ _FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
 def plain_cpu_call(first: torch.Tensor, *tensors) -> bool:
     """True when ``first`` is a CPU tensor, ``first`` and ``tensors`` (None entries ignored) are
     plain ``torch.Tensor`` objects of which none needs a gradient here, and nothing would see the
-    dispatched op: not compiling or tracing, no torch function or dispatch mode (FakeTensorMode,
+    dispatched op: not compiling or tracing (dynamo, torch.jit.trace), no torch function or dispatch mode (FakeTensorMode,
     opcheck's modes, FlopCounterMode), no functorch transform (vmap, grad, functionalize), no
     profiler (its trace names the op). The other tensors' devices are the op's own check (the
     impl raises the same error for a mixed-device call either way)."""
@@ -25,7 +25,8 @@ def plain_cpu_call(first: torch.Tensor, *tensors) -> bool:
     if torch.compiler.is_compiling():
         return False
     if (C._is_torch_function_mode_enabled() or C._len_torch_dispatch_stack() or C._are_functorch_transforms_active()
-            or C._autograd._profiler_enabled() or C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)):
+            or C._autograd._profiler_enabled() or C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
+            or C._get_tracing_state() is not None):
         return False
     if type(first) is not torch.Tensor or not first.is_cpu:
         return False
