@@ -41,7 +41,6 @@ The module is named without the ``bench_`` prefix so the micro-benchmark discove
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -49,6 +48,7 @@ import statistics
 import sys
 import time
 from typing import Callable, Dict, List
+from unittest import mock
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -200,20 +200,6 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
     return rows
 
 
-@contextlib.contextmanager
-def _cpu_route(flag: str):
-    """Set the HF path's CPU decode route (``RAGATTN_HF_CPU_SDPA``) for a with-block."""
-    old = os.environ.get("RAGATTN_HF_CPU_SDPA")
-    os.environ["RAGATTN_HF_CPU_SDPA"] = flag
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("RAGATTN_HF_CPU_SDPA")
-        else:
-            os.environ["RAGATTN_HF_CPU_SDPA"] = old
-
-
 # the CPU routes of the paged decode step (RAGATTN_HF_CPU_SDPA): the default takes paged_attention
 DECODE_ROUTES = {"cached, default (ragattn.paged_attention)": "auto", "cached, SDPA over the pages": "1"}
 
@@ -267,7 +253,7 @@ def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: in
             cache = PagedCache(req.cache, seen=n)
 
             def one(i):
-                with _cpu_route(flag), use_ragattn(model):
+                with mock.patch.dict(os.environ, {"RAGATTN_HF_CPU_SDPA": flag}), use_ragattn(model):
                     return step(cache, i)
             return one
 
