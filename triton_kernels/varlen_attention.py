@@ -348,6 +348,17 @@ def _load_rows(Ptr, offs, row_ok, col_off, offs_d, d_ok, stride, UPCAST: tl.cons
 
 
 @triton.jit
+def _key_tile(K, V, KPos, KBlk, offs_n, n_valid, col_off, offs_d, d_ok, stride, UPCAST: tl.constexpr):
+    """K and V rows ``offs_n`` with their positions and block ids, for a tile whose keys need the
+    pair mask (rows past ``n_valid`` read nothing: position 0, block -1)."""
+    k = _load_rows(K, offs_n, n_valid, col_off, offs_d, d_ok, stride, UPCAST)
+    v = _load_rows(V, offs_n, n_valid, col_off, offs_d, d_ok, stride, UPCAST)
+    k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
+    k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
+    return k, v, k_pos, k_blk
+
+
+@triton.jit
 def _low(x, Ref, UPCAST: tl.constexpr):
     """``x`` in the element type of ``Ref`` (the second dot runs in the input dtype, as FlashAttention's)."""
     x = x.to(Ref.dtype.element_ty)
@@ -399,10 +410,8 @@ def _fwd_kernel(
     for e in range(e_mid, e_end):
         offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
         n_valid = offs_n < k_end
-        k = _load_rows(K, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        v = _load_rows(V, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
-        k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
+        k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
+                                       UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
         p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
@@ -486,10 +495,8 @@ def _bwd_dq_kernel(
     for e in range(e_mid, e_end):  # partially visible: select, so a masked key's NaN stays out of dq
         offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
         n_valid = offs_n < k_end
-        k = _load_rows(K, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        v = _load_rows(V, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
-        k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
+        k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
+                                       UPCAST)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
         vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
@@ -515,10 +522,7 @@ def _bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_DIM
     q_stride = num_heads * HEAD_DIM
     kv_stride = (num_heads // GROUP) * HEAD_DIM
-    k = _load_rows(K, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-    v = _load_rows(V, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-    k_pos = tl.load(KPos + offs_n, mask=n_valid, other=0)
-    k_blk = tl.load(KBlk + offs_n, mask=n_valid, other=-1)
+    k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
