@@ -254,6 +254,8 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     b, hq, q, d = query.shape
     layer = module.layer_idx
     first = layer == 0
+    if first:
+        cache.launch_plans = {}   # a new forward: its paged launches are planned afresh
     cpu_sdpa = slots is None and query.device.type == "cpu" and cpu_sdpa_enabled(q)
     if slots is None and valid is None and query.device.type == "cpu":
         # the CPU decode (and unpadded prefill) step: the new K/V go to consecutive slot rows of
@@ -268,8 +270,6 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
                 v4[:, :, start + length - q:start + length].copy_(value[i:i + 1])
             if cpu_sdpa:
                 return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
-            if first:
-                cache.launch_plans = {}
             qr = query[:, :, 0] if q == 1 else query.transpose(1, 2).reshape(b * q, hq, d)
             o = _paged_attention(cache.launch_plans, qr, q_pos, cu, cache.k[layer], cache.v[layer],
                                  cache.block_table, kv_lens, scaling, window_left)
@@ -297,8 +297,6 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), counts
-    if first:
-        cache.launch_plans = {}
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o = _paged_attention(cache.launch_plans, query.transpose(1, 2).reshape(b * q, hq, d),
                          q_pos, cu, cache.k[layer], cache.v[layer], cache.block_table, kv_lens, scaling,
