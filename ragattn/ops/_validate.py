@@ -83,6 +83,26 @@ def check_cu_seqlens(
     return cu.numel() - 1
 
 
+def cpu_qk_well_formed(q, k, cu_seqlens_q, cu_seqlens_k, dtypes) -> bool:
+    """A fast sufficient condition for the metadata checks that the attention-score ops share:
+    ``q`` ``[*, H, D]`` and ``k`` ``[*, Hkv, D]`` CPU tensors of one of ``dtypes`` with ``H % Hkv
+    == 0`` and ``D > 0``, and 1-D CPU offsets of an index dtype, equally many, at least one. False
+    only means "run the named checks" (``check_tensor`` and friends raise with the argument)."""
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(cu_seqlens_q, T) and isinstance(cu_seqlens_k, T)):
+        return False
+    if q.dtype not in dtypes or k.dtype != q.dtype or q.dim() != 3 or k.dim() != 3:
+        return False
+    if not (q.is_cpu and k.is_cpu and cu_seqlens_q.is_cpu and cu_seqlens_k.is_cpu):
+        return False
+    heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    if dim == 0 or k.shape[2] != dim or kv_heads == 0 or heads % kv_heads:
+        return False
+    return not (cu_seqlens_q.dtype not in INDEX_DTYPES or cu_seqlens_k.dtype not in INDEX_DTYPES
+                or cu_seqlens_q.dim() != 1 or cu_seqlens_k.dim() != 1 or cu_seqlens_q.numel() < 1
+                or cu_seqlens_q.numel() != cu_seqlens_k.numel())
+
+
 def _byte_span(t: torch.Tensor):
     """[first, last] byte of ``t`` in its storage (None for an empty tensor); needs no data pointer."""
     if t.numel() == 0:

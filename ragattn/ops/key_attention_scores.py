@@ -14,7 +14,9 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._direct_call import plain_cpu_call
-from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_same_device, check_tensor, device_guard
+from ragattn.ops._validate import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_same_device, check_tensor, cpu_qk_well_formed, device_guard,
+)
 from ragattn.reference import key_attention_scores as _reference
 
 _OP = "key_attention_scores"
@@ -55,18 +57,7 @@ def _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, *, check_values: bool) ->
 def _well_formed(q, k, cu_seqlens_q, cu_seqlens_k, scale) -> bool:
     """A fast sufficient condition for the metadata checks of ``_validate`` to pass, for CPU
     tensors; False only means "run them" (they raise with the argument's name)."""
-    T = torch.Tensor
-    if not (isinstance(q, T) and isinstance(k, T) and isinstance(cu_seqlens_q, T) and isinstance(cu_seqlens_k, T)):
-        return False
-    if q.dtype not in FLOAT_DTYPES or k.dtype != q.dtype or q.dim() != 3 or k.dim() != 3:
-        return False
-    if not (q.is_cpu and k.is_cpu and cu_seqlens_q.is_cpu and cu_seqlens_k.is_cpu):
-        return False
-    heads, dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
-    if dim == 0 or k.shape[2] != dim or kv_heads == 0 or heads % kv_heads:
-        return False
-    if (cu_seqlens_q.dtype not in INDEX_DTYPES or cu_seqlens_k.dtype not in INDEX_DTYPES or cu_seqlens_q.dim() != 1
-            or cu_seqlens_k.dim() != 1 or cu_seqlens_q.numel() < 1 or cu_seqlens_q.numel() != cu_seqlens_k.numel()):
+    if not cpu_qk_well_formed(q, k, cu_seqlens_q, cu_seqlens_k, FLOAT_DTYPES):
         return False
     return scale is None or math.isfinite(scale)
 

@@ -17,7 +17,8 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor, device_guard,
+    FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor,
+    cpu_qk_well_formed, device_guard,
 )
 from ragattn.ops import _varlen_sdpa_cpu as _sdpa_cpu
 from ragattn.ops._direct_call import plain_cpu_call
@@ -156,21 +157,10 @@ _Q_DTYPES = FLOAT_DTYPES + (torch.float64,)
 def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left) -> bool:
     """A fast sufficient condition for ``_check_metadata`` to pass, for the common case (every
     tensor on the CPU): ~1/4 of its cost. False only means "run the full checks" (they raise)."""
-    T = torch.Tensor
-    if not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T) and isinstance(cu_seqlens_q, T)
-            and isinstance(cu_seqlens_k, T)):
+    if not (cpu_qk_well_formed(q, k, cu_seqlens_q, cu_seqlens_k, _Q_DTYPES) and isinstance(v, torch.Tensor)
+            and v.dtype == q.dtype and v.shape == k.shape and v.is_cpu):
         return False
-    if q.dtype not in _Q_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or q.dim() != 3 or k.dim() != 3:
-        return False
-    total_q, heads, dim = q.shape
-    total_k, kv_heads, k_dim = k.shape
-    if dim == 0 or k_dim != dim or v.shape != k.shape or kv_heads == 0 or heads % kv_heads:
-        return False
-    if not (q.is_cpu and k.is_cpu and v.is_cpu and cu_seqlens_q.is_cpu and cu_seqlens_k.is_cpu):
-        return False
-    if (cu_seqlens_q.dtype not in INDEX_DTYPES or cu_seqlens_k.dtype not in INDEX_DTYPES or cu_seqlens_q.dim() != 1
-            or cu_seqlens_k.dim() != 1 or cu_seqlens_q.numel() < 1 or cu_seqlens_q.numel() != cu_seqlens_k.numel()):
-        return False
+    total_q, total_k, T = q.shape[0], k.shape[0], torch.Tensor
     for t, n in ((q_pos, total_q), (kv_pos, total_k), (q_block, total_q), (kv_block, total_k)):
         if t is not None and not (isinstance(t, T) and t.is_cpu and t.dtype in INDEX_DTYPES and t.dim() == 1
                                   and t.shape[0] == n):
