@@ -237,9 +237,18 @@ def _use_triton(q: torch.Tensor) -> bool:
 
 
 def _use_sdpa_cpu(q: torch.Tensor) -> bool:
-    """The default CPU path (``_varlen_sdpa_cpu``) for fp16/bf16/fp32 CPU inputs; the caller
-    reruns the reference where it returns a non-finite value (it may come from a masked key)."""
+    """The default CPU paths (the C++ forward, ``_varlen_sdpa_cpu``'s backward) for fp16/bf16/fp32
+    CPU inputs; the caller reruns the reference where the SDPA backward returns a non-finite value
+    (it may come from a masked key)."""
     return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
+
+
+def _cpu_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
+    """The default CPU forward: ``ragattn::_varlen_attention_cpu`` (csrc/attention/varlen_attention_cpu.cpp,
+    after ``_validate``'s metadata checks; it runs the index-value checks itself). It reads only
+    each row's visible keys: masked non-finite K/V never reach a result, no reference rerun."""
+    return torch.ops.ragattn._varlen_attention_cpu.default(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
+                                                           kv_block, causal, scale, window_left)
 
 
 def _contig(*ts):
@@ -250,12 +259,8 @@ def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
     index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
     _validate(q, k, v, *index, scale, window_left, check_values=False)
     if _use_sdpa_cpu(q):
-        out, lse = _sdpa_cpu.run_forward(q, k, v, *index, causal, scale, window_left,
-                                         check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
-        if not _sdpa_cpu.has_nonfinite(out):
-            return out, lse
-    else:
-        _check_index_values(*index, q.shape[0], k.shape[0])
+        return _cpu_forward(q, k, v, *index, causal, scale, window_left)
+    _check_index_values(*index, q.shape[0], k.shape[0])
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
@@ -287,10 +292,9 @@ def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, 
         with device_guard(q):
             varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_out)
         return
-    o = None
     if _use_sdpa_cpu(q):
-        o, l = _sdpa_cpu.run_forward(*args, causal, scale, window_left)
-    if o is None or _sdpa_cpu.has_nonfinite(o):
+        o, l = _cpu_forward(*args, causal, scale, window_left)
+    else:
         with torch.no_grad():
             o, l = _ref(*args, causal, scale, window_left)
     out.copy_(o)
