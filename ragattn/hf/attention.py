@@ -65,6 +65,7 @@ import contextlib
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 import transformers
@@ -660,14 +661,51 @@ def _block_forward(query, key, value, attention_mask, scaling, block_ids):
 def use_ragattn(model):
     """Context manager: run ``model`` with the "ragattn" attention implementation, then restore."""
     old = model.config._attn_implementation
-    if old == NAME:  # already on: no switch (a switch costs ~0.5 ms on SmolLM2)
+    if old == NAME:  # already on: no switch
         yield model
         return
-    model.set_attn_implementation(NAME)
+    _switch_attn_implementation(model, old, NAME)
     try:
         yield model
     finally:
-        model.set_attn_implementation(old)
+        _switch_attn_implementation(model, NAME, old)
+
+
+# model -> {(from, to): [(config, value before, value after)]}: what set_attn_implementation changed
+_SWITCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _attn_configs(model) -> list:
+    """Every config whose ``_attn_implementation`` ``model.set_attn_implementation`` may set: the
+    model's, the nested sub-configs, and those of PreTrainedModel submodules (by identity)."""
+    from transformers import PreTrainedModel
+
+    found, todo = {}, [model.config] + [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while todo:
+        c = todo.pop()
+        if id(c) not in found:
+            found[id(c)] = c
+            todo += [sub for key in getattr(c, "sub_configs", {}) if (sub := getattr(c, key, None)) is not None]
+    return list(found.values())
+
+
+def _switch_attn_implementation(model, old, new) -> None:
+    """``model.set_attn_implementation(new)``, replayed after the first time: transformers walks
+    every submodule and re-validates the name on each call (~0.4 ms per switch on SmolLM2, twice
+    per cached prefill); the replay writes the same values into the configs it changed, when each
+    still holds the value it had then (otherwise, e.g. the user switched in between, the real
+    call runs and is recorded afresh)."""
+    per_model = _SWITCHES.setdefault(model, {})
+    changes = per_model.get((old, new))
+    if changes is not None and all(c._attn_implementation_internal == before for c, before, _ in changes):
+        for c, _, after in changes:
+            c._attn_implementation_internal = after
+        return
+    configs = _attn_configs(model)
+    before = [c._attn_implementation_internal for c in configs]
+    model.set_attn_implementation(new)
+    per_model[(old, new)] = [(c, b, c._attn_implementation_internal) for c, b in zip(configs, before)
+                             if c._attn_implementation_internal != b]
 
 
 def register() -> None:
