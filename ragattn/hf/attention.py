@@ -189,12 +189,15 @@ class PagedKV:
             self._head_views[layer] = hv
         return hv[2], hv[3]
 
-    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1):
-        """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
-        None)`` when every row's pages are consecutive, else None; computed at the first layer
-        (per window: layers of a mixed model may differ). ``kv_lens`` None: ``lengths + q``
-        (an append)."""
-        key = (q, self.lengths.shape[0], window_left)
+    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1,
+                 dtype: torch.dtype = torch.float32):
+        """For the CPU SDPA path: per row ``(first flat slot row, kv length, additive mask [q, L]
+        in ``dtype`` (0 visible, -inf not) or None)`` when every row's pages are consecutive, else
+        None; computed at the first layer (per window: layers of a mixed model may differ). Every
+        query sees at least its own slot, so no mask row is all -inf. ``kv_lens`` None:
+        ``lengths + q`` (an append). The mask is additive because SDPA turns a boolean one into
+        exactly that on every call."""
+        key = (q, self.lengths.shape[0], window_left, dtype)
         if first_layer or getattr(self, "_cpu_rows_key", None) != key:
             if kv_lens is None:
                 kv_lens = self.lengths + q
@@ -211,6 +214,7 @@ class PagedKV:
                         mask = j <= qp[:, None].long()
                         if windowed:
                             mask &= j >= qp[:, None].long() - window_left
+                        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
                     plan.append((page0 * self.page_size, length, mask))
             self._cpu_rows_key, self._cpu_rows = key, plan
         return self._cpu_rows
@@ -263,7 +267,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         # [1, Hkv, rows, D] views (no index tensors, no reshapes), then ragattn.paged_attention
         # (C++) reads the pages, or SDPA reads the row's slots in place (see cpu_sdpa_enabled)
         _, q_pos, cu, kv_lens = cache.append_plan(q, query.device, first_layer=first)
-        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left, query.dtype)
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             for i, (start, length, _) in enumerate(rows_plan):
@@ -294,7 +298,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     kf.index_copy_(0, rows, k_new)
     vf.index_copy_(0, rows, v_new)
     if cpu_sdpa:
-        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left, query.dtype)
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), counts
@@ -351,7 +355,8 @@ def cpu_sdpa_enabled(q_rows: int) -> bool:
 def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
     """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
     ``k4[:, :, start:start + length]`` (``k4``, ``v4``: ``[1, Hkv, rows, D]`` views of the pages),
-    GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
+    GQA without repeating K/V. Returns ``[B, q, Hq, D]`` (for one row, a transposed view of SDPA's
+    result: the caller's reshape makes it contiguous, as transformers' own SDPA path does)."""
     b, hq, q, d = query.shape
     gqa = hq != k4.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -362,6 +367,10 @@ def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
         o = sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], scale=scaling,
                  enable_gqa=gqa)
         return o.view(1, 1, hq, d)
+    if b == 1 and rows_plan[0][1] > 0:   # one row (a final block's prefill): SDPA's result as a view
+        start, length, mask = rows_plan[0]
+        return sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], attn_mask=mask,
+                    scale=scaling, enable_gqa=gqa).transpose(1, 2)
     out = query.new_zeros(b, q, hq, d)
     for i, (start, length, mask) in enumerate(rows_plan):
         if length == 0:
