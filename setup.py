@@ -13,6 +13,9 @@ File roles under ``csrc/``:
 """
 import glob
 import os
+import subprocess
+import sys
+import tempfile
 
 import torch
 from setuptools import find_namespace_packages, setup
@@ -37,9 +40,38 @@ def _with_cuda():
     return True
 
 
+def _openmp_flags():
+    """``-fopenmp`` (compile and link) where it joins the OpenMP runtime torch already runs, else [].
+
+    ATen's ``at::parallel_for`` is an inline OpenMP region: without ``-fopenmp`` every C++ CPU
+    kernel runs on one thread. The flag is only safe when it links the same runtime: GCC links
+    ``libgomp.so.1``, the SONAME of the ``libgomp`` torch ships and loads first, so the loader
+    reuses torch's (tests/test_openmp_runtime.py checks one runtime in the process). Elsewhere
+    (clang/macOS with LLVM's libomp, a torch on another runtime, ``RAGATTN_OPENMP=0``) the build
+    stays serial rather than load a second runtime.
+    """
+    if os.environ.get("RAGATTN_OPENMP", "1") == "0" or not sys.platform.startswith("linux"):
+        return []
+    if not torch.backends.openmp.is_available():
+        return []
+    with open("/proc/self/maps") as maps:  # torch is imported: the runtime it loaded
+        if "libgomp" not in maps.read():
+            return []
+    probe = ("#if !defined(_OPENMP) || !defined(__GNUC__) || defined(__clang__)\n#error not GNU OpenMP\n#endif\n"
+             "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [os.environ.get("CXX", "c++"), "-fopenmp", "-x", "c++", "-", "-o", os.path.join(tmp, "probe")]
+        try:
+            ok = subprocess.run(cmd, input=probe.encode(), capture_output=True).returncode == 0
+        except OSError:
+            ok = False
+    return ["-fopenmp"] if ok else []
+
+
 def _extension():
     cpp = _sources("csrc/**/*.cpp")
-    cxx_flags = ["-O3", "-std=c++17"]
+    openmp = _openmp_flags()
+    cxx_flags = ["-O3", "-std=c++17"] + openmp
     include_dirs = [os.path.join(ROOT, "csrc")]
     if _with_cuda():
         # torch's BuildExtension turns TORCH_CUDA_ARCH_LIST into -gencode flags
@@ -49,13 +81,14 @@ def _extension():
             cpp + _sources("csrc/**/*.cu"),
             include_dirs=include_dirs,
             define_macros=[("RAGATTN_WITH_CUDA", "1")],
+            extra_link_args=openmp,
             extra_compile_args={
                 "cxx": cxx_flags,
                 "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
             },
         )
     return cpp_extension.CppExtension(
-        "ragattn._C", cpp, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}
+        "ragattn._C", cpp, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}, extra_link_args=openmp
     )
 
 

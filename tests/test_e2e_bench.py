@@ -12,9 +12,13 @@ def test_e2e_bench_tiny(tmp_path):
                      "--out", str(out)]) == 0
     data = json.loads((out / "e2e.json").read_text())
     paths = {r["path"] for r in data["rows"]}
-    assert {"full-prefill", "final block alone (bound)", "cached (on device)"} <= paths
+    assert {"full-prefill", "final block alone (bound)", "final block over the model's own cache",
+            "cached (on device)"} <= paths
+    for r in data["rows"]:   # the assembly is part of the cached TTFT, and only that row has one
+        assert ("assembly_ms" in r) == (r["path"] == "cached (on device)")
+        assert 0 < r.get("assembly_ms", 1) < r["ttft_ms"]
     for r in data["rows"]:
-        if r["path"] != "final block alone (bound)":
+        if r["path"] in ("full-prefill", "cached (on device)"):
             # 3 tokens: 2 gaps, their median is their mean and both lie inside the answer's time
             # (TTFT comes from separate calls, so a shared machine may put it above the total)
             assert r["total_ms"] >= 2 * r["per_token_ms"] > 0 and r["ttft_ms"] > 0

@@ -94,3 +94,36 @@ def test_paged_batch_prefill_then_decode_equals_plain_forward():
                 model(input_ids=ids[:, :3], position_ids=torch.tensor([[6, 7, 8]] * 2), use_cache=False,
                       ragattn_paged=cache)
     torch.testing.assert_close(torch.cat([pre, dec], dim=1), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_use_ragattn_replays_the_switch_and_follows_user_changes():
+    """The second and later switches write the values transformers wrote the first time (no walk
+    over the modules); a switch made by the user in between is honoured, never undone."""
+    from unittest import mock
+
+    from ragattn.hf.attention import use_ragattn
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rope_theta=1000.0)
+    model = random_llama(shape, dtype=torch.float32, seed=3)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    real = type(model).set_attn_implementation
+    with mock.patch.object(type(model), "set_attn_implementation", autospec=True, side_effect=real) as calls:
+        seen = []
+        for _ in range(3):
+            with use_ragattn(model), torch.no_grad():
+                seen.append((model.config._attn_implementation, model.model.config._attn_implementation))
+                got = model(input_ids=ids).logits
+            assert model.config._attn_implementation == "sdpa"
+        assert seen == [("ragattn", "ragattn")] * 3
+        assert calls.call_count == 2   # on and off, once each
+        assert torch.allclose(got, want, atol=1e-5)
+        model.set_attn_implementation("eager")   # the user's own switch: a new pair, real calls
+        for _ in range(2):
+            with use_ragattn(model):
+                assert model.config._attn_implementation == "ragattn"
+            assert model.config._attn_implementation == "eager"
+        assert calls.call_count == 2 + 1 + 2

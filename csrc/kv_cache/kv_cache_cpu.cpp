@@ -1,10 +1,13 @@
 // CPU twins of rerotate_keys_ and copy_kv_: same validation and same per-element math
-// (rope_math.h, row_layout.h) as the CUDA kernels. Parallel over rows; each row's cos/sin are
-// computed once and reused across every layer and head.
+// (rope_math.h, row_layout.h) as the CUDA kernels. Parallel over rows (at::parallel_for on torch's
+// OpenMP threads, setup.py): every row is written by one thread in one fixed order, so results are
+// bit-identical at any thread count; each row's cos/sin are computed once and reused across every
+// layer and head.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -46,6 +49,12 @@ void rotate_row(T* row, int64_t heads, int64_t head_dim, int64_t rotary_dim, boo
   }
 }
 
+// Rows per parallel task: about at::internal::GRAIN_SIZE elements each, so that a call of a few
+// rows (a decode step's append) runs inline, without an OpenMP region.
+int64_t rows_per_task(int64_t elements_per_row) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, elements_per_row));
+}
+
 std::vector<void*> data_ptrs(at::TensorList layers) {
   std::vector<void*> out;
   for (const auto& t : layers) out.push_back(t.data_ptr());
@@ -72,9 +81,11 @@ void copy_pass(const Side& dst, const Side& src, const void* src_idx, bool src64
                int64_t n, int64_t k_heads, int64_t k_head_dim, int64_t v_row, const Rotation& rot) {
   const int64_t k_row = k_heads * k_head_dim, half = rot.rotary_dim / 2;
   const size_t kb = k_row * sizeof(T), vb = v_row * sizeof(T);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  const int64_t row_elements = static_cast<int64_t>(dst.k.size()) * k_row + static_cast<int64_t>(dst.v.size()) * v_row;
+  at::parallel_for(0, n, rows_per_task(row_elements), [&](int64_t begin, int64_t end) {
     std::vector<float> c(rot.delta ? half : 0), s(rot.delta ? half : 0);
-    int32_t have = 0;  // the delta whose cos/sin c, s hold (0: none; rows of a chunk share one)
+    int32_t have = 0;  // the delta whose cos/sin c, s hold (0: none; rows of a chunk share one;
+                       // a task recomputes it at its first row: same values, any split)
     for (int64_t r = begin; r < end; ++r) {
       const int64_t sr = kv_cache::load_index(src_idx, src64, r), dr = kv_cache::load_index(dst_idx, dst64, r);
       const bool rotate = rot.delta != nullptr && rot.delta[r] != 0;
@@ -119,7 +130,8 @@ void rerotate_keys_cpu(at::TensorList k_layers, const at::Tensor& rows, const at
   const std::vector<void*> bases = data_ptrs(k_layers);
   const int64_t half = rotary_dim / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_layers[0].scalar_type(), "rerotate_keys_cpu", [&] {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    const int64_t row_elements = static_cast<int64_t>(bases.size()) * g.heads * g.head_dim;
+    at::parallel_for(0, n, rows_per_task(row_elements), [&](int64_t begin, int64_t end) {
       std::vector<float> c(half), s(half);
       for (int64_t r = begin; r < end; ++r) {
         if (dp[r] == 0) continue;  // identity

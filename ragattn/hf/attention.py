@@ -65,6 +65,7 @@ import contextlib
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 import transformers
@@ -188,12 +189,15 @@ class PagedKV:
             self._head_views[layer] = hv
         return hv[2], hv[3]
 
-    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1):
-        """For the CPU SDPA path: per row ``(first flat slot row, kv length, bool mask [q, L] or
-        None)`` when every row's pages are consecutive, else None; computed at the first layer
-        (per window: layers of a mixed model may differ). ``kv_lens`` None: ``lengths + q``
-        (an append)."""
-        key = (q, self.lengths.shape[0], window_left)
+    def cpu_rows(self, q_pos, kv_lens, q: int, first_layer: bool = True, window_left: int = -1,
+                 dtype: torch.dtype = torch.float32):
+        """For the CPU SDPA path: per row ``(first flat slot row, kv length, additive mask [q, L]
+        in ``dtype`` (0 visible, -inf not) or None)`` when every row's pages are consecutive, else
+        None; computed at the first layer (per window: layers of a mixed model may differ). Every
+        query sees at least its own slot, so no mask row is all -inf. ``kv_lens`` None:
+        ``lengths + q`` (an append). The mask is additive because SDPA turns a boolean one into
+        exactly that on every call."""
+        key = (q, self.lengths.shape[0], window_left, dtype)
         if first_layer or getattr(self, "_cpu_rows_key", None) != key:
             if kv_lens is None:
                 kv_lens = self.lengths + q
@@ -210,6 +214,7 @@ class PagedKV:
                         mask = j <= qp[:, None].long()
                         if windowed:
                             mask &= j >= qp[:, None].long() - window_left
+                        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
                     plan.append((page0 * self.page_size, length, mask))
             self._cpu_rows_key, self._cpu_rows = key, plan
         return self._cpu_rows
@@ -262,7 +267,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         # [1, Hkv, rows, D] views (no index tensors, no reshapes), then ragattn.paged_attention
         # (C++) reads the pages, or SDPA reads the row's slots in place (see cpu_sdpa_enabled)
         _, q_pos, cu, kv_lens = cache.append_plan(q, query.device, first_layer=first)
-        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left, query.dtype)
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             for i, (start, length, _) in enumerate(rows_plan):
@@ -293,7 +298,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     kf.index_copy_(0, rows, k_new)
     vf.index_copy_(0, rows, v_new)
     if cpu_sdpa:
-        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left)
+        rows_plan = cache.cpu_rows(q_pos, kv_lens, q, first, window_left, query.dtype)
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), counts
@@ -350,7 +355,8 @@ def cpu_sdpa_enabled(q_rows: int) -> bool:
 def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
     """Per row ``(start, length, mask | None)``: SDPA of the row's queries over its slots
     ``k4[:, :, start:start + length]`` (``k4``, ``v4``: ``[1, Hkv, rows, D]`` views of the pages),
-    GQA without repeating K/V. Returns ``[B, q, Hq, D]``."""
+    GQA without repeating K/V. Returns ``[B, q, Hq, D]`` (for one row, a transposed view of SDPA's
+    result: the caller's reshape makes it contiguous, as transformers' own SDPA path does)."""
     b, hq, q, d = query.shape
     gqa = hq != k4.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -361,6 +367,10 @@ def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
         o = sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], scale=scaling,
                  enable_gqa=gqa)
         return o.view(1, 1, hq, d)
+    if b == 1 and rows_plan[0][1] > 0:   # one row (a final block's prefill): SDPA's result as a view
+        start, length, mask = rows_plan[0]
+        return sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], attn_mask=mask,
+                    scale=scaling, enable_gqa=gqa).transpose(1, 2)
     out = query.new_zeros(b, q, hq, d)
     for i, (start, length, mask) in enumerate(rows_plan):
         if length == 0:
@@ -660,14 +670,51 @@ def _block_forward(query, key, value, attention_mask, scaling, block_ids):
 def use_ragattn(model):
     """Context manager: run ``model`` with the "ragattn" attention implementation, then restore."""
     old = model.config._attn_implementation
-    if old == NAME:  # already on: no switch (a switch costs ~0.5 ms on SmolLM2)
+    if old == NAME:  # already on: no switch
         yield model
         return
-    model.set_attn_implementation(NAME)
+    _switch_attn_implementation(model, old, NAME)
     try:
         yield model
     finally:
-        model.set_attn_implementation(old)
+        _switch_attn_implementation(model, NAME, old)
+
+
+# model -> {(from, to): [(config, value before, value after)]}: what set_attn_implementation changed
+_SWITCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _attn_configs(model) -> list:
+    """Every config whose ``_attn_implementation`` ``model.set_attn_implementation`` may set: the
+    model's, the nested sub-configs, and those of PreTrainedModel submodules (by identity)."""
+    from transformers import PreTrainedModel
+
+    found, todo = {}, [model.config] + [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while todo:
+        c = todo.pop()
+        if id(c) not in found:
+            found[id(c)] = c
+            todo += [sub for key in getattr(c, "sub_configs", {}) if (sub := getattr(c, key, None)) is not None]
+    return list(found.values())
+
+
+def _switch_attn_implementation(model, old, new) -> None:
+    """``model.set_attn_implementation(new)``, replayed after the first time: transformers walks
+    every submodule and re-validates the name on each call (~0.4 ms per switch on SmolLM2, twice
+    per cached prefill); the replay writes the same values into the configs it changed, when each
+    still holds the value it had then (otherwise, e.g. the user switched in between, the real
+    call runs and is recorded afresh)."""
+    per_model = _SWITCHES.setdefault(model, {})
+    changes = per_model.get((old, new))
+    if changes is not None and all(c._attn_implementation_internal == before for c, before, _ in changes):
+        for c, _, after in changes:
+            c._attn_implementation_internal = after
+        return
+    configs = _attn_configs(model)
+    before = [c._attn_implementation_internal for c in configs]
+    model.set_attn_implementation(new)
+    per_model[(old, new)] = [(c, b, c._attn_implementation_internal) for c, b in zip(configs, before)
+                             if c._attn_implementation_internal != b]
 
 
 def register() -> None:
