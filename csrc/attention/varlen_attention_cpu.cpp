@@ -15,22 +15,12 @@
 #include <cmath>
 #include <vector>
 
+#include "attention/cpu_attention_blocks_c10.h"
 #include "attention/varlen_attention_cpu_kernel.h"
 #include "ops.h"
 
 namespace ragattn {
 namespace varlen_cpu {
-
-// the half types' widening loads (vec8.h: integer vector code, exact)
-template <>
-RAGATTN_ALWAYS_INLINE v8f load8<c10::BFloat16>(const c10::BFloat16* p) {
-  return bf16x8_to_float(p);
-}
-
-template <>
-RAGATTN_ALWAYS_INLINE v8f load8<c10::Half>(const c10::Half* p) {
-  return f16x8_to_float(p);
-}
 
 namespace {
 
