@@ -10,6 +10,7 @@ import torch
 import ragattn
 from ragattn.reference import varlen_attention as ref_varlen
 from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero, use_kernel_backend
+from tests.test_paged_attention_cpu import _error
 
 CPU_OP = torch.ops.ragattn._varlen_attention_cpu
 I32 = torch.int32
@@ -48,9 +49,9 @@ def _float64(args):
     return [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
 
 
-def _check(args, what=""):
-    """The op (default CPU path) against the float64 reference, FlashAttention's precision rule;
-    returns (out, lse)."""
+def _check(args, what="", cpp=True):
+    """The op (default CPU path) against the float64 reference, FlashAttention's precision rule,
+    and (``cpp``) bit for bit the C++ kernel's result; returns (out, lse)."""
     out, lse = ragattn.varlen_attention(*args)
     o64, l64 = ref_varlen(*_float64(args))
     o_lp, l_lp = ref_varlen(*args, upcast=False)
@@ -61,9 +62,9 @@ def _check(args, what=""):
     dead = torch.isneginf(l64)
     assert torch.equal(torch.isneginf(lse), dead), what
     assert (out[dead] == 0).all(), what
-    # the public op's default CPU forward is this kernel, bit for bit
-    o2, l2 = CPU_OP(*args[:10], None, args[11] if len(args) > 11 else -1)
-    assert torch.equal(o2, out) and torch.equal(l2, lse)
+    if cpp:  # the public op's default CPU forward is this kernel, bit for bit
+        o2, l2 = CPU_OP(*args)
+        assert torch.equal(o2, out) and torch.equal(l2, lse)
     return out, lse
 
 
@@ -201,14 +202,6 @@ def test_opcheck_private_op():
     torch.library.opcheck(CPU_OP.default, (q, k, v, cu_q, cu_k, None, None, *blk, True, 0.3, 4))
 
 
-def _error(fn):
-    try:
-        fn()
-    except (TypeError, ValueError) as exc:
-        return type(exc), str(exc)
-    return None
-
-
 def _good():
     q, k, v, cu_q, cu_k, g = _inputs([5, 6], [5, 7], 4, 2, 64, torch.float32, seed=11)
     return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -272,12 +265,7 @@ def test_dense_float32_calls_take_the_fused_path():
     assert mod._dense_sdpa_wins(q, k, cu_q, cu_k, None, None, False, -1)
     assert not mod._dense_sdpa_wins(q, k, cu_q, cu_k, None, None, True, -1)
     assert not mod._dense_sdpa_wins(q.bfloat16(), k, cu_q, cu_k, None, None, False, -1)
-    out, lse = ragattn.varlen_attention(*args)
-    o64, l64 = ref_varlen(*_float64(args))
-    o_lp, l_lp = ref_varlen(*args, upcast=False)
-    assert_precision(out, o64, o_lp, what="out")
-    assert_precision(lse, l64, l_lp, what="lse")
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64))
+    out, lse = _check(args, "dense", cpp=False)
     o_buf, l_buf = poison_like(out), poison_like(lse)
     ragattn.varlen_attention(*args, out=o_buf, lse_out=l_buf)
     assert torch.equal(o_buf, out) and torch.equal(l_buf, lse)
