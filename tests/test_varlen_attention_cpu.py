@@ -1,7 +1,8 @@
-"""varlen_attention's default CPU forward in C++ (csrc/attention/varlen_attention_cpu.cpp, the private
-op ragattn::_varlen_attention_cpu): the kernel on the cases it owns (tiles of 4 query rows, steps of
-64 listed keys, sorted and unsorted kv_pos, blocks), its edge rules, thread-count independence, and
-its errors against the fake impl's and the reference route's."""
+"""varlen_attention's default CPU forward and backward in C++ (csrc/attention/varlen_attention_cpu.cpp,
+the private ops ragattn::_varlen_attention_cpu and _varlen_attention_backward_cpu): the kernels on the
+cases they own (tiles of 4 query rows, steps of 64 listed keys, sorted and unsorted kv_pos, blocks),
+their edge rules, thread-count independence, and errors against the fake impl's and the reference
+route's."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonz
 from tests.test_paged_attention_cpu import _error
 
 CPU_OP = torch.ops.ragattn._varlen_attention_cpu
+CPU_BWD = torch.ops.ragattn._varlen_attention_backward_cpu
 I32 = torch.int32
 TILE, STEP = 4, 64  # the kernel's kTileRows and kChunk
 
@@ -84,8 +86,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name):
+def _case_args(name):
     lens_q, lens_k, H, Hkv, D, dtype, pos, blocks, causal, window = CASES[name]
     q, k, v, cu_q, cu_k, g = _inputs(lens_q, lens_k, H, Hkv, D, dtype, seed=len(name))
     q_pos = kv_pos = q_blk = kv_blk = None
@@ -96,7 +97,35 @@ def test_kernel_matches_reference(name):
         q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lens_q, lens_k)]).to(I32)
     if blocks:
         q_blk, kv_blk = _blocks(lens_q, g), _blocks(lens_k, g)
-    _check((q, k, v, cu_q, cu_k, q_pos, kv_pos, q_blk, kv_blk, causal, None, window), name)
+    return (q, k, v, cu_q, cu_k, q_pos, kv_pos, q_blk, kv_blk, causal, None, window), g
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    _check(_case_args(name)[0], name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_matches_reference(name):
+    """dq, dk, dv through the op's autograd (the C++ backward) against the float64 reference's
+    autograd, FlashAttention's precision rule; the public backward op is the C++ one bit for bit."""
+    args, g = _case_args(name)
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    out, lse = ragattn.varlen_attention(*leaves, *args[3:])
+    dout = randn_nonzero(*out.shape, dtype=out.dtype, generator=g)
+    got = torch.autograd.grad(out, leaves, dout)
+    l64 = [t.double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64, *args[3:])[0], l64, dout.double(), allow_unused=True)
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout, allow_unused=True)
+    for what, gr, w64, wlp, t in zip(("dq", "dk", "dv"), got, want64, want_lp, args[:3]):
+        w64 = torch.zeros_like(t, dtype=torch.float64) if w64 is None else w64
+        wlp = torch.zeros_like(t) if wlp is None else wlp
+        assert gr.dtype == t.dtype and gr.shape == t.shape
+        assert torch.isfinite(gr).all(), what
+        assert_precision(gr, w64, wlp, what=f"{what} {name}")
+    direct = CPU_BWD(dout, *args[:3], out.detach(), lse, *args[3:])
+    assert all(torch.equal(a, b) for a, b in zip(direct, got))
 
 
 def test_int64_index_tensors_and_int32_limit_positions():
@@ -134,6 +163,11 @@ def test_masked_nonfinite_never_read():
     assert blind.sum() > 10 and (~blind).sum() > 3
     assert torch.equal(out[blind], clean_o[blind]) and torch.equal(lse[blind], clean_l[blind])
     assert not torch.isfinite(out[~blind]).all(dim=(1, 2)).any()  # rows that see one are not finite
+    # the backward: a blind row's dq is the clean run's, bit for bit
+    dout = randn_nonzero(*out.shape, generator=g)
+    clean_dq = CPU_BWD(dout, q, k, v, clean_o, clean_l, *args[3:])[0]
+    dq = CPU_BWD(dout, q, kp, vp, out, lse, *args[3:])[0]
+    assert torch.equal(dq[blind], clean_dq[blind])
 
 
 def test_visible_nonfinite_follows_the_reference():
@@ -162,24 +196,32 @@ def test_rows_that_see_no_key():
     q, k, v, cu_q, cu_k, g = _inputs([5, 3, 4], [6, 0, 4], 4, 2, 32, torch.float32, seed=7)
     q_pos = torch.tensor([0, 1, 9, 10, 11, 0, 0, 0, 50, 51, 52, 3], dtype=I32)
     kv_pos = torch.tensor([2, 3, 4, 5, 6, 7, 0, 1, 2, 3], dtype=I32)
-    out, lse = _check((q, k, v, cu_q, cu_k, q_pos, kv_pos, None, None, True, None, 30), "no key")
+    args = (q, k, v, cu_q, cu_k, q_pos, kv_pos, None, None, True, None, 30)
+    out, lse = _check(args, "no key")
     dead = torch.tensor([1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
     assert torch.isneginf(lse[dead]).all() and torch.isfinite(lse[~dead]).all() and (out[dead] == 0).all()
+    dq, dk, dv = CPU_BWD(randn_nonzero(*q.shape, generator=g), q, k, v, out, lse, *args[3:])
+    assert (dq[dead] == 0).all() and (dq[~dead] != 0).all()
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
 
 
 def test_results_do_not_depend_on_the_thread_count():
     q, k, v, cu_q, cu_k, g = _inputs([150, 61], [150, 61], 6, 2, 64, torch.float32, seed=8)
     blk = _blocks([150, 61], g)
     args = (q, k, v, cu_q, cu_k, None, None, blk, blk, True, None, 40)
+    dout = randn_nonzero(*q.shape, generator=g)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         o1, l1 = CPU_OP(*args)
+        g1 = CPU_BWD(dout, *args[:3], o1, l1, *args[3:])
         torch.set_num_threads(2)
         o2, l2 = CPU_OP(*args)
+        g2 = CPU_BWD(dout, *args[:3], o1, l1, *args[3:])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
     # and a row's result does not depend on the other sequences of the call
     one = torch.tensor([0, 61], dtype=I32)
     o_alone, _ = CPU_OP(q[150:], k[150:], v[150:], one, one, None, None, blk[150:], blk[150:], True, None, 40)
@@ -196,10 +238,13 @@ def test_out_variant_and_inference_mode():
     assert torch.equal(o_buf, out) and torch.equal(l_buf, lse)
 
 
-def test_opcheck_private_op():
+def test_opcheck_private_ops():
     q, k, v, cu_q, cu_k, g = _inputs([9, 0, 12], [9, 4, 12], 6, 2, 40, torch.float32, seed=10)
     blk = _blocks([9, 0, 12], g), _blocks([9, 4, 12], g)
-    torch.library.opcheck(CPU_OP.default, (q, k, v, cu_q, cu_k, None, None, *blk, True, 0.3, 4))
+    index = (cu_q, cu_k, None, None, *blk, True, 0.3, 4)
+    torch.library.opcheck(CPU_OP.default, (q, k, v, *index))
+    out, lse = CPU_OP(q, k, v, *index)
+    torch.library.opcheck(CPU_BWD.default, (randn_nonzero(*q.shape, generator=g), q, k, v, out, lse, *index))
 
 
 def _good():
@@ -230,14 +275,22 @@ META_ERRORS = {
 }
 
 
+def _backward_call(a):
+    """The backward op on a's inputs (dout, out and lse: any values of the right shapes)."""
+    q = a["q"]
+    idx = [a.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "q_pos", "kv_pos", "q_block", "kv_block")]
+    return torch.ops.ragattn.varlen_attention_backward(q, q, a["k"], a["v"], q, torch.zeros(q.shape[:2]), *idx, True,
+                                                       None)
+
+
 @pytest.mark.parametrize("name", list(VALUE_ERRORS))
 def test_value_errors_match_the_reference_route(name, monkeypatch):
     a = _good()
     VALUE_ERRORS[name](a)
-    got = _error(lambda: ragattn.varlen_attention(**a))
+    got = _error(lambda: ragattn.varlen_attention(**a)), _error(lambda: _backward_call(a))
     use_kernel_backend(monkeypatch, torch.device("cpu"), "reference")
-    want = _error(lambda: ragattn.varlen_attention(**a))
-    assert got is not None and got == want
+    want = _error(lambda: ragattn.varlen_attention(**a)), _error(lambda: _backward_call(a))
+    assert got[0] is not None and got == want
 
 
 def test_metadata_errors_match_the_fake_impl():

@@ -82,6 +82,89 @@ RAGATTN_CPU_CLONES void run_tiles_isa(const Args& a, int64_t begin, int64_t end)
   run_tiles<T>(a, begin, end);
 }
 
+// The index tensors read, checked (_check_index_values' order and messages) and completed with
+// their defaults, and the tiles of kTileRows rows within each sequence.
+struct Prepared {
+  std::vector<int64_t> cq, ck, qp, kp, qb, kb, run_end, seq_tiles;
+  std::vector<Tile> tiles;
+  bool blocks = false;
+  int64_t work = 0;  // (row, key) pairs of the dense per-sequence problem (grain estimate)
+
+  Prepared(int64_t total_q, int64_t total_k, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+           const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
+           const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block) {
+    cq = read_index(cu_seqlens_q);
+    ck = read_index(cu_seqlens_k);
+    check_offsets("cu_seqlens_q", cq, total_q);
+    check_offsets("cu_seqlens_k", ck, total_k);
+    if (q_pos) qp = read_index(*q_pos);
+    check_int32("q_pos", q_pos, qp);
+    if (kv_pos) kp = read_index(*kv_pos);
+    check_int32("kv_pos", kv_pos, kp);
+    if (q_block) qb = read_index(*q_block);
+    check_int32("q_block", q_block, qb);
+    if (kv_block) kb = read_index(*kv_block);
+    check_int32("kv_block", kv_block, kb);
+    const int64_t batch = static_cast<int64_t>(cq.size()) - 1;
+    // defaults: arange per sequence; block ids -1 (no block test when neither is given)
+    if (!q_pos) {
+      qp.resize(total_q);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t r = cq[b]; r < cq[b + 1]; ++r) qp[r] = r - cq[b];
+    }
+    if (!kv_pos) {
+      kp.resize(total_k);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t j = ck[b]; j < ck[b + 1]; ++j) kp[j] = j - ck[b];
+    }
+    blocks = q_block || kv_block;
+    if (blocks) {
+      if (!q_block) qb.assign(total_q, -1);
+      if (!kv_block) kb.assign(total_k, -1);
+      run_end.resize(total_k);
+      for (int64_t j = total_k - 1; j >= 0; --j)
+        run_end[j] = j + 1 < total_k && kb[j + 1] == kb[j] ? run_end[j + 1] : j + 1;
+    }
+    tiles.reserve(total_q / kTileRows + batch);
+    seq_tiles.assign(1, 0);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t k0 = ck[b], k1 = ck[b + 1];
+      bool sorted = true;
+      for (int64_t j = k0 + 1; j < k1 && sorted; ++j) sorted = kp[j] >= kp[j - 1];
+      for (int64_t r = cq[b]; r < cq[b + 1]; r += kTileRows)
+        tiles.push_back(Tile{r, std::min(r + kTileRows, cq[b + 1]), k0, k1, sorted});
+      seq_tiles.push_back(static_cast<int64_t>(tiles.size()));
+      work += (cq[b + 1] - cq[b]) * (k1 - k0);
+    }
+  }
+
+  Args args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<double> scale, bool causal,
+            int64_t window_left) const {
+    const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+    return Args{q.data_ptr(), k.data_ptr(), v.data_ptr(), nullptr, nullptr,
+                qp.data(), kp.data(), blocks ? qb.data() : nullptr, blocks ? kb.data() : nullptr,
+                blocks ? run_end.data() : nullptr, tiles.data(),
+                q.size(1), k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                v.stride(1), q.size(1) * q.size(2), q.size(2), static_cast<float>(s), causal, window_left};
+  }
+};
+
+// fn(begin, end) over [0, n) items of about `per_item` multiply-adds: inline when one task would do
+template <typename F>
+void run_items(int64_t n, int64_t per_item, const F& fn) {
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, per_item));
+  if (n <= grain) {
+    fn(0, n);  // one task: no parallel region
+  } else {
+    at::parallel_for(0, n, grain, fn);
+  }
+}
+
+template <typename T>
+RAGATTN_CPU_CLONES void run_bwd_items_isa(const BwdArgs& a, int64_t begin, int64_t end) {
+  run_bwd_items<T>(a, begin, end);
+}
+
 }  // namespace
 }  // namespace varlen_cpu
 
@@ -95,77 +178,56 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
   check_layout(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                {{&q_pos, total_q}, {&kv_pos, total_k}, {&q_block, total_q}, {&kv_block, total_k}});
   TORCH_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
-  // _check_index_values, in its order
-  const std::vector<int64_t> cq = read_index(cu_seqlens_q), ck = read_index(cu_seqlens_k);
-  check_offsets("cu_seqlens_q", cq, total_q);
-  check_offsets("cu_seqlens_k", ck, total_k);
-  const int64_t batch = static_cast<int64_t>(cq.size()) - 1;
-  std::vector<int64_t> qp, kp, qb, kb;
-  if (q_pos) qp = read_index(*q_pos);
-  check_int32("q_pos", q_pos, qp);
-  if (kv_pos) kp = read_index(*kv_pos);
-  check_int32("kv_pos", kv_pos, kp);
-  if (q_block) qb = read_index(*q_block);
-  check_int32("q_block", q_block, qb);
-  if (kv_block) kb = read_index(*kv_block);
-  check_int32("kv_block", kv_block, kb);
-
+  const Prepared prep(total_q, total_k, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block);
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like the fake impl
   at::Tensor lse = at::empty({total_q, q.size(1)}, q.options().dtype(at::kFloat));
   if (total_q == 0) return {out, lse};
-
-  // defaults: arange per sequence; block ids -1 (no block test when neither is given)
-  if (!q_pos) {
-    qp.resize(total_q);
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t r = cq[b]; r < cq[b + 1]; ++r) qp[r] = r - cq[b];
-  }
-  if (!kv_pos) {
-    kp.resize(total_k);
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = ck[b]; j < ck[b + 1]; ++j) kp[j] = j - ck[b];
-  }
-  const bool blocks = q_block || kv_block;
-  std::vector<int64_t> run_end;
-  if (blocks) {
-    if (!q_block) qb.assign(total_q, -1);
-    if (!kv_block) kb.assign(total_k, -1);
-    run_end.resize(total_k);
-    for (int64_t j = total_k - 1; j >= 0; --j)
-      run_end[j] = j + 1 < total_k && kb[j + 1] == kb[j] ? run_end[j + 1] : j + 1;
-  }
-  // tiles of kTileRows rows within each sequence
-  std::vector<Tile> tiles;
-  tiles.reserve(total_q / kTileRows + batch);
-  int64_t work = 0;  // multiply-adds of the dense per-sequence problem (grain estimate)
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t k0 = ck[b], k1 = ck[b + 1];
-    bool sorted = true;
-    for (int64_t j = k0 + 1; j < k1 && sorted; ++j) sorted = kp[j] >= kp[j - 1];
-    for (int64_t r = cq[b]; r < cq[b + 1]; r += kTileRows)
-      tiles.push_back(Tile{r, std::min(r + kTileRows, cq[b + 1]), k0, k1, sorted});
-    work += (cq[b + 1] - cq[b]) * (k1 - k0);
-  }
-  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-  Args a{q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
-         qp.data(), kp.data(), blocks ? qb.data() : nullptr, blocks ? kb.data() : nullptr,
-         blocks ? run_end.data() : nullptr, tiles.data(),
-         q.size(1), k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         out.stride(0), out.stride(1), static_cast<float>(s), causal, window_left};
-  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
-  const int64_t per_tile = std::max<int64_t>(1, work / std::max<int64_t>(1, n_tiles) * q.size(1) * q.size(2));
-  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_tile);
+  Args a = prep.args(q, k, v, scale, causal, window_left);
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  const int64_t n_tiles = static_cast<int64_t>(prep.tiles.size());
   void (*run)(const Args&, int64_t, int64_t) =
       q.scalar_type() == at::kFloat  ? &run_tiles_isa<float>
       : q.scalar_type() == at::kHalf ? &run_tiles_isa<c10::Half>
                                      : &run_tiles_isa<c10::BFloat16>;
-  if (n_tiles <= grain) {
-    run(a, 0, n_tiles);  // one task: no parallel region
-  } else {
-    at::parallel_for(0, n_tiles, grain, [&](int64_t begin, int64_t end) { run(a, begin, end); });
-  }
+  run_items(n_tiles, prep.work / std::max<int64_t>(1, n_tiles) * q.size(1) * q.size(2),
+            [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
+    const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block, bool causal,
+    std::optional<double> scale, int64_t window_left) {
+  using namespace varlen_cpu;
+  const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
+  check_layout(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
+               {{&q_pos, total_q}, {&kv_pos, total_k}, {&q_block, total_q}, {&kv_block, total_k}});
+  TORCH_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
+  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
+                  dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
+                  lse_in.dim() == 2 && lse_in.size(0) == total_q && lse_in.size(1) == q_in.size(1) &&
+                  lse_in.scalar_type() == at::kFloat && dout_in.is_cpu() && out_in.is_cpu() && lse_in.is_cpu(),
+              kOp, ": _varlen_attention_backward_cpu needs dout and out like q and lse float32 [total_q, H]");
+  const Prepared prep(total_q, total_k, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block);
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous(), lse = lse_in.contiguous();
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  BwdArgs a{prep.args(q, k, v, scale, causal, window_left), dout.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), prep.seq_tiles.data(), prep.ck.data()};
+  const int64_t items = (static_cast<int64_t>(prep.ck.size()) - 1) * k.size(1);
+  void (*run)(const BwdArgs&, int64_t, int64_t) =
+      q.scalar_type() == at::kFloat  ? &run_bwd_items_isa<float>
+      : q.scalar_type() == at::kHalf ? &run_bwd_items_isa<c10::Half>
+                                     : &run_bwd_items_isa<c10::BFloat16>;
+  run_items(items, 3 * prep.work / std::max<int64_t>(1, items) * q.size(1) * q.size(2),
+            [&](int64_t begin, int64_t end) { run(a, begin, end); });
+  return {dq, dk, dv};
 }
 
 }  // namespace ragattn

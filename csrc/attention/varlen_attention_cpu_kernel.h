@@ -118,6 +118,55 @@ RAGATTN_ALWAYS_INLINE void widen_rows(const T* const* rows, int64_t n, int64_t D
   }
 }
 
+// Keys [0, n) of a step (offsets keys[s] from the bases, row bit masks masks[s]): their K and V
+// rows as float (half types widened once per step, not per use; kptr padded to a multiple of 8
+// with a listed key), the visibility lanes vis[r][s] (-1: row r sees key s; 0 past n) and
+// seen[r], the number of keys row r sees.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void step_keys(const T* k_base, int64_t k_s0, const T* v_base, int64_t v_s0,
+                                     const int32_t* keys, const uint8_t* masks, int64_t n, int64_t R, int64_t D,
+                                     float* kf, float* vf, const float** kptr, const float** vptr,
+                                     int32_t (*vis)[kPRow], int64_t* seen) {
+  const T* kin[kChunk];
+  const T* vin[kChunk];
+  const int64_t n8 = (n + 7) / 8 * 8;
+  for (int64_t r = 0; r < R; ++r) seen[r] = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    kin[s] = k_base + keys[s] * k_s0;
+    vin[s] = v_base + keys[s] * v_s0;
+    for (int64_t r = 0; r < R; ++r) {
+      const bool on = (masks[s] >> r) & 1u;
+      vis[r][s] = on ? -1 : 0;
+      seen[r] += on;
+    }
+  }
+  widen_rows(kin, n, D, kf, kptr);
+  widen_rows(vin, n, D, vf, vptr);
+  for (int64_t s = n; s < n8; ++s) {
+    kptr[s] = kptr[0];
+    vptr[s] = vptr[0];
+    for (int64_t r = 0; r < R; ++r) vis[r][s] = 0;
+  }
+}
+
+// p[i * kPRow + s] = scale * x[i] . rows[s] for the nv vectors x (D apart) and the n rows (rows
+// padded to a multiple of 8 with a real row): pairs of vectors x four rows, each row loaded once
+// for both; entries past n are unspecified.
+RAGATTN_ALWAYS_INLINE void dot_rows(const float* x, int64_t nv, int64_t D, const float* const* rows, int64_t n,
+                                    float scale, float* p) {
+  int64_t i = 0;
+  for (; i + 2 <= nv; i += 2) {
+    for (int64_t s = 0; s < n; s += 4) {
+      float o[8];
+      store8(o, dots8<2, 4>(x + i * D, D, rows + s) * scale);
+      std::memcpy(p + i * kPRow + s, o, 4 * sizeof(float));
+      std::memcpy(p + (i + 1) * kPRow + s, o + 4, 4 * sizeof(float));
+    }
+  }
+  for (; i < nv; ++i)
+    for (int64_t s = 0; s < n; s += 8) store8(p + i * kPRow + s, dots8<1, 8>(x + i * D, D, rows + s) * scale);
+}
+
 // Whether query row r sees key j by the op's rule (positions int64: no wrap at the int32 limits).
 RAGATTN_ALWAYS_INLINE bool visible(const Args& a, int64_t r, int64_t j) {
   const int64_t qp = a.q_pos[r], kp = a.kv_pos[j];
@@ -139,29 +188,11 @@ struct Scratch {
   }
 };
 
-template <typename T>
-RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
-  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, R = t.r1 - t.r0, nv = R * G;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  float* qf = sc.buf.data();               // [nv, D] query vectors (row r, head h: r * G + h), float
-  float* acc = qf + kTileRows * G * D;     // [nv, D] unnormalised outputs
-  float* p = acc + kTileRows * G * D;      // [nv, kPRow] scores, then probabilities
-  float* m = p + kTileRows * G * kPRow;    // [nv] running max
-  float* l = m + kTileRows * G;            // [nv] running sum
-  float* alpha = l + kTileRows * G;        // [nv] this step's rescale of acc
-  float* bad = alpha + kTileRows * G;      // [nv] 1: a NaN or +inf visible score
-  float* pc = bad + kTileRows * G;         // [G, kPRow] a row's probabilities over its own keys
-  float* kf = pc + G * kPRow;              // [kChunk, D] half types: the step's K rows in float
-  float* vf = kf + kChunk * D;             // [kChunk, D] and V rows
-  alignas(32) int32_t vis[kTileRows][kPRow];
-  const T* kin[kChunk];
-  const T* vin[kChunk];
-  const float* kptr[kChunk + 8];  // the step's K and V rows as float (in place for float inputs)
-  const float* vptr[kChunk];
-  const float* vrow[kChunk];
-
-  // 1. the keys some row of the tile sees, in order, with their row masks
+// The keys of tile t that some row of it sees (offsets from t.k0, in order) and per key the bit
+// mask of those rows, into sc.keys / sc.masks.
+template <typename Scr>
+RAGATTN_ALWAYS_INLINE void list_tile_keys(const Args& a, const Tile& t, Scr& sc) {
+  const int64_t R = t.r1 - t.r0;
   int64_t lo[kTileRows], hi[kTileRows];
   bool test[kTileRows];
   int64_t u0 = t.k1, u1 = t.k0;
@@ -201,6 +232,29 @@ RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
       if (skip) j = std::min(u1, a.kv_run_end[j]) - 1;
     }
   }
+}
+
+template <typename T>
+RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
+  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, R = t.r1 - t.r0, nv = R * G;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float* qf = sc.buf.data();               // [nv, D] query vectors (row r, head h: r * G + h), float
+  float* acc = qf + kTileRows * G * D;     // [nv, D] unnormalised outputs
+  float* p = acc + kTileRows * G * D;      // [nv, kPRow] scores, then probabilities
+  float* m = p + kTileRows * G * kPRow;    // [nv] running max
+  float* l = m + kTileRows * G;            // [nv] running sum
+  float* alpha = l + kTileRows * G;        // [nv] this step's rescale of acc
+  float* bad = alpha + kTileRows * G;      // [nv] 1: a NaN or +inf visible score
+  float* pc = bad + kTileRows * G;         // [G, kPRow] a row's probabilities over its own keys
+  float* kf = pc + G * kPRow;              // [kChunk, D] half types: the step's K rows in float
+  float* vf = kf + kChunk * D;             // [kChunk, D] and V rows
+  alignas(32) int32_t vis[kTileRows][kPRow];
+  const float* kptr[kChunk + 8];  // the step's K and V rows as float (in place for float inputs)
+  const float* vptr[kChunk + 8];
+  const float* vrow[kChunk];
+
+  list_tile_keys(a, t, sc);  // 1. the keys some row of the tile sees, with their row masks
   const int64_t n_keys = static_cast<int64_t>(sc.keys.size());
 
   // 2. per kv head: the tile's query vectors over the listed keys
@@ -221,36 +275,9 @@ RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
     for (int64_t c0 = 0; c0 < n_keys; c0 += kChunk) {
       const int64_t n = std::min(kChunk, n_keys - c0), n8 = (n + 7) / 8 * 8;
       int64_t seen[kTileRows];
-      for (int64_t r = 0; r < R; ++r) seen[r] = 0;
-      for (int64_t s = 0; s < n; ++s) {
-        const int64_t j = sc.keys[c0 + s];
-        kin[s] = k_base + j * a.k_s0;
-        vin[s] = v_base + j * a.v_s0;
-        const uint32_t mask = sc.masks[c0 + s];
-        for (int64_t r = 0; r < R; ++r) {
-          const bool on = (mask >> r) & 1u;
-          vis[r][s] = on ? -1 : 0;
-          seen[r] += on;
-        }
-      }
-      widen_rows(kin, n, D, kf, kptr);  // half types: each K/V row widened once per step, not per use
-      widen_rows(vin, n, D, vf, vptr);
-      for (int64_t s = n; s < n8; ++s) {
-        kptr[s] = kptr[0];  // padding: a listed key, its scores are masked
-        for (int64_t r = 0; r < R; ++r) vis[r][s] = 0;
-      }
-      // scores: pairs of query vectors x four keys (each K row loaded once for both)
-      int64_t i = 0;
-      for (; i + 2 <= nv; i += 2) {
-        for (int64_t s = 0; s < n; s += 4) {
-          float o[8];
-          store8(o, dots8<2, 4>(qf + i * D, D, kptr + s) * a.scale);
-          std::memcpy(p + i * kPRow + s, o, 4 * sizeof(float));
-          std::memcpy(p + (i + 1) * kPRow + s, o + 4, 4 * sizeof(float));
-        }
-      }
-      for (; i < nv; ++i)
-        for (int64_t s = 0; s < n; s += 8) store8(p + i * kPRow + s, dots8<1, 8>(qf + i * D, D, kptr + s) * a.scale);
+      step_keys(k_base, a.k_s0, v_base, a.v_s0, sc.keys.data() + c0, sc.masks.data() + c0, n, R, D, kf, vf, kptr, vptr,
+                vis, seen);
+      dot_rows(qf, nv, D, kptr, n, a.scale, p);  // scores
       for (int64_t r = 0; r < R; ++r) {
         if (seen[r] == 0) continue;
         for (int64_t h = 0; h < G; ++h) {
@@ -306,6 +333,185 @@ template <typename T>
 RAGATTN_ALWAYS_INLINE void run_tiles(const Args& a, int64_t begin, int64_t end) {
   Scratch sc(a.num_heads / a.num_kv_heads, a.head_dim);
   for (int64_t i = begin; i < end; ++i) run_tile<T>(a, a.tiles[i], sc);
+}
+
+// ------------------------------------------------------------------------------------ backward
+// dq, dk, dv from the forward's out and lse (FlashAttention's backward): per visible (row, key)
+// pair P = exp(score - lse), dP = dout . v, dS = P (dP - rowsum(dout * out)); dq = scale sum dS k,
+// dk = scale sum dS q, dv = sum P dout. Work item: one (sequence, kv head), computed by one thread
+// in a fixed order (its keys' dk/dv belong to it alone: no races, no dependence on the thread
+// count); inside, the forward's tiles, listing and steps. A row's masked keys are dropped from
+// its sums and a key's unseeing rows from its sums (never 0 * NaN).
+struct BwdArgs {
+  Args f;                 // q, k, v, index, tiles (f.out / f.lse unused)
+  const void* dout;       // [total_q, H, D] contiguous
+  const void* o;          // [total_q, H, D] contiguous, the forward's out
+  const float* lse;       // [total_q, H] contiguous
+  void* dq;               // [total_q, H, D] contiguous
+  void* dk;               // [total_k, Hkv, D] contiguous
+  void* dv;
+  const int64_t* seq_tiles;  // [B + 1] tile range of each sequence
+  const int64_t* cu_k;       // [B + 1]
+};
+
+struct BwdScratch {
+  std::vector<float> buf;
+  std::vector<int32_t> keys;
+  std::vector<uint8_t> masks;
+  std::vector<float> dkv;  // [2, keys of the sequence, D] dk, dv accumulators
+  std::vector<const float*> rows;  // per key: the vectors that see it
+  BwdScratch(int64_t G, int64_t D) {
+    const int64_t nv = kTileRows * G;
+    buf.resize(nv * D * 3 + nv * kPRow * 2 + nv * 3 + nv * 2 + 2 * kChunk * D + G * kPRow + D);
+    rows.resize(2 * nv);
+  }
+};
+
+template <typename T>
+RAGATTN_ALWAYS_INLINE void run_bwd_item(const BwdArgs& a, int64_t b, int64_t g, BwdScratch& sc) {
+  const Args& f = a.f;
+  const int64_t D = f.head_dim, H = f.num_heads, G = H / f.num_kv_heads, Hkv = f.num_kv_heads;
+  const int64_t k0 = a.cu_k[b], nk = a.cu_k[b + 1] - k0;
+  const float one[1] = {1.f};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t nvmax = kTileRows * G;
+  float* qf = sc.buf.data();          // [nv, D] q rows (vector r * G + h)
+  float* df = qf + nvmax * D;         // [nv, D] dout rows
+  float* dqa = df + nvmax * D;        // [nv, D] dq accumulators (unscaled)
+  float* p = dqa + nvmax * D;         // [nv, kPRow] scores, then P
+  float* dp = p + nvmax * kPRow;      // [nv, kPRow] dout . v, then dS
+  float* lse = dp + nvmax * kPRow;    // [nv] the forward's lse
+  float* di = lse + nvmax;            // [nv] rowsum(dout * out)
+  float* lse_nan = di + nvmax;        // [nv] 1: lse is NaN (a poisoned row: its gradients are NaN)
+  float* w = lse_nan + nvmax;         // [2 nv] one key's dS and P weights over the vectors seeing it
+  float* kf = w + 2 * nvmax;          // [kChunk, D]
+  float* vf = kf + kChunk * D;        // [kChunk, D]
+  float* pc = vf + kChunk * D;        // [G, kPRow] a row's dS over its own keys
+  float* of = pc + G * kPRow;         // [D] one out row in float
+  alignas(32) int32_t vis[kTileRows][kPRow];
+  const float* kptr[kChunk + 8];
+  const float* vptr[kChunk + 8];
+  const float* krow[kChunk];
+  sc.dkv.assign(2 * nk * D, 0.f);
+  float* dka = sc.dkv.data();
+  float* dva = dka + nk * D;
+  const T* k_base = static_cast<const T*>(f.k) + k0 * f.k_s0 + g * f.k_s1;
+  const T* v_base = static_cast<const T*>(f.v) + k0 * f.v_s0 + g * f.v_s1;
+  for (int64_t ti = a.seq_tiles[b]; ti < a.seq_tiles[b + 1]; ++ti) {
+    const Tile& t = f.tiles[ti];
+    const int64_t R = t.r1 - t.r0, nv = R * G;
+    list_tile_keys(f, t, sc);
+    const int64_t n_keys = static_cast<int64_t>(sc.keys.size());
+    if (n_keys == 0) {  // rows that see nothing: no gradient
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t h = 0; h < G; ++h) {
+          T* out = static_cast<T*>(a.dq) + ((t.r0 + r) * H + g * G + h) * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(0.f);
+        }
+      continue;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const T* qrow = static_cast<const T*>(f.q) + (t.r0 + r) * f.q_s0 + g * G * f.q_s1;
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t iv = r * G + h, off = ((t.r0 + r) * H + g * G + h) * D;
+        const T* drow = static_cast<const T*>(a.dout) + off;
+        const T* orow = static_cast<const T*>(a.o) + off;
+        for (int64_t d = 0; d < D; ++d) {
+          qf[iv * D + d] = static_cast<float>(qrow[h * f.q_s1 + d]);
+          df[iv * D + d] = static_cast<float>(drow[d]);
+          of[d] = static_cast<float>(orow[d]);
+        }
+        // rowsum(dout * out) in the dot products' summation order: a row that sees one key
+        // (out = v) gets dS = P (dP - di) = 0 exactly, as the reference's softmax backward does
+        const float* o8[8] = {of, of, of, of, of, of, of, of};
+        di[iv] = dots8<1, 8>(df + iv * D, D, o8)[0];
+        lse[iv] = a.lse[(t.r0 + r) * H + g * G + h];
+        lse_nan[iv] = std::isnan(lse[iv]) ? 1.f : 0.f;
+      }
+    }
+    std::fill(dqa, dqa + nv * D, 0.f);
+    for (int64_t c0 = 0; c0 < n_keys; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, n_keys - c0), n8 = (n + 7) / 8 * 8;
+      const int32_t* keys = sc.keys.data() + c0;
+      int64_t seen[kTileRows];
+      step_keys(k_base, f.k_s0, v_base, f.v_s0, keys, sc.masks.data() + c0, n, R, D, kf, vf, kptr, vptr, vis, seen);
+      dot_rows(qf, nv, D, kptr, n, f.scale, p);
+      dot_rows(df, nv, D, vptr, n, 1.f, dp);
+      for (int64_t iv = 0; iv < nv; ++iv) {  // P and dS, 8 lanes (masked lanes: P 0, never summed)
+        const int32_t* vr = vis[iv / G];
+        const v8f l8 = v8f{} + lse[iv], d8 = v8f{} + di[iv];
+        for (int64_t s = 0; s < n8; s += 8) {
+          v8i on;
+          std::memcpy(&on, vr + s, sizeof(on));
+          v8f pe = exp8_nonpositive(load8(p + iv * kPRow + s) - l8);  // -inf - -inf (NaN): 0
+          pe = lse_nan[iv] != 0.f ? v8f{} + nan : pe;
+          pe = on ? pe : v8f{};
+          store8(p + iv * kPRow + s, pe);
+          store8(dp + iv * kPRow + s, pe * (load8(dp + iv * kPRow + s) - d8));
+        }
+      }
+      // dq: each row over its own keys
+      for (int64_t r = 0; r < R; ++r) {
+        if (seen[r] == 0) continue;
+        const float* sr = dp + r * G * kPRow;
+        const float* const* kr = kptr;
+        if (seen[r] != n) {
+          int64_t c = 0;
+          for (int64_t s = 0; s < n; ++s) {
+            if (!vis[r][s]) continue;
+            krow[c] = kptr[s];
+            for (int64_t h = 0; h < G; ++h) pc[h * kPRow + c] = sr[h * kPRow + s];
+            ++c;
+          }
+          sr = pc;
+          kr = krow;
+        }
+        const float ones[2] = {1.f, 1.f};
+        int64_t h = 0;
+        for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(dqa + (r * G + h) * D, sr + h * kPRow, ones, kr, seen[r], D);
+        for (; h < G; ++h) accumulate<1, kPRow>(dqa + (r * G + h) * D, sr + h * kPRow, ones, kr, seen[r], D);
+      }
+      // dk, dv: each key over the vectors that see it
+      const float** qrows = sc.rows.data();
+      const float** drows = qrows + nvmax;
+      for (int64_t s = 0; s < n; ++s) {
+        int64_t c = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          if (!vis[r][s]) continue;
+          for (int64_t h = 0; h < G; ++h, ++c) {
+            const int64_t iv = r * G + h;
+            w[c] = dp[iv * kPRow + s];
+            w[nvmax + c] = p[iv * kPRow + s];
+            qrows[c] = qf + iv * D;
+            drows[c] = df + iv * D;
+          }
+        }
+        accumulate<1, kPRow>(dka + keys[s] * D, w, one, qrows, c, D);
+        accumulate<1, kPRow>(dva + keys[s] * D, w + nvmax, one, drows, c, D);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < G; ++h) {
+        T* out = static_cast<T*>(a.dq) + ((t.r0 + r) * H + g * G + h) * D;
+        const float* src = dqa + (r * G + h) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(src[d] * f.scale);
+      }
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    T* dko = static_cast<T*>(a.dk) + ((k0 + j) * Hkv + g) * D;
+    T* dvo = static_cast<T*>(a.dv) + ((k0 + j) * Hkv + g) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      dko[d] = static_cast<T>(dka[j * D + d] * f.scale);
+      dvo[d] = static_cast<T>(dva[j * D + d]);
+    }
+  }
+}
+
+// Items [begin, end): item = sequence * num_kv_heads + kv head.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void run_bwd_items(const BwdArgs& a, int64_t begin, int64_t end) {
+  BwdScratch sc(a.f.num_heads / a.f.num_kv_heads, a.f.head_dim);
+  for (int64_t i = begin; i < end; ++i) run_bwd_item<T>(a, i / a.f.num_kv_heads, i % a.f.num_kv_heads, sc);
 }
 
 }  // namespace varlen_cpu

@@ -1,10 +1,10 @@
 """``ragattn.varlen_attention``: packed prefill with position/block masks, never materialised.
 
 Dispatch: CUDA tensors run the Triton kernels (triton_kernels/varlen_attention.py); CPU tensors
-run the C++ forward (``ragattn::_varlen_attention_cpu``, csrc/attention/varlen_attention_cpu.cpp;
-dense float32 calls where torch's fused CPU flash attention is faster take that, ``_varlen_sdpa_cpu``)
-and the fused CPU flash attention backward (``_varlen_sdpa_cpu``; the reference where a fused
-result is non-finite), the plain-torch reference with ``RAGATTN_CPU_BACKEND=reference``,
+run the C++ forward and backward (``ragattn::_varlen_attention_cpu`` and
+``_varlen_attention_backward_cpu``, csrc/attention/varlen_attention_cpu.cpp; dense float32 calls,
+where torch's fused CPU flash attention is faster, take that: ``_varlen_sdpa_cpu``, with the
+reference where a fused result is non-finite), the plain-torch reference with ``RAGATTN_CPU_BACKEND=reference``,
 or the Triton kernels in the interpreter with ``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
 two with a mask: 80, 96, 112 included); larger head dims and float64 inputs always take the
 reference (on any device, O(L^2) memory). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
@@ -353,6 +353,12 @@ _ARG_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "q_pos", "kv_pos", 
 def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
     index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
     _validate(q, k, v, *index, scale, window_left, check_values=False)
+    if _use_sdpa_cpu(q) and not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal,
+                                                   window_left):
+        # the C++ backward (csrc/attention/varlen_attention_cpu.cpp): only visible pairs, masked
+        # keys never read into a sum; it runs the index-value checks itself
+        return torch.ops.ragattn._varlen_attention_backward_cpu.default(dout, q, k, v, out, lse, *index, causal, scale,
+                                                                        window_left)
     if _use_sdpa_cpu(q):
         grads = _sdpa_cpu.run_backward(dout, q, k, v, out, lse, *index, causal, scale, window_left,
                                        check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
@@ -381,6 +387,13 @@ def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False)
     return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("ragattn::_varlen_attention_backward_cpu")
+def _varlen_attention_backward_cpu_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
+                                        kv_block, causal, scale, window_left):
+    return _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
+                                           kv_block, causal, scale, window_left)
 
 
 def _setup_context(ctx, inputs, output):
