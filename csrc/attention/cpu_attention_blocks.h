@@ -55,6 +55,25 @@ RAGATTN_ALWAYS_INLINE v8f dots8(const float* qf, int64_t D, const T* const* k) {
   return r;
 }
 
+// p[i * PROW + s] = scale * x[i] . rows[s] for the nv vectors x (D apart) and the n rows (rows
+// padded to a multiple of 8 with a real row): pairs of vectors x four rows, each row loaded once
+// for both; entries past n (up to the multiple of 8) are unspecified.
+template <int64_t PROW, typename T>
+RAGATTN_ALWAYS_INLINE void dot_rows(const float* x, int64_t nv, int64_t D, const T* const* rows, int64_t n, float scale,
+                                    float* p) {
+  int64_t i = 0;
+  for (; i + 2 <= nv; i += 2) {
+    for (int64_t s = 0; s < n; s += 4) {
+      float o[8];
+      store8(o, dots8<2, 4>(x + i * D, D, rows + s) * scale);
+      std::memcpy(p + i * PROW + s, o, 4 * sizeof(float));
+      std::memcpy(p + (i + 1) * PROW + s, o + 4, 4 * sizeof(float));
+    }
+  }
+  for (; i < nv; ++i)
+    for (int64_t s = 0; s < n; s += 8) store8(p + i * PROW + s, dots8<1, 8>(x + i * D, D, rows + s) * scale);
+}
+
 // acc[h][0:D] = alpha[h] * acc[h][0:D] + sum_s p[h][s] * v[s][0:D] for NH heads (acc rows D
 // apart, p rows PROW apart), d in blocks of DB vectors kept in registers over all n rows of v.
 template <int NH, int DB, int64_t PROW, typename T>

@@ -254,25 +254,6 @@ struct PagedArgs {
 };
 
 
-// Scores of the G heads (rows of qf) with the n slots k[0..n): p[h * kPRow + s] = scale * dot.
-// k and p's rows have room for a multiple of 8 entries: the caller pads k with a visible slot,
-// and the scores written past n are never used.
-template <typename T>
-RAGATTN_ALWAYS_INLINE void chunk_scores(const float* qf, int64_t G, int64_t D, const T* const* k, int64_t n,
-                                        float scale, float* p) {
-  int64_t h = 0;
-  for (; h + 2 <= G; h += 2) {  // two heads x four slots: each K row loaded once for both
-    for (int64_t s = 0; s < n; s += 4) {
-      float r[8];
-      store8(r, dots8<2, 4>(qf + h * D, D, k + s) * scale);
-      std::memcpy(p + h * kPRow + s, r, 4 * sizeof(float));
-      std::memcpy(p + (h + 1) * kPRow + s, r + 4, 4 * sizeof(float));
-    }
-  }
-  for (; h < G; ++h)
-    for (int64_t s = 0; s < n; s += 8) store8(p + h * kPRow + s, dots8<1, 8>(qf + h * D, D, k + s) * scale);
-}
-
 // One online-softmax step of a head over its scores ph[first, first + n) of this chunk (chunk-
 // local slots; lanes of the 8-aligned cover outside the range become -inf): the running max m
 // and sum l updated, alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m).
@@ -364,7 +345,8 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
         }
       }
       for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
-      chunk_scores(qf, G, D, kslot + first, n, a.scale, p + first);
+      // the G heads' scores (k padded with a visible slot to a multiple of 8; scores past n unused)
+      dot_rows<kPRow>(qf, G, D, kslot + first, n, a.scale, p + first);
       for (int64_t h = 0; h < G; ++h) {
         alpha[h] = 0.f;  // a poisoned head's acc is never read again
         if (bad[h] == 0.f && !softmax_step(p + h * kPRow, first, n, m + h, l + h, alpha + h)) bad[h] = 1.f;

@@ -82,17 +82,24 @@ RAGATTN_CPU_CLONES void run_tiles_isa(const Args& a, int64_t begin, int64_t end)
   run_tiles<T>(a, begin, end);
 }
 
-// The index tensors read, checked (_check_index_values' order and messages) and completed with
-// their defaults, and the tiles of kTileRows rows within each sequence.
+// One call's inputs: the layout invariants checked, q/k/v with a unit last stride, the index
+// tensors read, checked (_check_index_values' order and messages) and completed with their
+// defaults, and the tiles of kTileRows rows within each sequence.
 struct Prepared {
+  at::Tensor q, k, v;
   std::vector<int64_t> cq, ck, qp, kp, qb, kb, run_end, seq_tiles;
   std::vector<Tile> tiles;
   bool blocks = false;
   int64_t work = 0;  // (row, key) pairs of the dense per-sequence problem (grain estimate)
 
-  Prepared(int64_t total_q, int64_t total_k, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-           const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
-           const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block) {
+  Prepared(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
+           const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& q_pos,
+           const std::optional<at::Tensor>& kv_pos, const std::optional<at::Tensor>& q_block,
+           const std::optional<at::Tensor>& kv_block, int64_t window_left) {
+    const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
+    check_layout(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
+                 {{&q_pos, total_q}, {&kv_pos, total_k}, {&q_block, total_q}, {&kv_block, total_k}});
+    TORCH_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
     cq = read_index(cu_seqlens_q);
     ck = read_index(cu_seqlens_k);
     check_offsets("cu_seqlens_q", cq, total_q);
@@ -136,10 +143,12 @@ struct Prepared {
       seq_tiles.push_back(static_cast<int64_t>(tiles.size()));
       work += (cq[b + 1] - cq[b]) * (k1 - k0);
     }
+    q = unit_last_stride(q_in);
+    k = unit_last_stride(k_in);
+    v = unit_last_stride(v_in);
   }
 
-  Args args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<double> scale, bool causal,
-            int64_t window_left) const {
+  Args args(std::optional<double> scale, bool causal, int64_t window_left) const {
     const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
     return Args{q.data_ptr(), k.data_ptr(), v.data_ptr(), nullptr, nullptr,
                 qp.data(), kp.data(), blocks ? qb.data() : nullptr, blocks ? kb.data() : nullptr,
@@ -174,16 +183,13 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
     const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block, bool causal,
     std::optional<double> scale, int64_t window_left) {
   using namespace varlen_cpu;
-  const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
-  check_layout(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
-               {{&q_pos, total_q}, {&kv_pos, total_k}, {&q_block, total_q}, {&kv_block, total_k}});
-  TORCH_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
-  const Prepared prep(total_q, total_k, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block);
-  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const Prepared prep(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, window_left);
+  const at::Tensor& q = prep.q;
+  const int64_t total_q = q.size(0);
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like the fake impl
   at::Tensor lse = at::empty({total_q, q.size(1)}, q.options().dtype(at::kFloat));
   if (total_q == 0) return {out, lse};
-  Args a = prep.args(q, k, v, scale, causal, window_left);
+  Args a = prep.args(scale, causal, window_left);
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();
   const int64_t n_tiles = static_cast<int64_t>(prep.tiles.size());
@@ -203,22 +209,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
     const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block, bool causal,
     std::optional<double> scale, int64_t window_left) {
   using namespace varlen_cpu;
-  const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
-  check_layout(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
-               {{&q_pos, total_q}, {&kv_pos, total_k}, {&q_block, total_q}, {&kv_block, total_k}});
-  TORCH_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
+  const Prepared prep(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, window_left);
+  const at::Tensor &q = prep.q, &k = prep.k, &v = prep.v;
+  const int64_t total_q = q_in.size(0);
   TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
                   dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
                   lse_in.dim() == 2 && lse_in.size(0) == total_q && lse_in.size(1) == q_in.size(1) &&
                   lse_in.scalar_type() == at::kFloat && dout_in.is_cpu() && out_in.is_cpu() && lse_in.is_cpu(),
               kOp, ": _varlen_attention_backward_cpu needs dout and out like q and lse float32 [total_q, H]");
-  const Prepared prep(total_q, total_k, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block);
-  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
   const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous(), lse = lse_in.contiguous();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  BwdArgs a{prep.args(q, k, v, scale, causal, window_left), dout.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
+  BwdArgs a{prep.args(scale, causal, window_left), dout.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), prep.seq_tiles.data(), prep.ck.data()};
   const int64_t items = (static_cast<int64_t>(prep.ck.size()) - 1) * k.size(1);
   void (*run)(const BwdArgs&, int64_t, int64_t) =

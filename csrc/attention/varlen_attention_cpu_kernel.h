@@ -149,22 +149,26 @@ RAGATTN_ALWAYS_INLINE void step_keys(const T* k_base, int64_t k_s0, const T* v_b
   }
 }
 
-// p[i * kPRow + s] = scale * x[i] . rows[s] for the nv vectors x (D apart) and the n rows (rows
-// padded to a multiple of 8 with a real row): pairs of vectors x four rows, each row loaded once
-// for both; entries past n are unspecified.
-RAGATTN_ALWAYS_INLINE void dot_rows(const float* x, int64_t nv, int64_t D, const float* const* rows, int64_t n,
-                                    float scale, float* p) {
-  int64_t i = 0;
-  for (; i + 2 <= nv; i += 2) {
-    for (int64_t s = 0; s < n; s += 4) {
-      float o[8];
-      store8(o, dots8<2, 4>(x + i * D, D, rows + s) * scale);
-      std::memcpy(p + i * kPRow + s, o, 4 * sizeof(float));
-      std::memcpy(p + (i + 1) * kPRow + s, o + 4, 4 * sizeof(float));
+// acc[h] (h < G, rows D apart) = alpha[h] acc[h] + sum of w[h * kPRow + s] * rows[s] over the
+// keys s < n a row sees (vis[s] != 0, seen of them): its masked keys dropped first (compacted into
+// pc / crow), so 0 * a non-finite row never happens; heads in pairs (each row loaded once for both).
+RAGATTN_ALWAYS_INLINE void accumulate_visible(float* acc, const float* w, const float* alpha, const float* const* rows,
+                                              const int32_t* vis, int64_t seen, int64_t n, int64_t G, int64_t D,
+                                              float* pc, const float** crow) {
+  if (seen != n) {
+    int64_t c = 0;
+    for (int64_t s = 0; s < n; ++s) {
+      if (!vis[s]) continue;
+      crow[c] = rows[s];
+      for (int64_t h = 0; h < G; ++h) pc[h * kPRow + c] = w[h * kPRow + s];
+      ++c;
     }
+    w = pc;
+    rows = crow;
   }
-  for (; i < nv; ++i)
-    for (int64_t s = 0; s < n; s += 8) store8(p + i * kPRow + s, dots8<1, 8>(x + i * D, D, rows + s) * scale);
+  int64_t h = 0;
+  for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(acc + h * D, w + h * kPRow, alpha + h, rows, seen, D);
+  for (; h < G; ++h) accumulate<1, kPRow>(acc + h * D, w + h * kPRow, alpha + h, rows, seen, D);
 }
 
 // Whether query row r sees key j by the op's rule (positions int64: no wrap at the int32 limits).
@@ -277,7 +281,7 @@ RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
       int64_t seen[kTileRows];
       step_keys(k_base, a.k_s0, v_base, a.v_s0, sc.keys.data() + c0, sc.masks.data() + c0, n, R, D, kf, vf, kptr, vptr,
                 vis, seen);
-      dot_rows(qf, nv, D, kptr, n, a.scale, p);  // scores
+      dot_rows<kPRow>(qf, nv, D, kptr, n, a.scale, p);  // scores
       for (int64_t r = 0; r < R; ++r) {
         if (seen[r] == 0) continue;
         for (int64_t h = 0; h < G; ++h) {
@@ -286,23 +290,7 @@ RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
           if (bad[iv] == 0.f && !softmax_step(p + iv * kPRow, vis[r], n8, m + iv, l + iv, alpha + iv)) bad[iv] = 1.f;
         }
         // the row's own keys: all listed keys, or its masked ones dropped (never 0 * V)
-        const float* pr = p + r * G * kPRow;
-        const float* const* vr = vptr;
-        if (seen[r] != n) {
-          int64_t c = 0;
-          for (int64_t s = 0; s < n; ++s) {
-            if (!vis[r][s]) continue;
-            vrow[c] = vptr[s];
-            for (int64_t h = 0; h < G; ++h) pc[h * kPRow + c] = pr[h * kPRow + s];
-            ++c;
-          }
-          pr = pc;
-          vr = vrow;
-        }
-        float* ar = acc + r * G * D;
-        int64_t h = 0;
-        for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(ar + h * D, pr + h * kPRow, alpha + r * G + h, vr, seen[r], D);
-        for (; h < G; ++h) accumulate<1, kPRow>(ar + h * D, pr + h * kPRow, alpha + r * G + h, vr, seen[r], D);
+        accumulate_visible(acc + r * G * D, p + r * G * kPRow, alpha + r * G, vptr, vis[r], seen[r], n, G, D, pc, vrow);
       }
     }
     // 3. normalise and store
@@ -373,6 +361,8 @@ RAGATTN_ALWAYS_INLINE void run_bwd_item(const BwdArgs& a, int64_t b, int64_t g, 
   const int64_t D = f.head_dim, H = f.num_heads, G = H / f.num_kv_heads, Hkv = f.num_kv_heads;
   const int64_t k0 = a.cu_k[b], nk = a.cu_k[b + 1] - k0;
   const float one[1] = {1.f};
+  const std::vector<float> ones_g(G, 1.f);
+  const float* ones = ones_g.data();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const int64_t nvmax = kTileRows * G;
   float* qf = sc.buf.data();          // [nv, D] q rows (vector r * G + h)
@@ -435,8 +425,8 @@ RAGATTN_ALWAYS_INLINE void run_bwd_item(const BwdArgs& a, int64_t b, int64_t g, 
       const int32_t* keys = sc.keys.data() + c0;
       int64_t seen[kTileRows];
       step_keys(k_base, f.k_s0, v_base, f.v_s0, keys, sc.masks.data() + c0, n, R, D, kf, vf, kptr, vptr, vis, seen);
-      dot_rows(qf, nv, D, kptr, n, f.scale, p);
-      dot_rows(df, nv, D, vptr, n, 1.f, dp);
+      dot_rows<kPRow>(qf, nv, D, kptr, n, f.scale, p);
+      dot_rows<kPRow>(df, nv, D, vptr, n, 1.f, dp);
       for (int64_t iv = 0; iv < nv; ++iv) {  // P and dS, 8 lanes (masked lanes: P 0, never summed)
         const int32_t* vr = vis[iv / G];
         const v8f l8 = v8f{} + lse[iv], d8 = v8f{} + di[iv];
@@ -453,23 +443,7 @@ RAGATTN_ALWAYS_INLINE void run_bwd_item(const BwdArgs& a, int64_t b, int64_t g, 
       // dq: each row over its own keys
       for (int64_t r = 0; r < R; ++r) {
         if (seen[r] == 0) continue;
-        const float* sr = dp + r * G * kPRow;
-        const float* const* kr = kptr;
-        if (seen[r] != n) {
-          int64_t c = 0;
-          for (int64_t s = 0; s < n; ++s) {
-            if (!vis[r][s]) continue;
-            krow[c] = kptr[s];
-            for (int64_t h = 0; h < G; ++h) pc[h * kPRow + c] = sr[h * kPRow + s];
-            ++c;
-          }
-          sr = pc;
-          kr = krow;
-        }
-        const float ones[2] = {1.f, 1.f};
-        int64_t h = 0;
-        for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(dqa + (r * G + h) * D, sr + h * kPRow, ones, kr, seen[r], D);
-        for (; h < G; ++h) accumulate<1, kPRow>(dqa + (r * G + h) * D, sr + h * kPRow, ones, kr, seen[r], D);
+        accumulate_visible(dqa + r * G * D, dp + r * G * kPRow, ones, kptr, vis[r], seen[r], n, G, D, pc, krow);
       }
       // dk, dv: each key over the vectors that see it
       const float** qrows = sc.rows.data();
