@@ -140,10 +140,13 @@ void copy_pass(const Side& dst, const Side& src, const void* src_idx, bool src64
   at::parallel_for(0, n, rows_per_task(row_elements), [&](int64_t begin, int64_t end) {
     const RowAngles angles(rot.delta, rot.inv_freq, half, begin, end);
     std::vector<int64_t> so(end - begin), dof(end - begin);  // the rows' element offsets in a layer
-    for (int64_t r = begin; r < end; ++r) {
-      so[r - begin] = kv_cache::row_offset(src.lk, kv_cache::load_index(src_idx, src64, r));
-      dof[r - begin] = kv_cache::row_offset(dst.lk, kv_cache::load_index(dst_idx, dst64, r));
-    }
+    auto row_offsets = [&](const RowLayout& src_layout, const RowLayout& dst_layout) {
+      for (int64_t r = begin; r < end; ++r) {
+        so[r - begin] = kv_cache::row_offset(src_layout, kv_cache::load_index(src_idx, src64, r));
+        dof[r - begin] = kv_cache::row_offset(dst_layout, kv_cache::load_index(dst_idx, dst64, r));
+      }
+    };
+    row_offsets(src.lk, dst.lk);
     for (size_t l = 0; l < dst.k.size(); ++l) {
       const T* sl = static_cast<const T*>(src.k[l]);
       T* dl = static_cast<T*>(dst.k[l]);
@@ -157,10 +160,7 @@ void copy_pass(const Side& dst, const Side& src, const void* src_idx, bool src64
       }
     }
     if (dst.v.empty()) return;
-    for (int64_t r = begin; r < end; ++r) {
-      so[r - begin] = kv_cache::row_offset(src.lv, kv_cache::load_index(src_idx, src64, r));
-      dof[r - begin] = kv_cache::row_offset(dst.lv, kv_cache::load_index(dst_idx, dst64, r));
-    }
+    row_offsets(src.lv, dst.lv);
     for (size_t l = 0; l < dst.v.size(); ++l) {
       const T* sl = static_cast<const T*>(src.v[l]);
       T* dl = static_cast<T*>(dst.v[l]);
