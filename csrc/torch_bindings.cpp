@@ -67,6 +67,12 @@ TORCH_LIBRARY(ragattn, m) {
   m.def(
       "_paged_attention_cpu_backend(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, "
       "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left) -> (Tensor out, Tensor lse)");
+  //    varlen_attention's default CPU forward (C++), called by its Python impl after the metadata
+  //    checks; the backward stays on the Python path (it takes this forward's out and lse).
+  m.def(
+      "_varlen_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, Tensor? kv_block, bool causal, float? scale, "
+      "int window_left) -> (Tensor out, Tensor lse)");
   m.def(
       "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
       "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
@@ -95,6 +101,7 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   m.impl("paged_attention", &ragattn::paged_attention_cpu);
   m.impl("paged_attention.out", &ragattn::paged_attention_out_cpu);
   m.impl("_merge_attention_states_cpu", &ragattn::merge_attention_states_cpu);
+  m.impl("_varlen_attention_cpu", &ragattn::varlen_attention_cpu);
 }
 
 #ifdef RAGATTN_WITH_CUDA

@@ -363,12 +363,11 @@ def test_paged_cache_sliding_window_equals_sdpa(monkeypatch, cpu_sdpa):
 def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
     """Issue 15.6: a padded prefill packs its rows once per forward (layer 0) and every later layer
     reuses that plan; the varlen op then sees the very same index tensors, so its tile-plan cache
-    hits instead of re-planning per layer (the old path built new cu/pos tensors per layer)."""
-    from ragattn.ops import _varlen_sdpa_cpu
-
+    hits instead of re-planning per layer (the old path built new cu/pos tensors per layer; the
+    default CPU forward, C++, plans nothing: every layer's call gets the same index objects)."""
     model = _model(num_hidden_layers=3)
     ids, mask = _inputs(2, True, n=13, seed=4)
-    plans, tile_plans = [], []
+    plans, index_args = [], []
 
     class CountedPlan(hfattn._Plan):
         __slots__ = ()
@@ -376,17 +375,17 @@ def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
         def __init__(self):
             plans.append(1)
 
-    def counted_tile_plan(*a, _f=_varlen_sdpa_cpu.plan):
-        tile_plans.append(1)
-        return _f(*a)
+    def recorded_varlen(*a, _f=hfattn._ops.varlen_attention, **kw):
+        index_args.append(a[3:7])  # cu_q, cu_k, q_pos, kv_pos
+        return _f(*a, **kw)
 
     monkeypatch.setattr(hfattn, "_Plan", CountedPlan)
-    monkeypatch.setattr(_varlen_sdpa_cpu, "plan", counted_tile_plan)
+    monkeypatch.setattr(hfattn._ops, "varlen_attention", recorded_varlen)
     monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
-    _varlen_sdpa_cpu._PLAN_CACHE.clear()
     with use_ragattn(model), torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    assert len(plans) == 1 and len(tile_plans) == 1, (len(plans), len(tile_plans))
+    assert len(plans) == 1 and len(index_args) == 3, (len(plans), len(index_args))
+    assert all(x is y for a in index_args[1:] for x, y in zip(index_args[0], a))
     want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/cpu_attention_blocks_c10.h"
 #include "attention/softmax_math.h"
 #include "common/cpu_isa.h"
 #include "common/vec8.h"
@@ -252,56 +253,6 @@ struct PagedArgs {
   int64_t window_left;
 };
 
-template <typename T>
-RAGATTN_ALWAYS_INLINE v8f load8(const T* p) {
-  float tmp[8];
-  for (int u = 0; u < 8; ++u) tmp[u] = static_cast<float>(p[u]);
-  v8f r;
-  std::memcpy(&r, tmp, sizeof(r));
-  return r;
-}
-
-template <>
-RAGATTN_ALWAYS_INLINE v8f load8<float>(const float* p) {
-  v8f r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-template <>
-RAGATTN_ALWAYS_INLINE v8f load8<c10::BFloat16>(const c10::BFloat16* p) {
-  return bf16x8_to_float(p);
-}
-
-template <>
-RAGATTN_ALWAYS_INLINE v8f load8<c10::Half>(const c10::Half* p) {
-  return f16x8_to_float(p);
-}
-
-RAGATTN_ALWAYS_INLINE void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
-
-// Dot products of NQ query vectors (qf, qf + D, ...) with NS key rows k[0..NS) (NQ * NS == 8):
-// lane iq * NS + s = qf[iq] . k[s], summed in float in one fixed order whatever NQ, NS (8-lane
-// partial sums over D, reduce8's tree, then the head dims past the last multiple of 8).
-template <int NQ, int NS, typename T>
-RAGATTN_ALWAYS_INLINE v8f dots8(const float* qf, int64_t D, const T* const* k) {
-  static_assert(NQ * NS == 8, "eight dot products per call");
-  v8f acc[8] = {};
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    v8f kd[NS];
-    for (int s = 0; s < NS; ++s) kd[s] = load8(k[s] + d);
-    for (int iq = 0; iq < NQ; ++iq) {
-      const v8f x = load8(qf + iq * D + d);
-      for (int s = 0; s < NS; ++s) acc[iq * NS + s] += x * kd[s];
-    }
-  }
-  v8f r = reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
-  for (; d < D; ++d)
-    for (int iq = 0; iq < NQ; ++iq)
-      for (int s = 0; s < NS; ++s) r[iq * NS + s] += qf[iq * D + d] * static_cast<float>(k[s][d]);
-  return r;
-}
 
 // Scores of the G heads (rows of qf) with the n slots k[0..n): p[h * kPRow + s] = scale * dot.
 // k and p's rows have room for a multiple of 8 entries: the caller pads k with a visible slot,
@@ -359,42 +310,6 @@ RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, flo
   return true;
 }
 
-// acc[h][0:D] = alpha[h] * acc[h][0:D] + sum_s p[h][s] * v[s][0:D] for NH heads (acc rows D
-// apart, p rows kPRow apart), d in blocks of DB vectors kept in registers over all n slots.
-template <int NH, int DB, typename T>
-RAGATTN_ALWAYS_INLINE int64_t accumulate_block(float* acc, const float* p, const float* alpha, const T* const* v,
-                                               int64_t n, int64_t D, int64_t d) {
-  for (; d + 8 * DB <= D; d += 8 * DB) {
-    v8f a[NH][DB];
-    for (int h = 0; h < NH; ++h)
-      for (int u = 0; u < DB; ++u) a[h][u] = load8(acc + h * D + d + 8 * u) * alpha[h];
-    for (int64_t s = 0; s < n; ++s) {
-      v8f x[DB];
-      for (int u = 0; u < DB; ++u) x[u] = load8(v[s] + d + 8 * u);
-      for (int h = 0; h < NH; ++h) {
-        const float w = p[h * kPRow + s];
-        for (int u = 0; u < DB; ++u) a[h][u] += w * x[u];
-      }
-    }
-    for (int h = 0; h < NH; ++h)
-      for (int u = 0; u < DB; ++u) store8(acc + h * D + d + 8 * u, a[h][u]);
-  }
-  return d;
-}
-
-template <int NH, typename T>
-RAGATTN_ALWAYS_INLINE void accumulate(float* acc, const float* p, const float* alpha, const T* const* v, int64_t n,
-                                      int64_t D) {
-  int64_t d = accumulate_block<NH, 8 / NH>(acc, p, alpha, v, n, D, 0);
-  d = accumulate_block<NH, 1>(acc, p, alpha, v, n, D, d);
-  for (; d < D; ++d) {  // head dims that are not a multiple of 8
-    for (int h = 0; h < NH; ++h) {
-      float a = acc[h * D + d] * alpha[h];
-      for (int64_t s = 0; s < n; ++s) a += p[h * kPRow + s] * static_cast<float>(v[s][d]);
-      acc[h * D + d] = a;
-    }
-  }
-}
 
 // Query rows x kv heads [begin, end): item = row * num_kv_heads + kv_head.
 template <typename T>
@@ -456,8 +371,8 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
       }
       // heads in pairs: each V row loaded once for both
       int64_t h = 0;
-      for (; h + 2 <= G; h += 2) accumulate<2>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
-      for (; h < G; ++h) accumulate<1>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
+      for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
+      for (; h < G; ++h) accumulate<1, kPRow>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
     }
     for (int64_t h = 0; h < G; ++h) {
       const int64_t head = g * G + h;

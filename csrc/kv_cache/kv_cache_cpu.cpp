@@ -1,8 +1,8 @@
 // CPU twins of rerotate_keys_ and copy_kv_: same validation and same per-element math
-// (rope_math.h, row_layout.h) as the CUDA kernels. Parallel over rows (at::parallel_for on torch's
-// OpenMP threads, setup.py): every row is written by one thread in one fixed order, so results are
-// bit-identical at any thread count; each row's cos/sin are computed once and reused across every
-// layer and head.
+// (rope_math.h, row_layout.h) as the CUDA kernels. Parallel over layers (at::parallel_for on torch's
+// OpenMP threads, setup.py): every row of a layer is written by one thread with the same math, so
+// results are bit-identical at any thread count; each delta's cos/sin are computed once per block
+// of rows and reused across every layer and head.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -26,8 +26,31 @@ void row_cos_sin(int32_t d, const float* inv_freq, int64_t half, float* c, float
   for (int64_t i = 0; i < half; ++i) rope::angle_cos_sin(d, inv_freq[i], &c[i], &s[i]);
 }
 
+// Rotate the first `rotary_dim` dims of `heads` consecutive heads in place.
+template <typename T>
+void rotate_row(T* row, int64_t heads, int64_t head_dim, int64_t rotary_dim, bool interleaved, const float* c,
+                const float* s) {
+  const int64_t half = rotary_dim / 2;
+  if (!interleaved) {  // NeoX halves: two contiguous runs, a loop the compiler vectorises
+    for (int64_t h = 0; h < heads; ++h) {
+      T* __restrict__ x = row + h * head_dim;
+      T* __restrict__ y = x + half;
+      for (int64_t i = 0; i < half; ++i) rope::rotate_stored_pair(&x[i], &y[i], c[i], s[i]);
+    }
+    return;
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x = row + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const int a = rope::pair_first(static_cast<int>(i), static_cast<int>(rotary_dim), interleaved);
+      const int b = rope::pair_second(static_cast<int>(i), static_cast<int>(rotary_dim), interleaved);
+      rope::rotate_stored_pair(&x[a], &x[b], c[i], s[i]);
+    }
+  }
+}
+
 // out[0:rotary_dim] = in[0:rotary_dim] of one head rotated by the angles c, s (NeoX halves or GPT-J
-// pairs, a compile-time choice so that the loop vectorises): rope_math.h's pair rotation in fp32.
+// pairs, a compile-time choice so that the loop vectorises): rotate_row's math out of place.
 template <bool kInterleaved, typename T>
 void rotate_dims(T* __restrict__ out, const T* __restrict__ in, int64_t rotary_dim, const float* c, const float* s) {
   for (int64_t i = 0; i < rotary_dim / 2; ++i) {
@@ -40,71 +63,27 @@ void rotate_dims(T* __restrict__ out, const T* __restrict__ in, int64_t rotary_d
   }
 }
 
-template <typename T>
-void rotate_dims(T* out, const T* in, int64_t rotary_dim, bool interleaved, const float* c, const float* s) {
-  if (interleaved) {
-    rotate_dims<true>(out, in, rotary_dim, c, s);
-  } else {
-    rotate_dims<false>(out, in, rotary_dim, c, s);
-  }
-}
-
-// Rotate the first `rotary_dim` dims of `heads` consecutive heads in place (through a copy of
-// each head's rotated dims, so that rotate_dims reads and writes disjoint memory).
-template <typename T>
-void rotate_row(T* row, int64_t heads, int64_t head_dim, int64_t rotary_dim, bool interleaved, const float* c,
-                const float* s, T* scratch) {
-  for (int64_t h = 0; h < heads; ++h) {
-    std::memcpy(scratch, row + h * head_dim, rotary_dim * sizeof(T));
-    rotate_dims(row + h * head_dim, scratch, rotary_dim, interleaved, c, s);
-  }
-}
-
-// dst row <- src row with the first `rotary_dim` dims of every head rotated: one pass, each
-// element written once.
+// dst row <- src row with the first `rotary_dim` dims of every head rotated, in one pass (a
+// memcpy then rotate_row in place over the same row cost ~1.3x more on SmolLM2's assembly).
 template <typename T>
 void copy_rotated_row(T* dst, const T* src, int64_t heads, int64_t head_dim, int64_t rotary_dim, bool interleaved,
                       const float* c, const float* s) {
   for (int64_t h = 0; h < heads; ++h) {
-    rotate_dims(dst + h * head_dim, src + h * head_dim, rotary_dim, interleaved, c, s);
-    if (rotary_dim < head_dim)
-      std::memcpy(dst + h * head_dim + rotary_dim, src + h * head_dim + rotary_dim, (head_dim - rotary_dim) * sizeof(T));
+    T* y = dst + h * head_dim;
+    const T* x = src + h * head_dim;
+    if (interleaved) {
+      rotate_dims<true>(y, x, rotary_dim, c, s);
+    } else {
+      rotate_dims<false>(y, x, rotary_dim, c, s);
+    }
+    if (rotary_dim < head_dim) std::memcpy(y + rotary_dim, x + rotary_dim, (head_dim - rotary_dim) * sizeof(T));
   }
 }
 
-// The rotations of rows [begin, end) of a call: cos/sin computed once per run of equal deltas
-// (the rows of a chunk share one), and nothing for rows of delta 0 (identity) or without delta.
-class RowAngles {
- public:
-  RowAngles(const int32_t* delta, const float* inv_freq, int64_t half, int64_t begin, int64_t end)
-      : half_(half), entry_(end - begin, -1) {
-    if (delta == nullptr) return;
-    int64_t runs = 0;
-    for (int64_t r = begin; r < end; ++r) {
-      if (delta[r] == 0) continue;
-      if (runs == 0 || delta[r] != last_) {
-        table_.resize((runs + 1) * 2 * half);
-        row_cos_sin(delta[r], inv_freq, half, &table_[runs * 2 * half], &table_[runs * 2 * half + half]);
-        last_ = delta[r];
-        ++runs;
-      }
-      entry_[r - begin] = runs - 1;
-    }
-  }
-  // cos of row begin + i (its sin follows at + half), nullptr: the row is not rotated
-  const float* cos(int64_t i) const { return entry_[i] < 0 ? nullptr : &table_[entry_[i] * 2 * half_]; }
-
- private:
-  int64_t half_;
-  int32_t last_ = 0;
-  std::vector<int64_t> entry_;
-  std::vector<float> table_;
-};
-
-// Rows per parallel task: about at::internal::GRAIN_SIZE elements each, so that a call of a few
-// rows (a decode step's append) runs inline, without an OpenMP region.
-int64_t rows_per_task(int64_t elements_per_row) {
-  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, elements_per_row));
+// Work items per parallel task: about at::internal::GRAIN_SIZE elements each, so that a small
+// call (a decode step's append of one row) runs inline, without an OpenMP region.
+int64_t items_per_task(int64_t elements_per_item) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, elements_per_item));
 }
 
 std::vector<void*> data_ptrs(at::TensorList layers) {
@@ -126,47 +105,72 @@ struct Rotation {
   bool interleaved = false;
 };
 
+// Rows per block of a call: the block's cos/sin tables are computed first (at most kBlockRows x
+// rotary_dim floats), then each layer of the block is one task.
+constexpr int64_t kBlockRows = 4096;
+
+// cos/sin of the rotations of rows [r0, r1): run[r - r0] indexes the row's entry of c and s (rows
+// of a chunk share their delta, hence one entry), -1 where the delta is 0 (identity).
+struct BlockAngles {
+  std::vector<int32_t> run;
+  std::vector<float> c, s;
+};
+
+BlockAngles block_angles(const int32_t* delta, const float* inv_freq, int64_t half, int64_t r0, int64_t r1) {
+  BlockAngles a;
+  a.run.assign(r1 - r0, -1);
+  std::vector<int32_t> runs;  // the delta of each entry
+  for (int64_t r = r0; r < r1; ++r) {
+    if (delta[r] == 0) continue;
+    if (runs.empty() || runs.back() != delta[r]) runs.push_back(delta[r]);
+    a.run[r - r0] = static_cast<int32_t>(runs.size() - 1);
+  }
+  a.c.resize(runs.size() * half);
+  a.s.resize(runs.size() * half);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), items_per_task(half * 16), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) row_cos_sin(runs[i], inv_freq, half, &a.c[i * half], &a.s[i * half]);
+  });
+  return a;
+}
+
 // dst row dst_idx[n] <- src row src_idx[n] in every layer (an index of nullptr is the identity),
 // K rotated by delta[n] when given. Rows of one call never overlap (validate_copy / staging).
-// A task takes a range of rows and copies them layer by layer: each layer's rows then stream
-// through memory in order (one row across all 2L layers at a time is 4L streams, more than the
-// hardware prefetchers follow: about half the speed on SmolLM2's 30 layers).
+// Layer-major: a task streams one layer's rows (K or V) of a block, so the memory seen at once is
+// a few runs of rows, not 2 x layers of them (row-major over the layers ran at ~half the copy
+// bandwidth on a 30-layer cache).
 template <typename T>
 void copy_pass(const Side& dst, const Side& src, const void* src_idx, bool src64, const void* dst_idx, bool dst64,
                int64_t n, int64_t k_heads, int64_t k_head_dim, int64_t v_row, const Rotation& rot) {
   const int64_t k_row = k_heads * k_head_dim, half = rot.rotary_dim / 2;
   const size_t kb = k_row * sizeof(T), vb = v_row * sizeof(T);
-  const int64_t row_elements = static_cast<int64_t>(dst.k.size()) * k_row + static_cast<int64_t>(dst.v.size()) * v_row;
-  at::parallel_for(0, n, rows_per_task(row_elements), [&](int64_t begin, int64_t end) {
-    const RowAngles angles(rot.delta, rot.inv_freq, half, begin, end);
-    std::vector<int64_t> so(end - begin), dof(end - begin);  // the rows' element offsets in a layer
-    auto row_offsets = [&](const RowLayout& src_layout, const RowLayout& dst_layout) {
-      for (int64_t r = begin; r < end; ++r) {
-        so[r - begin] = kv_cache::row_offset(src_layout, kv_cache::load_index(src_idx, src64, r));
-        dof[r - begin] = kv_cache::row_offset(dst_layout, kv_cache::load_index(dst_idx, dst64, r));
-      }
-    };
-    row_offsets(src.lk, dst.lk);
-    for (size_t l = 0; l < dst.k.size(); ++l) {
-      const T* sl = static_cast<const T*>(src.k[l]);
-      T* dl = static_cast<T*>(dst.k[l]);
-      for (int64_t i = 0; i < end - begin; ++i) {
-        const float* c = angles.cos(i);
-        if (c == nullptr) {
-          std::memcpy(dl + dof[i], sl + so[i], kb);
-        } else {
-          copy_rotated_row(dl + dof[i], sl + so[i], k_heads, k_head_dim, rot.rotary_dim, rot.interleaved, c, c + half);
+  const int64_t nk = static_cast<int64_t>(dst.k.size()), nv = static_cast<int64_t>(dst.v.size());
+  for (int64_t r0 = 0; r0 < n; r0 += kBlockRows) {
+    const int64_t r1 = std::min(n, r0 + kBlockRows);
+    const BlockAngles a = rot.delta ? block_angles(rot.delta, rot.inv_freq, half, r0, r1) : BlockAngles{};
+    at::parallel_for(0, nk + nv, items_per_task((r1 - r0) * std::max(k_row, v_row)), [&](int64_t b, int64_t e) {
+      for (int64_t item = b; item < e; ++item) {
+        const bool is_k = item < nk;
+        const int64_t l = is_k ? item : item - nk;
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t sr = kv_cache::load_index(src_idx, src64, r), dr = kv_cache::load_index(dst_idx, dst64, r);
+          if (!is_k) {
+            std::memcpy(static_cast<T*>(dst.v[l]) + kv_cache::row_offset(dst.lv, dr),
+                        static_cast<const T*>(src.v[l]) + kv_cache::row_offset(src.lv, sr), vb);
+            continue;
+          }
+          T* d = static_cast<T*>(dst.k[l]) + kv_cache::row_offset(dst.lk, dr);
+          const T* x = static_cast<const T*>(src.k[l]) + kv_cache::row_offset(src.lk, sr);
+          const int32_t run = rot.delta ? a.run[r - r0] : -1;
+          if (run >= 0) {
+            copy_rotated_row(d, x, k_heads, k_head_dim, rot.rotary_dim, rot.interleaved, &a.c[run * half],
+                             &a.s[run * half]);
+          } else {
+            std::memcpy(d, x, kb);
+          }
         }
       }
-    }
-    if (dst.v.empty()) return;
-    row_offsets(src.lv, dst.lv);
-    for (size_t l = 0; l < dst.v.size(); ++l) {
-      const T* sl = static_cast<const T*>(src.v[l]);
-      T* dl = static_cast<T*>(dst.v[l]);
-      for (int64_t i = 0; i < end - begin; ++i) std::memcpy(dl + dof[i], sl + so[i], vb);
-    }
-  });
+    });
+  }
 }
 
 // Per-layer views of a staging tensor [L, n, H, D] and their (one-level) row layout.
@@ -190,24 +194,23 @@ void rerotate_keys_cpu(at::TensorList k_layers, const at::Tensor& rows, const at
   const float* fp = freq_c.data_ptr<float>();
   const std::vector<void*> bases = data_ptrs(k_layers);
   const int64_t half = rotary_dim / 2;
+  const int64_t nl = static_cast<int64_t>(bases.size());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_layers[0].scalar_type(), "rerotate_keys_cpu", [&] {
-    const int64_t row_elements = static_cast<int64_t>(bases.size()) * g.heads * g.head_dim;
-    at::parallel_for(0, n, rows_per_task(row_elements), [&](int64_t begin, int64_t end) {
-      // rows x layers, layer by layer (as copy_pass)
-      const RowAngles angles(dp, fp, half, begin, end);
-      std::vector<int64_t> off(end - begin);
-      for (int64_t r = begin; r < end; ++r)
-        off[r - begin] = kv_cache::row_offset(g.layout, kv_cache::load_index(rp, r64, r));
-      std::vector<scalar_t> scratch(rotary_dim);
-      for (void* base : bases) {
-        for (int64_t i = 0; i < end - begin; ++i) {
-          const float* c = angles.cos(i);
-          if (c == nullptr) continue;  // identity
-          rotate_row(static_cast<scalar_t*>(base) + off[i], g.heads, g.head_dim, rotary_dim, interleaved, c, c + half,
-                     scratch.data());
+    for (int64_t r0 = 0; r0 < n; r0 += kBlockRows) {  // layer-major, as copy_pass
+      const int64_t r1 = std::min(n, r0 + kBlockRows);
+      const BlockAngles a = block_angles(dp, fp, half, r0, r1);
+      at::parallel_for(0, nl, items_per_task((r1 - r0) * g.heads * g.head_dim), [&](int64_t b, int64_t e) {
+        for (int64_t l = b; l < e; ++l) {
+          for (int64_t r = r0; r < r1; ++r) {
+            const int32_t run = a.run[r - r0];
+            if (run < 0) continue;  // identity
+            const int64_t off = kv_cache::row_offset(g.layout, kv_cache::load_index(rp, r64, r));
+            rotate_row(static_cast<scalar_t*>(bases[l]) + off, g.heads, g.head_dim, rotary_dim, interleaved,
+                       &a.c[run * half], &a.s[run * half]);
+          }
         }
-      }
-    });
+      });
+    }
   });
 }
 

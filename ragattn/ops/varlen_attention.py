@@ -1,8 +1,10 @@
 """``ragattn.varlen_attention``: packed prefill with position/block masks, never materialised.
 
 Dispatch: CUDA tensors run the Triton kernels (triton_kernels/varlen_attention.py); CPU tensors
-run torch's fused CPU flash attention forward and backward (``_varlen_sdpa_cpu``; the reference
-where its result is non-finite), the plain-torch reference with ``RAGATTN_CPU_BACKEND=reference``,
+run the C++ forward (``ragattn::_varlen_attention_cpu``, csrc/attention/varlen_attention_cpu.cpp;
+dense float32 calls where torch's fused CPU flash attention is faster take that, ``_varlen_sdpa_cpu``)
+and the fused CPU flash attention backward (``_varlen_sdpa_cpu``; the reference where a fused
+result is non-finite), the plain-torch reference with ``RAGATTN_CPU_BACKEND=reference``,
 or the Triton kernels in the interpreter with ``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
 two with a mask: 80, 96, 112 included); larger head dims and float64 inputs always take the
 reference (on any device, O(L^2) memory). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
@@ -237,9 +239,37 @@ def _use_triton(q: torch.Tensor) -> bool:
 
 
 def _use_sdpa_cpu(q: torch.Tensor) -> bool:
-    """The default CPU path (``_varlen_sdpa_cpu``) for fp16/bf16/fp32 CPU inputs; the caller
-    reruns the reference where it returns a non-finite value (it may come from a masked key)."""
+    """The default CPU paths (the C++ forward, ``_varlen_sdpa_cpu``'s backward) for fp16/bf16/fp32
+    CPU inputs; the caller reruns the reference where the SDPA backward returns a non-finite value
+    (it may come from a masked key)."""
     return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
+
+
+def _cpu_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
+    """The default CPU forward: ``ragattn::_varlen_attention_cpu`` (csrc/attention/varlen_attention_cpu.cpp,
+    after ``_validate``'s metadata checks; it runs the index-value checks itself). It reads only
+    each row's visible keys: masked non-finite K/V never reach a result, no reference rerun."""
+    return torch.ops.ragattn._varlen_attention_cpu.default(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
+                                                           kv_block, causal, scale, window_left)
+
+
+# Dense calls (non-causal, no window, no blocks: every key of a sequence visible to each of its
+# rows, e.g. REFRAG's chunk encoder) of float32 rows run faster in torch's fused CPU attention,
+# unmasked at GEMM speed, than in the C++ kernel from about this many (row, key) pairs on. Fused /
+# C++ time, one thread, h9 kv3 d64, interleaved: 16 sequences x 16 tokens 1.27, 16 x 32 0.94,
+# 16 x 64 0.88, 1 x 512 0.72; bf16 8 x 100 1.04. Masked calls do fewer pairs in C++ and stay there.
+_SDPA_DENSE_MIN_PAIRS, _SDPA_DENSE_MIN_SEQ_PAIRS = 8192, 512
+
+
+def _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left) -> bool:
+    if causal or window_left >= 0 or q_block is not None or kv_block is not None or q.dtype != torch.float32:
+        return False
+    if q.shape[0] * k.shape[0] < _SDPA_DENSE_MIN_PAIRS:
+        return False
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lens = [(cq[i + 1] - cq[i]) * (ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
+    pairs = sum(lens)
+    return pairs >= _SDPA_DENSE_MIN_PAIRS and pairs >= _SDPA_DENSE_MIN_SEQ_PAIRS * sum(1 for n in lens if n)
 
 
 def _contig(*ts):
@@ -250,6 +280,8 @@ def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
     index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
     _validate(q, k, v, *index, scale, window_left, check_values=False)
     if _use_sdpa_cpu(q):
+        if not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left):
+            return _cpu_forward(q, k, v, *index, causal, scale, window_left)
         out, lse = _sdpa_cpu.run_forward(q, k, v, *index, causal, scale, window_left,
                                          check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
         if not _sdpa_cpu.has_nonfinite(out):
@@ -275,6 +307,12 @@ def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+@torch.library.register_fake("ragattn::_varlen_attention_cpu")
+def _varlen_attention_cpu_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
+    return _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale,
+                                  window_left)
+
+
 @torch.library.impl("ragattn::varlen_attention.out", ("CPU", "CUDA"))
 def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None,
                                causal=True, scale=None, window_left=-1, *, out, lse_out):
@@ -289,8 +327,12 @@ def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, 
         return
     o = None
     if _use_sdpa_cpu(q):
-        o, l = _sdpa_cpu.run_forward(*args, causal, scale, window_left)
-    if o is None or _sdpa_cpu.has_nonfinite(o):
+        if not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left):
+            o, l = _cpu_forward(*args, causal, scale, window_left)
+        else:
+            o, l = _sdpa_cpu.run_forward(*args, causal, scale, window_left)
+            o = None if _sdpa_cpu.has_nonfinite(o) else o
+    if o is None:
         with torch.no_grad():
             o, l = _ref(*args, causal, scale, window_left)
     out.copy_(o)

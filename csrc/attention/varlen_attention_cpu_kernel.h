@@ -1,0 +1,312 @@
+// The CPU kernel of ragattn::varlen_attention's forward, framework-free (no torch headers: the
+// element type T is a template parameter; varlen_attention_cpu.cpp instantiates it for float,
+// c10::Half and c10::BFloat16 with cpu_attention_blocks_c10.h's widening loads).
+//
+// Work item: a tile of up to kTileRows consecutive query rows of one sequence. Per tile, the keys
+// visible to at least one of its rows are listed once (with a per-key bit mask of the rows that
+// see it): when the sequence's kv_pos are non-decreasing, each row's [q_pos - window_left, q_pos]
+// range is found by binary search and only blocks need a per-key test; otherwise every key of the
+// sequence is tested. A key no row of the tile sees is never read. Then per kv head, the tile's
+// rows x the GQA group's heads (up to kTileRows * G query vectors) run an online softmax over the
+// list in steps of kChunk keys: each K row is loaded once for a pair of query vectors (eight dot
+// products per horizontal reduction), a masked (row, key) pair's score is replaced by -inf (a
+// select, never arithmetic), and each visible V row is accumulated into register-resident outputs
+// for two heads of a row at a time (a row's masked keys are dropped from its list first, so
+// 0 * NaN never happens). Results depend only on the row's own visible keys and the tiling of its
+// sequence, never on the thread count.
+//
+// Semantics (the op's docstring, ragattn/ops/varlen_attention.py): a visible score that is NaN or
+// +inf makes the (row, head) NaN in out and lse; -inf scores get weight 0 (as in the reference);
+// a non-finite visible V element follows IEEE arithmetic; a row whose visible scores are all -inf,
+// or that sees no key, gets out 0 (NaN where 0 * a non-finite V) and lse -inf.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "attention/cpu_attention_blocks.h"
+#include "attention/softmax_math.h"
+#include "common/cpu_isa.h"
+#include "common/vec8.h"
+
+namespace ragattn {
+namespace varlen_cpu {
+
+constexpr int64_t kTileRows = 4;      // query rows per work item (<= 8: one bit each in a key's mask)
+constexpr int64_t kChunk = 64;        // keys per online-softmax step (a multiple of 8)
+constexpr int64_t kPRow = kChunk + 8;  // a query vector's score row: whole 8-lane blocks past n
+
+struct Tile {
+  int64_t r0, r1;  // query rows [r0, r1), one sequence
+  int64_t k0, k1;  // the sequence's keys [k0, k1)
+  bool kv_sorted;  // kv_pos non-decreasing over [k0, k1)
+};
+
+struct Args {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;    // [total_q, H, D], row stride o_s0, head stride o_s1, unit last stride
+  float* lse;   // [total_q, H] contiguous
+  const int64_t* q_pos;  // [total_q] (defaults materialised)
+  const int64_t* kv_pos;  // [total_k]
+  const int64_t* q_block;  // [total_q], nullptr: no block test (every id -1)
+  const int64_t* kv_block;  // [total_k]
+  const int64_t* kv_run_end;  // [total_k] with blocks: the end of the run of equal kv_block ids at j
+  const Tile* tiles;
+  int64_t num_heads, num_kv_heads, head_dim;
+  int64_t q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, o_s0, o_s1;
+  float scale;
+  bool causal;
+  int64_t window_left;
+};
+
+// One online-softmax step of a query vector over its scores ph[0, n8) (n8 a multiple of 8) with
+// the visibility lanes vis[0, n8) (-1: visible): masked lanes become -inf, then the running max m
+// and sum l are updated, alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m).
+// Returns false (and changes nothing else) when a visible score is NaN or +inf.
+RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, const int32_t* vis, int64_t n8, float* m, float* l, float* alpha) {
+  const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
+  const v8f minus_inf = v8f{} - inf;
+  v8f vmax = minus_inf;
+  v8i bad = {};
+  for (int64_t s = 0; s < n8; s += 8) {
+    v8i visible;
+    std::memcpy(&visible, vis + s, sizeof(visible));
+    v8f x = load8(ph + s);
+    bad |= visible & ~(x <= big);  // NaN compares false; -inf is a valid score (weight 0)
+    x = visible ? x : minus_inf;
+    vmax = x > vmax ? x : vmax;
+    store8(ph + s, x);
+  }
+  for (int u = 0; u < 8; ++u)
+    if (bad[u]) return false;
+  float cmax = vmax[0];
+  for (int u = 1; u < 8; ++u) cmax = vmax[u] > cmax ? vmax[u] : cmax;
+  const float m_new = std::max(*m, cmax);
+  *alpha = softmax::rescale(*m, m_new);
+  v8f sum = {};
+  for (int64_t s = 0; s < n8; s += 8) {
+    // -inf lanes give 0 (and NaN lanes, from -inf - -inf while every score so far is -inf)
+    const v8f e = exp8_nonpositive(load8(ph + s) - m_new);
+    store8(ph + s, e);
+    sum += e;
+  }
+  *l = *l * *alpha + hsum8(sum);
+  *m = m_new;
+  return true;
+}
+
+// rows[0, n) of D elements as float rows: the rows themselves for float, else widened into buf.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void widen_rows(const T* const* rows, int64_t n, int64_t D, float* buf, const float** out) {
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t s = 0; s < n; ++s) out[s] = rows[s];
+  } else {
+    for (int64_t s = 0; s < n; ++s) {
+      float* o = buf + s * D;
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) store8(o + d, load8(rows[s] + d));
+      for (; d < D; ++d) o[d] = static_cast<float>(rows[s][d]);
+      out[s] = o;
+    }
+  }
+}
+
+// Whether query row r sees key j by the op's rule (positions int64: no wrap at the int32 limits).
+RAGATTN_ALWAYS_INLINE bool visible(const Args& a, int64_t r, int64_t j) {
+  const int64_t qp = a.q_pos[r], kp = a.kv_pos[j];
+  if (a.causal && kp > qp) return false;
+  if (a.window_left >= 0 && kp < qp - a.window_left) return false;
+  if (a.q_block == nullptr) return true;
+  const int64_t qb = a.q_block[r], kb = a.kv_block[j];
+  return qb == -1 || kb == -1 || qb == kb;
+}
+
+// Per-tile scratch, reused across the tiles of one task.
+struct Scratch {
+  std::vector<float> buf;
+  std::vector<int32_t> keys;    // the tile's listed keys
+  std::vector<uint8_t> masks;   // per listed key: bit r = row r of the tile sees it
+  Scratch(int64_t G, int64_t D) {
+    const int64_t nv = kTileRows * G;
+    buf.resize(nv * D * 2 + nv * kPRow + nv * 4 + G * kPRow + 2 * kChunk * D);
+  }
+};
+
+template <typename T>
+RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
+  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, R = t.r1 - t.r0, nv = R * G;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float* qf = sc.buf.data();               // [nv, D] query vectors (row r, head h: r * G + h), float
+  float* acc = qf + kTileRows * G * D;     // [nv, D] unnormalised outputs
+  float* p = acc + kTileRows * G * D;      // [nv, kPRow] scores, then probabilities
+  float* m = p + kTileRows * G * kPRow;    // [nv] running max
+  float* l = m + kTileRows * G;            // [nv] running sum
+  float* alpha = l + kTileRows * G;        // [nv] this step's rescale of acc
+  float* bad = alpha + kTileRows * G;      // [nv] 1: a NaN or +inf visible score
+  float* pc = bad + kTileRows * G;         // [G, kPRow] a row's probabilities over its own keys
+  float* kf = pc + G * kPRow;              // [kChunk, D] half types: the step's K rows in float
+  float* vf = kf + kChunk * D;             // [kChunk, D] and V rows
+  alignas(32) int32_t vis[kTileRows][kPRow];
+  const T* kin[kChunk];
+  const T* vin[kChunk];
+  const float* kptr[kChunk + 8];  // the step's K and V rows as float (in place for float inputs)
+  const float* vptr[kChunk];
+  const float* vrow[kChunk];
+
+  // 1. the keys some row of the tile sees, in order, with their row masks
+  int64_t lo[kTileRows], hi[kTileRows];
+  bool test[kTileRows];
+  int64_t u0 = t.k1, u1 = t.k0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qp = a.q_pos[t.r0 + r];
+    lo[r] = t.k0;
+    hi[r] = t.k1;
+    test[r] = true;
+    if (t.kv_sorted) {
+      const int64_t* kp = a.kv_pos;
+      if (a.window_left >= 0) lo[r] = std::lower_bound(kp + t.k0, kp + t.k1, qp - a.window_left) - kp;
+      if (a.causal) hi[r] = std::upper_bound(kp + t.k0, kp + t.k1, qp) - kp;
+      test[r] = a.q_block != nullptr && a.q_block[t.r0 + r] != -1;  // positions alone decide otherwise
+    }
+    if (lo[r] < hi[r]) {
+      u0 = std::min(u0, lo[r]);
+      u1 = std::max(u1, hi[r]);
+    }
+  }
+  sc.keys.clear();
+  sc.masks.clear();
+  for (int64_t j = u0; j < u1; ++j) {
+    uint32_t mask = 0;
+    for (int64_t r = 0; r < R; ++r)
+      if (j >= lo[r] && j < hi[r] && (!test[r] || visible(a, t.r0 + r, j))) mask |= 1u << r;
+    if (mask) {
+      sc.keys.push_back(static_cast<int32_t>(j - t.k0));
+      sc.masks.push_back(static_cast<uint8_t>(mask));
+    } else if (a.kv_block != nullptr && a.kv_block[j] != -1) {
+      // a chunk block none of the tile's rows may see: skip its run of keys (Block-Attention)
+      const int64_t kb = a.kv_block[j];
+      bool skip = true;
+      for (int64_t r = 0; r < R && skip; ++r) {
+        const int64_t qb = a.q_block[t.r0 + r];
+        skip = qb != -1 && qb != kb;
+      }
+      if (skip) j = std::min(u1, a.kv_run_end[j]) - 1;
+    }
+  }
+  const int64_t n_keys = static_cast<int64_t>(sc.keys.size());
+
+  // 2. per kv head: the tile's query vectors over the listed keys
+  for (int64_t g = 0; g < a.num_kv_heads; ++g) {
+    for (int64_t r = 0; r < R; ++r) {
+      const T* qrow = static_cast<const T*>(a.q) + (t.r0 + r) * a.q_s0 + g * G * a.q_s1;
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[(r * G + h) * D + d] = static_cast<float>(qrow[h * a.q_s1 + d]);
+    }
+    for (int64_t i = 0; i < nv; ++i) {
+      m[i] = neg_inf;
+      l[i] = 0.f;
+      bad[i] = 0.f;
+    }
+    std::fill(acc, acc + nv * D, 0.f);
+    const T* k_base = static_cast<const T*>(a.k) + t.k0 * a.k_s0 + g * a.k_s1;
+    const T* v_base = static_cast<const T*>(a.v) + t.k0 * a.v_s0 + g * a.v_s1;
+    for (int64_t c0 = 0; c0 < n_keys; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, n_keys - c0), n8 = (n + 7) / 8 * 8;
+      int64_t seen[kTileRows];
+      for (int64_t r = 0; r < R; ++r) seen[r] = 0;
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t j = sc.keys[c0 + s];
+        kin[s] = k_base + j * a.k_s0;
+        vin[s] = v_base + j * a.v_s0;
+        const uint32_t mask = sc.masks[c0 + s];
+        for (int64_t r = 0; r < R; ++r) {
+          const bool on = (mask >> r) & 1u;
+          vis[r][s] = on ? -1 : 0;
+          seen[r] += on;
+        }
+      }
+      widen_rows(kin, n, D, kf, kptr);  // half types: each K/V row widened once per step, not per use
+      widen_rows(vin, n, D, vf, vptr);
+      for (int64_t s = n; s < n8; ++s) {
+        kptr[s] = kptr[0];  // padding: a listed key, its scores are masked
+        for (int64_t r = 0; r < R; ++r) vis[r][s] = 0;
+      }
+      // scores: pairs of query vectors x four keys (each K row loaded once for both)
+      int64_t i = 0;
+      for (; i + 2 <= nv; i += 2) {
+        for (int64_t s = 0; s < n; s += 4) {
+          float o[8];
+          store8(o, dots8<2, 4>(qf + i * D, D, kptr + s) * a.scale);
+          std::memcpy(p + i * kPRow + s, o, 4 * sizeof(float));
+          std::memcpy(p + (i + 1) * kPRow + s, o + 4, 4 * sizeof(float));
+        }
+      }
+      for (; i < nv; ++i)
+        for (int64_t s = 0; s < n; s += 8) store8(p + i * kPRow + s, dots8<1, 8>(qf + i * D, D, kptr + s) * a.scale);
+      for (int64_t r = 0; r < R; ++r) {
+        if (seen[r] == 0) continue;
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t iv = r * G + h;
+          alpha[iv] = 0.f;  // a poisoned vector's acc is never read again
+          if (bad[iv] == 0.f && !softmax_step(p + iv * kPRow, vis[r], n8, m + iv, l + iv, alpha + iv)) bad[iv] = 1.f;
+        }
+        // the row's own keys: all listed keys, or its masked ones dropped (never 0 * V)
+        const float* pr = p + r * G * kPRow;
+        const float* const* vr = vptr;
+        if (seen[r] != n) {
+          int64_t c = 0;
+          for (int64_t s = 0; s < n; ++s) {
+            if (!vis[r][s]) continue;
+            vrow[c] = vptr[s];
+            for (int64_t h = 0; h < G; ++h) pc[h * kPRow + c] = pr[h * kPRow + s];
+            ++c;
+          }
+          pr = pc;
+          vr = vrow;
+        }
+        float* ar = acc + r * G * D;
+        int64_t h = 0;
+        for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(ar + h * D, pr + h * kPRow, alpha + r * G + h, vr, seen[r], D);
+        for (; h < G; ++h) accumulate<1, kPRow>(ar + h * D, pr + h * kPRow, alpha + r * G + h, vr, seen[r], D);
+      }
+    }
+    // 3. normalise and store
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t iv = r * G + h, head = g * G + h, row = t.r0 + r;
+        T* orow = static_cast<T*>(a.out) + row * a.o_s0 + head * a.o_s1;
+        float* lse = a.lse + row * a.num_heads + head;
+        const float* ai = acc + iv * D;
+        if (bad[iv] != 0.f) {
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(nan);
+          *lse = nan;
+        } else if (l[iv] == 0.f) {  // no visible key, or every visible score -inf: acc is 0 or NaN
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(ai[d] == 0.f ? 0.f : nan);
+          *lse = neg_inf;
+        } else {
+          const float inv = 1.f / l[iv];
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(ai[d] * inv);
+          *lse = m[iv] + logf(l[iv]);
+        }
+      }
+    }
+  }
+}
+
+// Tiles [begin, end) of a.tiles.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void run_tiles(const Args& a, int64_t begin, int64_t end) {
+  Scratch sc(a.num_heads / a.num_kv_heads, a.head_dim);
+  for (int64_t i = begin; i < end; ++i) run_tile<T>(a, a.tiles[i], sc);
+}
+
+}  // namespace varlen_cpu
+}  // namespace ragattn
