@@ -52,10 +52,10 @@ void rotate_row(T* row, int64_t heads, int64_t head_dim, int64_t rotary_dim, boo
 // out[0:rotary_dim] = in[0:rotary_dim] of one head rotated by the angles c, s (NeoX halves or GPT-J
 // pairs, a compile-time choice so that the loop vectorises): rotate_row's math out of place.
 template <bool kInterleaved, typename T>
-void rotate_dims(T* __restrict__ out, const T* __restrict__ in, int64_t rotary_dim, const float* c, const float* s) {
-  for (int64_t i = 0; i < rotary_dim / 2; ++i) {
-    const int a = rope::pair_first(static_cast<int>(i), static_cast<int>(rotary_dim), kInterleaved);
-    const int b = rope::pair_second(static_cast<int>(i), static_cast<int>(rotary_dim), kInterleaved);
+void rotate_dims(T* __restrict__ out, const T* __restrict__ in, int rotary_dim, const float* __restrict__ c,
+                 const float* __restrict__ s) {
+  for (int i = 0; i < rotary_dim / 2; ++i) {
+    const int a = rope::pair_first(i, rotary_dim, kInterleaved), b = rope::pair_second(i, rotary_dim, kInterleaved);
     float y1, y2;
     rope::rotate_pair(rope::to_f32(in[a]), rope::to_f32(in[b]), c[i], s[i], &y1, &y2);
     out[a] = rope::from_f32<T>(y1);
@@ -72,9 +72,9 @@ void copy_rotated_row(T* dst, const T* src, int64_t heads, int64_t head_dim, int
     T* y = dst + h * head_dim;
     const T* x = src + h * head_dim;
     if (interleaved) {
-      rotate_dims<true>(y, x, rotary_dim, c, s);
+      rotate_dims<true>(y, x, static_cast<int>(rotary_dim), c, s);
     } else {
-      rotate_dims<false>(y, x, rotary_dim, c, s);
+      rotate_dims<false>(y, x, static_cast<int>(rotary_dim), c, s);
     }
     if (rotary_dim < head_dim) std::memcpy(y + rotary_dim, x + rotary_dim, (head_dim - rotary_dim) * sizeof(T));
   }
