@@ -195,3 +195,12 @@ def test_verify_draft(seed, eta):
             return ragattn.verify_draft(x, q, z, u, eta=eta)
 
     assert_thread_count_invariant(run, f"verify_draft eta={eta}")
+
+
+def test_threads_ab_bench_runs(capsys):
+    """`python -m ragattn.bench.cpu_threads_ab` (the 1-vs-2-thread timing of these kernels) runs."""
+    from ragattn.bench import cpu_threads_ab
+
+    cpu_threads_ab.main(rounds=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 7 and all("speedup" in ln for ln in lines), lines
