@@ -19,7 +19,7 @@ TORCH_LIBRARY(ragattn, m) {
       "varlen_attention.out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? q_pos=None, Tensor? kv_pos=None, Tensor? q_block=None, Tensor? kv_block=None, "
       "bool causal=True, float? scale=None, int window_left=-1, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
-  //    Its backward (Triton on CUDA, reference autograd on CPU); dq/dk/dv in the inputs' dtypes.
+  //    Its backward (Triton on CUDA, C++ on CPU, see below); dq/dk/dv in the inputs' dtypes.
   m.def(
       "varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "

@@ -1,5 +1,5 @@
-"""The CPU backward of ``varlen_attention`` (and its forward for dense float32 calls, where this
-beats the C++ forward of ``csrc/attention/varlen_attention_cpu.cpp``): torch's fused CPU flash attention
+"""``varlen_attention``'s CPU forward and backward for dense float32 calls (non-causal, no window or
+blocks), where this beats the C++ kernels of ``csrc/attention/varlen_attention_cpu.cpp``: torch's fused CPU flash attention
 (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the
 LSE) over the sequences padded into one batch, with the op's visible mask as an additive mask.
 

@@ -8,7 +8,8 @@ reference where a fused result is non-finite), the plain-torch reference with ``
 or the Triton kernels in the interpreter with ``RAGATTN_CPU_BACKEND=triton``. Any head_dim up to 256 runs in Triton (padded to the next power of
 two with a mask: 80, 96, 112 included); larger head dims and float64 inputs always take the
 reference (on any device, O(L^2) memory). The backward is ``ragattn::varlen_attention_backward`` (Triton where the
-forward is Triton, the reference's autograd otherwise), wired with ``torch.library.register_autograd``.
+forward is Triton, the CPU paths above by default on CPU, the reference's autograd otherwise), wired with
+``torch.library.register_autograd``.
 """
 from __future__ import annotations
 
@@ -239,9 +240,9 @@ def _use_triton(q: torch.Tensor) -> bool:
 
 
 def _use_sdpa_cpu(q: torch.Tensor) -> bool:
-    """The default CPU paths (the C++ forward, ``_varlen_sdpa_cpu``'s backward) for fp16/bf16/fp32
-    CPU inputs; the caller reruns the reference where the SDPA backward returns a non-finite value
-    (it may come from a masked key)."""
+    """The default CPU paths (the C++ forward and backward; ``_varlen_sdpa_cpu`` for dense float32
+    calls) for fp16/bf16/fp32 CPU inputs; the caller reruns the reference where the fused path
+    returns a non-finite value (it may come from a masked key)."""
     return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
 
 
