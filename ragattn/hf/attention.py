@@ -119,6 +119,7 @@ class PagedKV:
         self._plan_key = self._scatter_key = None
         self._head_views = {}
         self.launch_plans = {}   # the paged launch plans of the current forward (Triton route)
+        self.cpu_sdpa = None     # the current forward's CPU route (cpu_sdpa_enabled), set at its first layer
 
     @staticmethod
     def buffer_numel(num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16) -> int:
@@ -181,10 +182,8 @@ class PagedKV:
         k, v = self.k[layer], self.v[layer]
         hv = self._head_views.get(layer)
         if hv is None or hv[0] is not k or hv[1] is not v:
-            try:
-                hv = (k, v, k.view(-1, *k.shape[2:]).permute(1, 0, 2)[None],
-                      v.view(-1, *v.shape[2:]).permute(1, 0, 2)[None])
-            except RuntimeError:   # pages whose slots do not merge into one row stride
+            hv = (k, v, _head_rows(k), _head_rows(v))
+            if hv[2] is None or hv[3] is None:
                 hv = (k, v, None, None)
             self._head_views[layer] = hv
         return hv[2], hv[3]
@@ -242,6 +241,20 @@ class PagedKV:
         return self._plan
 
 
+def _head_rows(pages: torch.Tensor):
+    """``pages`` ``[num_pages, page_size, Hkv, D]`` as ``[1, Hkv, num_pages * page_size, D]`` (no
+    copy), or None when its slots do not merge into one row stride. One ``as_strided`` for
+    contiguous pages (a request cache is built per request, and its 2 x layers views are made in
+    its first forward, where every Python op costs several microseconds)."""
+    n, p, h, d = pages.shape
+    if pages.is_contiguous():
+        return pages.as_strided((1, h, n * p, d), (h * d, d, h * d, 1))
+    try:
+        return pages.view(-1, h, d).permute(1, 0, 2)[None]
+    except RuntimeError:
+        return None
+
+
 def _window_left(module, kwargs) -> int:
     """transformers' sliding window W (key visible iff ``q_pos - W < kv_pos <= q_pos``) as
     FlashAttention's ``window_left = W - 1``; -1 when the layer has none."""
@@ -261,7 +274,9 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     first = layer == 0
     if first:
         cache.launch_plans = {}   # a new forward: its paged launches are planned afresh
-    cpu_sdpa = slots is None and query.device.type == "cpu" and cpu_sdpa_enabled(q)
+        cache.cpu_sdpa = cpu_sdpa_enabled(q)   # and its CPU route read once
+    cpu_sdpa = (slots is None and query.device.type == "cpu"
+                and (cache.cpu_sdpa if cache.cpu_sdpa is not None else cpu_sdpa_enabled(q)))
     if slots is None and valid is None and query.device.type == "cpu":
         # the CPU decode (and unpadded prefill) step: the new K/V go to consecutive slot rows of
         # [1, Hkv, rows, D] views (no index tensors, no reshapes), then ragattn.paged_attention
@@ -271,8 +286,10 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
         k4, v4 = cache.head_views(layer)
         if rows_plan is not None and k4 is not None:
             for i, (start, length, _) in enumerate(rows_plan):
-                k4[:, :, start + length - q:start + length].copy_(key[i:i + 1])
-                v4[:, :, start + length - q:start + length].copy_(value[i:i + 1])
+                # narrow, not [:, :, a:b]: one op where Python indexing applies three (each costs
+                # microseconds in a forward whose matmuls have just flushed the CPU's caches)
+                k4.narrow(2, start + length - q, q).copy_(key if b == 1 else key[i:i + 1])
+                v4.narrow(2, start + length - q, q).copy_(value if b == 1 else value[i:i + 1])
             if cpu_sdpa:
                 return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
             qr = query[:, :, 0] if q == 1 else query.transpose(1, 2).reshape(b * q, hq, d)
@@ -364,18 +381,18 @@ def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
         # decode, every slot visible (the common case): no mask, no output buffer to fill, SDPA's
         # [1, Hq, 1, D] viewed as the [1, 1, Hq, D] result
         start, length, _ = rows_plan[0]
-        o = sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], scale=scaling,
+        o = sdpa(query, k4.narrow(2, start, length), v4.narrow(2, start, length), scale=scaling,
                  enable_gqa=gqa)
         return o.view(1, 1, hq, d)
     if b == 1 and rows_plan[0][1] > 0:   # one row (a final block's prefill): SDPA's result as a view
         start, length, mask = rows_plan[0]
-        return sdpa(query, k4[:, :, start:start + length], v4[:, :, start:start + length], attn_mask=mask,
+        return sdpa(query, k4.narrow(2, start, length), v4.narrow(2, start, length), attn_mask=mask,
                     scale=scaling, enable_gqa=gqa).transpose(1, 2)
     out = query.new_zeros(b, q, hq, d)
     for i, (start, length, mask) in enumerate(rows_plan):
         if length == 0:
             continue
-        o = sdpa(query[i:i + 1], k4[:, :, start:start + length], v4[:, :, start:start + length],
+        o = sdpa(query[i:i + 1], k4.narrow(2, start, length), v4.narrow(2, start, length),
                  attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out[i] = o[0].transpose(0, 1)
     return out
