@@ -1,13 +1,16 @@
 // The 8-lane building blocks the CPU attention kernels share (paged_attention_cpu.cpp,
 // varlen_attention_cpu_kernel.h), framework-free: widening loads, eight dot products per
-// horizontal reduction, and the V accumulation into register-resident outputs. The element type T
-// is a template parameter; cpu_attention_blocks_c10.h adds the loads of torch's half types.
+// horizontal reduction, the exponentiation half of an online-softmax step, and the V accumulation
+// into register-resident outputs. The element type T is a template parameter;
+// cpu_attention_blocks_c10.h adds the loads of torch's half types.
 // Everything is always inlined (cpu_isa.h): it compiles for its caller's ISA.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "attention/softmax_math.h"
 #include "common/cpu_isa.h"
 #include "common/vec8.h"
 
@@ -109,6 +112,31 @@ RAGATTN_ALWAYS_INLINE void accumulate(float* acc, const float* p, const float* a
       acc[h * D + d] = a;
     }
   }
+}
+
+// The second half of an online-softmax step over the scores ph[s0, s1) (8-aligned), whose masked
+// lanes the caller has set to -inf: vmax is their lane-wise max and bad marks the lanes holding a
+// visible score the caller's rule refuses (the paged and varlen kernels differ on -inf). Returns
+// false (and changes nothing) when a lane is bad; else the running max m and sum l are updated,
+// alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m) (-inf lanes give 0, and
+// so do NaN lanes from -inf - -inf while every score so far is -inf).
+RAGATTN_ALWAYS_INLINE bool softmax_exp_step(float* ph, int64_t s0, int64_t s1, v8f vmax, v8i bad, float* m, float* l,
+                                            float* alpha) {
+  for (int u = 0; u < 8; ++u)
+    if (bad[u]) return false;
+  float cmax = vmax[0];
+  for (int u = 1; u < 8; ++u) cmax = vmax[u] > cmax ? vmax[u] : cmax;
+  const float m_new = std::max(*m, cmax);
+  *alpha = softmax::rescale(*m, m_new);
+  v8f sum = {};
+  for (int64_t s = s0; s < s1; s += 8) {
+    const v8f e = exp8_nonpositive(load8(ph + s) - m_new);
+    store8(ph + s, e);
+    sum += e;
+  }
+  *l = *l * *alpha + hsum8(sum);
+  *m = m_new;
+  return true;
 }
 
 }  // namespace ragattn

@@ -255,9 +255,8 @@ struct PagedArgs {
 
 
 // One online-softmax step of a head over its scores ph[first, first + n) of this chunk (chunk-
-// local slots; lanes of the 8-aligned cover outside the range become -inf): the running max m
-// and sum l updated, alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m).
-// Returns false (and changes nothing else) when a visible score is not finite.
+// local slots; lanes of the 8-aligned cover outside the range become -inf), then
+// softmax_exp_step. Returns false (and changes nothing else) when a visible score is not finite.
 RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, float* m, float* l, float* alpha) {
   const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
   const v8f iota = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
@@ -274,21 +273,7 @@ RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, flo
     vmax = x > vmax ? x : vmax;
     store8(ph + s, x);
   }
-  for (int u = 0; u < 8; ++u)
-    if (nonfinite[u]) return false;
-  float cmax = vmax[0];
-  for (int u = 1; u < 8; ++u) cmax = vmax[u] > cmax ? vmax[u] : cmax;
-  const float m_new = std::max(*m, cmax);
-  *alpha = softmax::rescale(*m, m_new);
-  v8f sum = {};
-  for (int64_t s = v0; s < v1; s += 8) {
-    const v8f e = exp8_nonpositive(load8(ph + s) - m_new);  // -inf lanes: 0, adding exactly nothing
-    store8(ph + s, e);
-    sum += e;
-  }
-  *l = *l * *alpha + hsum8(sum);
-  *m = m_new;
-  return true;
+  return softmax_exp_step(ph, v0, v1, vmax, nonfinite, m, l, alpha);
 }
 
 

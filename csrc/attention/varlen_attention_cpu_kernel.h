@@ -67,8 +67,7 @@ struct Args {
 };
 
 // One online-softmax step of a query vector over its scores ph[0, n8) (n8 a multiple of 8) with
-// the visibility lanes vis[0, n8) (-1: visible): masked lanes become -inf, then the running max m
-// and sum l are updated, alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m).
+// the visibility lanes vis[0, n8) (-1: visible): masked lanes become -inf, then softmax_exp_step.
 // Returns false (and changes nothing else) when a visible score is NaN or +inf.
 RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, const int32_t* vis, int64_t n8, float* m, float* l, float* alpha) {
   const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
@@ -84,22 +83,7 @@ RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, const int32_t* vis, int64_t n
     vmax = x > vmax ? x : vmax;
     store8(ph + s, x);
   }
-  for (int u = 0; u < 8; ++u)
-    if (bad[u]) return false;
-  float cmax = vmax[0];
-  for (int u = 1; u < 8; ++u) cmax = vmax[u] > cmax ? vmax[u] : cmax;
-  const float m_new = std::max(*m, cmax);
-  *alpha = softmax::rescale(*m, m_new);
-  v8f sum = {};
-  for (int64_t s = 0; s < n8; s += 8) {
-    // -inf lanes give 0 (and NaN lanes, from -inf - -inf while every score so far is -inf)
-    const v8f e = exp8_nonpositive(load8(ph + s) - m_new);
-    store8(ph + s, e);
-    sum += e;
-  }
-  *l = *l * *alpha + hsum8(sum);
-  *m = m_new;
-  return true;
+  return softmax_exp_step(ph, 0, n8, vmax, bad, m, l, alpha);
 }
 
 // rows[0, n) of D elements as float rows: the rows themselves for float, else widened into buf.
