@@ -2,8 +2,11 @@
 
 CPU-only torch: a ``CppExtension`` with the CPU twins of every C++ op.
 CUDA torch: a ``CUDAExtension`` that adds the CUDA kernels, for the architectures in
-``TORCH_CUDA_ARCH_LIST`` (default ``8.0;9.0a``: A100 and H100). CUDA torch without nvcc is an
-error, not a silent CPU-only build; set ``RAGATTN_FORCE_CPU=1`` to build the CPU twins only.
+``TORCH_CUDA_ARCH_LIST`` (default ``8.0;9.0a``: A100 and H100). CUDA torch without a CUDA toolkit
+(no nvcc: PyPI's default Linux torch on a stock machine) builds the CPU twins only, with a warning:
+the three CUDA C++ ops (rerotate_keys_, copy_kv_, verify_draft) then run their torch reference on
+CUDA tensors (ragattn/ops/_cuda_fallback.py), the Triton ops are unaffected. ``RAGATTN_FORCE_CPU=1``
+asks for the CPU-only build; ``RAGATTN_REQUIRE_CUDA=1`` makes a missing toolkit an error (GPU images).
 
 File roles under ``csrc/``:
   *_kernels.cu   framework-free CUDA kernels + raw-pointer launchers (no torch headers;
@@ -29,15 +32,34 @@ def _sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
+def build_kind(torch_cuda, cuda_home, env):
+    """``("cuda" | "cpu", warning or None)``: which extension to build for a torch whose
+    ``torch.version.cuda`` is ``torch_cuda``, a CUDA toolkit at ``cuda_home`` (None: no nvcc), and
+    the environment ``env``. Raises SystemExit where ``RAGATTN_REQUIRE_CUDA=1`` cannot be met."""
+    if env.get("RAGATTN_FORCE_CPU", "0") == "1":
+        return "cpu", None
+    if torch_cuda is None:
+        if env.get("RAGATTN_REQUIRE_CUDA", "0") == "1":
+            raise SystemExit("ragattn: RAGATTN_REQUIRE_CUDA=1 but this torch has no CUDA")
+        return "cpu", None
+    if cuda_home is None:
+        if env.get("RAGATTN_REQUIRE_CUDA", "0") == "1":
+            raise SystemExit(
+                f"ragattn: RAGATTN_REQUIRE_CUDA=1 but no CUDA toolkit (nvcc) was found for torch's CUDA "
+                f"{torch_cuda}: install the toolkit or set CUDA_HOME")
+        return "cpu", (
+            f"ragattn: torch has CUDA {torch_cuda} but no CUDA toolkit (nvcc) was found: building the CPU "
+            "kernels only. On CUDA tensors rerotate_keys_, copy_kv_ and verify_draft will run their "
+            "plain-torch reference (with a warning); the Triton ops are unaffected. Install the CUDA "
+            "toolkit (or set CUDA_HOME) and rebuild for the CUDA kernels.")
+    return "cuda", None
+
+
 def _with_cuda():
-    if os.environ.get("RAGATTN_FORCE_CPU", "0") == "1" or torch.version.cuda is None:
-        return False
-    if cpp_extension.CUDA_HOME is None:
-        raise SystemExit(
-            f"ragattn: torch {torch.__version__} has CUDA but no CUDA toolkit (nvcc) was found, so the "
-            "CUDA kernels cannot be built. Install the CUDA toolkit (or set CUDA_HOME), or set "
-            "RAGATTN_FORCE_CPU=1 to build the CPU ops only.")
-    return True
+    kind, warning = build_kind(torch.version.cuda, cpp_extension.CUDA_HOME, os.environ)
+    if warning:
+        print(warning, file=sys.stderr)
+    return kind == "cuda"
 
 
 def _openmp_flags():

@@ -13,6 +13,13 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "Build it with `pip install --no-build-isolation --no-deps -e .` in the repository root."
     ) from exc
 
+# The C++ ops with CUDA kernels, and those of them this build of ragattn._C registered (none when it
+# was built without nvcc, e.g. against PyPI's CUDA torch on a machine without the CUDA toolkit:
+# setup.py). Read before ragattn.ops._cuda_fallback registers its reference path for the others.
+CUDA_CPP_OPS = ("rerotate_keys_", "copy_kv_", "verify_draft")
+NATIVE_CUDA_OPS = tuple(op for op in CUDA_CPP_OPS
+                        if torch._C._dispatch_has_kernel_for_dispatch_key(f"ragattn::{op}", "CUDA"))
+
 # Which path CPU tensors take (design.md, "Backends"):
 #   "default":   C++ ops run their CPU C++ twin; Triton-backed ops their CPU path (a C++ CPU kernel,
 #                torch's fused CPU attention or the reference: docs/ops.md, "Backends")

@@ -33,8 +33,8 @@ run_stage() {
       MAX_JOBS=${MAX_JOBS:-16} timeout "$LIMIT" $PY -m pip install -q --no-build-isolation --no-deps -e . &&
       $PY - <<'EOF'
 import torch, ragattn
-missing = [op for op in ("rerotate_keys_", "copy_kv_", "verify_draft")
-           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"ragattn::{op}", "CUDA")]
+from ragattn import _extension   # (NATIVE_CUDA_OPS: the CUDA kernels the build registered, not the reference fallback)
+missing = [op for op in _extension.CUDA_CPP_OPS if op not in _extension.NATIVE_CUDA_OPS]
 assert torch.cuda.is_available(), "no CUDA device"
 assert not missing, f"the extension has no CUDA kernels for {missing}: it was built CPU-only"
 print("build: CUDA kernels registered for every C++ op")

