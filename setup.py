@@ -114,6 +114,27 @@ def _extension():
     )
 
 
+def project_urls(env=os.environ):
+    """Project-URLs for the wheel's METADATA: from ``RAGATTN_REPO_URL`` or the checkout's git remote
+    ``origin`` (an https or git@host:owner/name address); none without either (pyproject.toml's
+    ``dynamic = ["urls"]``)."""
+    url = env.get("RAGATTN_REPO_URL", "").strip()
+    if not url:
+        try:
+            url = subprocess.run(["git", "remote", "get-url", "origin"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            url = ""
+    if url.startswith("git@") and ":" in url:
+        host, path = url[len("git@"):].split(":", 1)
+        url = f"https://{host}/{path}"
+    url = url.removesuffix(".git").rstrip("/")
+    if not url.startswith("https://"):
+        return {}
+    return {"Homepage": url, "Source": url, "Issues": f"{url}/issues",
+            "Documentation": f"{url}/blob/main/docs/ops.md", "Changelog": f"{url}/commits/main"}
+
+
 setup(
     # triton_kernels/ and bench/ live at the top of the repository (the layout of design.md) but
     # install inside the package: a top-level ``triton_kernels`` would shadow OpenAI's, which
@@ -121,7 +142,8 @@ setup(
     packages=find_namespace_packages(include=["ragattn", "ragattn.*"], exclude=["*.__pycache__"])
     + ["ragattn.triton_kernels", "ragattn.bench"],
     package_dir={"ragattn.triton_kernels": "triton_kernels", "ragattn.bench": "bench"},
-    package_data={"ragattn": ["data/*.json", "data/**/*"]},
+    package_data={"ragattn": ["data/*.json", "data/**/*", "py.typed"]},   # py.typed: PEP 561 (inline types)
+    project_urls=project_urls(),
     # RAGATTN_REUSE_EXT=1: install without building, keeping the ragattn/_C*.so already in the tree
     # (scripts/setup_vllm.sh, for a second environment with the very same torch build)
     ext_modules=[] if os.environ.get("RAGATTN_REUSE_EXT") == "1" else [_extension()],

@@ -31,8 +31,22 @@ def _device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def command_name(sub: str = "") -> str:
+    """How the user ran this (for ``usage:``): ``ragattn bench`` from the console script,
+    ``python -m ragattn bench`` or ``python -m bench`` (a checkout); ``sub``: a subcommand."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    base, parent = os.path.basename(argv0), os.path.basename(os.path.dirname(argv0))
+    if base == "ragattn":
+        name = "ragattn bench"
+    elif base == "__main__.py" and parent == "ragattn":
+        name = "python -m ragattn bench"
+    else:
+        return "python -m bench" + ("." + sub if sub else "")
+    return name + (" " + sub if sub else "")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     parser.add_argument("--sizes", default=None, choices=("cpu", "gpu"), help="shape set (default: gpu on cuda, cpu on cpu)")
     parser.add_argument("--only", default=None, help="run only the cases of families containing this, or whose name starts with it")

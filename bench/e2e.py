@@ -361,7 +361,9 @@ def plot(rows: List[Dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
+    from ragattn.bench.__main__ import command_name
+
+    p = argparse.ArgumentParser(prog=command_name("e2e"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--model", default=None, choices=("smollm2", "llama3-8b-random", "tiny-random"),

