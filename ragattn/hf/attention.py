@@ -34,9 +34,9 @@ and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
 * With no mask (an unpadded batch) the path has no host sync and builds its index tensors once
   per shape, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
 
-Refused with a named error (rather than computed wrong): attention-logit soft-capping (Gemma 2),
-attention sinks, dropout in training, non-causal attention modules, ``output_attentions=True``,
-and model families whose attention this path has not been checked against
+``output_attentions=True`` runs that call through the model's own eager attention (the weights
+are formed there only). Refused with a named error (rather than computed wrong): attention-logit soft-capping (Gemma 2),
+attention sinks, dropout in training, non-causal attention modules, and model families whose attention this path has not been checked against
 (:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`). A transformers version outside :data:`TESTED_TRANSFORMERS`
 gets a warning (``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` silences it).
 
@@ -449,9 +449,6 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
                                   "(attn_logit_softcapping) is not supported")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("ragattn attention: attention sinks (s_aux) are not supported")
-    if kwargs.get("output_attentions"):
-        raise NotImplementedError("ragattn attention: output_attentions=True is not supported (no "
-                                  "attention weights are formed); use attn_implementation='eager'")
     if dropout and module.training:
         raise NotImplementedError("ragattn attention: dropout is not supported")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
@@ -589,6 +586,32 @@ def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, 
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 
 
+def _eager_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """``output_attentions=True``: the call runs the model's own eager attention (its modeling
+    file's ``eager_attention_forward``: soft-capping and all), which forms the weights ragattn's
+    kernels never materialise; what SDPA code gets from ``attn_implementation="eager"``. The mask
+    comes from ragattn's (SDPA's) mask builder: boolean, or None for SDPA's ``is_causal``, made
+    additive here as eager expects."""
+    import sys
+
+    if getattr(key, "_ragattn_cache", None) is not None or any(
+            kwargs.get(k) is not None for k in ("ragattn_paged", "ragattn_cu_seqlens", "ragattn_block_ids")):
+        raise NotImplementedError("ragattn attention: output_attentions=True with ragattn's paged, packed or "
+                                  "block-attention inputs (the weights are never formed there)")
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+    q, kv = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is None and q > 1:      # SDPA's is_causal: top-left aligned
+        mask = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril()[None, None]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)
+    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ragattn_")}
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
 def _rows_view(t):
     """``[B, H, S, D]`` -> ``[B * S, H, D]`` contiguous (one copy: varlen's packed layout)."""
     b, h, s, d = t.shape
@@ -612,7 +635,10 @@ def _page_view(t, kind):
 
 def ragattn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                               is_causal=None, **kwargs):
-    """HF attention function: returns ``(out [B, q, Hq, D], None)``."""
+    """HF attention function: returns ``(out [B, q, Hq, D], None)`` (with ``output_attentions=True``:
+    the model's eager attention, ``(out, weights [B, Hq, q, kv])``)."""
+    if kwargs.get("output_attentions"):
+        return _eager_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     _refuse_unsupported(module, dropout, dict(kwargs, is_causal=is_causal))
     b, hq, q, d = query.shape
     dev = query.device
