@@ -218,7 +218,8 @@ def triton_specs() -> List[TritonSpec]:
     prec = va._prec(torch.empty(0, dtype=bf16, device="meta"))
     types_va = {n: "*i32" for n in ("QPos", "KPos", "QBlk", "KBlk", "Work", "KvRows", "QRows")}
     types_va.update({n: "*bf16" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")},
-                    Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32")
+                    Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32",
+                    softcap_log2="fp32")
     ints_va = dict(num_heads=H, window_left=0)  # no window: the launcher passes max(-1, 0)
     for n_chunks, chunk, name, kernels in [(64, 500, "fwd_chunks64x500+50", ("fwd",)),
                                             (8, 4096, "fwd_chunks8x4096+50", ("fwd",)),
@@ -228,7 +229,7 @@ def triton_specs() -> List[TritonSpec]:
             plan = _varlen_bench_plan(va, n_chunks, chunk, 50, bm, bn, kernel == "dkdv",
                                       2 * sms / H if kernel == "fwd" else None)
             consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True,
-                          WINDOW=False, UPCAST=False, PREC=prec)
+                          WINDOW=False, UPCAST=False, PREC=prec, SOFTCAP=False)
             fn, grid = {"fwd": ("_fwd_kernel", (H, plan.by_q.items)), "dq": ("_bwd_dq_kernel", (H, plan.by_q.items)),
                         "dkdv": ("_bwd_dkdv_kernel", (Hkv, plan.by_k.items if plan.by_k else 0))}[kernel]
             csr = plan.by_k if kernel == "dkdv" else plan.by_q
@@ -248,7 +249,7 @@ def triton_specs() -> List[TritonSpec]:
 
     # paged_attention (bench_paged_attention, gpu): sparse prefill, decode, windowed decode; bf16 d128 page 16
     types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
-    types_pa.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32")
+    types_pa.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32", softcap_log2="fp32")
     ctx, page = PAGED_CTX, 16
     for name, batch, rows, window in [("sparse_prefill", 1, 64, -1), ("decode", PAGED_BATCH, 1, -1),
                                       ("decode_window", PAGED_BATCH, 1, PAGED_WINDOW)]:
@@ -264,7 +265,7 @@ def triton_specs() -> List[TritonSpec]:
         split_len = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
         splits = max(1, triton.cdiv(span, split_len))
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                      HAS_WINDOW=window >= 0, UPCAST=False, IEEE_FP32=False)
+                      HAS_WINDOW=window >= 0, SOFTCAP=False, UPCAST=False, IEEE_FP32=False)
         types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
         # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
         ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,

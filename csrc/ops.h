@@ -28,22 +28,24 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
 // paged_attention's CPU impls (checks in C++, like the Python _validate)
 std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
     const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_table, const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left);
+    const at::Tensor& block_table, const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
+    double logits_soft_cap);
 void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                              const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-                             const at::Tensor& out, const at::Tensor& lse_out);
+                             double logits_soft_cap, const at::Tensor& out, const at::Tensor& lse_out);
 // varlen_attention's default CPU forward and backward (index-value checks in C++; metadata by Python)
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
     const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block, bool causal,
-    std::optional<double> scale, int64_t window_left);
+    std::optional<double> scale, int64_t window_left, double logits_soft_cap);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(const at::Tensor& dout,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& q_pos,
     const std::optional<at::Tensor>& kv_pos, const std::optional<at::Tensor>& q_block,
-    const std::optional<at::Tensor>& kv_block, bool causal, std::optional<double> scale, int64_t window_left);
+    const std::optional<at::Tensor>& kv_block, bool causal, std::optional<double> scale, int64_t window_left,
+    double logits_soft_cap);
 void merge_attention_states_cpu(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
                                 const at::Tensor& lse_b, const at::Tensor& out, const at::Tensor& lse_out);
 

@@ -13,26 +13,30 @@ TORCH_LIBRARY(ragattn, m) {
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? q_pos=None, Tensor? kv_pos=None, Tensor? q_block=None, Tensor? kv_block=None, "
-      "bool causal=True, float? scale=None, int window_left=-1) -> (Tensor out, Tensor lse)");
+      "bool causal=True, float? scale=None, int window_left=-1, float logits_soft_cap=0.0) -> (Tensor out, Tensor lse)");
   //    Into preallocated outputs (engines' out=/lse_out=): out like q, lse_out float32 [total_q, H].
   m.def(
       "varlen_attention.out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? q_pos=None, Tensor? kv_pos=None, Tensor? q_block=None, Tensor? kv_block=None, "
-      "bool causal=True, float? scale=None, int window_left=-1, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+      "bool causal=True, float? scale=None, int window_left=-1, float logits_soft_cap=0.0, *, Tensor(a!) out, "
+      "Tensor(b!) lse_out) -> ()");
   //    Its backward (Triton on CUDA, C++ on CPU, see below); dq/dk/dv in the inputs' dtypes.
   m.def(
       "varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "
-      "Tensor? kv_block, bool causal, float? scale, int window_left=-1) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? kv_block, bool causal, float? scale, int window_left=-1, float logits_soft_cap=0.0) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
 
   // 2. Q-indexed sparse prefill and decode over a paged KV cache (Triton; C++ on CPU).
   m.def(
       "paged_attention(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1) -> (Tensor out, Tensor lse)");
+      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1, float logits_soft_cap=0.0) "
+      "-> (Tensor out, Tensor lse)");
   //    Into preallocated outputs (engines: out=, lse_out=).
   m.def(
       "paged_attention.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1, *, Tensor(a!) out, "
+      "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1, float logits_soft_cap=0.0, *, "
+      "Tensor(a!) out, "
       "Tensor(b!) lse_out) -> ()");
 
   // 3. Exact merge of two partial attentions over disjoint key sets (Triton).
@@ -66,17 +70,19 @@ TORCH_LIBRARY(ragattn, m) {
   //    calls this one (Python, ragattn/ops/paged_attention.py) after its checks.
   m.def(
       "_paged_attention_cpu_backend(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, "
-      "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left) -> (Tensor out, Tensor lse)");
+      "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left, float logits_soft_cap) "
+      "-> (Tensor out, Tensor lse)");
   //    varlen_attention's default CPU forward and backward (C++), called by its Python impls after
   //    the metadata checks; the backward takes the forward's out and lse.
   m.def(
       "_varlen_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, Tensor? kv_block, bool causal, float? scale, "
-      "int window_left) -> (Tensor out, Tensor lse)");
+      "int window_left, float logits_soft_cap) -> (Tensor out, Tensor lse)");
   m.def(
       "_varlen_attention_backward_cpu(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "
-      "Tensor? kv_block, bool causal, float? scale, int window_left) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? kv_block, bool causal, float? scale, int window_left, float logits_soft_cap) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
       "Tensor(a!) out, Tensor(b!) lse_out) -> ()");

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .merge_attention_states import merge_split_states
+from .soft_cap import soft_cap_log2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -47,6 +48,7 @@ def _paged_attention_kernel(
     OUT, LSE,
     qk_scale,  # softmax scale * log2(e)
     window_left,  # >= 0 when HAS_WINDOW: row i sees slots j >= q_pos[i] - window_left
+    softcap_log2,  # logits_soft_cap * log2(e) when SOFTCAP
     stride_qt, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
@@ -57,6 +59,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # logits_soft_cap > 0: score -> cap * tanh(score / cap)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot on bf16 is wrong, compute in fp32
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
 ):
@@ -125,6 +128,8 @@ def _paged_attention_kernel(
             qk = tl.dot(q, tl.trans(k))
         visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
         qk = qk * qk_scale
+        if SOFTCAP:
+            qk = soft_cap_log2(qk, softcap_log2)
         # a non-finite visible score poisons its row (out and lse NaN); it never enters the softmax
         nonfinite = (qk != qk) | (tl.abs(qk) == float("inf"))
         bad_row = bad_row | tl.max((visible & nonfinite).to(tl.int32), 1)
@@ -315,6 +320,7 @@ def run_paged_attention(
     window_left: int = -1,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    logits_soft_cap: float = 0.0,
 ):
     """Launch with a ready plan: no host sync, no CPU tensor (CUDA-graph capturable).
 
@@ -339,7 +345,8 @@ def run_paged_attention(
     if lse_k is None:
         lse_k = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     if plan.num_tiles > 0:
-        _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out_k, lse_k)
+        _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out_k, lse_k,
+                logits_soft_cap)
     if out is not None and out is not out_k:
         out.copy_(out_k)
     if lse_out is not None and lse_out is not lse_k:
@@ -347,7 +354,8 @@ def run_paged_attention(
     return (out if out is not None else out_k), (lse_out if lse_out is not None else lse_k)
 
 
-def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out):
+def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+            logits_soft_cap=0.0):
     total_q, num_heads, head_dim = q.shape
     if plan.num_splits == 1:
         o_buf, l_buf = out, lse_out
@@ -365,6 +373,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens
         o_buf, l_buf,
         scale * LOG2E,
         window_left if has_window else 0,
+        logits_soft_cap * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -375,6 +384,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens
         GROUP=plan.group, GROUP_PAD=plan.group_pad,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_WINDOW=has_window,
+        SOFTCAP=logits_soft_cap > 0,
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
@@ -397,6 +407,7 @@ def paged_attention_fwd(
     num_splits: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    logits_soft_cap: float = 0.0,
 ):
     """Plan (one host sync) and run: the one-call form of ``plan_paged_attention`` + ``run_paged_attention``."""
     plan = plan_paged_attention(
@@ -404,4 +415,4 @@ def paged_attention_fwd(
         dtype=q.dtype, window_left=window_left, num_splits=num_splits,
     )
     return run_paged_attention(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
-                               window_left, out, lse_out)
+                               window_left, out, lse_out, logits_soft_cap)

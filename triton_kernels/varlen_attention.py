@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ragattn.triton_kernels.merge_attention_states import merge_split_states
+from ragattn.triton_kernels.soft_cap import soft_cap_grad, soft_cap_log2
 from ragattn.ops._plan_cache import IndexPlanCache
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
@@ -373,9 +374,9 @@ def _low(x, Ref, UPCAST: tl.constexpr):
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, Lse, Parts, PartsLse, QPos, KPos, QBlk, KBlk, Work, KvRows,
-    qk_scale, num_heads, window_left,
+    qk_scale, num_heads, window_left, softcap_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
     item = _item()
@@ -400,6 +401,8 @@ def _fwd_kernel(
         k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
         v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
+        if SOFTCAP:
+            s = soft_cap_log2(s, softcap_log2)
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(_low(p, V, UPCAST), v, input_precision=PREC)
 
@@ -413,6 +416,8 @@ def _fwd_kernel(
         k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
                                        UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if SOFTCAP:
+            s = soft_cap_log2(s, softcap_log2)
         vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
         p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
         acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
@@ -460,9 +465,9 @@ def _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads):
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, QPos, KPos, QBlk, KBlk, Work, KvRows,
-    qk_scale, sm_scale, num_heads, window_left,
+    qk_scale, sm_scale, num_heads, window_left, softcap_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     h = tl.program_id(0)
     item = _item()
@@ -485,8 +490,13 @@ def _bwd_dq_kernel(
         offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
         k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
         v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        x = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if SOFTCAP:
+            x = soft_cap_log2(x, softcap_log2)
+        p = tl.math.exp2(x - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        if SOFTCAP:
+            ds = ds * soft_cap_grad(x, softcap_log2)
         dq += tl.dot(_low(ds, K, UPCAST), k, input_precision=PREC)
 
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
@@ -497,8 +507,13 @@ def _bwd_dq_kernel(
         n_valid = offs_n < k_end
         k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
                                        UPCAST)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        x = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if SOFTCAP:
+            x = soft_cap_log2(x, softcap_log2)
+        p = tl.math.exp2(x - lse[:, None])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        if SOFTCAP:
+            ds = ds * soft_cap_grad(x, softcap_log2)
         vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
         dq = _dot_finite(dq, _low(tl.where(vis, ds, 0.0), K, UPCAST), k, PREC)
     tl.store(DQ + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :],
@@ -508,9 +523,9 @@ def _bwd_dq_kernel(
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, QPos, KPos, QBlk, KBlk, Work, QRows,
-    qk_scale, sm_scale, num_heads, window_left,
+    qk_scale, sm_scale, num_heads, window_left, softcap_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     item = _item()
@@ -535,8 +550,13 @@ def _bwd_dkdv_kernel(
             do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
             lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
             # Transposed scores [BLOCK_N, BLOCK_M] so that dk, dv come out of plain dots.
-            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+            x_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+            if SOFTCAP:
+                x_t = soft_cap_log2(x_t, softcap_log2)
+            p_t = tl.math.exp2(x_t - lse[None, :])
             ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * soft_cap_grad(x_t, softcap_log2)
             dv += tl.dot(_low(p_t, Q, UPCAST), do, input_precision=PREC)
             dk += tl.dot(_low(ds_t, Q, UPCAST), q, input_precision=PREC)
         for e in range(e_mid, e_end):  # partially: nothing of a query that cannot see a key reaches it
@@ -548,8 +568,13 @@ def _bwd_dkdv_kernel(
             q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
             q_lo = _window_start(q_pos, window_left)
             q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
-            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+            x_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+            if SOFTCAP:
+                x_t = soft_cap_log2(x_t, softcap_log2)
+            p_t = tl.math.exp2(x_t - lse[None, :])
             ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * soft_cap_grad(x_t, softcap_log2)
             vis = tl.trans(_pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW))
             dv = _dot_finite(dv, _low(tl.where(vis, p_t, 0.0), Q, UPCAST), do, PREC)
             dk = _dot_finite(dk, _low(tl.where(vis, ds_t, 0.0), Q, UPCAST), q, PREC)
@@ -634,7 +659,7 @@ def _split_slots(q, num_heads: int) -> Optional[float]:
 
 
 def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1, *,
-                         block_m=None, block_n=None, split_len=None, out=None, lse=None):
+                         block_m=None, block_n=None, split_len=None, out=None, lse=None, logits_soft_cap=0.0):
     """Forward launcher: ``(out [total_q, H, D] like q, lse float32 [total_q, H])``. Inputs contiguous;
     ``out``/``lse`` (optional) are contiguous preallocated outputs, written in place. ``split_len``
     (tests): split query tiles that see more than that many key tiles (default: by SM count)."""
@@ -660,9 +685,9 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
         grid, work = _launch(num_heads, csr)
         _fwd_kernel[grid](
             q, k, v, out, lse, parts, parts_lse, plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block, work, csr.rows,
-            scale * _LOG2E, num_heads, max(window, 0),
+            scale * _LOG2E, num_heads, max(window, 0), logits_soft_cap * _LOG2E,
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
-            CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
+            CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q), SOFTCAP=logits_soft_cap > 0,
             num_warps=warps, num_stages=stages,
         )
     if parts_rows:  # merge the splits of long rows, then put their valid rows in place
@@ -675,7 +700,7 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
 
 
 def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale,
-                         window_left=-1, *, block_m=None, block_n=None):
+                         window_left=-1, *, block_m=None, block_n=None, logits_soft_cap=0.0):
     """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. Inputs contiguous."""
     total_q, num_heads, head_dim = q.shape
     total_k, num_kv_heads, _ = k.shape
@@ -701,17 +726,17 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
         args = (plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block)
         common = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm,
                       BLOCK_N=bn, CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
-                      num_warps=warps, num_stages=stages)
+                      SOFTCAP=logits_soft_cap > 0, num_warps=warps, num_stages=stages)
         if kernel == "dq" and plan.by_q.items:
             grid, work = _launch(num_heads, plan.by_q)
             _bwd_dq_kernel[grid](
                 q, k, v, dout, lse, delta, dq, *args, work, plan.by_q.rows,
-                scale * _LOG2E, scale, num_heads, max(window, 0), **common,
+                scale * _LOG2E, scale, num_heads, max(window, 0), logits_soft_cap * _LOG2E, **common,
             )
         if kernel == "dkdv" and plan.by_k.items:
             grid, work = _launch(num_kv_heads, plan.by_k)
             _bwd_dkdv_kernel[grid](
                 q, k, v, dout, lse, delta, dk, dv, *args, work, plan.by_k.rows,
-                scale * _LOG2E, scale, num_heads, max(window, 0), **common,
+                scale * _LOG2E, scale, num_heads, max(window, 0), logits_soft_cap * _LOG2E, **common,
             )
     return dq, dk, dv

@@ -208,6 +208,11 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   }
 }
 
+// logits_soft_cap: finite and >= 0 (0 = off), as the Python _validate says it.
+void check_soft_cap(double cap) {
+  TORCH_CHECK_VALUE(std::isfinite(cap) && cap >= 0, kOp, ": logits_soft_cap must be finite and >= 0 (0 = off), got ", cap);
+}
+
 // RAGATTN_CPU_BACKEND (read on every call, like ragattn._extension.cpu_backend): the kernel for
 // unset/"default"/"twin"; anything else goes to the Python backends, which also reject bad values.
 bool use_python_backend() {
@@ -224,14 +229,14 @@ std::tuple<at::Tensor, at::Tensor> python_backend(const at::Tensor& q, const at:
                                                   const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
                                                   const at::Tensor& v_cache, const at::Tensor& block_table,
                                                   const at::Tensor& kv_lens, std::optional<double> scale,
-                                                  int64_t window_left) {
+                                                  int64_t window_left, double logits_soft_cap) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ragattn::_paged_attention_cpu_backend", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, std::optional<double>, int64_t)>();
-  return op.call(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left);
+                                                    const at::Tensor&, std::optional<double>, int64_t, double)>();
+  return op.call(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, logits_soft_cap);
 }
 
 // ------------------------------------------------------------------------------------ kernel
@@ -251,6 +256,7 @@ struct PagedArgs {
   int64_t q_s0, q_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, o_s0, o_s1, l_s0, l_s1;
   float scale;
   int64_t window_left;
+  float softcap;  // logits_soft_cap (0: off)
 };
 
 
@@ -332,6 +338,9 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
       for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
       // the G heads' scores (k padded with a visible slot to a multiple of 8; scores past n unused)
       dot_rows<kPRow>(qf, G, D, kslot + first, n, a.scale, p + first);
+      if (a.softcap > 0.f)  // score -> cap * tanh(score / cap)
+        for (int64_t h = 0; h < G; ++h)
+          for (int64_t s = first; s < first + n; ++s) p[h * kPRow + s] = a.softcap * std::tanh(p[h * kPRow + s] / a.softcap);
       for (int64_t h = 0; h < G; ++h) {
         alpha[h] = 0.f;  // a poisoned head's acc is never read again
         if (bad[h] == 0.f && !softmax_step(p + h * kPRow, first, n, m + h, l + h, alpha + h)) bad[h] = 1.f;
@@ -370,7 +379,7 @@ RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64
 // The kernel on checked arguments; q, k_cache, v_cache and out have a unit last-dim stride.
 void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                const at::Tensor& kv_lens, float scale, int64_t window_left, const at::Tensor& out,
+                const at::Tensor& kv_lens, float scale, int64_t window_left, float softcap, const at::Tensor& out,
                 const at::Tensor& lse_out) {
   const int64_t total_q = q.size(0), batch = kv_lens.size(0);
   if (total_q == 0) return;
@@ -384,7 +393,7 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
               q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-              lse_out.stride(0), lse_out.stride(1), scale, window_left};
+              lse_out.stride(0), lse_out.stride(1), scale, window_left, softcap};
   const int64_t items = total_q * a.num_kv_heads;
   // grain: about GRAIN_SIZE multiply-adds per task, from the average cached length
   int64_t kv_total = 0;
@@ -410,26 +419,29 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, cons
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& block_table,
                                                        const at::Tensor& kv_lens, std::optional<double> scale,
-                                                       int64_t window_left) {
+                                                       int64_t window_left, double logits_soft_cap) {
   check_paged_args(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, nullptr, nullptr);
+  check_soft_cap(logits_soft_cap);
   if (use_python_backend())
-    return python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left);
+    return python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+                          logits_soft_cap);
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like the fake impl
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
-             block_table, kv_lens, static_cast<float>(s), window_left, out, lse);
+             block_table, kv_lens, static_cast<float>(s), window_left, static_cast<float>(logits_soft_cap), out, lse);
   return {out, lse};
 }
 
 void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                              const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-                             const at::Tensor& out, const at::Tensor& lse_out) {
+                             double logits_soft_cap, const at::Tensor& out, const at::Tensor& lse_out) {
   check_paged_args(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, &out, &lse_out);
+  check_soft_cap(logits_soft_cap);
   if (use_python_backend()) {
     auto [o, lse] = python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
-                                   window_left);
+                                   window_left, logits_soft_cap);
     out.copy_(o);
     lse_out.copy_(lse);
     return;
@@ -437,7 +449,7 @@ void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const
   const at::Tensor o = out.stride(-1) == 1 ? out : at::empty(q.sizes(), q.options());  // copied in below
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
-             block_table, kv_lens, static_cast<float>(s), window_left, o, lse_out);
+             block_table, kv_lens, static_cast<float>(s), window_left, static_cast<float>(logits_soft_cap), o, lse_out);
   if (!o.is_same(out)) out.copy_(o);
 }
 

@@ -148,13 +148,14 @@ struct Prepared {
     v = unit_last_stride(v_in);
   }
 
-  Args args(std::optional<double> scale, bool causal, int64_t window_left) const {
+  Args args(std::optional<double> scale, bool causal, int64_t window_left, double softcap) const {
     const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
     return Args{q.data_ptr(), k.data_ptr(), v.data_ptr(), nullptr, nullptr,
                 qp.data(), kp.data(), blocks ? qb.data() : nullptr, blocks ? kb.data() : nullptr,
                 blocks ? run_end.data() : nullptr, tiles.data(),
                 q.size(1), k.size(1), q.size(2), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-                v.stride(1), q.size(1) * q.size(2), q.size(2), static_cast<float>(s), causal, window_left};
+                v.stride(1), q.size(1) * q.size(2), q.size(2), static_cast<float>(s), causal, window_left,
+                static_cast<float>(softcap)};
   }
 };
 
@@ -181,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
     const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block, bool causal,
-    std::optional<double> scale, int64_t window_left) {
+    std::optional<double> scale, int64_t window_left, double logits_soft_cap) {
   using namespace varlen_cpu;
   const Prepared prep(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, window_left);
   const at::Tensor& q = prep.q;
@@ -189,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like the fake impl
   at::Tensor lse = at::empty({total_q, q.size(1)}, q.options().dtype(at::kFloat));
   if (total_q == 0) return {out, lse};
-  Args a = prep.args(scale, causal, window_left);
+  Args a = prep.args(scale, causal, window_left, logits_soft_cap);
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();
   const int64_t n_tiles = static_cast<int64_t>(prep.tiles.size());
@@ -207,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
     const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& q_pos, const std::optional<at::Tensor>& kv_pos,
     const std::optional<at::Tensor>& q_block, const std::optional<at::Tensor>& kv_block, bool causal,
-    std::optional<double> scale, int64_t window_left) {
+    std::optional<double> scale, int64_t window_left, double logits_soft_cap) {
   using namespace varlen_cpu;
   const Prepared prep(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, window_left);
   const at::Tensor &q = prep.q, &k = prep.k, &v = prep.v;
@@ -221,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  BwdArgs a{prep.args(scale, causal, window_left), dout.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
+  BwdArgs a{prep.args(scale, causal, window_left, logits_soft_cap), dout.data_ptr(), out.data_ptr(), lse.data_ptr<float>(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), prep.seq_tiles.data(), prep.ck.data()};
   const int64_t items = (static_cast<int64_t>(prep.ck.size()) - 1) * k.size(1);
   void (*run)(const BwdArgs&, int64_t, int64_t) =

@@ -64,7 +64,14 @@ struct Args {
   float scale;
   bool causal;
   int64_t window_left;
+  float softcap;  // logits_soft_cap: score -> softcap * tanh(score / softcap) after scaling; 0 = off
 };
+
+// Logit soft-capping of n scores in place (Gemma 2's attn_logit_softcapping): s -> cap * tanh(s / cap).
+RAGATTN_ALWAYS_INLINE void soft_cap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
 
 // One online-softmax step of a query vector over its scores ph[0, n8) (n8 a multiple of 8) with
 // the visibility lanes vis[0, n8) (-1: visible): masked lanes become -inf, then softmax_exp_step.
@@ -266,6 +273,8 @@ RAGATTN_ALWAYS_INLINE void run_tile(const Args& a, const Tile& t, Scratch& sc) {
       step_keys(k_base, a.k_s0, v_base, a.v_s0, sc.keys.data() + c0, sc.masks.data() + c0, n, R, D, kf, vf, kptr, vptr,
                 vis, seen);
       dot_rows<kPRow>(qf, nv, D, kptr, n, a.scale, p);  // scores
+      if (a.softcap > 0.f)
+        for (int64_t iv = 0; iv < nv; ++iv) soft_cap_scores(p + iv * kPRow, n, a.softcap);
       for (int64_t r = 0; r < R; ++r) {
         if (seen[r] == 0) continue;
         for (int64_t h = 0; h < G; ++h) {
@@ -410,18 +419,25 @@ RAGATTN_ALWAYS_INLINE void run_bwd_item(const BwdArgs& a, int64_t b, int64_t g, 
       int64_t seen[kTileRows];
       step_keys(k_base, f.k_s0, v_base, f.v_s0, keys, sc.masks.data() + c0, n, R, D, kf, vf, kptr, vptr, vis, seen);
       dot_rows<kPRow>(qf, nv, D, kptr, n, f.scale, p);
+      if (f.softcap > 0.f)
+        for (int64_t iv = 0; iv < nv; ++iv) soft_cap_scores(p + iv * kPRow, n, f.softcap);
       dot_rows<kPRow>(df, nv, D, vptr, n, 1.f, dp);
+      // soft cap: d(cap tanh(s / cap)) / ds = 1 - (capped / cap)^2, applied to dS below
+      const v8f inv_cap8 = v8f{} + (f.softcap > 0.f ? 1.f / f.softcap : 0.f);
       for (int64_t iv = 0; iv < nv; ++iv) {  // P and dS, 8 lanes (masked lanes: P 0, never summed)
         const int32_t* vr = vis[iv / G];
         const v8f l8 = v8f{} + lse[iv], d8 = v8f{} + di[iv];
         for (int64_t s = 0; s < n8; s += 8) {
           v8i on;
           std::memcpy(&on, vr + s, sizeof(on));
-          v8f pe = exp8_nonpositive(load8(p + iv * kPRow + s) - l8);  // -inf - -inf (NaN): 0
+          const v8f x = load8(p + iv * kPRow + s);
+          v8f pe = exp8_nonpositive(x - l8);  // -inf - -inf (NaN): 0
           pe = lse_nan[iv] != 0.f ? v8f{} + nan : pe;
           pe = on ? pe : v8f{};
           store8(p + iv * kPRow + s, pe);
-          store8(dp + iv * kPRow + s, pe * (load8(dp + iv * kPRow + s) - d8));
+          const v8f t = x * inv_cap8;  // 0 without a soft cap: factor 1
+          const v8f ds = pe * (load8(dp + iv * kPRow + s) - d8) * (1.f - t * t);
+          store8(dp + iv * kPRow + s, on ? ds : v8f{});
         }
       }
       // dq: each row over its own keys

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -139,3 +140,11 @@ def device_guard(t: torch.Tensor):
     a tensor on ``cuda:1`` while ``cuda:0`` is current would be read from the wrong device.
     """
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def check_soft_cap(op: str, logits_soft_cap) -> None:
+    """``logits_soft_cap``: a finite float >= 0 (0 = off; FlashInfer's name and meaning)."""
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+        raise TypeError(f"ragattn.{op}: logits_soft_cap must be a float, got {type(logits_soft_cap).__name__}")
+    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        raise ValueError(f"ragattn.{op}: logits_soft_cap must be finite and >= 0 (0 = off), got {logits_soft_cap}")

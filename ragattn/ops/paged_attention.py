@@ -9,6 +9,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import (
+    check_soft_cap,
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_cu_seqlens,
@@ -36,7 +37,7 @@ def _forced_num_splits() -> Optional[int]:
 
 
 def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-              out=None, lse_out=None, *, read_values=True) -> None:
+              out=None, lse_out=None, *, read_values=True, logits_soft_cap=0.0) -> None:
     """Every check of the op (CUDA path and fake impls). ``read_values=False`` (fake impl) skips the
     checks that read tensor contents; devices, dtypes, shapes and aliasing are checked on every path.
     The CPU impl makes the same checks in C++ (``check_paged_args`` in
@@ -67,6 +68,7 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
     if not isinstance(window_left, int):
         raise TypeError(f"ragattn.{_OP}: window_left must be an int, got {type(window_left).__name__}")
+    check_soft_cap(_OP, logits_soft_cap)
     if out is not None or lse_out is not None:
         check_tensor(_OP, "out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=dev)
         check_tensor(_OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, num_heads), device=dev)
@@ -110,6 +112,7 @@ def paged_attention(
     kv_lens: torch.Tensor,
     scale: Optional[float] = None,
     window_left: int = -1,
+    logits_soft_cap: float = 0.0,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -132,6 +135,9 @@ def paged_attention(
             ``window_left``): row ``i`` sees only slots ``j >= q_pos[i] - window_left``; negative
             (default -1) = no window. transformers' ``sliding_window = W`` (``kv_idx > q_idx - W``
             in ``masking_utils.sliding_window_overlay``) is ``window_left = W - 1``.
+        logits_soft_cap: FlashInfer's name; ``> 0``: every score (after ``scale``, before the mask)
+            becomes ``cap * tanh(score / cap)`` (Gemma 2's ``attn_logit_softcapping``); 0 (default):
+            off. Finite and ``>= 0`` (ValueError otherwise).
         out, lse_out: optional preallocated outputs (``[total_q, num_heads, head_dim]`` in q's
             dtype, float32 ``[total_q, num_heads]``; any strides; must not overlap an input). The
             one given is written and returned; a missing one is allocated.
@@ -184,66 +190,81 @@ def paged_attention(
     CPU, out-of-range ``kv_lens``, ``q_pos`` and used ``block_table`` entries raise; on CUDA they
     are a precondition (checked when ``RAGATTN_DEBUG=1``).
     """
+    if type(logits_soft_cap) is not float:   # (the schema would coerce or reject it unnamed)
+        check_soft_cap(_OP, logits_soft_cap)
     if out is None and lse_out is None:
         return torch.ops.ragattn.paged_attention(
-            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left
+            q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, float(logits_soft_cap)
         )
     if out is None:
         out = q.new_empty(q.shape)
     if lse_out is None:
         lse_out = q.new_empty(q.shape[:2], dtype=torch.float32)
     torch.ops.ragattn.paged_attention.out(
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=out, lse_out=lse_out
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, float(logits_soft_cap),
+        out=out, lse_out=lse_out
     )
     return out, lse_out
 
 
-def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
+def _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None,
+            logits_soft_cap=0.0):
     from ragattn.triton_kernels.paged_attention import paged_attention_fwd
 
     return paged_attention_fwd(
         q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-        num_splits=_forced_num_splits(), out=out, lse_out=lse_out,
+        num_splits=_forced_num_splits(), out=out, lse_out=lse_out, logits_soft_cap=logits_soft_cap,
     )
 
 
 @torch.library.impl("ragattn::_paged_attention_cpu_backend", "CPU")
-def _cpu_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left):
+def _cpu_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+                 logits_soft_cap=0.0):
     """``RAGATTN_CPU_BACKEND=reference|triton``: called by the op's C++ CPU impl
     (``csrc/attention/paged_attention_cpu.cpp``) after its checks (``_validate``'s, in C++)."""
     backend = _extension.cpu_backend()  # raises on a value that is not a backend
     if backend == "triton":
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+                       logits_soft_cap=logits_soft_cap)
     if backend != "reference":
         raise RuntimeError(f"ragattn.{_OP}: the C++ CPU impl runs backend {backend!r} itself")
-    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+    return _reference(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+                      logits_soft_cap=logits_soft_cap)
 
 
-def _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+def _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out=None, lse_out=None,
+          logits_soft_cap=0.0):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+              logits_soft_cap=logits_soft_cap)
     with device_guard(q):
-        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+        return _triton(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+                       logits_soft_cap)
 
 
 @torch.library.impl("ragattn::paged_attention", "CUDA")
-def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
-    return _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
+def _paged_attention_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1,
+                          logits_soft_cap=0.0):
+    return _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
+                 logits_soft_cap=logits_soft_cap)
 
 
 @torch.library.impl("ragattn::paged_attention.out", "CUDA")
 def _paged_attention_out_cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
-                              window_left=-1, *, out, lse_out):
-    _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out)
+                              window_left=-1, logits_soft_cap=0.0, *, out, lse_out):
+    _cuda(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
+          logits_soft_cap)
 
 
 @torch.library.register_fake("ragattn::paged_attention")
-def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1):
-    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, read_values=False)
+def _paged_attention_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None, window_left=-1,
+                          logits_soft_cap=0.0):
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, read_values=False,
+              logits_soft_cap=logits_soft_cap)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)  # contiguous, like the kernels
 
 
 @torch.library.register_fake("ragattn::paged_attention.out")
 def _paged_attention_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale=None,
-                              window_left=-1, *, out, lse_out):
+                              window_left=-1, logits_soft_cap=0.0, *, out, lse_out):
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
-              read_values=False)
+              read_values=False, logits_soft_cap=logits_soft_cap)

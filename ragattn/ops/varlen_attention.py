@@ -20,6 +20,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops._validate import (
+    check_soft_cap,
     FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor,
     cpu_qk_well_formed, device_guard,
 )
@@ -46,6 +47,7 @@ def varlen_attention(
     causal: bool = True,
     scale: Optional[float] = None,
     window_left: int = -1,
+    logits_soft_cap: float = 0.0,
     *,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
@@ -76,6 +78,9 @@ def varlen_attention(
             tokens too. transformers' ``config.sliding_window`` (Mistral, Qwen2, Gemma local
             layers: ``sliding_window_overlay`` keeps ``kv_idx > q_idx - sliding_window``) maps to
             ``window_left = sliding_window - 1``.
+        logits_soft_cap: FlashInfer's name; ``> 0``: each score, after ``scale`` and before the
+            mask, becomes ``cap * tanh(score / cap)`` (Gemma 2's ``attn_logit_softcapping``; the
+            backward multiplies by ``1 - tanh^2``); 0 (default): off. Finite and ``>= 0``.
         out, lse_out: optional preallocated outputs (engines' ``out=``): ``out`` contiguous like
             ``q``, ``lse_out`` contiguous float32 ``[total_q, H]``, on ``q``'s device, sharing no
             memory with any input; written in place and returned (one given, the other is
@@ -127,10 +132,14 @@ def varlen_attention(
         chunk 1           |  #####  |
         chunk 2           |         |  #####
     """
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
+    if type(logits_soft_cap) is not float:   # (the schema would coerce or reject it unnamed)
+        check_soft_cap(OP, logits_soft_cap)
+        logits_soft_cap = float(logits_soft_cap)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,
+            logits_soft_cap)
     if out is None and lse_out is None:
         if (type(causal) is bool and (scale is None or type(scale) is float) and type(window_left) is int
-                and plain_cpu_call(*args[:9])):
+                and type(logits_soft_cap) is float and plain_cpu_call(*args[:9])):
             return _varlen_attention_impl(*args)  # what torch.ops would run, without its dispatch
         return torch.ops.ragattn.varlen_attention(*args)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
@@ -144,12 +153,14 @@ def varlen_attention(
 
 
 def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, *,
-              check_values: bool = True):
+              check_values: bool = True, logits_soft_cap=0.0):
     """Every check of the op; the fake impl runs it too (``check_values=False``: no data to read).
     ``check_values`` runs ``_check_index_values`` last (the default CPU path runs it once per
     cached plan instead: those checks read only the index tensors)."""
     if not _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left):
         _check_metadata(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left)
+    if logits_soft_cap != 0.0 or type(logits_soft_cap) is not float:
+        check_soft_cap(OP, logits_soft_cap)
     if check_values:
         _check_index_values(cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, q.shape[0], k.shape[0])
 
@@ -246,12 +257,14 @@ def _use_sdpa_cpu(q: torch.Tensor) -> bool:
     return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
 
 
-def _cpu_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
+def _cpu_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,
+                 logits_soft_cap=0.0):
     """The default CPU forward: ``ragattn::_varlen_attention_cpu`` (csrc/attention/varlen_attention_cpu.cpp,
     after ``_validate``'s metadata checks; it runs the index-value checks itself). It reads only
     each row's visible keys: masked non-finite K/V never reach a result, no reference rerun."""
     return torch.ops.ragattn._varlen_attention_cpu.default(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
-                                                           kv_block, causal, scale, window_left)
+                                                           kv_block, causal, scale, window_left,
+                                                           float(logits_soft_cap))
 
 
 # Dense calls (non-causal, no window, no blocks: every key of a sequence visible to each of its
@@ -262,8 +275,8 @@ def _cpu_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv
 _SDPA_DENSE_MIN_PAIRS, _SDPA_DENSE_MIN_SEQ_PAIRS = 8192, 512
 
 
-def _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left) -> bool:
-    if causal or window_left >= 0 or q_block is not None or kv_block is not None or q.dtype != torch.float32:
+def _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left, softcap=0.0) -> bool:
+    if softcap or causal or window_left >= 0 or q_block is not None or kv_block is not None or q.dtype != torch.float32:
         return False
     if q.shape[0] * k.shape[0] < _SDPA_DENSE_MIN_PAIRS:
         return False
@@ -277,12 +290,13 @@ def _contig(*ts):
     return [None if t is None else t.contiguous() for t in ts]
 
 
-def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1):
+def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1,
+                           logits_soft_cap=0.0):
     index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
-    _validate(q, k, v, *index, scale, window_left, check_values=False)
+    _validate(q, k, v, *index, scale, window_left, check_values=False, logits_soft_cap=logits_soft_cap)
     if _use_sdpa_cpu(q):
-        if not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left):
-            return _cpu_forward(q, k, v, *index, causal, scale, window_left)
+        if not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left, logits_soft_cap):
+            return _cpu_forward(q, k, v, *index, causal, scale, window_left, logits_soft_cap)
         out, lse = _sdpa_cpu.run_forward(q, k, v, *index, causal, scale, window_left,
                                          check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
         if not _sdpa_cpu.has_nonfinite(out):
@@ -293,9 +307,10 @@ def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
         from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
         with device_guard(q):
-            return varlen_attention_fwd(*_contig(q, k, v, *index), causal, scale, window_left)
+            return varlen_attention_fwd(*_contig(q, k, v, *index), causal, scale, window_left,
+                                        logits_soft_cap=logits_soft_cap)
     with torch.no_grad():
-        out, lse = _ref(q, k, v, *index, causal, scale, window_left)
+        out, lse = _ref(q, k, v, *index, causal, scale, window_left, logits_soft_cap)
     return out.contiguous(), lse.contiguous()
 
 
@@ -303,63 +318,68 @@ torch.library.impl("ragattn::varlen_attention", ("CPU", "CUDA"), _varlen_attenti
 
 
 @torch.library.register_fake("ragattn::varlen_attention")
-def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False)
+def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None, causal=True, scale=None, window_left=-1,
+                           logits_soft_cap=0.0):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False,
+              logits_soft_cap=logits_soft_cap)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::_varlen_attention_cpu")
-def _varlen_attention_cpu_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left):
+def _varlen_attention_cpu_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,
+                               logits_soft_cap):
     return _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale,
-                                  window_left)
+                                  window_left, logits_soft_cap)
 
 
 @torch.library.impl("ragattn::varlen_attention.out", ("CPU", "CUDA"))
 def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None,
-                               causal=True, scale=None, window_left=-1, *, out, lse_out):
+                               causal=True, scale=None, window_left=-1, logits_soft_cap=0.0, *, out, lse_out):
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
-    _validate(*args, scale, window_left)
+    _validate(*args, scale, window_left, logits_soft_cap=logits_soft_cap)
     _validate_out(q, out, lse_out, dict(zip(_ARG_NAMES, args)))
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
         with device_guard(q):
-            varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_out)
+            varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_out,
+                                 logits_soft_cap=logits_soft_cap)
         return
     o = None
     if _use_sdpa_cpu(q):
-        if not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left):
-            o, l = _cpu_forward(*args, causal, scale, window_left)
+        if not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal, window_left, logits_soft_cap):
+            o, l = _cpu_forward(*args, causal, scale, window_left, logits_soft_cap)
         else:
             o, l = _sdpa_cpu.run_forward(*args, causal, scale, window_left)
             o = None if _sdpa_cpu.has_nonfinite(o) else o
     if o is None:
         with torch.no_grad():
-            o, l = _ref(*args, causal, scale, window_left)
+            o, l = _ref(*args, causal, scale, window_left, logits_soft_cap)
     out.copy_(o)
     lse_out.copy_(l)
 
 
 @torch.library.register_fake("ragattn::varlen_attention.out")
 def _varlen_attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_pos=None, q_block=None, kv_block=None,
-                               causal=True, scale=None, window_left=-1, *, out, lse_out):
+                               causal=True, scale=None, window_left=-1, logits_soft_cap=0.0, *, out, lse_out):
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
-    _validate(*args, scale, window_left, check_values=False)
+    _validate(*args, scale, window_left, check_values=False, logits_soft_cap=logits_soft_cap)
     _validate_out(q, out, lse_out, dict(zip(_ARG_NAMES, args)))
 
 
 _ARG_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "q_pos", "kv_pos", "q_block", "kv_block")
 
 
-def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
+def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1,
+                                    logits_soft_cap=0.0):
     index = (cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block)
-    _validate(q, k, v, *index, scale, window_left, check_values=False)
+    _validate(q, k, v, *index, scale, window_left, check_values=False, logits_soft_cap=logits_soft_cap)
     if _use_sdpa_cpu(q) and not _dense_sdpa_wins(q, k, cu_seqlens_q, cu_seqlens_k, q_block, kv_block, causal,
-                                                   window_left):
+                                                   window_left, logits_soft_cap):
         # the C++ backward (csrc/attention/varlen_attention_cpu.cpp): only visible pairs, masked
         # keys never read into a sum; it runs the index-value checks itself
         return torch.ops.ragattn._varlen_attention_backward_cpu.default(dout, q, k, v, out, lse, *index, causal, scale,
-                                                                        window_left)
+                                                                        window_left, float(logits_soft_cap))
     if _use_sdpa_cpu(q):
         grads = _sdpa_cpu.run_backward(dout, q, k, v, out, lse, *index, causal, scale, window_left,
                                        check=lambda: _check_index_values(*index, q.shape[0], k.shape[0]))
@@ -371,11 +391,13 @@ def _varlen_attention_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd
 
         with device_guard(q):
-            return varlen_attention_bwd(*_contig(dout, q, k, v, out, lse, *index), causal, scale, window_left)
+            return varlen_attention_bwd(*_contig(dout, q, k, v, out, lse, *index), causal, scale, window_left,
+                                        logits_soft_cap=logits_soft_cap)
     # Reference autograd: recompute the dense forward with grad and pull dout through it.
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left)
+        o, _ = _ref(qq, kk, vv, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,
+                    logits_soft_cap)
         grads = torch.autograd.grad(o, (qq, kk, vv), dout, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
 
@@ -384,24 +406,26 @@ torch.library.impl("ragattn::varlen_attention_backward", ("CPU", "CUDA"), _varle
 
 
 @torch.library.register_fake("ragattn::varlen_attention_backward")
-def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1):
-    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False)
+def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1,
+                                    logits_soft_cap=0.0):
+    _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, scale, window_left, check_values=False,
+              logits_soft_cap=logits_soft_cap)
     return (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 @torch.library.register_fake("ragattn::_varlen_attention_backward_cpu")
 def _varlen_attention_backward_cpu_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
-                                        kv_block, causal, scale, window_left):
+                                        kv_block, causal, scale, window_left, logits_soft_cap):
     return _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
-                                           kv_block, causal, scale, window_left)
+                                           kv_block, causal, scale, window_left, logits_soft_cap)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left = inputs
+    q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left, logits_soft_cap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
-    ctx.causal, ctx.scale, ctx.window_left = causal, scale, window_left
+    ctx.causal, ctx.scale, ctx.window_left, ctx.logits_soft_cap = causal, scale, window_left, logits_soft_cap
     ctx.mark_non_differentiable(lse)
 
 
@@ -409,9 +433,9 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block = ctx.saved_tensors
     dq, dk, dv = torch.ops.ragattn.varlen_attention_backward(
         dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, ctx.causal, ctx.scale,
-        ctx.window_left,
+        ctx.window_left, ctx.logits_soft_cap,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("ragattn::varlen_attention", _backward, setup_context=_setup_context)

@@ -37,10 +37,12 @@ def paged_attention(
     scale: Optional[float] = None,
     window_left: int = -1,
     *,
+    logits_soft_cap: float = 0.0,
     compute_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Query row ``i`` of sequence ``b`` attends to slots ``j < kv_lens[b]`` with ``j <= q_pos[i]``
-    and, when ``window_left >= 0``, ``j >= q_pos[i] - window_left``.
+    and, when ``window_left >= 0``, ``j >= q_pos[i] - window_left``; ``logits_soft_cap > 0`` maps
+    each scaled score ``s`` to ``cap * tanh(s / cap)`` before the mask.
 
     q [total_q, H, D]; q_pos int32/int64 [total_q]; cu_seqlens_q int32/int64 [B + 1]; k_cache,
     v_cache [num_pages, page_size, Hkv, D] (any strides); block_table int32/int64 [B, max_pages];
@@ -74,6 +76,8 @@ def paged_attention(
         v = gather_paged(v_cache, block_table[b], L)[:, head_to_kv].to(cdt)
         qb = q[q0:q1].to(cdt)
         s = torch.einsum("ihd,jhd->hij", qb, k) * scale  # [H, nq, L]
+        if logits_soft_cap > 0:  # Gemma 2's attn_logit_softcapping, before the mask
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
         visible = visible_slots(q_pos[q0:q1], L, window_left)  # [nq, L]
         # a non-finite visible score poisons its (row, head): out and lse NaN
         bad_row = (visible[None] & ~torch.isfinite(s)).any(-1)  # [H, nq]

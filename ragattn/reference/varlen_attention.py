@@ -88,6 +88,7 @@ def varlen_attention(
     causal: bool = True,
     scale: Optional[float] = None,
     window_left: int = -1,
+    logits_soft_cap: float = 0.0,
     *,
     upcast: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +96,7 @@ def varlen_attention(
 
     q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (GQA: head h reads kv head h // (H // H_kv)),
     cu_seqlens_* int32/int64 ``[B + 1]``, positions/blocks int32/int64 ``[total_q]`` / ``[total_k]``,
-    ``window_left`` as in ``ragattn.varlen_attention`` (-1: no window).
+    ``window_left`` and ``logits_soft_cap`` as in ``ragattn.varlen_attention`` (-1 / 0: off).
     ``upcast=True`` computes in float32 (float64 for float64 inputs); ``upcast=False`` mimics a
     kernel in the input dtype (scores and P@V in the input dtype, softmax in float32): that is the
     "same computation in the input dtype" of the tests' precision rule.
@@ -128,6 +129,8 @@ def varlen_attention(
         vv = v[ks:ke].to(cdt).repeat_interleave(group, dim=1).transpose(0, 1)
         mask = visible_mask(q_pos[qs:qe], kv_pos[ks:ke], q_block[qs:qe], kv_block[ks:ke], causal, window_left)
         scores = _visible_scores(qq, kk, mask).to(sdt) * scale  # [H, Lq, Lk]
+        if logits_soft_cap > 0:  # Gemma 2's attn_logit_softcapping, before the mask
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         scores = scores.masked_fill(~mask, float("-inf"))
         # Rows with no visible key: out 0, lse -inf, and no NaN in the forward or backward.
         m = scores.amax(dim=-1, keepdim=True).detach() if scores.shape[-1] else scores.new_full(scores.shape[:-1] + (1,), float("-inf"))
