@@ -35,9 +35,11 @@ and ragattn's paged :class:`ragattn.hf.cache.PagedCache`). Per layer call, with
   per shape, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
 
 ``output_attentions=True`` runs that call through the model's own eager attention (the weights
-are formed there only). Refused with a named error (rather than computed wrong): attention-logit soft-capping (Gemma 2),
-attention sinks, dropout in training, non-causal attention modules, and model families whose attention this path has not been checked against
-(:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`). A transformers version outside :data:`TESTED_TRANSFORMERS`
+are formed there only). Attention-logit soft-capping (Gemma 2) runs in the kernels
+(``logits_soft_cap``). Refused with a named error (rather than computed wrong): attention sinks,
+dropout in training and non-causal attention modules; model families whose attention this path
+has not been checked against (:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`) are refused when the
+model is created or switched to "ragattn" (``refuse_unsupported_family``). A transformers version outside :data:`TESTED_TRANSFORMERS`
 gets a warning (``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` silences it).
 
 Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
@@ -265,7 +267,7 @@ def _window_left(module, kwargs) -> int:
 
 
 def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None, valid=None,
-                   window_left: int = -1):
+                   window_left: int = -1, logits_soft_cap: float = 0.0):
     """Write the new K/V into ``cache`` and attend through it; ``valid`` bool ``[B, q]`` marks
     the real (non-padding) new tokens; ``window_left`` >= 0: sliding window. Returns
     ``((out, None), counts or None)``."""
@@ -275,7 +277,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     if first:
         cache.launch_plans = {}   # a new forward: its paged launches are planned afresh
         cache.cpu_sdpa = cpu_sdpa_enabled(q)   # and its CPU route read once
-    cpu_sdpa = (slots is None and query.device.type == "cpu"
+    cpu_sdpa = (slots is None and query.device.type == "cpu" and not logits_soft_cap   # (SDPA cannot soft-cap)
                 and (cache.cpu_sdpa if cache.cpu_sdpa is not None else cpu_sdpa_enabled(q)))
     if slots is None and valid is None and query.device.type == "cpu":
         # the CPU decode (and unpadded prefill) step: the new K/V go to consecutive slot rows of
@@ -294,7 +296,7 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
                 return (_cpu_rows_sdpa(query, k4, v4, rows_plan, scaling), None), None
             qr = query[:, :, 0] if q == 1 else query.transpose(1, 2).reshape(b * q, hq, d)
             o = _paged_attention(cache.launch_plans, qr, q_pos, cu, cache.k[layer], cache.v[layer],
-                                 cache.block_table, kv_lens, scaling, window_left)
+                                 cache.block_table, kv_lens, scaling, window_left, logits_soft_cap)
             return (o.view(b, q, hq, d), None), None
     kf = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
     vf = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
@@ -322,12 +324,12 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
     cu = torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=query.device)
     o = _paged_attention(cache.launch_plans, query.transpose(1, 2).reshape(b * q, hq, d),
                          q_pos, cu, cache.k[layer], cache.v[layer], cache.block_table, kv_lens, scaling,
-                         window_left)
+                         window_left, logits_soft_cap)
     return (o.view(b, q, hq, d), None), counts
 
 
 def _paged_attention(launch_plans: dict, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens,
-                     scale, window_left):
+                     scale, window_left, logits_soft_cap=0.0):
     """``ragattn.paged_attention`` for one layer of a forward whose layers share their index
     tensors' values (``launch_plans``: a dict owned by that forward, empty at its first layer).
 
@@ -341,7 +343,7 @@ def _paged_attention(launch_plans: dict, q, q_pos, cu_seqlens_q, k_cache, v_cach
     triton_route = dev == "cuda" or (dev == "cpu" and _extension.cpu_backend() == "triton")
     if not triton_route or torch.compiler.is_compiling():
         return _ops.paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
-                                    window_left)[0]
+                                    window_left, logits_soft_cap)[0]
     from ragattn.triton_kernels.paged_attention import plan_paged_attention, run_paged_attention
 
     plan = launch_plans.get(window_left)
@@ -351,7 +353,7 @@ def _paged_attention(launch_plans: dict, q, q_pos, cu_seqlens_q, k_cache, v_cach
             dtype=q.dtype, window_left=window_left)
     with torch.cuda.device(q.device) if dev == "cuda" else contextlib.nullcontext():
         return run_paged_attention(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
-                                   window_left)[0]
+                                   window_left, logits_soft_cap=logits_soft_cap)[0]
 
 
 def cpu_sdpa_enabled(q_rows: int) -> bool:
@@ -398,7 +400,8 @@ def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
     return out
 
 
-def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner, window_left=-1):
+def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner, window_left=-1,
+                         logits_soft_cap=0.0):
     """The :class:`ragattn.hf.cache.PagedCache` path: the mask covers only the new tokens
     (``[B, 1, q, q]``: causal + their padding); its diagonal says which tokens are real."""
     b, q = query.shape[0], query.shape[2]
@@ -409,7 +412,7 @@ def _paged_cache_forward(module, query, key, value, attention_mask, scaling, own
             raise NotImplementedError("ragattn attention: a custom attention mask with a PagedCache")
         valid = torch.diagonal(vis, dim1=1, dim2=2)                     # [B, q]
     out, counts = _paged_forward(module, query, key, value, scaling, owner.paged, valid=valid,
-                                 window_left=window_left)
+                                 window_left=window_left, logits_soft_cap=logits_soft_cap)
     if module.layer_idx == owner.num_layers - 1:
         owner._advance(q, counts)
     return out
@@ -436,6 +439,15 @@ def check_transformers_version(version: str | None = None) -> bool:
     return False
 
 
+def _soft_cap(module, kwargs) -> float:
+    """The layer's attention-logit soft cap (Gemma 2's ``attn_logit_softcapping``, passed by its
+    attention module as ``softcap``), 0.0 for none: ``logits_soft_cap`` of the ops."""
+    cap = kwargs.get("softcap")
+    if cap is None:
+        cap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    return float(cap) if cap else 0.0
+
+
 def _refuse_unsupported(module, dropout, kwargs) -> None:
     """Named errors for every attention feature this path does not implement."""
     config = getattr(module, "config", None)
@@ -444,9 +456,6 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
         raise NotImplementedError(
             f"ragattn attention: model family {family!r} is not supported (supported: "
             f"{sorted(SUPPORTED_FAMILIES)}); use attn_implementation='sdpa' for it")
-    if kwargs.get("softcap") is not None or getattr(config, "attn_logit_softcapping", None):
-        raise NotImplementedError("ragattn attention: attention-logit soft-capping "
-                                  "(attn_logit_softcapping) is not supported")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("ragattn attention: attention sinks (s_aux) are not supported")
     if dropout and module.training:
@@ -579,6 +588,8 @@ def _versioned(*index):
 
 
 def _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    if _soft_cap(module, kwargs):   # SDPA cannot soft-cap: the model's eager attention (its mask as given)
+        return _eager_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ragattn_")}
@@ -594,8 +605,8 @@ def _eager_forward(module, query, key, value, attention_mask, dropout, scaling, 
     additive here as eager expects."""
     import sys
 
-    if getattr(key, "_ragattn_cache", None) is not None or any(
-            kwargs.get(k) is not None for k in ("ragattn_paged", "ragattn_cu_seqlens", "ragattn_block_ids")):
+    if kwargs.get("output_attentions") and (getattr(key, "_ragattn_cache", None) is not None or any(
+            kwargs.get(k) is not None for k in ("ragattn_paged", "ragattn_cu_seqlens", "ragattn_block_ids"))):
         raise NotImplementedError("ragattn attention: output_attentions=True with ragattn's paged, packed or "
                                   "block-attention inputs (the weights are never formed there)")
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -609,7 +620,8 @@ def _eager_forward(module, query, key, value, attention_mask, dropout, scaling, 
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min)
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ragattn_")}
-    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    out, weights = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out, weights if kwargs.get("output_attentions") else None
 
 
 def _rows_view(t):
@@ -640,6 +652,7 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     if kwargs.get("output_attentions"):
         return _eager_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     _refuse_unsupported(module, dropout, dict(kwargs, is_causal=is_causal))
+    cap = _soft_cap(module, kwargs)
     b, hq, q, d = query.shape
     dev = query.device
     capture = kwargs.get("ragattn_capture")
@@ -650,11 +663,11 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     owner = getattr(key, "_ragattn_cache", None)       # set by PagedCache.update
     if owner is not None:
         return _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner,
-                                    _window_left(module, kwargs))
+                                    _window_left(module, kwargs), cap)
     paged = kwargs.get("ragattn_paged")
     if paged is not None:
         return _paged_forward(module, query, key, value, scaling, paged, kwargs.get("ragattn_slots"),
-                              window_left=_window_left(module, kwargs))[0]
+                              window_left=_window_left(module, kwargs), logits_soft_cap=cap)[0]
     kv = key.shape[2]
     cu_packed = kwargs.get("ragattn_cu_seqlens")
     if cu_packed is not None:
@@ -667,27 +680,27 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
         o, _ = _ops.varlen_attention(query[0].transpose(0, 1).contiguous(),
                                      key[0].transpose(0, 1).contiguous(),
                                      value[0].transpose(0, 1).contiguous(), cu_packed, cu_packed,
-                                     None, None, blocks, blocks, True, scaling)
+                                     None, None, blocks, blocks, True, scaling, -1, cap)
         return o[None], None
     block_ids = kwargs.get("ragattn_block_ids")
     if block_ids is not None:
-        return _block_forward(query, key, value, attention_mask, scaling, block_ids)
+        return _block_forward(query, key, value, attention_mask, scaling, block_ids, cap)
     plan = _plan(module, query, key, attention_mask, kwargs)
     if plan.fallback:
         return _sdpa_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if q == 1:
         o = _paged_attention(plan.launch_plans, query[:, :, 0], plan.dec_pos, plan.cu_dec,
                              _page_view(key, plan.page_view), _page_view(value, plan.page_view),
-                             plan.table, plan.kv_lens, scaling, -1)
+                             plan.table, plan.kv_lens, scaling, -1, cap)
         return o[:, None], None
     e = plan.kv_end
     o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key[:, :, :e]), _rows_view(value[:, :, :e]),
                                  plan.cu_q, plan.cu_k, plan.q_pos, plan.kv_pos, None, None, True, scaling,
-                                 plan.window_left)
+                                 plan.window_left, cap)
     return o.view(b, q, hq, d), None
 
 
-def _block_forward(query, key, value, attention_mask, scaling, block_ids):
+def _block_forward(query, key, value, attention_mask, scaling, block_ids, logits_soft_cap=0.0):
     """Block-Attention prefill (``ragattn_block_ids``): causal by slot, same block or global."""
     b, hq, q, d = query.shape
     kv, dev = key.shape[2], query.device
@@ -705,7 +718,7 @@ def _block_forward(query, key, value, attention_mask, scaling, block_ids):
     cu_k = torch.arange(0, (b + 1) * kv, kv, dtype=torch.int32, device=dev)
     o, _ = _ops.varlen_attention(_rows_view(query), _rows_view(key), _rows_view(value), cu_q, cu_k,
                                  q_pos, kv_pos, blocks[:, kv - q:].reshape(-1).contiguous(),
-                                 blocks.reshape(-1).contiguous(), True, scaling)
+                                 blocks.reshape(-1).contiguous(), True, scaling, -1, logits_soft_cap)
     return o.view(b, q, hq, d), None
 
 
@@ -760,11 +773,45 @@ def _switch_attn_implementation(model, old, new) -> None:
                              if c._attn_implementation_internal != b]
 
 
+def refuse_unsupported_family(model) -> None:
+    """ValueError naming the family and a working ``attn_implementation`` when ``model`` (a
+    ``PreTrainedModel``) is not of :data:`SUPPORTED_FAMILIES`: raised where transformers checks the
+    requested implementation (``from_pretrained`` / model init, before any weight is loaded, and
+    ``set_attn_implementation``), not at the first forward."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family in SUPPORTED_FAMILIES:
+        return
+    hint = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
+    raise ValueError(f"ragattn attention: model family {family!r} ({type(model).__name__}) is not supported "
+                     f"(supported: {', '.join(sorted(SUPPORTED_FAMILIES))}); load it with "
+                     f"attn_implementation={hint!r}")
+
+
+def _install_family_check() -> None:
+    """Wrap ``PreTrainedModel.get_correct_attn_implementation`` (every path that sets an attention
+    implementation goes through it) so that "ragattn" on an unsupported family is refused there."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "_ragattn_family_check", False):
+        return
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        if requested_attention == NAME:
+            refuse_unsupported_family(self)
+        return original(self, requested_attention, is_init_check)
+
+    get_correct_attn_implementation._ragattn_family_check = True
+    get_correct_attn_implementation.__wrapped__ = original
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
 def register() -> None:
     """Register "ragattn" with transformers (idempotent); warns if transformers is untested."""
     check_transformers_version()
     AttentionInterface.register(NAME, ragattn_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    _install_family_check()
 
 
 register()

@@ -15,8 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-# model_type -> interleaved layout. Llama, Qwen2 and Mistral apply rotate_half (NeoX halves).
-SUPPORTED_FAMILIES = {"llama": False, "qwen2": False, "mistral": False, "qwen3": False}
+# model_type -> interleaved layout. Every family here applies rotate_half (NeoX halves) to the first
+# rotary_dim dims (Phi-3: partial_rotary_factor; Gemma 2/3: soft-capping, alternating sliding layers,
+# head_dim 256, query_pre_attn_scalar are the attention's, see ragattn.hf.attention).
+SUPPORTED_FAMILIES = {"llama": False, "qwen2": False, "mistral": False, "qwen3": False, "gemma2": False,
+                      "gemma3_text": False, "phi3": False}
+
+
+@dataclass(frozen=True)
+class _OneRope:
+    """A per-layer-type rotary module whose layer types all share one RoPE."""
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    rope_type: str
 
 
 @dataclass(frozen=True)
@@ -45,12 +56,26 @@ def _rotary_module(model):
     for m in model.modules():
         if hasattr(m, "inv_freq") and isinstance(getattr(m, "inv_freq"), torch.Tensor):
             return m
+        types = getattr(m, "layer_types", None)
+        if types and all(isinstance(getattr(m, f"{t}_inv_freq", None), torch.Tensor) for t in types):
+            # one RoPE per layer type (Gemma 3: local base for sliding layers, global for full ones)
+            freqs = [getattr(m, f"{t}_inv_freq") for t in types]
+            if any(f.shape != freqs[0].shape or not torch.equal(f, freqs[0]) for f in freqs[1:]):
+                raise NotImplementedError(
+                    f"ragattn.hf.rope: {type(model).__name__} rotates its {', '.join(types)} layers with different "
+                    "RoPE frequencies (e.g. Gemma 3's rope_local_base_freq); re-rotating cached keys needs one "
+                    "frequency set for every layer: the cached-chunk methods do not support it (the ragattn "
+                    "attention itself does)")
+            scalings = {float(getattr(m, f"{t}_attention_scaling", 1.0) or 1.0) for t in types}
+            return _OneRope(freqs[0], scalings.pop() if len(scalings) == 1 else float("nan"),
+                            getattr(m, "rope_type", {}).get(types[0], "default"))
     raise ValueError(f"ragattn.hf.rope: no rotary embedding module (with inv_freq) found in "
                      f"{type(model).__name__}")
 
 
 def rope_params(model) -> RopeParams:
-    """RoPE parameters of ``model`` (a Llama/Qwen2/Mistral ``*ForCausalLM`` or its base model)."""
+    """RoPE parameters of ``model`` (a ``*ForCausalLM`` of :data:`SUPPORTED_FAMILIES` or its base model);
+    ``rotary_dim < head_dim`` for partial rotary (Phi-3's ``partial_rotary_factor``)."""
     fam = check_supported(model)
     config = model.config
     rot = _rotary_module(model)

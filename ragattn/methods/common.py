@@ -208,6 +208,8 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
         raise ValueError(f"ragattn.methods.full_prefill: prompt of {len(ids_list)} tokens + "
                          f"{max_new_tokens} new tokens exceeds the model's window ({limit})")
     dev = next(model.parameters()).device
+    if attn_implementation == "sdpa" and not getattr(model, "_supports_sdpa", True):
+        attn_implementation = "eager"   # Gemma 2: transformers refuses SDPA (soft-capping)
     old = model.config._attn_implementation
     switch = bool(attn_implementation) and attn_implementation != old
     if switch:

@@ -162,7 +162,7 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
     slots = slots.to(torch.long)
     pos = (slots if positions is None else positions.to(torch.long))[None]
     h = base.embed_tokens(ids.reshape(1, -1))
-    cos, sin = base.rotary_emb(h, pos)
+    cos, sin = base.rotary_emb(h, pos, **_rope_layer_type(model, base))
     checks = check_layers or {}
     last = len(base.layers) - 1
     for l, layer in enumerate(base.layers):
@@ -187,7 +187,24 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
     out = None
     if logits:
         out = model.lm_head(base.norm(h[:, -1:]))[0, -1].float()
+        cap = getattr(model.config, "final_logit_softcapping", None)   # Gemma 2's, as its forward does
+        if cap:
+            out = cap * torch.tanh(out / cap)
     return slots, out
+
+
+def _rope_layer_type(model, base) -> dict:
+    """``{"layer_type": t}`` for a rotary module with one RoPE per layer type (Gemma 3), where
+    ``ragattn.hf.rope.rope_params`` has checked that every type has the same frequencies (it
+    raises otherwise); ``{}`` for the others."""
+    import inspect
+
+    if "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
+        return {}
+    from ragattn.hf.rope import rope_params
+
+    rope_params(model)
+    return {"layer_type": model.config.layer_types[0]}
 
 
 # ----------------------------------------------------------------------------------------------
