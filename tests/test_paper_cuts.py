@@ -160,3 +160,47 @@ def test_demo_and_eval_take_a_model_id_from_the_local_hf_cache(tmp_path, monkeyp
     assert tok("w1 w2")["input_ids"] == [3, 4]
     with pytest.raises(demo.DemoError, match="local HF cache"):
         demo.load_model("someorg/not-cached", torch.device("cpu"))
+
+
+# ----- the demo's table: each method's own figure of merit (issue 26.9) ----------------------------
+def _row(method, speedup, **kw):
+    from ragattn.demo import Row
+
+    return Row(question_id="q1", question="?", method=method, context_tokens=300, ttft_ms=10.0, speedup=speedup,
+               answer="a", first_token_match=True, kl=0.0, em=True, **kw)
+
+
+def test_demo_table_shows_each_methods_figure_of_merit():
+    from types import SimpleNamespace
+
+    from ragattn import demo
+
+    rows = [_row("full-prefill", 1.0, decode_tps=20.0), _row("turborag-composite", 2.5, decode_tps=21.0),
+            _row("rapid", 1.6, decode_tps=32.0, acceptance=0.625)]
+    text = demo.format_report(rows, ["full-prefill", "turborag-composite", "rapid"], has_gold=True,
+                              model_name="m", device="cpu", top_k=3)
+    assert "| 2.50x TTFT |" in text and "| 1.00x TTFT |" in text
+    assert "| 1.60x decode (32.0 tok/s, accept 62%) |" in text
+    assert "decode tokens/s for RAPID" in text
+    # a RAPID result: speedup = its decode tokens/s over the baseline's, acceptance from its counters
+    stats = SimpleNamespace(decode_tokens_per_s=30.0, acceptance_rate=0.5)
+    ans = SimpleNamespace(ttft_s=0.2, total_s=1.0, tokens=[1, 2, 3], first_logits=torch.zeros(3),
+                          extra={"stats": stats})
+    res = demo._from_answer(ans)
+    assert res.decode_tps == 30.0 and res.acceptance == 0.5
+    base = demo._from_answer(SimpleNamespace(ttft_s=0.1, total_s=0.5, tokens=[1, 2, 3, 4, 5],
+                                             first_logits=torch.zeros(3), extra={}))
+    assert base.decode_tps == pytest.approx(10.0) and base.acceptance is None
+
+
+def test_refrag_note_says_why_and_how_to_train(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from ragattn import demo
+
+    runner = demo._RefragRunner(None, None)
+    runner._rm = SimpleNamespace(trained=False, k=16)
+    monkeypatch.setenv("RAGATTN_REFRAG_CKPT", str(tmp_path / "none.pt"))
+    label = runner.label()
+    assert "UNTRAINED PROJECTOR" in label and "mean nothing" in label
+    assert "python -m ragattn refrag-train --k 16" in label and "min" in label
