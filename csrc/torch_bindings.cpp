@@ -70,18 +70,18 @@ TORCH_LIBRARY(ragattn, m) {
   //    calls this one (Python, ragattn/ops/paged_attention.py) after its checks.
   m.def(
       "_paged_attention_cpu_backend(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, "
-      "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left, float logits_soft_cap) "
+      "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left, float logits_soft_cap=0.0) "
       "-> (Tensor out, Tensor lse)");
   //    varlen_attention's default CPU forward and backward (C++), called by its Python impls after
   //    the metadata checks; the backward takes the forward's out and lse.
   m.def(
       "_varlen_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, Tensor? kv_block, bool causal, float? scale, "
-      "int window_left, float logits_soft_cap) -> (Tensor out, Tensor lse)");
+      "int window_left, float logits_soft_cap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "_varlen_attention_backward_cpu(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? q_pos, Tensor? kv_pos, Tensor? q_block, "
-      "Tensor? kv_block, bool causal, float? scale, int window_left, float logits_soft_cap) "
+      "Tensor? kv_block, bool causal, float? scale, int window_left, float logits_soft_cap=0.0) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
