@@ -227,7 +227,32 @@ def _window_case(device, size, gen):
     )
 
 
+def _soft_cap_case(device, size, gen):
+    """Gemma 2's layer: soft-capped scores (``logits_soft_cap=50``), head_dim 256, one causal
+    sequence. Baseline: the same call without the cap (what the cap costs: one tanh per score)."""
+    import ragattn
+
+    if size == "gpu":
+        L, H, Hkv, D, dtype = 8192, 16, 8, 256, torch.bfloat16
+    else:
+        L, H, Hkv, D, dtype = 96, 4, 2, 256, small_dtype(device)
+    q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    cu = torch.tensor([0, L], dtype=I32, device=device)
+    return Case(
+        family="varlen_attention",
+        name=f"softcap50_L{L}_h{H}_kv{Hkv}_d{D}",
+        run=lambda: ragattn.varlen_attention(q, k, v, cu, cu, logits_soft_cap=50.0),
+        baselines={"ragattn_no_cap": lambda: ragattn.varlen_attention(q, k, v, cu, cu)},
+        flops=4.0 * D * H * L * (L + 1) / 2,
+        peak="matmul",
+        peak_dtype=dtype,
+        params={"dtype": str(dtype).replace("torch.", ""), "tokens": L, "logits_soft_cap": 50.0},
+    )
+
+
 def cases(device: torch.device, size: str):
     gen = torch.Generator().manual_seed(0)
     return [_forward_case(device, size, 500, gen), _forward_case(device, size, 4096, gen), _backward_case(device, size, gen),
-            _window_case(device, size, gen)]
+            _window_case(device, size, gen), _soft_cap_case(device, size, gen)]
