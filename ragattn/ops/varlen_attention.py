@@ -327,7 +327,7 @@ def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, kv_p
 
 @torch.library.register_fake("ragattn::_varlen_attention_cpu")
 def _varlen_attention_cpu_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,
-                               logits_soft_cap):
+                               logits_soft_cap=0.0):
     return _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale,
                                   window_left, logits_soft_cap)
 
@@ -416,7 +416,7 @@ def _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 
 @torch.library.register_fake("ragattn::_varlen_attention_backward_cpu")
 def _varlen_attention_backward_cpu_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
-                                        kv_block, causal, scale, window_left, logits_soft_cap):
+                                        kv_block, causal, scale, window_left, logits_soft_cap=0.0):
     return _varlen_attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block,
                                            kv_block, causal, scale, window_left, logits_soft_cap)
 
