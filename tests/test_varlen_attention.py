@@ -273,15 +273,18 @@ jobs = []
 for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
     types = {n: "*i32" for n in ints}
     types.update({n: "*" + elt for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")})
-    types.update(Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32")
+    types.update(Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32",
+                 softcap_log2="fp32")
     for backward, kernel, fn, window in [(False, "fwd", va._fwd_kernel, False), (False, "fwd", va._fwd_kernel, True),
                                          (True, "dq", va._bwd_dq_kernel, True), (True, "dkdv", va._bwd_dkdv_kernel, True)]:
         bm, bn, warps, stages = va._config(head_dim, kernel, dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[elt], window)
         consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=va.block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True,
-                      WINDOW=window, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32")
+                      WINDOW=window, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32", SOFTCAP=False)
         if head_dim == 96 and backward:
             continue
         jobs.append((fn, consts, types, dict(num_warps=warps, num_stages=stages)))
+        if head_dim == 256 and elt == "bf16" and window:  # Gemma 2's layers: soft-capped, windowed, d 256
+            jobs.append((fn, dict(consts, SOFTCAP=True), types, dict(num_warps=warps, num_stages=stages)))
     if head_dim == 256:  # the tiny delta kernel: its largest rows only
         jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK=64), types, {}))
 # issue 15.3: the launcher's configs do not spill for sm_90, forward or backward, in any dtype/head dim
