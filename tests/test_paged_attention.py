@@ -666,11 +666,11 @@ for elt, head_dim in SM90_CASES:
         block_d = max(16, triton.next_power_of_2(head_dim))
         m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, dtype.itemsize, False)
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
-                      BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, UPCAST=False,
+                      BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, SOFTCAP=False, UPCAST=False,
                       IEEE_FP32=dtype == torch.float32)  # windows: decode/verify configs
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
-                     LSE="*fp32", qk_scale="fp32")
+                     LSE="*fp32", qk_scale="fp32", softcap_log2="fp32")
         jobs.append((pa._paged_attention_kernel, consts, types, dict(num_warps=warps, num_stages=stages)))
 compile_many_sm90(jobs)
 print("compiled")
