@@ -105,7 +105,7 @@ def test_sliding_window_prefill_runs_varlen_and_equals_eager(monkeypatch, family
         ref32 = model.float()(ids, attention_mask=mask).logits
         calls = []
         real = hfattn._ops.varlen_attention
-        monkeypatch.setattr(hfattn._ops, "varlen_attention", lambda *a: calls.append(a[-1]) or real(*a))
+        monkeypatch.setattr(hfattn._ops, "varlen_attention", lambda *a: calls.append(a[11]) or real(*a))  # window_left
         monkeypatch.setattr(hfattn, "_sdpa_fallback", lambda *a, **k: pytest.fail("SDPA fallback"))
         model.set_attn_implementation("ragattn")
         try:
