@@ -15,8 +15,8 @@ smallest window start are never visited, so work is proportional to the visible 
 Masked slots are never read into a row: key tiles that every row of the query tile sees fully
 take the plain path; partially masked tiles (the causal diagonal, the window edge, the last
 tile) zero non-finite V values before the P @ V product and put NaN back only where a row sees
-them (an extra visible-mask @ non-finite-mask product, in those tiles only). A non-finite visible
-score poisons its row (out and lse NaN). Slot ``j`` is
+them (an extra visible-mask @ non-finite-mask product, in those tiles only). A NaN or +inf
+visible score poisons its row (out and lse NaN); a -inf one has weight 0. Slot ``j`` is
 read from page ``block_table[b, j // page_size]`` at offset ``j % page_size`` (any page size, pages
 in any order). The softmax is the online (FlashAttention) one in base 2 with fp32 statistics.
 
@@ -125,8 +125,9 @@ def _paged_attention_kernel(
             qk = tl.dot(q, tl.trans(k))
         visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
         qk = qk * qk_scale
-        # a non-finite visible score poisons its row (out and lse NaN); it never enters the softmax
-        nonfinite = (qk != qk) | (tl.abs(qk) == float("inf"))
+        # a NaN or +inf visible score poisons its row (out and lse NaN) and never enters the
+        # softmax; -inf is a valid score of weight 0 (varlen_attention's rule, IEEE softmax)
+        nonfinite = (qk != qk) | (qk == float("inf"))
         bad_row = bad_row | tl.max((visible & nonfinite).to(tl.int32), 1)
         qk = tl.where(visible & ~nonfinite, qk, float("-inf"))
         # online softmax; a row with nothing visible so far keeps m = -inf, so shift by 0 instead

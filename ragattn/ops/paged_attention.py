@@ -168,8 +168,11 @@ def paged_attention(
     Non-finite values (one rule on every backend; the float64 reference over the visible slots is
     the truth): a slot a row does not see is never read into that row (a NaN or inf in V or K of
     a masked slot, a stale page slot past ``kv_lens``, or a slot left of the window changes
-    nothing). A non-finite visible score ``q . k`` makes that (row, head) NaN in out and lse; a
-    non-finite ``v[j, d]`` of a visible slot makes ``out[i, h, d]`` NaN (never inf, never finite).
+    nothing). A NaN or +inf visible score ``q . k`` makes that (row, head) NaN in out and lse; a
+    ``-inf`` visible score has weight 0 (a row whose visible scores are all ``-inf`` gets out 0
+    and lse ``-inf``: ``varlen_attention``'s rule, so the prefill and the decode of one cache
+    agree); a non-finite ``v[j, d]`` of a visible slot makes ``out[i, h, d]`` NaN (never inf,
+    never finite).
 
     Backends: CUDA runs the Triton kernel (Q tiles x kv heads, the GQA group stacked into each
     tile; key tiles right of a tile's largest q_pos or left of its window are never loaded;
