@@ -242,7 +242,7 @@ def test_nonfinite_v_reaches_only_the_rows_that_see_it(backend, monkeypatch, dev
 
 
 def test_nonfinite_k_poisons_only_the_rows_that_see_it(backend, monkeypatch, device, seed):
-    """A non-finite visible score makes that (row, head) NaN in out and lse; invisible ones do nothing."""
+    """A NaN visible score makes that (row, head) NaN in out and lse; invisible ones do nothing."""
     ps = 16
     args = list(make_case([[4, 10, 30]], [40], num_heads=2, num_kv_heads=1, head_dim=64, page_size=ps,
                           dtype=torch.float16, device=device))

@@ -291,7 +291,7 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
   float* m = p + G * kPRow;     // [G] running max
   float* l = m + G;             // [G] running sum
   float* alpha = l + G;         // [G] this chunk's rescale of acc (0 for a poisoned head)
-  float* bad = alpha + G;       // [G] 1: a non-finite visible score
+  float* bad = alpha + G;       // [G] 1: a NaN or +inf visible score
   // chunk-local slot pointers (+ 8: the last block of dots8 is padded with a visible slot)
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
