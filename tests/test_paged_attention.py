@@ -517,7 +517,7 @@ def test_run_compiles_fullgraph(monkeypatch):
 
     class StandIn:   # kernel[grid](...) writes a value that depends on its inputs
         def __getitem__(self, grid):
-            def launch(q, q_pos, cu, k, v, bt, kvl, tile_seq, tile_row0, o, lse, *rest, **kw):
+            def launch(q, q_pos, cu, k, v, pages, row_start, kvl, tile_seq, tile_row0, o, lse, *rest, **kw):
                 o.copy_((q.float() * 2 + k.float().mean()).expand_as(o).to(o.dtype))
                 lse.fill_(float(grid[2]))
             return launch
@@ -692,7 +692,7 @@ import triton
 import ragattn.triton_kernels.paged_attention as pa
 from tests.helpers import SM90_CASES, compile_many_sm90
 
-ints = ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")
+ints = ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0")
 jobs = []
 for elt, head_dim in SM90_CASES:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
@@ -704,7 +704,8 @@ for elt, head_dim in SM90_CASES:
         m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, dtype.itemsize, False)
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, UPCAST=False,
-                      IEEE_FP32=dtype == torch.float32)  # windows: decode/verify configs
+                      IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
+                      ROW_STARTS=split)  # flat (CSR) page lists: decode/verify configs
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32")
@@ -728,6 +729,6 @@ def test_docs_examples_run():
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "ops.md").read_text()
     section = text[text.index("## paged_attention"): text.index("## rerotate_keys_")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for code in blocks:
         exec(compile(code, "docs/ops.md", "exec"), {})
