@@ -692,7 +692,7 @@ import triton
 import ragattn.triton_kernels.paged_attention as pa
 from tests.helpers import SM90_CASES, compile_many_sm90
 
-ints = ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0")
+ints = ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0", "ENTRY_POS", "ENTRY_LEN")
 jobs = []
 for elt, head_dim in SM90_CASES:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
@@ -705,11 +705,15 @@ for elt, head_dim in SM90_CASES:
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, UPCAST=False,
                       IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
-                      ROW_STARTS=split)  # flat (CSR) page lists: decode/verify configs
+                      ROW_STARTS=split,  # flat (CSR) page lists: decode/verify configs
+                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False)
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
-                     LSE="*fp32", qk_scale="fp32")
+                     LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32")
         jobs.append((pa._paged_attention_kernel, consts, types, dict(num_warps=warps, num_stages=stages)))
+        if split and elt != "fp32":  # zero-copy pages: positions from the entries, keys rotated in the kernel
+            tagged = dict(consts, POS_TABLE=True, HAS_ENTRY_LEN=True, ROPE=True, ROPE_INTERLEAVED=max_rows == 5)
+            jobs.append((pa._paged_attention_kernel, tagged, types, dict(num_warps=warps, num_stages=stages)))
 compile_many_sm90(jobs)
 print("compiled")
 """

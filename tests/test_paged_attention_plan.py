@@ -238,3 +238,130 @@ def test_bad_run_inputs_are_refused_like_the_fake():
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in broken]
             assert _errors(lambda: torch.ops.ragattn.paged_attention_run(*fake)) == real
+
+
+# ------------------------------------------------- position-tagged pages and in-kernel RoPE (27)
+
+def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, head_dim, dtype, device,
+                     question_len=3, gen=None):
+    """One request over chunk pages whose K is stored *without* RoPE: entries (page, first
+    position, valid slots) with the chunks positioned by ``scheme`` ("composite": every chunk from
+    0; "reordered": consecutive; "gapped": consecutive with random gaps), then a private question
+    entry. Rows: the question's tokens and one scattered row inside each chunk (selective
+    recompute). A second request shares the first chunk's pages at another position."""
+    counts = [math.ceil(n / page_size) for n in chunk_lens] + [math.ceil(question_len / page_size)]
+    num_pages = sum(counts) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    pages, first, valid, at, pos = [], [], [], 0, 0
+    rows = []
+    for c, n in enumerate(chunk_lens + [question_len]):
+        start = 0 if (scheme == "composite" and c < len(chunk_lens)) else pos
+        if scheme == "gapped":
+            start += int(torch.randint(0, 9, (1,), generator=gen))
+        for e in range(counts[c]):
+            pages.append(int(perm[at + e]))
+            first.append(start + e * page_size)
+            valid.append(min(page_size, n - e * page_size))
+        at += counts[c]
+        if c < len(chunk_lens):
+            rows.append(start + int(torch.randint(0, n, (1,), generator=gen)))
+        pos = max(pos, start + n)
+    question = [first[-counts[-1]] + i for i in range(question_len)]
+    # request 2: chunk 0's pages at position 100 (a shared chunk, another position), then its question
+    pages2 = pages[: counts[0]] + pages[-counts[-1]:]
+    first2 = [100 + e * page_size for e in range(counts[0])] + [100 + chunk_lens[0] + e * page_size
+                                                               for e in range(counts[-1])]
+    valid2 = valid[: counts[0]] + valid[-counts[-1]:]
+    t = lambda x: torch.tensor(x, dtype=I32, device=device)  # noqa: E731
+    indptr = t([0, len(pages), len(pages) + len(pages2)])
+    table = PageTable.from_entries(indptr, t(pages + pages2), t(first + first2), t(valid + valid2), page_size)
+    q_pos = rows + question + [100 + chunk_lens[0]]
+    cu = t([0, len(rows) + question_len, len(q_pos)])
+    q = randn_nonzero(len(q_pos), num_heads, head_dim, dtype=dtype, device=device)
+    k = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return q, t(q_pos), cu, k, v, table
+
+
+def _table_refs(q, q_pos, cu, k, v, table, window_left, rope):
+    from ragattn.reference.paged_attention_table import paged_attention_table
+
+    a = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len,
+         *rope, None, window_left)
+    return paged_attention_table(*a), paged_attention_table(*a, upcast=False)
+
+
+@pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped"])
+@pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
+def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme, rope):
+    """Zero-copy requests: keys stored without RoPE in shared chunk pages, positions and valid
+    slots from the page list, rotated in the kernel; vs the float64 reference (rotate each key by
+    its position, then varlen attention by position), with the precision rule."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = 64
+    dtype = {"composite": torch.bfloat16, "reordered": torch.float16, "gapped": torch.float32}[scheme]
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], scheme, page_size=8, num_heads=6, num_kv_heads=2,
+                                                 head_dim=head_dim, dtype=dtype, device=device, gen=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ropes = {"none": (None, 0, False), "neox": (inv_freq.to(device), head_dim, False),
+             "gptj-partial": (inv_freq[:16].to(device), 32, True)}
+    rp = ropes[rope]
+    for window_left in (-1, 10):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left, num_splits=2 if backend == "triton" else None)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"), device=device)
+        kw = dict(inv_freq=rp[0], rotary_dim=rp[1] or None, interleaved=rp[2]) if rp[0] is not None else {}
+        run_paged_attention(plan, q, q_pos, k, v, out=out, lse_out=lse, **kw)
+        (o64, l64), (olp, llp) = _table_refs(*(x.cpu() for x in (q, q_pos, cu, k, v)),
+                                             PageTable(*(None if x is None else x.cpu() for x in (
+                                                 table.pages, table.kv_lens, table.row_start, table.entry_pos,
+                                                 table.entry_len))),
+                                             window_left, tuple(x.cpu() if torch.is_tensor(x) else x for x in rp))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_precision(out.cpu(), o64, olp)
+        assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
+    """NaN in the slots past each entry's valid count (a chunk's partial last page) and in the
+    request's unused pages change nothing."""
+    q, q_pos, cu, k, v, table = make_tagged_case([11, 5], "reordered", page_size=8, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    clean = run_paged_attention(plan, q, q_pos, k, v)
+    k2, v2 = k.clone(), v.clone()
+    for e, (p, n) in enumerate(zip(table.pages.tolist(), table.entry_len.tolist())):
+        k2[p, n:] = float("nan")
+        v2[p, n:] = float("inf")
+    used = set(table.pages.tolist())
+    for p in range(k.shape[0]):
+        if p not in used:
+            k2[p], v2[p] = float("nan"), float("nan")
+    got = run_paged_attention(plan, q, q_pos, k2, v2)
+    torch.testing.assert_close(got[0], clean[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)
+
+
+def test_tagged_run_opcheck_and_errors(device):
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "composite", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    inv_freq = torch.rand(32, device=device) * 0.5 + 0.01
+    args = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, plan.tile_seq, plan.tile_row0,
+            list(plan.launch), None, -1, table.entry_pos, table.entry_len, inv_freq, 64, False)
+    torch.library.opcheck(torch.ops.ragattn.paged_attention_run.default, args)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq[:16], rotary_dim=31)
+    with pytest.raises(ValueError, match=r"inv_freq must have shape \(16,\)"):
+        run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq, rotary_dim=32)
+    with pytest.raises(ValueError, match="needs a flat page list"):
+        bad = list(args)
+        bad[6] = None
+        bad[5] = table.pages.view(1, -1)
+        torch.ops.ragattn.paged_attention_run(*bad)
+    with pytest.raises(ValueError, match=r"valid must lie in \[0, page_size = 4\]"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), 4)
+    with pytest.raises(ValueError, match="first_pos must be >= 0"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([-1]), torch.tensor([2]), 4)

@@ -45,6 +45,8 @@ LN2 = 0.6931471805599453
 def _paged_attention_kernel(
     Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, PAGES, ROW_START, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
+    ENTRY_POS, ENTRY_LEN,  # POS_TABLE / ENTRY_LEN: per page-list entry, slot 0's position, valid slots
+    INV_FREQ, rotary_dim,  # ROPE: keys stored without RoPE are rotated by their position in fp32
     qk_scale,  # softmax scale * log2(e)
     window_left,  # >= 0 when HAS_WINDOW: row i sees slots j >= q_pos[i] - window_left
     stride_qt, stride_qh,
@@ -60,6 +62,9 @@ def _paged_attention_kernel(
     ROW_STARTS: tl.constexpr,  # PAGES is a flat page list, sequence b's from ROW_START[b] (CSR)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot on bf16 is wrong, compute in fp32
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+    POS_TABLE: tl.constexpr = False,  # slot positions from ENTRY_POS (needs ROW_STARTS), not slot indices
+    HAS_ENTRY_LEN: tl.constexpr = False,  # slots at offsets >= ENTRY_LEN[entry] do not exist
+    ROPE: tl.constexpr = False, ROPE_INTERLEAVED: tl.constexpr = False,
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -98,6 +103,13 @@ def _paged_attention_kernel(
     # a key tile is fully visible to every row of the tile iff it lies in [max row_lo, min row_hi]
     full_lo = tl.max(tl.where(row_ok, row_lo, 0), 0)
     full_hi = tl.min(tl.where(row_ok, row_hi, kv_len), 0)
+    if POS_TABLE or HAS_ENTRY_LEN:
+        # a slot's position (or existence) comes from its page-list entry, not its index: every
+        # slot of the sequence is a candidate and every tile takes the masked path
+        lo_tile = 0
+        hi_tile = kv_len
+        full_lo = kv_len
+        full_hi = -1
     # ---- this program's split of the tile's key range [lo_tile, hi_tile); the last split takes
     # whatever remains, so a plan made for shorter contexts stays exact (only slower)
     lo = tl.minimum(lo_tile + split * split_len, hi_tile)
@@ -108,19 +120,50 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
     bad_row = tl.zeros([BLOCK_M * GROUP_PAD], tl.int32)  # a visible score was NaN/inf
     if ROW_STARTS:
-        page_row = PAGES + tl.load(ROW_START + seq).to(tl.int64)
+        entry0 = tl.load(ROW_START + seq).to(tl.int64)
     else:
-        page_row = PAGES + seq.to(tl.int64) * stride_bt
+        entry0 = seq.to(tl.int64) * stride_bt
+    page_row = PAGES + entry0
+    if ROPE:  # the rotation pairs of each head dim: partner dim, frequency index, sign of the sine
+        rot = d < rotary_dim
+        if ROPE_INTERLEAVED:  # GPT-J: (2i, 2i + 1)
+            partner = d ^ 1
+            freq = tl.load(INV_FREQ + d // 2, mask=rot, other=0.0).to(tl.float64)
+            sgn = tl.where(d % 2 == 0, -1.0, 1.0)
+        else:  # NeoX / HF rotate_half: (i, i + rotary_dim / 2)
+            half = rotary_dim // 2
+            partner = tl.where(d < half, d + half, d - half)
+            freq = tl.load(INV_FREQ + tl.where(d < half, d, d - half), mask=rot, other=0.0).to(tl.float64)
+            sgn = tl.where(d < half, -1.0, 1.0)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
         page = tl.load(page_row + j // page_size, mask=j_ok, other=0).to(tl.int64)
         off = j % page_size
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_CACHE + page[:, None] * stride_kp + off[:, None] * stride_ko + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        slot_ok = j_ok
+        if HAS_ENTRY_LEN:
+            slot_ok = slot_ok & (off < tl.load(ENTRY_LEN + entry0 + j // page_size, mask=j_ok, other=0))
+        if POS_TABLE:
+            slot_pos = tl.load(ENTRY_POS + entry0 + j // page_size, mask=j_ok, other=0).to(tl.int64) + off
+        else:
+            slot_pos = j.to(tl.int64)
+        kv_mask = slot_ok[:, None] & d_ok[None, :]
+        k_rows = K_CACHE + page[:, None] * stride_kp + off[:, None] * stride_ko + kv_head * stride_kh
+        k = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + page[:, None] * stride_vp + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
+        if ROPE:
+            # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
+            # within float rounding of the exact rotation; the rotated key is rounded once
+            k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
+            ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
+            ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
+            k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
+                             k.to(tl.float32))
+            if UPCAST and K_CACHE.dtype.element_ty == tl.bfloat16:
+                k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
+            else:
+                k = k_rot.to(k.dtype)  # the dot's operand: rounded once, as a stored rotated key
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -128,7 +171,12 @@ def _paged_attention_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
+        if POS_TABLE or HAS_ENTRY_LEN:
+            visible = (slot_pos[None, :] <= q_pos[:, None]) & slot_ok[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                visible = visible & (slot_pos[None, :] >= q_pos[:, None] - window_left)
+        else:
+            visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
         qk = qk * qk_scale
         # a NaN or +inf visible score poisons its row (out and lse NaN) and never enters the
         # softmax; -inf is a valid score of weight 0 (varlen_attention's rule, IEEE softmax)
@@ -362,6 +410,11 @@ def run_paged_attention(
     lse_out: Optional[torch.Tensor] = None,
     *,
     row_start: Optional[torch.Tensor] = None,
+    entry_pos: Optional[torch.Tensor] = None,
+    entry_len: Optional[torch.Tensor] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: int = 0,
+    interleaved: bool = False,
 ):
     """Launch with a ready plan: no host sync, no CPU tensor (CUDA-graph capturable).
 
@@ -370,6 +423,10 @@ def run_paged_attention(
     ``row_start`` (int32/int64 ``[B]``), ``block_table`` is a flat page list (``[num_entries]``)
     and sequence ``b``'s logical page ``p`` is ``block_table[row_start[b] + p]`` (FlashInfer's CSR
     ``indices`` with ``row_start = indptr[:-1]``); without it, a padded ``[B, max_pages]`` table.
+    ``entry_pos``/``entry_len`` (int32/int64 ``[num_entries]``, flat lists only): the position of
+    each entry's slot 0 (slot ``j`` then holds ``entry_pos[e] + j % page_size``, not ``j``) and
+    its count of valid slots. ``inv_freq`` (float32 ``[rotary_dim // 2]``): the keys are stored
+    without RoPE and rotated by their slot's position in the kernel (``interleaved``: GPT-J pairs).
     ``out``/``lse_out``: where to write (contiguous or not), else new tensors. Returns (out, lse).
     """
     total_q, num_heads, head_dim = q.shape
@@ -381,8 +438,8 @@ def run_paged_attention(
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     q_pos, cu_seqlens_q, kv_lens = q_pos.contiguous(), cu_seqlens_q.contiguous(), kv_lens.contiguous()
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    if row_start is not None:
-        row_start = row_start.contiguous()
+    row_start, entry_pos, entry_len, inv_freq = (
+        None if t is None else t.contiguous() for t in (row_start, entry_pos, entry_len, inv_freq))
     # outputs the kernels can store to directly (unit stride in the last dim), else a temporary
     out_k = out if out is not None and out.stride(-1) == 1 else None
     lse_k = lse_out if lse_out is not None and lse_out.stride(-1) == 1 else None
@@ -392,7 +449,7 @@ def run_paged_attention(
         lse_k = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     if plan.num_tiles > 0:
         _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, row_start, kv_lens, scale,
-                window_left, out_k, lse_k)
+                window_left, out_k, lse_k, entry_pos, entry_len, inv_freq, rotary_dim, interleaved)
     if out is not None and out is not out_k:
         out.copy_(out_k)
     if lse_out is not None and lse_out is not lse_k:
@@ -401,7 +458,7 @@ def run_paged_attention(
 
 
 def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, scale, window_left, out,
-            lse_out):
+            lse_out, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False):
     total_q, num_heads, head_dim = q.shape
     if plan.num_splits == 1:
         o_buf, l_buf = out, lse_out
@@ -419,6 +476,8 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start if row_starts else kv_lens, kv_lens,
         plan.tile_seq, plan.tile_row0,
         o_buf, l_buf,
+        kv_lens if entry_pos is None else entry_pos, kv_lens if entry_len is None else entry_len,
+        q if inv_freq is None else inv_freq, rotary_dim if inv_freq is not None else 0,
         scale * LOG2E,
         window_left if has_window else 0,
         q.stride(0), q.stride(1),
@@ -432,6 +491,8 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
         HAS_WINDOW=has_window, ROW_STARTS=row_starts,
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
+        POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
+        ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )

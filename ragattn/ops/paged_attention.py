@@ -386,6 +386,9 @@ def run_paged_attention(
     v_cache: torch.Tensor,
     scale: Optional[float] = None,
     *,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    interleaved: bool = False,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -398,11 +401,18 @@ def run_paged_attention(
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype (any
             strides with a unit last-dim stride).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        inv_freq: float32 ``[rotary_dim // 2]`` (the model's RoPE frequencies, every HF scaling
+            variant included): the caches hold keys *without* RoPE and the kernel rotates each
+            key tile by its slots' positions in fp32 (angles reduced in fp64), q arriving rotated
+            as usual. ``rotary_dim`` (default head_dim, even, <= head_dim; partial rotary leaves the
+            other dims as they are), ``interleaved`` (False: NeoX/HF halves, True: GPT-J pairs).
         out, lse_out: optional outputs (``[total_q, num_heads, head_dim]`` in q's dtype, float32
             ``[total_q, num_heads]``; any strides; no overlap with an input).
 
     Returns (out, lse) exactly as ``paged_attention`` over the table's pages (same semantics,
-    same non-finite rule). On CUDA index values are a precondition (checked with
+    same non-finite rule), where a slot's position is its index, or with a position-tagged table
+    (``PageTable.from_entries``) its entry's first position plus its offset; a row sees the
+    valid slots at positions ``<= q_pos`` (and ``>= q_pos - window_left``). On CUDA index values are a precondition (checked with
     ``RAGATTN_DEBUG=1``); on CPU they are checked.
     """
     if not isinstance(plan, PagedAttentionPlan):
@@ -415,8 +425,11 @@ def run_paged_attention(
         raise ValueError(f"ragattn.run_paged_attention: k_cache must have {plan.num_kv_heads} kv heads as "
                          f"planned, got {k_cache.shape[2]}")
     t = plan.table
+    if inv_freq is not None and rotary_dim is None:
+        rotary_dim = q.shape[-1]
     args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
-            plan.tile_row0, list(plan.launch), scale, plan.window_left)
+            plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, inv_freq,
+            rotary_dim or 0, bool(interleaved))
     if out is None and lse_out is None:
         return torch.ops.ragattn.paged_attention_run(*args)
     if out is None:
@@ -428,10 +441,24 @@ def run_paged_attention(
 
 
 def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0,
-                  launch, scale, window_left, out=None, lse_out=None, *, read_values=True) -> None:
-    """The run op's checks: ``_validate``'s on the table, the plan's tensors and, where values may
-    be read (CPU, ``RAGATTN_DEBUG=1``), that the plan's tiles cover every query row."""
+                  launch, scale, window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0,
+                  interleaved=False, out=None, lse_out=None, *, read_values=True) -> None:
+    """The run op's checks: ``_validate``'s on the table, the plan's tensors, the position-tagged
+    entries and the RoPE arguments and, where values may be read (CPU, ``RAGATTN_DEBUG=1``), that
+    the plan's tiles cover every query row."""
     from ragattn.triton_kernels.paged_attention import LAUNCH_FIELDS
+
+    for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len)):
+        if t is not None:
+            if row_start is None:
+                raise ValueError(f"ragattn.{_RUN_OP}: {name} needs a flat page list (row_start given)")
+            check_tensor(_RUN_OP, name, t, dtypes=INDEX_DTYPES, shape=tuple(pages.shape), device=q.device)
+    if inv_freq is not None:
+        check_tensor(_RUN_OP, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1, device=q.device)
+        if not (isinstance(rotary_dim, int) and 2 <= rotary_dim <= q.shape[-1] and rotary_dim % 2 == 0):
+            raise ValueError(f"ragattn.{_RUN_OP}: rotary_dim must be even and in [2, head_dim = {q.shape[-1]}], "
+                             f"got {rotary_dim}")
+        check_tensor(_RUN_OP, "inv_freq", inv_freq, shape=(rotary_dim // 2,))
 
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out, lse_out,
               read_values=read_values, row_start=row_start, _OP=_RUN_OP)
@@ -448,6 +475,11 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
     if not read_values or dev.type == "meta":
         return
     if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+        if entry_pos is not None or entry_len is not None:
+            from ragattn.ops.page_table import _check_entry_values
+
+            _check_entry_values(entry_pos if entry_pos is not None else pages.new_zeros(0),
+                                entry_len if entry_len is not None else pages.new_zeros(0), k_cache.shape[1])
         block_m = int(launch[0])
         covered = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int64, device=dev)
         covered.index_add_(0, tile_seq.long(), torch.full_like(tile_seq, block_m, dtype=torch.int64))
@@ -471,9 +503,22 @@ def _run_padded_table(pages, row_start, kv_lens, page_size):
 
 
 def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, out=None, lse_out=None):
+         window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, out=None,
+         lse_out=None):
     from ragattn.triton_kernels.paged_attention import PagedPlan, run_paged_attention as run_tiles
 
+    tagged = entry_pos is not None or entry_len is not None or inv_freq is not None
+    if q.device.type == "cpu" and tagged and _extension.cpu_backend() != "triton":
+        # the C++ kernel reads slot-index positions of stored-rotated keys: the reference here
+        from ragattn.reference.paged_attention_table import paged_attention_table
+
+        o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
+                                       entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale, window_left)
+        if out is None:
+            return o.to(q.dtype), lse.float()
+        out.copy_(o)
+        lse_out.copy_(lse)
+        return out, lse_out
     if q.device.type == "cpu" and _extension.cpu_backend() != "triton":
         # CPU: the C++ kernel (or the reference) over the equivalent padded table
         bt = _run_padded_table(pages, row_start, kv_lens, k_cache.shape[1])
@@ -484,37 +529,43 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
     plan = PagedPlan.from_launch(tile_seq, tile_row0, launch)
     with device_guard(q):
         return run_tiles(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out,
-                         lse_out, row_start=row_start)
+                         lse_out, row_start=row_start, entry_pos=entry_pos, entry_len=entry_len, inv_freq=inv_freq,
+                         rotary_dim=rotary_dim, interleaved=interleaved)
 
 
 @torch.library.impl("ragattn::paged_attention_run", "CompositeExplicitAutograd")
 def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                              tile_row0, launch, scale=None, window_left=-1):
-    _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left)
-    return _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                scale, window_left)
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              inv_freq=None, rotary_dim=0, interleaved=False):
+    a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved)
+    _validate_run(*a)
+    return _run(*a)
 
 
 @torch.library.impl("ragattn::paged_attention_run.out", "CompositeExplicitAutograd")
 def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                                  tile_row0, launch, scale=None, window_left=-1, *, out, lse_out):
-    _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, out, lse_out)
-    _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, out, lse_out)
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  inv_freq=None, rotary_dim=0, interleaved=False, *, out, lse_out):
+    a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved)
+    _validate_run(*a, out, lse_out)
+    _run(*a, out, lse_out)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run")
 def _paged_attention_run_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                              tile_row0, launch, scale=None, window_left=-1):
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              inv_freq=None, rotary_dim=0, interleaved=False):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, read_values=False)
+                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run.out")
 def _paged_attention_run_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                                  tile_row0, launch, scale=None, window_left=-1, *, out, lse_out):
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  inv_freq=None, rotary_dim=0, interleaved=False, *, out, lse_out):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, out, lse_out, read_values=False)
+                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, out, lse_out,
+                  read_values=False)
