@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ragattn.triton_kernels.merge_attention_states import merge_split_states
-from ragattn.ops._plan_cache import IndexPlanCache
+from ragattn.triton_kernels.plan_cache import IndexPlanCache
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -577,7 +577,7 @@ def _defaults(cu, pos, blk, total):
 
 
 # A model calls the op once per layer with the same index tensors: keep the last few plans (the
-# hit rules are those of ragattn.ops._plan_cache: same objects and versions, or equal contents).
+# hit rules are those of ragattn.triton_kernels.plan_cache: same objects and versions, or equal contents).
 _PLAN_CACHE = IndexPlanCache(8)
 
 
