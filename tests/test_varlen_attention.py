@@ -269,20 +269,25 @@ from tests.helpers import SM90_CASES, compile_many_sm90
 
 assert not va._INTERPRET
 ints = ("QPos", "KPos", "QBlk", "KBlk", "Work", "KvRows", "QRows")
-jobs = []
-for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
+jobs, seen = [], set()
+# every config the table can pick on an sm_90 GPU (issue 22.5): the default and the H100/H200 entries
+for device in ("default", "NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+  for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
     types = {n: "*i32" for n in ints}
     types.update({n: "*" + elt for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")})
     types.update(Lse="*fp32", Delta="*fp32", Parts="*fp32", PartsLse="*fp32", qk_scale="fp32", sm_scale="fp32")
     for backward, kernel, fn, window in [(False, "fwd", va._fwd_kernel, False), (False, "fwd", va._fwd_kernel, True),
                                          (True, "dq", va._bwd_dq_kernel, True), (True, "dkdv", va._bwd_dkdv_kernel, True)]:
-        bm, bn, warps, stages = va._config(head_dim, kernel, dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[elt], window)
+        bm, bn, warps, stages = va._config(head_dim, kernel, dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[elt], window, device)
         consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=va.block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=True,
                       WINDOW=window, UPCAST=False, PREC="ieee" if elt == "fp32" else "tf32")
         if head_dim == 96 and backward:
             continue
-        jobs.append((fn, consts, types, dict(num_warps=warps, num_stages=stages)))
-    if head_dim == 256:  # the tiny delta kernel: its largest rows only
+        key = (fn.__name__, elt, head_dim, window, bm, bn, warps, stages)
+        if key not in seen:
+            seen.add(key)
+            jobs.append((fn, consts, types, dict(num_warps=warps, num_stages=stages)))
+    if head_dim == 256 and device == "default":  # the tiny delta kernel: its largest rows only
         jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK=64), types, {}))
 # issue 15.3: the launcher's configs do not spill for sm_90, forward or backward, in any dtype/head dim
 spills = [(job[0].__name__, job[1].get("HEAD_DIM"), job[1].get("WINDOW"), job[2]["Q"], r["spill_stores"], r["spill_loads"])
@@ -293,8 +298,9 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90():
-    """Forward and backward kernels compile for an H100 (sm_90) at the launcher's configs in every
-    dtype and head dim, within its shared memory; needs no GPU (a subprocess: this process's
+    """Forward and backward kernels compile for an H100 (sm_90) at every config the table gives an
+    sm_90 GPU (default, H100, H200 entries) in every dtype and head dim, within its shared memory
+    and without spills; needs no GPU (a subprocess: this process's
     kernels are interpreter objects)."""
     run_compile_check(_COMPILE_CHECK)
 

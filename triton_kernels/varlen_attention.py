@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ragattn.triton_kernels.merge_attention_states import merge_split_states
+from ragattn.triton_kernels.gpu_configs import DEFAULT, device_name as _device_name, dtype_class, get_config
 from ragattn.triton_kernels.plan_cache import IndexPlanCache
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
@@ -596,28 +597,25 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
-    head dim and dtype, chosen from the sm_90 compile (``python -m ragattn.bench.sm90``) so that the
-    kernels do not spill; the 16-bit forward at d <= 128 fits 2 CTAs per SM. The partially visible
-    loops' NaN guards (operands through registers) are what bounds the tiles; a sliding window's
-    compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants few, big
-    tiles."""
+def config_key(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False) -> str:
+    """The shape class of a launch in ``configs/varlen_attention.json``: kernel, dtype, padded head dim."""
     d = block_d(head_dim)
-    if _INTERPRET:
-        return 32, 32, 4, 1
-    wide = dtype == torch.float32  # fp32 "ieee" dots: no tensor cores, operands in registers
-    table = {  # (d <= 64, d <= 128, d <= 256)
-        ("fwd", False): ((64, 32, 4, 3), (64, 32, 4, 3), (64, 32, 8, 2)),
-        ("fwd", True): ((32, 16, 4, 2), (32, 16, 8, 2), (16, 16, 8, 1)),
-        ("dq", False): ((64, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
-        ("dq", True): ((32, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
-        ("dkdv", False): ((32, 32, 4, 2), (32, 32, 4, 2), (16, 32, 8, 1)),
-        ("dkdv", True): ((16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 16, 1)),
-    }[kernel, wide]
-    if window and kernel == "fwd" and not wide:
-        table = table[:1] + ((64, 16, 4, 3), (64, 16, 8, 2))
-    return table[0] if d <= 64 else table[1] if d <= 128 else table[2]
+    dclass = "d64" if d <= 64 else "d128" if d <= 128 else "d256"
+    return f"{kernel}/{dtype_class(dtype)}/{dclass}" + ("/window" if window and kernel == "fwd" else "")
+
+
+def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False,
+            device_name: Optional[str] = None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
+    head dim and dtype on ``device_name`` (``torch.cuda.get_device_name``; None: the table's
+    heuristic default), from ``configs/varlen_attention.json`` (``gpu_configs``). The default
+    entries are spill-free for sm_90 (``python -m ragattn.bench.sm90``); the partially visible
+    loops' NaN guards (operands through registers) are what bounds the tiles, and a sliding
+    window's compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants
+    few, big tiles."""
+    c = get_config("varlen_attention", None if _INTERPRET else (device_name or DEFAULT),
+                   config_key(head_dim, kernel, dtype, window))
+    return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]
 
 
 def _prec(q):
@@ -642,7 +640,7 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     total_k, num_kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     window = int(window_left) if window_left is not None and window_left >= 0 else -1
-    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0)
+    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0, _device_name(q.device))
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -691,7 +689,7 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
         _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim,
                                                           BLOCK_D=block_d(head_dim), BLOCK=pre_block)
     index = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
-    configs = {kernel: _config(head_dim, kernel, q.dtype, window >= 0) for kernel in ("dq", "dkdv")}
+    configs = {kernel: _config(head_dim, kernel, q.dtype, window >= 0, _device_name(q.device)) for kernel in ("dq", "dkdv")}
     configs = {kernel: (block_m or c[0], block_n or c[1]) + c[2:] for kernel, c in configs.items()}
     for kernel, (bm, bn, warps, stages) in configs.items():
         # one plan serves both kernels when their tiles agree
