@@ -124,5 +124,6 @@ def test_splits_fill_the_sms_without_a_straggling_wave():
     # q64 x k32K, GQA 4 (256 packed rows), 8 kv heads, 128-row tiles: 16 programs before the split
     assert kas.splits_for_sms(2, 1, 8, 256, 132, waves=2.0) == 16  # 256 programs <= 264
     assert kas.splits_for_sms(2, 1, 8, 256, 132, waves=4.0) == 33
+    assert kas.splits_for_sms(2, 1, 8, 512, 132, waves=3.0) == 24  # the H100 entry: 384 programs <= 396 slots
     assert kas.splits_for_sms(2, 1, 8, 8, 132, waves=4.0) == 2  # at least 4 key tiles a split
     assert kas.splits_for_sms(300, 4, 8, 256, 132) == 1

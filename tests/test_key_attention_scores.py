@@ -77,7 +77,7 @@ def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
     (2, [1], [129], (4, 4)),  # GQA 1, one row, one key past two tiles
 ])
 def test_pass2_merges_uneven_and_empty_splits(device, seed, num_splits, q_lens, k_lens, heads):
-    """Issue 22.4: pass 2 merges the splits' partial LSEs itself (was a host-side logsumexp); empty
+    """Issue 22.4: one kernel merges the splits' partial LSEs (was torch's logsumexp, ~5 launches); empty
     splits, short sequences and every GQA ratio give the reference's scores."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 
@@ -90,7 +90,7 @@ def test_pass2_merges_uneven_and_empty_splits(device, seed, num_splits, q_lens, 
 
 @pytest.mark.parametrize("where, value", [("k", float("nan")), ("k", float("inf")), ("q", float("nan"))])
 def test_nonfinite_rule_through_the_split_merge(device, where, value):
-    """The NaN rule holds when the NaN sits in one split of several: the in-kernel merge keeps it
+    """The NaN rule holds when the NaN sits in one split of several: the merge kernel keeps it
     (a max that ignored NaN would hide it), other sequences stay finite."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 

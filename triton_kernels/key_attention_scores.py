@@ -12,9 +12,10 @@ The ``[heads, q, k]`` probability tensor is never stored:
   A long key range is split over ``num_splits`` programs, as many as it takes to give the GPU
   ``waves`` x its SM count programs (``waves`` from the config table, the SM count from the
   device), so that a short question against a long context still fills every SM.
+  The splits' partial LSEs are merged by one small kernel (``_merge_lse_kernel``; torch's
+  logsumexp took ~5 launches).
 * pass 2 (``_column_sum_kernel``) gives each program one key tile of one kv head and loops over
-  all the sequence's query rows of the kv head's group, merging the splits' partial LSEs of each
-  query tile on the fly (no separate merge launches), recomputing ``s``, exponentiating against
+  all the sequence's query rows of the kv head's group, recomputing ``s``, exponentiating against
   the merged LSE and summing down the columns. One program owns its key tile across every query
   tile and every group head, so the result is written once, without atomics, deterministically.
 
@@ -134,39 +135,39 @@ def _row_lse_kernel(
 
 
 @triton.jit
-def _merged_lse(lse_ptr, q_start, rows, heads, row_ok, total_q, num_heads, num_splits):
-    """Base-2 LSE of packed rows over the ``num_splits`` partial LSEs of pass 1 (``[num_splits,
-    total_q, num_heads]``): -inf when every split is empty, NaN when any is NaN (the sequence's
-    documented rule: a NaN split makes ``acc`` NaN whatever ``tl.maximum`` does with it), padded
-    rows +inf (their probabilities are selected out)."""
-    ptrs = lse_ptr + (q_start + rows).to(tl.int64) * num_heads + heads
-    split_stride = ((rows * 0).to(tl.int64) + total_q) * num_heads  # 64-bit: splits x rows x heads
-    m = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
-    acc = tl.zeros(rows.shape, dtype=tl.float32)
+def _merge_lse_kernel(parts_ptr, lse_ptr, n, num_splits, BLOCK: tl.constexpr):
+    """Base-2 LSE over pass 1's ``num_splits`` partials (``[num_splits, n]`` -> ``[n]``, n = total_q x
+    heads): -inf when every split is empty, NaN when any is NaN (the sequence's documented rule: a
+    NaN split makes ``acc`` NaN whatever ``tl.maximum`` does with it). One launch instead of torch's
+    logsumexp (~5), and pass 2's main loop stays a single pipelined loop."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = parts_ptr + offs
     for _ in range(num_splits):
-        x = tl.load(ptrs, mask=row_ok, other=float("-inf"))
-        ptrs += split_stride
+        x = tl.load(ptrs, mask=ok, other=float("-inf"))
+        ptrs += n  # 64-bit pointer arithmetic: splits x n may pass 2^31
         m_new = tl.maximum(m, x)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
         acc = acc * tl.exp2(m - m_ref) + tl.exp2(x - m_ref)
         m = m_new
     lse = tl.where(acc == 0.0, float("-inf"), m + tl.log2(tl.where(acc == 0.0, 1.0, acc)))
-    return tl.where(row_ok, lse, float("inf"))
+    tl.store(lse_ptr + offs, lse, mask=ok)
 
 
 @triton.jit
 def _column_sum_kernel(
-    q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [num_splits, total_q, num_heads], base 2
+    q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [total_q, num_heads], base 2
     partial_ptr,  # fp32 [num_kv_heads, total_k]: this kv head's share of each key's score
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    total_q, total_k, num_heads, num_k_tiles, num_splits,
+    total_k, num_heads, num_k_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Pass 2: for one key tile of one kv head, sum exp2(s - lse) over all packed query rows, the
-    LSE of each row merged from pass 1's ``num_splits`` partials here (``_merged_lse``).
+    """Pass 2: for one key tile of one kv head, sum exp2(s - lse) over all packed query rows.
 
     Grid ``(num_k_tiles * batch, num_kv_heads)`` (the batch on axis 0, as in pass 1)."""
     tile_n = tl.program_id(0) % num_k_tiles
@@ -191,13 +192,16 @@ def _column_sum_kernel(
         heads = kv_head * GROUP + r_offs % GROUP
         row_ok = rows < num_q
         q = _load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs, GROUP, HEAD_DIM)
-        lse = _merged_lse(lse_ptr, q_start, rows, heads, row_ok, total_q, num_heads, num_splits)
+        lse = tl.load(lse_ptr + (q_start + rows).to(tl.int64) * num_heads + heads, mask=row_ok, other=float("inf"))
         s = _logits(q, kt, qk_scale, UPCAST, IEEE)
         # Padded rows are selected out (not exp'd to 0: their logit is NaN against a NaN key).
         p = tl.where(row_ok[:, None], tl.exp2(s - lse[:, None]), 0.0)
         acc += tl.sum(p, axis=0)
 
     tl.store(partial_ptr + kv_head.to(tl.int64) * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
+
+
+_MERGE_BLOCK = 1024  # LSE entries per program of the split merge
 
 
 def config_key(dtype: torch.dtype, head_dim: int) -> str:
@@ -278,13 +282,19 @@ def key_attention_scores(
         p["num_q_tiles"], **common,
     )
 
-    # Pass 2: column sums per kv head (the splits' LSEs merged in the kernel), then over the kv
-    # heads (a [Hkv, total_k] reduction). Every key belongs to a sequence with at least one key
-    # tile, so every entry gets written.
+    if num_splits == 1:
+        lse = lse_parts[0]
+    else:  # the splits' partial LSEs merged in one launch
+        lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
+        n = total_q * num_heads
+        _merge_lse_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](lse_parts, lse, n, num_splits, BLOCK=_MERGE_BLOCK)
+
+    # Pass 2: column sums per kv head, then over the kv heads (a [Hkv, total_k] reduction). Every
+    # key belongs to a sequence with at least one key tile, so every entry gets written.
     partial = torch.empty((num_kv_heads, total_k), dtype=torch.float32, device=q.device)
     _column_sum_kernel[p["grid2"]](
-        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, partial, qk_scale, *strides, total_q, total_k, num_heads,
-        p["max_k_tiles"], num_splits, **common,
+        q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads, p["max_k_tiles"],
+        **common,
     )
     return partial.sum(dim=0) if num_kv_heads > 1 else partial[0]
 
