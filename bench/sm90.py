@@ -246,6 +246,11 @@ def triton_specs() -> List[TritonSpec]:
             csr = plan.by_k if kernel == "dkdv" else plan.by_q
             specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name}", kernel == "fwd", consts,
                                     types_va, warps, stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
+            if kernel == "fwd" and name == "fwd_chunks8x4096+50":  # the TMA variant of the mask-free loop
+                desc = f"tensordesc<bf16[{bn},{D}]>"
+                specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name} (TMA)", True,
+                                        dict(consts, USE_TMA=True), dict(types_va, KDesc=desc, VDesc=desc), warps,
+                                        stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
             if plan.by_q.split_tiles and kernel == "fwd":  # the merge of split rows
                 block_h = triton.next_power_of_2(H)
                 rows = plan.by_q.split_tiles * bm
@@ -322,11 +327,15 @@ def triton_specs() -> List[TritonSpec]:
     consts = dict(GROUP=group, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False, IEEE=False)
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "lse_ptr": "*fp32",
              "partial_ptr": "*fp32", "qk_scale": "fp32"}
-    ints = dict(stride_qt=H * D, stride_qh=D, stride_kt=Hkv * D, stride_kh=D, num_heads=H, total_q=t_q,
-                num_splits=splits)
+    ints = dict(stride_qt=H * D, stride_qh=D, stride_kt=Hkv * D, stride_kh=D, num_heads=H)
     case = "key_attention_scores/scores"
     specs.append(TritonSpec("key_attention_scores._row_lse_kernel", case, True, consts, types, warps, stages,
-                            (q_tiles, 1, Hkv * splits), dict(ints)))
+                            (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, num_splits=splits)))
+    if splits > 1:  # the splits' LSE merge: one program per _MERGE_BLOCK (row, head) entries
+        n = t_q * H
+        specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", case, True, dict(BLOCK=kas._MERGE_BLOCK),
+                                {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
+                                (triton.cdiv(n, kas._MERGE_BLOCK),), dict(n=n, num_splits=splits), loop=False))
     specs.append(TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, stages,
                             (k_tiles, 1, Hkv), dict(ints, total_k=t_k)))
     return specs
@@ -797,7 +806,7 @@ def to_markdown(r: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k in r["triton_kernels"]:
-        pipe = _yn(k["cp_async"]) + ("" if k["has_main_loop"] else " (no loop)")
+        pipe = _yn(k["cp_async"]) + (", TMA" if k.get("tma") else "") + ("" if k["has_main_loop"] else " (no loop)")
         lines.append(f"| `{k['kernel']}` | {k['case']} | {k['num_warps']} | {k['num_stages']} | {k['regs']} | "
                      f"{k['spill_stores']}/{k['spill_loads']} | {k['smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
                      f"{pipe} | {tuple(k['grid'])} | {k['waves']} | {k.get('balance') or '-'} |")

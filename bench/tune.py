@@ -43,8 +43,8 @@ SMEM_LIMIT = 227 * 1024  # sm_90's per-CTA maximum (A100: 163 KB; a candidate ov
 
 def varlen_candidates(shape_key: str) -> List[Config]:
     """The sweep of a ``varlen_attention`` shape class: FA-style tiles around the anchors (forward
-    BLOCK_M 64-128, BLOCK_N 32-128, 4-8 warps, 2-4 stages; backward smaller tiles), without the
-    ones whose pipelined tiles cannot fit in shared memory."""
+    BLOCK_M 64-128, BLOCK_N 32-128, 4-8 warps, 2-4 stages, with and without TMA for the mask-free
+    loop; backward smaller tiles), without the ones whose pipelined tiles cannot fit in shared memory."""
     kernel, dt, dclass = shape_key.split("/")[:3]
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
@@ -59,6 +59,8 @@ def varlen_candidates(shape_key: str) -> List[Config]:
         if _smem_bytes(bm, bn, block_d, stages, elt, 2 if kernel == "fwd" else 4) > SMEM_LIMIT:
             continue
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages))
+        if kernel == "fwd" and bm >= 64:  # the forward's mask-free loop by TMA (Hopper; else the pointer path)
+            out.append(dict(out[-1], tma=True))
     return out
 
 

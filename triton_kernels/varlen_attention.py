@@ -22,6 +22,11 @@ several programs whose partial (out, lse) are merged by ``merge_attention_states
 Block-Attention's 64 chunks of 500 tokens therefore cost about what 64 independent 500-token
 prefills cost, and the global tail runs beside them instead of after them.
 
+On Hopper the mask-free loop can load its K/V tiles through tensor descriptors (TMA), behind the
+config table's ``tma`` flag or ``RAGATTN_VARLEN_TMA=1`` (``_tma_descriptors``), the plain pointer
+loads being the fallback (padded head dims, older GPUs, unaligned rows) and the default until a
+GPU has measured it. Tiles, warps and stages come from ``configs/varlen_attention.json`` per GPU.
+
 Layout: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (contiguous), GQA by index
 (query head ``h`` reads kv head ``h // GROUP``). Work is split as in FlashAttention-2:
 forward and dq one program per (query head, work item), dk/dv one program per (kv head, key
@@ -377,6 +382,7 @@ def _fwd_kernel(
     qk_scale, num_heads, window_left,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False,
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
     item = _item()
@@ -397,9 +403,17 @@ def _fwd_kernel(
 
     # Key tiles visible in full (and full-length): no mask at all.
     for e in range(e_start, e_mid):
-        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        if USE_TMA:  # Hopper's tensor memory accelerator: descriptors over K/V as [total_k, H_kv * D]
+            row0 = tl.load(KvRows + e)
+            k = KDesc.load([row0, kvh * HEAD_DIM])
+            v = VDesc.load([row0, kvh * HEAD_DIM])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+        else:
+            offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
+            k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+            v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(_low(p, V, UPCAST), v, input_precision=PREC)
@@ -618,6 +632,34 @@ def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, win
     return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]
 
 
+def _tma_descriptors(k, v, head_dim: int, block_n: int, wanted: bool):
+    """(KDesc, VDesc) when the forward's mask-free loop loads K/V by TMA, else (None, None).
+
+    ``RAGATTN_VARLEN_TMA=1``/``0`` forces it on/off (``1`` also in the interpreter, which emulates
+    descriptors: how the tests reach this path), else the config table's ``tma`` flag decides
+    (``wanted``; no entry sets it until a GPU has measured it). Needs a GPU of compute capability
+    >= 9 (or the interpreter), a head dim that is its own power-of-two tile (a padded tile would
+    read the next head's columns) and 16-byte aligned rows."""
+    flag = os.environ.get("RAGATTN_VARLEN_TMA", "").strip()
+    if not (flag == "1" or (wanted and flag != "0")):
+        return None, None
+    if _INTERPRET:
+        if flag != "1":
+            return None, None
+    elif k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return None, None
+    elt = k.element_size()
+    row = k.shape[1] * head_dim
+    if (block_d(head_dim) != head_dim or (row * elt) % 16 or any(t.data_ptr() % 16 for t in (k, v))
+            or not (k.is_contiguous() and v.is_contiguous()) or k.shape[0] == 0):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block = [block_n, head_dim]
+    return (TensorDescriptor.from_tensor(k.view(k.shape[0], row), block),
+            TensorDescriptor.from_tensor(v.view(v.shape[0], row), block))
+
+
 def _prec(q):
     return "ieee" if (q.dtype == torch.float32 or _INTERPRET) else "tf32"
 
@@ -640,7 +682,10 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     total_k, num_kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     window = int(window_left) if window_left is not None and window_left >= 0 else -1
-    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0, _device_name(q.device))
+    dev_name = _device_name(q.device)
+    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0, dev_name)
+    tma = bool(get_config("varlen_attention", dev_name or DEFAULT, config_key(head_dim, "fwd", q.dtype, window >= 0))
+               .get("tma", False)) and not _INTERPRET
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -656,12 +701,13 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     parts_lse = torch.full(parts.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     if csr.items:
         grid, work = _launch(num_heads, csr)
+        k_desc, v_desc = _tma_descriptors(k, v, head_dim, bn, tma)
         _fwd_kernel[grid](
             q, k, v, out, lse, parts, parts_lse, plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block, work, csr.rows,
             scale * _LOG2E, num_heads, max(window, 0),
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, KDesc=k_desc, VDesc=v_desc, USE_TMA=k_desc is not None,
         )
     if parts_rows:  # merge the splits of long rows, then put their valid rows in place
         merged = torch.empty(parts_rows, num_heads, head_dim, dtype=out.dtype, device=q.device)
