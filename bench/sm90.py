@@ -110,6 +110,9 @@ def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_s
 
     ints = dict(ints or {})
     constexprs = dict(constexprs)
+    for p in fn.params:  # arguments a launch leaves at their defaults (None descriptors, USE_TMA=False)
+        if p.name not in constexprs and p.name not in types and p.has_default:
+            constexprs[p.name] = p.default
     for n, v in ints.items():
         if v == 1:
             constexprs[n] = 1  # Triton specialises integer arguments equal to 1
