@@ -174,6 +174,11 @@ def test_sweep_enumeration_respects_shared_memory():
     assert dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3) in fwd128  # the FA-style anchor
     assert dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True) in fwd128
     assert not any(c.get("tma") for c in tune.varlen_candidates("dq/16bit/d128"))
+    # nearest the anchors first: a short lease times the plausible ones
+    assert fwd128[:2] == [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+                          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True)]
+    assert tune.key_attention_scores_candidates("16bit/d128")[0] == tune.ANCHORS["key_attention_scores"]
+    assert tune.varlen_candidates("dkdv/16bit/d128")[0] == tune.ANCHORS["bwd"]
     assert dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4) not in fwd256  # 320 KB of tiles
     assert all(tune._smem_bytes(c["BLOCK_M"], c["BLOCK_N"], 256, c["num_stages"], 2) <= tune.SMEM_LIMIT for c in fwd256)
     assert len(fwd256) < len(fwd128)

@@ -4,6 +4,8 @@ at hand and write its entry in the config table (``triton_kernels/configs/FAMILY
     python -m ragattn.bench.tune varlen_attention                    # every 16-bit shape class
     python -m ragattn.bench.tune key_attention_scores --keys 16bit/d128 --out /tmp/configs
     python -m ragattn.bench.tune varlen_attention --list             # the sweep, without a GPU
+    python -m ragattn.bench.tune varlen_attention --keys fwd/16bit/d128 fwd/16bit/d128/window \
+        --max-candidates 24                                          # a short lease: the nearest 24
 
 For each shape class the family names, every candidate config (tiles, warps, stages, ...) is run
 through the real launcher (``gpu_configs.override``) on a representative problem, its output checked
@@ -41,6 +43,29 @@ def _smem_bytes(block_m: int, block_n: int, block_d: int, stages: int, elt: int,
 SMEM_LIMIT = 227 * 1024  # sm_90's per-CTA maximum (A100: 163 KB; a candidate over it fails to launch and is skipped)
 
 
+# The anchors the sweeps start from (FA-style forward tiles; the backward's smaller ones; the
+# key_attention_scores H100 entry): candidates are ordered nearest first, so --max-candidates N
+# times the N most plausible ones on a short GPU lease.
+ANCHORS = {
+    "fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "bwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    "key_attention_scores": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, waves=3.0),
+}
+
+
+def nearest_first(cands: List[Config], anchor: Config) -> List[Config]:
+    """``cands`` sorted by distance to ``anchor`` (log2 steps of tiles, warps and waves, stages; TMA
+    after the pointer loads at equal distance), stable."""
+    def dist(c):
+        d = sum(abs(math.log2(c[k]) - math.log2(anchor[k])) for k in ("BLOCK_M", "BLOCK_N", "num_warps"))
+        d += abs(c["num_stages"] - anchor["num_stages"])
+        if "waves" in anchor:
+            d += abs(math.log2(c["waves"]) - math.log2(anchor["waves"]))
+        return (d, bool(c.get("tma")))
+
+    return sorted(cands, key=dist)
+
+
 def varlen_candidates(shape_key: str) -> List[Config]:
     """The sweep of a ``varlen_attention`` shape class: FA-style tiles around the anchors (forward
     BLOCK_M 64-128, BLOCK_N 32-128, 4-8 warps, 2-4 stages, with and without TMA for the mask-free
@@ -61,7 +86,7 @@ def varlen_candidates(shape_key: str) -> List[Config]:
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages))
         if kernel == "fwd" and bm >= 64:  # the forward's mask-free loop by TMA (Hopper; else the pointer path)
             out.append(dict(out[-1], tma=True))
-    return out
+    return nearest_first(out, ANCHORS["fwd" if kernel == "fwd" else "bwd"])
 
 
 def key_attention_scores_candidates(shape_key: str) -> List[Config]:
@@ -70,11 +95,11 @@ def key_attention_scores_candidates(shape_key: str) -> List[Config]:
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
     out = []
-    for bm, bn, warps, stages, waves in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (1.0, 2.0, 4.0)):
+    for bm, bn, warps, stages, waves in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (1.0, 2.0, 3.0, 4.0)):
         if _smem_bytes(bm, bn, block_d, stages, elt, 1) > SMEM_LIMIT:
             continue
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
-    return out
+    return nearest_first(out, ANCHORS["key_attention_scores"])
 
 
 def sweep(candidates: Iterable[Config], time_config: Callable[[Config], float],
@@ -225,7 +250,8 @@ def main(argv=None) -> int:
     parser.add_argument("family", choices=sorted(FAMILIES))
     parser.add_argument("--keys", nargs="*", default=None, help="shape classes to tune (default: the family's list)")
     parser.add_argument("--out", default=None, help="folder of the tables to write (default: the committed ones)")
-    parser.add_argument("--max-candidates", type=int, default=None, help="time only the first N candidates per class")
+    parser.add_argument("--max-candidates", type=int, default=None,
+                        help="time only the N candidates nearest the anchors per class")
     parser.add_argument("--warmup-ms", type=int, default=10)
     parser.add_argument("--rep-ms", type=int, default=40)
     parser.add_argument("--list", action="store_true", help="print the shape classes and candidates, tune nothing")
