@@ -140,6 +140,32 @@ def test_tma_forward_matches_reference(device, monkeypatch, mask, causal, ratio,
         assert (len(made) == 2) == (dim in (64, 128)), made
 
 
+def test_tma_descriptors_only_where_they_apply(monkeypatch):
+    """The TMA switch: RAGATTN_VARLEN_TMA=0 wins over the table; without the variable the table's
+    flag decides (never in the interpreter); a padded head dim, a misaligned or non-contiguous K/V
+    or no keys keep the pointer loads."""
+    import ragattn.triton_kernels.varlen_attention as va
+
+    k = torch.randn(40, 2, 64).bfloat16()
+    v = torch.randn(40, 2, 64).bfloat16()
+    monkeypatch.setenv("RAGATTN_VARLEN_TMA", "1")
+    kd, vd = va._tma_descriptors(k, v, 64, 32, False)
+    assert kd is not None and list(kd.block_shape) == [32, 64] and list(kd.shape) == [40, 128]
+    assert va._tma_descriptors(k, v, 64, 32, True)[0] is not None
+    monkeypatch.setenv("RAGATTN_VARLEN_TMA", "0")
+    assert va._tma_descriptors(k, v, 64, 32, True) == (None, None)
+    monkeypatch.delenv("RAGATTN_VARLEN_TMA")
+    assert va._tma_descriptors(k, v, 64, 32, True) == (None, None)  # the interpreter needs the explicit 1
+    monkeypatch.setenv("RAGATTN_VARLEN_TMA", "1")
+    k80 = torch.randn(40, 2, 80).bfloat16()
+    assert va._tma_descriptors(k80, k80.clone(), 80, 32, True) == (None, None)  # padded to 128
+    base = torch.randn(40 * 2 * 64 + 1).bfloat16()
+    shifted = base[1:].view(40, 2, 64)  # 2-byte offset: not 16-byte aligned
+    assert va._tma_descriptors(shifted, v, 64, 32, True) == (None, None)
+    assert va._tma_descriptors(k.transpose(1, 2).contiguous().transpose(1, 2), v, 64, 32, True) == (None, None)
+    assert va._tma_descriptors(k[:0], v[:0], 64, 32, True) == (None, None)
+
+
 @pytest.mark.parametrize(
     "mask, causal, ratio, dim, dtype, pos",
     [
