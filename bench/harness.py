@@ -100,9 +100,9 @@ def time_us(fn: Callable[[], object], device: torch.device, *, min_time_s: float
 
 def synced_wall_us(fn: Callable[[], object], device: torch.device, *, iters: int = 10) -> float:
     """Mean wall time of ``iters`` back-to-back calls between two device synchronisations (host
-    overhead and launch gaps included, caches not flushed): an independent check of ``time_us``,
-    recorded next to it on CUDA (a kernel cannot take less GPU time than the events say and more
-    than this, give or take the L2 flush)."""
+    overhead and launch gaps included, caches not flushed): an independent figure recorded next to
+    ``time_us`` on CUDA. A call's GPU time cannot exceed it by more than the L2 flush's effect, and
+    a ``time_us`` far below it on a call without host work is worth a look."""
     fn()
     synchronize(device)
     t0 = time.perf_counter()
