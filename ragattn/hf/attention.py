@@ -570,7 +570,7 @@ def _plan(module, query, key, attention_mask, kwargs):
 
 def _versioned(*index):
     """The forward's varlen index tensors as tensors with a version counter. Every layer passes
-    the same objects, and the op's tile-plan cache (``ragattn.ops._plan_cache``) hits on the same
+    the same objects, and the op's tile-plan cache (``ragattn.triton_kernels.plan_cache``) hits on the same
     objects at unchanged versions without reading them; but tensors made under
     ``torch.inference_mode()`` (serving) have no version counter, so the cache would compare their
     contents in every layer (a host sync per tensor and layer on CUDA). Made once per forward, so
