@@ -171,16 +171,15 @@ def cached_answer(model, tokenizer, chunks, question, *, positions: str, method:
                   **generate_kwargs) -> Answer:
     """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring;
     ``generate_kwargs`` go to ``model.generate()`` (default: greedy)."""
-    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
+    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 
     if len(chunks) == 0:
         raise ChunkStoreError(f"ragattn.methods.{method}: no chunks given (empty retrieval)")
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
     if store is None:
         store = ChunkStore(model)
-    elif store.fingerprint != model_fingerprint(model):  # cached on the model after the first call
-        raise ChunkStoreError(f"ragattn.methods.{method}: the ChunkStore was built for another "
-                              "model (fingerprint mismatch)")
+    else:   # the store's model (it follows its weights) or one with the same fingerprint
+        store.check_model(model, f"ragattn.methods.{method}")
     with use_ragattn(model):  # switched outside the timed region
         t0 = time.perf_counter()
         keys = store.add([head] + chunk_ids)

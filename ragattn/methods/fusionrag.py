@@ -278,13 +278,11 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
 
 
 def _check_store(model, store, where):
-    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
+    from ragattn.methods.chunk_store import ChunkStore
 
     if store is None:
         return ChunkStore(model)
-    if store.fingerprint != model_fingerprint(model):
-        raise ChunkStoreError(f"ragattn.methods.fusionrag.{where}: the ChunkStore was built for "
-                              "another model (fingerprint mismatch)")
+    store.check_model(model, f"ragattn.methods.fusionrag.{where}")   # follows its own model's weights
     return store
 
 

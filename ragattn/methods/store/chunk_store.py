@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -89,6 +90,9 @@ from ragattn.methods.store.disk_tier import DiskTier, read_chunk_file, write_chu
 from ragattn.methods.store.errors import ChunkStoreError
 from ragattn.methods.store.fingerprint import chunk_key, model_fingerprint, variant_key
 from ragattn.methods.store.page_pool import PagePool, _Slab, default_budget
+
+
+_KEY = re.compile(r"^[0-9a-f]{40}$")
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -183,8 +187,56 @@ class ChunkStore:
         self._pooled_layout = None
         self._inv_freq = self.rope.inv_freq.to(self.device)
         self._spare: list[torch.Tensor] = []   # at most one request-cache buffer (_request_cache)
-        # counters: chunks computed, recomputed after eviction, loaded from disk; entries evicted
-        self.stats = {"computed": 0, "recomputed": 0, "loaded": 0, "evicted": 0}
+        self._stale: set[str] = set()   # keys dropped because the model's weights changed
+        self._bad_files: set[str] = set()   # keys of bad files that could not be removed (read-only)
+        # counters: chunks computed, recomputed after eviction, loaded from disk; entries evicted;
+        # weight changes followed; bad files (truncated, corrupt) replaced or dropped
+        self.stats = {"computed": 0, "recomputed": 0, "loaded": 0, "evicted": 0, "weight_changes": 0,
+                      "bad_files": 0}
+
+    # ----- the model's weights ------------------------------------------------------------
+    def _sync(self) -> None:
+        """Follow the model: when its fingerprint changed since the last call (weights edited in
+        place, a config change; see :func:`model_fingerprint` for what the cached check sees),
+        every entry computed with the old weights leaves memory and later keys use the new one."""
+        fp = model_fingerprint(self.model)
+        if fp != self.fingerprint:
+            self._weights_changed(fp)
+
+    def refresh(self) -> str:
+        """Checksum every weight byte (``model_fingerprint(cached=False)``: also sees ``.data``
+        writes the per-call check cannot, e.g. to one element or to CUDA memory) and follow the
+        model if it changed; returns the fingerprint."""
+        fp = model_fingerprint(self.model, cached=False)
+        if fp != self.fingerprint:
+            self._weights_changed(fp)
+        return fp
+
+    def _weights_changed(self, fp: str) -> None:
+        if any(e.pins for e in self._entries.values()):
+            raise ChunkStoreError("ragattn.ChunkStore: the model's weights changed during a gather")
+        self._stale.update(self._entries)
+        self._stale.update(self._recomputable)
+        for key in list(self._entries):
+            e = self._entries.pop(key)
+            self._pool.free(e.slab, e.pages)
+        self._recomputable.clear()
+        self._layout += 1
+        self.fingerprint = fp
+        self.rope = rope_params(self.model)           # inv_freq is a buffer: it may have changed too
+        self._inv_freq = self.rope.inv_freq.to(self.device)
+        self.stats["weight_changes"] += 1
+
+    def check_model(self, model, where: str) -> None:
+        """For the methods: ``model`` must be this store's model (then the store follows its
+        current weights) or one with the same fingerprint, else ChunkStoreError."""
+        if model is self.model:
+            self._sync()
+        elif self.fingerprint != model_fingerprint(model):
+            self._sync()
+            if self.fingerprint != model_fingerprint(model):
+                raise ChunkStoreError(f"{where}: the ChunkStore was built for another model (fingerprint "
+                                      "mismatch)")
 
     # ----- pool ---------------------------------------------------------------------------
     @property
@@ -211,7 +263,7 @@ class ChunkStore:
 
     def _evict(self, key: str) -> None:
         e = self._entries.pop(key)
-        e.slab.free.extend(e.pages)
+        self._pool.free(e.slab, e.pages)
         self.stats["evicted"] += 1
         if not e.on_disk and e.variant is None:
             self._recomputable[key] = e.tokens
@@ -239,6 +291,7 @@ class ChunkStore:
         memory so that :meth:`load_pooled_kv_` can copy them to the GPU asynchronously. The copy
         is only meaningful to this store while no chunk is added, evicted or overwritten.
         Keys are rotated at each chunk's local positions ``0..n-1``."""
+        self._sync()
         device = torch.device(device)
         if pin_memory and device.type != "cpu":
             raise ChunkStoreError(f"ragattn.ChunkStore.pooled_kv: pin_memory needs device 'cpu', "
@@ -254,6 +307,7 @@ class ChunkStore:
         since its last change: after a chunk was added, evicted or overwritten the copy is stale
         (``ChunkStoreError``). ``non_blocking=True`` with pinned host tensors makes the
         host-to-device copies asynchronous (ordered on the current stream before later kernels)."""
+        self._sync()
         want = (self.num_layers, self.pool_rows, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -279,19 +333,41 @@ class ChunkStore:
 
     def key(self, tokens) -> str:
         """Key of a chunk: ``tokens`` a sequence of ids or an int tensor."""
+        self._sync()
         return chunk_key(self.fingerprint, tokens)
 
     def variant_key(self, key: str, variant: str) -> str:
         """Key of the derived entry ``variant`` (a name, e.g. "fused-...") of the chunk ``key``."""
+        self._sync()
         return variant_key(self.fingerprint, key, variant)
 
     def has(self, key: str) -> bool:
-        """Whether ``key`` is in memory or on disk in the store's directory (nothing is loaded)."""
-        return key in self._entries or (self._disk is not None and self._disk.exists(key))
+        """Whether ``key`` is in memory, or on disk in the store's directory as a complete file of
+        the model's current weights (its header and size are checked; nothing is loaded)."""
+        self._sync()
+        return self._has(key)
+
+    def _has(self, key: str) -> bool:
+        return key in self._entries or self._on_disk(key)
+
+    def _on_disk(self, key: str) -> bool:
+        """A complete file of ``key`` for the current weights is in the directory (header and
+        size checked: a truncated file, or another model's, is not; it is replaced when the
+        chunk is computed again, never deleted)."""
+        return self._disk is not None and key not in self._bad_files and self._disk.has(key, self.fingerprint)
+
+    def _bad_file(self, key: str) -> None:
+        """The file of ``key``, complete and of this model by its header, failed its checks (a
+        corrupt file): remove it (a read-only directory: remember it), so that it is recomputed,
+        or reported missing, from now on."""
+        self.stats["bad_files"] += 1
+        if not self._disk.remove(key):
+            self._bad_files.add(key)
 
     def lookup(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`has` of each key."""
-        return [self.has(k) for k in keys]
+        self._sync()
+        return [self._has(k) for k in keys]
 
     def put(self, key: str, variant: str, k_layers: Sequence[torch.Tensor],
             v_layers: Sequence[torch.Tensor]) -> str:
@@ -300,6 +376,7 @@ class ChunkStore:
         ``k_layers``, ``v_layers``: per layer ``[n, Hkv, D]`` (``n`` = the chunk's tokens), keys
         rotated at the chunk's local positions ``0..n-1``. Written to the directory, if any,
         before it enters the pool; an existing entry of that variant is replaced."""
+        self._sync()
         tokens = self._tokens_of(key)
         want = (tokens.numel(), self.num_kv_heads, self.head_dim)
         if len(k_layers) != self.num_layers or len(v_layers) != self.num_layers or any(
@@ -321,6 +398,7 @@ class ChunkStore:
 
     def get_kv(self, key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies (keys at local positions)."""
+        self._sync()
         e = self._get(key)
         return self._pool.read(e.slab, e.rows)
 
@@ -330,6 +408,7 @@ class ChunkStore:
         return torch.stack(k), torch.stack(v)
 
     def tokens(self, key: str) -> torch.Tensor:
+        self._sync()
         return self._tokens_of(key)
 
     def _tokens_of(self, key: str) -> torch.Tensor:
@@ -344,12 +423,22 @@ class ChunkStore:
         """The entry of ``key``, loaded or recomputed into the pool if needed (marked used)."""
         e = self._entries.get(key)
         if e is None:
-            if self._disk is not None and self._disk.exists(key):
-                self.load(key)
-            elif key in self._recomputable:
+            if self._on_disk(key):
+                try:
+                    self._load(self._path(key))
+                except ChunkStoreError as exc:
+                    self._bad_file(key)
+                    if key not in self._recomputable:
+                        raise ChunkStoreError(f"{exc} (removed from the store: it cannot be recomputed "
+                                              "here, build it again)") from None
+            if key not in self._entries and key in self._recomputable:
                 self._prefill([(key, self._recomputable[key])])
             e = self._entries.get(key)
             if e is None:
+                if key in self._stale:
+                    raise ChunkStoreError(
+                        f"ragattn.ChunkStore: chunk {key!r} was computed with the model's earlier weights "
+                        "(they changed since): add() its tokens again for its key under the current weights")
                 raise ChunkStoreError(f"ragattn.ChunkStore: no chunk with key {key!r} in the store")
         else:
             self._entries.move_to_end(key)
@@ -392,6 +481,7 @@ class ChunkStore:
         On an error no chunk is left half-added (each is in memory and on disk, or absent).
         Adding more than the budget holds evicts the least recently used chunks (also from this
         call)."""
+        self._sync()
         toks = self._check_tokens(chunks)
         fp = self.fingerprint.encode()
         keys = [hashlib.sha256(fp + t.tobytes()).hexdigest()[:40] for t in toks]   # == chunk_key
@@ -402,9 +492,12 @@ class ChunkStore:
                 continue
             if k in seen:
                 continue
-            if self._disk is not None and self._disk.exists(k):
-                self.load(k)
-                continue
+            if self._on_disk(k):
+                try:
+                    self._load(self._path(k))
+                    continue
+                except ChunkStoreError:   # truncated or corrupt: recomputed below, the file replaced
+                    self._bad_file(k)
             seen.add(k)
             missing.append((k, torch.from_numpy(t)))
         self._prefill(missing)
@@ -442,6 +535,7 @@ class ChunkStore:
             k_layers, v_layers = [k[a:b] for k in ks], [v[a:b] for v in vs]
             if self._writable:  # on disk first: a failed write leaves nothing half-added
                 self._write_file(key, t, torch.stack(k_layers), torch.stack(v_layers))
+                self._bad_files.discard(key)
             self.stats["recomputed" if key in self._recomputable else "computed"] += 1
             e = self._insert(key, t, k_layers, v_layers, on_disk=self._writable)
             if pinned is not None:
@@ -460,6 +554,7 @@ class ChunkStore:
 
     def save(self, key: str, directory: str | os.PathLike | None = None) -> Path:
         """Write a chunk to ``<directory>/<key>.safetensors`` atomically; returns the path."""
+        self._sync()
         d = Path(directory) if directory is not None else self.directory
         if d is None:
             raise ChunkStoreError("ragattn.ChunkStore.save: the store has no directory")
@@ -471,7 +566,7 @@ class ChunkStore:
             raise ChunkStoreError(f"ragattn.ChunkStore.save: cannot create directory {d} "
                                   f"({exc.strerror or exc})") from None
         e = self._get(key)
-        k, v = self.kv(key)
+        k, v = (torch.stack(x) for x in self._pool.read(e.slab, e.rows))
         path = self._write_file(key, e.tokens, k, v, e.variant, d)
         if directory is None:
             e.on_disk = True
@@ -479,11 +574,20 @@ class ChunkStore:
 
     def load(self, key_or_path: str | os.PathLike) -> str:
         """Load and verify one chunk file (by key in the store's directory, or by path); returns its key."""
+        self._sync()
         p = Path(key_or_path)
         if not p.suffix == ".safetensors":
+            text = str(key_or_path)
+            if not _KEY.match(text):
+                raise ChunkStoreError(f"ragattn.ChunkStore.load: {text!r} is neither a chunk key (40 hex "
+                                      "digits) nor a chunk file (<key>.safetensors)")
             if self.directory is None:
-                raise ChunkStoreError("ragattn.ChunkStore.load: a bare key needs a store directory")
-            p = self._path(str(key_or_path))
+                raise ChunkStoreError(f"ragattn.ChunkStore.load: key {text!r}: a bare key needs a store "
+                                      "directory (this store has none)")
+            p = self._path(text)
+        return self._load(p)
+
+    def _load(self, p: Path) -> str:
         key, tokens, k, v, variant = read_chunk_file(p, self.fingerprint, self._layout_dims)
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -510,7 +614,7 @@ class ChunkStore:
             for k in unique:
                 if k in self._entries:
                     continue
-                if k in self._recomputable and not (self._disk is not None and self._disk.exists(k)):
+                if k in self._recomputable and not self._on_disk(k):
                     recompute.append((k, self._recomputable[k]))
                     continue
                 e = self._get(k)
@@ -549,6 +653,7 @@ class ChunkStore:
         Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
         unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
         involved."""
+        self._sync()
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
@@ -627,6 +732,7 @@ class ChunkStore:
         the final block starts at ``max n_i``). ``extra_slots``: room for the final block and the
         generated tokens. ``rerotate=False`` skips the rotation (wrong on purpose; for tests).
         """
+        self._sync()
         if positions not in ("reordered", "composite"):
             raise ChunkStoreError(f"ragattn.ChunkStore.assemble: positions must be 'reordered' or "
                                   f"'composite', got {positions!r}")

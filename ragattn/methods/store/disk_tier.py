@@ -7,7 +7,9 @@ A file ``<key>.safetensors`` holds ``k``, ``v`` ``[L, n, Hkv, D]`` (the model's 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +18,18 @@ from ragattn.methods.store.errors import ChunkStoreError
 from ragattn.methods.store.fingerprint import chunk_key, variant_key
 
 FORMAT = "ragattn-chunk-kv-v1"
+# temporary files of a write (<key>.tmp<pid>) and the directory's write probe, by writer pid
+_ORPHAN = re.compile(r"^(?:[0-9a-f]{40}\.tmp|\.ragattn-write-probe-)(\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:      # EPERM: alive, another user's
+        return True
+    return True
 
 
 def _tensor_digest(*ts: torch.Tensor) -> str:
@@ -52,6 +66,26 @@ class DiskTier:
             raise ChunkStoreError(
                 f"ragattn.ChunkStore: cannot write chunk files to directory {d} ({exc.strerror or exc}); "
                 "pass read_only=True to serve the chunks already in it") from None
+        self.removed_orphans = self._remove_orphans()
+
+    def _remove_orphans(self) -> int:
+        """Remove the temporary files that writers which died (a crash, a kill) left behind; those
+        of live processes (other shards writing now) stay. Returns how many were removed."""
+        n = 0
+        try:
+            names = [e.name for e in os.scandir(self.directory) if ".tmp" in e.name or e.name.startswith(".ragattn")]
+        except OSError:
+            return 0
+        for name in names:
+            m = _ORPHAN.match(name)
+            if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+                continue
+            try:
+                (self.directory / name).unlink()
+                n += 1
+            except OSError:
+                pass
+        return n
 
     @property
     def writable(self) -> bool:
@@ -61,7 +95,36 @@ class DiskTier:
         return self.directory / f"{key}.safetensors"
 
     def exists(self, key: str) -> bool:
+        """Whether a file of ``key`` is there (complete or not)."""
         return self.path(key).is_file()
+
+    def has(self, key: str, fingerprint: str) -> bool:
+        """Whether the file of ``key`` looks loadable: a chunk file of ``key`` for ``fingerprint``
+        (header) of the size its header declares (not truncated). Its checksum is checked at load."""
+        try:
+            with open(self.path(key), "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 < n <= 1 << 24:
+                    return False
+                header = json.loads(f.read(n))
+                size = os.fstat(f.fileno()).st_size
+            meta = header.get("__metadata__") or {}
+            end = max(int(v["data_offsets"][1]) for name, v in header.items() if name != "__metadata__")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError):
+            return False
+        return (meta.get("format") == FORMAT and meta.get("fingerprint") == fingerprint
+                and meta.get("key") == key and size == 8 + n + end)
+
+    def remove(self, key: str) -> bool:
+        """Delete the file of ``key`` (a bad one); False when it cannot be (read-only)."""
+        if self.read_only:
+            return False
+        try:
+            self.path(key).unlink(missing_ok=True)
+            return True
+        except OSError:
+            return False
 
     def write(self, key, tokens, k, v, fingerprint: str, variant=None) -> Path:
         return write_chunk_file(self.directory, key, tokens, k, v, fingerprint, variant)
@@ -72,7 +135,9 @@ class DiskTier:
 
 def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None) -> Path:
     """Write ``k``, ``v`` ``[L, n, Hkv, D]`` and ``tokens`` to ``<d>/<key>.safetensors``
-    atomically (temporary file, then rename)."""
+    atomically and durably: a temporary file, flushed to the device (fsync), renamed over the
+    target, and the directory entry synced; a crash leaves the old file or the new one whole
+    (and at worst a temporary file, removed by the next writer that opens the directory)."""
     from safetensors.torch import save
 
     k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
@@ -87,7 +152,10 @@ def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None)
         data = save({"k": k, "v": v, "tokens": tokens}, metadata=meta)
         with open(tmp, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_directory(d)
     except OSError as exc:
         try:
             tmp.unlink(missing_ok=True)
@@ -137,3 +205,17 @@ def read_chunk_file(p: Path, fingerprint: str, layout: tuple):
         raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} holds key {meta.get('key')!r}, "
                               f"but its tokens hash to {key!r}")
     return key, tokens, k, v, ((base, variant) if variant is not None else None)
+
+
+def _fsync_directory(d: Path) -> None:
+    """Make a rename in ``d`` durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

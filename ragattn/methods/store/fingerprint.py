@@ -66,12 +66,66 @@ def weight_checksums(tensors: Sequence[torch.Tensor]) -> list[bytes]:
     return out
 
 
-def _state_versions(named):
-    """(id, data_ptr, version) of every tensor, or None when one has no version counter."""
-    try:
-        return tuple((id(t), t.data_ptr(), t._version) for _, t in named)
-    except RuntimeError:  # inference tensors track no version
+_SAMPLES = 8                     # words of each CPU tensor re-read by the cached check
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ATTN_KEYS = ("_attn_implementation_autoset", "_attn_implementation", "attn_implementation",
+              "_attn_implementation_internal", "_name_or_path")
+
+# Bumped by torch's global registration hooks whenever any module gets a parameter, buffer or
+# submodule assigned: a model's tensor list is walked again only after such a change.
+_structure_generation = 0
+
+
+def _bump_generation(*_):
+    global _structure_generation
+    _structure_generation += 1
+
+
+for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_module_registration_hook):
+    _register(_bump_generation)
+
+
+def _config_signature(model) -> str:
+    """A cheap stand-in for :func:`_config_json`: equal signatures mean an unchanged config."""
+    return repr({k: v for k, v in vars(model.config).items() if k not in _ATTN_KEYS})
+
+
+def _sample_view(t: torch.Tensor):
+    """A numpy view of ``_SAMPLES`` words spread over a contiguous CPU tensor (it sees every later
+    write to those words, ``.data`` writes included), or None."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.element_size() not in _INT_OF_SIZE:
         return None
+    a = t.detach().view(_INT_OF_SIZE[t.element_size()]).numpy().reshape(-1)
+    return a[:: max(1, -(-a.size // _SAMPLES))]
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:   # an inference tensor tracks no version: its samples and pointer still count
+        return -1
+
+
+class _Watch:
+    """What :func:`model_fingerprint` saw last: the tensors, their versions, pointers and sampled
+    words, the per-tensor checksums, the config and the fingerprint."""
+
+    def __init__(self, generation, named, cfg_sig, cfg_json, digests, fp):
+        self.generation, self.named, self.cfg_sig, self.cfg_json = generation, named, cfg_sig, cfg_json
+        self.digests, self.fp = digests, fp
+        self.tensors = [t for _, t in named]
+        self.views = [_sample_view(t) for t in self.tensors]
+        self.state = self.current()
+
+    def current(self):
+        """(versions and pointers, sampled words) now."""
+        try:
+            vp = tuple((t._version, t.data_ptr()) for t in self.tensors)
+        except RuntimeError:   # an inference tensor tracks no version
+            vp = tuple((_version(t), t.data_ptr()) for t in self.tensors)
+        return vp, [None if v is None else v.tobytes() for v in self.views]
 
 
 def model_fingerprint(model, cached: bool = True) -> str:
@@ -79,22 +133,43 @@ def model_fingerprint(model, cached: bool = True) -> str:
     it was loaded from) and an exact checksum of every parameter and buffer
     (:func:`weight_checksums`) with names, shapes, dtypes.
 
-    ``cached=True`` reuses the last value while the config and every tensor's identity and
-    in-place version counter are unchanged (cheap: for per-request checks); writes that bypass
-    the version counter (``p.data.copy_(...)``) are only seen with ``cached=False``, which
-    :class:`ChunkStore` uses at creation."""
-    named = _named_state(model)
-    cfg = _config_json(model)
-    state = (cfg, _state_versions(named))
+    ``cached=True`` (what :class:`ChunkStore` does at every call that serves or writes KV) reuses
+    the last value while nothing it watches changed, and re-checksums only the tensors that did.
+    It sees: any change of the config; a parameter, buffer or submodule assigned anywhere (then
+    the model's tensors are listed again); every write through the tensor API, which bumps the
+    tensor's version counter (in-place ops such as ``mul_`` under ``no_grad``, optimiser steps,
+    ``load_state_dict``, ``copy_``); a tensor moved to other memory (``model.to``, ``p.data = x``);
+    and, for CPU tensors, a write that bypasses the version counter (``p.data.mul_(...)``,
+    ``p.data.copy_(...)``) when it changes one of ``_SAMPLES`` words spread over the tensor (any
+    whole-tensor edit: a scaling, new weights, a LoRA merge). Not seen by the cached check: a
+    ``.data`` write to CUDA memory, or one that leaves the sampled words alone (one element):
+    ``cached=False`` checksums every byte (about 0.1 s for SmolLM2-135M on one CPU core; a
+    :class:`ChunkStore` does it at creation and in :meth:`ChunkStore.refresh`)."""
     hit = getattr(model, "_ragattn_fingerprint_cache", None)
-    if cached and state[1] is not None and hit is not None and hit[0] == state:
-        return hit[1]
+    if not isinstance(hit, _Watch):
+        hit = None
+    cfg_sig = _config_signature(model)
+    if cached and hit is not None and hit.generation == _structure_generation and hit.cfg_sig == cfg_sig \
+            and hit.current() == hit.state:
+        return hit.fp
+    generation = _structure_generation
+    named = _named_state(model)
+    cfg = _config_json(model) if hit is None or hit.cfg_sig != cfg_sig else hit.cfg_json
+    old = {}
+    if cached and hit is not None:   # checksums of the tensors that did not change are kept
+        (vp, samples) = hit.current()
+        for i, (t, was, now, s_was, s_now) in enumerate(zip(hit.tensors, hit.state[0], vp, hit.state[1], samples)):
+            if was == now and s_was == s_now:
+                old[id(t)] = (t, hit.digests[i])
+    todo = [t for _, t in named if id(t) not in old]
+    fresh = iter(weight_checksums(todo))
+    digests = [old[id(t)][1] if id(t) in old else next(fresh) for _, t in named]
     h = hashlib.sha256(cfg.encode())
-    for (name, t), digest in zip(named, weight_checksums([t for _, t in named])):
+    for (name, t), digest in zip(named, digests):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(digest)
     fp = h.hexdigest()[:32]
-    model._ragattn_fingerprint_cache = (state, fp)
+    model._ragattn_fingerprint_cache = _Watch(generation, named, cfg_sig, cfg, digests, fp)
     return fp
 
 

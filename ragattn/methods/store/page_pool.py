@@ -155,3 +155,8 @@ class PagePool:
                 for l in range(self.num_layers):
                     layers[l].copy_(src[l, r: r + n], non_blocking=non_blocking)
                 r += n
+
+    @staticmethod
+    def free(slab: _Slab, pages: list[int]) -> None:
+        """Give ``pages`` of ``slab`` back."""
+        slab.free.extend(pages)
