@@ -100,3 +100,84 @@ def test_store_follows_in_place_weight_changes(model, tmp_path, edit, directory)
         assert back.add(chunks) == old_keys and back.stats["computed"] == 0
         for k, c in zip(old_keys, chunks):
             assert_fresh(back, original, k, c)
+
+
+# ----- 24.7: the disk tier after a crash ---------------------------------------------------------
+def test_orphaned_temporary_files_are_removed(model, tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    orphan = tmp_path / f"{'a' * 40}.tmp{dead}"                   # a writer killed mid-write
+    probe = tmp_path / f".ragattn-write-probe-{dead}"
+    live = tmp_path / f"{'b' * 40}.tmp{os.getppid()}"             # a live writer's: kept
+    for p in (orphan, probe, live):
+        p.write_bytes(b"partial")
+    ChunkStore(model, directory=tmp_path)
+    assert not orphan.exists() and not probe.exists() and live.exists()
+
+
+def test_writes_are_synced_before_the_rename(model, tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append("replace") or real_replace(a, b))
+    ChunkStore(model, directory=tmp_path).add(_chunks(2, [5]))
+    assert events[:3] == ["fsync", "replace", "fsync"]          # file, rename, directory entry
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_a_damaged_file_is_recomputed_and_replaced(model, tmp_path, damage):
+    chunks = _chunks(3, [9, 4])
+    keys = ChunkStore(model, directory=tmp_path).add(chunks)
+    path = tmp_path / f"{keys[0]}.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[: len(data) - 50], "empty": b"",
+                      "flip": data[:-9] + bytes([data[-9] ^ 0x40]) + data[-8:]}[damage])
+    store = ChunkStore(model, directory=tmp_path)
+    if damage != "flip":
+        assert not store.has(keys[0]) and store.has(keys[1])      # has() never reports what cannot load
+    assert store.add(chunks) == keys                            # no error, now or later
+    assert store.stats["computed"] == 1 and store.stats["loaded"] == 1
+    assert_fresh(store, model, keys[0], chunks[0])
+    assert ChunkStore(model, directory=tmp_path, read_only=True).load(path) == keys[0]   # replaced
+    again = ChunkStore(model, directory=tmp_path)
+    assert again.add(chunks) == keys and again.stats["loaded"] == 2
+
+
+def test_a_corrupt_file_of_an_evicted_chunk_is_recomputed(model, tmp_path):
+    """The path through assemble(): the chunk left memory, its file went bad meanwhile."""
+    chunks = _chunks(4, [16, 16, 16])
+    page = ChunkStore(model).row_bytes * 16
+    store = ChunkStore(model, directory=tmp_path, memory_budget=2 * page)
+    keys = store.add(chunks)
+    assert keys[0] not in store
+    path = tmp_path / f"{keys[0]}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChunkStoreError, match="checksum"):
+        store.assemble(keys[:1])             # tokens unknown to this store (loaded from disk): refused ...
+    assert not store.has(keys[0]) and not path.exists()        # ... and never reported again
+    assert store.add(chunks[:1]) == keys[:1] and store.has(keys[0])
+    assert_fresh(store, model, keys[0], chunks[0])
+
+
+def test_resume_verifies_fused_caches(model, tmp_path):
+    from ragattn.methods import fusionrag
+
+    chunks = _chunks(5, [6, 8, 5])
+    head = [1, 2, 3]
+    nbrs = [[1, 2], [0, 2], [0, 1]]
+    store = ChunkStore(model, directory=tmp_path)
+    assert fusionrag.fuse_chunks(model, store, head, chunks, nbrs) == (3, 0)
+    keys = store.add(chunks)
+    vkeys = [store.variant_key(k, fusionrag.fused_variant(head)) for k in keys]
+    good = (tmp_path / f"{vkeys[1]}.safetensors").read_bytes()
+    bad = bytearray(good)
+    bad[-3] ^= 0x01
+    (tmp_path / f"{vkeys[1]}.safetensors").write_bytes(bytes(bad))          # complete, but corrupt
+    (tmp_path / f"{vkeys[2]}.safetensors").write_bytes(good[:100])          # truncated
+    resumed = ChunkStore(model, directory=tmp_path)
+    assert fusionrag.fuse_chunks(model, resumed, head, chunks, nbrs) == (2, 1)
+    fresh = ChunkStore(model, directory=tmp_path)
+    for vk in vkeys:
+        fresh.load(vk)

@@ -225,7 +225,8 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
     positions; its K/V are then re-rotated back to the chunk's local positions and stored as the
     variant :func:`fused_variant` of the chunk (``ChunkStore.put``, on disk if the store has a
     directory). ``batch`` chunks run per forward (one paged request row each). Chunks whose fused
-    cache is already in the store (or its directory) are skipped: resumable. ``progress(n)`` is
+    cache is already in the store (or, read whole and verified, in its directory) are skipped:
+    resumable (a truncated or corrupt file is built again). ``progress(n)`` is
     called after each batch. Returns (built, skipped)."""
     from ragattn.hf.attention import PagedKV
 
@@ -235,7 +236,7 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
     head_key, keys = keys[0], keys[1:]
     variant = fused_variant(head)
     which = range(len(chunks)) if which is None else which
-    todo = [i for i in which if not store.has(store.variant_key(keys[i], variant))]
+    todo = [i for i in which if not store.verify(store.variant_key(keys[i], variant))]  # checked, not trusted
     todo.sort(key=lambda i: -len(chunks[i]))  # similar lengths per batch: little padding
     base, rope, dev = _layers(model), store.rope, store.device
     for b0 in range(0, len(todo), batch):

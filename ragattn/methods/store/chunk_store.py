@@ -364,6 +364,22 @@ class ChunkStore:
         if not self._disk.remove(key):
             self._bad_files.add(key)
 
+    def verify(self, key: str) -> bool:
+        """Like :meth:`has`, but a file is read whole and checked (checksum included) first; a bad
+        one is removed (``has`` turns False). For resuming an offline build: what exists is
+        checked, not trusted. Nothing is loaded into the pool."""
+        self._sync()
+        if key in self._entries:
+            return True
+        if not self._on_disk(key):
+            return False
+        try:
+            read_chunk_file(self._path(key), self.fingerprint, self._layout_dims)
+        except ChunkStoreError:
+            self._bad_file(key)
+            return False
+        return True
+
     def lookup(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`has` of each key."""
         self._sync()
