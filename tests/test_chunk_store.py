@@ -295,7 +295,7 @@ def test_failed_write_leaves_nothing_half_added(model, tmp_path, monkeypatch):
 
 def test_token_ids_outside_the_vocabulary(model):
     store = ChunkStore(model)
-    for bad in ([5, 97, 3], [-1, 4], torch.tensor([[2, 3], [200, 1]])):
+    for bad in ([5, 97, 3], [-1, 4], torch.tensor([2, 3, 200, 1])):
         with pytest.raises(ChunkStoreError, match="outside the model's vocabulary"):
             store.add(_chunks(11, [4]) + [bad])
     with pytest.raises(ChunkStoreError, match="integers"):

@@ -181,3 +181,58 @@ def test_resume_verifies_fused_caches(model, tmp_path):
     fresh = ChunkStore(model, directory=tmp_path)
     for vk in vkeys:
         fresh.load(vk)
+
+
+# ----- 24.2, 24.4, 24.11: meaningless inputs are refused clearly -----------------------------------
+def test_store_refuses_meaningless_inputs(model, tmp_path):
+    store = ChunkStore(model, directory=tmp_path)
+    with pytest.raises(ChunkStoreError, match="1-D sequence of token ids, got shape \\(2, 2\\)"):
+        store.add([[[1, 2], [3, 4]]])
+    with pytest.raises(ChunkStoreError, match="1-D"):
+        store.add([torch.tensor([[5, 6, 7]])])
+    keys = store.add(_chunks(6, [5, 3]))
+    with pytest.raises(ChunkStoreError, match="extra_slots must be an integer >= 0, got -5"):
+        store.assemble(keys, extra_slots=-5)
+    dst = [torch.full((8, HKV, D), float("nan")) for _ in range(L)]
+    rows = torch.arange(8)
+    for bad in ([0, 1, 2, 3, 4, 5, 6, 1 << 31], [-1, 1, 2, 3, 4, 5, 6, 7]):
+        with pytest.raises(ChunkStoreError, match="positions must be in \\[0, 2147483647\\]"):
+            store.gather_into_(keys, dst, [t.clone() for t in dst], rows, torch.tensor(bad))
+    with pytest.raises(ChunkStoreError, match="int32 or int64"):
+        store.gather_into_(keys, dst, [t.clone() for t in dst], rows, torch.arange(8.0))
+    assert all(t.isnan().all() for t in dst)                    # nothing written
+    with pytest.raises(ChunkStoreError, match="neither a chunk key .* nor a chunk file"):
+        store.load("/etc/hostname")
+    with pytest.raises(ChunkStoreError, match="a bare key needs a store directory"):
+        ChunkStore(model).load("0" * 40)
+    if not torch.cuda.is_available():
+        with pytest.raises(ChunkStoreError, match="pin_memory=True needs CUDA"):
+            store.pooled_kv(pin_memory=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_put_refuses_another_dtype(model, tmp_path, dtype):
+    store = ChunkStore(model, directory=tmp_path)
+    key = store.add(_chunks(7, [6]))[0]
+    k, v = store.get_kv(key)
+    with pytest.raises(ChunkStoreError, match=f"model's dtype torch.float32, got {dtype}"):
+        store.put(key, "other", [t.to(dtype) for t in k], v)
+    vkey = store.variant_key(key, "other")
+    assert not store.has(vkey) and not (tmp_path / f"{vkey}.safetensors").exists()
+    assert store.put(key, "other", k, v) == vkey
+    assert ChunkStore(model, directory=tmp_path).load(vkey) == vkey     # loadable in a new store
+
+
+def test_refrag_generate_refuses_meaningless_options():
+    from ragattn.methods.refrag.model import RefragModel
+
+    rm = RefragModel.__new__(RefragModel)       # the checks run before any model is touched
+    rm.k = 4
+    for kw, match in ((dict(expand_fraction=-0.5), "expand_fraction"), (dict(expand_fraction=float("nan")), "expand_fraction"),
+                      (dict(expand_fraction=1.5), "expand_fraction"), (dict(k=0), "k \\(tokens per chunk\\)"),
+                      (dict(k=-3), "k \\(tokens per chunk\\)"), (dict(max_new_tokens=0), "max_new_tokens")):
+        with pytest.raises(ValueError, match=match):
+            rm.generate("q?", ["a passage"], **kw)
+        if "max_new_tokens" not in kw:
+            with pytest.raises(ValueError, match=match):
+                rm.build_inputs([([[1, 2, 3, 4]], [5])], **kw)

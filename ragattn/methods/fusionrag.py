@@ -322,6 +322,9 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
             group=None) -> Answer:
     where = {"fusionrag": "answer", "cacheblend": "cacheblend", "full_reuse": "full_reuse"}[method]
     ratio = check_ratio(ratio, where)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"ragattn.methods.fusionrag.{where}: max_new_tokens must be an integer >= 1, "
+                         f"got {max_new_tokens!r}")
     if question_mode not in QUESTION_MODES:
         raise ValueError(f"ragattn.methods.fusionrag.{where}: question must be one of "
                          f"{QUESTION_MODES}, got {question_mode!r}")
@@ -413,6 +416,10 @@ def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
     if not check_layers or min(check_layers) < 1 or list(check_layers) != sorted(set(check_layers)):
         raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers must be increasing "
                          f"layer indices >= 1, got {check_layers!r}")
+    depth = len(_layers(model).layers)
+    if max(check_layers) >= depth:   # a check that never runs would leave every candidate recomputed
+        raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers {tuple(check_layers)} must be "
+                         f"layers of the model, in [1, {depth - 1}] (it has {depth} layers)")
     return _answer(model, tokenizer, chunks, question, method="cacheblend", ratio=ratio,
                    max_new_tokens=max_new_tokens, store=store, fused=False, check_layers=tuple(check_layers),
                    group=group)

@@ -93,6 +93,7 @@ from ragattn.methods.store.page_pool import PagePool, _Slab, default_budget
 
 
 _KEY = re.compile(r"^[0-9a-f]{40}$")
+_MAX_POSITION = (1 << 31) - 1   # rotation deltas are int32
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -296,6 +297,9 @@ class ChunkStore:
         if pin_memory and device.type != "cpu":
             raise ChunkStoreError(f"ragattn.ChunkStore.pooled_kv: pin_memory needs device 'cpu', "
                                   f"got {device}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ChunkStoreError("ragattn.ChunkStore.pooled_kv: pin_memory=True needs CUDA (page-locked "
+                                  "host memory is for asynchronous copies to a GPU); none is available")
         out = self._pool.copy_out(device, pin_memory)
         self._pooled_layout = self._layout
         return out
@@ -399,6 +403,10 @@ class ChunkStore:
                 tuple(t.shape) != want for t in [*k_layers, *v_layers]):
             raise ChunkStoreError(f"ragattn.ChunkStore.put: expected {self.num_layers} layers of K and "
                                   f"V of shape {want} ([n, Hkv, D])")
+        bad = {str(t.dtype) for t in [*k_layers, *v_layers] if t.dtype != self.dtype}
+        if bad:   # a file in another dtype could never be loaded again
+            raise ChunkStoreError(f"ragattn.ChunkStore.put: K/V must have the model's dtype {self.dtype}, "
+                                  f"got {', '.join(sorted(bad))}")
         vkey = self.variant_key(key, variant)
         on_disk = False
         if self._writable:
@@ -470,6 +478,9 @@ class ChunkStore:
         toks = []
         for c in chunks:
             a = c.detach().cpu().numpy() if isinstance(c, torch.Tensor) else np.asarray(c)
+            if a.ndim != 1:
+                raise ChunkStoreError(f"ragattn.ChunkStore.add: a chunk must be a 1-D sequence of token ids, "
+                                      f"got shape {tuple(a.shape)}")
             if a.size == 0:
                 raise ChunkStoreError("ragattn.ChunkStore.add: a chunk has no tokens")
             if a.dtype.kind not in "iu":
@@ -690,6 +701,13 @@ class ChunkStore:
                 if tuple(positions.shape) != (n,):
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
                                           f"{tuple(positions.shape)}, expected ({n},)")
+                if positions.dtype not in (torch.int32, torch.int64):
+                    raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be int32 or int64, "
+                                          f"got {positions.dtype}")
+                if n and (int(positions.min()) < 0 or int(positions.max()) > _MAX_POSITION):
+                    # the rotation deltas are int32: a larger position would wrap around
+                    raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be in [0, "
+                                          f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
                 delta = (positions.to(self.device, torch.int64) - self._local_positions(lens)[skip:]).to(torch.int32)
             self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta, skip, split_heads)
         finally:
@@ -754,6 +772,12 @@ class ChunkStore:
                                   f"'composite', got {positions!r}")
         if len(keys) == 0:
             raise ChunkStoreError("ragattn.ChunkStore.assemble: no chunks given (empty retrieval)")
+        if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
+            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: extra_slots must be an integer >= 0, "
+                                  f"got {extra_slots!r}")
+        if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
+            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: page_size must be an integer >= 1 or None, "
+                                  f"got {page_size!r}")
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
