@@ -236,3 +236,53 @@ def test_refrag_generate_refuses_meaningless_options():
         if "max_new_tokens" not in kw:
             with pytest.raises(ValueError, match=match):
                 rm.build_inputs([([[1, 2, 3, 4]], [5])], **kw)
+
+
+# ----- 24.9: every request whose pages fit the budget is served -----------------------------------
+_MODELS = {}
+
+
+def _shared_model():
+    if "m" not in _MODELS:
+        _MODELS["m"] = random_llama(SHAPE, dtype=torch.float32, seed=0).eval()
+    return _MODELS["m"]
+
+
+def test_pool_serves_every_request_that_fits():
+    """Random traffic through a small budget (pages of 2 rows): a request is refused exactly when
+    its distinct chunks need more pages than the budget holds, and what is served is right."""
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    @hyp.settings(max_examples=20, deadline=None)
+    @hyp.given(budget_pages=st.integers(5, 12), lens=st.lists(st.integers(1, 9), min_size=4, max_size=8),
+               requests=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=5), min_size=4, max_size=12))
+    def run(budget_pages, lens, requests):
+        model = _shared_model()
+        chunks = _chunks(sum(lens), lens)
+        ref = ChunkStore(model, page_size=2)
+        ref_keys = ref.add(chunks)
+        want = {k: ref.kv(k) for k in ref_keys}
+        store = ChunkStore(model, page_size=2, memory_budget=budget_pages * 2 * ref.row_bytes)
+        for c in chunks:            # every chunk known; most of them evicted, recomputed on use
+            store.add([c])
+        for req in requests:
+            idx = [i % len(chunks) for i in req]
+            keys = [ref_keys[i] for i in idx]
+            pages = sum(-(-lens[i] // 2) for i in set(idx))
+            if pages > budget_pages:
+                with pytest.raises(ChunkStoreError, match="too small|more than the memory budget"):
+                    store.assemble(keys)
+                continue
+            got = store.assemble(keys, positions="composite")   # served, chunks pinned while others load
+            assert store.pool_bytes <= store.memory_budget
+            for key, s, n in zip(keys, got.chunk_starts, got.chunk_lens):
+                rows = got.cache.slot_rows(0, torch.arange(s, s + n))
+                for l in range(L):
+                    torch.testing.assert_close(got.cache.k[l].view(-1, HKV, D)[rows], want[key][0][l],
+                                               rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(got.cache.v[l].view(-1, HKV, D)[rows], want[key][1][l],
+                                               rtol=1e-5, atol=1e-6)
+        assert all(e.pins == 0 for e in store._entries.values())
+
+    run()

@@ -117,9 +117,8 @@ def _keep_spare(spare: list, buf: torch.Tensor) -> None:
 @dataclass(eq=False)
 class _Entry:
     tokens: torch.Tensor          # int64 [n], CPU
-    slab: _Slab
-    pages: list[int]
-    rows: torch.Tensor            # int64 [n]: the chunk's rows in its slab, on the store's device
+    parts: list[tuple[_Slab, list[int], int]]   # (slab, pages, rows) in token order; usually one
+    rows: torch.Tensor            # int64 [n]: each token's row in its part's slab, on the store's device
     on_disk: bool                 # a verified file of it is in the store's directory
     variant: tuple[str, str] | None = None   # (chunk key, variant name) of a derived entry
     pins: int = field(default=0)
@@ -220,7 +219,7 @@ class ChunkStore:
         self._stale.update(self._recomputable)
         for key in list(self._entries):
             e = self._entries.pop(key)
-            self._pool.free(e.slab, e.pages)
+            self._pool.free(e.parts)
         self._recomputable.clear()
         self._layout += 1
         self.fingerprint = fp
@@ -264,7 +263,7 @@ class ChunkStore:
 
     def _evict(self, key: str) -> None:
         e = self._entries.pop(key)
-        self._pool.free(e.slab, e.pages)
+        self._pool.free(e.parts)
         self.stats["evicted"] += 1
         if not e.on_disk and e.variant is None:
             self._recomputable[key] = e.tokens
@@ -273,10 +272,10 @@ class ChunkStore:
     def _insert(self, key, tokens, k_layers, v_layers, on_disk: bool, variant=None) -> _Entry:
         """Copy per-layer ``[n, Hkv, D]`` K/V (any device/dtype-compatible) into fresh pages."""
         n = int(tokens.numel())
-        slab, pages = self._pool.alloc(n, self._evict_one)
-        rows = self._pool.rows_of(pages, n)
-        self._pool.write(slab, rows, k_layers, v_layers)
-        e = _Entry(tokens.to("cpu", torch.int64), slab, pages, rows, on_disk, variant)
+        parts = self._pool.alloc(n, self._evict_one)
+        rows = self._pool.rows_of(parts)
+        self._pool.write(parts, rows, k_layers, v_layers)
+        e = _Entry(tokens.to("cpu", torch.int64), parts, rows, on_disk, variant)
         self._entries[key] = e
         self._recomputable.pop(key, None)
         self._layout += 1
@@ -424,7 +423,7 @@ class ChunkStore:
         """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies (keys at local positions)."""
         self._sync()
         e = self._get(key)
-        return self._pool.read(e.slab, e.rows)
+        return self._pool.read(e.parts, e.rows)
 
     def kv(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of a stored chunk: ``[L, n, Hkv, D]`` each (copies; keys at local positions)."""
@@ -593,7 +592,7 @@ class ChunkStore:
             raise ChunkStoreError(f"ragattn.ChunkStore.save: cannot create directory {d} "
                                   f"({exc.strerror or exc})") from None
         e = self._get(key)
-        k, v = (torch.stack(x) for x in self._pool.read(e.slab, e.rows))
+        k, v = (torch.stack(x) for x in self._pool.read(e.parts, e.rows))
         path = self._write_file(key, e.tokens, k, v, e.variant, d)
         if directory is None:
             e.on_disk = True
@@ -722,14 +721,14 @@ class ChunkStore:
 
     def _copy(self, entries, lens, dst_k, dst_v, dst, delta, skip: int = 0, split_heads: bool = False):
         """Copy the chunks' tokens ``skip..T-1`` to rows ``dst`` (``delta``: rotation of each)."""
-        slabs = list({id(e.slab): e.slab for e in entries}.values())
+        slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
         rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved) if delta is not None else (None, 0, False)
         if len(slabs) == 1:
             src = torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows
             _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(slabs[0], split_heads), src[skip:], dst, delta, *rot)
             return
-        slab_of = torch.cat([torch.full((n,), slabs.index(e.slab), dtype=torch.int64)
-                             for e, n in zip(entries, lens)])[skip:].to(self.device)
+        slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
+                             for e in entries for s, _, r in e.parts])[skip:].to(self.device)
         src_all = torch.cat([e.rows for e in entries])[skip:]
         for i, s in enumerate(slabs):
             sel = (slab_of == i).nonzero()[:, 0]

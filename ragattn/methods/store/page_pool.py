@@ -75,9 +75,13 @@ class PagePool:
     def pool_bytes(self) -> int:
         return self.pool_rows * self.row_bytes
 
-    def alloc(self, n: int, evict_one: Callable[[], bool]) -> tuple[_Slab, list[int]]:
-        """Pages for ``n`` rows in one slab: free pages, else a new slab within the budget, else
-        (releasing empty slabs and) calling ``evict_one`` (False: nothing left to evict)."""
+    def alloc(self, n: int, evict_one: Callable[[], bool]) -> list[tuple[_Slab, list[int], int]]:
+        """Pages for ``n`` rows: ``[(slab, pages, rows)]``, the parts in row order (part ``i``
+        holds ``rows`` rows on ``pages`` of ``slab``). One slab when one has the room (free pages,
+        else a new slab within the budget, else after releasing empty slabs); else the free pages
+        of several slabs and the budget left (pages, not slabs: pinned chunks that fragment the
+        slabs never make a request that fits the budget fail); else ``evict_one()`` and again
+        (False: nothing left to evict, the request does not fit)."""
         m = -(-n // self.page_size)
         if m > self.budget_pages:
             raise ChunkStoreError(
@@ -86,43 +90,80 @@ class PagePool:
         while True:
             for s in self.slabs:
                 if len(s.free) >= m:
-                    pages = s.free[-m:][::-1]
-                    del s.free[-m:]
-                    return s, pages
+                    return self._take([(s, m)], n)
             cap = sum(s.pages for s in self.slabs)
             room = self.budget_pages - cap
             if room >= m:
-                # grow geometrically (few slabs), at most a quarter of the budget at once
-                first = max(_FIRST_SLAB_PAGES, min(_FIRST_SLAB_BYTES // (self.page_size * self.row_bytes),
-                                                   -(-2 * self.max_positions // self.page_size)))
-                want = min(max(m, cap, first), max(m, self.budget_pages // 4), room)
-                self.slabs.append(_Slab(self, want))
+                self.slabs.append(_Slab(self, self._grow(m, cap, room)))
                 continue
             empty = [s for s in self.slabs if len(s.free) == s.pages]
-            if empty:
+            if empty and room + sum(s.pages for s in empty) >= m:
                 self.slabs = [s for s in self.slabs if len(s.free) != s.pages]
                 continue
+            free = sum(len(s.free) for s in self.slabs)
+            if free + room >= m:   # spread: the fullest free lists first (few parts)
+                take, need = [], m
+                for s in sorted(self.slabs, key=lambda s: -len(s.free)):
+                    if need and s.free:
+                        take.append((s, min(need, len(s.free))))
+                        need -= take[-1][1]
+                if need:
+                    self.slabs.append(_Slab(self, self._grow(need, cap, room)))
+                    take.append((self.slabs[-1], need))
+                return self._take(take, n)
             if not evict_one():
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore: memory budget ({self.memory_budget} bytes) too small: the "
                     f"chunks one request uses do not fit in it together")
 
-    def rows_of(self, pages: list[int], n: int) -> torch.Tensor:
-        """int64 ``[n]`` on the pool's device: the first ``n`` rows of ``pages``."""
-        ps = self.page_size
-        rows = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)[:n]
-        return rows.to(self.device)
+    def _grow(self, m: int, cap: int, room: int) -> int:
+        """Pages of a new slab for ``m`` pages: geometric growth (few slabs), at most a quarter of
+        the budget at once, within ``room``."""
+        first = max(_FIRST_SLAB_PAGES, min(_FIRST_SLAB_BYTES // (self.page_size * self.row_bytes),
+                                           -(-2 * self.max_positions // self.page_size)))
+        return min(max(m, cap, first), max(m, self.budget_pages // 4), room)
 
-    def write(self, slab: _Slab, rows: torch.Tensor, k_layers, v_layers) -> None:
-        """Per-layer ``[n, Hkv, D]`` K/V (any device, a dtype that converts) into ``rows`` of ``slab``."""
-        for dst, src in ((slab.k, k_layers), (slab.v, v_layers)):
-            for l in range(self.num_layers):
-                dst[l].index_copy_(0, rows, src[l].to(self.device, self.dtype))
+    def _take(self, take, n: int) -> list[tuple[_Slab, list[int], int]]:
+        parts, left = [], n
+        for s, m in take:
+            pages = s.free[-m:][::-1]
+            del s.free[-m:]
+            rows = min(left, m * self.page_size)
+            parts.append((s, pages, rows))
+            left -= rows
+        return parts
+
+    def rows_of(self, parts) -> torch.Tensor:
+        """int64 ``[n]`` on the pool's device: each row's index in its part's slab, in order."""
+        ps = self.page_size
+        rows = [(torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)[:r]
+                for _, pages, r in parts]
+        return (rows[0] if len(rows) == 1 else torch.cat(rows)).to(self.device)
+
+    def write(self, parts, rows: torch.Tensor, k_layers, v_layers) -> None:
+        """Per-layer ``[n, Hkv, D]`` K/V (any device, a dtype that converts) into ``rows`` of the parts."""
+        at = 0
+        for slab, _, r in parts:
+            sel = rows[at: at + r]
+            for dst, src in ((slab.k, k_layers), (slab.v, v_layers)):
+                for l in range(self.num_layers):
+                    dst[l].index_copy_(0, sel, src[l][at: at + r].to(self.device, self.dtype))
+            at += r
 
     @staticmethod
-    def read(slab: _Slab, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer ``[n, Hkv, D]`` copies of ``rows`` of ``slab``."""
-        return [p.index_select(0, rows) for p in slab.k], [p.index_select(0, rows) for p in slab.v]
+    def read(parts, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer ``[n, Hkv, D]`` copies of ``rows`` of the parts."""
+        if len(parts) == 1:
+            slab = parts[0][0]
+            return [p.index_select(0, rows) for p in slab.k], [p.index_select(0, rows) for p in slab.v]
+        out = []
+        for which in ("k", "v"):
+            layers, a = [], 0
+            for slab, _, r in parts:
+                layers.append([p.index_select(0, rows[a: a + r]) for p in getattr(slab, which)])
+                a += r
+            out.append([torch.cat(per) for per in zip(*layers)])
+        return out[0], out[1]
 
     def slab_layers(self, slab: _Slab, split_heads: bool):
         if not split_heads:
@@ -157,6 +198,7 @@ class PagePool:
                 r += n
 
     @staticmethod
-    def free(slab: _Slab, pages: list[int]) -> None:
-        """Give ``pages`` of ``slab`` back."""
-        slab.free.extend(pages)
+    def free(parts) -> None:
+        """Give the pages of ``parts`` back."""
+        for slab, pages, _ in parts:
+            slab.free.extend(pages)
