@@ -14,7 +14,7 @@ from ragattn.hf.models import random_llama
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=64, max_position_embeddings=96, rope_theta=1000.0)
+             num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=1000.0)
 L, HKV, D = 2, 2, 16
 
 
@@ -286,3 +286,71 @@ def test_pool_serves_every_request_that_fits():
         assert all(e.pins == 0 for e in store._entries.values())
 
     run()
+
+
+# ----- 24.10: one model used from several threads ----------------------------------------------
+def _in_threads(fns):
+    errors = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except BaseException as exc:   # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_stores_on_one_model_in_several_threads(model):
+    """Each thread has its own store on the same model: every chunk each computes is right."""
+    torch.set_num_threads(1)
+
+    def worker(seed):
+        def run():
+            store = ChunkStore(model, page_size=4)
+            for i in range(25):
+                c = _chunks(seed * 100 + i, [3 + i % 5])[0]
+                key = store.add([c])[0]
+                assert_fresh(store, model, key, c)
+        return run
+
+    _in_threads([worker(s) for s in range(3)])
+    assert model.config._attn_implementation == "sdpa"          # restored when the last one left
+
+
+def test_baseline_and_stores_in_several_threads(model):
+    """A full-prefill baseline (sdpa) and chunk stores (ragattn) share one model: each waits for the
+    other's implementation, none runs with the wrong one; a nested switch is an error, not a hang."""
+    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.attn_switch import attention_implementation
+    from ragattn.methods.common import full_prefill
+    from tests.test_fusionrag import CharTokenizer
+
+    torch.set_num_threads(1)
+    tok = CharTokenizer(SHAPE["vocab_size"])
+    passages, question = ["some passage", "another one"], "q?"
+    want = full_prefill(model, tok, passages, question, max_new_tokens=1).first_logits
+
+    def baseline():
+        for _ in range(6):
+            got = full_prefill(model, tok, passages, question, max_new_tokens=1).first_logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    def stores():
+        store = ChunkStore(model)
+        for i in range(12):
+            c = _chunks(500 + i, [4 + i % 3])[0]
+            assert_fresh(store, model, store.add([c])[0], c)
+
+    _in_threads([baseline, stores, stores])
+    assert model.config._attn_implementation == "sdpa"
+    with use_ragattn(model):
+        with pytest.raises(RuntimeError, match="nested switch"):
+            with attention_implementation(model, "eager", lambda m, o, n: m.set_attn_implementation(n)):
+                pass
+    assert model.config._attn_implementation == "sdpa"

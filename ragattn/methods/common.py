@@ -27,6 +27,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from ragattn.hf.attention import use_ragattn
+from ragattn.hf.attn_switch import attention_implementation
 
 SYSTEM = "Answer the question using only the documents. Answer briefly."
 _SENTINEL = "\u2063RAGATTN_DOCS\u2063"
@@ -207,15 +208,10 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
         raise ValueError(f"ragattn.methods.full_prefill: prompt of {len(ids_list)} tokens + "
                          f"{max_new_tokens} new tokens exceeds the model's window ({limit})")
     dev = next(model.parameters()).device
-    old = model.config._attn_implementation
-    switch = bool(attn_implementation) and attn_implementation != old
-    if switch:
-        model.set_attn_implementation(attn_implementation)
-    try:
+    impl = attn_implementation or model.config._attn_implementation
+    # shared with the other threads that run this model (ragattn.hf.attn_switch)
+    with attention_implementation(model, impl, lambda m, old, new: m.set_attn_implementation(new)):
         t0 = time.perf_counter()
         ids = torch.tensor([ids_list], device=dev)
         return _generate(model, tokenizer, t0, "full_prefill", len(ids_list), len(ids_list), max_new_tokens,
                          generate_kwargs, input_ids=ids, attention_mask=torch.ones_like(ids))
-    finally:
-        if switch:
-            model.set_attn_implementation(old)
