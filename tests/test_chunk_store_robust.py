@@ -354,3 +354,22 @@ def test_baseline_and_stores_in_several_threads(model):
             with attention_implementation(model, "eager", lambda m, o, n: m.set_attn_implementation(n)):
                 pass
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_methods_follow_a_data_edit_of_the_weights():
+    """The issue's method-level repro: after ``p.data.mul_`` the wrappers answered from stale KV
+    (first logits 0.67 off, no error); a store now follows its model into every method."""
+    from ragattn.methods import block_attention, fusionrag
+    from tests.test_fusionrag import QUESTION, CharTokenizer
+
+    model = random_llama(SHAPE, dtype=torch.float32, seed=2).eval()
+    tok = CharTokenizer(SHAPE["vocab_size"])
+    passages = ["first passage.", "second one!"]
+    store = ChunkStore(model)
+    block_attention.answer(model, tok, passages, QUESTION[:20], max_new_tokens=1, store=store)
+    for p in model.parameters():
+        p.data.mul_(1.5)
+    for run in (lambda s: block_attention.answer(model, tok, passages, QUESTION[:20], max_new_tokens=1, store=s),
+                lambda s: fusionrag.answer(model, tok, passages, QUESTION[:20], max_new_tokens=1, store=s, ratio=0.2)):
+        got, want = run(store).first_logits, run(ChunkStore(model)).first_logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
