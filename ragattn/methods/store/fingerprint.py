@@ -117,15 +117,24 @@ class _Watch:
         self.digests, self.fp = digests, fp
         self.tensors = [t for _, t in named]
         self.views = [_sample_view(t) for t in self.tensors]
+        groups: dict = {}      # the views by dtype: one concatenation each, for the quick check
+        for v in self.views:
+            if v is not None:
+                groups.setdefault(v.dtype, []).append(v)
+        self.groups = list(groups.values())
         self.state = self.current()
+        self.samples = self.per_tensor_samples()
 
     def current(self):
-        """(versions and pointers, sampled words) now."""
+        """(versions and pointers, all sampled words) now: the quick check."""
         try:
             vp = tuple((t._version, t.data_ptr()) for t in self.tensors)
         except RuntimeError:   # an inference tensor tracks no version
             vp = tuple((_version(t), t.data_ptr()) for t in self.tensors)
-        return vp, [None if v is None else v.tobytes() for v in self.views]
+        return vp, b"".join(np.concatenate(g).tobytes() for g in self.groups)
+
+    def per_tensor_samples(self) -> list:
+        return [None if v is None else v.tobytes() for v in self.views]
 
 
 def model_fingerprint(model, cached: bool = True) -> str:
@@ -157,8 +166,8 @@ def model_fingerprint(model, cached: bool = True) -> str:
     cfg = _config_json(model) if hit is None or hit.cfg_sig != cfg_sig else hit.cfg_json
     old = {}
     if cached and hit is not None:   # checksums of the tensors that did not change are kept
-        (vp, samples) = hit.current()
-        for i, (t, was, now, s_was, s_now) in enumerate(zip(hit.tensors, hit.state[0], vp, hit.state[1], samples)):
+        vp, samples = hit.current()[0], hit.per_tensor_samples()
+        for i, (t, was, now, s_was, s_now) in enumerate(zip(hit.tensors, hit.state[0], vp, hit.samples, samples)):
             if was == now and s_was == s_now:
                 old[id(t)] = (t, hit.digests[i])
     todo = [t for _, t in named if id(t) not in old]
