@@ -12,9 +12,19 @@ sequence per chunk, positions 0..n-1 per chunk), so each chunk's keys are stored
 local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
 fingerprint (:func:`model_fingerprint`) hashes the model's config (every value but the attention
 implementation and the path it was loaded from) and a checksum of every weight and buffer (two
-exact int64 sums over each tensor's bytes: any changed bit changes it), recomputed at every store creation (about 0.1 s for
-SmolLM2-135M on one CPU core): a store built before a fine-tuning step or a config change never
-serves its chunks to the changed model, in memory or from disk.
+exact int64 sums over each tensor's bytes: any changed bit changes it), computed in full at store
+creation (about 0.1 s for SmolLM2-135M on one CPU core).
+
+The store follows its model: every call that serves or writes KV (``add``, ``assemble``,
+``gather_into_``, ``put``, ``get_kv``/``kv``, ``has``/``lookup``/``verify``, ``key``, ``load``,
+``save``, ``pooled_kv``) first checks the fingerprint (cached, about 0.3 ms for SmolLM2; see
+:func:`model_fingerprint` for what the cached check sees: every write through the tensor API, an
+optimiser step, ``load_state_dict``, a config change, and on the CPU a ``.data`` write that changes
+a sampled word, e.g. ``p.data.mul_``). When the weights changed, the entries of the old weights
+leave memory, later keys are those of the new weights, their old keys are refused ("earlier
+weights") and ``has`` reports them missing; the old files stay on disk, valid for the old weights
+(restoring them makes them usable again). :meth:`ChunkStore.refresh` checksums every byte (for
+``.data`` writes the cached check cannot see: one element, CUDA memory).
 
 Public API (for the methods, FusionRAG's offline fusion and serving-engine connectors)
 ---------------------------------------------------------------------------------------
@@ -25,8 +35,11 @@ Public API (for the methods, FusionRAG's offline fusion and serving-engine conne
   (e.g. FusionRAG's fused cache: the same tokens prefilled after other context, keys re-rotated
   back to the chunk's local positions ``0..n-1``), per layer ``[n, Hkv, D]``; it is keyed, saved,
   loaded, verified, evicted and assembled exactly like a chunk.
-* ``store.has(key)`` / ``store.lookup(keys)``: whether a key is in memory or in the directory
-  (nothing is loaded).
+* ``store.has(key)`` / ``store.lookup(keys)``: whether a key is in memory or in the directory as a
+  complete file of the current weights (header and size checked; nothing is loaded);
+  ``store.verify(key)``: the same with the file read whole and checked (a bad one is removed).
+* ``store.refresh()``: full fingerprint check (see above); ``store.check_model(model, where)``: for
+  the methods (this store's model, followed, or one of the same fingerprint, else an error).
 * ``store.get_kv(key)`` -> ``(k_layers, v_layers)``: per layer ``[n, Hkv, D]`` *copies* (the pool
   reuses the pages of evicted chunks, so a view could later show another chunk's rows);
   ``store.kv(key)`` -> the same stacked ``[L, n, Hkv, D]``; ``store.tokens(key)`` int64 ``[n]``.
@@ -43,9 +56,11 @@ Memory: a byte budget, LRU eviction, no 2x growth
 The in-memory pool holds at most ``memory_budget`` bytes of K/V (default: a quarter of the
 memory available on the model's device when the store is created; see :func:`default_budget`).
 It is made of *slabs* (per layer ``[rows, Hkv, D]`` K and V tensors) cut into pages of
-``page_size`` rows; a chunk is a list of pages of one slab. The pool grows by adding a slab (never
-by copying into a larger one: no transient 2x peak), and when the budget is reached it evicts the
-least recently used chunks (``add`` hits and ``assemble`` count as uses) and reuses their pages.
+``page_size`` rows; a chunk is a list of pages, of one slab when one has room, else spread over
+several (so pinned chunks that fragment the slabs never make a request that fits fail). The pool
+grows by adding a slab (never by copying into a larger one: no transient 2x peak), and when the
+budget is reached it evicts the least recently used chunks (``add`` hits and ``assemble`` count as
+uses) and reuses their pages.
 An evicted chunk reloads bit-exact from the directory when it was saved there; a chunk computed
 without a (writable) directory is recomputed from its tokens (kept in host memory, 8 bytes a
 token) on its next use; a derived entry
@@ -55,18 +70,25 @@ the pool's allocated size (never above the budget), ``num_rows`` the tokens held
 Assembled requests use *copy-out* semantics: :meth:`assemble` / :meth:`gather_into_` copy the
 chunks' rows into the request's own cache, so an ``AssembledRequest`` never refers to pool
 memory and later evictions cannot change it. During one call every chunk it gathers is pinned,
-so loading or recomputing one of them never evicts another; a request whose chunks alone exceed
-the budget is refused (``ChunkStoreError``). The store is not thread-safe.
+so loading or recomputing one of them never evicts another; a request is refused
+(``ChunkStoreError``) exactly when its distinct chunks need more pages than the budget holds. A
+store object is not thread-safe (one per thread); several stores and methods may use one model
+from several threads (the attention switch is shared: :mod:`ragattn.hf.attn_switch`).
 
 :meth:`ChunkStore.pooled_kv` copies the whole pool out (e.g. to pinned host memory) and
 :meth:`ChunkStore.load_pooled_kv_` copies it back, for keeping chunk KV off the GPU; a copy taken
 before chunks were added, evicted or overwritten is refused.
 
 On disk: one ``<key>.safetensors`` per chunk (``k``, ``v`` ``[L, n, Hkv, D]``, ``tokens`` int64
-``[n]``) with metadata (format, model fingerprint, key, sha256 of the tensor bytes). A file is
-written (atomically) before its chunk enters the pool, and fully read and verified before
-anything is inserted: a truncated, corrupt or foreign (other fingerprint) file raises
-``ChunkStoreError`` and is never loaded in part. A directory that cannot be written is refused at
+``[n]``) with metadata (format, model fingerprint, key, sha256 of the tensor bytes) in the
+model's dtype (``put`` refuses another). A file is written (temporary file, fsync, rename,
+directory fsync) before its chunk enters the pool, and fully read and verified before anything is
+inserted: nothing of a truncated, corrupt or foreign (other fingerprint) file is ever loaded. An
+explicit :meth:`ChunkStore.load` of such a file raises ``ChunkStoreError``; inside ``add`` and
+the reloads of evicted chunks a truncated or corrupt file is recomputed and replaced (a corrupt
+derived entry, which cannot be recomputed, is removed and reported). Temporary files of writers
+that died are removed when a writable store opens the directory (module
+:mod:`ragattn.methods.store.disk_tier`). A directory that cannot be written is refused at
 creation, naming it, unless ``read_only=True`` (serve the chunks in it; new chunks stay in memory).
 """
 from __future__ import annotations
