@@ -31,6 +31,8 @@ def _cases(tmp_path):
     ckpt = tmp_path / "corrupt.pt"
     ckpt.write_bytes(b"PK\x03\x04 not a checkpoint")
     cases = [
+        (["demo", "--top-k", "0"], "--top-k must be >= 1"),
+        (["demo", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
         (["build-store", "--out", out, "--device", "xyz"], "unknown device 'xyz'"),
         (["build-store", "--out", f], "exists and is not a folder"),
         (["build-store", "--out", out, "--batch", "0"], "--batch must be >= 1"),

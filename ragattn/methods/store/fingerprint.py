@@ -108,6 +108,10 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _no_watch():
+    return None
+
+
 class _Watch:
     """What :func:`model_fingerprint` saw last: the tensors, their versions, pointers and sampled
     words, the per-tensor checksums, the config and the fingerprint."""
@@ -124,6 +128,12 @@ class _Watch:
         self.groups = list(groups.values())
         self.state = self.current()
         self.samples = self.per_tensor_samples()
+
+    def __deepcopy__(self, memo):   # a copied model (deepcopy, pickle) starts without a cache:
+        return None                 # these views would watch the original's memory
+
+    def __reduce__(self):
+        return (_no_watch, ())
 
     def current(self):
         """(versions and pointers, all sampled words) now: the quick check."""
