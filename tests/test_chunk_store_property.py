@@ -131,8 +131,8 @@ class Harness:
                         self.store.kv(key)
 
 
-@hyp.settings(max_examples=12, deadline=None, stateful_step_count=10)
-@hyp.given(ops=st.lists(OPS, min_size=1, max_size=10))
+@hyp.settings(max_examples=25, deadline=None)
+@hyp.given(ops=st.lists(OPS, min_size=1, max_size=12))
 def test_store_property(ops):
     torch.set_num_threads(1)
     h = Harness()
