@@ -685,16 +685,12 @@ def _block_forward(query, key, value, attention_mask, scaling, block_ids):
 
 @contextlib.contextmanager
 def use_ragattn(model):
-    """Context manager: run ``model`` with the "ragattn" attention implementation, then restore."""
-    old = model.config._attn_implementation
-    if old == NAME:  # already on: no switch
+    """Context manager: run ``model`` with the "ragattn" attention implementation, then restore.
+    Safe for several threads using one model (:mod:`ragattn.hf.attn_switch`)."""
+    from ragattn.hf.attn_switch import attention_implementation
+
+    with attention_implementation(model, NAME, _switch_attn_implementation):
         yield model
-        return
-    _switch_attn_implementation(model, old, NAME)
-    try:
-        yield model
-    finally:
-        _switch_attn_implementation(model, NAME, old)
 
 
 # model -> {(from, to): [(config, value before, value after)]}: what set_attn_implementation changed
