@@ -142,7 +142,8 @@ setup(
     packages=find_namespace_packages(include=["ragattn", "ragattn.*"], exclude=["*.__pycache__"])
     + ["ragattn.triton_kernels", "ragattn.bench"],
     package_dir={"ragattn.triton_kernels": "triton_kernels", "ragattn.bench": "bench"},
-    package_data={"ragattn": ["data/*.json", "data/**/*", "py.typed"]},   # py.typed: PEP 561 (inline types)
+    package_data={"ragattn": ["data/*.json", "data/**/*", "py.typed"],   # py.typed: PEP 561 (inline types)
+                  "ragattn.triton_kernels": ["configs/*.json"]},
     project_urls=project_urls(),
     # RAGATTN_REUSE_EXT=1: install without building, keeping the ragattn/_C*.so already in the tree
     # (scripts/setup_vllm.sh, for a second environment with the very same torch build)
