@@ -181,7 +181,8 @@ def test_chunk_store_methods_run_on_family(family):
         turborag.answer(model, tok, chunks, question, positions="composite", max_new_tokens=3, store=store),
         block_attention.answer(model, tok, chunks, question, max_new_tokens=3, store=store),
         fusionrag.answer(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.3),
-        fusionrag.cacheblend(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.3),
+        fusionrag.cacheblend(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.3,
+                             check_layers=(1,)),   # (the tiny models have 2-3 layers)
     ]
     for ans in [base] + answers:
         assert 1 <= len(ans.tokens) <= 3 and torch.isfinite(ans.first_logits).all()
