@@ -706,7 +706,7 @@ for elt, head_dim in SM90_CASES:
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, UPCAST=False,
                       IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
                       ROW_STARTS=split,  # flat (CSR) page lists: decode/verify configs
-                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False)
+                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False)
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32")
@@ -714,6 +714,10 @@ for elt, head_dim in SM90_CASES:
         if split and elt != "fp32":  # zero-copy pages: positions from the entries, keys rotated in the kernel
             tagged = dict(consts, POS_TABLE=True, HAS_ENTRY_LEN=True, ROPE=True, ROPE_INTERLEAVED=max_rows == 5)
             jobs.append((pa._paged_attention_kernel, tagged, types, dict(num_warps=warps, num_stages=stages)))
+            # vLLM's fp8 caches, dequantised in the kernel, with and without the tagged pages
+            fp8_types = dict(types, K_CACHE="*fp8e4nv", V_CACHE="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32")
+            for flags in (dict(consts, KV_FP8=True), dict(tagged, KV_FP8=True)):
+                jobs.append((pa._paged_attention_kernel, flags, fp8_types, dict(num_warps=warps, num_stages=stages)))
 compile_many_sm90(jobs)
 print("compiled")
 """
