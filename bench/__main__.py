@@ -18,6 +18,9 @@ import torch
 
 
 def _commit() -> str:
+    """RAGATTN_COMMIT (scripts/gpu_check.sh sets it; a copy of the tree may have no .git), else git's HEAD."""
+    if os.environ.get("RAGATTN_COMMIT"):
+        return os.environ["RAGATTN_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()
