@@ -4,13 +4,14 @@
 // message pieces are joined here into one std::string and handed to torch as a single C string
 // (torch's one-C-string overload of its message builder uses it as it is). TORCH_CHECK's own
 // builder streams every piece into a std::ostringstream inside this extension, and on the GPU
-// image (torch 2.11.0+cu130, g++ 13.3) that crashed on the first integer (issue 23): torch's CUDA
-// wheels are built with gcc-toolset-13 over an older libstdc++ and export their own copies of
-// libstdc++ code (libc10.so exports std::ostringstream's constructor, for one), which come before
-// libstdc++ on an extension's link line, so an extension's stream is built by torch's copy and
-// written by the system libstdc++. Messages made of std::string appends and snprintf never touch
-// that machinery. The condition is tested first and the message built only when it fails, as with
-// TORCH_CHECK. tests/test_cpp_error_messages.py checks the extension imports no stream insertion.
+// image (torch 2.11.0+cu130, g++ 13.3, Ubuntu's libstdc++) that crashed on the first integer
+// (issue 23). Such a stream is half torch's: torch's wheels are built with gcc-toolset-13 over an
+// older libstdc++ and export their own copies of libstdc++ code (libc10.so: std::ostringstream's
+// constructor), and torch's libraries come before libstdc++ on an extension's link line, so the
+// extension's stream is constructed by torch's copy and written and destroyed by the system
+// libstdc++ (LD_DEBUG=bindings shows it). Messages made of std::string appends and snprintf never
+// touch that machinery. The condition is tested first and the message built only when it fails,
+// as with TORCH_CHECK. tests/test_cpp_error_messages.py checks every family's message.
 #pragma once
 
 #include <c10/core/Device.h>
