@@ -247,7 +247,7 @@ def triton_specs() -> List[TritonSpec]:
                          head_dim=D), loop=False))
 
     # paged_attention (bench_paged_attention, gpu): sparse prefill, decode, windowed decode; bf16 d128 page 16
-    types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
+    types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
     types_pa.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32")
     ctx, page = PAGED_CTX, 16
     for name, batch, rows, window in [("sparse_prefill", 1, 64, -1), ("decode", PAGED_BATCH, 1, -1),
@@ -264,7 +264,7 @@ def triton_specs() -> List[TritonSpec]:
         split_len = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
         splits = max(1, triton.cdiv(span, split_len))
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                      HAS_WINDOW=window >= 0, UPCAST=False, IEEE_FP32=False)
+                      HAS_WINDOW=window >= 0, ROW_STARTS=False, UPCAST=False, IEEE_FP32=False)
         types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
         # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
         ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,

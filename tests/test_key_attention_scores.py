@@ -9,8 +9,6 @@ from ragattn.reference import key_attention_scores as ref_scores
 from tests.helpers import (assert_precision, randn_nonzero, require_triton_on, run_compile_check, run_offsets_check,
                            use_kernel_backend)
 
-# The interpreter converts loop bounds through a deprecated numpy path; not our concern here.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

@@ -939,6 +939,8 @@ def test_sdpa_plan_cached_for_equal_and_inference_index_tensors():
     assert sc.cached_plan(cu, cu, None, None, blk, blk, False, -1, 45, 45) is not first
 
 
+# torch.jit.trace is deprecated in torch itself; the test still checks that tracing sees the op
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_wrapper_dispatches_where_the_op_must_be_seen():
     """The wrapper calls the CPU impl directly only for plain CPU tensors that need no gradient,
     outside modes and transforms; a dispatch mode, FakeTensorMode, a tensor that requires grad and
