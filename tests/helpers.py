@@ -101,10 +101,14 @@ def numpy_breaks_interpreter() -> str | None:
     """Why the Triton interpreter cannot run here, or None: triton 3.6's interpreter converts
     1-element arrays to Python ints, which numpy >= 2.4 refuses (requirements.txt pins numpy < 2.4;
     a GPU image need not)."""
+    import warnings
+
     import numpy as np
 
     try:
-        int(np.array([1]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # numpy 1.25 - 2.3 warn
+            int(np.array([1]))
     except TypeError as exc:
         return f"numpy {np.__version__} breaks triton's interpreter ({exc}); requirements.txt pins numpy < 2.4"
     return None
