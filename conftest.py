@@ -4,10 +4,29 @@
   any ``@triton.jit`` function is created, i.e. before ``triton_kernels`` is imported.
 * ``--device cuda`` (used by scripts/gpu_check.sh) runs the device-parametrised tests on CUDA
   tensors; the default is the CPU.
+* ``RAGATTN_TEST_FAKE_CUDA=1`` makes CUDA look present (see below) to find the tests that assume
+  the interpreter.
 """
 import os
+import sys
 
 import torch
+
+# RAGATTN_TEST_FAKE_CUDA=1: this process sees itself as a GPU machine's does (torch.cuda.is_available()
+# is True, so TRITON_INTERPRET stays unset and the Triton kernels are compiled, not interpreted)
+# without a GPU: a test that hands a Triton kernel CPU tensors then fails here as it does there.
+# Tests that need real CUDA tensors skip (tests.helpers.cuda_usable); tests/test_gpu_check.py runs
+# issue 23's tests this way.
+if os.environ.get("RAGATTN_TEST_FAKE_CUDA") == "1":
+    os.environ.pop("TRITON_INTERPRET", None)
+    _cuda_is_available = torch.cuda.is_available
+
+    def _fake_is_available() -> bool:
+        # torch's own code (compile, opcheck) would then use CUDA for real: it sees the truth
+        caller = sys._getframe(1).f_code.co_filename
+        return _cuda_is_available() if f"{os.sep}torch{os.sep}" in caller else True
+
+    torch.cuda.is_available = _fake_is_available
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -31,7 +50,7 @@ def pytest_addoption(parser):
 def device(request) -> torch.device:
     """The device the op tests run on (``--device``)."""
     name = request.config.getoption("--device")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name == "cuda" and (not torch.cuda.is_available() or os.environ.get("RAGATTN_TEST_FAKE_CUDA") == "1"):
         pytest.skip("--device cuda given but no CUDA device is available")
     return torch.device(name)
 

@@ -112,10 +112,17 @@ def compiled_flex(device):
     break is an error instead of a silent eager fallback (eager FlexAttention materialises the whole
     score matrix; the issue-22 H200 run's backward baseline took as long as the dense-mask backward,
     i.e. it did not run the compiled kernels). The CPU runs it eagerly (its times say nothing)."""
+    import warnings
+
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
-        return flex_attention
+        def eager_flex(*args, **kwargs):
+            with warnings.catch_warnings():  # eager on purpose here: torch's advice to compile is known
+                warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
+                return flex_attention(*args, **kwargs)
+
+        return eager_flex
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 

@@ -68,6 +68,7 @@ SIZES = {  # (num_chunks, chunk_size) per context
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
     "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (issue 15's end-to-end case)
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
+    "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K: scripts/gpu_check.sh's one-shot run
 }
 
 

@@ -48,6 +48,72 @@ def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Ten
     )
 
 
+def interpreter_on() -> bool:
+    """Whether this process's Triton kernels are interpreter objects, the only ones that run on CPU
+    tensors: ``triton.jit`` reads TRITON_INTERPRET when a kernel module is imported, and conftest
+    sets it before that only where CUDA is absent. In a process where CUDA is up (a GPU machine,
+    or ``RAGATTN_TEST_FAKE_CUDA=1``) the kernels are compiled, and a CPU tensor handed to one fails
+    ("Pointer argument cannot be accessed from Triton (cpu tensor?)")."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cuda_usable() -> bool:
+    """A real CUDA device: ``torch.cuda.is_available()`` without conftest's RAGATTN_TEST_FAKE_CUDA
+    stand-in (which makes it True on a machine that cannot make a CUDA tensor)."""
+    import os
+
+    return torch.cuda.is_available() and os.environ.get("RAGATTN_TEST_FAKE_CUDA") != "1"
+
+
+def require_triton_on(device: torch.device) -> None:
+    """Skip a test that calls a Triton kernel directly on ``device`` tensors where it cannot run:
+    CPU tensors need the interpreter, CUDA tensors a real device."""
+    import pytest
+
+    if device.type == "cpu" and not interpreter_on():
+        pytest.skip("the Triton kernels of this process are compiled (CUDA is up): CPU tensors need the "
+                    "interpreter, which runs where CUDA is absent; --device cuda runs this on CUDA tensors")
+    if device.type == "cuda" and not cuda_usable():
+        pytest.skip("no usable CUDA device (RAGATTN_TEST_FAKE_CUDA)")
+
+
+def triton_device() -> torch.device:
+    """Where this process's Triton kernels run: CPU tensors under the interpreter, else CUDA
+    tensors (skips where neither is possible: compiled kernels without a usable GPU)."""
+    if interpreter_on():
+        return torch.device("cpu")
+    require_triton_on(torch.device("cuda"))
+    return torch.device("cuda")
+
+
+def triton_backend_device() -> torch.device | None:
+    """For tests that loop over backends: the device of the "triton" case (CPU tensors through
+    RAGATTN_CPU_BACKEND=triton under the interpreter, else the CUDA tensors the compiled kernels
+    run on), or None where neither is possible (compiled kernels, no usable GPU)."""
+    if interpreter_on():
+        return torch.device("cpu")
+    return torch.device("cuda") if cuda_usable() else None
+
+
+def numpy_breaks_interpreter() -> str | None:
+    """Why the Triton interpreter cannot run here, or None: triton 3.6's interpreter converts
+    1-element arrays to Python ints, which numpy >= 2.4 refuses (requirements.txt pins numpy < 2.4;
+    a GPU image need not)."""
+    import warnings
+
+    import numpy as np
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # numpy 1.25 - 2.3 warn
+            int(np.array([1]))
+    except TypeError as exc:
+        return f"numpy {np.__version__} breaks triton's interpreter ({exc}); requirements.txt pins numpy < 2.4"
+    return None
+
+
 def use_kernel_backend(monkeypatch, device: torch.device, backend: str) -> None:
     """Route the ops' CPU calls: "triton" runs the Triton kernels in the interpreter, "reference"
     the plain-torch references (skipped on CUDA, where there is no such switch), "twin" the
@@ -56,12 +122,14 @@ def use_kernel_backend(monkeypatch, device: torch.device, backend: str) -> None:
 
     Never sets TRITON_INTERPRET: a ``triton_kernels`` module first imported under it would keep
     interpreted kernels for the whole session, CUDA tensors included (conftest sets it once, only
-    without CUDA).
+    without CUDA). So "triton" on CPU tensors skips where CUDA is up (``require_triton_on``).
     """
     if backend == "reference" and device.type != "cpu":
         import pytest
 
         pytest.skip("CPU backend switch")
+    if backend == "triton" and device.type == "cpu":
+        require_triton_on(device)
     if backend in ("triton", "reference", "twin") and device.type == "cpu":
         monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     else:
@@ -138,8 +206,9 @@ def compile_many_sm90(jobs, ptxas: bool = False):
 def huge_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied into a view whose rows lie 2^30 elements apart over virtual storage (rows 2 and
     up start past 2^31 elements; the storage is never touched beyond these rows, so a few pages of
-    memory): for testing int64 row offsets without a 2^31-element tensor."""
-    big = torch.empty((t.shape[0] - 1) * 2**30 + t[0].numel(), dtype=t.dtype)
+    memory on the CPU; on CUDA the whole span is allocated): for testing int64 row offsets without
+    a 2^31-element tensor."""
+    big = torch.empty((t.shape[0] - 1) * 2**30 + t[0].numel(), dtype=t.dtype, device=t.device)
     view = torch.as_strided(big, t.shape, (2**30,) + t.stride()[1:])
     view.copy_(t)
     return view
@@ -162,6 +231,27 @@ def run_compile_check(code: str, timeout: float = 600) -> str:
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+def run_offsets_check(code: str, device: torch.device, *, cuda_gib: float, timeout: float = 300) -> None:
+    """Run a check of offsets past 2^31 elements in a fresh process (a crash is a failure): on the
+    CPU in the interpreter, on CUDA with the compiled kernels. ``code`` makes its tensors on
+    ``DEVICE`` (defined before it) and prints ``compiled`` at the end; on CUDA the virtual storage
+    of ``huge_rows`` is real memory, ``cuda_gib`` GiB of it at the peak (skipped if not free)."""
+    import pytest
+
+    if device.type == "cpu":
+        why = numpy_breaks_interpreter()
+        if why:
+            pytest.skip(why)
+        prelude = 'import os\nos.environ["TRITON_INTERPRET"] = "1"\nDEVICE = "cpu"\n'
+    else:
+        require_triton_on(device)
+        free = torch.cuda.mem_get_info()[0] / 2**30
+        if free < cuda_gib + 2:
+            pytest.skip(f"needs {cuda_gib} GiB of free GPU memory, {free:.1f} GiB free")
+        prelude = 'DEVICE = "cuda"\n'
+    run_compile_check(prelude + code, timeout=timeout)
 
 
 def tiny_causal_lm(family: str = "llama", folder=None, seed: int = 0, **overrides):

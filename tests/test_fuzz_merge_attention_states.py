@@ -1,6 +1,7 @@
 """Property test of ``merge_attention_states``: random shapes, lse values mixing finite, -inf,
 +inf (FlashAttention's empty-row marker), NaN and far-apart magnitudes, outs with NaN/inf, every
-CPU backend (default, reference, Triton interpreter) against the float64 reference's rule."""
+CPU backend (default, reference, Triton interpreter; where CUDA is up, the compiled Triton kernel
+on CUDA tensors instead) against the float64 reference's rule."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import ragattn
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
+from tests.helpers import triton_backend_device
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
@@ -44,9 +46,13 @@ def test_merge_attention_states_property(case):
     args = (outs[0], lses[0], outs[1], lses[1])
     want, want_lse = ref_merge(*[t.double() for t in args])
     for backend in ("default", "reference", "triton"):
+        dev = torch.device("cpu") if backend != "triton" else triton_backend_device()
+        if dev is None:
+            continue   # compiled Triton kernels and no usable GPU (RAGATTN_TEST_FAKE_CUDA)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAGATTN_CPU_BACKEND", backend)
-            out, lse = ragattn.merge_attention_states(*args)
+            out, lse = ragattn.merge_attention_states(*[t.to(dev) for t in args])
+            out, lse = out.cpu(), lse.cpu()
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert torch.equal(torch.isnan(out), torch.isnan(want)), backend
         assert torch.equal(torch.isnan(lse), torch.isnan(want_lse)), backend

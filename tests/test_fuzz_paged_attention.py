@@ -1,7 +1,8 @@
 """Property test of ``paged_attention``: random shapes, GQA ratios, page sizes, lengths (0 and 1
 included), positions up to 2^31 - 1, windows, int32/int64 metadata and NaN/inf-poisoned slots,
-every CPU backend (default, reference, Triton interpreter unsplit and split-KV) against the
-float64 reference. ``HYPOTHESIS_PROFILE=thorough`` for a long manual run (tests/conftest.py)."""
+every CPU backend (default, reference, Triton interpreter unsplit and split-KV; where CUDA is up,
+the compiled Triton kernels on CUDA tensors instead of the interpreter) against the float64
+reference. ``HYPOTHESIS_PROFILE=thorough`` for a long manual run (tests/conftest.py)."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,7 @@ import torch
 import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
 from ragattn.reference.paged_attention import visible_slots
-from tests.helpers import FACTOR, max_abs_err
+from tests.helpers import FACTOR, max_abs_err, triton_backend_device
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
@@ -106,13 +107,19 @@ def test_paged_attention_property(c):
     args = build(c)
     w = c["window_left"]
     for backend, splits in [("default", None), ("reference", None), ("triton", "1"), ("triton", "3")]:
+        dev = torch.device("cpu") if backend != "triton" else triton_backend_device()
+        if dev is None:
+            continue   # compiled Triton kernels and no usable GPU (RAGATTN_TEST_FAKE_CUDA)
+        on = [a.to(dev) for a in args]
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RAGATTN_CPU_BACKEND", backend)
             if splits:
                 mp.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
-            out, lse = ragattn.paged_attention(*args, None, w)
+            out, lse = ragattn.paged_attention(*on, None, w)
+            out, lse = out.cpu(), lse.cpu()
             check(args, out, lse, w)
-            out2 = torch.full_like(args[0], float("nan"))
-            ragattn.paged_attention(*args, None, w, out=out2)
+            out2 = torch.full_like(on[0], float("nan"))
+            ragattn.paged_attention(*on, None, w, out=out2)
+            out2 = out2.cpu()
             assert torch.equal(torch.isnan(out2), torch.isnan(out)) and torch.equal(out2.nan_to_num(), out.nan_to_num())
 

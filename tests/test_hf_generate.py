@@ -9,6 +9,7 @@ import ragattn.hf
 from ragattn.hf import attention as hfattn
 from ragattn.hf.attention import PagedKV, use_ragattn
 from ragattn.hf.models import random_llama
+from tests.helpers import cuda_usable, require_triton_on
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rope_theta=1000.0)
@@ -36,7 +37,7 @@ def _inputs(batch, padded, n=11, seed=1):
     return ids, mask
 
 
-CACHES = [None, "static"] + (["offloaded"] if torch.cuda.is_available() else [])
+CACHES = [None, "static"] + (["offloaded"] if cuda_usable() else [])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -432,6 +433,7 @@ def test_decode_step_plans_the_paged_launch_once(monkeypatch, route):
     Before the fix every layer called the one-call op, which plans: 3 plans for 3 layers."""
     import ragattn.triton_kernels.paged_attention as pa
 
+    require_triton_on(torch.device("cpu"))   # the CPU model through the Triton kernels: the interpreter
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
     monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", "0")   # the CPU's SDPA shortcut would skip the op
     plans, runs = [], []
@@ -463,6 +465,7 @@ def test_serving_prefill_compares_index_tensors_once_per_forward(monkeypatch):
     again (each ``torch.equal`` on CUDA is a host sync)."""
     import ragattn.triton_kernels.plan_cache as plan_cache
 
+    require_triton_on(torch.device("cpu"))   # the CPU model through the Triton kernels: the interpreter
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
     compared = []
     real = plan_cache._same

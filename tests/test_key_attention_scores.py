@@ -6,7 +6,8 @@ import torch
 
 import ragattn
 from ragattn.reference import key_attention_scores as ref_scores
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
+from tests.helpers import (assert_precision, randn_nonzero, require_triton_on, run_compile_check, run_offsets_check,
+                           use_kernel_backend)
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -62,6 +63,7 @@ def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
     (the no-sync launch path) included."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 
+    require_triton_on(device)
     q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, 4, 2, 64, torch.float16, device)
     out = kernel(q, k, cu_q, cu_k, num_splits=num_splits)
     ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
@@ -317,16 +319,14 @@ def test_direct_cpu_call_matches_the_dispatched_op(lens):
 
 
 _HUGE_OFFSETS = r"""
-import os
-os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from ragattn.reference.key_attention_scores import key_attention_scores as ref
 from ragattn.triton_kernels.key_attention_scores import key_attention_scores
 from tests.helpers import huge_rows
 
 g = torch.Generator().manual_seed(0)
-q, k = torch.randn(4, 4, 16, generator=g).half(), torch.randn(4, 2, 16, generator=g).half()
-cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+q, k = torch.randn(4, 4, 16, generator=g).half().to(DEVICE), torch.randn(4, 2, 16, generator=g).half().to(DEVICE)
+cu = torch.tensor([0, 1, 4], dtype=torch.int32, device=DEVICE)
 want = ref(q.double(), k.double(), cu, cu)
 for splits in (1, 2):
     got = key_attention_scores(huge_rows(q), huge_rows(k), cu, cu, num_splits=splits)
@@ -335,8 +335,8 @@ print("compiled")  # run_compile_check's success marker
 """
 
 
-def test_offsets_past_2_31_elements():
+def test_offsets_past_2_31_elements(device):
     """Issue 15.10: q and k rows past 2^31 elements (views with a row stride of 2^30 over virtual
-    storage) in the interpreter; int32 row * stride products would wrap. A subprocess, so a crash
-    is a failure."""
-    run_compile_check(_HUGE_OFFSETS, timeout=300)
+    storage), in the interpreter on the CPU and compiled on CUDA; int32 row * stride products
+    would wrap. A subprocess, so a crash is a failure."""
+    run_offsets_check(_HUGE_OFFSETS, device, cuda_gib=14)

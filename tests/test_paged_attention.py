@@ -8,7 +8,7 @@ import torch
 
 import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
+from tests.helpers import assert_precision, randn_nonzero, run_compile_check, run_offsets_check, use_kernel_backend
 
 I32 = torch.int32
 
@@ -414,8 +414,6 @@ def test_fake_validates_like_the_real_op():
 
 
 _HUGE_OFFSETS = r"""
-import os
-os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from tests.test_paged_attention import make_case
 from ragattn.reference.paged_attention import paged_attention as ref_paged
@@ -426,35 +424,40 @@ from tests.helpers import huge_rows
 
 torch.manual_seed(0)
 q, q_pos, cu, k, v, bt, kvl = make_case([[3, 5, 6, 7]], [8], num_heads=2, num_kv_heads=2, head_dim=16,
-                                        page_size=8, dtype=torch.float16, device="cpu")
+                                        page_size=8, dtype=torch.float16, device=DEVICE)
 want, want_lse = ref_paged(q.double(), q_pos, cu, k.double(), v.double(), bt, kvl)
 for splits in (1, 2):
     out = huge_rows(torch.zeros_like(q))
     paged_attention_fwd(huge_rows(q), q_pos, cu, k, v, bt, kvl, num_splits=splits, out=out)
     assert (out.double() - want).abs().max() < 2e-3, ("paged", splits)
-oa, ob = torch.randn(4, 2, 16).half(), torch.randn(4, 2, 16).half()
-la, lb = torch.randn(4, 2), torch.randn(4, 2)
+del out
+oa, ob = torch.randn(4, 2, 16, device=DEVICE).half(), torch.randn(4, 2, 16, device=DEVICE).half()
+la, lb = torch.randn(4, 2, device=DEVICE), torch.randn(4, 2, device=DEVICE)
 out = huge_rows(torch.zeros_like(oa))
 merge_two_states(huge_rows(oa), la, huge_rows(ob), lb, out)
 assert (out.double() - ref_merge(oa.double(), la.double(), ob.double(), lb.double())[0]).abs().max() < 2e-3, "merge"
+del out
 # K/V pages past 2^31 elements: page * page stride must be int64 too (4 pages, 2^30 elements apart)
 q, q_pos, cu, k, v, bt, kvl = make_case([[0, 9, 17, 29]], [30], num_heads=2, num_kv_heads=1, head_dim=16,
-                                        page_size=8, dtype=torch.float16, device="cpu")
+                                        page_size=8, dtype=torch.float16, device=DEVICE)
 used = bt[0, :4].long()   # the sequence's 4 pages, renumbered 0..3 (huge_rows spaces 4 rows)
-k, v, bt = k[used], v[used], torch.arange(4, dtype=bt.dtype)[None]
+k, v, bt = k[used], v[used], torch.arange(4, dtype=bt.dtype, device=DEVICE)[None]
 want, _ = ref_paged(q.double(), q_pos, cu, k.double(), v.double(), bt, kvl)
 for splits in (1, 2):
-    out, _ = paged_attention_fwd(q, q_pos, cu, huge_rows(k), huge_rows(v), bt, kvl, num_splits=splits)
+    hk, hv = huge_rows(k), huge_rows(v)
+    out, _ = paged_attention_fwd(q, q_pos, cu, hk, hv, bt, kvl, num_splits=splits)
+    del hk, hv
     assert (out.double() - want).abs().max() < 2e-3, ("paged K/V pages", splits)
 print("compiled")  # run_compile_check's success marker
 """
 
 
-def test_offsets_past_2_31_elements():
+def test_offsets_past_2_31_elements(device):
     """Issue 15.10: q, out, K/V cache pages and merge inputs whose rows lie past 2^31 elements
-    (views with a row or page stride of 2^30 over virtual storage) in the interpreter: int32 row * stride products wrapped
-    (the old kernels read a negative offset and crashed). A subprocess, so a crash is a failure."""
-    run_compile_check(_HUGE_OFFSETS, timeout=300)
+    (views with a row or page stride of 2^30 over virtual storage), in the interpreter on the CPU
+    and compiled on CUDA: int32 row * stride products wrapped (the old kernels read a negative
+    offset and crashed). A subprocess, so a crash is a failure."""
+    run_offsets_check(_HUGE_OFFSETS, device, cuda_gib=20)
 
 
 def test_plan_once_run_per_layer(triton_backend, device, seed):
@@ -706,7 +709,7 @@ for elt, head_dim in SM90_CASES:
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, SOFTCAP=False, UPCAST=False,
                       IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
                       ROW_STARTS=split,  # flat (CSR) page lists: decode/verify configs
-                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False)
+                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False)
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32", softcap_log2="fp32")
@@ -714,6 +717,10 @@ for elt, head_dim in SM90_CASES:
         if split and elt != "fp32":  # zero-copy pages: positions from the entries, keys rotated in the kernel
             tagged = dict(consts, POS_TABLE=True, HAS_ENTRY_LEN=True, ROPE=True, ROPE_INTERLEAVED=max_rows == 5)
             jobs.append((pa._paged_attention_kernel, tagged, types, dict(num_warps=warps, num_stages=stages)))
+            # vLLM's fp8 caches, dequantised in the kernel, with and without the tagged pages
+            fp8_types = dict(types, K_CACHE="*fp8e4nv", V_CACHE="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32")
+            for flags in (dict(consts, KV_FP8=True), dict(tagged, KV_FP8=True)):
+                jobs.append((pa._paged_attention_kernel, flags, fp8_types, dict(num_warps=warps, num_stages=stages)))
 compile_many_sm90(jobs)
 print("compiled")
 """

@@ -365,3 +365,60 @@ def test_tagged_run_opcheck_and_errors(device):
         PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), 4)
     with pytest.raises(ValueError, match="first_pos must be >= 0"):
         PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([-1]), torch.tensor([2]), 4)
+
+
+# ----------------------------------------------------------------------- fp8 caches (25.3)
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_caches_with_scales(backend, device, seed, fp8):
+    """vLLM's fp8 KV caches (per-tensor k/v scales): the kernel dequantises what it loads; vs the
+    float64 reference over the dequantised caches, with the precision rule (the low-precision
+    baseline dequantises into q's dtype, as the kernel feeds its dots), plain and position-tagged
+    with in-kernel RoPE."""
+    from tests.helpers import assert_precision
+
+    c = make_csr_case([[33], [4, 9, 17]], [34, 18], num_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.bfloat16, device=device)
+    ks, vs = torch.tensor([0.05], device=device), torch.tensor(0.03, device=device)
+    k8, v8 = (c["k"].float() / ks).to(fp8), (c["v"].float() / vs).to(fp8)
+    k_deq, v_deq = k8.double() * ks.double(), v8.double() * vs.double()
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8)
+    plan = _plan(c, table, num_splits=2 if backend == "triton" else None)
+    out, lse = run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks, v_scale=vs)
+    from ragattn.reference.paged_attention import paged_attention as ref_paged
+
+    cpu = lambda t: t.cpu()  # noqa: E731
+    idx = (cpu(c["q_pos"]), cpu(c["cu"]))
+    bt, kvl = cpu(c["bt"]), cpu(c["kv_lens"])
+    o64, l64 = ref_paged(cpu(c["q"]).double(), *idx, cpu(k_deq), cpu(v_deq), bt, kvl)
+    olp, llp = ref_paged(cpu(c["q"]), *idx, cpu(k_deq).to(torch.bfloat16), cpu(v_deq).to(torch.bfloat16), bt, kvl,
+                         compute_dtype=torch.bfloat16)
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8)
+    with pytest.raises(ValueError, match="go together"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks)
+    with pytest.raises(ValueError, match="one per-tensor scale"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks.expand(2), v_scale=vs)
+
+
+def test_fp8_tagged_pages_with_rope(backend, device, seed):
+    from ragattn.reference.paged_attention_table import paged_attention_table
+    from tests.helpers import assert_precision
+
+    q, q_pos, cu, k, v, table = make_tagged_case([9, 14], "composite", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float16, device=device)
+    ks, vs = torch.tensor(0.04, device=device), torch.tensor(0.02, device=device)
+    k8, v8 = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).to(device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    out, lse = run_paged_attention(plan, q, q_pos, k8, v8, inv_freq=inv_freq, k_scale=ks, v_scale=vs)
+    t = [x.cpu() if torch.is_tensor(x) else x for x in (table.pages, table.row_start, table.kv_lens, table.entry_pos,
+                                                         table.entry_len)]
+    k_deq, v_deq = (k8.double() * ks.double()).cpu(), (v8.double() * vs.double()).cpu()
+    a = (q.cpu(), q_pos.cpu(), cu.cpu())
+    o64, l64 = paged_attention_table(*a, k_deq, v_deq, *t, inv_freq.cpu(), 64, False)
+    olp, llp = paged_attention_table(*a, k_deq.half(), v_deq.half(), *t, inv_freq.cpu(), 64, False, upcast=False)
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")

@@ -13,7 +13,8 @@ import torch
 
 import ragattn
 from ragattn.reference import varlen_attention as ref_varlen
-from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero, run_compile_check, use_kernel_backend
+from tests.helpers import (assert_precision, max_abs_err, poison_like, randn_nonzero, require_triton_on,
+                           run_compile_check, triton_device, use_kernel_backend)
 
 OP = torch.ops.ragattn.varlen_attention
 
@@ -204,6 +205,7 @@ def test_kernel_small_tiles(device, mask, causal):
     fully-visible path are exercised (forward and backward)."""
     from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
 
+    require_triton_on(device)
     args = _case([50, 0, 33], [50, 2, 33], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
                  pos="shuffled" if mask == "random" else "default", gen=torch.Generator().manual_seed(3))
     out, lse = varlen_attention_fwd(*args, None, block_m=16, block_n=16)
@@ -401,6 +403,7 @@ def test_sliding_window_small_tiles(device, mask, causal, window):
     tiles right of it (dk/dv); gradients against the float64 reference's autograd."""
     from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
 
+    require_triton_on(device)
     lens = [40, 0, 21] if mask == "random" else [70, 0, 33]  # shuffled positions: every tile pair partial
     args = _case(lens, [lens[0], 2, lens[2]], 4, 2, 64, torch.float32, device, blocks=mask, causal=causal,
                  pos="shuffled" if mask == "random" else "default", gen=torch.Generator().manual_seed(11))
@@ -699,7 +702,7 @@ def test_more_work_items_than_a_cuda_grid_axis_holds(monkeypatch):
         return dataclasses.replace(plan, by_q=many(plan.by_q), by_k=many(plan.by_k))
 
     monkeypatch.setattr(va, "_cached_plan", many_items)
-    args = _case([40, 3], [40, 3], 4, 2, 64, torch.float32, "cpu", blocks="chunks")
+    args = _case([40, 3], [40, 3], 4, 2, 64, torch.float32, triton_device(), blocks="chunks")
     out, lse = va.varlen_attention_fwd(*args[:9], True, None)
     va.varlen_attention_bwd(torch.ones_like(out), *args[:3], out, lse, *args[3:9], True, None)
     assert len(grids) == 3, grids
@@ -805,6 +808,7 @@ def test_split_rows_are_merged(device, dtype):
     NaN/inf keys inside a split row's key range that no query of it can see."""
     from ragattn.triton_kernels.varlen_attention import _cached_plan, varlen_attention_fwd
 
+    require_triton_on(device)
     args = list(_case([45, 0, 3, 38], [45, 5, 0, 38], 4, 2, 64, dtype, device, blocks="chunks",
                       gen=torch.Generator().manual_seed(17)))
     k, v = args[1].clone(), args[2].clone()
@@ -819,6 +823,10 @@ def test_split_rows_are_merged(device, dtype):
                         split_len=2, split_slots=None)
     assert plan.by_q.split_tiles >= 2 and plan.by_q.max_splits >= 2
     from ragattn.reference.varlen_attention import visible_mask
+
+    # the expectations on the CPU (the kernel may have run on CUDA)
+    out, lse = out.cpu(), lse.cpu()
+    args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
 
     vis = visible_mask(torch.arange(45, dtype=torch.int32), torch.arange(45, dtype=torch.int32), args[7][:45],
                        args[8][:45], True, -1)

@@ -48,6 +48,7 @@ def _paged_attention_kernel(
     OUT, LSE,
     ENTRY_POS, ENTRY_LEN,  # POS_TABLE / ENTRY_LEN: per page-list entry, slot 0's position, valid slots
     INV_FREQ, rotary_dim,  # ROPE: keys stored without RoPE are rotated by their position in fp32
+    K_SCALE, V_SCALE,  # KV_FP8: float32 per-tensor scales of float8 caches
     qk_scale,  # softmax scale * log2(e)
     window_left,  # >= 0 when HAS_WINDOW: row i sees slots j >= q_pos[i] - window_left
     softcap_log2,  # logits_soft_cap * log2(e) when SOFTCAP
@@ -68,6 +69,7 @@ def _paged_attention_kernel(
     POS_TABLE: tl.constexpr = False,  # slot positions from ENTRY_POS (needs ROW_STARTS), not slot indices
     HAS_ENTRY_LEN: tl.constexpr = False,  # slots at offsets >= ENTRY_LEN[entry] do not exist
     ROPE: tl.constexpr = False, ROPE_INTERLEAVED: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,  # float8 K/V: dequantised (x * scale, fp32) right after loading
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -127,6 +129,9 @@ def _paged_attention_kernel(
     else:
         entry0 = seq.to(tl.int64) * stride_bt
     page_row = PAGES + entry0
+    if KV_FP8:
+        k_scale = tl.load(K_SCALE)
+        v_scale = tl.load(V_SCALE)
     if ROPE:  # the rotation pairs of each head dim: partner dim, frequency index, sign of the sine
         rot = d < rotary_dim
         if ROPE_INTERLEAVED:  # GPT-J: (2i, 2i + 1)
@@ -155,15 +160,20 @@ def _paged_attention_kernel(
         k = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + page[:, None] * stride_vp + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
+        if KV_FP8:  # the dot's operands in q's dtype
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
         if ROPE:
             # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
             # within float rounding of the exact rotation; the rotated key is rounded once
             k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
+            if KV_FP8:
+                k2 = k2 * k_scale
             ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
             ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
             k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
                              k.to(tl.float32))
-            if UPCAST and K_CACHE.dtype.element_ty == tl.bfloat16:
+            if UPCAST and Q.dtype.element_ty == tl.bfloat16:
                 k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
             else:
                 k = k_rot.to(k.dtype)  # the dot's operand: rounded once, as a stored rotated key
@@ -420,6 +430,8 @@ def run_paged_attention(
     inv_freq: Optional[torch.Tensor] = None,
     rotary_dim: int = 0,
     interleaved: bool = False,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
     logits_soft_cap: float = 0.0,
 ):
     """Launch with a ready plan: no host sync, no CPU tensor (CUDA-graph capturable).
@@ -433,6 +445,7 @@ def run_paged_attention(
     each entry's slot 0 (slot ``j`` then holds ``entry_pos[e] + j % page_size``, not ``j``) and
     its count of valid slots. ``inv_freq`` (float32 ``[rotary_dim // 2]``): the keys are stored
     without RoPE and rotated by their slot's position in the kernel (``interleaved``: GPT-J pairs).
+    ``k_scale``/``v_scale`` (float32, one element each): the caches are float8, dequantised in the kernel.
     ``out``/``lse_out``: where to write (contiguous or not), else new tensors. Returns (out, lse).
     """
     total_q, num_heads, head_dim = q.shape
@@ -455,7 +468,8 @@ def run_paged_attention(
         lse_k = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     if plan.num_tiles > 0:
         _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, row_start, kv_lens, scale,
-                window_left, out_k, lse_k, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, logits_soft_cap)
+                window_left, out_k, lse_k, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                logits_soft_cap)
     if out is not None and out is not out_k:
         out.copy_(out_k)
     if lse_out is not None and lse_out is not lse_k:
@@ -464,8 +478,8 @@ def run_paged_attention(
 
 
 def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, scale, window_left, out,
-            lse_out, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False,
-            logits_soft_cap=0.0):
+            lse_out, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+            v_scale=None, logits_soft_cap=0.0):
     total_q, num_heads, head_dim = q.shape
     if plan.num_splits == 1:
         o_buf, l_buf = out, lse_out
@@ -485,6 +499,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         o_buf, l_buf,
         kv_lens if entry_pos is None else entry_pos, kv_lens if entry_len is None else entry_len,
         q if inv_freq is None else inv_freq, rotary_dim if inv_freq is not None else 0,
+        q if k_scale is None else k_scale, q if v_scale is None else v_scale,
         scale * LOG2E,
         window_left if has_window else 0,
         logits_soft_cap * LOG2E,
@@ -501,7 +516,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         SOFTCAP=logits_soft_cap > 0,
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
         POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
-        ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved),
+        ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )

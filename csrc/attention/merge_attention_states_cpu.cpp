@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "attention/softmax_math.h"
+#include "common/check_message.h"
 #include "ops.h"
 
 namespace ragattn {
@@ -56,8 +57,8 @@ void merge_attention_states_cpu(const at::Tensor& out_a, const at::Tensor& lse_a
                                 const at::Tensor& lse_b, const at::Tensor& out, const at::Tensor& lse_out) {
   // shapes, dtypes and aliasing are checked by the Python op; this entry only needs unit
   // last-dim strides of the [N, H, D] tensors (the caller passes contiguous copies otherwise)
-  TORCH_CHECK(out_a.stride(2) == 1 && out_b.stride(2) == 1 && out.stride(2) == 1,
-              "ragattn._merge_attention_states_cpu: out_a, out_b and out need a unit last-dim stride");
+  RAGATTN_CHECK(out_a.stride(2) == 1 && out_b.stride(2) == 1 && out.stride(2) == 1,
+                "ragattn._merge_attention_states_cpu: out_a, out_b and out need a unit last-dim stride");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_a.scalar_type(), "merge_attention_states_cpu",
                                   [&] { merge_rows<scalar_t>(out_a, lse_a, out_b, lse_b, out, lse_out); });
 }

@@ -28,12 +28,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "attention/cpu_attention_blocks_c10.h"
 #include "attention/softmax_math.h"
+#include "common/check_message.h"
 #include "common/cpu_isa.h"
 #include "common/vec8.h"
 #include "ops.h"
@@ -50,39 +50,34 @@ std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames
 
 // want[d] < 0 prints as '*' (any size), like the repr of _validate's pretty tuple
 std::string shape_str(at::IntArrayRef shape, bool any_marks = false) {
-  std::ostringstream o;
-  o << "(";
+  std::string o = "(";
   for (size_t d = 0; d < shape.size(); ++d) {
-    if (d) o << ", ";
-    if (any_marks && shape[d] < 0) {
-      o << "'*'";
-    } else {
-      o << shape[d];
-    }
+    if (d) o += ", ";
+    o += any_marks && shape[d] < 0 ? std::string("'*'") : std::to_string(shape[d]);
   }
-  o << (shape.size() == 1 ? ",)" : ")");
-  return o.str();
+  o += shape.size() == 1 ? ",)" : ")";
+  return o;
 }
 
 void check_dtype(const char* name, const at::Tensor& t, std::initializer_list<at::ScalarType> dtypes) {
   if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end()) return;
   std::string want;
   for (auto d : dtypes) want += (want.empty() ? "" : " or ") + dtype_name(d);
-  TORCH_CHECK_TYPE(false, kOp, ": ", name, " must be ", want, ", got ", dtype_name(t.scalar_type()));
+  RAGATTN_CHECK_TYPE(false, kOp, ": ", name, " must be ", want, ", got ", dtype_name(t.scalar_type()));
 }
 
 void check_ndim(const char* name, const at::Tensor& t, int64_t ndim) {
-  TORCH_CHECK_VALUE(t.dim() == ndim, kOp, ": ", name, " must have ", ndim, " dims, got shape ", shape_str(t.sizes()));
+  RAGATTN_CHECK_VALUE(t.dim() == ndim, kOp, ": ", name, " must have ", ndim, " dims, got shape ", shape_str(t.sizes()));
 }
 
 void check_shape(const char* name, const at::Tensor& t, std::vector<int64_t> want) {
   bool ok = t.dim() == static_cast<int64_t>(want.size());
   for (size_t d = 0; ok && d < want.size(); ++d) ok = want[d] < 0 || want[d] == t.size(d);
-  TORCH_CHECK_VALUE(ok, kOp, ": ", name, " must have shape ", shape_str(want, true), ", got ", shape_str(t.sizes()));
+  RAGATTN_CHECK_VALUE(ok, kOp, ": ", name, " must have shape ", shape_str(want, true), ", got ", shape_str(t.sizes()));
 }
 
 void check_device(const char* name, const at::Tensor& t, const at::Device& dev) {
-  TORCH_CHECK_VALUE(t.device() == dev, kOp, ": ", name, " must be on ", dev.str(), ", got ", t.device().str());
+  RAGATTN_CHECK_VALUE(t.device() == dev, kOp, ": ", name, " must be on ", dev.str(), ", got ", t.device().str());
 }
 
 constexpr std::initializer_list<at::ScalarType> kIndexTypes = {at::kInt, at::kLong};
@@ -127,8 +122,8 @@ void check_no_overlap(const at::Tensor& out, const at::Tensor& lse_out,
           t.storage().unsafeGetStorageImpl() != o.storage().unsafeGetStorageImpl())
         continue;
       int64_t tf, tl;
-      TORCH_CHECK_VALUE(!(byte_span(t, &tf, &tl) && of <= tl && tf <= ol), kOp, ": ", outs[i].first,
-                        " must not share memory with ", others[j].first);
+      RAGATTN_CHECK_VALUE(!(byte_span(t, &tf, &tl) && of <= tl && tf <= ol), kOp, ": ", outs[i].first,
+                          " must not share memory with ", others[j].first);
     }
   }
 }
@@ -142,7 +137,7 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   check_ndim("q", q, 3);
   const at::Device dev = q.device();
   const int64_t total_q = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  TORCH_CHECK_VALUE(head_dim >= 1, kOp, ": q's head_dim (dim 2) must be >= 1, got ", head_dim);
+  RAGATTN_CHECK_VALUE(head_dim >= 1, kOp, ": q's head_dim (dim 2) must be >= 1, got ", head_dim);
   check_dtype("k_cache", k_cache, {q.scalar_type()});
   check_ndim("k_cache", k_cache, 4);
   check_device("k_cache", k_cache, dev);
@@ -151,9 +146,9 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   check_dtype("v_cache", v_cache, {q.scalar_type()});
   check_shape("v_cache", v_cache, k_cache.sizes().vec());
   check_device("v_cache", v_cache, dev);
-  TORCH_CHECK_VALUE(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, kOp, ": q's num_heads (", num_heads,
-                    ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK_VALUE(page_size >= 1, kOp, ": k_cache's page_size (dim 1) must be >= 1, got ", page_size);
+  RAGATTN_CHECK_VALUE(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, kOp, ": q's num_heads (", num_heads,
+                      ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
+  RAGATTN_CHECK_VALUE(page_size >= 1, kOp, ": k_cache's page_size (dim 1) must be >= 1, got ", page_size);
   check_dtype("q_pos", q_pos, kIndexTypes);
   check_shape("q_pos", q_pos, {total_q});
   check_device("q_pos", q_pos, dev);
@@ -161,13 +156,13 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   check_dtype("cu_seqlens_q", cu_seqlens_q, kIndexTypes);
   check_ndim("cu_seqlens_q", cu_seqlens_q, 1);
   check_device("cu_seqlens_q", cu_seqlens_q, dev);
-  TORCH_CHECK_VALUE(cu_seqlens_q.numel() >= 1, kOp, ": cu_seqlens_q must have at least one entry (batch + 1)");
+  RAGATTN_CHECK_VALUE(cu_seqlens_q.numel() >= 1, kOp, ": cu_seqlens_q must have at least one entry (batch + 1)");
   const int64_t batch = cu_seqlens_q.numel() - 1;
   const IndexView cu(cu_seqlens_q);
-  TORCH_CHECK_VALUE(cu(0) == 0 && cu(batch) == total_q, kOp, ": cu_seqlens_q must start at 0 and end at ", total_q,
-                    " (the packed length), got ", cu(0), " .. ", cu(batch));
+  RAGATTN_CHECK_VALUE(cu(0) == 0 && cu(batch) == total_q, kOp, ": cu_seqlens_q must start at 0 and end at ", total_q,
+                      " (the packed length), got ", cu(0), " .. ", cu(batch));
   for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK_VALUE(cu(b + 1) >= cu(b), kOp, ": cu_seqlens_q must be non-decreasing");
+    RAGATTN_CHECK_VALUE(cu(b + 1) >= cu(b), kOp, ": cu_seqlens_q must be non-decreasing");
   check_dtype("block_table", block_table, kIndexTypes);
   check_ndim("block_table", block_table, 2);
   check_device("block_table", block_table, dev);
@@ -175,7 +170,7 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   check_dtype("kv_lens", kv_lens, kIndexTypes);
   check_shape("kv_lens", kv_lens, {batch});
   check_device("kv_lens", kv_lens, dev);
-  TORCH_CHECK_VALUE(!scale || std::isfinite(*scale), kOp, ": scale must be finite, got ", scale ? *scale : 0.0);
+  RAGATTN_CHECK_VALUE(!scale || std::isfinite(*scale), kOp, ": scale must be finite, got ", scale ? *scale : 0.0);
   if (out) {
     check_dtype("out", *out, {q.scalar_type()});
     check_shape("out", *out, q.sizes().vec());
@@ -192,19 +187,19 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   const int64_t max_pages = block_table.size(1);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = lens(b);
-    TORCH_CHECK_VALUE(len >= 0 && len <= max_pages * page_size, kOp,
-                      ": kv_lens must lie in [0, max_pages * page_size = ", max_pages * page_size, "], got ", len,
-                      " for sequence ", b);
+    RAGATTN_CHECK_VALUE(len >= 0 && len <= max_pages * page_size, kOp,
+                        ": kv_lens must lie in [0, max_pages * page_size = ", max_pages * page_size, "], got ", len,
+                        " for sequence ", b);
   }
   for (int64_t r = 0; r < total_q; ++r)
-    TORCH_CHECK_VALUE(pos(r) >= 0, kOp, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
+    RAGATTN_CHECK_VALUE(pos(r) >= 0, kOp, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
   for (int64_t b = 0; b < batch; ++b) {
     // pages used by kv_lens: the first ceil(kv_lens / page_size) of each row; others may be anything
     for (int64_t j = 0; j * page_size < lens(b); ++j) {
       const int64_t page = bt(b, j);
-      TORCH_CHECK_VALUE(page >= 0 && page < num_pages, kOp,
-                        ": block_table entries used by kv_lens must lie in [0, num_pages = ", num_pages, "), got ",
-                        page, " at [", b, ", ", j, "]");
+      RAGATTN_CHECK_VALUE(page >= 0 && page < num_pages, kOp,
+                          ": block_table entries used by kv_lens must lie in [0, num_pages = ", num_pages, "), got ",
+                          page, " at [", b, ", ", j, "]");
     }
   }
 }

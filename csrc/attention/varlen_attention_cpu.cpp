@@ -17,6 +17,7 @@
 
 #include "attention/cpu_attention_blocks_c10.h"
 #include "attention/varlen_attention_cpu_kernel.h"
+#include "common/check_message.h"
 #include "ops.h"
 
 namespace ragattn {
@@ -42,37 +43,37 @@ std::vector<int64_t> read_index(const at::Tensor& t) {
 
 // check_cu_seqlens' value checks (ragattn/ops/_validate.py), same messages
 void check_offsets(const char* name, const std::vector<int64_t>& cu, int64_t total) {
-  TORCH_CHECK_VALUE(cu.front() == 0 && cu.back() == total, kOp, ": ", name, " must start at 0 and end at ", total,
-                    " (the packed length), got ", cu.front(), " .. ", cu.back());
-  for (size_t b = 1; b < cu.size(); ++b) TORCH_CHECK_VALUE(cu[b] >= cu[b - 1], kOp, ": ", name, " must be non-decreasing");
+  RAGATTN_CHECK_VALUE(cu.front() == 0 && cu.back() == total, kOp, ": ", name, " must start at 0 and end at ", total,
+                      " (the packed length), got ", cu.front(), " .. ", cu.back());
+  for (size_t b = 1; b < cu.size(); ++b) RAGATTN_CHECK_VALUE(cu[b] >= cu[b - 1], kOp, ": ", name, " must be non-decreasing");
 }
 
 // _check_index_values' int32 range check of an int64 index tensor, same message
 void check_int32(const char* name, const std::optional<at::Tensor>& t, const std::vector<int64_t>& vals) {
   if (!t || t->scalar_type() != at::kLong || vals.empty()) return;
   const auto mm = std::minmax_element(vals.begin(), vals.end());
-  TORCH_CHECK_VALUE(*mm.first >= -(int64_t{1} << 31) && *mm.second <= (int64_t{1} << 31) - 1, kOp, ": ", name,
-                    " values must fit in int32, got ", *mm.first, " .. ", *mm.second);
+  RAGATTN_CHECK_VALUE(*mm.first >= -(int64_t{1} << 31) && *mm.second <= (int64_t{1} << 31) - 1, kOp, ": ", name,
+                      " values must fit in int32, got ", *mm.first, " .. ", *mm.second);
 }
 
 // The invariants the kernel relies on (the Python caller has checked them, with named errors).
 void check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                   const at::Tensor& cu_k, std::initializer_list<std::pair<const std::optional<at::Tensor>*, int64_t>> idx) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) > 0 &&
-                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              kOp, ": _varlen_attention_cpu needs q [T, H, D], k and v [S, H_kv, D] with H % H_kv == 0");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16),
-              kOp, ": _varlen_attention_cpu needs q, k, v of one dtype, float32, float16 or bfloat16");
+  RAGATTN_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) > 0 &&
+                    k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                kOp, ": _varlen_attention_cpu needs q [T, H, D], k and v [S, H_kv, D] with H % H_kv == 0");
+  RAGATTN_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                    (q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16),
+                kOp, ": _varlen_attention_cpu needs q, k, v of one dtype, float32, float16 or bfloat16");
   auto index_ok = [](const at::Tensor& t) {
     return t.is_cpu() && t.dim() == 1 && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong);
   };
-  TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu() && index_ok(cu_q) && index_ok(cu_k) && cu_q.numel() >= 1 &&
-                  cu_q.numel() == cu_k.numel(),
-              kOp, ": _varlen_attention_cpu needs CPU tensors and int32/int64 offsets of one batch");
+  RAGATTN_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu() && index_ok(cu_q) && index_ok(cu_k) && cu_q.numel() >= 1 &&
+                    cu_q.numel() == cu_k.numel(),
+                kOp, ": _varlen_attention_cpu needs CPU tensors and int32/int64 offsets of one batch");
   for (const auto& [t, n] : idx)
-    TORCH_CHECK(!*t || (index_ok(**t) && (*t)->numel() == n), kOp,
-                ": _varlen_attention_cpu needs int32/int64 CPU index tensors of the packed lengths");
+    RAGATTN_CHECK(!*t || (index_ok(**t) && (*t)->numel() == n), kOp,
+                  ": _varlen_attention_cpu needs int32/int64 CPU index tensors of the packed lengths");
 }
 
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
@@ -99,7 +100,7 @@ struct Prepared {
     const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
     check_layout(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k,
                  {{&q_pos, total_q}, {&kv_pos, total_k}, {&q_block, total_q}, {&kv_block, total_k}});
-    TORCH_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
+    RAGATTN_CHECK(window_left >= -1, kOp, ": window_left must be -1 (no window) or >= 0");
     cq = read_index(cu_seqlens_q);
     ck = read_index(cu_seqlens_k);
     check_offsets("cu_seqlens_q", cq, total_q);
@@ -213,11 +214,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
   const Prepared prep(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, window_left);
   const at::Tensor &q = prep.q, &k = prep.k, &v = prep.v;
   const int64_t total_q = q_in.size(0);
-  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
-                  dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
-                  lse_in.dim() == 2 && lse_in.size(0) == total_q && lse_in.size(1) == q_in.size(1) &&
-                  lse_in.scalar_type() == at::kFloat && dout_in.is_cpu() && out_in.is_cpu() && lse_in.is_cpu(),
-              kOp, ": _varlen_attention_backward_cpu needs dout and out like q and lse float32 [total_q, H]");
+  RAGATTN_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
+                    dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
+                    lse_in.dim() == 2 && lse_in.size(0) == total_q && lse_in.size(1) == q_in.size(1) &&
+                    lse_in.scalar_type() == at::kFloat && dout_in.is_cpu() && out_in.is_cpu() && lse_in.is_cpu(),
+                kOp, ": _varlen_attention_backward_cpu needs dout and out like q and lse float32 [total_q, H]");
   const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous(), lse = lse_in.contiguous();
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());

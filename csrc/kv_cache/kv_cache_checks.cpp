@@ -6,6 +6,8 @@
 #include <cstring>
 #include <utility>
 
+#include "common/check_message.h"
+
 namespace ragattn {
 namespace kv_cache {
 namespace {
@@ -35,34 +37,34 @@ LayerGeom check_layers(const char* op, const char* name, at::TensorList layers) 
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor& t = layers[l];
     const auto dt = t.scalar_type();
-    TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat, "ragattn.", op, ": ", name, "[", l,
-                     "] must be float16, bfloat16 or float32, got ", dt);
-    TORCH_CHECK_TYPE(dt == t0.scalar_type(), "ragattn.", op, ": every layer of ", name, " must have one dtype; ",
-                     name, "[0] is ", t0.scalar_type(), ", ", name, "[", l, "] is ", dt);
-    TORCH_CHECK_VALUE(t.dim() >= 3, "ragattn.", op, ": ", name, "[", l,
-                      "] must have at least 3 dims [..., num_kv_heads, head_dim], got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.device() == t0.device(), "ragattn.", op, ": every layer of ", name,
-                      " must be on one device; ", name, "[0] is on ", t0.device(), ", ", name, "[", l, "] is on ",
-                      t.device());
-    TORCH_CHECK_VALUE(t.sizes() == t0.sizes(), "ragattn.", op, ": every layer of ", name, " must have one shape; ",
-                      name, "[0] is ", t0.sizes(), ", ", name, "[", l, "] is ", t.sizes());
-    TORCH_CHECK_VALUE(t.strides() == t0.strides(), "ragattn.", op, ": every layer of ", name,
-                      " must have one layout (strides); ", name, "[0] has ", t0.strides(), ", ", name, "[", l,
-                      "] has ", t.strides());
+    RAGATTN_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat, "ragattn.", op, ": ", name, "[", l,
+                       "] must be float16, bfloat16 or float32, got ", dt);
+    RAGATTN_CHECK_TYPE(dt == t0.scalar_type(), "ragattn.", op, ": every layer of ", name, " must have one dtype; ",
+                       name, "[0] is ", t0.scalar_type(), ", ", name, "[", l, "] is ", dt);
+    RAGATTN_CHECK_VALUE(t.dim() >= 3, "ragattn.", op, ": ", name, "[", l,
+                        "] must have at least 3 dims [..., num_kv_heads, head_dim], got shape ", t.sizes());
+    RAGATTN_CHECK_VALUE(t.device() == t0.device(), "ragattn.", op, ": every layer of ", name,
+                        " must be on one device; ", name, "[0] is on ", t0.device(), ", ", name, "[", l, "] is on ",
+                        t.device());
+    RAGATTN_CHECK_VALUE(t.sizes() == t0.sizes(), "ragattn.", op, ": every layer of ", name, " must have one shape; ",
+                        name, "[0] is ", t0.sizes(), ", ", name, "[", l, "] is ", t.sizes());
+    RAGATTN_CHECK_VALUE(t.strides() == t0.strides(), "ragattn.", op, ": every layer of ", name,
+                        " must have one layout (strides); ", name, "[0] has ", t0.strides(), ", ", name, "[", l,
+                        "] has ", t.strides());
   }
   g.heads = t0.size(-2);
   g.head_dim = t0.size(-1);
   const int64_t w = g.heads * g.head_dim;
   const bool inner_ok = (g.head_dim <= 1 || t0.stride(-1) == 1) && (g.heads <= 1 || t0.stride(-2) == g.head_dim);
-  TORCH_CHECK_VALUE(inner_ok, "ragattn.", op, ": ", name, "[0] must have contiguous [num_kv_heads, head_dim] rows ",
-                    "(strides [..., head_dim, 1]), got shape ", t0.sizes(), " with strides ", t0.strides());
+  RAGATTN_CHECK_VALUE(inner_ok, "ragattn.", op, ": ", name, "[0] must have contiguous [num_kv_heads, head_dim] rows ",
+                      "(strides [..., head_dim, 1]), got shape ", t0.sizes(), " with strides ", t0.strides());
   g.layout = RowLayout{1, w, w};
   if (t0.numel() == 0) return g;  // no rows
   const auto levels = leading_levels(t0);
-  TORCH_CHECK_VALUE(levels.size() <= 2, "ragattn.", op, ": ", name, "[0] (shape ", t0.sizes(), ", strides ",
-                    t0.strides(), ") must be addressable as [rows, num_kv_heads, head_dim] with at most two row ",
-                    "strides (e.g. [pages, page_size, H, D] viewed out of [pages, 2, page_size, H, D]); its leading ",
-                    "dims need ", levels.size());
+  RAGATTN_CHECK_VALUE(levels.size() <= 2, "ragattn.", op, ": ", name, "[0] (shape ", t0.sizes(), ", strides ",
+                      t0.strides(), ") must be addressable as [rows, num_kv_heads, head_dim] with at most two row ",
+                      "strides (e.g. [pages, page_size, H, D] viewed out of [pages, 2, page_size, H, D]); its leading ",
+                      "dims need ", levels.size());
   if (levels.size() >= 1) g.layout = RowLayout{levels[0].first, levels[0].second, levels[0].first * levels[0].second};
   if (levels.size() == 2) {
     g.outer_rows = levels[1].first;
@@ -72,8 +74,8 @@ LayerGeom check_layers(const char* op, const char* name, at::TensorList layers) 
   const bool inner_apart = g.layout.inner_rows == 1 || g.layout.inner_stride >= w;
   const int64_t inner_span = g.layout.inner_rows == 1 ? w : g.layout.inner_rows * g.layout.inner_stride;
   const bool outer_apart = g.outer_rows == 1 || g.layout.outer_stride >= inner_span;
-  TORCH_CHECK_VALUE(inner_apart && outer_apart, "ragattn.", op, ": ", name, "[0] (shape ", t0.sizes(), ", strides ",
-                    t0.strides(), ") has rows that overlap in memory; every row must be its own memory");
+  RAGATTN_CHECK_VALUE(inner_apart && outer_apart, "ragattn.", op, ": ", name, "[0] (shape ", t0.sizes(), ", strides ",
+                      t0.strides(), ") has rows that overlap in memory; every row must be its own memory");
   return g;
 }
 
@@ -81,39 +83,39 @@ namespace {
 
 // 1-D, `n` entries (n < 0: any), on `device`.
 void check_index_shape(const char* op, const char* name, const at::Tensor& t, int64_t n, c10::Device device) {
-  TORCH_CHECK_VALUE(t.dim() == 1, "ragattn.", op, ": ", name, " must be 1-D, got shape ", t.sizes());
+  RAGATTN_CHECK_VALUE(t.dim() == 1, "ragattn.", op, ": ", name, " must be 1-D, got shape ", t.sizes());
   if (n >= 0) {
-    TORCH_CHECK_VALUE(t.size(0) == n, "ragattn.", op, ": ", name, " must have shape [", n, "] (one per row), got ",
-                      t.sizes());
+    RAGATTN_CHECK_VALUE(t.size(0) == n, "ragattn.", op, ": ", name, " must have shape [", n, "] (one per row), got ",
+                        t.sizes());
   }
-  TORCH_CHECK_VALUE(t.device() == device, "ragattn.", op, ": ", name, " must be on ", device, " (the caches' device), got ",
-                    t.device());
+  RAGATTN_CHECK_VALUE(t.device() == device, "ragattn.", op, ": ", name, " must be on ", device, " (the caches' device), got ",
+                      t.device());
 }
 
 }  // namespace
 
 void check_rows_index(const char* op, const char* name, const at::Tensor& t, int64_t n, c10::Device device) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "ragattn.", op, ": ", name,
-                   " must be int32 or int64, got ", t.scalar_type());
+  RAGATTN_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "ragattn.", op, ": ", name,
+                     " must be int32 or int64, got ", t.scalar_type());
   check_index_shape(op, name, t, n, device);
 }
 
 void check_index(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t n,
                  c10::Device device) {
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "ragattn.", op, ": ", name, " must be ", dtype, ", got ",
-                   t.scalar_type());
+  RAGATTN_CHECK_TYPE(t.scalar_type() == dtype, "ragattn.", op, ": ", name, " must be ", dtype, ", got ",
+                     t.scalar_type());
   check_index_shape(op, name, t, n, device);
 }
 
 void check_rope(const char* op, const at::Tensor& inv_freq, int64_t rotary_dim, int64_t head_dim, c10::Device device) {
-  TORCH_CHECK_VALUE(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, "ragattn.", op,
-                    ": rotary_dim must be even and in [2, head_dim=", head_dim, "], got ", rotary_dim);
-  TORCH_CHECK_TYPE(inv_freq.scalar_type() == at::kFloat, "ragattn.", op, ": inv_freq must be float32, got ",
-                   inv_freq.scalar_type());
-  TORCH_CHECK_VALUE(inv_freq.dim() == 1 && inv_freq.size(0) == rotary_dim / 2, "ragattn.", op,
-                    ": inv_freq must have shape [rotary_dim // 2] = [", rotary_dim / 2, "], got ", inv_freq.sizes());
-  TORCH_CHECK_VALUE(inv_freq.device() == device, "ragattn.", op, ": inv_freq must be on ", device,
-                    " (the caches' device), got ", inv_freq.device());
+  RAGATTN_CHECK_VALUE(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, "ragattn.", op,
+                      ": rotary_dim must be even and in [2, head_dim=", head_dim, "], got ", rotary_dim);
+  RAGATTN_CHECK_TYPE(inv_freq.scalar_type() == at::kFloat, "ragattn.", op, ": inv_freq must be float32, got ",
+                     inv_freq.scalar_type());
+  RAGATTN_CHECK_VALUE(inv_freq.dim() == 1 && inv_freq.size(0) == rotary_dim / 2, "ragattn.", op,
+                      ": inv_freq must have shape [rotary_dim // 2] = [", rotary_dim / 2, "], got ", inv_freq.sizes());
+  RAGATTN_CHECK_VALUE(inv_freq.device() == device, "ragattn.", op, ": inv_freq must be on ", device,
+                      " (the caches' device), got ", inv_freq.device());
 }
 
 void check_rows_host(const char* op, const char* name, const at::Tensor& rows, int64_t num_rows, bool distinct) {
@@ -122,11 +124,11 @@ void check_rows_host(const char* op, const char* name, const at::Tensor& rows, i
   const int64_t n = r.numel();
   std::vector<uint8_t> hit(distinct ? static_cast<size_t>(num_rows) : 0, 0);
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(p[i] >= 0 && p[i] < num_rows, "ragattn.", op, ": ", name, "[", i, "] = ", p[i],
-                      " is out of range for caches of ", num_rows, " rows");
+    RAGATTN_CHECK_VALUE(p[i] >= 0 && p[i] < num_rows, "ragattn.", op, ": ", name, "[", i, "] = ", p[i],
+                        " is out of range for caches of ", num_rows, " rows");
     if (distinct) {
-      TORCH_CHECK_VALUE(!hit[p[i]], "ragattn.", op, ": ", name, " may not repeat a row, but row ", p[i],
-                        " appears twice (again at index ", i, ")");
+      RAGATTN_CHECK_VALUE(!hit[p[i]], "ragattn.", op, ": ", name, " may not repeat a row, but row ", p[i],
+                          " appears twice (again at index ", i, ")");
       hit[p[i]] = 1;
     }
   }
@@ -187,10 +189,10 @@ void check_writes_disjoint(const char* op, std::initializer_list<NamedLayers> wr
     for (size_t la = 0; la < lists[a]->layers.size(); ++la) {
       for (size_t b = a; b < lists.size(); ++b) {
         for (size_t lb = (b == a ? la + 1 : 0); lb < lists[b]->layers.size(); ++lb) {
-          TORCH_CHECK_VALUE(!layers_overlap(lists[a]->layers[la], *lists[a]->geom, lists[b]->layers[lb], *lists[b]->geom),
-                            "ragattn.", op, ": ", lists[b]->name, "[", lb, "] shares memory with ", lists[a]->name, "[",
-                            la, "]; every written layer must be its own memory (a row written or rotated twice "
-                            "would depend on the order)");
+          RAGATTN_CHECK_VALUE(!layers_overlap(lists[a]->layers[la], *lists[a]->geom, lists[b]->layers[lb], *lists[b]->geom),
+                              "ragattn.", op, ": ", lists[b]->name, "[", lb, "] shares memory with ", lists[a]->name, "[",
+                              la, "]; every written layer must be its own memory (a row written or rotated twice "
+                              "would depend on the order)");
         }
       }
     }
@@ -231,12 +233,12 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
                        const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim) {
   const char* op = "copy_kv_";
   const size_t L = dst_k.size();
-  TORCH_CHECK_VALUE(src_k.size() == L, "ragattn.copy_kv_: src_k must have one tensor per layer of dst_k (", L,
-                    "), got ", src_k.size());
-  TORCH_CHECK_VALUE(dst_v.size() == src_v.size(), "ragattn.copy_kv_: dst_v and src_v must have the same number of layers, got ",
-                    dst_v.size(), " and ", src_v.size());
-  TORCH_CHECK_VALUE(dst_v.empty() || dst_v.size() == L, "ragattn.copy_kv_: dst_v must be empty (K only) or have one tensor per layer of dst_k (",
-                    L, "), got ", dst_v.size());
+  RAGATTN_CHECK_VALUE(src_k.size() == L, "ragattn.copy_kv_: src_k must have one tensor per layer of dst_k (", L,
+                      "), got ", src_k.size());
+  RAGATTN_CHECK_VALUE(dst_v.size() == src_v.size(), "ragattn.copy_kv_: dst_v and src_v must have the same number of layers, got ",
+                      dst_v.size(), " and ", src_v.size());
+  RAGATTN_CHECK_VALUE(dst_v.empty() || dst_v.size() == L, "ragattn.copy_kv_: dst_v must be empty (K only) or have one tensor per layer of dst_k (",
+                      L, "), got ", dst_v.size());
   CopyGeom cg;
   cg.k = check_layers(op, "dst_k", dst_k);
   cg.sk = check_layers(op, "src_k", src_k);
@@ -244,36 +246,36 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
   const c10::Device dev = L == 0 ? dst_rows.device() : dst_k[0].device();
   if (L > 0) {
     const at::ScalarType dt = dst_k[0].scalar_type();
-    TORCH_CHECK_TYPE(src_k[0].scalar_type() == dt, "ragattn.copy_kv_: src_k must have dst_k's dtype ", dt, ", got ",
-                     src_k[0].scalar_type());
-    TORCH_CHECK_VALUE(src_k[0].device() == dev, "ragattn.copy_kv_: src_k must be on ", dev, " (dst_k's device), got ",
-                      src_k[0].device());
-    TORCH_CHECK_VALUE(cg.sk.heads == cg.k.heads && cg.sk.head_dim == cg.k.head_dim, "ragattn.copy_kv_: src_k rows must be [",
-                      cg.k.heads, ", ", cg.k.head_dim, "] like dst_k's, got shape ", src_k[0].sizes());
+    RAGATTN_CHECK_TYPE(src_k[0].scalar_type() == dt, "ragattn.copy_kv_: src_k must have dst_k's dtype ", dt, ", got ",
+                       src_k[0].scalar_type());
+    RAGATTN_CHECK_VALUE(src_k[0].device() == dev, "ragattn.copy_kv_: src_k must be on ", dev, " (dst_k's device), got ",
+                        src_k[0].device());
+    RAGATTN_CHECK_VALUE(cg.sk.heads == cg.k.heads && cg.sk.head_dim == cg.k.head_dim, "ragattn.copy_kv_: src_k rows must be [",
+                        cg.k.heads, ", ", cg.k.head_dim, "] like dst_k's, got shape ", src_k[0].sizes());
     if (cg.has_v) {
       cg.v = check_layers(op, "dst_v", dst_v);
       cg.sv = check_layers(op, "src_v", src_v);
       for (const auto* pair : {&dst_v, &src_v}) {
         const at::Tensor& t = (*pair)[0];
         const char* nm = pair == &dst_v ? "dst_v" : "src_v";
-        TORCH_CHECK_TYPE(t.scalar_type() == dt, "ragattn.copy_kv_: ", nm, " must have dst_k's dtype ", dt, ", got ",
-                         t.scalar_type());
-        TORCH_CHECK_VALUE(t.device() == dev, "ragattn.copy_kv_: ", nm, " must be on ", dev, " (dst_k's device), got ",
-                          t.device());
+        RAGATTN_CHECK_TYPE(t.scalar_type() == dt, "ragattn.copy_kv_: ", nm, " must have dst_k's dtype ", dt, ", got ",
+                           t.scalar_type());
+        RAGATTN_CHECK_VALUE(t.device() == dev, "ragattn.copy_kv_: ", nm, " must be on ", dev, " (dst_k's device), got ",
+                            t.device());
       }
-      TORCH_CHECK_VALUE(cg.sv.heads == cg.v.heads && cg.sv.head_dim == cg.v.head_dim, "ragattn.copy_kv_: src_v rows must be [",
-                        cg.v.heads, ", ", cg.v.head_dim, "] like dst_v's, got shape ", src_v[0].sizes());
-      TORCH_CHECK_VALUE(cg.v.num_rows == cg.k.num_rows, "ragattn.copy_kv_: dst_v must have as many rows as dst_k (",
-                        cg.k.num_rows, "), got ", cg.v.num_rows);
-      TORCH_CHECK_VALUE(cg.sv.num_rows == cg.sk.num_rows, "ragattn.copy_kv_: src_v must have as many rows as src_k (",
-                        cg.sk.num_rows, "), got ", cg.sv.num_rows);
+      RAGATTN_CHECK_VALUE(cg.sv.heads == cg.v.heads && cg.sv.head_dim == cg.v.head_dim, "ragattn.copy_kv_: src_v rows must be [",
+                          cg.v.heads, ", ", cg.v.head_dim, "] like dst_v's, got shape ", src_v[0].sizes());
+      RAGATTN_CHECK_VALUE(cg.v.num_rows == cg.k.num_rows, "ragattn.copy_kv_: dst_v must have as many rows as dst_k (",
+                          cg.k.num_rows, "), got ", cg.v.num_rows);
+      RAGATTN_CHECK_VALUE(cg.sv.num_rows == cg.sk.num_rows, "ragattn.copy_kv_: src_v must have as many rows as src_k (",
+                          cg.sk.num_rows, "), got ", cg.sv.num_rows);
     }
   }
   check_rows_index(op, "src_rows", src_rows, -1, dev);
   check_rows_index(op, "dst_rows", dst_rows, src_rows.size(0), dev);
   if (delta.has_value()) {
     check_index(op, "delta", *delta, at::kInt, src_rows.size(0), dev);
-    TORCH_CHECK_VALUE(inv_freq.has_value(), "ragattn.copy_kv_: inv_freq is required when delta is given");
+    RAGATTN_CHECK_VALUE(inv_freq.has_value(), "ragattn.copy_kv_: inv_freq is required when delta is given");
     check_rope(op, *inv_freq, rotary_dim, L == 0 ? rotary_dim : cg.k.head_dim, dev);
   }
   if (L == 0) return cg;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/check_message.h"
 #include "kv_cache/kv_cache_checks.h"
 #include "kv_cache/kv_cache_kernels.cuh"
 #include "ops.h"
@@ -41,11 +42,11 @@ bool all_aligned16(const std::vector<void*>& ptrs) {
 }
 
 void check_grid(const char* op, int64_t n) {
-  TORCH_CHECK_VALUE(n <= INT32_MAX, "ragattn.", op, ": at most 2^31 - 1 rows per call, got ", n);
+  RAGATTN_CHECK_VALUE(n <= INT32_MAX, "ragattn.", op, ": at most 2^31 - 1 rows per call, got ", n);
 }
 
 void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "ragattn.", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  RAGATTN_CHECK(err == cudaSuccess, "ragattn.", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
 // Per-layer base pointers of a staging tensor [L, n, H, D].

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <sstream>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -14,6 +13,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/check_message.h"
 #include "ops.h"
 #include "speculative/verify_draft_cpu.h"
 #include "speculative/verify_draft_math.h"
@@ -22,6 +22,13 @@ namespace ragattn {
 
 namespace {
 constexpr const char* kOp = "ragattn.verify_draft";
+
+// "[row]" (ragged) or "[row, col]" of the first bad element (`at_`: a row of nonzero())
+std::string element_index(const at::Tensor& at_, bool ragged) {
+  std::string s = "[" + std::to_string(at_[0].item<int64_t>());
+  if (!ragged) s += ", " + std::to_string(at_[1].item<int64_t>());
+  return s + "]";
+}
 }  // namespace
 
 void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional<at::Tensor>& draft_probs,
@@ -29,66 +36,66 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
                              double eta, double alpha, const std::optional<at::Tensor>& num_draft,
                              const std::optional<at::Tensor>& cu_num_draft, bool check_values) {
   const bool ragged = cu_num_draft.has_value();
-  TORCH_CHECK_TYPE(draft_tokens.scalar_type() == at::kLong, kOp, ": draft_tokens must be int64, got ",
-                   draft_tokens.scalar_type());
+  RAGATTN_CHECK_TYPE(draft_tokens.scalar_type() == at::kLong, kOp, ": draft_tokens must be int64, got ",
+                     draft_tokens.scalar_type());
   int64_t B = 0, g = 0, T = 0;
   if (ragged) {
     const auto& cu = *cu_num_draft;
-    TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, kOp,
-                     ": cu_num_draft must be int32 or int64, got ", cu.scalar_type());
-    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, kOp, ": cu_num_draft must have shape (B + 1,), got ",
-                      cu.sizes());
-    TORCH_CHECK_VALUE(!num_draft.has_value(), kOp,
-                      ": num_draft (padded layout) and cu_num_draft (flat layout) cannot both be given");
-    TORCH_CHECK_VALUE(draft_tokens.dim() == 1, kOp,
-                      ": with cu_num_draft, draft_tokens must be flat with shape (T,), got ", draft_tokens.sizes());
+    RAGATTN_CHECK_TYPE(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, kOp,
+                       ": cu_num_draft must be int32 or int64, got ", cu.scalar_type());
+    RAGATTN_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, kOp, ": cu_num_draft must have shape (B + 1,), got ",
+                        cu.sizes());
+    RAGATTN_CHECK_VALUE(!num_draft.has_value(), kOp,
+                        ": num_draft (padded layout) and cu_num_draft (flat layout) cannot both be given");
+    RAGATTN_CHECK_VALUE(draft_tokens.dim() == 1, kOp,
+                        ": with cu_num_draft, draft_tokens must be flat with shape (T,), got ", draft_tokens.sizes());
     B = cu.size(0) - 1;
     T = draft_tokens.size(0);
   } else {
-    TORCH_CHECK_VALUE(draft_tokens.dim() == 2, kOp, ": draft_tokens must have shape (B, g), got ",
-                      draft_tokens.sizes());
+    RAGATTN_CHECK_VALUE(draft_tokens.dim() == 2, kOp, ": draft_tokens must have shape (B, g), got ",
+                        draft_tokens.sizes());
     B = draft_tokens.size(0);
     g = draft_tokens.size(1);
   }
   const auto lt = target_logits.scalar_type();
-  TORCH_CHECK_TYPE(lt == at::kFloat || lt == at::kHalf || lt == at::kBFloat16, kOp,
-                   ": target_logits must be float16 or bfloat16 or float32, got ", lt);
+  RAGATTN_CHECK_TYPE(lt == at::kFloat || lt == at::kHalf || lt == at::kBFloat16, kOp,
+                     ": target_logits must be float16 or bfloat16 or float32, got ", lt);
   if (ragged) {
-    TORCH_CHECK_VALUE(target_logits.dim() == 2 && target_logits.size(0) == T + B && target_logits.size(1) >= 1, kOp,
-                      ": with cu_num_draft, target_logits must have shape (T + B, V) = (", T + B,
-                      ", V) with V >= 1, got ", target_logits.sizes());
+    RAGATTN_CHECK_VALUE(target_logits.dim() == 2 && target_logits.size(0) == T + B && target_logits.size(1) >= 1, kOp,
+                        ": with cu_num_draft, target_logits must have shape (T + B, V) = (", T + B,
+                        ", V) with V >= 1, got ", target_logits.sizes());
   } else {
-    TORCH_CHECK_VALUE(target_logits.dim() == 3 && target_logits.size(0) == B && target_logits.size(1) == g + 1 &&
-                          target_logits.size(2) >= 1,
-                      kOp, ": target_logits must have shape (", B, ", ", g + 1, ", V) with V >= 1, got ",
-                      target_logits.sizes());
+    RAGATTN_CHECK_VALUE(target_logits.dim() == 3 && target_logits.size(0) == B && target_logits.size(1) == g + 1 &&
+                            target_logits.size(2) >= 1,
+                        kOp, ": target_logits must have shape (", B, ", ", g + 1, ", V) with V >= 1, got ",
+                        target_logits.sizes());
   }
   const int64_t V = target_logits.size(-1);
-  TORCH_CHECK_VALUE(V <= (int64_t{1} << 30), kOp, ": target_logits vocabulary must be at most 2^30, got ", V);
+  RAGATTN_CHECK_VALUE(V <= (int64_t{1} << 30), kOp, ": target_logits vocabulary must be at most 2^30, got ", V);
   if (draft_probs.has_value()) {
     const auto& q = *draft_probs;
-    TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat, kOp, ": draft_probs must be float32, got ", q.scalar_type());
+    RAGATTN_CHECK_TYPE(q.scalar_type() == at::kFloat, kOp, ": draft_probs must be float32, got ", q.scalar_type());
     if (ragged) {
-      TORCH_CHECK_VALUE(q.dim() == 2 && q.size(0) == T && q.size(1) == V, kOp, ": draft_probs must have shape (", T,
-                        ", ", V, "), got ", q.sizes());
+      RAGATTN_CHECK_VALUE(q.dim() == 2 && q.size(0) == T && q.size(1) == V, kOp, ": draft_probs must have shape (", T,
+                          ", ", V, "), got ", q.sizes());
     } else {
-      TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == B && q.size(1) == g && q.size(2) == V, kOp,
-                        ": draft_probs must have shape (", B, ", ", g, ", ", V, "), got ", q.sizes());
+      RAGATTN_CHECK_VALUE(q.dim() == 3 && q.size(0) == B && q.size(1) == g && q.size(2) == V, kOp,
+                          ": draft_probs must have shape (", B, ", ", g, ", ", V, "), got ", q.sizes());
     }
   }
-  TORCH_CHECK_TYPE(uniforms.scalar_type() == at::kFloat, kOp, ": uniforms must be float32, got ",
-                   uniforms.scalar_type());
+  RAGATTN_CHECK_TYPE(uniforms.scalar_type() == at::kFloat, kOp, ": uniforms must be float32, got ",
+                     uniforms.scalar_type());
   if (ragged) {
-    TORCH_CHECK_VALUE(uniforms.dim() == 1 && uniforms.size(0) == T + B, kOp, ": uniforms must have shape (", T + B,
-                      ",), got ", uniforms.sizes());
+    RAGATTN_CHECK_VALUE(uniforms.dim() == 1 && uniforms.size(0) == T + B, kOp, ": uniforms must have shape (", T + B,
+                        ",), got ", uniforms.sizes());
   } else {
-    TORCH_CHECK_VALUE(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == g + 1, kOp,
-                      ": uniforms must have shape (", B, ", ", g + 1, "), got ", uniforms.sizes());
+    RAGATTN_CHECK_VALUE(uniforms.dim() == 2 && uniforms.size(0) == B && uniforms.size(1) == g + 1, kOp,
+                        ": uniforms must have shape (", B, ", ", g + 1, "), got ", uniforms.sizes());
   }
   const auto dev = target_logits.device();
   auto same_device = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.device() == dev, kOp, ": all tensors must be on one device; target_logits is on ", dev,
-                      ", ", name, " is on ", t.device());
+    RAGATTN_CHECK_VALUE(t.device() == dev, kOp, ": all tensors must be on one device; target_logits is on ", dev,
+                        ", ", name, " is on ", t.device());
   };
   same_device(draft_tokens, "draft_tokens");
   if (draft_probs.has_value()) same_device(*draft_probs, "draft_probs");
@@ -96,28 +103,28 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
   if (ragged) same_device(*cu_num_draft, "cu_num_draft");
   if (num_draft.has_value()) {
     const auto& nd = *num_draft;
-    TORCH_CHECK_TYPE(nd.scalar_type() == at::kInt || nd.scalar_type() == at::kLong, kOp,
-                     ": num_draft must be int32 or int64, got ", nd.scalar_type());
-    TORCH_CHECK_VALUE(nd.dim() == 1 && nd.size(0) == B, kOp, ": num_draft must have shape (", B, "), got ",
-                      nd.sizes());
+    RAGATTN_CHECK_TYPE(nd.scalar_type() == at::kInt || nd.scalar_type() == at::kLong, kOp,
+                       ": num_draft must be int32 or int64, got ", nd.scalar_type());
+    RAGATTN_CHECK_VALUE(nd.dim() == 1 && nd.size(0) == B, kOp, ": num_draft must have shape (", B, "), got ",
+                        nd.sizes());
     same_device(nd, "num_draft");
   }
-  TORCH_CHECK_VALUE(std::isfinite(temperature) && temperature > 0, kOp,
-                    ": temperature must be finite and > 0, got ", temperature);
-  TORCH_CHECK_VALUE(std::isfinite(eta) && eta >= 0, kOp, ": eta must be finite and >= 0, got ", eta);
-  TORCH_CHECK_VALUE(std::isfinite(alpha) && alpha >= 0 && alpha <= 1, kOp, ": alpha must be in [0, 1], got ",
-                    alpha);
+  RAGATTN_CHECK_VALUE(std::isfinite(temperature) && temperature > 0, kOp,
+                      ": temperature must be finite and > 0, got ", temperature);
+  RAGATTN_CHECK_VALUE(std::isfinite(eta) && eta >= 0, kOp, ": eta must be finite and >= 0, got ", eta);
+  RAGATTN_CHECK_VALUE(std::isfinite(alpha) && alpha >= 0 && alpha <= 1, kOp, ": alpha must be in [0, 1], got ",
+                      alpha);
   if (!check_values) return;
   // Index and range checks (host tensors only: on CUDA they are preconditions, see docs/ops.md).
   at::Tensor used;  // which draft tokens are verified (same shape as draft_tokens)
   if (ragged) {
     const at::Tensor cu = cu_num_draft->to(at::kLong);
     const auto c = cu.accessor<int64_t, 1>();
-    TORCH_CHECK_VALUE(c[0] == 0 && c[B] == T, kOp, ": cu_num_draft must start at 0 and end at T = ", T,
-                      " (the number of draft tokens), got ", c[0], " .. ", c[B]);
+    RAGATTN_CHECK_VALUE(c[0] == 0 && c[B] == T, kOp, ": cu_num_draft must start at 0 and end at T = ", T,
+                        " (the number of draft tokens), got ", c[0], " .. ", c[B]);
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK_VALUE(c[b + 1] >= c[b], kOp, ": cu_num_draft must be non-decreasing, got ", c[b], " then ",
-                        c[b + 1], " at ", b);
+      RAGATTN_CHECK_VALUE(c[b + 1] >= c[b], kOp, ": cu_num_draft must be non-decreasing, got ", c[b], " then ",
+                          c[b + 1], " at ", b);
     }
     used = at::ones({T}, draft_tokens.options().dtype(at::kBool));
   } else {
@@ -126,8 +133,8 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
     const auto nd_bad = (nd64 < 0) | (nd64 > g);
     if (nd_bad.any().item<bool>()) {
       const int64_t b = nd_bad.nonzero()[0][0].item<int64_t>();
-      TORCH_CHECK_VALUE(false, kOp, ": num_draft must be in [0, ", g, "], got ", nd64[b].item<int64_t>(),
-                        " in row ", b);
+      RAGATTN_CHECK_VALUE(false, kOp, ": num_draft must be in [0, ", g, "], got ", nd64[b].item<int64_t>(),
+                          " in row ", b);
     }
     used = at::arange(g, draft_tokens.options()).unsqueeze(0) < nd64.unsqueeze(1);
   }
@@ -135,24 +142,18 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
     const auto tok_bad = used & ((draft_tokens < 0) | (draft_tokens >= V));
     if (tok_bad.any().item<bool>()) {
       const auto at_ = tok_bad.nonzero()[0];
-      std::ostringstream where;
-      where << "[" << at_[0].item<int64_t>();
-      if (!ragged) where << ", " << at_[1].item<int64_t>();
-      where << "]";
+      const std::string where = element_index(at_, ragged);
       const at::Tensor bad_val = ragged ? draft_tokens[at_[0]] : draft_tokens[at_[0]][at_[1]];
-      TORCH_CHECK_VALUE(false, kOp, ": draft_tokens must be in [0, V = ", V, "), got ", bad_val.item<int64_t>(),
-                        " at ", where.str());
+      RAGATTN_CHECK_VALUE(false, kOp, ": draft_tokens must be in [0, V = ", V, "), got ", bad_val.item<int64_t>(),
+                          " at ", where);
     }
   }
   const auto u_bad = ~((uniforms >= 0) & (uniforms < 1));  // NaN is bad too
   if (u_bad.any().item<bool>()) {
     const auto at_ = u_bad.nonzero()[0];
-    std::ostringstream where;
-    where << "[" << at_[0].item<int64_t>();
-    if (!ragged) where << ", " << at_[1].item<int64_t>();
-    where << "]";
+    const std::string where = element_index(at_, ragged);
     const at::Tensor bad_val = ragged ? uniforms[at_[0]] : uniforms[at_[0]][at_[1]];
-    TORCH_CHECK_VALUE(false, kOp, ": uniforms must be in [0, 1), got ", bad_val.item<float>(), " at ", where.str());
+    RAGATTN_CHECK_VALUE(false, kOp, ": uniforms must be in [0, 1), got ", bad_val.item<float>(), " at ", where);
   }
 }
 
@@ -226,8 +227,8 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_toke
                                                     const std::optional<at::Tensor>& cu_num_draft) {
   check_verify_draft_args(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
                           cu_num_draft, /*check_values=*/true);
-  TORCH_CHECK_VALUE(target_logits.device().is_cpu(), kOp, ": the CPU implementation got tensors on ",
-                    target_logits.device());
+  RAGATTN_CHECK_VALUE(target_logits.device().is_cpu(), kOp, ": the CPU implementation got tensors on ",
+                      target_logits.device());
   const bool ragged = cu_num_draft.has_value();
   const int64_t B = ragged ? cu_num_draft->size(0) - 1 : draft_tokens.size(0);
   const int64_t g = ragged ? 0 : draft_tokens.size(1);

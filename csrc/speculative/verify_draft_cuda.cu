@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/check_message.h"
 #include "ops.h"
 #include "speculative/verify_draft_kernels.cuh"
 #include "speculative/verify_draft_math.h"
@@ -19,8 +20,8 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
                                                      const std::optional<at::Tensor>& cu_num_draft) {
   check_verify_draft_args(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
                           cu_num_draft, /*check_values=*/false);
-  TORCH_CHECK_VALUE(target_logits.is_cuda(), "ragattn.verify_draft: the CUDA implementation got tensors on ",
-                    target_logits.device());
+  RAGATTN_CHECK_VALUE(target_logits.is_cuda(), "ragattn.verify_draft: the CUDA implementation got tensors on ",
+                      target_logits.device());
   const c10::cuda::CUDAGuard guard(target_logits.device());
   const bool ragged = cu_num_draft.has_value();
   const int64_t B = ragged ? cu_num_draft->size(0) - 1 : draft_tokens.size(0);
@@ -29,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
                            : at::empty({B, g + 1}, draft_tokens.options());
   auto num_accepted = at::empty({B}, draft_tokens.options().dtype(at::kInt));
   if (B == 0) return {out_tokens, num_accepted};
-  TORCH_CHECK_VALUE(B <= 0x7fffffff, "ragattn.verify_draft: batch must be below 2^31, got ", B);
+  RAGATTN_CHECK_VALUE(B <= 0x7fffffff, "ragattn.verify_draft: batch must be below 2^31, got ", B);
 
   const at::Tensor tok = draft_tokens.contiguous();
   at::Tensor probs, cu;
@@ -62,12 +63,12 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
   args.greedy = greedy;
   int num_sms = 0, cc_major = 0;  // device attributes: host queries, no stream sync (graph safe)
   const int dev = target_logits.device().index();
-  TORCH_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-                  cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess,
-              "ragattn.verify_draft: cannot query the device's attributes");
+  RAGATTN_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess,
+                "ragattn.verify_draft: cannot query the device's attributes");
   args.cluster_size = speculative::verify_draft_cluster_size(B, num_sms, cc_major);
   const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  RAGATTN_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out_tokens, num_accepted};
 }
 

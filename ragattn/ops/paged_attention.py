@@ -22,6 +22,7 @@ from ragattn.ops.page_table import PageTable
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # vLLM's kv_cache_dtype "fp8" / "fp8_e5m2"
 
 # Forces the number of key-range partitions (split-KV) of the Triton kernel; unset or "auto"
 # lets a heuristic choose (tests set it to compare split and unsplit results).
@@ -39,7 +40,8 @@ def _forced_num_splits() -> Optional[int]:
 
 
 def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-              out=None, lse_out=None, *, read_values=True, row_start=None, _OP=_OP, logits_soft_cap=0.0) -> None:
+              out=None, lse_out=None, *, read_values=True, row_start=None, kv_fp8=False, _OP=_OP,
+              logits_soft_cap=0.0) -> None:
     """Every check of the op (CUDA path and fake impls). ``read_values=False`` (fake impl) skips the
     checks that read tensor contents; devices, dtypes, shapes and aliasing are checked on every path.
     The CPU impl makes the same checks in C++ (``check_paged_args`` in
@@ -51,10 +53,10 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
     total_q, num_heads, head_dim = q.shape
     if head_dim < 1:
         raise ValueError(f"ragattn.{_OP}: q's head_dim (dim 2) must be >= 1, got {head_dim}")
-    check_tensor(_OP, "k_cache", k_cache, dtypes=(q.dtype,), ndim=4, device=dev)
+    check_tensor(_OP, "k_cache", k_cache, dtypes=FP8_DTYPES if kv_fp8 else (q.dtype,), ndim=4, device=dev)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     check_tensor(_OP, "k_cache", k_cache, shape=(None, None, None, head_dim))
-    check_tensor(_OP, "v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev)
+    check_tensor(_OP, "v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev)
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise ValueError(
             f"ragattn.{_OP}: q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({num_kv_heads})"
@@ -410,6 +412,8 @@ def run_paged_attention(
     inv_freq: Optional[torch.Tensor] = None,
     rotary_dim: Optional[int] = None,
     interleaved: bool = False,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -427,6 +431,10 @@ def run_paged_attention(
             key tile by its slots' positions in fp32 (angles reduced in fp64), q arriving rotated
             as usual. ``rotary_dim`` (default head_dim, even, <= head_dim; partial rotary leaves the
             other dims as they are), ``interleaved`` (False: NeoX/HF halves, True: GPT-J pairs).
+        k_scale, v_scale: float32 ``[]`` or ``[1]`` per-tensor scales of float8 caches (vLLM's
+            ``kv_cache_dtype="fp8"``: ``float8_e4m3fn``, or ``float8_e5m2``): the kernel reads
+            ``x * scale`` in fp32 and feeds the dot in q's dtype (fp16/bf16). Both or neither;
+            required for float8 caches.
         out, lse_out: optional outputs (``[total_q, num_heads, head_dim]`` in q's dtype, float32
             ``[total_q, num_heads]``; any strides; no overlap with an input).
 
@@ -450,7 +458,7 @@ def run_paged_attention(
         rotary_dim = q.shape[-1]
     args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
             plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, inv_freq,
-            rotary_dim or 0, bool(interleaved))
+            rotary_dim or 0, bool(interleaved), k_scale, v_scale)
     if out is None and lse_out is None:
         return torch.ops.ragattn.paged_attention_run(*args)
     if out is None:
@@ -463,12 +471,26 @@ def run_paged_attention(
 
 def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0,
                   launch, scale, window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0,
-                  interleaved=False, out=None, lse_out=None, *, read_values=True) -> None:
+                  interleaved=False, k_scale=None, v_scale=None, out=None, lse_out=None, *,
+                  read_values=True) -> None:
     """The run op's checks: ``_validate``'s on the table, the plan's tensors, the position-tagged
     entries and the RoPE arguments and, where values may be read (CPU, ``RAGATTN_DEBUG=1``), that
     the plan's tiles cover every query row."""
     from ragattn.triton_kernels.paged_attention import LAUNCH_FIELDS
 
+    kv_fp8 = k_scale is not None or v_scale is not None
+    if kv_fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"ragattn.{_RUN_OP}: k_scale and v_scale go together (float8 caches), got one")
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_tensor(_RUN_OP, name, s, dtypes=(torch.float32,), device=q.device)
+            if s.numel() != 1 or s.dim() > 1:
+                raise ValueError(f"ragattn.{_RUN_OP}: {name} must be one per-tensor scale ([] or [1]), "
+                                 f"got shape {tuple(s.shape)}")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"ragattn.{_RUN_OP}: q must be float16 or bfloat16 with float8 caches, got {q.dtype}")
+    elif isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES:
+        raise ValueError(f"ragattn.{_RUN_OP}: a {k_cache.dtype} cache needs k_scale and v_scale")
     for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len)):
         if t is not None:
             if row_start is None:
@@ -482,7 +504,7 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         check_tensor(_RUN_OP, "inv_freq", inv_freq, shape=(rotary_dim // 2,))
 
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out, lse_out,
-              read_values=read_values, row_start=row_start, _OP=_RUN_OP)
+              read_values=read_values, row_start=row_start, kv_fp8=kv_fp8, _OP=_RUN_OP)
     dev = q.device
     check_tensor(_RUN_OP, "tile_seq", tile_seq, dtypes=(torch.int32,), ndim=1, device=dev)
     check_tensor(_RUN_OP, "tile_row0", tile_row0, dtypes=(torch.int32,), shape=tuple(tile_seq.shape), device=dev)
@@ -524,10 +546,15 @@ def _run_padded_table(pages, row_start, kv_lens, page_size):
 
 
 def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, out=None,
-         lse_out=None):
+         window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+         v_scale=None, out=None, lse_out=None):
     from ragattn.triton_kernels.paged_attention import PagedPlan, run_paged_attention as run_tiles
 
+    if k_scale is not None and q.device.type == "cpu" and _extension.cpu_backend() != "triton":
+        # CPU: the caches dequantised as the kernel reads them (x * scale in fp32, then q's dtype)
+        k_cache = (k_cache.to(torch.float32) * k_scale.reshape(())).to(q.dtype)
+        v_cache = (v_cache.to(torch.float32) * v_scale.reshape(())).to(q.dtype)
+        k_scale = v_scale = None
     tagged = entry_pos is not None or entry_len is not None or inv_freq is not None
     if q.device.type == "cpu" and tagged and _extension.cpu_backend() != "triton":
         # the C++ kernel reads slot-index positions of stored-rotated keys: the reference here
@@ -551,15 +578,15 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
     with device_guard(q):
         return run_tiles(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out,
                          lse_out, row_start=row_start, entry_pos=entry_pos, entry_len=entry_len, inv_freq=inv_freq,
-                         rotary_dim=rotary_dim, interleaved=interleaved)
+                         rotary_dim=rotary_dim, interleaved=interleaved, k_scale=k_scale, v_scale=v_scale)
 
 
 @torch.library.impl("ragattn::paged_attention_run", "CompositeExplicitAutograd")
 def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                               tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                              inv_freq=None, rotary_dim=0, interleaved=False):
+                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved)
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
     _validate_run(*a)
     return _run(*a)
 
@@ -567,9 +594,10 @@ def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, r
 @torch.library.impl("ragattn::paged_attention_run.out", "CompositeExplicitAutograd")
 def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                                   tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                                  inv_freq=None, rotary_dim=0, interleaved=False, *, out, lse_out):
+                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, *, out,
+                                  lse_out):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved)
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
     _validate_run(*a, out, lse_out)
     _run(*a, out, lse_out)
 
@@ -577,16 +605,18 @@ def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, page
 @torch.library.register_fake("ragattn::paged_attention_run")
 def _paged_attention_run_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                               tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                              inv_freq=None, rotary_dim=0, interleaved=False):
+                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, read_values=False)
+                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                  read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run.out")
 def _paged_attention_run_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                                   tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                                  inv_freq=None, rotary_dim=0, interleaved=False, *, out, lse_out):
+                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, *, out,
+                                  lse_out):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, out, lse_out,
-                  read_values=False)
+                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                  out, lse_out, read_values=False)
