@@ -206,7 +206,7 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
 
 // logits_soft_cap: finite and >= 0 (0 = off), as the Python _validate says it.
 void check_soft_cap(double cap) {
-  TORCH_CHECK_VALUE(std::isfinite(cap) && cap >= 0, kOp, ": logits_soft_cap must be finite and >= 0 (0 = off), got ", cap);
+  RAGATTN_CHECK_VALUE(std::isfinite(cap) && cap >= 0, kOp, ": logits_soft_cap must be finite and >= 0 (0 = off), got ", cap);
 }
 
 // RAGATTN_CPU_BACKEND (read on every call, like ragattn._extension.cpu_backend): the kernel for
