@@ -44,15 +44,19 @@ TORCH_LIBRARY(ragattn, m) {
       "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 4. In-place RoPE re-rotation of cached key rows, all layers in one launch (CUDA C++).
+  //    delta int32/int64; num_kv_heads (optional) is checked against the layers' rows; k_scale:
+  //    float8_e4m3fn layers' per-tensor scale(s), [] / [1] / [L].
   m.def(
       "rerotate_keys_(Tensor(a!)[] k_layers, Tensor rows, Tensor delta, Tensor inv_freq, "
-      "int rotary_dim, bool interleaved) -> ()");
+      "int rotary_dim, bool interleaved, int? num_kv_heads=None, Tensor? k_scale=None) -> ()");
 
   // 5. Gather/scatter of K/V rows between caches, optionally re-rotating K (CUDA C++).
+  //    Either side may be float8_e4m3fn with its per-tensor scales (dequantise, rotate, requantise).
   m.def(
       "copy_kv_(Tensor(a!)[] dst_k, Tensor(b!)[] dst_v, Tensor[] src_k, Tensor[] src_v, "
       "Tensor src_rows, Tensor dst_rows, Tensor? delta=None, Tensor? inv_freq=None, "
-      "int rotary_dim=0, bool interleaved=False) -> ()");
+      "int rotary_dim=0, bool interleaved=False, int? num_kv_heads=None, Tensor? src_k_scale=None, "
+      "Tensor? src_v_scale=None, Tensor? dst_k_scale=None, Tensor? dst_v_scale=None) -> ()");
 
   // 6. FusionRAG's query-guided key importance, two passes (Triton).
   m.def(

@@ -35,8 +35,9 @@ LayerGeom check_layers(const char* op, const char* name, at::TensorList layers) 
   for (size_t l = 0; l < layers.size(); ++l) {
     const at::Tensor& t = layers[l];
     const auto dt = t.scalar_type();
-    TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat, "ragattn.", op, ": ", name, "[", l,
-                     "] must be float16, bfloat16 or float32, got ", dt);
+    TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kFloat8_e4m3fn,
+                     "ragattn.", op, ": ", name, "[", l, "] must be float16, bfloat16, float32 or float8_e4m3fn, got ",
+                     dt);
     TORCH_CHECK_TYPE(dt == t0.scalar_type(), "ragattn.", op, ": every layer of ", name, " must have one dtype; ",
                      name, "[0] is ", t0.scalar_type(), ", ", name, "[", l, "] is ", dt);
     TORCH_CHECK_VALUE(t.dim() >= 3, "ragattn.", op, ": ", name, "[", l,
@@ -114,6 +115,35 @@ void check_rope(const char* op, const at::Tensor& inv_freq, int64_t rotary_dim, 
                     ": inv_freq must have shape [rotary_dim // 2] = [", rotary_dim / 2, "], got ", inv_freq.sizes());
   TORCH_CHECK_VALUE(inv_freq.device() == device, "ragattn.", op, ": inv_freq must be on ", device,
                     " (the caches' device), got ", inv_freq.device());
+}
+
+int64_t check_scale(const char* op, const char* name, const c10::optional<at::Tensor>& scale, const char* cache_name,
+                    at::ScalarType cache_dtype, int64_t num_layers, c10::Device device) {
+  if (cache_dtype != at::kFloat8_e4m3fn) {
+    TORCH_CHECK_VALUE(!scale.has_value(), "ragattn.", op, ": ", name, " is given but ", cache_name, " is ",
+                      cache_dtype, "; scales belong to float8_e4m3fn caches only");
+    return -1;
+  }
+  TORCH_CHECK_VALUE(scale.has_value(), "ragattn.", op, ": ", name, " is required: ", cache_name,
+                    " is float8_e4m3fn (stored value x means x * scale; pass torch.ones(1) for unscaled)");
+  const at::Tensor& s = *scale;
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "ragattn.", op, ": ", name, " must be float32, got ",
+                   s.scalar_type());
+  const bool one = s.numel() == 1 && s.dim() <= 1;
+  TORCH_CHECK_VALUE(one || (s.dim() == 1 && s.size(0) == num_layers), "ragattn.", op, ": ", name,
+                    " must have shape [], [1] or [num_layers] = [", num_layers, "], got ", s.sizes());
+  TORCH_CHECK_VALUE(s.device() == device, "ragattn.", op, ": ", name, " must be on ", device,
+                    " (the caches' device), got ", s.device());
+  return one ? 0 : s.stride(0);
+}
+
+void check_num_kv_heads(const char* op, const c10::optional<int64_t>& num_kv_heads, const char* name,
+                        const LayerGeom& g, at::TensorList layers) {
+  if (!num_kv_heads.has_value() || layers.empty()) return;
+  TORCH_CHECK_VALUE(g.heads == *num_kv_heads, "ragattn.", op, ": ", name, "[0] of shape ", layers[0].sizes(),
+                    " has ", g.heads, " heads in its [..., num_kv_heads, head_dim] rows, but num_kv_heads=",
+                    *num_kv_heads, " (a head-major (HND) cache [pages, H, page_size, D] is not token-major: pass ",
+                    "one [pages, page_size, 1, D] view per head, cache[:, h:h+1].transpose(1, 2))");
 }
 
 void check_rows_host(const char* op, const char* name, const at::Tensor& rows, int64_t num_rows, bool distinct) {
@@ -213,22 +243,36 @@ bool debug_mode() {
 
 static bool host_checks(const at::Tensor& t) { return t.device().is_cpu() || debug_mode(); }
 
-LayerGeom validate_rerotate(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
-                            const at::Tensor& inv_freq, int64_t rotary_dim) {
+RerotateGeom validate_rerotate(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
+                               const at::Tensor& inv_freq, int64_t rotary_dim,
+                               const c10::optional<int64_t>& num_kv_heads, const c10::optional<at::Tensor>& k_scale) {
   const char* op = "rerotate_keys_";
-  const LayerGeom g = check_layers(op, "k_layers", k_layers);
+  RerotateGeom rg;
+  rg.g = check_layers(op, "k_layers", k_layers);
+  const LayerGeom& g = rg.g;
   const c10::Device dev = k_layers.empty() ? rows.device() : k_layers[0].device();
   check_rows_index(op, "rows", rows, -1, dev);
-  check_index(op, "delta", delta, at::kInt, rows.size(0), dev);
+  check_rows_index(op, "delta", delta, rows.size(0), dev);
   check_rope(op, inv_freq, rotary_dim, k_layers.empty() ? rotary_dim : g.head_dim, dev);
+  check_num_kv_heads(op, num_kv_heads, "k_layers", g, k_layers);
+  if (!k_layers.empty()) {
+    rg.scale_stride = check_scale(op, "k_scale", k_scale, "k_layers", k_layers[0].scalar_type(),
+                                  static_cast<int64_t>(k_layers.size()), dev);
+  } else {
+    TORCH_CHECK_VALUE(!k_scale.has_value() || k_scale->scalar_type() == at::kFloat, "ragattn.", op,
+                      ": k_scale must be float32, got ", k_scale->scalar_type());
+  }
   check_writes_disjoint(op, {{"k_layers", k_layers, &g}});
   if (!k_layers.empty() && host_checks(rows)) check_rows_host(op, "rows", rows, g.num_rows, /*distinct=*/true);
-  return g;
+  return rg;
 }
 
 CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
                        const at::Tensor& src_rows, const at::Tensor& dst_rows, const c10::optional<at::Tensor>& delta,
-                       const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim) {
+                       const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim,
+                       const c10::optional<int64_t>& num_kv_heads, const c10::optional<at::Tensor>& src_k_scale,
+                       const c10::optional<at::Tensor>& src_v_scale, const c10::optional<at::Tensor>& dst_k_scale,
+                       const c10::optional<at::Tensor>& dst_v_scale) {
   const char* op = "copy_kv_";
   const size_t L = dst_k.size();
   TORCH_CHECK_VALUE(src_k.size() == L, "ragattn.copy_kv_: src_k must have one tensor per layer of dst_k (", L,
@@ -243,9 +287,10 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
   cg.has_v = !dst_v.empty() && L > 0;
   const c10::Device dev = L == 0 ? dst_rows.device() : dst_k[0].device();
   if (L > 0) {
-    const at::ScalarType dt = dst_k[0].scalar_type();
-    TORCH_CHECK_TYPE(src_k[0].scalar_type() == dt, "ragattn.copy_kv_: src_k must have dst_k's dtype ", dt, ", got ",
-                     src_k[0].scalar_type());
+    const at::ScalarType dt = dst_k[0].scalar_type(), st = src_k[0].scalar_type();
+    TORCH_CHECK_TYPE(st == dt || st == at::kFloat8_e4m3fn || dt == at::kFloat8_e4m3fn,
+                     "ragattn.copy_kv_: src_k must have dst_k's dtype ", dt,
+                     " (or one side float8_e4m3fn), got ", st);
     TORCH_CHECK_VALUE(src_k[0].device() == dev, "ragattn.copy_kv_: src_k must be on ", dev, " (dst_k's device), got ",
                       src_k[0].device());
     TORCH_CHECK_VALUE(cg.sk.heads == cg.k.heads && cg.sk.head_dim == cg.k.head_dim, "ragattn.copy_kv_: src_k rows must be [",
@@ -255,9 +300,11 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
       cg.sv = check_layers(op, "src_v", src_v);
       for (const auto* pair : {&dst_v, &src_v}) {
         const at::Tensor& t = (*pair)[0];
-        const char* nm = pair == &dst_v ? "dst_v" : "src_v";
-        TORCH_CHECK_TYPE(t.scalar_type() == dt, "ragattn.copy_kv_: ", nm, " must have dst_k's dtype ", dt, ", got ",
-                         t.scalar_type());
+        const bool is_dst = pair == &dst_v;
+        const char* nm = is_dst ? "dst_v" : "src_v";
+        const at::ScalarType want = is_dst ? dt : st;
+        TORCH_CHECK_TYPE(t.scalar_type() == want, "ragattn.copy_kv_: ", nm, " must have ", is_dst ? "dst_k" : "src_k",
+                         "'s dtype ", want, ", got ", t.scalar_type());
         TORCH_CHECK_VALUE(t.device() == dev, "ragattn.copy_kv_: ", nm, " must be on ", dev, " (dst_k's device), got ",
                           t.device());
       }
@@ -272,11 +319,27 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
   check_rows_index(op, "src_rows", src_rows, -1, dev);
   check_rows_index(op, "dst_rows", dst_rows, src_rows.size(0), dev);
   if (delta.has_value()) {
-    check_index(op, "delta", *delta, at::kInt, src_rows.size(0), dev);
+    check_rows_index(op, "delta", *delta, src_rows.size(0), dev);
     TORCH_CHECK_VALUE(inv_freq.has_value(), "ragattn.copy_kv_: inv_freq is required when delta is given");
     check_rope(op, *inv_freq, rotary_dim, L == 0 ? rotary_dim : cg.k.head_dim, dev);
   }
   if (L == 0) return cg;
+  check_num_kv_heads(op, num_kv_heads, "dst_k", cg.k, dst_k);
+  check_num_kv_heads(op, num_kv_heads, "src_k", cg.sk, src_k);
+  if (cg.has_v) {
+    check_num_kv_heads(op, num_kv_heads, "dst_v", cg.v, dst_v);
+    check_num_kv_heads(op, num_kv_heads, "src_v", cg.sv, src_v);
+  }
+  const int64_t nl = static_cast<int64_t>(L);
+  cg.dk_scale = check_scale(op, "dst_k_scale", dst_k_scale, "dst_k", dst_k[0].scalar_type(), nl, dev);
+  cg.sk_scale = check_scale(op, "src_k_scale", src_k_scale, "src_k", src_k[0].scalar_type(), nl, dev);
+  if (cg.has_v) {
+    cg.dv_scale = check_scale(op, "dst_v_scale", dst_v_scale, "dst_v", dst_v[0].scalar_type(), nl, dev);
+    cg.sv_scale = check_scale(op, "src_v_scale", src_v_scale, "src_v", src_v[0].scalar_type(), nl, dev);
+  } else {
+    TORCH_CHECK_VALUE(!dst_v_scale.has_value() && !src_v_scale.has_value(),
+                      "ragattn.copy_kv_: dst_v_scale/src_v_scale are given but no V layers are copied");
+  }
   const at::TensorList no_layers;
   const NamedLayers w_k{"dst_k", dst_k, &cg.k}, w_v{"dst_v", cg.has_v ? dst_v : no_layers, &cg.v};
   const NamedLayers r_k{"src_k", src_k, &cg.sk}, r_v{"src_v", cg.has_v ? src_v : no_layers, &cg.sv};
