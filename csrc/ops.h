@@ -53,7 +53,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(con
     const std::optional<at::Tensor>& kv_pos, const std::optional<at::Tensor>& q_block,
     const std::optional<at::Tensor>& kv_block, bool causal, std::optional<double> scale, int64_t window_left);
 void merge_attention_states_cpu(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
-                                const at::Tensor& lse_b, const at::Tensor& out, const at::Tensor& lse_out);
+                                const at::Tensor& lse_b, bool log2, const at::Tensor& out, const at::Tensor& lse_out);
+void merge_attention_states_n_cpu(const at::Tensor& outs, const at::Tensor& lses, bool log2, const at::Tensor& out,
+                                  const at::Tensor& lse_out);
 
 // ---- speculative verification (csrc/speculative/) ----
 // Shape/dtype/device/scalar checks of verify_draft (ValueError/TypeError naming the argument);
