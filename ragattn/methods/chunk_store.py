@@ -296,25 +296,28 @@ class ChunkStore:
     ``page_size``: rows per page of the pool and of assembled request caches.
     ``max_batch_tokens``: tokens per packed prefill of missing chunks.
     ``memory_budget``: bytes of K/V the in-memory pool may hold (default :func:`default_budget`).
-    ``read_only``: never write to ``directory`` (chunks computed here stay in memory only)."""
+    ``read_only``: never write to ``directory`` (chunks computed here stay in memory only).
+    ``fingerprint``, ``device``: a fingerprint computed elsewhere and the store's device, for a
+    model whose parameters are not materialised (the vLLM worker: ragattn.vllm.fingerprint); such a
+    store can only serve chunks from ``directory``."""
 
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
-                 read_only: bool = False):
+                 read_only: bool = False, fingerprint: str | None = None, device=None):
         if page_size < 1 or max_batch_tokens < 1:
             raise ChunkStoreError(f"ragattn.ChunkStore: page_size and max_batch_tokens must be >= 1, "
                                   f"got {page_size} and {max_batch_tokens}")
         self.model = model
         self.config = model.config
         self.rope: RopeParams = rope_params(model)
-        self.fingerprint = model_fingerprint(model, cached=False)
+        self.fingerprint = model_fingerprint(model, cached=False) if fingerprint is None else fingerprint
         self.num_layers = self.config.num_hidden_layers
         self.num_kv_heads = self.config.num_key_value_heads
         self.head_dim = self.rope.head_dim
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         p = next(model.parameters())
-        self.dtype, self.device = p.dtype, p.device
+        self.dtype, self.device = p.dtype, p.device if device is None else torch.device(device)
         self.page_size, self.max_batch_tokens = page_size, max_batch_tokens
         self.read_only = bool(read_only)
         self.directory = Path(directory) if directory is not None else None
