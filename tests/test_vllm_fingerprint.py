@@ -69,3 +69,32 @@ def test_missing_parameter_is_refused(tmp_path):
     save_file(t, f, metadata={"format": "pt"})
     with pytest.raises(FingerprintUnavailable, match="model.norm.weight is not in the checkpoint files"):
         checkpoint_fingerprint(tmp_path / "m", torch.float32)
+
+
+def test_store_over_the_empty_model_serves_chunk_files(tmp_path):
+    """The vLLM worker's chunk store (the empty model from the files, fingerprint and device given)
+    accepts the chunk files the HF path wrote and writes them into pages bit for bit like the HF
+    store; no parameter is materialised."""
+    from ragattn.methods.chunk_store import ChunkStore
+
+    model = tiny_causal_lm("llama3", seed=6)
+    model.save_pretrained(tmp_path / "m")
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (9, 14)]
+    hf = ChunkStore(model, tmp_path / "kv", page_size=16, memory_budget=1 << 24)
+    keys = hf.add(chunks)
+    fp, empty = checkpoint_fingerprint(tmp_path / "m", torch.float32, return_model=True)
+    store = ChunkStore(empty, tmp_path / "kv", page_size=16, read_only=True, memory_budget=1 << 24,
+                       fingerprint=fp, device="cpu")
+    assert store.fingerprint == hf.fingerprint and store.device.type == "cpu"
+    assert [store.key(c) for c in chunks] == keys
+    shape = (2 * 16, 2, 16)  # 32 rows, Hkv 2, head_dim 16
+    want = [[torch.full(shape, float("nan")) for _ in range(2)] for _ in range(2)]
+    got = [[torch.full(shape, float("nan")) for _ in range(2)] for _ in range(2)]
+    rows = torch.randperm(32, generator=g)[:23]
+    pos = torch.arange(23) + 100
+    hf.gather_into_(keys, want[0], want[1], rows, pos)
+    store.gather_into_(keys, got[0], got[1], rows, pos)
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert all(p.device.type == "meta" for p in store.model.parameters())
