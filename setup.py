@@ -106,7 +106,7 @@ setup(
     packages=find_namespace_packages(include=["ragattn", "ragattn.*"], exclude=["*.__pycache__"])
     + ["ragattn.triton_kernels", "ragattn.bench"],
     package_dir={"ragattn.triton_kernels": "triton_kernels", "ragattn.bench": "bench"},
-    package_data={"ragattn": ["data/*.json", "data/**/*"]},
+    package_data={"ragattn": ["data/*.json", "data/**/*"], "ragattn.triton_kernels": ["configs/*.json"]},
     # RAGATTN_REUSE_EXT=1: install without building, keeping the ragattn/_C*.so already in the tree
     # (scripts/setup_vllm.sh, for a second environment with the very same torch build)
     ext_modules=[] if os.environ.get("RAGATTN_REUSE_EXT") == "1" else [_extension()],

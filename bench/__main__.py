@@ -10,25 +10,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 
 import torch
 
-
-def _commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+from .provenance import device_name as _device_name
+from .provenance import project_commit as _commit
 
 
 def main(argv=None) -> int:
@@ -83,7 +70,9 @@ def main(argv=None) -> int:
         f"- torch: {meta['torch']}\n- sizes: {size}\n"
         f"- measured peaks: copy {peaks['copy_GBps']:.1f} GB/s (read + write), "
         f"matmul {peaks['matmul_TFLOPs']:.2f} TFLOP/s ({'bf16' if device.type == 'cuda' else 'fp32'})\n\n"
-        "`ragattn speedup` = baseline time / ragattn time; `% peak` is of the measured peak above.\n\n"
+        "`ragattn speedup` = baseline time / ragattn time; `% peak` is of the measured peak above (a case over "
+        "100% raises instead of printing); `synced wall` = back-to-back calls between two device synchronisations "
+        "(CUDA only, launch overhead included); `config` = the launch configuration of the ragattn call.\n\n"
     )
     print(header + table)
     os.makedirs(args.out, exist_ok=True)

@@ -5,6 +5,10 @@ Target: at most 10% of one full-prefill attention layer at 32K, i.e. a ragattn s
 least 10x over the ``sdpa_causal_prefill`` baseline. ``naive_torch`` materialises the
 ``[heads, q, k]`` probabilities (and repeated K) as a straightforward implementation would.
 ``flops`` counts one Q K^T (2 * H * Tq * Tk * D); the kernel computes it twice (two passes).
+``bytes`` counts what the two passes read from memory: q and k once per pass (re-reads of a q
+tile by the programs of one pass hit L2) and the scores written once; the kernel's fp32 scratch
+(the splits' partial LSEs, the per-kv-head partial scores: ~1.5% at the gpu size) is not counted.
+Issue 22's target: <= 60 us at the gpu size (>= 300 TFLOP/s-equivalent of the one Q K^T).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import math
 
 import torch
 
-from .harness import Case, small_dtype
+from .harness import Case, cpu_config, small_dtype
 
 FAMILIES = ("key_attention_scores",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -57,6 +61,18 @@ def cases(device: torch.device, size: str):
         with _flash_only(device):
             return torch.nn.functional.scaled_dot_product_attention(pq, pk, pv, is_causal=True)
 
+    def config():
+        if device.type != "cuda":
+            return cpu_config()
+        from ragattn.triton_kernels.gpu_configs import lookup
+        from ragattn.triton_kernels.key_attention_scores import config_key, launch_params
+
+        p = launch_params(t_q, t_k, 1, heads, kv_heads, head_dim, dtype, device)
+        where = lookup("key_attention_scores", torch.cuda.get_device_name(device), config_key(dtype, head_dim))[1]
+        keep = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "grid1", "grid2")
+        return dict({k: p[k] for k in keep}, table=where.split(":")[0])
+
+    elt = torch.finfo(dtype).bits // 8
     return [
         Case(
             family="key_attention_scores",
@@ -67,6 +83,9 @@ def cases(device: torch.device, size: str):
                 "naive_torch": lambda: _naive_scores(q, k),
             },
             flops=2.0 * heads * t_q * t_k * head_dim,
+            bytes=2.0 * (q.numel() + k.numel()) * elt + 4.0 * t_k,
+            passes=2,
+            config=config,
             peak="matmul",
             peak_dtype=dtype,
             params={"dtype": str(dtype).replace("torch.", ""), "target": "speedup >= 10x over sdpa_causal_prefill"},

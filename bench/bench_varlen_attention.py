@@ -14,7 +14,10 @@ repeated to 32 heads), FlexAttention (compiled on CUDA) with the equivalent ``Bl
 (creation time in ``setup_ms``) and SDPA full causal (flash backend). ``flops`` counts the
 visible (query, key) pairs only: 4 * head_dim * heads per pair forward, 2.5x that backward.
 * ``window``: a Mistral-style sliding window (``window_left = 4095``, 16,384 tokens causal)
-  against SDPA with the dense band mask.
+  against SDPA with the dense band mask and FlexAttention with a window ``mask_mod`` (compiled on
+  CUDA). Target: >= 1.2x FlexAttention.
+FlexAttention is compiled with ``fullgraph=True`` on CUDA (``compiled_flex``), and the backward
+baseline checks that its forward ran a compiled graph, so the backward it times is the compiled one.
 cpu: the same cases on ~90 tokens (ragattn runs its CPU path; FlexAttention runs eagerly,
 uncompiled, so its CPU time says nothing about its GPU speed).
 """
@@ -25,7 +28,7 @@ import time
 
 import torch
 
-from .harness import Case, small_dtype, synchronize
+from .harness import Case, cpu_config, small_dtype, synchronize
 
 FAMILIES = ("varlen_attention",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -61,6 +64,26 @@ def _problem(device, size, chunk, gen):
     return dict(q=q, k=k, v=v, cu=cu, blk=blk.to(device), L=L, H=H, Hkv=Hkv, D=D, dtype=dtype, pairs=pairs, name=f"{n}x{c}+{tail}_h{H}_kv{Hkv}_d{D}")
 
 
+def _config(device, head_dim, dtype, kernels, window=False):
+    """``Case.config`` of a varlen case: each Triton kernel's tiles, warps and stages from the table
+    (and which entry), or the CPU backend."""
+    def config():
+        if device.type != "cuda":
+            return cpu_config()
+        from ragattn.triton_kernels import varlen_attention as va
+        from ragattn.triton_kernels.gpu_configs import lookup
+
+        out = {}
+        for kernel in kernels:
+            c, where = lookup("varlen_attention", torch.cuda.get_device_name(device),
+                              va.config_key(head_dim, kernel, dtype, window))
+            out[kernel] = f"{c['BLOCK_M']}x{c['BLOCK_N']}/w{c['num_warps']}/s{c['num_stages']}"
+            out["table"] = where.split(":")[0]
+        return out
+
+    return config
+
+
 def _runnable(baselines, device):
     """Drop (and say so) the baselines that cannot run here, e.g. out of memory or no backend."""
     for name in list(baselines):
@@ -84,6 +107,57 @@ def _efficient_only(device):
     return sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)
 
 
+def compiled_flex(device):
+    """FlexAttention as the GPU runs it: ``torch.compile``d with ``fullgraph=True``, so that a graph
+    break is an error instead of a silent eager fallback (eager FlexAttention materialises the whole
+    score matrix; the issue-22 H200 run's backward baseline took as long as the dense-mask backward,
+    i.e. it did not run the compiled kernels). The CPU runs it eagerly (its times say nothing)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        def eager_flex(*args, **kwargs):
+            with warnings.catch_warnings():  # eager on purpose here: torch's advice to compile is known
+                warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
+                return flex_attention(*args, **kwargs)
+
+        return eager_flex
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+def require_compiled_graph(out: torch.Tensor) -> None:
+    """RuntimeError unless ``out`` came out of a compiled autograd graph (``torch.compile`` gives it
+    a ``CompiledFunctionBackward`` grad_fn, whose backward is the compiled one); eager FlexAttention
+    gives ``FlexAttentionAutogradOpBackward`` or similar."""
+    name = out.grad_fn.name() if out.grad_fn is not None else "None"
+    if "Compiled" not in name:
+        raise RuntimeError(f"the FlexAttention forward did not run a compiled graph (its grad_fn is {name})")
+
+
+def _flex_baseline(mask_mod, qkv, L, device, backward: bool):
+    """(callable, BlockMask creation ms) of FlexAttention with ``mask_mod`` over ``qkv`` (``[1, H, L, D]``
+    and ``[1, Hkv, L, D]``). ``backward``: the callable is the backward alone (dq, dk, dv through the
+    compiled graph's saved tensors, ``retain_graph``), the forward having run once here; on CUDA
+    both the forward and its backward must come from the compiled graph (RuntimeError if not)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    t0 = time.perf_counter()
+    block_mask = create_block_mask(mask_mod, None, None, L, L, device=str(device))
+    synchronize(device)
+    setup_ms = (time.perf_counter() - t0) * 1e3
+    flex = compiled_flex(device)
+    q4, k4, v4 = qkv
+    if not backward:
+        return (lambda: flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)), setup_ms
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, k4, v4))
+    out = flex(qg, kg, vg, block_mask=block_mask, enable_gqa=True)
+    if device.type == "cuda":
+        require_compiled_graph(out)
+    dout = torch.randn_like(out)
+    return (lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)), setup_ms
+
+
 def _baselines(p, device, backward: bool):
     """(baselines dict, setup_ms dict) computing the same attention (or its backward)."""
     q4 = p["q"].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, L, D]
@@ -100,23 +174,12 @@ def _baselines(p, device, backward: bool):
 
     # FlexAttention with the equivalent BlockMask
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        t0 = time.perf_counter()
-        block_mask = create_block_mask(mask_mod, None, None, L, L, device=str(device))
-        synchronize(device)
-        setup["flex_attention"] = (time.perf_counter() - t0) * 1e3
-        flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-        if backward:
-            qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, k4, v4))
-            out = flex(qg, kg, vg, block_mask=block_mask, enable_gqa=True)
-            dout = torch.randn_like(out)
-            baselines["flex_attention_bwd"] = lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
-            setup["flex_attention_bwd"] = setup.pop("flex_attention")
-        else:
-            baselines["flex_attention"] = lambda: flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
+        flex_setup = _flex_baseline(mask_mod, (q4, k4, v4), L, device, backward)
     except Exception as exc:  # pragma: no cover - FlexAttention missing or unsupported here
         print(f"bench_varlen_attention: FlexAttention baseline skipped ({type(exc).__name__}: {exc})")
+    else:
+        name = "flex_attention_bwd" if backward else "flex_attention"
+        baselines[name], setup[name] = flex_setup
 
     # SDPA with a dense boolean mask (what a generic engine materialises)
     t0 = time.perf_counter()
@@ -168,6 +231,7 @@ def _forward_case(device, size, chunk, gen):
         peak_dtype=p["dtype"],
         setup_ms=setup,
         params={"dtype": str(p["dtype"]).replace("torch.", ""), "tokens": p["L"], "target": target},
+        config=_config(device, p["D"], p["dtype"], ("fwd",)),
     )
 
 
@@ -189,6 +253,7 @@ def _backward_case(device, size, gen):
         peak_dtype=p["dtype"],
         setup_ms=setup,
         params={"dtype": str(p["dtype"]).replace("torch.", ""), "tokens": p["L"], "target": ">= 1.2x flex backward"},
+        config=_config(device, p["D"], p["dtype"], ("dq", "dkdv")),
     )
 
 
@@ -215,15 +280,30 @@ def _window_case(device, size, gen):
         with _efficient_only(device):
             return torch.nn.functional.scaled_dot_product_attention(q4, kr, vr, attn_mask=band)
 
+    def window_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= W)
+
+    baselines = {"sdpa_dense_band_mask": dense_band}
+    setup = {}
+    try:
+        k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (k, v))
+        baselines["flex_attention_window"], setup["flex_attention_window"] = _flex_baseline(
+            window_mod, (q4, k4, v4), L, device, backward=False)
+    except Exception as exc:  # pragma: no cover - FlexAttention missing or unsupported here
+        print(f"bench_varlen_attention: FlexAttention window baseline skipped ({type(exc).__name__}: {exc})")
+
     return Case(
         family="varlen_attention",
         name=f"window{W + 1}_L{L}_h{H}_kv{Hkv}_d{D}",
         run=lambda: ragattn.varlen_attention(q, k, v, cu, cu, window_left=W),
-        baselines=_runnable({"sdpa_dense_band_mask": dense_band}, device),
+        baselines=_runnable(baselines, device),
+        setup_ms=setup,
         flops=4.0 * D * H * pairs,
         peak="matmul",
         peak_dtype=dtype,
-        params={"dtype": str(dtype).replace("torch.", ""), "tokens": L, "window_left": W},
+        params={"dtype": str(dtype).replace("torch.", ""), "tokens": L, "window_left": W,
+                "target": ">= 1.2x flex_attention_window"},
+        config=_config(device, D, dtype, ("fwd",), window=True),
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case
+from .harness import Case, cpu_config
 
 FAMILIES = ("verify_draft",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -59,6 +59,18 @@ def _bytes_touched(num_accepted, g, vocab, logits_elem, eta):
     probs_rows = int(torch.minimum(n + 1, torch.full_like(n, g)).sum()) if eta > 0 else int(rejected.sum())
     per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4  # drafts, uniforms, out_tokens, num_accepted
     return float(logits_rows * vocab * logits_elem + probs_rows * vocab * 4 + n.numel() * per_row)
+
+
+def _config(device, batch):
+    """The CUDA launcher's choice (csrc/speculative: a cluster of C CTAs of 256 threads per row, C
+    from the batch and the SM count; mirrored by bench.sm90), or the CPU backend."""
+    if device.type != "cuda":
+        return cpu_config()
+    from .sm90 import verify_draft_cluster_size
+
+    props = torch.cuda.get_device_properties(device)
+    c = verify_draft_cluster_size(batch, props.multi_processor_count, props.major)
+    return {"kernel": "cuda", "threads": 256, "ctas_per_row": c, "grid": batch * c}
 
 
 def _inputs(bsz, g, vocab, device, gen):
@@ -98,6 +110,7 @@ def cases(device: torch.device, size: str):
                     },
                     bytes=float(nbytes),
                     peak="copy",
+                    config=lambda b=bsz: _config(device, b),
                     params={
                         "logits": "bfloat16",
                         "eta": eta,

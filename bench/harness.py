@@ -5,6 +5,17 @@ A module contributes ``cases(device: torch.device, size: str) -> list[Case]`` wh
 performance targets name). The runner times ``Case.run`` and every baseline in the same process
 and reports time, throughput (GB/s from ``Case.bytes`` or TFLOP/s from ``Case.flops``), percent of
 the device's measured peak, and the speedup of ragattn over each baseline.
+
+Two checks make an impossible figure an error instead of a table row (issue 22.6):
+
+* before timing, ``Case.run`` is called once under a dispatch mode that records every tensor its
+  ops receive and return; a case whose ``bytes`` exceed the bytes of those tensors' storages
+  counts traffic its call cannot touch (``BytesNotTouched``). This is what the kv_cache cases
+  did: their ``run`` lambdas, built in a loop, looked the loop's variables up when called, so the
+  N8192 cases ran the last iteration's 512-row inputs while counting 8192 rows' bytes (28.9 us for
+  "1.07 GB", 878% of the copy peak on an H200; on the CPU the N256 and chunk32 rows had equal times);
+* a row above 100% of the measured peak raises ``PeakExceeded`` with the case's name. The peaks
+  are the best (not median) of their timings, since a peak is what the device can do.
 """
 from __future__ import annotations
 
@@ -38,6 +49,20 @@ class Case:
     peak_dtype: torch.dtype = torch.bfloat16
     setup_ms: Dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. mask creation time
     params: Dict[str, object] = dataclasses.field(default_factory=dict)
+    # The launch configuration the ragattn call uses (tiles, warps, stages, grid, splits), asked of
+    # the launcher's own config function when the case is measured; recorded in the tables.
+    config: Optional[Callable[[], Dict[str, object]]] = None
+    # How many times the call reads its tensors by design (a two-pass kernel: 2); ``bytes`` may be
+    # at most that many times the bytes of the tensors the call sees (``check_bytes_touched``).
+    passes: int = 1
+
+
+class PeakExceeded(RuntimeError):
+    """A case reported more than 100% of a measured peak: its bytes/flops or its timing are wrong."""
+
+
+class BytesNotTouched(RuntimeError):
+    """A case counts more bytes than the tensors its call receives and returns hold."""
 
 
 def small_dtype(device: torch.device) -> torch.dtype:
@@ -52,16 +77,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_us(fn: Callable[[], object], device: torch.device, *, min_time_s: float = 0.2, max_iters: int = 1000) -> float:
-    """Median wall time of ``fn`` in microseconds.
+def time_us(fn: Callable[[], object], device: torch.device, *, min_time_s: float = 0.2, max_iters: int = 1000,
+            stat: str = "median") -> float:
+    """Wall time of ``fn`` in microseconds, the ``stat`` ("median" or "min") of its samples.
 
-    CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls).
+    CUDA: ``triton.testing.do_bench`` (CUDA events on the current stream, L2 flushed between calls).
     CPU: perf_counter around single calls after one warm-up, until ``min_time_s`` has elapsed.
     """
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+        return float(do_bench(fn, warmup=25, rep=100, return_mode=stat)) * 1e3
     fn()  # warm-up (allocations, caches, Triton compilation)
     samples: List[float] = []
     start = time.perf_counter()
@@ -69,21 +95,106 @@ def time_us(fn: Callable[[], object], device: torch.device, *, min_time_s: float
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
+    return (min(samples) if stat == "min" else statistics.median(samples)) * 1e6
+
+
+def synced_wall_us(fn: Callable[[], object], device: torch.device, *, iters: int = 10) -> float:
+    """Mean wall time of ``iters`` back-to-back calls between two device synchronisations (host
+    overhead and launch gaps included, caches not flushed): an independent figure recorded next to
+    ``time_us`` on CUDA. A call's GPU time cannot exceed it by more than the L2 flush's effect, and
+    a ``time_us`` far below it on a call without host work is worth a look."""
+    fn()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def touched_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of the distinct storages of every tensor that the ops ``fn`` dispatches receive or
+    return (one call of ``fn``): an upper bound on the memory traffic a case may count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    storages: Dict[tuple, int] = {}
+
+    def note(x):
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            try:
+                st = x.untyped_storage()
+            except Exception:  # tensor subclasses without storage
+                return
+            storages[(str(x.device), st.data_ptr())] = max(storages.get((str(x.device), st.data_ptr()), 0), st.nbytes())
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for leaf in tree_leaves((args, kwargs)):
+                note(leaf)
+            out = func(*args, **kwargs)
+            for leaf in tree_leaves(out):
+                note(leaf)
+            return out
+
+    with Record():
+        fn()
+    return sum(storages.values())
+
+
+def check_bytes_touched(case: "Case") -> None:
+    """Raise ``BytesNotTouched`` when ``case.bytes`` exceeds what its call can touch."""
+    if case.bytes is None:
+        return
+    seen = touched_bytes(case.run)
+    if case.bytes > case.passes * seen:
+        raise BytesNotTouched(
+            f"bench case {case.family}/{case.name!r} counts {case.bytes:.4g} bytes but its call only sees "
+            f"{seen:.4g} bytes of tensors ({case.passes} pass(es) over them): it runs other inputs than it "
+            f"counts (a late-bound closure?) or its bytes formula is wrong"
+        )
+
+
+def check_peak(case: "Case", row: dict, device: Optional[torch.device] = None) -> None:
+    """Raise ``PeakExceeded`` when a result row reports more than 100% of a measured peak. With
+    ``device``, a row over the peak first has the peak measured again (a peak measured while the
+    machine was busy is too low) and its percentage recomputed."""
+    pct = row.get("pct_peak")
+    if pct is not None and pct > 100.0 and device is not None:
+        _PEAKS.pop(("copy", str(device)), None)
+        _PEAKS.pop(("matmul", str(device), case.peak_dtype), None)
+        _PEAKS.pop(("matmul", str(device), torch.float32), None)
+        peak = measured_copy_bandwidth(device) if case.peak == "copy" else measured_matmul_tflops(device, case.peak_dtype)
+        pct = row["pct_peak"] = 100.0 * (row["GB/s"] if case.peak == "copy" else row["TFLOP/s"]) / peak
+    if pct is not None and pct > 100.0:
+        what = f"{row['GB/s']:.1f} GB/s" if case.peak == "copy" else f"{row['TFLOP/s']:.1f} TFLOP/s"
+        raise PeakExceeded(
+            f"bench case {case.family}/{case.name!r} ({row['impl']}): {pct:.0f}% of the measured {case.peak} peak "
+            f"({what} in {row['time_us']:.1f} us) is impossible: its bytes/flops count or its timing is wrong"
+        )
 
 
 _PEAKS: Dict[tuple, float] = {}
 
 
 def measured_copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), measured once per process."""
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), measured once per process:
+    the best of its timings. CUDA: a 1 GiB copy (do_bench flushes L2 between calls, as it does for
+    the cases). CPU: the best of 256 KiB, 4 MiB and 64 MiB copies, since the CPU cases' working
+    sets sit in the caches (their timings do not flush them) and a percentage of the DRAM rate
+    alone would pass 100%."""
     key = ("copy", str(device))
     if key not in _PEAKS:
-        nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
-        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        us = time_us(lambda: dst.copy_(src), device)
-        _PEAKS[key] = 2 * nbytes / (us * 1e-6) / 1e9
+        sizes = [1 << 30] if device.type == "cuda" else [256 << 10, 4 << 20, 64 << 20]
+        best = 0.0
+        for nbytes in sizes:
+            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            us = time_us(lambda: dst.copy_(src), device, stat="min")
+            best = max(best, 2 * nbytes / (us * 1e-6) / 1e9)
+            del src, dst
+        _PEAKS[key] = best
     return _PEAKS[key]
 
 
@@ -96,7 +207,7 @@ def measured_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.bflo
         n = 8192 if device.type == "cuda" else 1024
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        us = time_us(lambda: a @ b, device)
+        us = time_us(lambda: a @ b, device, stat="min")
         _PEAKS[key] = 2 * n**3 / (us * 1e-6) / 1e12
     return _PEAKS[key]
 
@@ -138,11 +249,32 @@ def collect_cases(device: torch.device, size: str, only: Optional[str] = None) -
     return [c for _, cases in iter_cases(device, size, only) for c in cases]
 
 
+def cpu_config() -> Dict[str, object]:
+    """The ``config`` of a case on CPU tensors: which CPU backend ran (no GPU launch configuration)."""
+    from ragattn import _extension
+
+    return {"backend": f"cpu:{_extension.cpu_backend()}"}
+
+
+def case_config(case: Case) -> Optional[Dict[str, object]]:
+    """The launch configuration ``case.config`` reports (None when the case gives none)."""
+    if case.config is None:
+        return None
+    return {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v)) for k, v in case.config().items()}
+
+
 def measure_case(case: Case, device: torch.device) -> List[dict]:
-    """Time a case and its baselines; one result row per implementation."""
+    """Time a case and its baselines; one result row per implementation.
+
+    Raises ``BytesNotTouched`` (before timing) or ``PeakExceeded`` (after) with the case's name
+    instead of reporting an impossible figure."""
+    check_bytes_touched(case)
     rows = []
-    t_ragattn = time_us(case.run, device)
-    impls = [("ragattn", t_ragattn)] + [(name, time_us(fn, device)) for name, fn in case.baselines.items()]
+    fns = [("ragattn", case.run)] + list(case.baselines.items())
+    impls = [(name, time_us(fn, device)) for name, fn in fns]
+    walls = {name: synced_wall_us(fn, device) for name, fn in fns} if device.type == "cuda" else {}
+    t_ragattn = impls[0][1]
+    config = case_config(case)
     for impl, us in impls:
         row = {
             "family": case.family,
@@ -164,13 +296,23 @@ def measure_case(case: Case, device: torch.device) -> List[dict]:
                 row["pct_peak"] = 100.0 * tflops / measured_matmul_tflops(device, case.peak_dtype)
         if impl != "ragattn" and impl in case.setup_ms:
             row["setup_ms"] = case.setup_ms[impl]
+        if impl in walls:
+            row["wall_us"] = walls[impl]
+        if impl == "ragattn" and config is not None:
+            row["config"] = config
+        check_peak(case, row, device)
         rows.append(row)
     return rows
 
 
+def _config_text(config: Optional[dict]) -> str:
+    return "" if not config else " ".join(f"{k}={v}" for k, v in config.items())
+
+
 def format_table(rows: List[dict]) -> str:
     """A markdown table of result rows."""
-    head = ["family", "case", "impl", "time (us)", "GB/s", "TFLOP/s", "% peak", "ragattn speedup", "setup (ms)"]
+    head = ["family", "case", "impl", "time (us)", "GB/s", "TFLOP/s", "% peak", "ragattn speedup", "setup (ms)",
+            "synced wall (us)", "config"]
 
     def f(v, fmt):
         return "" if v is None else format(v, fmt)
@@ -190,6 +332,8 @@ def format_table(rows: List[dict]) -> str:
                     f(r.get("pct_peak"), ".1f"),
                     "" if r["impl"] == "ragattn" else f(r["speedup_of_ragattn"], ".2f") + "x",
                     f(r.get("setup_ms"), ".2f"),
+                    f(r.get("wall_us"), ".1f"),
+                    _config_text(r.get("config")),
                 ]
             )
             + " |"

@@ -30,6 +30,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 # H100 SXM5 limits (CUDA C programming guide, compute capability 9.0) and peaks (datasheet)
+# The config tables' entry the report compiles (triton_kernels/configs/*.json), and the window case of
+# bench_varlen_attention (window_left = WINDOW_W - 1 over WINDOW_L tokens).
+DEVICE_NAME = "NVIDIA H100 80GB HBM3"
+WINDOW_W, WINDOW_L = 4096, 16384
+
 H100 = dict(
     sms=132, regs_per_sm=65536, reg_alloc_per_warp=256, max_regs_per_thread=255,
     smem_per_sm=228 * 1024, smem_per_cta=227 * 1024, smem_reserved_per_cta=1024,
@@ -105,6 +110,9 @@ def compile_sm90(fn, constexprs: dict, types: dict, *, num_warps: int = 4, num_s
 
     ints = dict(ints or {})
     constexprs = dict(constexprs)
+    for p in fn.params:  # arguments a launch leaves at their defaults (None descriptors, USE_TMA=False)
+        if p.name not in constexprs and p.name not in types and p.has_default:
+            constexprs[p.name] = p.default
     for n, v in ints.items():
         if v == 1:
             constexprs[n] = 1  # Triton specialises integer arguments equal to 1
@@ -186,12 +194,17 @@ def _fn(kernel: str):
     return getattr(importlib.import_module("ragattn.triton_kernels." + mod), name)
 
 
-def _varlen_bench_plan(va, n_chunks: int, chunk: int, tail: int, bm: int, bn: int, backward: bool, slots):
-    """The varlen launcher's plan for bench_varlen_attention's GPU problem (CPU tensors: only its shape counts)."""
+def _varlen_bench_plan(va, n_chunks: int, chunk: int, tail: int, bm: int, bn: int, backward: bool, slots,
+                       window_left: int = -1):
+    """The varlen launcher's plan for bench_varlen_attention's GPU problem (CPU tensors: only its shape
+    counts); ``window_left >= 0``: the sliding-window case (one causal sequence, no blocks)."""
     import torch
 
     L = n_chunks * chunk + tail
     cu = torch.tensor([0, L], dtype=torch.int32)
+    if window_left >= 0:
+        return va.build_plan(cu, cu, None, None, None, None, L, L, block_m=bm, block_n=bn, causal=True,
+                             window_left=window_left, backward=backward, split_slots=slots)
     blk = torch.cat([torch.arange(n_chunks).repeat_interleave(chunk), torch.full((tail,), -1)]).to(torch.int32)
     return va.build_plan(cu, cu, None, None, blk, blk, L, L, block_m=bm, block_n=bn, causal=True, window_left=-1,
                          backward=backward, split_slots=slots)
@@ -222,18 +235,25 @@ def triton_specs() -> List[TritonSpec]:
     ints_va = dict(num_heads=H, window_left=0)  # no window: the launcher passes max(-1, 0)
     for n_chunks, chunk, name, kernels in [(64, 500, "fwd_chunks64x500+50", ("fwd",)),
                                             (8, 4096, "fwd_chunks8x4096+50", ("fwd",)),
-                                            (64, 500, "bwd_chunks64x500+50", ("dq", "dkdv"))]:
+                                            (64, 500, "bwd_chunks64x500+50", ("dq", "dkdv")),
+                                            (1, WINDOW_L, f"fwd_window{WINDOW_W}_L{WINDOW_L}", ("fwd",))]:
+        window = name.startswith("fwd_window")
         for kernel in kernels:
-            bm, bn, warps, stages = va._config(D, kernel, bf16)
-            plan = _varlen_bench_plan(va, n_chunks, chunk, 50, bm, bn, kernel == "dkdv",
-                                      2 * sms / H if kernel == "fwd" else None)
+            bm, bn, warps, stages = va._config(D, kernel, bf16, window, DEVICE_NAME)
+            plan = _varlen_bench_plan(va, n_chunks, chunk, 0 if window else 50, bm, bn, kernel == "dkdv",
+                                      2 * sms / H if kernel == "fwd" else None, WINDOW_W - 1 if window else -1)
             consts = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=va.block_d(D), CAUSAL=True,
-                          WINDOW=False, UPCAST=False, PREC=prec)
+                          WINDOW=window, UPCAST=False, PREC=prec)
             fn, grid = {"fwd": ("_fwd_kernel", (H, plan.by_q.items)), "dq": ("_bwd_dq_kernel", (H, plan.by_q.items)),
                         "dkdv": ("_bwd_dkdv_kernel", (Hkv, plan.by_k.items if plan.by_k else 0))}[kernel]
             csr = plan.by_k if kernel == "dkdv" else plan.by_q
             specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name}", kernel == "fwd", consts,
                                     types_va, warps, stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
+            if kernel == "fwd" and name == "fwd_chunks8x4096+50":  # the TMA variant of the mask-free loop
+                desc = f"tensordesc<bf16[{bn},{D}]>"
+                specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name} (TMA)", True,
+                                        dict(consts, USE_TMA=True), dict(types_va, KDesc=desc, VDesc=desc), warps,
+                                        stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
             if plan.by_q.split_tiles and kernel == "fwd":  # the merge of split rows
                 block_h = triton.next_power_of_2(H)
                 rows = plan.by_q.split_tiles * bm
@@ -247,7 +267,7 @@ def triton_specs() -> List[TritonSpec]:
                          head_dim=D), loop=False))
 
     # paged_attention (bench_paged_attention, gpu): sparse prefill, decode, windowed decode; bf16 d128 page 16
-    types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
+    types_pa = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
     types_pa.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32")
     ctx, page = PAGED_CTX, 16
     for name, batch, rows, window in [("sparse_prefill", 1, 64, -1), ("decode", PAGED_BATCH, 1, -1),
@@ -264,7 +284,7 @@ def triton_specs() -> List[TritonSpec]:
         split_len = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
         splits = max(1, triton.cdiv(span, split_len))
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                      HAS_WINDOW=window >= 0, UPCAST=False, IEEE_FP32=False)
+                      HAS_WINDOW=window >= 0, ROW_STARTS=False, UPCAST=False, IEEE_FP32=False)
         types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
         # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
         ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,
@@ -299,21 +319,27 @@ def triton_specs() -> List[TritonSpec]:
              stride_lat=H, stride_lah=1, stride_lbt=H, stride_lbh=1, stride_lot=H, stride_loh=1,
              num_heads=H, head_dim=D), loop=False))
 
-    # key_attention_scores (bench_key_attention_scores, gpu): t_q 64, t_k 32768
+    # key_attention_scores (bench_key_attention_scores, gpu): t_q 64, t_k 32768, the table's H100 entry
     t_q, t_k = 64, 32768
-    block_m, block_n, warps = kas.launch_config(bf16, D, on_gpu=True)
+    cfg = kas.kernel_config(bf16, D, DEVICE_NAME)
+    block_m, block_n, warps, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
     group = H // Hkv
     q_tiles = triton.cdiv(t_q * group, block_m)
     k_tiles = triton.cdiv(t_k, block_n)
-    splits = kas.splits_for_sms(q_tiles, 1, Hkv, k_tiles, sms)
+    splits = kas.splits_for_sms(q_tiles, 1, Hkv, k_tiles, sms, cfg["waves"])
     consts = dict(GROUP=group, HEAD_DIM=D, BLOCK_D=D, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False, IEEE=False)
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "lse_ptr": "*fp32",
              "partial_ptr": "*fp32", "qk_scale": "fp32"}
     ints = dict(stride_qt=H * D, stride_qh=D, stride_kt=Hkv * D, stride_kh=D, num_heads=H)
     case = "key_attention_scores/scores"
-    specs.append(TritonSpec("key_attention_scores._row_lse_kernel", case, True, consts, types, warps, 3,
+    specs.append(TritonSpec("key_attention_scores._row_lse_kernel", case, True, consts, types, warps, stages,
                             (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, num_splits=splits)))
-    specs.append(TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, 3,
+    if splits > 1:  # the splits' LSE merge: one program per _MERGE_BLOCK (row, head) entries
+        n = t_q * H
+        specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", case, True, dict(BLOCK=kas._MERGE_BLOCK),
+                                {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
+                                (triton.cdiv(n, kas._MERGE_BLOCK),), dict(n=n, num_splits=splits), loop=False))
+    specs.append(TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, stages,
                             (k_tiles, 1, Hkv), dict(ints, total_k=t_k)))
     return specs
 
@@ -543,6 +569,10 @@ def roofline_cases() -> List[dict]:
         if c == 500:  # backward reads q,k,v,o,do,lse, writes dq,dk,dv
             bio = 4 * L * H * D * bf + 4 * L * Hkv * D * bf + 2 * L * H * 4
             cases.append(dict(case=f"varlen_attention/bwd_chunks{n}x{c}+{tail}", bytes=bio, flops=2.5 * 4.0 * D * H * pairs))
+    L, W = WINDOW_L, WINDOW_W  # bench_varlen_attention window case: each query sees its last W keys
+    pairs = sum(min(i + 1, W) for i in range(L))
+    cases.append(dict(case=f"varlen_attention/fwd_window{W}_L{L}",
+                      bytes=2 * L * H * D * bf + 2 * L * Hkv * D * bf + L * H * 4, flops=4.0 * D * H * pairs))
     ctx, tail = 32768, 64  # bench_paged_attention sparse prefill: one sequence, 64 new rows at the end
     pairs = sum(ctx - tail + i + 1 for i in range(tail))
     cases.append(dict(case="paged_attention/sparse_prefill", bytes=2 * ctx * Hkv * D * bf + 2 * tail * H * D * bf,
@@ -556,8 +586,8 @@ def roofline_cases() -> List[dict]:
                       flops=4.0 * D * H * batch * window))
     rows = 32 * 128
     cases.append(dict(case="merge_attention_states/merge", bytes=3.0 * rows * H * (D * bf + 4), flops=None))
-    t_q, t_k = 64, 32768  # bench_key_attention_scores: two passes over K (row LSE, column sums)
-    cases.append(dict(case="key_attention_scores/scores", bytes=2 * t_k * Hkv * D * bf + t_q * H * D * bf + t_k * 4,
+    t_q, t_k = 64, 32768  # bench_key_attention_scores: two passes over q and K (row LSE, column sums)
+    cases.append(dict(case="key_attention_scores/scores", bytes=2 * t_k * Hkv * D * bf + 2 * t_q * H * D * bf + t_k * 4,
                       flops=2 * 2.0 * H * t_q * t_k * D))
     for tag, layers, N in KV_CACHE_SHAPES:  # bench_kv_cache: H=8, D=128 bf16
         kv = N * layers * Hkv * D * bf
@@ -740,10 +770,9 @@ def bandwidth_cases(triton_rows: List[dict], cuda_rows: List[dict]) -> List[dict
 
 
 def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    from .provenance import project_commit  # ragattn's own commit only (issue 22.6)
+
+    return project_commit(str(ROOT))
 
 
 def build_report(workers: int = 2) -> dict:
@@ -780,7 +809,7 @@ def to_markdown(r: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k in r["triton_kernels"]:
-        pipe = _yn(k["cp_async"]) + ("" if k["has_main_loop"] else " (no loop)")
+        pipe = _yn(k["cp_async"]) + (", TMA" if k.get("tma") else "") + ("" if k["has_main_loop"] else " (no loop)")
         lines.append(f"| `{k['kernel']}` | {k['case']} | {k['num_warps']} | {k['num_stages']} | {k['regs']} | "
                      f"{k['spill_stores']}/{k['spill_loads']} | {k['smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
                      f"{pipe} | {tuple(k['grid'])} | {k['waves']} | {k.get('balance') or '-'} |")

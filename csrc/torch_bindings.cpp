@@ -34,6 +34,25 @@ TORCH_LIBRARY(ragattn, m) {
       "paged_attention.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor kv_lens, float? scale=None, int window_left=-1, *, Tensor(a!) out, "
       "Tensor(b!) lse_out) -> ()");
+  //    The same with a ready plan (ragattn.plan_paged_attention, once per step; this per layer):
+  //    no host sync on any device, CUDA-graph capturable. pages: a padded block_table [B, max_pages]
+  //    (row_start None), or a flat page list [E] with row_start [B] (FlashInfer's CSR indices and
+  //    indptr[:-1]); tile_seq/tile_row0/launch: the plan's tile map and launch integers.
+  //    Zero-copy chunk pages: entry_pos/entry_len [E] (flat lists) give each entry's slot-0
+  //    position and valid slots; inv_freq [rotary_dim / 2] rotates keys stored without RoPE.
+  //    fp8 caches (vLLM's kv_cache_dtype="fp8"): float8 k/v_cache with float32 k/v_scale [] or [1].
+  m.def(
+      "paged_attention_run(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor pages, Tensor? row_start, Tensor kv_lens, Tensor tile_seq, Tensor tile_row0, int[] launch, "
+      "float? scale=None, int window_left=-1, Tensor? entry_pos=None, Tensor? entry_len=None, "
+      "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "paged_attention_run.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor pages, Tensor? row_start, Tensor kv_lens, Tensor tile_seq, Tensor tile_row0, int[] launch, "
+      "float? scale=None, int window_left=-1, Tensor? entry_pos=None, Tensor? entry_len=None, "
+      "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
+      "Tensor? v_scale=None, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 3. Exact merge of two partial attentions over disjoint key sets (Triton). LSEs are natural
   //    log; log2=True takes and returns base-2 LSEs (FlashInfer's convention).

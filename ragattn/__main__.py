@@ -18,46 +18,71 @@ import sys
 
 
 def main(argv=None) -> int:
+    """Run a sub-command. Every one fails the same way: bad arguments and user-facing errors
+    (corpus, model, device, output path, chunk store, ...) print one ``error: ...`` line and
+    return 2 (:func:`ragattn.cli.run_command`); anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "demo":
-        from ragattn.demo import main as demo_main
+    entry = _COMMANDS.get(cmd)
+    if entry is None:
+        print(f"error: python -m ragattn: unknown command {cmd!r} (commands: {', '.join(_COMMANDS)})",
+              file=sys.stderr)
+        return 2
+    from ragattn.cli import run_command
 
-        return demo_main(rest)
-    if cmd == "build-store":
-        from ragattn.build_store import main as build_store_main
+    return run_command(lambda: entry(rest), f"python -m ragattn {cmd}")
 
-        return build_store_main(rest)
-    if cmd == "eval":
-        from ragattn.eval import main as eval_main
 
-        return eval_main(rest)
-    if cmd == "finetune":
-        from ragattn.finetune import main as finetune_main
+def _demo(rest):
+    from ragattn.demo import main as demo_main
 
-        return finetune_main(rest)
-    if cmd == "refrag-train":
-        from ragattn.methods.refrag.train import main as refrag_train_main
+    return demo_main(rest)
 
-        return refrag_train_main(rest)
-    if cmd == "bench":
-        if rest[:1] == ["e2e"]:
-            from ragattn.bench.e2e import main as e2e_main
 
-            return e2e_main(rest[1:])
-        if rest[:1] == ["sm90"]:
-            from ragattn.bench.sm90 import main as sm90_main
+def _build_store(rest):
+    from ragattn.build_store import main as build_store_main
 
-            sm90_main(rest[1:])
-            return 0
-        from ragattn.bench.__main__ import main as bench_main
+    return build_store_main(rest)
 
-        return bench_main(rest)
-    print(f"python -m ragattn: unknown command {cmd!r} (commands: demo, build-store, eval, finetune, refrag-train, bench)", file=sys.stderr)
-    return 2
+
+def _eval(rest):
+    from ragattn.eval import main as eval_main
+
+    return eval_main(rest)
+
+
+def _finetune(rest):
+    from ragattn.finetune import main as finetune_main
+
+    return finetune_main(rest)
+
+
+def _refrag_train(rest):
+    from ragattn.methods.refrag.train import main as refrag_train_main
+
+    return refrag_train_main(rest)
+
+
+def _bench(rest):
+    if rest[:1] == ["e2e"]:
+        from ragattn.bench.e2e import main as e2e_main
+
+        return e2e_main(rest[1:])
+    if rest[:1] == ["sm90"]:
+        from ragattn.bench.sm90 import main as sm90_main
+
+        sm90_main(rest[1:])
+        return 0
+    from ragattn.bench.__main__ import main as bench_main
+
+    return bench_main(rest)
+
+
+_COMMANDS = {"demo": _demo, "build-store": _build_store, "eval": _eval, "finetune": _finetune,
+             "refrag-train": _refrag_train, "bench": _bench}
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ def _shard(text: str):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ragattn build-store", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ragattn.cli import OneLineParser
+
+    p = OneLineParser(prog="python -m ragattn build-store", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (default: the shipped one)")
     p.add_argument("--out", required=True, metavar="DIR", help="store directory (created; shared by shards)")
     p.add_argument("--neighbours", type=int, default=10, metavar="N",
@@ -62,8 +64,12 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     from ragattn.methods.common import prompt_parts
     from ragattn.methods.retrieval import SentenceEncoder
 
+    from ragattn.cli import parse_device, writable_dir
+
+    device = parse_device(args.device)                  # before any work: the device and --out
+    writable_dir(args.out, "--out")
     corpus = load_corpus(args.corpus)
-    model, tok = model_and_tokenizer or load_model(args.model, torch.device(args.device))
+    model, tok = model_and_tokenizer or load_model(args.model, device)
     head, chunks, _ = prompt_parts(tok, [p.render() for p in corpus.passages], "")
     emb = SentenceEncoder().encode([f"{p.title}. {p.text}" for p in corpus.passages])  # as the retriever
     nbrs = fusionrag.neighbours(emb, args.neighbours)
@@ -87,13 +93,12 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
 
 
 def main(argv=None) -> int:
-    from ragattn.corpus import CorpusError
-    from ragattn.demo import DemoError
+    """One ``error:`` line and exit status 2 for bad arguments, an unusable device, ``--out``,
+    corpus or model, and chunk store errors (:func:`ragattn.cli.run_command`)."""
+    from ragattn.cli import run_command
 
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (CorpusError, DemoError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    def go():
+        run(parse_args(argv))
+        return 0
+
+    return run_command(go, "python -m ragattn build-store")

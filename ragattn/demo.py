@@ -192,8 +192,10 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ragattn demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ragattn.cli import OneLineParser   # errors: one line, exit status 2, as every sub-command
+
+    p = OneLineParser(prog="python -m ragattn demo", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", action="append", default=None, metavar="M",
                    help=f"method to run (repeatable; default: all). Known: {', '.join(METHOD_NAMES)}")
     p.add_argument("--question", action="append", default=None, metavar="TEXT",

@@ -248,6 +248,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     """Run the evaluation, write the outputs, print the tables; returns the results dict."""
     from tqdm import tqdm
 
+    from ragattn.cli import parse_device, save_or_keep, writable_dir
     from ragattn.demo import DemoError, kl_divergence, load_model
     from ragattn.methods.chunk_store import ChunkStore
     from ragattn.methods.common import prompt_parts
@@ -261,9 +262,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     if max(args.top_k) > len(corpus.passages):
         raise EvalError(f"--top-k {max(args.top_k)} exceeds the corpus's {len(corpus.passages)} passages")
     questions = corpus.questions[: args.limit] if args.limit else corpus.questions
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError("--device cuda but no CUDA device is available")
+    device = parse_device(args.device)
+    outdir = writable_dir(args.out, "--out")            # before the work, which a late failure would lose
+    if args.store is not None:
+        writable_dir(args.store, "--store")
     progress = not args.no_progress
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model_and_tokenizer is None:
@@ -358,14 +360,13 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
                     top_k=args.top_k, ratios=args.ratios, methods=args.methods,
                     max_new_tokens=args.max_new_tokens, fusion=fusion),
         aggregates=aggregate(rows), rows=[dataclasses.asdict(r) for r in rows])
-    outdir = Path(args.out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = format_tables(results)
-    (outdir / "results.md").write_text(table + "\n")
+    print(table, file=out)                              # first: a failed write below loses nothing
+    text = json.dumps(results, indent=1) + "\n"
+    save_or_keep(lambda p: p.write_text(text), outdir / "results.json", "--out")
+    save_or_keep(lambda p: p.write_text(table + "\n"), outdir / "results.md", "--out")
     if not args.no_plot:
-        plot(results, outdir / "results.png")
-    print(table, file=out)
+        save_or_keep(lambda p: plot(results, p), outdir / "results.png", "--out")
     return results
 
 
@@ -474,12 +475,14 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    from ragattn.cli import run_command
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv
-    try:
+
+    def go():
         run(args)
-    except (EvalError, CorpusError) as exc:
-        print(f"error: python -m ragattn eval: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_command(go, "python -m ragattn eval")

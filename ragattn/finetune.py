@@ -105,8 +105,17 @@ def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sa
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ragattn finetune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """One ``error:`` line and exit status 2 for every bad input (:func:`ragattn.cli.run_command`)."""
+    from ragattn.cli import run_command
+
+    return run_command(lambda: _main(argv), "python -m ragattn finetune")
+
+
+def _main(argv=None) -> int:
+    from ragattn.cli import OneLineParser, UsageError, check_positive, parse_device, save_or_keep, writable_dir
+
+    p = OneLineParser(prog="python -m ragattn finetune", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
     p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (default: the shipped one)")
     p.add_argument("--steps", type=int, default=20)
@@ -128,21 +137,24 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.batch < 1:
         p.error(f"--batch must be >= 1, got {args.batch}")
+    if args.top_k < 1:
+        p.error(f"--top-k must be >= 1, got {args.top_k}")
+    check_positive(args.lr, "--lr")
+    device = parse_device(args.device)                  # before any work: device, corpus, --save
+    if args.save:
+        writable_dir(args.save, "--save")
     torch.set_flush_denormal(True)  # tiny Adam moments must not hit the slow denormal path
 
     from tqdm import tqdm
 
-    from ragattn.corpus import CorpusError, load_corpus
-    from ragattn.demo import DemoError, load_model
+    from ragattn.corpus import load_corpus
+    from ragattn.demo import load_model
 
-    device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    try:
-        corpus = load_corpus(args.corpus)
-        model, tok = load_model(args.model, device)
-    except (CorpusError, DemoError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    corpus = load_corpus(args.corpus)
+    if args.top_k > len(corpus.passages):
+        raise UsageError(f"--top-k {args.top_k} exceeds the corpus's {len(corpus.passages)} passages")
+    model, tok = load_model(args.model, device)
     model = model.to(dtype)
     use_block_attention(model)
     rng = random.Random(args.seed)
@@ -180,8 +192,12 @@ def main(argv=None) -> int:
     print("; ".join(summary))
     if args.save:
         model.config._attn_implementation = "sdpa"
-        model.save_pretrained(args.save)
-        tok.save_pretrained(args.save)
+
+        def save(path):
+            model.save_pretrained(path)
+            tok.save_pretrained(path)
+
+        save_or_keep(save, args.save, "--save")   # a failed save keeps the trained model elsewhere
         print(f"saved {args.save}")
     return 0
 

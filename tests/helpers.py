@@ -21,7 +21,7 @@ def poison_like(t: torch.Tensor) -> torch.Tensor:
 
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max |a - b| in float64, treating matching infinities as equal and any NaN as infinite error."""
-    a64, b64 = a.double(), b.double()
+    a64, b64 = a.detach().double(), b.detach().double()
     if torch.isnan(a64).any() or torch.isnan(b64).any():
         return float("inf")
     same_inf = torch.isinf(a64) & torch.isinf(b64) & (torch.sign(a64) == torch.sign(b64))

@@ -16,7 +16,10 @@ def test_e2e_bench_tiny(tmp_path):
             "cached (on device)"} <= paths
     for r in data["rows"]:   # the assembly is part of the cached TTFT, and only that row has one
         assert ("assembly_ms" in r) == (r["path"] == "cached (on device)")
-        assert 0 < r.get("assembly_ms", 1) < r["ttft_ms"]
+        if "assembly_ms" in r:
+            # each recorded assembly is timed inside the TTFT call it belongs to (paired samples),
+            # so its median cannot exceed the TTFT median: a containment, not a speed claim
+            assert 0 < r["assembly_ms"] <= r["ttft_ms"]
     for r in data["rows"]:
         if r["path"] in ("full-prefill", "cached (on device)"):
             # 3 tokens: 2 gaps, their median is their mean and both lie inside the answer's time

@@ -185,6 +185,21 @@ def test_clear_errors(smollm2):
         fusionrag.answer(model, tok, CHUNKS, QUESTION, store=ChunkStore(other))
 
 
+
+def test_meaningless_options_are_refused():
+    """Issue 24.2: a check layer the model does not have, no new tokens."""
+    model, tok = _tiny("llama")                                  # 5 layers
+    chunks = _chunks(tok)
+    for layers in ((1, 5), (2, 7)):
+        with pytest.raises(ValueError, match=r"check_layers .* must be layers of the model, in \[1, 4\]"):
+            fusionrag.cacheblend(model, tok, chunks, QUESTION, check_layers=layers)
+    assert fusionrag.cacheblend(model, tok, chunks, QUESTION, check_layers=(1, 4), max_new_tokens=1).tokens
+    for fn in (fusionrag.answer, fusionrag.cacheblend, fusionrag.full_reuse):
+        for n in (0, -1, 2.0):
+            with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+                fn(model, tok, chunks, QUESTION, max_new_tokens=n)
+
+
 def test_fused_caches_equal_a_masked_forward_and_resume(tmp_path):
     """A fused chunk cache == the chunk's K/V in one forward of [head, neighbours..., chunk] where the
     head and each neighbour see only themselves and the chunk sees everything (then re-rotated to

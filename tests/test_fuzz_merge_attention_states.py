@@ -13,8 +13,6 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning",
-                                        "ignore::RuntimeWarning")
 
 LSE_VALUES = [0.0, 1.5, -3.0, 90.0, -120.0, float("-inf"), float("inf"), float("nan")]
 

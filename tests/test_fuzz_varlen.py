@@ -16,7 +16,6 @@ import pytest
 import torch
 
 # The interpreter warns on the NaN/inf the poisoned cases feed it on purpose.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402

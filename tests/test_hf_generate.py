@@ -461,7 +461,7 @@ def test_serving_prefill_compares_index_tensors_once_per_forward(monkeypatch):
     """Issue 15.6 under serving conditions (``torch.inference_mode()``, the Triton path CUDA takes):
     the layers after the first reuse the forward's tile plan without reading the index tensors
     again (each ``torch.equal`` on CUDA is a host sync)."""
-    import ragattn.ops._plan_cache as plan_cache
+    import ragattn.triton_kernels.plan_cache as plan_cache
 
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
     compared = []

@@ -8,8 +8,6 @@ import ragattn
 from ragattn.reference import key_attention_scores as ref_scores
 from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
 
-# The interpreter converts loop bounds through a deprecated numpy path; not our concern here.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -69,6 +67,42 @@ def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
     ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
     ref_lowp = ref_scores(q, k, cu_q, cu_k, compute_dtype=q.dtype)
     assert_precision(out, ref64, ref_lowp, what=f"scores with {num_splits} splits")
+
+
+@pytest.mark.parametrize("num_splits,q_lens,k_lens,heads", [
+    (5, [3, 1], [70, 300], (8, 1)),  # sequence 0 has 2 key tiles: splits 2..4 are empty (-inf partials)
+    (4, [2, 5, 1], [65, 1, 0], (6, 2)),  # a length-1 key range, a sequence without keys
+    (2, [1], [129], (4, 4)),  # GQA 1, one row, one key past two tiles
+])
+def test_pass2_merges_uneven_and_empty_splits(device, seed, num_splits, q_lens, k_lens, heads):
+    """Issue 22.4: one kernel merges the splits' partial LSEs (was torch's logsumexp, ~5 launches); empty
+    splits, short sequences and every GQA ratio give the reference's scores."""
+    from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
+
+    q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, heads[0], heads[1], 64, torch.bfloat16, device)
+    out = kernel(q, k, cu_q, cu_k, num_splits=num_splits)
+    ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
+    ref_lowp = ref_scores(q, k, cu_q, cu_k, compute_dtype=q.dtype)
+    assert_precision(out, ref64, ref_lowp, what=f"scores with {num_splits} splits")
+
+
+@pytest.mark.parametrize("where, value", [("k", float("nan")), ("k", float("inf")), ("q", float("nan"))])
+def test_nonfinite_rule_through_the_split_merge(device, where, value):
+    """The NaN rule holds when the NaN sits in one split of several: the merge kernel keeps it
+    (a max that ignored NaN would hide it), other sequences stay finite."""
+    from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
+
+    q, k, cu_q, cu_k = make_inputs([3, 4], [70, 200], 4, 2, 64, torch.float32, device)
+    if where == "k":
+        k[70 + 150, 1, 3] = value  # sequence 1's key 150: the third of three splits
+    else:
+        q[4, 2, 0] = value
+        k[70:] = k[70:].abs()
+    got = kernel(q, k, cu_q, cu_k, num_splits=3)
+    ref = ref_scores(q.double(), k.double(), cu_q, cu_k)
+    assert torch.isnan(ref[70:]).all() and torch.isfinite(ref[:70]).all()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert (got[:70].double() - ref[:70]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,28 +174,41 @@ def test_bad_scale(device):
 
 
 _COMPILE_CHECK = r"""
+import json
 import torch
 import ragattn.triton_kernels.key_attention_scores as kas
+from ragattn.triton_kernels import gpu_configs
 from tests.helpers import SM90_CASES, compile_many_sm90
 
-jobs = []
-for elt, head_dim in SM90_CASES:
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
-    block_m, block_n, num_warps = kas.launch_config(dtype, head_dim, on_gpu=True)
-    consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                  UPCAST=False, IEEE=dtype == torch.float32)
-    types = {"q_ptr": "*" + elt, "k_ptr": "*" + elt, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
-             "lse_ptr": "*fp32", "partial_ptr": "*fp32", "qk_scale": "fp32"}
-    for fn in (kas._row_lse_kernel, kas._column_sum_kernel):
-        jobs.append((fn, consts, types, dict(num_warps=num_warps)))
-compile_many_sm90(jobs)
+# every config the table can pick on an sm_90 GPU: the default and the H100/H200 entries
+devices = ["default", "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+jobs, seen = [], set()
+for device in devices:
+    for elt, head_dim in SM90_CASES:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
+        c = kas.kernel_config(dtype, head_dim, device)
+        consts = dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+                      UPCAST=False, IEEE=dtype == torch.float32)
+        types = {"q_ptr": "*" + elt, "k_ptr": "*" + elt, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+                 "lse_ptr": "*fp32", "partial_ptr": "*fp32", "qk_scale": "fp32"}
+        for fn in (kas._row_lse_kernel, kas._column_sum_kernel):
+            key = json.dumps([fn.__name__, elt, head_dim, c], sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                jobs.append((fn, consts, types, dict(num_warps=c["num_warps"], num_stages=c["num_stages"])))
+# the 16-bit configs (what every GPU entry tunes) must not spill; the fp32 "ieee" dots spill at the
+# default's 64 x 64 tiles (a known defect, kept: fp32 is not a GPU target dtype)
+spills = [(job[0].__name__, job[1], r["spill_stores"]) for job, r in zip(jobs, compile_many_sm90(jobs, ptxas=True))
+          if (r["spill_stores"] or r["spill_loads"]) and not job[1]["IEEE"]]
+assert not spills, spills
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90():
-    """Both passes compile for an H100 (sm_90) at the GPU launch configs, within its shared
-    memory; needs no GPU (runs in a subprocess: this process's kernels are interpreter objects)."""
+    """Both passes compile for an H100 (sm_90) at every config the table gives an sm_90 GPU, within
+    its shared memory, and the 16-bit ones without spills; needs no GPU (runs in a subprocess: this process's
+    kernels are interpreter objects)."""
     run_compile_check(_COMPILE_CHECK)
 
 

@@ -10,9 +10,6 @@ from tests.helpers import assert_precision, randn_nonzero, run_compile_check, us
 
 I32 = torch.int32
 
-# the Triton interpreter converts 1-element arrays to ints in range(); not ours to fix
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
 
 @pytest.fixture(params=["default", "triton"])
 def backend(request, monkeypatch, device):

@@ -12,9 +12,6 @@ from tests.helpers import assert_precision, randn_nonzero, run_compile_check, us
 
 I32 = torch.int32
 
-# the Triton interpreter converts 1-element arrays to ints in range(); not ours to fix
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
 
 def make_paged(kv_lens, page_size, num_kv_heads, head_dim, dtype, device, *, extra_pages=3):
     """Random K/V caches with every sequence's pages shuffled across the pool (plus unused pages)."""
@@ -245,7 +242,7 @@ def test_nonfinite_v_reaches_only_the_rows_that_see_it(backend, monkeypatch, dev
 
 
 def test_nonfinite_k_poisons_only_the_rows_that_see_it(backend, monkeypatch, device, seed):
-    """A non-finite visible score makes that (row, head) NaN in out and lse; invisible ones do nothing."""
+    """A NaN visible score makes that (row, head) NaN in out and lse; invisible ones do nothing."""
     ps = 16
     args = list(make_case([[4, 10, 30]], [40], num_heads=2, num_kv_heads=1, head_dim=64, page_size=ps,
                           dtype=torch.float16, device=device))
@@ -261,6 +258,46 @@ def test_nonfinite_k_poisons_only_the_rows_that_see_it(backend, monkeypatch, dev
         check_nonfinite_rule(args, out, lse)
         assert torch.isfinite(out[0]).all() and torch.isfinite(lse[0]).all()
         assert torch.isnan(out[1:]).all() and torch.isnan(lse[1:]).all()
+
+
+def test_minus_inf_score_has_weight_zero_as_in_varlen(backend, monkeypatch, device, seed):
+    """Issue 24.3, one -inf rule: a visible key whose score is -inf has weight 0 (not NaN) in the
+    decode/sparse-prefill op, exactly as in varlen_attention (prefill), so the HF prefill and the
+    decode of one cache agree; a row whose visible scores are all -inf gets out 0 and lse -inf;
+    NaN and +inf still poison their row."""
+    ps = 8
+    q_positions = [[0, 3, 11, 20], [6]]
+    kv_lens = [21, 9]
+    args = list(make_case(q_positions, kv_lens, num_heads=4, num_kv_heads=2, head_dim=64, page_size=ps,
+                          dtype=torch.float32, device=device))
+    q, k, bt = args[0].clone(), args[3].clone(), args[5].cpu()
+    q[..., 0] = q[..., 0].abs() + 0.5   # score = finite + q0 * k0: -inf where k0 = -inf
+    for b, j in [(0, 0), (0, 5), (0, 17), (1, 2)]:
+        page, off = _slot(bt[b], j, ps)
+        k[page, off, :, 0] = float("-inf")
+    args[0], args[3] = q, k
+    for splits in ("1", "2") if backend == "triton" else ("auto",):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = ragattn.paged_attention(*args)
+        check_nonfinite_rule(args, out, lse)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "-inf scores must not poison a row"
+        assert (out[0] == 0).all() and (lse[0] == float("-inf")).all(), "q_pos=0 sees only a -inf key"
+        # the same keys as one contiguous prefill: varlen_attention must give the same rows
+        for b, (r0, r1) in enumerate([(0, 4), (4, 5)]):
+            idx = torch.arange(kv_lens[b])
+            pages = bt[b][idx // ps].to(device)
+            kk, vv = k[pages, (idx % ps).to(device)], args[4][pages, (idx % ps).to(device)]
+            cu_q = torch.tensor([0, r1 - r0], dtype=I32, device=device)
+            cu_k = torch.tensor([0, kv_lens[b]], dtype=I32, device=device)
+            o_v, l_v = ragattn.varlen_attention(q[r0:r1], kk, vv, cu_q, cu_k, q_pos=args[1][r0:r1],
+                                                kv_pos=idx.to(device=device, dtype=I32))
+            torch.testing.assert_close(out[r0:r1], o_v, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse[r0:r1], l_v, atol=2e-5, rtol=2e-5)
+    page, off = _slot(bt[0], 2, ps)
+    k[page, off, :, 0] = float("inf")   # +inf: rows 3, 11, 20 of sequence 0 see it
+    out, lse = ragattn.paged_attention(*args)
+    check_nonfinite_rule(args, out, lse)
+    assert torch.isnan(lse[1:4]).all() and not torch.isnan(lse[4]).any()
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -480,7 +517,7 @@ def test_run_compiles_fullgraph(monkeypatch):
 
     class StandIn:   # kernel[grid](...) writes a value that depends on its inputs
         def __getitem__(self, grid):
-            def launch(q, q_pos, cu, k, v, bt, kvl, tile_seq, tile_row0, o, lse, *rest, **kw):
+            def launch(q, q_pos, cu, k, v, pages, row_start, kvl, tile_seq, tile_row0, o, lse, *rest, **kw):
                 o.copy_((q.float() * 2 + k.float().mean()).expand_as(o).to(o.dtype))
                 lse.fill_(float(grid[2]))
             return launch
@@ -655,7 +692,7 @@ import triton
 import ragattn.triton_kernels.paged_attention as pa
 from tests.helpers import SM90_CASES, compile_many_sm90
 
-ints = ("Q_POS", "CU_SEQLENS_Q", "BLOCK_TABLE", "KV_LENS", "TILE_SEQ", "TILE_ROW0")
+ints = ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0", "ENTRY_POS", "ENTRY_LEN")
 jobs = []
 for elt, head_dim in SM90_CASES:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[elt]
@@ -667,11 +704,20 @@ for elt, head_dim in SM90_CASES:
         m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, dtype.itemsize, False)
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, UPCAST=False,
-                      IEEE_FP32=dtype == torch.float32)  # windows: decode/verify configs
+                      IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
+                      ROW_STARTS=split,  # flat (CSR) page lists: decode/verify configs
+                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False)
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
-                     LSE="*fp32", qk_scale="fp32")
+                     LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32")
         jobs.append((pa._paged_attention_kernel, consts, types, dict(num_warps=warps, num_stages=stages)))
+        if split and elt != "fp32":  # zero-copy pages: positions from the entries, keys rotated in the kernel
+            tagged = dict(consts, POS_TABLE=True, HAS_ENTRY_LEN=True, ROPE=True, ROPE_INTERLEAVED=max_rows == 5)
+            jobs.append((pa._paged_attention_kernel, tagged, types, dict(num_warps=warps, num_stages=stages)))
+            # vLLM's fp8 caches, dequantised in the kernel, with and without the tagged pages
+            fp8_types = dict(types, K_CACHE="*fp8e4nv", V_CACHE="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32")
+            for flags in (dict(consts, KV_FP8=True), dict(tagged, KV_FP8=True)):
+                jobs.append((pa._paged_attention_kernel, flags, fp8_types, dict(num_warps=warps, num_stages=stages)))
 compile_many_sm90(jobs)
 print("compiled")
 """
@@ -691,6 +737,6 @@ def test_docs_examples_run():
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "ops.md").read_text()
     section = text[text.index("## paged_attention"): text.index("## rerotate_keys_")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for code in blocks:
         exec(compile(code, "docs/ops.md", "exec"), {})

@@ -213,11 +213,12 @@ def test_invisible_slots_across_chunks_are_never_read(seed):
 
 
 def test_nonfinite_score_in_a_later_chunk(seed):
-    """A non-finite visible score in the second chunk (after the first was accumulated) poisons the
+    """A NaN/+inf visible score in the second chunk (after the first was accumulated) poisons the
     (row, head)s that see it, and nothing else: the other kv head's heads and the row that does
     not reach the slot keep their exact results."""
     args = list(make_case([[200, 100]], [201], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                           dtype=torch.float32, device="cpu"))
+    args[0][..., 5] = args[0][..., 5].abs() + 0.5  # q . k = +inf below (a -inf score has weight 0)
     clean = ragattn.paged_attention(*args)
     k = args[3].clone()
     page, off = _slot(args[5][0], 150, 16)

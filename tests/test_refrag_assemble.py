@@ -11,8 +11,6 @@ import ragattn
 from ragattn.reference.refrag_assemble import refrag_assemble as ref_assemble
 from tests.helpers import randn_nonzero, use_kernel_backend
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
 
 @pytest.fixture(params=["default", "triton"])
 def backend(request, monkeypatch, device):

@@ -9,13 +9,18 @@ The ``[heads, q, k]`` probability tensor is never stored:
 
 * pass 1 (``_row_lse_kernel``) streams the key tiles and keeps an online max / sum per query row
   and head, like the forward pass of the fused-attention tutorial without the ``P @ V`` part.
-  A long key range is split over ``num_splits`` programs (so that a short question against a
-  long context still fills the GPU); the splits' partial LSEs are merged on the host side with
-  one ``logsumexp``.
+  A long key range is split over ``num_splits`` programs, as many as it takes to give the GPU
+  ``waves`` x its SM count programs (``waves`` from the config table, the SM count from the
+  device), so that a short question against a long context still fills every SM.
+  The splits' partial LSEs are merged by one small kernel (``_merge_lse_kernel``; torch's
+  logsumexp took ~5 launches).
 * pass 2 (``_column_sum_kernel``) gives each program one key tile of one kv head and loops over
   all the sequence's query rows of the kv head's group, recomputing ``s``, exponentiating against
-  the pass-1 LSE and summing down the columns. One program owns its key tile across every query
+  the merged LSE and summing down the columns. One program owns its key tile across every query
   tile and every group head, so the result is written once, without atomics, deterministically.
+
+Tiles, warps, stages and the wave target come from ``configs/key_attention_scores.json`` per GPU
+and shape class (``gpu_configs.get_config``).
 
 GQA is handled by packing: the ``G`` query heads that share kv head ``hk`` are laid out as
 ``G * num_q`` "packed rows", row ``r`` being query row ``r // G`` of head ``hk * G + r % G``;
@@ -26,7 +31,6 @@ All logits are kept in base 2 (``scale * log2(e)`` folded into the logits) so th
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Optional
@@ -34,6 +38,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ragattn.triton_kernels.gpu_configs import DEFAULT, device_name, dtype_class, get_config, sm_count
 
 # The interpreter's tl.dot on bf16 returns garbage: upcast to fp32 there (and only there).
 _UPCAST_FOR_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -129,6 +135,28 @@ def _row_lse_kernel(
 
 
 @triton.jit
+def _merge_lse_kernel(parts_ptr, lse_ptr, n, num_splits, BLOCK: tl.constexpr):
+    """Base-2 LSE over pass 1's ``num_splits`` partials (``[num_splits, n]`` -> ``[n]``, n = total_q x
+    heads): -inf when every split is empty, NaN when any is NaN (the sequence's documented rule: a
+    NaN split makes ``acc`` NaN whatever ``tl.maximum`` does with it). One launch instead of torch's
+    logsumexp (~5), and pass 2's main loop stays a single pipelined loop."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = parts_ptr + offs
+    for _ in range(num_splits):
+        x = tl.load(ptrs, mask=ok, other=float("-inf"))
+        ptrs += n  # 64-bit pointer arithmetic: splits x n may pass 2^31
+        m_new = tl.maximum(m, x)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
+        acc = acc * tl.exp2(m - m_ref) + tl.exp2(x - m_ref)
+        m = m_new
+    lse = tl.where(acc == 0.0, float("-inf"), m + tl.log2(tl.where(acc == 0.0, 1.0, acc)))
+    tl.store(lse_ptr + offs, lse, mask=ok)
+
+
+@triton.jit
 def _column_sum_kernel(
     q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: fp32 [total_q, num_heads], base 2
     partial_ptr,  # fp32 [num_kv_heads, total_k]: this kv head's share of each key's score
@@ -173,36 +201,35 @@ def _column_sum_kernel(
     tl.store(partial_ptr + kv_head.to(tl.int64) * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_MERGE_BLOCK = 1024  # LSE entries per program of the split merge
 
 
-def _num_splits(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: int, device: torch.device) -> int:
-    """Key splits for pass 1: enough programs to cover the GPU twice, at least 4 key tiles each."""
-    if device.type != "cuda":
-        return 1  # the interpreter pays per program
-    return splits_for_sms(num_q_tiles, batch, num_kv_heads, max_k_tiles,
-                          _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+def config_key(dtype: torch.dtype, head_dim: int) -> str:
+    """The shape class in ``configs/key_attention_scores.json``: dtype class and padded head dim."""
+    d = max(16, triton.next_power_of_2(head_dim))
+    return f"{dtype_class(dtype)}/" + ("d64" if d <= 64 else "d128" if d <= 128 else "d256")
 
 
-def splits_for_sms(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: int, sms: int) -> int:
-    """``_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too)."""
+def kernel_config(dtype: torch.dtype, head_dim: int, device_name: Optional[str]) -> dict:
+    """The table's config (BLOCK_M, BLOCK_N, num_warps, num_stages, waves) for a GPU by name
+    (``DEFAULT``: the heuristic for unknown GPUs), or for the interpreter (None)."""
+    return get_config("key_attention_scores", device_name, config_key(dtype, head_dim))
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, *, on_gpu: bool, device_name: Optional[str] = None):
+    """(BLOCK_M, BLOCK_N, num_warps) for both passes (``kernel_config`` has the rest)."""
+    c = kernel_config(dtype, head_dim, (device_name or DEFAULT) if on_gpu else None)
+    return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]
+
+
+def splits_for_sms(num_q_tiles: int, batch: int, num_kv_heads: int, max_k_tiles: int, sms: int,
+                   waves: float = 2.0, min_tiles: int = 4) -> int:
+    """Pass 1's key splits on a GPU of ``sms`` SMs: enough programs for ``waves`` x ``sms``, each at
+    least ``min_tiles`` key tiles (a split costs a partial LSE per row and a merge step). Pure: the
+    static sm_90 report and the tests ask it too."""
     programs = max(1, num_q_tiles * batch * num_kv_heads)
-    want = triton.cdiv(2 * sms, programs)
-    return max(1, min(want, triton.cdiv(max_k_tiles, 4)))
-
-
-def launch_config(dtype: torch.dtype, head_dim: int, *, on_gpu: bool):
-    """(BLOCK_M, BLOCK_N, num_warps) for both passes."""
-    if not on_gpu:
-        return 64, 64, 4  # the interpreter's cost is per program and loop trip
-    if dtype == torch.float32:
-        return 64, 64, 8  # fp32 tiles: shared memory stays < 200 KB up to head_dim 256
-    if head_dim > 128:
-        # 128 x 256 query tiles pipelined 3 deep need 226 KB in pass 2, at the edge of 227 KB
-        return 64, 64, 8
-    return 128, 128, 8
+    want = max(1, int(waves * sms // programs))  # at most waves x sms programs: no straggling extra wave
+    return max(1, min(want, triton.cdiv(max_k_tiles, min_tiles)))
 
 
 def key_attention_scores(
@@ -222,9 +249,8 @@ def key_attention_scores(
     group = num_heads // num_kv_heads
     batch = cu_seqlens_q.numel() - 1
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.int(), cu_seqlens_k.int()  # int64 accepted, read as int32
-    scores = torch.zeros(total_k, dtype=torch.float32, device=q.device)
     if total_q == 0 or total_k == 0 or batch == 0:
-        return scores
+        return torch.zeros(total_k, dtype=torch.float32, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -240,36 +266,52 @@ def key_attention_scores(
         lens = torch.stack([cu_seqlens_q.diff().max(), cu_seqlens_k.diff().max()]).tolist()
         max_q, max_k = int(lens[0]), int(lens[1])
     if max_q == 0 or max_k == 0:
-        return scores
+        return torch.zeros(total_k, dtype=torch.float32, device=q.device)
 
-    block_m, block_n, num_warps = launch_config(q.dtype, head_dim, on_gpu=q.device.type == "cuda")
+    p = launch_params(max_q, max_k, batch, num_heads, num_kv_heads, head_dim, q.dtype, q.device, num_splits)
+    block_m, block_n, num_splits = p["BLOCK_M"], p["BLOCK_N"], p["num_splits"]
     upcast = _UPCAST_FOR_INTERPRETER and q.dtype != torch.float32
-    ieee = q.dtype == torch.float32
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=upcast, IEEE=ieee)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=p["BLOCK_D"], UPCAST=upcast, IEEE=q.dtype == torch.float32,
+                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=p["num_warps"], num_stages=p["num_stages"])
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
 
-    # Pass 1: per-split LSEs, merged into one base-2 LSE per query row and head.
-    num_q_tiles = triton.cdiv(max_q * group, block_m)
-    max_k_tiles = triton.cdiv(max_k, block_n)
-    if num_splits is None:
-        num_splits = _num_splits(num_q_tiles, batch, num_kv_heads, max_k_tiles, q.device)
-    num_splits = max(1, min(int(num_splits), max_k_tiles))
+    # Pass 1: per-split LSEs of each packed query row (base 2).
     lse_parts = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
-    _row_lse_kernel[(num_q_tiles * batch, num_kv_heads * num_splits)](
-        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads, num_splits, num_q_tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
+    _row_lse_kernel[p["grid1"]](
+        q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, qk_scale, *strides, total_q, num_heads, num_splits,
+        p["num_q_tiles"], **common,
     )
+
     if num_splits == 1:
         lse = lse_parts[0]
-    else:
-        lse = torch.logsumexp(lse_parts * math.log(2.0), dim=0) * (1.0 / math.log(2.0))
+    else:  # the splits' partial LSEs merged in one launch
+        lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
+        n = total_q * num_heads
+        _merge_lse_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](lse_parts, lse, n, num_splits, BLOCK=_MERGE_BLOCK)
 
-    # Pass 2: column sums per kv head, then over the kv heads (a [Hkv, total_k] reduction).
-    # Every key belongs to a sequence with at least one key tile, so every entry gets written.
+    # Pass 2: column sums per kv head, then over the kv heads (a [Hkv, total_k] reduction). Every
+    # key belongs to a sequence with at least one key tile, so every entry gets written.
     partial = torch.empty((num_kv_heads, total_k), dtype=torch.float32, device=q.device)
-    _column_sum_kernel[(max_k_tiles * batch, num_kv_heads)](
-        q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads, max_k_tiles,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
+    _column_sum_kernel[p["grid2"]](
+        q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads, p["max_k_tiles"],
+        **common,
     )
     return partial.sum(dim=0) if num_kv_heads > 1 else partial[0]
+
+
+def launch_params(max_q: int, max_k: int, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device, num_splits: Optional[int] = None) -> dict:
+    """Everything the launcher decides for a problem: the table's config for the device (tiles, warps,
+    stages, wave target), pass 1's key splits and both grids (also what the benchmark records)."""
+    on_gpu = device.type == "cuda"
+    cfg = kernel_config(dtype, head_dim, device_name(device) if on_gpu else None)
+    group = num_heads // num_kv_heads
+    num_q_tiles = triton.cdiv(max_q * group, cfg["BLOCK_M"])
+    max_k_tiles = triton.cdiv(max_k, cfg["BLOCK_N"])
+    if num_splits is None:
+        num_splits = 1 if not on_gpu else splits_for_sms(  # the interpreter pays per program
+            num_q_tiles, batch, num_kv_heads, max_k_tiles, sm_count(device), cfg.get("waves", 2.0))
+    num_splits = max(1, min(int(num_splits), max_k_tiles))
+    return dict(cfg, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_q_tiles=num_q_tiles,
+                max_k_tiles=max_k_tiles, num_splits=num_splits,
+                grid1=(num_q_tiles * batch, num_kv_heads * num_splits), grid2=(max_k_tiles * batch, num_kv_heads))

@@ -15,8 +15,8 @@ smallest window start are never visited, so work is proportional to the visible 
 Masked slots are never read into a row: key tiles that every row of the query tile sees fully
 take the plain path; partially masked tiles (the causal diagonal, the window edge, the last
 tile) zero non-finite V values before the P @ V product and put NaN back only where a row sees
-them (an extra visible-mask @ non-finite-mask product, in those tiles only). A non-finite visible
-score poisons its row (out and lse NaN). Slot ``j`` is
+them (an extra visible-mask @ non-finite-mask product, in those tiles only). A NaN or +inf
+visible score poisons its row (out and lse NaN); a -inf one has weight 0. Slot ``j`` is
 read from page ``block_table[b, j // page_size]`` at offset ``j % page_size`` (any page size, pages
 in any order). The softmax is the online (FlashAttention) one in base 2 with fp32 statistics.
 
@@ -43,22 +43,30 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, BLOCK_TABLE, KV_LENS, TILE_SEQ, TILE_ROW0,
+    Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, PAGES, ROW_START, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
+    ENTRY_POS, ENTRY_LEN,  # POS_TABLE / ENTRY_LEN: per page-list entry, slot 0's position, valid slots
+    INV_FREQ, rotary_dim,  # ROPE: keys stored without RoPE are rotated by their position in fp32
+    K_SCALE, V_SCALE,  # KV_FP8: float32 per-tensor scales of float8 caches
     qk_scale,  # softmax scale * log2(e)
     window_left,  # >= 0 when HAS_WINDOW: row i sees slots j >= q_pos[i] - window_left
     stride_qt, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
-    stride_bt,
+    stride_bt,  # padded table: PAGES is [B, max_pages] with this row stride (ROW_START unused)
     stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt,
     page_size, head_dim, split_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    ROW_STARTS: tl.constexpr,  # PAGES is a flat page list, sequence b's from ROW_START[b] (CSR)
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot on bf16 is wrong, compute in fp32
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+    POS_TABLE: tl.constexpr = False,  # slot positions from ENTRY_POS (needs ROW_STARTS), not slot indices
+    HAS_ENTRY_LEN: tl.constexpr = False,  # slots at offsets >= ENTRY_LEN[entry] do not exist
+    ROPE: tl.constexpr = False, ROPE_INTERLEAVED: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,  # float8 K/V: dequantised (x * scale, fp32) right after loading
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -97,25 +105,75 @@ def _paged_attention_kernel(
     # a key tile is fully visible to every row of the tile iff it lies in [max row_lo, min row_hi]
     full_lo = tl.max(tl.where(row_ok, row_lo, 0), 0)
     full_hi = tl.min(tl.where(row_ok, row_hi, kv_len), 0)
-    # ---- this program's split of the tile's key range [lo_tile, hi_tile)
+    if POS_TABLE or HAS_ENTRY_LEN:
+        # a slot's position (or existence) comes from its page-list entry, not its index: every
+        # slot of the sequence is a candidate and every tile takes the masked path
+        lo_tile = 0
+        hi_tile = kv_len
+        full_lo = kv_len
+        full_hi = -1
+    # ---- this program's split of the tile's key range [lo_tile, hi_tile); the last split takes
+    # whatever remains, so a plan made for shorter contexts stays exact (only slower)
     lo = tl.minimum(lo_tile + split * split_len, hi_tile)
-    hi = tl.minimum(hi_tile, lo + split_len)
+    hi = tl.where(split == tl.num_programs(2) - 1, hi_tile, tl.minimum(hi_tile, lo + split_len))
 
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
     bad_row = tl.zeros([BLOCK_M * GROUP_PAD], tl.int32)  # a visible score was NaN/inf
-    page_row = BLOCK_TABLE + seq.to(tl.int64) * stride_bt
+    if ROW_STARTS:
+        entry0 = tl.load(ROW_START + seq).to(tl.int64)
+    else:
+        entry0 = seq.to(tl.int64) * stride_bt
+    page_row = PAGES + entry0
+    if KV_FP8:
+        k_scale = tl.load(K_SCALE)
+        v_scale = tl.load(V_SCALE)
+    if ROPE:  # the rotation pairs of each head dim: partner dim, frequency index, sign of the sine
+        rot = d < rotary_dim
+        if ROPE_INTERLEAVED:  # GPT-J: (2i, 2i + 1)
+            partner = d ^ 1
+            freq = tl.load(INV_FREQ + d // 2, mask=rot, other=0.0).to(tl.float64)
+            sgn = tl.where(d % 2 == 0, -1.0, 1.0)
+        else:  # NeoX / HF rotate_half: (i, i + rotary_dim / 2)
+            half = rotary_dim // 2
+            partner = tl.where(d < half, d + half, d - half)
+            freq = tl.load(INV_FREQ + tl.where(d < half, d, d - half), mask=rot, other=0.0).to(tl.float64)
+            sgn = tl.where(d < half, -1.0, 1.0)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
         page = tl.load(page_row + j // page_size, mask=j_ok, other=0).to(tl.int64)
         off = j % page_size
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_CACHE + page[:, None] * stride_kp + off[:, None] * stride_ko + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        slot_ok = j_ok
+        if HAS_ENTRY_LEN:
+            slot_ok = slot_ok & (off < tl.load(ENTRY_LEN + entry0 + j // page_size, mask=j_ok, other=0))
+        if POS_TABLE:
+            slot_pos = tl.load(ENTRY_POS + entry0 + j // page_size, mask=j_ok, other=0).to(tl.int64) + off
+        else:
+            slot_pos = j.to(tl.int64)
+        kv_mask = slot_ok[:, None] & d_ok[None, :]
+        k_rows = K_CACHE + page[:, None] * stride_kp + off[:, None] * stride_ko + kv_head * stride_kh
+        k = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V_CACHE + page[:, None] * stride_vp + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
+        if KV_FP8:  # the dot's operands in q's dtype
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
+        if ROPE:
+            # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
+            # within float rounding of the exact rotation; the rotated key is rounded once
+            k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
+            if KV_FP8:
+                k2 = k2 * k_scale
+            ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
+            ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
+            k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
+                             k.to(tl.float32))
+            if UPCAST and Q.dtype.element_ty == tl.bfloat16:
+                k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
+            else:
+                k = k_rot.to(k.dtype)  # the dot's operand: rounded once, as a stored rotated key
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -123,10 +181,16 @@ def _paged_attention_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
+        if POS_TABLE or HAS_ENTRY_LEN:
+            visible = (slot_pos[None, :] <= q_pos[:, None]) & slot_ok[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                visible = visible & (slot_pos[None, :] >= q_pos[:, None] - window_left)
+        else:
+            visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
         qk = qk * qk_scale
-        # a non-finite visible score poisons its row (out and lse NaN); it never enters the softmax
-        nonfinite = (qk != qk) | (tl.abs(qk) == float("inf"))
+        # a NaN or +inf visible score poisons its row (out and lse NaN) and never enters the
+        # softmax; -inf is a valid score of weight 0 (varlen_attention's rule, IEEE softmax)
+        nonfinite = (qk != qk) | (qk == float("inf"))
         bad_row = bad_row | tl.max((visible & nonfinite).to(tl.int32), 1)
         qk = tl.where(visible & ~nonfinite, qk, float("-inf"))
         # online softmax; a row with nothing visible so far keeps m = -inf, so shift by 0 instead
@@ -224,13 +288,15 @@ def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int) -
 class PagedPlan:
     """Everything the launch needs that depends on the batch's shape, not on tensor contents.
 
-    Built by ``plan_paged_attention`` (may sync with the host: it reads ``cu_seqlens_q`` and
-    ``kv_lens``); ``run_paged_attention`` then launches without any host sync or CPU tensor, so a
-    plan built once per decode step (or per captured batch shape) makes the run CUDA-graph safe.
+    Built by ``plan_paged_attention`` (reads ``cu_seqlens_q`` / ``kv_lens`` back to the host
+    unless ``max_q_len`` / ``max_kv_len`` are given); ``run_paged_attention`` then launches without
+    any host sync or CPU tensor, so a plan built once per decode step (or once for a captured batch
+    shape, from maxima) makes the run CUDA-graph safe.
 
     ``tile_seq``/``tile_row0`` int32 ``[num_tiles]`` on the device: the sequence and first query
-    row of each query tile. ``split_len`` slots per split-KV partition (``num_splits`` of them,
-    counted from each tile's first visible slot).
+    row of each query tile (a tile past its sequence's rows has nothing to do). ``split_len``
+    slots per split-KV partition (``num_splits`` of them, counted from each tile's first visible
+    slot; the last one runs to the end of the visible range, whatever its length).
     """
 
     tile_seq: torch.Tensor
@@ -246,6 +312,19 @@ class PagedPlan:
     num_stages: int
     num_warps: int
 
+    def launch(self) -> list:
+        """The host integers of the plan, in ``from_launch``'s order (the custom op's ``int[]``)."""
+        return [self.block_m, self.block_n, self.block_d, self.group, self.group_pad, self.num_splits,
+                self.split_len, self.num_stages, self.num_warps]
+
+    @classmethod
+    def from_launch(cls, tile_seq: torch.Tensor, tile_row0: torch.Tensor, launch) -> "PagedPlan":
+        """The plan back from its device tensors and ``launch()`` list (no tensor data read)."""
+        return cls(tile_seq, tile_row0, tile_seq.shape[0], *(int(x) for x in launch))
+
+
+LAUNCH_FIELDS = 9  # len(PagedPlan.launch())
+
 
 def plan_paged_attention(
     cu_seqlens_q: torch.Tensor,
@@ -257,45 +336,69 @@ def plan_paged_attention(
     dtype: torch.dtype,
     window_left: int = -1,
     num_splits: Optional[int] = None,
+    max_q_len: Optional[int] = None,
+    max_kv_len: Optional[int] = None,
 ) -> PagedPlan:
     """Tile map and launch configuration for a batch (``cu_seqlens_q`` int32/int64 ``[B + 1]``,
-    ``kv_lens`` int32/int64 ``[B]``). Copies both to the host once (one sync on CUDA).
+    ``kv_lens`` int32/int64 ``[B]``).
 
+    ``max_q_len`` (query rows of the longest sequence) and ``max_kv_len`` (its cached slots) are
+    read from the tensors when not given: one host sync on CUDA. Given both, nothing is read: the
+    tile map (``ceil(max_q_len / block_m)`` tiles per sequence) is built on the device, so the plan
+    itself can be captured in a CUDA graph. A sequence may never have more than ``max_q_len`` rows
+    (its rows past the last tile would not be computed: checked on CPU and with RAGATTN_DEBUG=1);
+    contexts longer than ``max_kv_len`` stay exact (the last split runs to the end) but slower.
     ``num_splits`` forces the split-KV factor (None: ``choose_num_splits``).
     """
     device = cu_seqlens_q.device
-    batch = kv_lens.numel()
+    batch = kv_lens.shape[0]
     group = num_heads // num_kv_heads
-    host = torch.cat([cu_seqlens_q.long(), kv_lens.long()]).cpu()
-    cu, lens = host[: batch + 1], host[batch + 1 :]
-    rows = cu[1:] - cu[:-1]
-    max_rows = int(rows.max()) if batch else 0
-    max_kv = int(lens.max()) if batch else 0
+    host = None
+    if max_q_len is None or max_kv_len is None:
+        host = torch.cat([cu_seqlens_q.long(), kv_lens.long()]).cpu()
+    exact_tiles = max_q_len is None  # the tile map from the host copy of cu_seqlens_q
+    if max_q_len is None:
+        rows = host[1: batch + 1] - host[:batch]
+        max_q_len = int(rows.max()) if batch else 0
+    if max_kv_len is None:
+        lens = host[batch + 1:]
+        max_kv_len = int(lens.max()) if batch else 0
 
     # tile shape: rows x group stacked to M = BLOCK_M * GROUP_PAD in [16, 128] (tl.dot needs M >= 16)
     group_pad = triton.next_power_of_2(group)
-    m_tile = min(128, max(16, triton.next_power_of_2(max(max_rows, 1) * group_pad)))
+    m_tile = min(128, max(16, triton.next_power_of_2(max(max_q_len, 1) * group_pad)))
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     elt = torch.empty((), dtype=dtype).element_size()
     m_tile, block_n, num_stages, num_warps = tile_config(m_tile, block_d, elt, _interpreting())
     block_m = max(1, m_tile // group_pad)
 
-    tiles_per_seq = (rows + block_m - 1) // block_m
-    tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), tiles_per_seq)
-    first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
-    tile_idx = torch.arange(tile_seq.numel(), dtype=torch.int64) - first_tile[tile_seq]
-    tile_row0 = cu[:-1][tile_seq] + tile_idx * block_m
-    num_tiles = tile_seq.numel()
+    if exact_tiles:
+        # one tile per block_m rows actually present
+        cu = host[: batch + 1]
+        tiles_per_seq = (cu[1:] - cu[:-1] + block_m - 1) // block_m
+        tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), tiles_per_seq)
+        first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
+        tile_idx = torch.arange(tile_seq.numel(), dtype=torch.int64) - first_tile[tile_seq]
+        tile_row0 = cu[:-1][tile_seq] + tile_idx * block_m
+        tile_seq = tile_seq.to(torch.int32).to(device, non_blocking=True)
+        tile_row0 = tile_row0.to(torch.int32).to(device, non_blocking=True)
+    else:
+        # planned for a maximum, on the device: every sequence gets ceil(max_q_len / block_m) tiles
+        tps = triton.cdiv(max(max_q_len, 1), block_m) if max_q_len > 0 else 0
+        t = torch.arange(batch * tps, dtype=torch.int64, device=device)
+        tile_seq = torch.div(t, max(tps, 1), rounding_mode="floor")
+        tile_row0 = (cu_seqlens_q.long()[tile_seq] + (t - tile_seq * tps) * block_m).to(torch.int32)
+        tile_seq = tile_seq.to(torch.int32)
+    num_tiles = tile_seq.shape[0]
 
     # the key span one tile can see: a single-row tile under a window sees at most window_left + 1
-    span = max_kv if (window_left < 0 or block_m > 1) else min(max_kv, window_left + 1)
+    span = max_kv_len if (window_left < 0 or block_m > 1) else min(max_kv_len, window_left + 1)
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, span, block_n, device)
     split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(span, 1), split_len))
     return PagedPlan(
-        tile_seq=tile_seq.to(torch.int32).to(device, non_blocking=True),
-        tile_row0=tile_row0.to(torch.int32).to(device, non_blocking=True),
+        tile_seq=tile_seq, tile_row0=tile_row0,
         num_tiles=num_tiles, block_m=block_m, block_n=block_n, block_d=block_d, group=group,
         group_pad=group_pad, num_splits=num_splits, split_len=split_len, num_stages=num_stages,
         num_warps=num_warps,
@@ -315,11 +418,28 @@ def run_paged_attention(
     window_left: int = -1,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
+    *,
+    row_start: Optional[torch.Tensor] = None,
+    entry_pos: Optional[torch.Tensor] = None,
+    entry_len: Optional[torch.Tensor] = None,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: int = 0,
+    interleaved: bool = False,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ):
     """Launch with a ready plan: no host sync, no CPU tensor (CUDA-graph capturable).
 
     Inputs as in ``ragattn.paged_attention`` (already validated; the last dim of q and the caches
-    and the int tensors' last dim may not be strided: other strides are taken as given).
+    and the int tensors' last dim may not be strided: other strides are taken as given). With
+    ``row_start`` (int32/int64 ``[B]``), ``block_table`` is a flat page list (``[num_entries]``)
+    and sequence ``b``'s logical page ``p`` is ``block_table[row_start[b] + p]`` (FlashInfer's CSR
+    ``indices`` with ``row_start = indptr[:-1]``); without it, a padded ``[B, max_pages]`` table.
+    ``entry_pos``/``entry_len`` (int32/int64 ``[num_entries]``, flat lists only): the position of
+    each entry's slot 0 (slot ``j`` then holds ``entry_pos[e] + j % page_size``, not ``j``) and
+    its count of valid slots. ``inv_freq`` (float32 ``[rotary_dim // 2]``): the keys are stored
+    without RoPE and rotated by their slot's position in the kernel (``interleaved``: GPT-J pairs).
+    ``k_scale``/``v_scale`` (float32, one element each): the caches are float8, dequantised in the kernel.
     ``out``/``lse_out``: where to write (contiguous or not), else new tensors. Returns (out, lse).
     """
     total_q, num_heads, head_dim = q.shape
@@ -331,6 +451,8 @@ def run_paged_attention(
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     q_pos, cu_seqlens_q, kv_lens = q_pos.contiguous(), cu_seqlens_q.contiguous(), kv_lens.contiguous()
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    row_start, entry_pos, entry_len, inv_freq = (
+        None if t is None else t.contiguous() for t in (row_start, entry_pos, entry_len, inv_freq))
     # outputs the kernels can store to directly (unit stride in the last dim), else a temporary
     out_k = out if out is not None and out.stride(-1) == 1 else None
     lse_k = lse_out if lse_out is not None and lse_out.stride(-1) == 1 else None
@@ -339,7 +461,8 @@ def run_paged_attention(
     if lse_k is None:
         lse_k = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     if plan.num_tiles > 0:
-        _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out_k, lse_k)
+        _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, row_start, kv_lens, scale,
+                window_left, out_k, lse_k, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
     if out is not None and out is not out_k:
         out.copy_(out_k)
     if lse_out is not None and lse_out is not lse_k:
@@ -347,7 +470,9 @@ def run_paged_attention(
     return (out if out is not None else out_k), (lse_out if lse_out is not None else lse_k)
 
 
-def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out):
+def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, scale, window_left, out,
+            lse_out, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+            v_scale=None):
     total_q, num_heads, head_dim = q.shape
     if plan.num_splits == 1:
         o_buf, l_buf = out, lse_out
@@ -359,23 +484,30 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens
 
     interp = _interpreting()
     has_window = window_left >= 0
+    row_starts = row_start is not None
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
     _paged_attention_kernel[grid](
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, plan.tile_seq, plan.tile_row0,
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start if row_starts else kv_lens, kv_lens,
+        plan.tile_seq, plan.tile_row0,
         o_buf, l_buf,
+        kv_lens if entry_pos is None else entry_pos, kv_lens if entry_len is None else entry_len,
+        q if inv_freq is None else inv_freq, rotary_dim if inv_freq is not None else 0,
+        q if k_scale is None else k_scale, q if v_scale is None else v_scale,
         scale * LOG2E,
         window_left if has_window else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
+        0 if row_starts else pages.stride(0),
         stride_os, o_buf.stride(-3), o_buf.stride(-2),
         stride_ls, l_buf.stride(-2),
         k_cache.shape[1], head_dim, plan.split_len,
         GROUP=plan.group, GROUP_PAD=plan.group_pad,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        HAS_WINDOW=has_window,
+        HAS_WINDOW=has_window, ROW_STARTS=row_starts,
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
+        POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
+        ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )

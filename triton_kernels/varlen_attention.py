@@ -22,6 +22,11 @@ several programs whose partial (out, lse) are merged by ``merge_attention_states
 Block-Attention's 64 chunks of 500 tokens therefore cost about what 64 independent 500-token
 prefills cost, and the global tail runs beside them instead of after them.
 
+On Hopper the mask-free loop can load its K/V tiles through tensor descriptors (TMA), behind the
+config table's ``tma`` flag or ``RAGATTN_VARLEN_TMA=1`` (``_tma_descriptors``), the plain pointer
+loads being the fallback (padded head dims, older GPUs, unaligned rows) and the default until a
+GPU has measured it. Tiles, warps and stages come from ``configs/varlen_attention.json`` per GPU.
+
 Layout: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]`` (contiguous), GQA by index
 (query head ``h`` reads kv head ``h // GROUP``). Work is split as in FlashAttention-2:
 forward and dq one program per (query head, work item), dk/dv one program per (kv head, key
@@ -40,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ragattn.triton_kernels.merge_attention_states import merge_split_states
-from ragattn.ops._plan_cache import IndexPlanCache
+from ragattn.triton_kernels.gpu_configs import DEFAULT, device_name as _device_name, dtype_class, get_config
+from ragattn.triton_kernels.plan_cache import IndexPlanCache
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -376,6 +382,7 @@ def _fwd_kernel(
     qk_scale, num_heads, window_left,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False,
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
     item = _item()
@@ -396,9 +403,17 @@ def _fwd_kernel(
 
     # Key tiles visible in full (and full-length): no mask at all.
     for e in range(e_start, e_mid):
-        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+        if USE_TMA:  # Hopper's tensor memory accelerator: descriptors over K/V as [total_k, H_kv * D]
+            row0 = tl.load(KvRows + e)
+            k = KDesc.load([row0, kvh * HEAD_DIM])
+            v = VDesc.load([row0, kvh * HEAD_DIM])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+        else:
+            offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
+            k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
+            v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(_low(p, V, UPCAST), v, input_precision=PREC)
@@ -577,7 +592,7 @@ def _defaults(cu, pos, blk, total):
 
 
 # A model calls the op once per layer with the same index tensors: keep the last few plans (the
-# hit rules are those of ragattn.ops._plan_cache: same objects and versions, or equal contents).
+# hit rules are those of ragattn.triton_kernels.plan_cache: same objects and versions, or equal contents).
 _PLAN_CACHE = IndexPlanCache(8)
 
 
@@ -596,28 +611,53 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
-    head dim and dtype, chosen from the sm_90 compile (``python -m ragattn.bench.sm90``) so that the
-    kernels do not spill; the 16-bit forward at d <= 128 fits 2 CTAs per SM. The partially visible
-    loops' NaN guards (operands through registers) are what bounds the tiles; a sliding window's
-    compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants few, big
-    tiles."""
+def config_key(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False) -> str:
+    """The shape class of a launch in ``configs/varlen_attention.json``: kernel, dtype, padded head dim."""
     d = block_d(head_dim)
+    dclass = "d64" if d <= 64 else "d128" if d <= 128 else "d256"
+    return f"{kernel}/{dtype_class(dtype)}/{dclass}" + ("/window" if window and kernel == "fwd" else "")
+
+
+def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False,
+            device_name: Optional[str] = None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
+    head dim and dtype on ``device_name`` (``torch.cuda.get_device_name``; None: the table's
+    heuristic default), from ``configs/varlen_attention.json`` (``gpu_configs``). The default
+    entries are spill-free for sm_90 (``python -m ragattn.bench.sm90``); the partially visible
+    loops' NaN guards (operands through registers) are what bounds the tiles, and a sliding
+    window's compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants
+    few, big tiles."""
+    c = get_config("varlen_attention", None if _INTERPRET else (device_name or DEFAULT),
+                   config_key(head_dim, kernel, dtype, window))
+    return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]
+
+
+def _tma_descriptors(k, v, head_dim: int, block_n: int, wanted: bool):
+    """(KDesc, VDesc) when the forward's mask-free loop loads K/V by TMA, else (None, None).
+
+    ``RAGATTN_VARLEN_TMA=1``/``0`` forces it on/off (``1`` also in the interpreter, which emulates
+    descriptors: how the tests reach this path), else the config table's ``tma`` flag decides
+    (``wanted``; no entry sets it until a GPU has measured it). Needs a GPU of compute capability
+    >= 9 (or the interpreter), a head dim that is its own power-of-two tile (a padded tile would
+    read the next head's columns) and 16-byte aligned rows."""
+    flag = os.environ.get("RAGATTN_VARLEN_TMA", "").strip()
+    if not (flag == "1" or (wanted and flag != "0")):
+        return None, None
     if _INTERPRET:
-        return 32, 32, 4, 1
-    wide = dtype == torch.float32  # fp32 "ieee" dots: no tensor cores, operands in registers
-    table = {  # (d <= 64, d <= 128, d <= 256)
-        ("fwd", False): ((64, 32, 4, 3), (64, 32, 4, 3), (64, 32, 8, 2)),
-        ("fwd", True): ((32, 16, 4, 2), (32, 16, 8, 2), (16, 16, 8, 1)),
-        ("dq", False): ((64, 32, 4, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
-        ("dq", True): ((32, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
-        ("dkdv", False): ((32, 32, 4, 2), (32, 32, 4, 2), (16, 32, 8, 1)),
-        ("dkdv", True): ((16, 16, 4, 1), (16, 32, 8, 1), (16, 16, 16, 1)),
-    }[kernel, wide]
-    if window and kernel == "fwd" and not wide:
-        table = table[:1] + ((64, 16, 4, 3), (64, 16, 8, 2))
-    return table[0] if d <= 64 else table[1] if d <= 128 else table[2]
+        if flag != "1":
+            return None, None
+    elif k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return None, None
+    elt = k.element_size()
+    row = k.shape[1] * head_dim
+    if (block_d(head_dim) != head_dim or (row * elt) % 16 or any(t.data_ptr() % 16 for t in (k, v))
+            or not (k.is_contiguous() and v.is_contiguous()) or k.shape[0] == 0):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block = [block_n, head_dim]
+    return (TensorDescriptor.from_tensor(k.view(k.shape[0], row), block),
+            TensorDescriptor.from_tensor(v.view(v.shape[0], row), block))
 
 
 def _prec(q):
@@ -642,7 +682,10 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     total_k, num_kv_heads, _ = k.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     window = int(window_left) if window_left is not None and window_left >= 0 else -1
-    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0)
+    dev_name = _device_name(q.device)
+    bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0, dev_name)
+    tma = bool(get_config("varlen_attention", dev_name or DEFAULT, config_key(head_dim, "fwd", q.dtype, window >= 0))
+               .get("tma", False)) and not _INTERPRET
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -658,12 +701,13 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     parts_lse = torch.full(parts.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     if csr.items:
         grid, work = _launch(num_heads, csr)
+        k_desc, v_desc = _tma_descriptors(k, v, head_dim, bn, tma)
         _fwd_kernel[grid](
             q, k, v, out, lse, parts, parts_lse, plan.q_pos, plan.kv_pos, plan.q_block, plan.kv_block, work, csr.rows,
             scale * _LOG2E, num_heads, max(window, 0),
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q),
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, KDesc=k_desc, VDesc=v_desc, USE_TMA=k_desc is not None,
         )
     if parts_rows:  # merge the splits of long rows, then put their valid rows in place
         merged = torch.empty(parts_rows, num_heads, head_dim, dtype=out.dtype, device=q.device)
@@ -691,7 +735,7 @@ def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_b
         _bwd_preprocess[(triton.cdiv(rows, pre_block),)](out, dout, delta, rows, HEAD_DIM=head_dim,
                                                           BLOCK_D=block_d(head_dim), BLOCK=pre_block)
     index = (cu_q, cu_k, q_pos, kv_pos, q_block, kv_block)
-    configs = {kernel: _config(head_dim, kernel, q.dtype, window >= 0) for kernel in ("dq", "dkdv")}
+    configs = {kernel: _config(head_dim, kernel, q.dtype, window >= 0, _device_name(q.device)) for kernel in ("dq", "dkdv")}
     configs = {kernel: (block_m or c[0], block_n or c[1]) + c[2:] for kernel, c in configs.items()}
     for kernel, (bm, bn, warps, stages) in configs.items():
         # one plan serves both kernels when their tiles agree

@@ -116,7 +116,7 @@ RAGATTN_ALWAYS_INLINE void accumulate(float* acc, const float* p, const float* a
 
 // The second half of an online-softmax step over the scores ph[s0, s1) (8-aligned), whose masked
 // lanes the caller has set to -inf: vmax is their lane-wise max and bad marks the lanes holding a
-// visible score the caller's rule refuses (the paged and varlen kernels differ on -inf). Returns
+// visible score the caller's rule refuses (NaN or +inf in both kernels; -inf has weight 0). Returns
 // false (and changes nothing) when a lane is bad; else the running max m and sum l are updated,
 // alpha = the rescale of the accumulated output, ph[s] = exp(ph[s] - m) (-inf lanes give 0, and
 // so do NaN lanes from -inf - -inf while every score so far is -inf).

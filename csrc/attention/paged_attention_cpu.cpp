@@ -10,8 +10,9 @@
 // accumulated into register-resident outputs (each V row loaded once for two heads). A row's
 // result depends only on its own visible slots (never on the other rows of the call).
 // Semantics are the op's (docs/ops.md): row i of sequence b sees slot j iff j < kv_lens[b],
-// j <= q_pos[i] and (window_left < 0 or j >= q_pos[i] - window_left); a non-finite visible score
-// makes the (row, head) NaN in out and lse; a non-finite visible v[j, d] makes out[i, h, d] NaN;
+// j <= q_pos[i] and (window_left < 0 or j >= q_pos[i] - window_left); a NaN or +inf visible score
+// makes the (row, head) NaN in out and lse, a -inf one has weight 0 (varlen_attention's rule); a
+// non-finite visible v[j, d] makes out[i, h, d] NaN;
 // a row that sees nothing gets out 0 and lse -inf.
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -256,7 +257,7 @@ struct PagedArgs {
 
 // One online-softmax step of a head over its scores ph[first, first + n) of this chunk (chunk-
 // local slots; lanes of the 8-aligned cover outside the range become -inf), then
-// softmax_exp_step. Returns false (and changes nothing else) when a visible score is not finite.
+// softmax_exp_step. Returns false (and changes nothing else) when a visible score is NaN or +inf.
 RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, float* m, float* l, float* alpha) {
   const float inf = std::numeric_limits<float>::infinity(), big = std::numeric_limits<float>::max();
   const v8f iota = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
@@ -268,7 +269,7 @@ RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, flo
     const v8f slot = iota + static_cast<float>(s);  // exact: s < kChunk
     const v8i visible = (slot >= static_cast<float>(first)) & (slot < static_cast<float>(first + n));
     v8f x = load8(ph + s);
-    nonfinite |= visible & ~((x >= -big) & (x <= big));  // NaN compares false: non-finite
+    nonfinite |= visible & ~(x <= big);  // NaN compares false; -inf is a valid score (weight 0)
     x = visible ? x : minus_inf;
     vmax = x > vmax ? x : vmax;
     store8(ph + s, x);
@@ -290,7 +291,7 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
   float* m = p + G * kPRow;     // [G] running max
   float* l = m + G;             // [G] running sum
   float* alpha = l + G;         // [G] this chunk's rescale of acc (0 for a poisoned head)
-  float* bad = alpha + G;       // [G] 1: a non-finite visible score
+  float* bad = alpha + G;       // [G] 1: a NaN or +inf visible score
   // chunk-local slot pointers (+ 8: the last block of dots8 is padded with a visible slot)
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];

@@ -570,7 +570,7 @@ def _plan(module, query, key, attention_mask, kwargs):
 
 def _versioned(*index):
     """The forward's varlen index tensors as tensors with a version counter. Every layer passes
-    the same objects, and the op's tile-plan cache (``ragattn.ops._plan_cache``) hits on the same
+    the same objects, and the op's tile-plan cache (``ragattn.triton_kernels.plan_cache``) hits on the same
     objects at unchanged versions without reading them; but tensors made under
     ``torch.inference_mode()`` (serving) have no version counter, so the cache would compare their
     contents in every layer (a host sync per tensor and layer on CUDA). Made once per forward, so
@@ -685,16 +685,12 @@ def _block_forward(query, key, value, attention_mask, scaling, block_ids):
 
 @contextlib.contextmanager
 def use_ragattn(model):
-    """Context manager: run ``model`` with the "ragattn" attention implementation, then restore."""
-    old = model.config._attn_implementation
-    if old == NAME:  # already on: no switch
+    """Context manager: run ``model`` with the "ragattn" attention implementation, then restore.
+    Safe for several threads using one model (:mod:`ragattn.hf.attn_switch`)."""
+    from ragattn.hf.attn_switch import attention_implementation
+
+    with attention_implementation(model, NAME, _switch_attn_implementation):
         yield model
-        return
-    _switch_attn_implementation(model, old, NAME)
-    try:
-        yield model
-    finally:
-        _switch_attn_implementation(model, NAME, old)
 
 
 # model -> {(from, to): [(config, value before, value after)]}: what set_attn_implementation changed

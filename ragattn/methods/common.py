@@ -27,6 +27,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from ragattn.hf.attention import use_ragattn
+from ragattn.hf.attn_switch import attention_implementation
 
 SYSTEM = "Answer the question using only the documents. Answer briefly."
 _SENTINEL = "\u2063RAGATTN_DOCS\u2063"
@@ -171,16 +172,15 @@ def cached_answer(model, tokenizer, chunks, question, *, positions: str, method:
                   **generate_kwargs) -> Answer:
     """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring;
     ``generate_kwargs`` go to ``model.generate()`` (default: greedy)."""
-    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
+    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 
     if len(chunks) == 0:
         raise ChunkStoreError(f"ragattn.methods.{method}: no chunks given (empty retrieval)")
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
     if store is None:
         store = ChunkStore(model)
-    elif store.fingerprint != model_fingerprint(model):  # cached on the model after the first call
-        raise ChunkStoreError(f"ragattn.methods.{method}: the ChunkStore was built for another "
-                              "model (fingerprint mismatch)")
+    else:   # the store's model (it follows its weights) or one with the same fingerprint
+        store.check_model(model, f"ragattn.methods.{method}")
     with use_ragattn(model):  # switched outside the timed region
         t0 = time.perf_counter()
         keys = store.add([head] + chunk_ids)
@@ -208,15 +208,10 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
         raise ValueError(f"ragattn.methods.full_prefill: prompt of {len(ids_list)} tokens + "
                          f"{max_new_tokens} new tokens exceeds the model's window ({limit})")
     dev = next(model.parameters()).device
-    old = model.config._attn_implementation
-    switch = bool(attn_implementation) and attn_implementation != old
-    if switch:
-        model.set_attn_implementation(attn_implementation)
-    try:
+    impl = attn_implementation or model.config._attn_implementation
+    # shared with the other threads that run this model (ragattn.hf.attn_switch)
+    with attention_implementation(model, impl, lambda m, old, new: m.set_attn_implementation(new)):
         t0 = time.perf_counter()
         ids = torch.tensor([ids_list], device=dev)
         return _generate(model, tokenizer, t0, "full_prefill", len(ids_list), len(ids_list), max_new_tokens,
                          generate_kwargs, input_ids=ids, attention_mask=torch.ones_like(ids))
-    finally:
-        if switch:
-            model.set_attn_implementation(old)

@@ -225,7 +225,8 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
     positions; its K/V are then re-rotated back to the chunk's local positions and stored as the
     variant :func:`fused_variant` of the chunk (``ChunkStore.put``, on disk if the store has a
     directory). ``batch`` chunks run per forward (one paged request row each). Chunks whose fused
-    cache is already in the store (or its directory) are skipped: resumable. ``progress(n)`` is
+    cache is already in the store (or, read whole and verified, in its directory) are skipped:
+    resumable (a truncated or corrupt file is built again). ``progress(n)`` is
     called after each batch. Returns (built, skipped)."""
     from ragattn.hf.attention import PagedKV
 
@@ -235,7 +236,7 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
     head_key, keys = keys[0], keys[1:]
     variant = fused_variant(head)
     which = range(len(chunks)) if which is None else which
-    todo = [i for i in which if not store.has(store.variant_key(keys[i], variant))]
+    todo = [i for i in which if not store.verify(store.variant_key(keys[i], variant))]  # checked, not trusted
     todo.sort(key=lambda i: -len(chunks[i]))  # similar lengths per batch: little padding
     base, rope, dev = _layers(model), store.rope, store.device
     for b0 in range(0, len(todo), batch):
@@ -278,13 +279,11 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
 
 
 def _check_store(model, store, where):
-    from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
+    from ragattn.methods.chunk_store import ChunkStore
 
     if store is None:
         return ChunkStore(model)
-    if store.fingerprint != model_fingerprint(model):
-        raise ChunkStoreError(f"ragattn.methods.fusionrag.{where}: the ChunkStore was built for "
-                              "another model (fingerprint mismatch)")
+    store.check_model(model, f"ragattn.methods.fusionrag.{where}")   # follows its own model's weights
     return store
 
 
@@ -323,6 +322,9 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
             group=None) -> Answer:
     where = {"fusionrag": "answer", "cacheblend": "cacheblend", "full_reuse": "full_reuse"}[method]
     ratio = check_ratio(ratio, where)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"ragattn.methods.fusionrag.{where}: max_new_tokens must be an integer >= 1, "
+                         f"got {max_new_tokens!r}")
     if question_mode not in QUESTION_MODES:
         raise ValueError(f"ragattn.methods.fusionrag.{where}: question must be one of "
                          f"{QUESTION_MODES}, got {question_mode!r}")
@@ -414,6 +416,10 @@ def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
     if not check_layers or min(check_layers) < 1 or list(check_layers) != sorted(set(check_layers)):
         raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers must be increasing "
                          f"layer indices >= 1, got {check_layers!r}")
+    depth = len(_layers(model).layers)
+    if max(check_layers) >= depth:   # a check that never runs would leave every candidate recomputed
+        raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers {tuple(check_layers)} must be "
+                         f"layers of the model, in [1, {depth - 1}] (it has {depth} layers)")
     return _answer(model, tokenizer, chunks, question, method="cacheblend", ratio=ratio,
                    max_new_tokens=max_new_tokens, store=store, fused=False, check_layers=tuple(check_layers),
                    group=group)

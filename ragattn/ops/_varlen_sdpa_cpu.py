@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ragattn.ops._plan_cache import IndexPlanCache
+from ragattn.triton_kernels.plan_cache import IndexPlanCache
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -330,7 +330,7 @@ def default_scale(head_dim: int, scale: Optional[float]) -> float:
 
 
 # A model calls the op once per layer with the same index tensors: keep the last few plans (hits:
-# the same tensor objects at the same versions, or equal contents, see ragattn.ops._plan_cache).
+# the same tensor objects at the same versions, or equal contents, see ragattn.triton_kernels.plan_cache).
 _PLAN_CACHE = IndexPlanCache(8)
 
 

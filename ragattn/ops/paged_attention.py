@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -16,9 +17,11 @@ from ragattn.ops._validate import (
     check_tensor,
     device_guard,
 )
+from ragattn.ops.page_table import PageTable
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # vLLM's kv_cache_dtype "fp8" / "fp8_e5m2"
 
 # Forces the number of key-range partitions (split-KV) of the Triton kernel; unset or "auto"
 # lets a heuristic choose (tests set it to compare split and unsplit results).
@@ -36,21 +39,22 @@ def _forced_num_splits() -> Optional[int]:
 
 
 def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-              out=None, lse_out=None, *, read_values=True) -> None:
+              out=None, lse_out=None, *, read_values=True, row_start=None, kv_fp8=False, _OP=_OP) -> None:
     """Every check of the op (CUDA path and fake impls). ``read_values=False`` (fake impl) skips the
     checks that read tensor contents; devices, dtypes, shapes and aliasing are checked on every path.
     The CPU impl makes the same checks in C++ (``check_paged_args`` in
     ``csrc/attention/paged_attention_cpu.cpp``), in this order with these messages: change both
-    (tests/test_paged_attention.py compares them)."""
+    (tests/test_paged_attention.py compares them). With ``row_start`` (the run op's flat page
+    list, ``ragattn.PageTable``), ``block_table`` is the flat ``pages`` ``[num_entries]``."""
     check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
     dev = q.device
     total_q, num_heads, head_dim = q.shape
     if head_dim < 1:
         raise ValueError(f"ragattn.{_OP}: q's head_dim (dim 2) must be >= 1, got {head_dim}")
-    check_tensor(_OP, "k_cache", k_cache, dtypes=(q.dtype,), ndim=4, device=dev)
+    check_tensor(_OP, "k_cache", k_cache, dtypes=FP8_DTYPES if kv_fp8 else (q.dtype,), ndim=4, device=dev)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     check_tensor(_OP, "k_cache", k_cache, shape=(None, None, None, head_dim))
-    check_tensor(_OP, "v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape), device=dev)
+    check_tensor(_OP, "v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev)
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise ValueError(
             f"ragattn.{_OP}: q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({num_kv_heads})"
@@ -60,8 +64,12 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
     check_tensor(_OP, "q_pos", q_pos, dtypes=INDEX_DTYPES, shape=(total_q,), device=dev)
     batch = check_cu_seqlens(_OP, "cu_seqlens_q", cu_seqlens_q, total_q, dev, dtypes=INDEX_DTYPES,
                              read_values=read_values)
-    check_tensor(_OP, "block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, device=dev)
-    check_tensor(_OP, "block_table", block_table, shape=(batch, None))
+    if row_start is None:
+        check_tensor(_OP, "block_table", block_table, dtypes=INDEX_DTYPES, ndim=2, device=dev)
+        check_tensor(_OP, "block_table", block_table, shape=(batch, None))
+    else:
+        check_tensor(_OP, "pages", block_table, dtypes=INDEX_DTYPES, ndim=1, device=dev)
+        check_tensor(_OP, "row_start", row_start, dtypes=INDEX_DTYPES, shape=(batch,), device=dev)
     check_tensor(_OP, "kv_lens", kv_lens, dtypes=INDEX_DTYPES, shape=(batch,), device=dev)
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"ragattn.{_OP}: scale must be finite, got {scale}")
@@ -72,11 +80,15 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
         check_tensor(_OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, num_heads), device=dev)
         check_no_overlap(_OP, {"out": out, "lse_out": lse_out},
                          dict(q=q, q_pos=q_pos, cu_seqlens_q=cu_seqlens_q, k_cache=k_cache, v_cache=v_cache,
-                              block_table=block_table, kv_lens=kv_lens))
+                              kv_lens=kv_lens, row_start=row_start,
+                              **{"block_table" if row_start is None else "pages": block_table}))
     # index checks would sync a GPU: there they are a precondition, checked when RAGATTN_DEBUG=1
     if not read_values or dev.type == "meta":
         return
     if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+        if row_start is not None:
+            _check_page_list_values(block_table, row_start, kv_lens, q_pos, page_size, num_pages, _OP)
+            return
         # few reductions, one host read each (this runs on every CPU call)
         max_pages = block_table.shape[1]
         if batch:
@@ -98,6 +110,33 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
                     f"ragattn.{_OP}: block_table entries used by kv_lens must lie in [0, num_pages = {num_pages}), "
                     f"got {int(pages.min())} .. {int(pages.max())}"
                 )
+
+
+def _check_page_list_values(pages, row_start, kv_lens, q_pos, page_size, num_pages, op) -> None:
+    """The value checks of a flat page list (``ragattn.PageTable`` with ``row_start``): each
+    sequence's used entries ``row_start[b] .. row_start[b] + ceil(kv_lens[b] / page_size) - 1`` lie
+    inside ``pages`` and name pages in ``[0, num_pages)``. A few reductions, one host read each."""
+    batch = kv_lens.shape[0]
+    if batch:
+        used = (kv_lens.long() + page_size - 1) // page_size
+        lo_len, lo_start = int(kv_lens.min()), int(row_start.min())
+        end = int((row_start.long() + used).max())
+        if lo_len < 0 or lo_start < 0 or end > pages.shape[0]:
+            raise ValueError(
+                f"ragattn.{op}: every sequence's used entries (row_start .. row_start + ceil(kv_lens / "
+                f"page_size) - 1) must lie in pages [0, {pages.shape[0]}) with kv_lens >= 0, got kv_lens "
+                f"{kv_lens.tolist()}, row_start {row_start.tolist()}")
+        width = int(used.max())
+        if width:
+            idx = row_start.long()[:, None] + torch.arange(width, device=pages.device)[None, :]
+            mask = torch.arange(width, device=pages.device)[None, :] < used[:, None]
+            vals = pages[idx.clamp(max=max(pages.shape[0] - 1, 0))][mask]
+            if vals.numel() and (int(vals.min()) < 0 or int(vals.max()) >= num_pages):
+                raise ValueError(
+                    f"ragattn.{op}: pages used by kv_lens must lie in [0, num_pages = {num_pages}), "
+                    f"got {int(vals.min())} .. {int(vals.max())}")
+    if q_pos.numel() and int(q_pos.min()) < 0:
+        raise ValueError(f"ragattn.{op}: q_pos must be >= 0, got min {int(q_pos.min())}")
 
 
 def paged_attention(
@@ -168,8 +207,11 @@ def paged_attention(
     Non-finite values (one rule on every backend; the float64 reference over the visible slots is
     the truth): a slot a row does not see is never read into that row (a NaN or inf in V or K of
     a masked slot, a stale page slot past ``kv_lens``, or a slot left of the window changes
-    nothing). A non-finite visible score ``q . k`` makes that (row, head) NaN in out and lse; a
-    non-finite ``v[j, d]`` of a visible slot makes ``out[i, h, d]`` NaN (never inf, never finite).
+    nothing). A NaN or +inf visible score ``q . k`` makes that (row, head) NaN in out and lse; a
+    ``-inf`` visible score has weight 0 (a row whose visible scores are all ``-inf`` gets out 0
+    and lse ``-inf``: ``varlen_attention``'s rule, so the prefill and the decode of one cache
+    agree); a non-finite ``v[j, d]`` of a visible slot makes ``out[i, h, d]`` NaN (never inf,
+    never finite).
 
     Backends: CUDA runs the Triton kernel (Q tiles x kv heads, the GQA group stacked into each
     tile; key tiles right of a tile's largest q_pos or left of its window are never loaded;
@@ -247,3 +289,312 @@ def _paged_attention_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_ta
                               window_left=-1, *, out, lse_out):
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, out, lse_out,
               read_values=False)
+
+
+# ------------------------------------------------------------------- plan once, run per layer
+
+_RUN_OP = "paged_attention_run"
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """A batch's launch plan for ``run_paged_attention`` (built by ``plan_paged_attention``).
+
+    Attributes:
+        table: the ``PageTable`` (pages, row starts, ``kv_lens``) the runs read.
+        cu_seqlens_q: int32/int64 ``[B + 1]``, the query rows' offsets the plan was made for.
+        tile_seq, tile_row0: int32 ``[num_tiles]`` on the device, the query tiles' sequence and
+            first row.
+        launch: the kernel's host integers (tile sizes, GQA group, split-KV, warps, stages).
+        window_left: the sliding window the plan was made for (-1: none).
+        num_heads, num_kv_heads, head_dim, dtype: the attention shape it was made for.
+    """
+
+    table: PageTable
+    cu_seqlens_q: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_row0: torch.Tensor
+    launch: Tuple[int, ...]
+    window_left: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def plan_paged_attention(
+    cu_seqlens_q: torch.Tensor,
+    table: PageTable,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window_left: int = -1,
+    max_q_len: Optional[int] = None,
+    max_kv_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+) -> PagedAttentionPlan:
+    """Plan ``paged_attention`` for a batch once (per decode step); run it per layer with
+    ``run_paged_attention``.
+
+    Args:
+        cu_seqlens_q: int32/int64 ``[B + 1]``, query row offsets (FlashInfer's ``qo_indptr``).
+        table: the batch's ``PageTable`` (``PageTable.from_block_table`` or ``.from_csr``).
+        num_heads, num_kv_heads, head_dim, dtype: q's heads, the caches' heads, the head size and
+            q's dtype (fp16/bf16/fp32).
+        window_left: the sliding window of every run (-1: none).
+        max_q_len: the most query rows any sequence has; ``max_kv_len``: the most cached slots.
+            Both given: nothing is read from the tensors (no host sync), so the plan can be made
+            inside a captured CUDA graph, for the largest batch it will replay (FlashInfer's
+            ``plan`` for a maximum). A missing one is read from the tensors (one host sync on CUDA).
+        num_splits: forces the split-KV factor (default: from the SM count and the context).
+
+    A plan stays valid while ``cu_seqlens_q`` and the table's tensors keep their shapes: engines
+    update their contents in place between replays (longer contexts stay exact, the last split-KV
+    partition runs to the end; a sequence with more than ``max_q_len`` rows is an error, checked on
+    CPU and with ``RAGATTN_DEBUG=1``).
+    """
+    from ragattn.triton_kernels.paged_attention import plan_paged_attention as plan_tiles
+
+    if not isinstance(table, PageTable):
+        raise TypeError(f"ragattn.plan_paged_attention: table must be a ragattn.PageTable, got {type(table).__name__}")
+    check_tensor(_RUN_OP, "cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, shape=(table.batch + 1,),
+                 device=table.kv_lens.device)
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"ragattn.plan_paged_attention: {name} must be a positive int, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"ragattn.plan_paged_attention: num_heads ({num_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"ragattn.plan_paged_attention: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"ragattn.plan_paged_attention: {name} must be a non-negative int, got {value!r}")
+    p = plan_tiles(cu_seqlens_q, table.kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   dtype=dtype, window_left=window_left, num_splits=num_splits, max_q_len=max_q_len,
+                   max_kv_len=max_kv_len)
+    return PagedAttentionPlan(table, cu_seqlens_q, p.tile_seq, p.tile_row0, tuple(p.launch()), window_left,
+                              num_heads, num_kv_heads, head_dim, dtype)
+
+
+def run_paged_attention(
+    plan: PagedAttentionPlan,
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: Optional[float] = None,
+    *,
+    inv_freq: Optional[torch.Tensor] = None,
+    rotary_dim: Optional[int] = None,
+    interleaved: bool = False,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    lse_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``paged_attention`` with a ready plan: no host sync on any device, CUDA-graph capturable,
+    traceable by ``torch.compile(fullgraph=True)`` (``torch.ops.ragattn.paged_attention_run``).
+
+    Args:
+        plan: from ``plan_paged_attention`` (its page table and ``cu_seqlens_q`` are the run's).
+        q: ``[total_q, num_heads, head_dim]`` in the plan's dtype; q_pos int32/int64 ``[total_q]``.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, q's dtype (any
+            strides with a unit last-dim stride).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        inv_freq: float32 ``[rotary_dim // 2]`` (the model's RoPE frequencies, every HF scaling
+            variant included): the caches hold keys *without* RoPE and the kernel rotates each
+            key tile by its slots' positions in fp32 (angles reduced in fp64), q arriving rotated
+            as usual. ``rotary_dim`` (default head_dim, even, <= head_dim; partial rotary leaves the
+            other dims as they are), ``interleaved`` (False: NeoX/HF halves, True: GPT-J pairs).
+        k_scale, v_scale: float32 ``[]`` or ``[1]`` per-tensor scales of float8 caches (vLLM's
+            ``kv_cache_dtype="fp8"``: ``float8_e4m3fn``, or ``float8_e5m2``): the kernel reads
+            ``x * scale`` in fp32 and feeds the dot in q's dtype (fp16/bf16). Both or neither;
+            required for float8 caches.
+        out, lse_out: optional outputs (``[total_q, num_heads, head_dim]`` in q's dtype, float32
+            ``[total_q, num_heads]``; any strides; no overlap with an input).
+
+    Returns (out, lse) exactly as ``paged_attention`` over the table's pages (same semantics,
+    same non-finite rule), where a slot's position is its index, or with a position-tagged table
+    (``PageTable.from_entries``) its entry's first position plus its offset; a row sees the
+    valid slots at positions ``<= q_pos`` (and ``>= q_pos - window_left``). On CUDA index values are a precondition (checked with
+    ``RAGATTN_DEBUG=1``); on CPU they are checked.
+    """
+    if not isinstance(plan, PagedAttentionPlan):
+        raise TypeError(f"ragattn.run_paged_attention: plan must come from ragattn.plan_paged_attention, "
+                        f"got {type(plan).__name__}")
+    if q.dim() == 3 and (tuple(q.shape[1:]) != (plan.num_heads, plan.head_dim) or q.dtype != plan.dtype):
+        raise ValueError(f"ragattn.run_paged_attention: q must be [*, {plan.num_heads}, {plan.head_dim}] "
+                         f"{plan.dtype} as planned, got {tuple(q.shape)} {q.dtype}")
+    if k_cache.dim() == 4 and k_cache.shape[2] != plan.num_kv_heads:
+        raise ValueError(f"ragattn.run_paged_attention: k_cache must have {plan.num_kv_heads} kv heads as "
+                         f"planned, got {k_cache.shape[2]}")
+    t = plan.table
+    if inv_freq is not None and rotary_dim is None:
+        rotary_dim = q.shape[-1]
+    args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
+            plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, inv_freq,
+            rotary_dim or 0, bool(interleaved), k_scale, v_scale)
+    if out is None and lse_out is None:
+        return torch.ops.ragattn.paged_attention_run(*args)
+    if out is None:
+        out = q.new_empty(q.shape)
+    if lse_out is None:
+        lse_out = q.new_empty(q.shape[:2], dtype=torch.float32)
+    torch.ops.ragattn.paged_attention_run.out(*args, out=out, lse_out=lse_out)
+    return out, lse_out
+
+
+def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0,
+                  launch, scale, window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0,
+                  interleaved=False, k_scale=None, v_scale=None, out=None, lse_out=None, *,
+                  read_values=True) -> None:
+    """The run op's checks: ``_validate``'s on the table, the plan's tensors, the position-tagged
+    entries and the RoPE arguments and, where values may be read (CPU, ``RAGATTN_DEBUG=1``), that
+    the plan's tiles cover every query row."""
+    from ragattn.triton_kernels.paged_attention import LAUNCH_FIELDS
+
+    kv_fp8 = k_scale is not None or v_scale is not None
+    if kv_fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"ragattn.{_RUN_OP}: k_scale and v_scale go together (float8 caches), got one")
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_tensor(_RUN_OP, name, s, dtypes=(torch.float32,), device=q.device)
+            if s.numel() != 1 or s.dim() > 1:
+                raise ValueError(f"ragattn.{_RUN_OP}: {name} must be one per-tensor scale ([] or [1]), "
+                                 f"got shape {tuple(s.shape)}")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"ragattn.{_RUN_OP}: q must be float16 or bfloat16 with float8 caches, got {q.dtype}")
+    elif isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES:
+        raise ValueError(f"ragattn.{_RUN_OP}: a {k_cache.dtype} cache needs k_scale and v_scale")
+    for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len)):
+        if t is not None:
+            if row_start is None:
+                raise ValueError(f"ragattn.{_RUN_OP}: {name} needs a flat page list (row_start given)")
+            check_tensor(_RUN_OP, name, t, dtypes=INDEX_DTYPES, shape=tuple(pages.shape), device=q.device)
+    if inv_freq is not None:
+        check_tensor(_RUN_OP, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1, device=q.device)
+        if not (isinstance(rotary_dim, int) and 2 <= rotary_dim <= q.shape[-1] and rotary_dim % 2 == 0):
+            raise ValueError(f"ragattn.{_RUN_OP}: rotary_dim must be even and in [2, head_dim = {q.shape[-1]}], "
+                             f"got {rotary_dim}")
+        check_tensor(_RUN_OP, "inv_freq", inv_freq, shape=(rotary_dim // 2,))
+
+    _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out, lse_out,
+              read_values=read_values, row_start=row_start, kv_fp8=kv_fp8, _OP=_RUN_OP)
+    dev = q.device
+    check_tensor(_RUN_OP, "tile_seq", tile_seq, dtypes=(torch.int32,), ndim=1, device=dev)
+    check_tensor(_RUN_OP, "tile_row0", tile_row0, dtypes=(torch.int32,), shape=tuple(tile_seq.shape), device=dev)
+    if len(launch) != LAUNCH_FIELDS or any(int(x) < 0 for x in launch):
+        raise ValueError(f"ragattn.{_RUN_OP}: launch must be the plan's {LAUNCH_FIELDS} non-negative ints "
+                         f"(PagedAttentionPlan.launch), got {list(launch)}")
+    group = q.shape[1] // max(k_cache.shape[2], 1)
+    if int(launch[3]) != group:
+        raise ValueError(f"ragattn.{_RUN_OP}: the plan was made for a GQA group of {launch[3]}, "
+                         f"q and k_cache have {group}")
+    if not read_values or dev.type == "meta":
+        return
+    if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+        if entry_pos is not None or entry_len is not None:
+            from ragattn.ops.page_table import _check_entry_values
+
+            _check_entry_values(entry_pos if entry_pos is not None else pages.new_zeros(0),
+                                entry_len if entry_len is not None else pages.new_zeros(0), k_cache.shape[1])
+        block_m = int(launch[0])
+        covered = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int64, device=dev)
+        covered.index_add_(0, tile_seq.long(), torch.full_like(tile_seq, block_m, dtype=torch.int64))
+        rows = cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
+        if bool((rows > covered).any()):
+            raise ValueError(f"ragattn.{_RUN_OP}: the plan covers {covered.tolist()} query rows per sequence, "
+                             f"the batch has {rows.tolist()}: plan again (a larger max_q_len)")
+
+
+def _run_padded_table(pages, row_start, kv_lens, page_size):
+    """The CPU kernels' padded ``[B, max_used]`` table of a flat page list (entries past a
+    sequence's used ones are clamped in range and never read)."""
+    if row_start is None:
+        return pages
+    batch = kv_lens.shape[0]
+    width = int(((kv_lens.long() + page_size - 1) // page_size).max()) if batch else 0
+    if width == 0 or pages.shape[0] == 0:
+        return pages.new_zeros((batch, 0))
+    idx = row_start.long()[:, None] + torch.arange(width, device=pages.device)[None, :]
+    return pages[idx.clamp(max=pages.shape[0] - 1)]
+
+
+def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
+         window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+         v_scale=None, out=None, lse_out=None):
+    from ragattn.triton_kernels.paged_attention import PagedPlan, run_paged_attention as run_tiles
+
+    if k_scale is not None and q.device.type == "cpu" and _extension.cpu_backend() != "triton":
+        # CPU: the caches dequantised as the kernel reads them (x * scale in fp32, then q's dtype)
+        k_cache = (k_cache.to(torch.float32) * k_scale.reshape(())).to(q.dtype)
+        v_cache = (v_cache.to(torch.float32) * v_scale.reshape(())).to(q.dtype)
+        k_scale = v_scale = None
+    tagged = entry_pos is not None or entry_len is not None or inv_freq is not None
+    if q.device.type == "cpu" and tagged and _extension.cpu_backend() != "triton":
+        # the C++ kernel reads slot-index positions of stored-rotated keys: the reference here
+        from ragattn.reference.paged_attention_table import paged_attention_table
+
+        o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
+                                       entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale, window_left)
+        if out is None:
+            return o.to(q.dtype), lse.float()
+        out.copy_(o)
+        lse_out.copy_(lse)
+        return out, lse_out
+    if q.device.type == "cpu" and _extension.cpu_backend() != "triton":
+        # CPU: the C++ kernel (or the reference) over the equivalent padded table
+        bt = _run_padded_table(pages, row_start, kv_lens, k_cache.shape[1])
+        if out is None:
+            return paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, bt, kv_lens, scale, window_left)
+        return paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, bt, kv_lens, scale, window_left,
+                               out=out, lse_out=lse_out)
+    plan = PagedPlan.from_launch(tile_seq, tile_row0, launch)
+    with device_guard(q):
+        return run_tiles(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out,
+                         lse_out, row_start=row_start, entry_pos=entry_pos, entry_len=entry_len, inv_freq=inv_freq,
+                         rotary_dim=rotary_dim, interleaved=interleaved, k_scale=k_scale, v_scale=v_scale)
+
+
+@torch.library.impl("ragattn::paged_attention_run", "CompositeExplicitAutograd")
+def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None):
+    a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
+    _validate_run(*a)
+    return _run(*a)
+
+
+@torch.library.impl("ragattn::paged_attention_run.out", "CompositeExplicitAutograd")
+def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, *, out,
+                                  lse_out):
+    a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
+    _validate_run(*a, out, lse_out)
+    _run(*a, out, lse_out)
+
+
+@torch.library.register_fake("ragattn::paged_attention_run")
+def _paged_attention_run_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None):
+    _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
+                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                  read_values=False)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.register_fake("ragattn::paged_attention_run.out")
+def _paged_attention_run_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, *, out,
+                                  lse_out):
+    _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
+                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                  out, lse_out, read_values=False)

@@ -47,8 +47,10 @@ def paged_attention(
     kv_lens int32/int64 [B].
     Returns out [total_q, H, D] in q's dtype and lse [total_q, H] (natural log; float32, or
     float64 for float64 inputs). A row with no visible key gets out 0 and lse -inf. Non-finite
-    inputs follow the op's rule: only visible slots are read; a non-finite visible score makes
-    the (row, head) NaN (out and lse); a non-finite visible ``v[j, d]`` makes ``out[i, d]`` NaN.
+    inputs follow the op's rule: only visible slots are read; a NaN or +inf visible score makes
+    the (row, head) NaN (out and lse), a ``-inf`` one has weight 0 (a row whose visible scores
+    are all ``-inf`` gets out 0 and lse ``-inf``, as in ``varlen_attention``); a non-finite
+    visible ``v[j, d]`` makes ``out[i, d]`` NaN.
 
     ``compute_dtype`` (default: float64 for float64 inputs, else float32) is the dtype of every
     intermediate; the tests pass the input dtype to get the "same computation in low precision".
@@ -75,8 +77,8 @@ def paged_attention(
         qb = q[q0:q1].to(cdt)
         s = torch.einsum("ihd,jhd->hij", qb, k) * scale  # [H, nq, L]
         visible = visible_slots(q_pos[q0:q1], L, window_left)  # [nq, L]
-        # a non-finite visible score poisons its (row, head): out and lse NaN
-        bad_row = (visible[None] & ~torch.isfinite(s)).any(-1)  # [H, nq]
+        # a NaN or +inf visible score poisons its (row, head): out and lse NaN; -inf has weight 0
+        bad_row = (visible[None] & (torch.isnan(s) | (s == float("inf")))).any(-1)  # [H, nq]
         s = s.masked_fill(~visible[None] | ~torch.isfinite(s), float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)  # [H, nq]; -inf where nothing is visible
         safe = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ragattn.methods.chunk_store import ChunkStoreError, _config_json, weight_checksums
+from ragattn.methods.store.errors import ChunkStoreError
+from ragattn.methods.store.fingerprint import _config_json, weight_checksums
 
 _WORDS_PER_ROW = 64                 # weight_checksums' rows: 64 int64 words (512 bytes)
 _ROW_BYTES = 8 * _WORDS_PER_ROW

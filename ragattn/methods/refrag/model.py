@@ -147,7 +147,8 @@ class RefragModel(nn.Module):
         ``expand_fraction > 0``, ``policy`` (default :class:`RandomPolicy` seeded 0) picks
         ``round(expand_fraction * L_b)`` chunks per row from every chunk's encoder embedding.
         Gradients flow to the encoder, projector and embedding table when enabled."""
-        k = k or self.k
+        k = self._check_k(k, "build_inputs")
+        _check_fraction(expand_fraction, "build_inputs")
         examples = [self._example(ex, k) for ex in batch]
         chunk_c = None
         if expand_masks is None and expand_fraction > 0:
@@ -197,6 +198,15 @@ class RefragModel(nn.Module):
         return nll.sum(1) / n
 
     # ----- generation -------------------------------------------------------------------------
+    def _check_k(self, k, where: str) -> int:
+        """``k`` (None: the model's own) as a chunk length >= 1."""
+        if k is None:
+            return self.k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"ragattn.refrag.{where}: k (tokens per chunk) must be an integer >= 1 or None "
+                             f"(the model's k={self.k}), got {k!r}")
+        return k
+
     def _rag_example(self, question: str, passages: Sequence, k: int) -> RefragExample:
         """The RAG row of :meth:`generate`: ``[chat head][passages as chunks][question tail]``."""
         from ragattn.methods.common import prompt_parts
@@ -227,7 +237,10 @@ class RefragModel(nn.Module):
         lookup, assembly and prefill; ``extra``: slots, chunks, expanded, effective compression)."""
         from ragattn.methods.common import _generate
 
-        k = k or self.k
+        k = self._check_k(k, "generate")
+        _check_fraction(expand_fraction, "generate")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"ragattn.refrag.generate: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         limit = getattr(self.decoder.config, "max_position_embeddings", None)
         t0 = time.perf_counter()
         ex = self._rag_example(question, passages, k)
@@ -293,3 +306,9 @@ class RefragModel(nn.Module):
         self.k = int(state["k"])
         self.trained, self.checkpoint_path = True, path
         return state.get("extra", {})
+
+
+def _check_fraction(expand_fraction, where: str) -> None:
+    if not isinstance(expand_fraction, (int, float)) or not 0.0 <= expand_fraction <= 1.0:   # NaN fails too
+        raise ValueError(f"ragattn.refrag.{where}: expand_fraction must be a number in [0, 1], got "
+                         f"{expand_fraction!r}")

@@ -23,12 +23,12 @@ Each stage reports a held-out loss before and after (fixed held-out passages, fi
 the run writes the per-step loss curves (``curves.json`` + ``curves.png``) to ``--out``. The
 encoder/projector checkpoint goes to ``RefragModel``'s default path
 (``~/.cache/ragattn/refrag/smollm2-minilm-k{K}.pt``, ``$RAGATTN_REFRAG_CKPT`` overrides); the
-policy to ``...-policy.pt`` beside it. Optimiser: AdamW, 4 % linear warm-up then cosine decay,
+policy to ``...-policy.pt`` beside it; an existing checkpoint is never replaced without
+``--overwrite`` (the run writes ``<name>.run2.pt``, ... beside it and says so). Optimiser: AdamW, 4 % linear warm-up then cosine decay,
 gradient clipping at 1.0 (the paper's schedule, at a tiny scale).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -44,6 +44,11 @@ from ragattn.methods.refrag.expansion import (
     PolicyNetwork, grpo_clip_loss, group_advantages, gumbel_top_k, selection_step_log_probs)
 
 STAGES = ("recon", "cpt", "rl")
+
+
+class TrainError(ValueError):
+    """A user-facing error of the recipe (a bad option, a corpus or checkpoint that cannot serve):
+    ``python -m ragattn refrag-train`` reports it as one ``error:`` line, exit status 2."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -70,7 +75,7 @@ def corpus_documents(tokenizer, roots: Optional[Sequence] = None) -> List[torch.
             topic = p.id.rsplit("-", 1)[0] if "-" in p.id else p.id
             groups.setdefault(f"{Path(root).name}/{topic}", []).append(text)
     if not groups:
-        raise ValueError("refrag-train: the corpora hold no passages")
+        raise TrainError("refrag-train: the corpora hold no passages")
     return [torch.tensor(tokenizer("".join(texts), add_special_tokens=False)["input_ids"], dtype=torch.long)
             for texts in groups.values()]
 
@@ -78,7 +83,7 @@ def corpus_documents(tokenizer, roots: Optional[Sequence] = None) -> List[torch.
 def split_documents(docs: Sequence[torch.Tensor], heldout_frac: float, seed: int):
     """Deterministic train / held-out split of whole documents (topics): (train, heldout)."""
     if not 0 < heldout_frac < 1:
-        raise ValueError(f"refrag-train: heldout_frac must be in (0, 1), got {heldout_frac}")
+        raise TrainError(f"refrag-train: heldout_frac must be in (0, 1), got {heldout_frac}")
     idx = list(range(len(docs)))
     random.Random(seed).shuffle(idx)
     n_held = max(1, round(len(docs) * heldout_frac))
@@ -99,7 +104,7 @@ def sample_windows(docs: Sequence[torch.Tensor], n: int, n_context: int, n_targe
     need = n_context + n_target
     fit = [d for d in docs if d.numel() >= need]
     if not fit:
-        raise ValueError(f"refrag-train: no passage has {need} tokens ({n_context} context + "
+        raise TrainError(f"refrag-train: no passage has {need} tokens ({n_context} context + "
                          f"{n_target} target); lower --max-chunks or --target-tokens")
     out = []
     for _ in range(n):
@@ -151,7 +156,7 @@ def warmup_cosine(step: int, total: int, warmup_frac: float = 0.04) -> float:
 def make_optimizer(params, lr: float, total_steps: int):
     params = [p for p in params if p.requires_grad]
     if not params:
-        raise ValueError("refrag-train: nothing to train (all parameters frozen)")
+        raise TrainError("refrag-train: nothing to train (all parameters frozen)")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, total_steps))
     return opt, sched, params
@@ -204,23 +209,30 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         bad = [s for s in self.stages if s not in STAGES]
         if bad or not self.stages:
-            raise ValueError(f"refrag-train: stages must be a non-empty subset of {STAGES}, got {self.stages}")
+            raise TrainError(f"refrag-train: stages must be a non-empty subset of {STAGES}, got {self.stages}")
         for name in ("k", "batch", "max_chunks", "target_tokens", "curriculum_stages", "eval_examples",
                      "rl_chunks", "rl_group", "ppo_epochs", "policy_width"):
             if getattr(self, name) < 1:
-                raise ValueError(f"refrag-train: {name} must be >= 1, got {getattr(self, name)}")
+                raise TrainError(f"refrag-train: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("recon_steps", "cpt_steps", "rl_steps"):
             if getattr(self, name) < 0:
-                raise ValueError(f"refrag-train: {name} must be >= 0, got {getattr(self, name)}")
+                raise TrainError(f"refrag-train: {name} must be >= 0, got {getattr(self, name)}")
         if self.rl_group < 2:
-            raise ValueError("refrag-train: rl_group (G) must be >= 2 for group advantages")
+            raise TrainError("refrag-train: rl_group (G) must be >= 2 for group advantages")
         if not 0 < self.rl_expand < self.rl_chunks:
-            raise ValueError(f"refrag-train: rl_expand must be in [1, rl_chunks - 1] = [1, {self.rl_chunks - 1}], "
+            raise TrainError(f"refrag-train: rl_expand must be in [1, rl_chunks - 1] = [1, {self.rl_chunks - 1}], "
                              f"got {self.rl_expand}")
         if not 0 < self.clip_eps < 1:
-            raise ValueError(f"refrag-train: clip_eps must be in (0, 1), got {self.clip_eps}")
+            raise TrainError(f"refrag-train: clip_eps must be in (0, 1), got {self.clip_eps}")
         if not 0 <= self.expand_p <= 1:
-            raise ValueError(f"refrag-train: expand_p must be in [0, 1], got {self.expand_p}")
+            raise TrainError(f"refrag-train: expand_p must be in [0, 1], got {self.expand_p}")
+        for name in ("recon_lr", "cpt_lr", "rl_lr"):   # NaN fails too
+            if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) < math.inf):
+                raise TrainError(f"refrag-train: {name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise TrainError(f"refrag-train: threads must be >= 1, got {self.threads}")
+        if self.encoder_layers is not None and self.encoder_layers < 0:
+            raise TrainError(f"refrag-train: encoder_layers must be >= 0, got {self.encoder_layers}")
         return self
 
 
@@ -246,7 +258,7 @@ def no_context_nll(rm, windows: Sequence[Window]) -> torch.Tensor:
     """float32 [B]: target NLL from the decoder alone, after a BOS token (the "no context" baseline)."""
     bos = rm.tokenizer.bos_token_id
     if bos is None:
-        raise ValueError("refrag-train: the decoder's tokenizer has no BOS token for the no-context baseline")
+        raise TrainError("refrag-train: the decoder's tokenizer has no BOS token for the no-context baseline")
     ids = torch.stack([torch.cat([w.target.new_tensor([bos]), w.target]) for w in windows]).to(rm.device)
     logits = rm.decoder(input_ids=ids, use_cache=False).logits[:, :-1].float()
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
@@ -262,7 +274,7 @@ def trainable_encoder_params(rm, encoder_layers: Optional[int]) -> List[torch.nn
     if encoder_layers is not None:
         layers = rm.encoder.encoder.encoder.layer
         if not 0 <= encoder_layers <= len(layers):
-            raise ValueError(f"refrag-train: encoder_layers must be in [0, {len(layers)}], got {encoder_layers}")
+            raise TrainError(f"refrag-train: encoder_layers must be in [0, {len(layers)}], got {encoder_layers}")
         for layer in layers[len(layers) - encoder_layers:]:
             for p in layer.parameters():
                 p.requires_grad_(True)
@@ -508,8 +520,37 @@ def _eval_windows(docs, cfg: TrainConfig, n_chunks: int, n_target: int, salt: in
     return sample_windows(docs, cfg.eval_examples, n_chunks * cfg.k, n_target, random.Random(cfg.seed * 1000 + salt))
 
 
+def checkpoint_path_for_run(ckpt: Path, overwrite: bool = False) -> Path:
+    """Where a run writes its checkpoint: ``ckpt`` when it (and its policy) does not exist yet or
+    ``overwrite``, else the first free ``<stem>.run<N><suffix>`` beside it (a trained checkpoint
+    is never replaced without asking)."""
+    ckpt = Path(ckpt)
+    taken = lambda p: p.exists() or policy_checkpoint_path(p).exists()   # noqa: E731
+    if overwrite or not taken(ckpt):
+        return ckpt
+    n = 2
+    while taken(ckpt.with_name(f"{ckpt.stem}.run{n}{ckpt.suffix}")):
+        n += 1
+    return ckpt.with_name(f"{ckpt.stem}.run{n}{ckpt.suffix}")
+
+
+def read_checkpoint_file(path: Path) -> dict:
+    """A REFRAG checkpoint's contents (CPU), or TrainError naming the file (e.g. for ``--resume``,
+    checked before any model is loaded)."""
+    from ragattn.methods.refrag.model import CHECKPOINT_FORMAT
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:   # noqa: BLE001 (truncated, not a torch file, unpickling refused)
+        raise TrainError(f"refrag-train: {path} is not a readable checkpoint ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise TrainError(f"refrag-train: {path} is not a {CHECKPOINT_FORMAT} checkpoint")
+    return state
+
+
 def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool = False,
-          out_dir: Optional[Path] = None, command: str = "") -> Dict:
+          out_dir: Optional[Path] = None, command: str = "", overwrite: bool = False) -> Dict:
     """Run ``cfg.stages`` in order; returns the run record (config, per-stage curves and held-out
     losses) and writes ``curves.json`` / ``curves.png`` to ``out_dir`` when given.
 
@@ -517,7 +558,11 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
     ckpt: where the encoder/projector checkpoint goes after recon and cpt (default
     ``default_checkpoint_path(k)``) and the policy beside it; ``resume``: start from that
     checkpoint (and policy) if present, e.g. to run ``--stages rl`` alone after ``recon,cpt``.
+    An existing checkpoint is never overwritten unless ``overwrite``: the run writes beside it
+    (:func:`checkpoint_path_for_run`; ``record["checkpoint"]`` says where). A write that fails
+    keeps the checkpoint in a temporary folder (:func:`ragattn.cli.save_or_keep`).
     """
+    from ragattn.cli import save_or_keep
     from ragattn.methods.refrag.expansion import load_policy, save_policy
     from ragattn.methods.refrag.model import RefragModel, default_checkpoint_path
 
@@ -528,16 +573,25 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
     if rm is None:
         rm = RefragModel.from_smollm2(k=cfg.k, checkpoint=None, device=cfg.device)
     if rm.k != cfg.k:
-        raise ValueError(f"refrag-train: the model's k={rm.k} differs from the config's k={cfg.k}")
+        raise TrainError(f"refrag-train: the model's k={rm.k} differs from the config's k={cfg.k}")
     ckpt = Path(ckpt) if ckpt is not None else default_checkpoint_path(cfg.k)
+    out = checkpoint_path_for_run(ckpt, overwrite)
+    if out != ckpt:
+        print(f"refrag-train: {ckpt} exists; this run writes {out} (pass --overwrite to replace it)",
+              file=sys.stderr)
     net = None
     if resume and ckpt.is_file():
-        rm.load_checkpoint(ckpt)
-        if policy_checkpoint_path(ckpt).is_file() and "rl" in cfg.stages:
-            net = load_policy(policy_checkpoint_path(ckpt), device=rm.device)
+        try:
+            rm.load_checkpoint(ckpt)
+            if policy_checkpoint_path(ckpt).is_file() and "rl" in cfg.stages:
+                net = load_policy(policy_checkpoint_path(ckpt), device=rm.device)
+        except Exception as exc:   # noqa: BLE001 (a corrupt or foreign checkpoint)
+            raise TrainError(f"refrag-train: --resume from {ckpt}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}") from None
     docs = corpus_documents(rm.tokenizer)
     train_docs, held_docs = split_documents(docs, cfg.heldout_frac, cfg.seed)
-    record = {"command": command, "config": dataclasses.asdict(cfg), "checkpoint": str(ckpt),
+    record = {"command": command, "config": dataclasses.asdict(cfg), "checkpoint": str(out),
+              "resumed_from": str(ckpt) if resume and ckpt.is_file() else None,
               "documents": {"train": len(train_docs), "heldout": len(held_docs),
                             "train_tokens": int(sum(d.numel() for d in train_docs)),
                             "heldout_tokens": int(sum(d.numel() for d in held_docs))},
@@ -552,13 +606,17 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
                               _eval_windows(held_docs, cfg, cfg.rl_chunks, cfg.target_tokens, 3), net)
         record["stages"][stage] = dataclasses.asdict(res)
         if stage == "rl":
-            save_policy(net, policy_checkpoint_path(ckpt), extra={"k": cfg.k, "rl_expand": cfg.rl_expand,
-                                                                   "rl_chunks": cfg.rl_chunks})
+            if not out.exists():    # the policy's model beside it (a resumed run writing a new path)
+                save_or_keep(lambda p: rm.save_checkpoint(p, extra={"stage": "resumed"}), out, "--checkpoint")
+            save_or_keep(lambda p: save_policy(net, p, extra={"k": cfg.k, "rl_expand": cfg.rl_expand,
+                                                             "rl_chunks": cfg.rl_chunks}),
+                         policy_checkpoint_path(out), "--checkpoint")
         else:
-            rm.save_checkpoint(ckpt, include_decoder=cfg.train_decoder and stage == "cpt",
-                               extra={"stage": stage, "heldout_after": res.heldout_after})
+            save_or_keep(lambda p: rm.save_checkpoint(p, include_decoder=cfg.train_decoder and stage == "cpt",
+                                                      extra={"stage": stage, "heldout_after": res.heldout_after}),
+                         out, "--checkpoint")
         if out_dir is not None:
-            write_curves(record, Path(out_dir))
+            save_or_keep(lambda d: write_curves(record, d), Path(out_dir), "--out")
     return record
 
 
@@ -604,8 +662,18 @@ def write_curves(record: Dict, out_dir: Path) -> None:
 
 
 def main(argv=None) -> int:
+    """One ``error:`` line and exit status 2 for every bad input (:func:`ragattn.cli.run_command`)."""
+    from ragattn.cli import run_command
+
+    return run_command(lambda: _main(argv), "python -m ragattn refrag-train")
+
+
+def _main(argv=None) -> int:
+    from ragattn.cli import OneLineParser, parse_device, writable_dir, writable_file
+    from ragattn.methods.refrag.model import default_checkpoint_path
+
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m ragattn refrag-train", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m ragattn refrag-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", default=",".join(d.stages), help="comma list of recon,cpt,rl (in that order)")
     p.add_argument("--k", type=int, default=d.k)
     p.add_argument("--device", default=d.device)
@@ -633,6 +701,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--checkpoint", default=None, help="default: RefragModel's default path for k")
     p.add_argument("--resume", action="store_true", help="start from --checkpoint (and its policy) if present")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint (default: write a new one beside it, <name>.runN.pt)")
     p.add_argument("--out", default=None, help="write curves.json / curves.png here")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -648,9 +718,18 @@ def main(argv=None) -> int:
         cfg.validate()
     except ValueError as e:
         p.error(str(e))
+    # before any model is loaded: the device, where the results go, the checkpoint to resume from
+    parse_device(cfg.device)
+    ckpt = Path(a.checkpoint) if a.checkpoint else default_checkpoint_path(cfg.k)
+    writable_file(ckpt, "--checkpoint")
+    writable_file(checkpoint_path_for_run(ckpt, a.overwrite), "--checkpoint")
+    if a.out:
+        writable_dir(a.out, "--out")
+    if a.resume and ckpt.is_file():
+        read_checkpoint_file(ckpt)
     command = "python -m ragattn refrag-train " + " ".join(argv if argv is not None else sys.argv[1:])
-    rec = train(cfg, ckpt=a.checkpoint, resume=a.resume, out_dir=Path(a.out) if a.out else None,
-                command=command.strip())
+    rec = train(cfg, ckpt=ckpt, resume=a.resume, out_dir=Path(a.out) if a.out else None,
+                command=command.strip(), overwrite=a.overwrite)
     for name, st in rec["stages"].items():
         print(f"{name}: {len(st['steps'])} steps in {st['seconds']:.0f} s; train loss "
               f"{st['loss'][0]:.3f} -> {st['loss'][-1]:.3f}" if st["loss"] else f"{name}: 0 steps")

@@ -1,0 +1,136 @@
+"""Every `python -m ragattn` sub-command fails the same way (issue 24.8): a bad input gives one
+`error: ...` line on stderr and exit status 2, found before the work starts where it can be; an
+output that cannot be written never loses what was computed (24.6); refrag-train never replaces a
+checkpoint without --overwrite (24.5)."""
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragattn.__main__ import main as cli_main
+
+
+def _one_line_error(capsys, *needles):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def _a_file(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    return str(f)
+
+
+def _cases(tmp_path):
+    f = _a_file(tmp_path)
+    out = str(tmp_path / "out")
+    ckpt = tmp_path / "corrupt.pt"
+    ckpt.write_bytes(b"PK\x03\x04 not a checkpoint")
+    cases = [
+        (["demo", "--top-k", "0"], "--top-k must be >= 1"),
+        (["demo", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+        (["build-store", "--out", out, "--device", "xyz"], "unknown device 'xyz'"),
+        (["build-store", "--out", f], "exists and is not a folder"),
+        (["build-store", "--out", out, "--batch", "0"], "--batch must be >= 1"),
+        (["eval", "--no-progress", "--out", out, "--device", "xyz"], "unknown device 'xyz'"),
+        (["eval", "--no-progress", "--out", f], "--out"),
+        (["eval", "--no-progress", "--out", out, "--store", f], "--store"),
+        (["eval", "--no-progress", "--out", out, "--top-k", "0"], "--top-k needs integers >= 1"),
+        (["eval", "--no-progress", "--out", out, "--top-k", "500"], "exceeds the corpus's"),
+        (["finetune", "--device", "xyz"], "unknown device 'xyz'"),
+        (["finetune", "--device", "cpu", "--lr", "nan"], "--lr must be a finite number > 0"),
+        (["finetune", "--device", "cpu", "--lr=-1e-5"], "--lr must be a finite number > 0"),
+        (["finetune", "--device", "cpu", "--top-k", "0"], "--top-k must be >= 1"),
+        (["finetune", "--device", "cpu", "--top-k", "100000"], "exceeds the corpus's"),
+        (["finetune", "--device", "cpu", "--save", f], "--save"),
+        (["finetune", "--device", "cpu", "--steps", "-1"], "--steps must be >= 0"),
+        (["refrag-train", "--device", "xyz"], "unknown device 'xyz'"),
+        (["refrag-train", "--threads", "-1"], "threads must be >= 1"),
+        (["refrag-train", "--recon-lr", "nan"], "recon_lr must be a finite number > 0"),
+        (["refrag-train", "--rl-lr", "0"], "rl_lr must be a finite number > 0"),
+        (["refrag-train", "--checkpoint", str(tmp_path)], "is a folder"),
+        (["refrag-train", "--checkpoint", str(tmp_path / "k.pt"), "--out", f], "--out"),
+        (["refrag-train", "--checkpoint", str(ckpt), "--resume"], "is not a readable checkpoint"),
+        (["refrag-train", "--rl-expand", "0"], "rl_expand"),
+    ]
+    if not torch.cuda.is_available():
+        cases += [([cmd, *pre, "--device", "cuda"], "no CUDA device is available")
+                  for cmd, pre in (("build-store", ["--out", out]), ("eval", ["--no-progress", "--out", out]),
+                                   ("finetune", []), ("refrag-train", []))]
+    return cases
+
+
+def test_every_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RAGATTN_REFRAG_CKPT", str(tmp_path / "default.pt"))
+    for argv, needle in _cases(tmp_path):
+        assert cli_main(argv) == 2, argv
+        _one_line_error(capsys, needle)
+    assert not (tmp_path / "default.pt").exists()
+
+
+def test_user_errors_from_inside_a_command_take_the_same_path(capsys):
+    from ragattn.cli import run_command
+    from ragattn.methods.chunk_store import ChunkStoreError
+
+    def store_error():
+        raise ChunkStoreError("ragattn.ChunkStore: cannot write x.safetensors to directory /d (No space left on device)")
+
+    assert run_command(store_error, "python -m ragattn eval") == 2
+    _one_line_error(capsys, "No space left on device")
+
+    def bug():
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        run_command(bug, "python -m ragattn eval")
+
+
+def test_a_failed_output_keeps_the_result(tmp_path):
+    from ragattn.cli import UsageError, save_or_keep
+
+    calls = []
+
+    def write(p):
+        calls.append(p)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        Path(p).write_text("the result")
+
+    with pytest.raises(UsageError, match="No space left on device.*kept in") as exc:
+        save_or_keep(write, tmp_path / "results.json", "--out")
+    kept = Path(str(exc.value).rsplit("kept in ", 1)[1])
+    assert kept.read_text() == "the result" and kept.name == "results.json"
+
+
+def test_refrag_checkpoints_are_never_overwritten_without_asking(tmp_path):
+    from ragattn.methods.refrag.train import checkpoint_path_for_run, policy_checkpoint_path
+
+    ckpt = tmp_path / "k8.pt"
+    assert checkpoint_path_for_run(ckpt) == ckpt                   # nothing there yet
+    ckpt.write_bytes(b"trained")
+    assert checkpoint_path_for_run(ckpt) == tmp_path / "k8.run2.pt"
+    assert checkpoint_path_for_run(ckpt, overwrite=True) == ckpt
+    policy_checkpoint_path(tmp_path / "k8.run2.pt").write_bytes(b"a policy")
+    assert checkpoint_path_for_run(ckpt) == tmp_path / "k8.run3.pt"
+
+
+def test_a_zero_step_refrag_run_leaves_a_trained_checkpoint_alone(tmp_path, smollm2, minilm_dir, capsys):
+    """The issue's data loss: a 0-step run replaced the trained checkpoint at the default path."""
+    from ragattn.methods.refrag import train as rt
+
+    ckpt = tmp_path / "k8.pt"
+    argv = ["--stages", "recon", "--recon-steps", "0", "--max-chunks", "1", "--eval-examples", "1",
+            "--curriculum-stages", "1", "--checkpoint", str(ckpt), "--no-progress"]
+    assert rt.main(argv) == 0
+    first = ckpt.read_bytes()
+    assert rt.main(argv) == 0
+    assert ckpt.read_bytes() == first and (tmp_path / "k8.run2.pt").is_file()
+    assert "pass --overwrite to replace it" in capsys.readouterr().err
+    assert rt.main(argv + ["--max-chunks", "100000"]) == 2                # too large: one error line
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "no passage has" in lines[0] and "Traceback" not in err, err

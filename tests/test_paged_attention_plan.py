@@ -1,0 +1,424 @@
+"""The engine-facing plan/run pair of paged_attention (issue 25.1-2): ``ragattn.PageTable`` from a
+padded block table or FlashInfer's CSR page lists, ``plan_paged_attention`` once per step (exact,
+or for a maximum with no host read), ``run_paged_attention`` per layer
+(``torch.ops.ragattn.paged_attention_run``: no host sync, traceable, opcheck'd), against the
+float64 reference on every CPU backend and the Triton kernel in the interpreter."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ragattn
+from ragattn import PageTable, plan_paged_attention, run_paged_attention
+from tests.helpers import randn_nonzero, use_kernel_backend
+from tests.test_paged_attention import check_against_reference
+
+I32 = torch.int32
+
+
+@pytest.fixture(params=["default", "reference", "triton"])
+def backend(request, monkeypatch, device):
+    use_kernel_backend(monkeypatch, device, request.param)
+    return request.param
+
+
+def make_csr_case(q_positions, kv_lens, *, num_heads, num_kv_heads, head_dim, page_size, dtype, device,
+                  index_dtype=I32, spare=4):
+    """A shuffled page pool with FlashInfer CSR page lists (and the equivalent padded table)."""
+    counts = [math.ceil(n / page_size) for n in kv_lens]
+    num_pages = sum(counts) + spare
+    perm = torch.randperm(num_pages)
+    indptr = torch.tensor([0] + torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist(), dtype=index_dtype)
+    indices = perm[: sum(counts)].to(index_dtype)
+    last = torch.tensor([n - (c - 1) * page_size if c else 0 for n, c in zip(kv_lens, counts)], dtype=index_dtype)
+    width = max(counts + [1])
+    bt = torch.full((len(kv_lens), width), -1, dtype=index_dtype)
+    for b, c in enumerate(counts):
+        bt[b, :c] = indices[int(indptr[b]): int(indptr[b]) + c]
+    k = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cu = torch.tensor([0] + torch.tensor([len(p) for p in q_positions]).cumsum(0).tolist(), dtype=index_dtype)
+    q_pos = torch.tensor([p for ps in q_positions for p in ps], dtype=index_dtype)
+    q = randn_nonzero(q_pos.numel(), num_heads, head_dim, dtype=dtype, device=device)
+    kvl = torch.tensor(kv_lens, dtype=index_dtype)
+    d = lambda t: t.to(device)  # noqa: E731
+    return dict(q=q, q_pos=d(q_pos), cu=d(cu), k=k, v=v, indptr=d(indptr), indices=d(indices), last=d(last),
+                bt=d(bt), kv_lens=d(kvl))
+
+
+def _plan(c, table, window_left=-1, **kw):
+    return plan_paged_attention(c["cu"], table, num_heads=c["q"].shape[1], num_kv_heads=c["k"].shape[2],
+                                head_dim=c["q"].shape[2], dtype=c["q"].dtype, window_left=window_left, **kw)
+
+
+CASES = [  # (q_positions, kv_lens, heads, kv heads, head_dim, page_size, dtype)
+    ([[40], [0], [], [6, 7, 8]], [41, 1, 5, 9], 6, 2, 64, 16, torch.float16),       # decode, empty, tail rows
+    ([[3, 17, 29, 30], [12]], [31, 13], 3, 1, 80, 7, torch.bfloat16),             # page size 7, GQA 3, d80
+    ([[99], [5, 50]], [100, 51], 8, 8, 128, 1, torch.float32),                      # page size 1, MHA
+    ([[], []], [0, 3], 4, 2, 64, 16, torch.float16),                                # no query rows
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("window_left", [-1, 6])
+def test_csr_and_padded_tables_match_the_reference(backend, device, seed, case, window_left):
+    """Both page-table forms, planned exactly, give the reference's result (outputs poisoned first)."""
+    q_positions, kv_lens, h, hkv, d, ps, dtype = CASES[case]
+    c = make_csr_case(q_positions, kv_lens, num_heads=h, num_kv_heads=hkv, head_dim=d, page_size=ps, dtype=dtype,
+                      device=device)
+    args = (c["q"], c["q_pos"], c["cu"], c["k"], c["v"], c["bt"], c["kv_lens"])
+    csr = PageTable.from_csr(c["indptr"], c["indices"], c["last"], ps)
+    assert torch.equal(csr.kv_lens.cpu().long(), c["kv_lens"].cpu().long())
+    for table in (csr, PageTable.from_block_table(c["bt"], c["kv_lens"])):
+        plan = _plan(c, table, window_left, num_splits=2 if backend == "triton" else None)
+        out = torch.full_like(c["q"], float("nan"))
+        lse = torch.full(c["q"].shape[:2], float("nan"), device=device)
+        got = run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"], out=out, lse_out=lse)
+        assert got[0] is out and got[1] is lse
+        check_against_reference(args, out, lse, window_left)
+        out2, lse2 = run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"])
+        torch.testing.assert_close(out2, out, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(lse2, lse, rtol=0, atol=0, equal_nan=True)
+
+
+def test_int64_csr_and_shared_pages(backend, device, seed):
+    """int64 page lists (engines' dtype), and two sequences sharing their first pages (a common
+    prefix read through the same entries: row starts may overlap)."""
+    ps = 8
+    c = make_csr_case([[20], [13, 14]], [21, 15], num_heads=4, num_kv_heads=2, head_dim=64, page_size=ps,
+                      dtype=torch.float32, device=device, index_dtype=torch.int64)
+    shared = torch.cat([c["indices"][:3], c["indices"][:2]])   # seq 1's 2 pages = seq 0's first 2
+    indptr = torch.tensor([0, 3, 5], dtype=torch.int64, device=device)
+    last = torch.tensor([5, 7], dtype=torch.int64, device=device)
+    table = PageTable.from_csr(indptr, shared, last, ps)
+    bt = torch.stack([shared[:3], torch.cat([shared[3:], shared[:1]])])
+    out, lse = run_paged_attention(_plan(c, table), c["q"], c["q_pos"], c["k"], c["v"])
+    check_against_reference((c["q"], c["q_pos"], c["cu"], c["k"], c["v"], bt, table.kv_lens.long()), out, lse)
+    row_start = torch.tensor([0, 0], dtype=torch.int64, device=device)   # both read entries 0, 1, ...
+    table2 = PageTable(pages=shared, kv_lens=torch.tensor([21, 15], device=device), row_start=row_start)
+    out2, lse2 = run_paged_attention(_plan(c, table2), c["q"], c["q_pos"], c["k"], c["v"])
+    bt2 = torch.stack([shared[:3], shared[:3]])
+    check_against_reference((c["q"], c["q_pos"], c["cu"], c["k"], c["v"], bt2, table2.kv_lens), out2, lse2)
+
+
+def test_planned_for_a_maximum(triton_backend, device, seed):
+    """A plan from maxima (no host read) runs batches whose contexts grew past max_kv_len, exactly:
+    the last split-KV partition runs to the end of each row's visible range."""
+    ps = 16
+    c = make_csr_case([[70], [3], [100]], [71, 4, 101], num_heads=4, num_kv_heads=1, head_dim=64, page_size=ps,
+                      dtype=torch.float16, device=device)
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], ps)
+    args = (c["q"], c["q_pos"], c["cu"], c["k"], c["v"], c["bt"], c["kv_lens"])
+    for max_kv, splits in [(200, None), (40, 2), (1, 3)]:
+        plan = _plan(c, table, max_q_len=2, max_kv_len=max_kv, num_splits=splits)
+        assert plan.tile_seq.numel() == 3 * math.ceil(2 / plan.launch[0])
+        out, lse = run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"])
+        check_against_reference(args, out, lse)
+
+
+@pytest.fixture
+def triton_backend(monkeypatch, device):
+    use_kernel_backend(monkeypatch, device, "triton")
+    return "triton"
+
+
+def test_plan_for_a_maximum_reads_no_tensor(monkeypatch):
+    """Given both maxima, planning reads nothing: it runs on meta tensors (where any value read,
+    .item(), .tolist() or .cpu() copy raises), so it can sit inside a captured CUDA graph."""
+    c = make_csr_case([[9], [4, 5]], [10, 6], num_heads=8, num_kv_heads=2, head_dim=64, page_size=4,
+                      dtype=torch.bfloat16, device="cpu")
+    table = PageTable(pages=c["indices"].to("meta"), kv_lens=c["kv_lens"].to("meta"),
+                      row_start=c["indptr"][:-1].to("meta"))
+    plan = plan_paged_attention(c["cu"].to("meta"), table, num_heads=8, num_kv_heads=2, head_dim=64,
+                                dtype=torch.bfloat16, max_q_len=2, max_kv_len=4096)
+    assert plan.tile_seq.device.type == "meta" and plan.tile_seq.numel() == 2 * math.ceil(2 / plan.launch[0])
+    with pytest.raises(NotImplementedError):   # the exact plan does read (one host sync)
+        plan_paged_attention(c["cu"].to("meta"), table, num_heads=8, num_kv_heads=2, head_dim=64,
+                             dtype=torch.bfloat16)
+
+
+def test_run_compiles_fullgraph_through_the_op(seed):
+    """The public run is one custom op whose fake impl reads no value: a decode step around it
+    compiles with fullgraph=True (a host read would be a graph break, an error here) and gives
+    the eager result."""
+    c = make_csr_case([[30], [7]], [31, 8], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                      dtype=torch.float32, device="cpu")
+    plan = _plan(c, PageTable.from_csr(c["indptr"], c["indices"], c["last"], 16))
+
+    def step(q, k, v):
+        out, lse = run_paged_attention(plan, q * 0.5, c["q_pos"], k, v)
+        return out.sum(-1), lse
+
+    want = step(c["q"], c["k"], c["v"])
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(c["q"], c["k"], c["v"])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_opcheck_run(backend, device):
+    c = make_csr_case([[12], [2, 3]], [13, 4], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.float32, device=device)
+    for table in (PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8),
+                  PageTable.from_block_table(c["bt"], c["kv_lens"])):
+        plan = _plan(c, table)
+        t = plan.table
+        args = (c["q"], c["q_pos"], c["cu"], c["k"], c["v"], t.pages, t.row_start, t.kv_lens, plan.tile_seq,
+                plan.tile_row0, list(plan.launch))
+        torch.library.opcheck(torch.ops.ragattn.paged_attention_run.default, args)
+        torch.library.opcheck(torch.ops.ragattn.paged_attention_run.default, (*args, 0.3, 5))
+        torch.library.opcheck(torch.ops.ragattn.paged_attention_run.out, args,
+                              dict(out=torch.empty_like(c["q"]), lse_out=torch.empty(c["q"].shape[:2], device=device)))
+
+
+def test_inference_mode(device):
+    c = make_csr_case([[12], [2, 3]], [13, 4], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.float16, device=device)
+    with torch.inference_mode():
+        plan = _plan(c, PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8))
+        out, lse = run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"])
+    check_against_reference((c["q"], c["q_pos"], c["cu"], c["k"], c["v"], c["bt"], c["kv_lens"]), out, lse)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def _errors(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return type(e), str(e)
+    raise AssertionError("no error raised")
+
+
+def test_bad_csr_is_refused():
+    c = make_csr_case([[5]], [6], num_heads=2, num_kv_heads=1, head_dim=64, page_size=4, dtype=torch.float32,
+                      device="cpu")
+    with pytest.raises(ValueError, match="indptr must start at 0"):
+        PageTable.from_csr(c["indptr"] + 1, c["indices"], c["last"], 4)
+    with pytest.raises(ValueError, match="end within indices"):
+        PageTable.from_csr(torch.tensor([0, 9], dtype=I32), c["indices"], c["last"], 4)
+    with pytest.raises(ValueError, match="last_page_len must lie in"):
+        PageTable.from_csr(c["indptr"], c["indices"], c["last"] + 4, 4)
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        PageTable.from_csr(c["indptr"], c["indices"], c["last"], 0)
+    with pytest.raises(TypeError, match="indices must be int32 or int64"):
+        PageTable.from_csr(c["indptr"], c["indices"].float(), c["last"], 4)
+
+
+def test_bad_run_inputs_are_refused_like_the_fake():
+    """Out-of-range pages, row starts past the list, a plan too small for the batch, a plan of
+    another shape: clear errors, and the fake impl (no value reads) gives the same shape errors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    c = make_csr_case([[9], [2, 3]], [10, 4], num_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                      dtype=torch.float32, device="cpu")
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 4)
+    plan = _plan(c, table)
+    run = lambda p, q=c["q"]: run_paged_attention(p, q, c["q_pos"], c["k"], c["v"])  # noqa: E731
+    bad_page = PageTable(pages=c["indices"] + 100, kv_lens=table.kv_lens, row_start=table.row_start)
+    with pytest.raises(ValueError, match=r"pages used by kv_lens must lie in \[0, num_pages"):
+        run(_plan(c, bad_page))
+    past = PageTable(pages=c["indices"], kv_lens=table.kv_lens, row_start=table.row_start + 2)
+    with pytest.raises(ValueError, match="must lie in pages"):
+        run(_plan(c, past))
+    small = _plan(c, table, max_q_len=1, max_kv_len=10)
+    if small.launch[0] == 1:   # one row per tile: sequence 1's second row has no tile
+        with pytest.raises(ValueError, match="plan covers"):
+            run(small)
+    with pytest.raises(ValueError, match="as planned"):
+        run(plan, c["q"][:, :2])
+    # the op's shape checks, the same on fake tensors
+    args = [c["q"], c["q_pos"], c["cu"], c["k"], c["v"], table.pages, table.row_start, table.kv_lens, plan.tile_seq,
+            plan.tile_row0, list(plan.launch)]
+    for i, bad in [(6, table.row_start[:1]), (5, table.pages[None]), (8, plan.tile_seq.long()), (10, [1, 2])]:
+        broken = list(args)
+        broken[i] = bad
+        real = _errors(lambda: torch.ops.ragattn.paged_attention_run(*broken))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in broken]
+            assert _errors(lambda: torch.ops.ragattn.paged_attention_run(*fake)) == real
+
+
+# ------------------------------------------------- position-tagged pages and in-kernel RoPE (27)
+
+def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, head_dim, dtype, device,
+                     question_len=3, gen=None):
+    """One request over chunk pages whose K is stored *without* RoPE: entries (page, first
+    position, valid slots) with the chunks positioned by ``scheme`` ("composite": every chunk from
+    0; "reordered": consecutive; "gapped": consecutive with random gaps), then a private question
+    entry. Rows: the question's tokens and one scattered row inside each chunk (selective
+    recompute). A second request shares the first chunk's pages at another position."""
+    counts = [math.ceil(n / page_size) for n in chunk_lens] + [math.ceil(question_len / page_size)]
+    num_pages = sum(counts) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    pages, first, valid, at, pos = [], [], [], 0, 0
+    rows = []
+    for c, n in enumerate(chunk_lens + [question_len]):
+        start = 0 if (scheme == "composite" and c < len(chunk_lens)) else pos
+        if scheme == "gapped":
+            start += int(torch.randint(0, 9, (1,), generator=gen))
+        for e in range(counts[c]):
+            pages.append(int(perm[at + e]))
+            first.append(start + e * page_size)
+            valid.append(min(page_size, n - e * page_size))
+        at += counts[c]
+        if c < len(chunk_lens):
+            rows.append(start + int(torch.randint(0, n, (1,), generator=gen)))
+        pos = max(pos, start + n)
+    question = [first[-counts[-1]] + i for i in range(question_len)]
+    # request 2: chunk 0's pages at position 100 (a shared chunk, another position), then its question
+    pages2 = pages[: counts[0]] + pages[-counts[-1]:]
+    first2 = [100 + e * page_size for e in range(counts[0])] + [100 + chunk_lens[0] + e * page_size
+                                                               for e in range(counts[-1])]
+    valid2 = valid[: counts[0]] + valid[-counts[-1]:]
+    t = lambda x: torch.tensor(x, dtype=I32, device=device)  # noqa: E731
+    indptr = t([0, len(pages), len(pages) + len(pages2)])
+    table = PageTable.from_entries(indptr, t(pages + pages2), t(first + first2), t(valid + valid2), page_size)
+    q_pos = rows + question + [100 + chunk_lens[0]]
+    cu = t([0, len(rows) + question_len, len(q_pos)])
+    q = randn_nonzero(len(q_pos), num_heads, head_dim, dtype=dtype, device=device)
+    k = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return q, t(q_pos), cu, k, v, table
+
+
+def _table_refs(q, q_pos, cu, k, v, table, window_left, rope):
+    from ragattn.reference.paged_attention_table import paged_attention_table
+
+    a = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len,
+         *rope, None, window_left)
+    return paged_attention_table(*a), paged_attention_table(*a, upcast=False)
+
+
+@pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped"])
+@pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
+def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme, rope):
+    """Zero-copy requests: keys stored without RoPE in shared chunk pages, positions and valid
+    slots from the page list, rotated in the kernel; vs the float64 reference (rotate each key by
+    its position, then varlen attention by position), with the precision rule."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = 64
+    dtype = {"composite": torch.bfloat16, "reordered": torch.float16, "gapped": torch.float32}[scheme]
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], scheme, page_size=8, num_heads=6, num_kv_heads=2,
+                                                 head_dim=head_dim, dtype=dtype, device=device, gen=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ropes = {"none": (None, 0, False), "neox": (inv_freq.to(device), head_dim, False),
+             "gptj-partial": (inv_freq[:16].to(device), 32, True)}
+    rp = ropes[rope]
+    for window_left in (-1, 10):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left, num_splits=2 if backend == "triton" else None)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"), device=device)
+        kw = dict(inv_freq=rp[0], rotary_dim=rp[1] or None, interleaved=rp[2]) if rp[0] is not None else {}
+        run_paged_attention(plan, q, q_pos, k, v, out=out, lse_out=lse, **kw)
+        (o64, l64), (olp, llp) = _table_refs(*(x.cpu() for x in (q, q_pos, cu, k, v)),
+                                             PageTable(*(None if x is None else x.cpu() for x in (
+                                                 table.pages, table.kv_lens, table.row_start, table.entry_pos,
+                                                 table.entry_len))),
+                                             window_left, tuple(x.cpu() if torch.is_tensor(x) else x for x in rp))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_precision(out.cpu(), o64, olp)
+        assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
+    """NaN in the slots past each entry's valid count (a chunk's partial last page) and in the
+    request's unused pages change nothing."""
+    q, q_pos, cu, k, v, table = make_tagged_case([11, 5], "reordered", page_size=8, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    clean = run_paged_attention(plan, q, q_pos, k, v)
+    k2, v2 = k.clone(), v.clone()
+    for e, (p, n) in enumerate(zip(table.pages.tolist(), table.entry_len.tolist())):
+        k2[p, n:] = float("nan")
+        v2[p, n:] = float("inf")
+    used = set(table.pages.tolist())
+    for p in range(k.shape[0]):
+        if p not in used:
+            k2[p], v2[p] = float("nan"), float("nan")
+    got = run_paged_attention(plan, q, q_pos, k2, v2)
+    torch.testing.assert_close(got[0], clean[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)
+
+
+def test_tagged_run_opcheck_and_errors(device):
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "composite", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    inv_freq = torch.rand(32, device=device) * 0.5 + 0.01
+    args = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, plan.tile_seq, plan.tile_row0,
+            list(plan.launch), None, -1, table.entry_pos, table.entry_len, inv_freq, 64, False)
+    torch.library.opcheck(torch.ops.ragattn.paged_attention_run.default, args)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq[:16], rotary_dim=31)
+    with pytest.raises(ValueError, match=r"inv_freq must have shape \(16,\)"):
+        run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq, rotary_dim=32)
+    with pytest.raises(ValueError, match="needs a flat page list"):
+        bad = list(args)
+        bad[6] = None
+        bad[5] = table.pages.view(1, -1)
+        torch.ops.ragattn.paged_attention_run(*bad)
+    with pytest.raises(ValueError, match=r"valid must lie in \[0, page_size = 4\]"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), 4)
+    with pytest.raises(ValueError, match="first_pos must be >= 0"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([-1]), torch.tensor([2]), 4)
+
+
+# ----------------------------------------------------------------------- fp8 caches (25.3)
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_caches_with_scales(backend, device, seed, fp8):
+    """vLLM's fp8 KV caches (per-tensor k/v scales): the kernel dequantises what it loads; vs the
+    float64 reference over the dequantised caches, with the precision rule (the low-precision
+    baseline dequantises into q's dtype, as the kernel feeds its dots), plain and position-tagged
+    with in-kernel RoPE."""
+    from tests.helpers import assert_precision
+
+    c = make_csr_case([[33], [4, 9, 17]], [34, 18], num_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.bfloat16, device=device)
+    ks, vs = torch.tensor([0.05], device=device), torch.tensor(0.03, device=device)
+    k8, v8 = (c["k"].float() / ks).to(fp8), (c["v"].float() / vs).to(fp8)
+    k_deq, v_deq = k8.double() * ks.double(), v8.double() * vs.double()
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8)
+    plan = _plan(c, table, num_splits=2 if backend == "triton" else None)
+    out, lse = run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks, v_scale=vs)
+    from ragattn.reference.paged_attention import paged_attention as ref_paged
+
+    cpu = lambda t: t.cpu()  # noqa: E731
+    idx = (cpu(c["q_pos"]), cpu(c["cu"]))
+    bt, kvl = cpu(c["bt"]), cpu(c["kv_lens"])
+    o64, l64 = ref_paged(cpu(c["q"]).double(), *idx, cpu(k_deq), cpu(v_deq), bt, kvl)
+    olp, llp = ref_paged(cpu(c["q"]), *idx, cpu(k_deq).to(torch.bfloat16), cpu(v_deq).to(torch.bfloat16), bt, kvl,
+                         compute_dtype=torch.bfloat16)
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8)
+    with pytest.raises(ValueError, match="go together"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks)
+    with pytest.raises(ValueError, match="one per-tensor scale"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks.expand(2), v_scale=vs)
+
+
+def test_fp8_tagged_pages_with_rope(backend, device, seed):
+    from ragattn.reference.paged_attention_table import paged_attention_table
+    from tests.helpers import assert_precision
+
+    q, q_pos, cu, k, v, table = make_tagged_case([9, 14], "composite", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float16, device=device)
+    ks, vs = torch.tensor(0.04, device=device), torch.tensor(0.02, device=device)
+    k8, v8 = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).to(device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    out, lse = run_paged_attention(plan, q, q_pos, k8, v8, inv_freq=inv_freq, k_scale=ks, v_scale=vs)
+    t = [x.cpu() if torch.is_tensor(x) else x for x in (table.pages, table.row_start, table.kv_lens, table.entry_pos,
+                                                         table.entry_len)]
+    k_deq, v_deq = (k8.double() * ks.double()).cpu(), (v8.double() * vs.double()).cpu()
+    a = (q.cpu(), q_pos.cpu(), cu.cpu())
+    o64, l64 = paged_attention_table(*a, k_deq, v_deq, *t, inv_freq.cpu(), 64, False)
+    olp, llp = paged_attention_table(*a, k_deq.half(), v_deq.half(), *t, inv_freq.cpu(), 64, False, upcast=False)
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
