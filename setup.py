@@ -90,10 +90,17 @@ def _openmp_flags():
     return ["-fopenmp"] if ok else []
 
 
+def _cxx_std():
+    """The C++ standard torch's headers need: C++20 from torch 2.14 on (ATen.h refuses older), C++17
+    before (the tested 2.11-2.13 builds, unchanged)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+
+
 def _extension():
     cpp = _sources("csrc/**/*.cpp")
     openmp = _openmp_flags()
-    cxx_flags = ["-O3", "-std=c++17"] + openmp
+    cxx_flags = ["-O3", _cxx_std()] + openmp
     include_dirs = [os.path.join(ROOT, "csrc")]
     if _with_cuda():
         # torch's BuildExtension turns TORCH_CUDA_ARCH_LIST into -gencode flags
@@ -106,7 +113,7 @@ def _extension():
             extra_link_args=openmp,
             extra_compile_args={
                 "cxx": cxx_flags,
-                "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+                "nvcc": ["-O3", _cxx_std(), "--expt-relaxed-constexpr", "-lineinfo"],
             },
         )
     return cpp_extension.CppExtension(

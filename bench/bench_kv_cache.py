@@ -132,4 +132,39 @@ def _shape_cases(device, gen, tag, L, H, D, N, dtype):
         baselines={"torch_two_pass": fused_two_pass, "torch_gather_rotate": fused_gather_rotate},
         bytes=2 * 2 * N * L * H * D * elem, peak="copy", params=params, config=config,
     ))
+
+    # fp8 caches (vLLM's kv_cache_dtype="fp8"): the same moves on float8_e4m3fn with per-layer
+    # scales, against torch's dequantise -> rotate -> requantise
+    fp8 = torch.float8_e4m3fn
+    scale = torch.full((L,), 0.05, device=device)
+    k8 = [(t.float() / 0.05).clamp(-448, 448).to(fp8) for t in cache_k]
+    v8 = [(t.float() / 0.05).clamp(-448, 448).to(fp8) for t in cache_v]
+    sk8 = [(t.float() / 0.05).clamp(-448, 448).to(fp8) for t in store_k]
+    sv8 = [(t.float() / 0.05).clamp(-448, 448).to(fp8) for t in store_v]
+    p8 = dict(params, dtype="float8_e4m3fn")
+
+    def torch_fp8_rotate(dst, src, s_rows, d_rows):
+        c, s = _delta_cos_sin(delta, inv_freq, torch.float32)
+        for dk, sk in zip(dst, src):
+            k = sk[s_rows].float() * 0.05
+            dk[d_rows] = ((k * c + _rotate_half(k) * s) / 0.05).clamp(-448, 448).to(fp8)
+
+    def torch_fp8_copy_rotate():
+        torch_fp8_rotate(k8, sk8, src_rows, rows)
+        for dv, sv in zip(v8, sv8):
+            dv[rows] = sv[src_rows]
+
+    out.append(Case(
+        family="kv_cache", name=f"rerotate_keys_ fp8 {tag}",
+        run=lambda: ragattn.rerotate_keys_(k8, rows, delta, inv_freq, D, False, k_scale=scale),
+        baselines={"torch_dequant_rotate": lambda: torch_fp8_rotate(k8, k8, rows, rows)},
+        bytes=2 * N * L * H * D, peak="copy", params=p8, config=config,
+    ))
+    out.append(Case(
+        family="kv_cache", name=f"copy_kv_+rotate fp8 {tag}",
+        run=lambda: ragattn.copy_kv_(k8, v8, sk8, sv8, src_rows, rows, delta, inv_freq, D, False,
+                                     src_k_scale=scale, src_v_scale=scale, dst_k_scale=scale, dst_v_scale=scale),
+        baselines={"torch_dequant_rotate": torch_fp8_copy_rotate},
+        bytes=2 * 2 * N * L * H * D, peak="copy", params=p8, config=config,
+    ))
     return out

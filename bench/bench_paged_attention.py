@@ -198,7 +198,37 @@ def _merge(device, size, gen):
     )
 
 
+def _merge_n(device, size, gen):
+    """merge_attention_states_n over S = 4 cascade levels vs a chain of pairwise merges."""
+    import ragattn
+    from ragattn.reference.merge_attention_states import merge_attention_states_n as ref_merge_n
+
+    if size == "gpu":
+        rows, heads, head_dim, dtype = 32 * 128, 32, 128, torch.bfloat16
+    else:
+        rows, heads, head_dim, dtype = 64, 4, 64, small_dtype(device)
+    S = 4
+    outs = torch.randn(S, rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    lses = torch.randn(S, rows, heads, generator=gen).to(device)
+
+    def pairwise():
+        o, l = outs[0], lses[0]
+        for i in range(1, S):
+            o, l = ragattn.merge_attention_states(o, l, outs[i], lses[i])
+        return o, l
+
+    return Case(
+        family="merge_attention_states",
+        name=f"n-way S{S} n{rows}_h{heads}_d{head_dim}",
+        run=lambda: ragattn.merge_attention_states_n(outs, lses),
+        baselines={"pairwise_merges": pairwise, "torch_eager": lambda: ref_merge_n(outs, lses)},
+        bytes=(S + 1.0) * rows * heads * (head_dim * outs.element_size() + 4),
+        peak="copy",
+        params={"dtype": str(dtype).replace("torch.", ""), "states": S},
+    )
+
+
 def cases(device: torch.device, size: str):
     gen = torch.Generator().manual_seed(0)
     return [_sparse_prefill(device, size, gen), _decode(device, size, gen), _decode_window(device, size, gen),
-            _merge(device, size, gen)]
+            _merge(device, size, gen), _merge_n(device, size, gen)]

@@ -12,16 +12,24 @@ namespace ragattn {
 
 // ---- KV cache ops (csrc/kv_cache/) ----
 void rerotate_keys_cpu(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
-                       const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved);
+                       const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved,
+                       c10::optional<int64_t> num_kv_heads, const c10::optional<at::Tensor>& k_scale);
 void copy_kv_cpu(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
                  const at::Tensor& src_rows, const at::Tensor& dst_rows, const c10::optional<at::Tensor>& delta,
-                 const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved);
+                 const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved,
+                 c10::optional<int64_t> num_kv_heads, const c10::optional<at::Tensor>& src_k_scale,
+                 const c10::optional<at::Tensor>& src_v_scale, const c10::optional<at::Tensor>& dst_k_scale,
+                 const c10::optional<at::Tensor>& dst_v_scale);
 #ifdef RAGATTN_WITH_CUDA
 void rerotate_keys_cuda(at::TensorList k_layers, const at::Tensor& rows, const at::Tensor& delta,
-                        const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved);
+                        const at::Tensor& inv_freq, int64_t rotary_dim, bool interleaved,
+                        c10::optional<int64_t> num_kv_heads, const c10::optional<at::Tensor>& k_scale);
 void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_k, at::TensorList src_v,
                   const at::Tensor& src_rows, const at::Tensor& dst_rows, const c10::optional<at::Tensor>& delta,
-                  const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved);
+                  const c10::optional<at::Tensor>& inv_freq, int64_t rotary_dim, bool interleaved,
+                  c10::optional<int64_t> num_kv_heads, const c10::optional<at::Tensor>& src_k_scale,
+                  const c10::optional<at::Tensor>& src_v_scale, const c10::optional<at::Tensor>& dst_k_scale,
+                  const c10::optional<at::Tensor>& dst_v_scale);
 #endif
 
 // ---- attention CPU paths (csrc/attention/): called by the Python ops after their validation ----
@@ -47,7 +55,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(con
     const std::optional<at::Tensor>& kv_block, bool causal, std::optional<double> scale, int64_t window_left,
     double logits_soft_cap);
 void merge_attention_states_cpu(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
-                                const at::Tensor& lse_b, const at::Tensor& out, const at::Tensor& lse_out);
+                                const at::Tensor& lse_b, bool log2, const at::Tensor& out, const at::Tensor& lse_out);
+void merge_attention_states_n_cpu(const at::Tensor& outs, const at::Tensor& lses, bool log2, const at::Tensor& out,
+                                  const at::Tensor& lse_out);
 
 // ---- speculative verification (csrc/speculative/) ----
 // Shape/dtype/device/scalar checks of verify_draft (ValueError/TypeError naming the argument);

@@ -58,24 +58,35 @@ TORCH_LIBRARY(ragattn, m) {
       "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
       "Tensor? v_scale=None, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
-  // 3. Exact merge of two partial attentions over disjoint key sets (Triton).
+  // 3. Exact merge of two partial attentions over disjoint key sets (Triton). LSEs are natural
+  //    log; log2=True takes and returns base-2 LSEs (FlashInfer's convention).
   m.def(
-      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
+      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool log2=False) "
       "-> (Tensor out, Tensor lse)");
   m.def(
-      "merge_attention_states.out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+      "merge_attention_states.out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool log2=False, *, "
       "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+  //    In place into (out_a, lse_a).
+  m.def(
+      "merge_attention_states_(Tensor(a!) out_a, Tensor(b!) lse_a, Tensor out_b, Tensor lse_b, "
+      "bool log2=False) -> ()");
+  //    N-way: S stacked states outs [S, N, H, D], lses [S, N, H] (cascades of more than two levels).
+  m.def("merge_attention_states_n(Tensor outs, Tensor lses, bool log2=False) -> (Tensor out, Tensor lse)");
 
   // 4. In-place RoPE re-rotation of cached key rows, all layers in one launch (CUDA C++).
+  //    delta int32/int64; num_kv_heads (optional) is checked against the layers' rows; k_scale:
+  //    float8_e4m3fn layers' per-tensor scale(s), [] / [1] / [L].
   m.def(
       "rerotate_keys_(Tensor(a!)[] k_layers, Tensor rows, Tensor delta, Tensor inv_freq, "
-      "int rotary_dim, bool interleaved) -> ()");
+      "int rotary_dim, bool interleaved, int? num_kv_heads=None, Tensor? k_scale=None) -> ()");
 
   // 5. Gather/scatter of K/V rows between caches, optionally re-rotating K (CUDA C++).
+  //    Either side may be float8_e4m3fn with its per-tensor scales (dequantise, rotate, requantise).
   m.def(
       "copy_kv_(Tensor(a!)[] dst_k, Tensor(b!)[] dst_v, Tensor[] src_k, Tensor[] src_v, "
       "Tensor src_rows, Tensor dst_rows, Tensor? delta=None, Tensor? inv_freq=None, "
-      "int rotary_dim=0, bool interleaved=False) -> ()");
+      "int rotary_dim=0, bool interleaved=False, int? num_kv_heads=None, Tensor? src_k_scale=None, "
+      "Tensor? src_v_scale=None, Tensor? dst_k_scale=None, Tensor? dst_v_scale=None) -> ()");
 
   // 6. FusionRAG's query-guided key importance, two passes (Triton).
   m.def(
@@ -103,7 +114,10 @@ TORCH_LIBRARY(ragattn, m) {
       "Tensor? kv_block, bool causal, float? scale, int window_left, float logits_soft_cap=0.0) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
-      "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+      "_merge_attention_states_cpu(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, bool log2=False, *, "
+      "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+  m.def(
+      "_merge_attention_states_n_cpu(Tensor outs, Tensor lses, bool log2=False, *, "
       "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 7. Chain speculative verification, standard and RAPID's modified target (CUDA C++).
@@ -130,6 +144,7 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   m.impl("paged_attention", &ragattn::paged_attention_cpu);
   m.impl("paged_attention.out", &ragattn::paged_attention_out_cpu);
   m.impl("_merge_attention_states_cpu", &ragattn::merge_attention_states_cpu);
+  m.impl("_merge_attention_states_n_cpu", &ragattn::merge_attention_states_n_cpu);
   m.impl("_varlen_attention_cpu", &ragattn::varlen_attention_cpu);
   m.impl("_varlen_attention_backward_cpu", &ragattn::varlen_attention_backward_cpu);
 }

@@ -217,7 +217,7 @@ def _bad_rerotate(device):
         cases.append((name, exc, arg, fix))
 
     case("rows_dtype", TypeError, "rows", lambda a: a.update(rows=a["rows"].to(torch.int16)))
-    case("delta_dtype", TypeError, "delta", lambda a: a.update(delta=a["delta"].long()))
+    case("delta_dtype", TypeError, "delta", lambda a: a.update(delta=a["delta"].to(torch.int16)))
     case("delta_shape", ValueError, "delta", lambda a: a.update(delta=a["delta"][:2]))
     case("rows_2d", ValueError, "rows", lambda a: a.update(rows=a["rows"][None]))
     case("inv_freq_dtype", TypeError, "inv_freq", lambda a: a.update(inv_freq=a["inv_freq"].double()))
@@ -596,3 +596,83 @@ def test_rows_past_2_31_elements():
     from tests.helpers import run_compile_check
 
     run_compile_check(_HUGE_ROWS, timeout=300)
+
+
+# ---- issue 25.4: engine conventions (int64 deltas, num_kv_heads against head-major pages) ----
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_delta_matches_int32(device, seed, monkeypatch, backend):
+    """vLLM's positions are int64: an int64 delta gives bit-identical results to the same int32 one,
+    in both ops, on every path."""
+    use_kernel_backend(monkeypatch, device, backend)
+    f = inv_freq_for(64).to(device)
+    layers = make_layers(2, (31, 3, 64), torch.bfloat16, device)
+    rows, delta = rand_rows(31, 17, device), rand_delta(17, device)
+    a, b = [t.clone() for t in layers], [t.clone() for t in layers]
+    ragattn.rerotate_keys_(a, rows, delta, f, 64, False)
+    ragattn.rerotate_keys_(b, rows, delta.long(), f, 64, False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    check_rotated(b, layers, rows, delta, f, 64, False)
+    dst = rand_rows(31, 17, device)
+    ka, kb = make_layers(2, (31, 3, 64), torch.bfloat16, device), None
+    kb = [t.clone() for t in ka]
+    ragattn.copy_kv_(ka, [], layers, [], rows, dst, delta, f, 64, True)
+    ragattn.copy_kv_(kb, [], layers, [], rows, dst, delta.long(), f, 64, True)
+    assert all(torch.equal(x, y) for x, y in zip(ka, kb))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int64_delta_beyond_int32(device, monkeypatch, backend):
+    """int64 deltas outside int32 are used as they are (no wrap): the rotation by 2^33 + 5 matches
+    the float64 reference; the same value wrapped to int32 (5) would not."""
+    use_kernel_backend(monkeypatch, device, backend)
+    f = inv_freq_for(64, base=500000.0).to(device)
+    x = randn_nonzero(3, 2, 64, device=device)
+    delta = torch.tensor([(1 << 33) + 5, -(1 << 32) - 77, 5], dtype=torch.int64, device=device)
+    layer = x.clone()
+    ragattn.rerotate_keys_([layer], torch.arange(3, device=device), delta, f, 64, False)
+    r64 = ref.rope_rotate(x.double(), delta, f, 64, False)
+    assert max_abs_err(layer, r64) <= 1e-4 * float(r64.abs().max())
+    wrapped = ref.rope_rotate(x.double(), delta.to(torch.int32), f, 64, False)
+    assert max_abs_err(wrapped[:2], r64[:2]) > 1e-2
+
+
+@pytest.mark.parametrize("entry", ["wrapper", "op", "meta"])
+def test_num_kv_heads_refuses_head_major_pages(device, entry):
+    """A raw HND cache [pages, H, page_size, D] passed as NHD rows would be read with page_size as H;
+    with num_kv_heads the ops refuse it by name, caches untouched; the per-head views are accepted."""
+    dev = "meta" if entry == "meta" else device
+    fn_r = ragattn.rerotate_keys_ if entry == "wrapper" else torch.ops.ragattn.rerotate_keys_
+    fn_c = ragattn.copy_kv_ if entry == "wrapper" else torch.ops.ragattn.copy_kv_
+    H, ps, D = 2, 16, 32
+    hnd = randn_nonzero(3, H, ps, D, device=device).to(dev)  # [pages, H, page_size, D]
+    before = hnd.clone()
+    f = inv_freq_for(D).to(dev)
+    rows, delta = torch.tensor([0, 4, 7], device=dev), torch.tensor([3, -1, 9], dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match=r"ragattn.rerotate_keys_: k_layers\[0\] .* has 16 heads .* num_kv_heads=2"):
+        fn_r([hnd], rows, delta, f, D, False, num_kv_heads=H)
+    src = randn_nonzero(8, H, D, device=device).to(dev)
+    rows_like_hnd = randn_nonzero(8, ps, D, device=device).to(dev)  # rows "[16, 32]" as the HND page reads
+    with pytest.raises(ValueError, match=r"ragattn.copy_kv_: dst_k\[0\] .* has 16 heads .* num_kv_heads=2"):
+        fn_c([hnd], [], [rows_like_hnd], [], rows, rows, num_kv_heads=H)
+    with pytest.raises(ValueError, match=r"ragattn.copy_kv_: dst_k\[0\] .* has 2 heads .* num_kv_heads=3"):
+        fn_c([src], [], [src], [], rows, rows, num_kv_heads=3)
+    if entry != "meta":
+        assert torch.equal(hnd, before)
+    # the per-head token-major views of the same pages are what the ops take
+    heads = [hnd[:, h:h + 1].transpose(1, 2) for h in range(H)]  # [pages, page_size, 1, D] each
+    fn_r(heads, rows, delta, f, D, False, num_kv_heads=1)
+    fn_c(heads[:1], [], [src[:, :1]], [], rows, rows, num_kv_heads=1)
+
+
+def test_engine_args_opcheck(device):
+    """opcheck with an int64 delta and num_kv_heads (schema defaults stay backward compatible)."""
+    f = inv_freq_for(32).to(device)
+    layers = make_layers(2, (12, 2, 32), torch.float32, device)
+    rows = torch.tensor([3, 0, 11], device=device)
+    delta = torch.tensor([7, -3, (1 << 31) + 100], dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.ragattn.rerotate_keys_.default, (layers, rows, delta, f, 32, False, 2))
+    dk, sk = make_layers(2, (10, 2, 32), torch.float32, device), make_layers(2, (12, 2, 32), torch.float32, device)
+    dst = torch.tensor([9, 2, 4], device=device)
+    torch.library.opcheck(torch.ops.ragattn.copy_kv_.default, (dk, [], sk, [], rows, dst, delta, f, 32, True, 2))

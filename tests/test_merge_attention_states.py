@@ -195,6 +195,9 @@ for elt, head_dim in SM90_CASES:
     for block_s in (2, 64):  # paged_attention's split counts: 2 .. 64
         jobs.append((mas._merge_split_kernel, dict(BLOCK_S=block_s, BLOCK_H=32, BLOCK_D=block_d),
                      {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
+    for log2 in (False, True):  # issue 25: the N-way kernel, both lse bases
+        jobs.append((mas._merge_n_kernel, dict(BLOCK_H=32, BLOCK_D=block_d, LOG2=log2),
+                     {"outs": "*" + elt, "lses": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
 compile_many_sm90(jobs)
 
 # issue 15.8: vector loads and stores. With the integer specialisation a real launch gets (head_dim
@@ -237,3 +240,160 @@ def test_kernels_compile_for_sm90():
     """Both merge kernels compile for an H100 (sm_90) in every dtype and head dim, within its
     shared memory; needs no GPU (a subprocess: this process's kernels are interpreter objects)."""
     run_compile_check(_COMPILE_CHECK)
+
+
+# ---- issue 25.4: in-place and N-way forms, base-2 lses (FlashInfer's convention) ----
+
+from ragattn.reference.merge_attention_states import merge_attention_states_n as ref_merge_n  # noqa: E402
+
+LN2 = 0.6931471805599453
+
+
+def _n_states(s, n, h, d, dtype, device, gen):
+    outs = randn_nonzero(s, n, h, d, dtype=dtype, device=device, generator=gen)
+    lses = (3 * torch.randn(s, n, h, generator=gen)).to(device)
+    lses[0, 0] = float("-inf")                     # one state empty for row 0
+    lses[:, 1, :2] = float("-inf")                 # every state empty: out 0, lse -inf
+    if s > 1:
+        lses[1, 2, 0] = float("inf")               # FlashAttention's empty marker
+        outs[1, 2, 0] = float("nan")               # never read
+    return outs, lses
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("s", [1, 3, 6])
+def test_merge_n_matches_reference(backend, device, dtype, s):
+    gen = torch.Generator().manual_seed(40 + s)
+    outs, lses = _n_states(s, 29, 5, 64, dtype, device, gen)
+    out, lse = ragattn.merge_attention_states_n(outs, lses)
+    cpu = (outs.cpu(), lses.cpu())
+    out64, lse64 = ref_merge_n(cpu[0].double(), cpu[1].double())
+    out_lp, _ = ref_merge_n(*cpu)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == (29, 5, 64)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_precision(out.cpu(), out64, out_lp, what="out")
+    torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-5, rtol=1e-6)
+    assert (out[1, :2] == 0).all() and (lse[1, :2] == float("-inf")).all()
+
+
+def test_merge_n_equals_cascade_of_pairs(backend, device):
+    """Merging S states at once equals merging them pairwise (a cascade), and a list input equals the
+    stacked one."""
+    gen = torch.Generator().manual_seed(50)
+    outs, lses = _n_states(4, 17, 3, 64, torch.float32, device, gen)
+    out, lse = ragattn.merge_attention_states_n(outs, lses)
+    o, l = outs[0], lses[0]
+    for i in range(1, 4):
+        o, l = ragattn.merge_attention_states(o, l, outs[i], lses[i])
+    torch.testing.assert_close(out, o, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(lse, l, atol=2e-6, rtol=2e-6)
+    out_l, lse_l = ragattn.merge_attention_states_n(list(outs.unbind(0)), list(lses.unbind(0)))
+    assert torch.equal(out_l, out) and torch.equal(lse_l, lse)
+
+
+def test_merge_n_strided_and_edge_rule(backend, device):
+    gen = torch.Generator().manual_seed(51)
+    outs, lses = _n_states(3, 9, 4, 64, torch.float16, device, gen)
+    lses[2, 5, 1] = float("nan")                   # poisons (5, 1)
+    outs[0, 6, 2, 3] = float("inf")                # a read state's inf: NaN, never inf
+    outs_v = outs.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)   # row-major storage
+    lses_v = lses.permute(2, 0, 1).contiguous().permute(1, 2, 0)          # head-major storage
+    out, lse = ragattn.merge_attention_states_n(outs_v, lses_v)
+    ro, rl = ref_merge_n(outs.cpu(), lses.cpu())
+    torch.testing.assert_close(out.cpu(), ro, equal_nan=True, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.cpu(), rl, equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(out[5, 1]).all() and torch.isnan(lse[5, 1]) and torch.isfinite(out[5, 0]).all()
+    assert torch.isnan(out[6, 2, 3]) and torch.isfinite(out[6, 2, :3]).all()
+    empty_o, empty_l = ragattn.merge_attention_states_n(outs[:0], lses[:0])
+    assert (empty_o == 0).all() and (empty_l == float("-inf")).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_inplace_equals_functional(backend, device, seed, dtype):
+    out_a, lse_a, out_b, lse_b = _states(23, 6, 64, dtype, device)
+    lse_a[0] = float("-inf")
+    out_a[0] = float("nan")
+    want_o, want_l = ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    a, la = out_a.clone(), lse_a.clone()
+    assert ragattn.merge_attention_states_(a, la, out_b, lse_b) is None
+    assert torch.equal(a, want_o) and torch.equal(la, want_l)
+    # strided accumulators: a head-major out and a transposed [H, N] lse buffer
+    a_v = out_a.transpose(0, 1).contiguous().transpose(0, 1)
+    la_buf = lse_a.t().contiguous()
+    ragattn.merge_attention_states_(a_v, la_buf.t(), out_b, lse_b)
+    assert torch.equal(a_v, want_o) and torch.equal(la_buf.t(), want_l)
+
+
+def test_merge_inplace_refuses_aliasing(device):
+    out_a, lse_a, out_b, lse_b = _states(5, 2, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="merge_attention_states_: out_a must not share memory with out_b"):
+        ragattn.merge_attention_states_(out_a, lse_a, out_a, lse_b)
+    with pytest.raises(ValueError, match="merge_attention_states_: lse_a must not share memory with lse_b"):
+        ragattn.merge_attention_states_(out_a, lse_a, out_b, lse_a)
+    with pytest.raises(TypeError, match="merge_attention_states_: log2 must be a bool"):
+        ragattn.merge_attention_states_(out_a, lse_a, out_b, lse_b, log2=1)
+
+
+def test_log2_lses(backend, device, seed):
+    """FlashInfer's base-2 lses: log2=True merges them exactly as the natural-log merge of lse * ln 2,
+    and returns base 2; the same lses read as natural log give visibly wrong weights (the test can fail)."""
+    out_a, lse_a, out_b, lse_b = _states(19, 4, 64, torch.float32, device)
+    lse_a[0] = float("-inf")
+    lse_b[1] = float("inf")
+    l2a, l2b = lse_a / LN2, lse_b / LN2            # the same states in base 2
+    o2, l2 = ragattn.merge_attention_states(out_a, l2a, out_b, l2b, log2=True)
+    o, l = ragattn.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(o2, o, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(l2 * LN2, l, atol=2e-6, rtol=2e-6)
+    ro, rl = ref_merge(*[t.cpu().double() for t in (out_a, l2a, out_b, l2b)], log2=True)
+    torch.testing.assert_close(o2.cpu().double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l2.cpu().double(), rl, atol=1e-5, rtol=1e-6)
+    wrong, _ = ragattn.merge_attention_states(out_a, l2a, out_b, l2b)
+    assert float((wrong - o).abs().max()) > 1e-2
+    # in place and N-way take the flag too
+    a, la = out_a.clone(), l2a.clone()
+    ragattn.merge_attention_states_(a, la, out_b, l2b, log2=True)
+    assert torch.equal(a, o2) and torch.equal(la, l2)
+    on, ln = ragattn.merge_attention_states_n(torch.stack((out_a, out_b)), torch.stack((l2a, l2b)), log2=True)
+    torch.testing.assert_close(on, o2, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(ln, l2, atol=2e-6, rtol=2e-6)
+
+
+def test_new_forms_opcheck(backend, device):
+    args = _states(7, 3, 64, torch.float32, device)
+    args[1][0] = float("-inf")
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states.default, args + (True,))
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states_.default, args + (False,))
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states_.default, args + (True,))
+    outs, lses = _n_states(3, 7, 3, 64, torch.float32, device, torch.Generator().manual_seed(52))
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states_n.default, (outs, lses, False))
+    torch.library.opcheck(torch.ops.ragattn.merge_attention_states_n.default, (outs, lses, True))
+
+
+def test_new_forms_fake_validate():
+    outs = torch.empty(3, 5, 2, 64, device="meta")
+    with pytest.raises(ValueError, match=r"merge_attention_states_n: lses must have shape \(3, 5, 2\)"):
+        torch.ops.ragattn.merge_attention_states_n(outs, torch.empty(3, 5, 3, device="meta"))
+    o, l = torch.ops.ragattn.merge_attention_states_n(outs, torch.empty(3, 5, 2, device="meta"))
+    assert o.shape == (5, 2, 64) and l.shape == (5, 2)
+    with pytest.raises(ValueError, match="merge_attention_states_: out_a must not share memory with out_b"):
+        a = torch.empty(5, 2, 64, device="meta")
+        torch.ops.ragattn.merge_attention_states_(a, torch.empty(5, 2, device="meta"), a, torch.empty(5, 2, device="meta"))
+
+
+def test_new_forms_under_inference_mode_and_compile(device):
+    out_a, lse_a, out_b, lse_b = _states(6, 2, 64, torch.float32, device)
+    with torch.inference_mode():
+        a, la = out_a.clone(), lse_a.clone()
+        ragattn.merge_attention_states_(a, la, out_b, lse_b)
+        ragattn.merge_attention_states_n(torch.stack((out_a, out_b)), torch.stack((lse_a, lse_b)))
+
+    def step(a, la, b, lb):
+        torch.ops.ragattn.merge_attention_states_(a, la, b, lb)
+        return torch.ops.ragattn.merge_attention_states_n(torch.stack((a, b)), torch.stack((la, lb)), True)
+
+    a1, la1, a2, la2 = out_a.clone(), lse_a.clone(), out_a.clone(), lse_a.clone()
+    want = step(a1, la1, out_b, lse_b)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(a2, la2, out_b, lse_b)
+    assert torch.equal(a1, a2) and torch.equal(la1, la2)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

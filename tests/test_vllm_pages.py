@@ -196,3 +196,71 @@ def test_nhd_memory_layout_channel_split(store):
     for l, (pk, pv) in enumerate(_read_pages(caches, "channel", slot_rows([2, 0], BS, 0, 31))):
         assert torch.equal(pk, req.cache.k[l].reshape(-1, H, D)[ref_rows])
         assert torch.equal(pv, req.cache.v[l].reshape(-1, H, D)[ref_rows])
+
+
+# ----- issue 25.8: FlashInfer's layout (NHD and HND in memory) and KV cache groups -------------
+def _planes_caches(num_blocks, hnd):
+    """Two layers of vLLM's FlashInfer cache, logical [B, 2, N, Hkv, D], NaN-poisoned; HND: the
+    memory order [B, 2, Hkv, N, D] (vLLM's FlashInfer stride order), viewed in the logical order."""
+    if hnd:
+        return [torch.full((num_blocks, 2, H, BS, D), float("nan")).transpose(2, 3) for _ in range(2)]
+    return [torch.full((num_blocks, 2, BS, H, D), float("nan")) for _ in range(2)]
+
+
+def _read_planes(caches, rows):
+    """K, V per layer at ``rows`` as [n, Hkv, D], with FlashInfer's own reading of its cache."""
+    return [(kv[:, 0].reshape(-1, H, D)[rows], kv[:, 1].reshape(-1, H, D)[rows]) for kv in caches]
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+@pytest.mark.parametrize("skip", [0, 16])
+def test_flashinfer_planes_equal_assembled_request(store, hnd, skip):
+    """FLASHINFER's [B, 2, N, Hkv, D] pages, NHD or HND in memory: bit for bit the HF path's
+    assembled request, nothing else touched."""
+    keys = store.add(_chunks(5))
+    spans = [(0, 7), (7, 26), (26, 31)]
+    req = store.assemble(keys, positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(31))
+    block_ids = [5, 2]
+    caches = _planes_caches(6, hnd)
+    PageWriter(store, caches, BS, "planes").write(keys, spans, block_ids, skip=skip)
+    rows = slot_rows(block_ids, BS, 0, 31)
+    for l, (pk, pv) in enumerate(_read_planes(caches, rows)):
+        assert torch.equal(pk[skip:], req.cache.k[l].reshape(-1, H, D)[ref_rows][skip:])
+        assert torch.equal(pv[skip:], req.cache.v[l].reshape(-1, H, D)[ref_rows][skip:])
+        assert pk[:skip].isnan().all() and pv[:skip].isnan().all()
+    untouched = torch.ones(6 * BS, dtype=torch.bool)
+    untouched[rows[skip:]] = False
+    for pk, pv in _read_planes(caches, untouched.nonzero()[:, 0]):
+        assert pk.isnan().all() and pv.isnan().all()
+    with pytest.raises(CacheLayoutError, match="'planes' split"):
+        PageWriter(store, _vllm_caches(4), BS, "planes")
+
+
+@pytest.mark.parametrize("split", ["channel", "planes"])
+def test_kv_cache_groups_with_a_sliding_window_group(store, split):
+    """Two KV cache groups (layer 0 full attention, layer 1 sliding window), each with its own
+    blocks: every group's pages hold the HF path's rows bit for bit; the sliding group's null block
+    (id 0, pages outside the window) is never written."""
+    keys = store.add(_chunks(6))
+    spans = [(0, 7), (7, 26), (26, 31)]
+    req = store.assemble(keys, positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(31))
+    caches = _vllm_caches(7) if split == "channel" else _planes_caches(7, True)
+    full_ids, sliding_ids = [3, 6], [0, 4]       # the sliding group's first block is outside the window
+    w = PageWriter(store, caches, BS, split, groups=[([0], False), ([1], True)])
+    w.write(keys, spans, (full_ids, sliding_ids))
+    read = (lambda c, r: _read_pages(c, "channel", r)) if split == "channel" else _read_planes
+    pk, pv = read(caches[:1], slot_rows(full_ids, BS, 0, 31))[0]
+    assert torch.equal(pk, req.cache.k[0].reshape(-1, H, D)[ref_rows])
+    assert torch.equal(pv, req.cache.v[0].reshape(-1, H, D)[ref_rows])
+    pk, pv = read(caches[1:], slot_rows(sliding_ids, BS, 0, 31))[0]
+    assert torch.equal(pk[BS:], req.cache.k[1].reshape(-1, H, D)[ref_rows][BS:])
+    assert torch.equal(pv[BS:], req.cache.v[1].reshape(-1, H, D)[ref_rows][BS:])
+    assert pk[:BS].isnan().all() and pv[:BS].isnan().all()      # block 0 untouched
+    nulls = read(caches, torch.arange(BS))                          # block 0 of both layers
+    assert all(k.isnan().all() and v.isnan().all() for k, v in nulls)
+    with pytest.raises(CacheLayoutError, match="every one of the 2 layers exactly once"):
+        PageWriter(store, caches, BS, split, groups=[([0], False), ([0], True)])
+    with pytest.raises(ChunkStoreError, match="1 block lists for 2 KV cache groups"):
+        w.write(keys, spans, full_ids)

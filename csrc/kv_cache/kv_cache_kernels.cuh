@@ -15,7 +15,14 @@
 namespace ragattn {
 namespace kv_cache {
 
-enum class CacheDType { kFloat16, kBFloat16, kFloat32 };
+enum class CacheDType { kFloat16, kBFloat16, kFloat32, kFloat8E4M3 };
+
+// Per-layer scales of float8_e4m3fn caches (fp8_math.h): layer l's is ptr[l * stride] (stride 0:
+// one for all layers), a device float32 array; ptr == nullptr for the other dtypes (scale 1).
+struct LayerScales {
+  const float* ptr = nullptr;
+  int64_t stride = 0;
+};
 
 constexpr int kMaxLayerPtrs = 256;                     // pointers per launch (2 KB of parameters)
 constexpr int kMaxRerotateLayers = kMaxLayerPtrs;      // rerotate_keys_: one pointer per layer
@@ -28,7 +35,9 @@ struct RerotateArgs {
   int heads, head_dim;
   const void* rows;  // device, int32 or int64 [n]
   bool rows_int64;
-  const int32_t* delta;  // device [n]
+  const void* delta;  // device, int32 or int64 [n]
+  bool delta_int64;
+  LayerScales scale;  // fp8 layers: stored x means x * scale
   int64_t n;
   const float* inv_freq;  // device [rotary_dim / 2]
   int rotary_dim;
@@ -56,17 +65,21 @@ struct CopyArgs {
   const void* dst_rows;  // device int32/int64 [n], or nullptr: row i
   bool dst_rows_int64;
   int64_t n;
-  const int32_t* delta;  // device [n] or nullptr (no rotation)
+  const void* delta;  // device int32/int64 [n] or nullptr (no rotation)
+  bool delta_int64;
   const float* inv_freq;
   int rotary_dim;
   bool interleaved;
-  CacheDType dtype;
-  bool vectorized;
+  CacheDType dtype;      // of the destinations
+  CacheDType src_dtype;  // of the sources: dtype, or either of the two float8_e4m3fn
+  LayerScales dst_k_scale, dst_v_scale, src_k_scale, src_v_scale;  // fp8 sides only
+  bool vectorized;  // 16-byte accesses of the wider element type
 };
 
 // dst row dst_rows[i] <- src row src_rows[i] in every layer, K rotated by delta[i] when given.
 // Preconditions: dst_rows distinct and in range, src_rows in range, no source memory written by
-// the call (the ATen launcher stages aliased sources through a temporary first).
+// the call (the ATen launcher stages aliased sources through a temporary first); src_dtype ==
+// dtype unless one of them is kFloat8E4M3.
 cudaError_t launch_copy_kv(const CopyArgs& a, cudaStream_t stream);
 
 // Whether rotating `head_dim`-wide heads with `rotary_dim` and copying rows of `row_elems`

@@ -3,7 +3,8 @@
 //
 // Angle: delta * inv_freq is formed and reduced mod 2*pi in double (exact product for
 // |delta| < 2^29 since inv_freq has a 24-bit mantissa), so deltas up to 2^20 keep full fp32
-// accuracy; a plain fp32 product would be off by up to ~0.06 rad there. sin/cos and the pair
+// accuracy; a plain fp32 product would be off by up to ~0.06 rad there. Deltas are int64 (int32
+// deltas widen exactly): beyond 2^29 the product rounds to double, still far below fp32's step. sin/cos and the pair
 // rotation then run in fp32 (design.md: all trigonometry in fp32).
 #pragma once
 
@@ -21,7 +22,7 @@ namespace ragattn {
 namespace rope {
 
 // delta * inv_freq reduced to [-pi, pi], as float.
-RAGATTN_HD float reduced_angle(int32_t delta, float inv_freq) {
+RAGATTN_HD float reduced_angle(int64_t delta, float inv_freq) {
   const double kTwoPi = 6.283185307179586476925286766559;
   const double kInvTwoPi = 0.15915494309189533576888376337251;
   const double theta = static_cast<double>(delta) * static_cast<double>(inv_freq);
@@ -30,7 +31,7 @@ RAGATTN_HD float reduced_angle(int32_t delta, float inv_freq) {
 }
 
 // cos/sin of the rotation by `delta` positions at frequency `inv_freq`.
-RAGATTN_HD void angle_cos_sin(int32_t delta, float inv_freq, float* c, float* s) {
+RAGATTN_HD void angle_cos_sin(int64_t delta, float inv_freq, float* c, float* s) {
   const float a = reduced_angle(delta, inv_freq);
 #if defined(__CUDA_ARCH__)
   sincosf(a, s, c);

@@ -7,7 +7,7 @@ tensor's shape and dtype. One module per op family.
 from ragattn import _extension  # noqa: F401  (loads the schemas first)
 from ragattn.ops.key_attention_scores import key_attention_scores
 from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_
-from ragattn.ops.merge_attention_states import merge_attention_states
+from ragattn.ops.merge_attention_states import merge_attention_states, merge_attention_states_, merge_attention_states_n
 from ragattn.ops.page_table import PageTable
 from ragattn.ops.paged_attention import (
     PagedAttentionPlan,
@@ -25,6 +25,8 @@ __all__ = [
     "varlen_attention",
     "paged_attention",
     "merge_attention_states",
+    "merge_attention_states_",
+    "merge_attention_states_n",
     "rerotate_keys_",
     "copy_kv_",
     "key_attention_scores",

@@ -35,20 +35,23 @@ def _warn_once(op: str) -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def rerotate_keys_cuda(k_layers, rows, delta, inv_freq, rotary_dim, interleaved):
+def rerotate_keys_cuda(k_layers, rows, delta, inv_freq, rotary_dim, interleaved, num_kv_heads=None, k_scale=None):
     _warn_once("rerotate_keys_")
-    if _kv._validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim) is not None:
+    if _kv._validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim, num_kv_heads, k_scale) is not None:
         _ref_kv.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved),
-                               compute_dtype=torch.float32)
+                               compute_dtype=torch.float32, k_scale=k_scale)
 
 
 def copy_kv_cuda(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta=None, inv_freq=None, rotary_dim=0,
-                 interleaved=False):
+                 interleaved=False, num_kv_heads=None, src_k_scale=None, src_v_scale=None, dst_k_scale=None,
+                 dst_v_scale=None):
     _warn_once("copy_kv_")
-    gk, _ = _kv._validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim)
+    scales = dict(src_k_scale=src_k_scale, src_v_scale=src_v_scale, dst_k_scale=dst_k_scale, dst_v_scale=dst_v_scale)
+    gk, _ = _kv._validate_copy(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta, inv_freq, rotary_dim,
+                               num_kv_heads, **scales)
     if gk is not None:
         _ref_kv.copy_kv_(list(dst_k), list(dst_v), list(src_k), list(src_v), src_rows, dst_rows, delta, inv_freq,
-                         int(rotary_dim), bool(interleaved), compute_dtype=torch.float32)
+                         int(rotary_dim), bool(interleaved), compute_dtype=torch.float32, **scales)
 
 
 def verify_draft_cuda(draft_tokens, draft_probs, target_logits, uniforms, temperature=1.0, eta=0.0, alpha=0.1,

@@ -211,3 +211,110 @@ def _verify_draft_fake(draft_tokens, draft_probs, target_logits, uniforms, tempe
         bsz, g = draft_tokens.shape
         out = draft_tokens.new_empty((bsz, g + 1))
     return out, draft_tokens.new_empty((bsz,), dtype=torch.int32)
+
+
+def verify_draft_vllm(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: Optional[torch.Tensor] = None,
+    *,
+    bonus_logits: Optional[torch.Tensor] = None,
+    bonus_token_ids: Optional[torch.Tensor] = None,
+    temperature=1.0,
+    generators: Optional[dict] = None,
+    max_spec_len: Optional[int] = None,
+    eta: float = 0.0,
+    alpha: float = 0.1,
+) -> torch.Tensor:
+    """:func:`verify_draft` on vLLM's rejection-sampler layout (``vllm/v1/sample/rejection_sampler.py``).
+
+    Args:
+        draft_token_ids: int64 ``[T]``, every request's drafts back to back.
+        cu_num_draft_tokens: int32/int64 ``[B]``, vLLM's cumulative *ends* (request ``b`` owns
+            drafts ``cu[b - 1] .. cu[b]``, ``cu[-1] = 0``; no leading 0).
+        target_logits: fp16/bf16/fp32 ``[T, V]``, the target's logits at the drafted positions only.
+        draft_probs: float32 ``[T, V]`` or None (n-gram / prompt-lookup drafts: one-hot).
+        bonus_logits: ``[B, V]`` (target_logits' dtype), the target's logits after each request's
+            last draft; the bonus token is drawn from them when every draft is accepted. Or
+        bonus_token_ids: int64 ``[B]`` or ``[B, 1]``, the bonus tokens vLLM already sampled (then
+            emitted as they are). Exactly one of the two.
+        temperature: a float for the batch, or float32 ``[B]`` (vLLM's per-request
+            ``sampling_metadata.temperature``); a request at temperature ``<= 1e-5`` (vLLM's
+            greedy threshold) is verified greedily, the others are sampled.
+        generators: vLLM's ``sampling_metadata.generators``, ``{request index: torch.Generator}``:
+            the uniforms of request ``b`` (its ``g_b`` acceptance draws, then the final draw) come from
+            its generator when it has one, else from torch's default generator on the device.
+        max_spec_len: the output's width minus one (default: the largest ``g_b``).
+        eta, alpha: RAPID's modified target, as in :func:`verify_draft`.
+
+    Returns:
+        int64 ``[B, max_spec_len + 1]`` in vLLM's convention: the accepted drafts, the emitted
+        token, then ``-1`` (vLLM's ``PLACEHOLDER_TOKEN_ID``); ``num_accepted = (out != -1).sum(1) - 1``.
+
+    Runs :func:`verify_draft`'s flat layout (``cu_num_draft``): the logits are interleaved into
+    ``[T + B, V]`` (one copy of the logits), the per-request temperatures folded into them
+    (``z / T_b``, then ``temperature=1``), greedy and sampled requests verified in one call each.
+    Tested against the padded native layout on random ragged batches (tests/test_verify_draft_vllm.py).
+    """
+    op = "verify_draft_vllm"
+    check_tensor(op, "draft_token_ids", draft_token_ids, dtypes=(torch.int64,), ndim=1)
+    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, dtypes=(torch.int32, torch.int64), ndim=1)
+    check_tensor(op, "target_logits", target_logits, dtypes=FLOAT_DTYPES, ndim=2)
+    dev, bsz, total = target_logits.device, cu_num_draft_tokens.shape[0], draft_token_ids.shape[0]
+    vocab = target_logits.shape[1]
+    if target_logits.shape[0] != total:
+        raise ValueError(f"ragattn.{op}: target_logits must have shape (T, V) = ({total}, V), got {tuple(target_logits.shape)}")
+    if (bonus_logits is None) == (bonus_token_ids is None):
+        raise ValueError(f"ragattn.{op}: give exactly one of bonus_logits ([B, V]) and bonus_token_ids ([B])")
+    ends = cu_num_draft_tokens.to(device=dev, dtype=torch.int64)
+    cu = torch.cat((ends.new_zeros(1), ends))  # [B + 1], verify_draft's flat layout
+    counts = (cu[1:] - cu[:-1]).tolist()  # host copy: the uniforms below are drawn per request anyway
+    if any(c < 0 for c in counts) or (bsz and int(ends[-1]) != total):
+        raise ValueError(f"ragattn.{op}: cu_num_draft_tokens must be non-decreasing cumulative ends reaching T = {total}")
+    width = max(counts, default=0) if max_spec_len is None else int(max_spec_len)
+    if counts and max(counts) > width:
+        raise ValueError(f"ragattn.{op}: max_spec_len = {width} is below a request's {max(counts)} drafts")
+    if bonus_logits is not None:
+        check_tensor(op, "bonus_logits", bonus_logits, dtypes=(target_logits.dtype,), shape=(bsz, vocab), device=dev)
+        bonus = bonus_logits
+    else:
+        ids = bonus_token_ids.reshape(-1)
+        check_tensor(op, "bonus_token_ids", ids, dtypes=(torch.int64,), shape=(bsz,), device=dev)
+        # one-hot logits: p puts all its mass on the given token, which the final draw then emits
+        bonus = torch.full((bsz, vocab), float("-inf"), dtype=target_logits.dtype, device=dev)
+        bonus.scatter_(1, ids[:, None], 0.0)
+    # native rows: request b's drafts at cu[b] + b .., its bonus at cu[b + 1] + b
+    arange_b = torch.arange(bsz, device=dev)
+    req = torch.repeat_interleave(arange_b, torch.as_tensor(counts, dtype=torch.int64, device=dev), output_size=total)
+    row_req = torch.repeat_interleave(arange_b, torch.as_tensor(counts, dtype=torch.int64, device=dev) + 1,
+                                      output_size=total + bsz)  # the request of each native row
+    logits = target_logits.new_empty((total + bsz, vocab))
+    logits.index_copy_(0, torch.arange(total, device=dev) + req, target_logits)
+    logits.index_copy_(0, cu[1:] + arange_b, bonus)
+    uniforms = torch.empty(total + bsz, dtype=torch.float32, device=dev)
+    gens = generators or {}
+    for b in range(bsz):
+        lo, n = int(cu[b]) + b, counts[b] + 1
+        gen = gens.get(b)
+        uniforms[lo:lo + n] = torch.rand(n, generator=gen, device=dev) if gen is not None else torch.rand(n, device=dev)
+    if isinstance(temperature, torch.Tensor):
+        check_tensor(op, "temperature", temperature, dtypes=(torch.float32,), shape=(bsz,))
+        t = temperature.to(dev)
+        greedy_req = t <= 1e-5
+        t_row = torch.where(greedy_req, torch.ones_like(t), t)[row_req]
+        args = (draft_token_ids, draft_probs, logits / t_row[:, None].to(logits.dtype), uniforms, 1.0, eta, alpha)
+        flat, _ = verify_draft(*args, greedy=False, cu_num_draft=cu)
+        if bool(greedy_req.any()):
+            greedy_flat, _ = verify_draft(*args, greedy=True, cu_num_draft=cu)
+            flat = torch.where(greedy_req[row_req], greedy_flat, flat)
+    else:
+        greedy = float(temperature) <= 1e-5
+        flat, _ = verify_draft(draft_token_ids, draft_probs, logits, uniforms, 1.0 if greedy else float(temperature),
+                               eta, alpha, greedy=greedy, cu_num_draft=cu)
+    out = torch.full((bsz, width + 1), -1, dtype=torch.int64, device=dev)
+    j = torch.arange(width + 1, device=dev)[None, :]
+    keep = j <= torch.as_tensor(counts, device=dev)[:, None]
+    src = (cu[:-1] + torch.arange(bsz, device=dev))[:, None] + j
+    out[keep] = flat[src[keep]]
+    return out

@@ -82,7 +82,8 @@ def varlen_attention(
             mask, becomes ``cap * tanh(score / cap)`` (Gemma 2's ``attn_logit_softcapping``; the
             backward multiplies by ``1 - tanh^2``); 0 (default): off. Finite and ``>= 0``.
         out, lse_out: optional preallocated outputs (engines' ``out=``): ``out`` contiguous like
-            ``q``, ``lse_out`` contiguous float32 ``[total_q, H]``, on ``q``'s device, sharing no
+            ``q``, ``lse_out`` float32 ``[total_q, H]`` of any strides (e.g. the ``.t()`` of an
+            engine's ``[H, total_q]`` buffer), on ``q``'s device, sharing no
             memory with any input; written in place and returned (one given, the other is
             allocated). Runs ``torch.ops.ragattn.varlen_attention.out``; not differentiable.
 
@@ -234,11 +235,11 @@ def _check_index_values(cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_b
 
 
 def _validate_out(q, out, lse_out, inputs):
-    """Preallocated outputs: exact shape and dtype, q's device, contiguous, no memory shared with
-    an input or with each other (the kernel would read what it already wrote)."""
+    """Preallocated outputs: exact shape and dtype, q's device, out contiguous (lse_out any strides,
+    e.g. a transposed [H, total_q] buffer's .t(), as paged_attention's), no memory shared with an
+    input or with each other (the kernel would read what it already wrote)."""
     check_tensor(OP, "out", out, dtypes=(q.dtype,), shape=tuple(q.shape), device=q.device, contiguous=True)
-    check_tensor(OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=tuple(q.shape[:2]), device=q.device,
-                 contiguous=True)
+    check_tensor(OP, "lse_out", lse_out, dtypes=(torch.float32,), shape=tuple(q.shape[:2]), device=q.device)
     check_no_overlap(OP, {"out": out, "lse_out": lse_out}, inputs)
 
 
@@ -341,9 +342,12 @@ def _varlen_attention_out_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos=None, 
     if _use_triton(q):
         from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
 
+        lse_k = lse_out if lse_out.is_contiguous() else None  # the kernel stores contiguous rows
         with device_guard(q):
-            varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_out,
-                                 logits_soft_cap=logits_soft_cap)
+            _, l = varlen_attention_fwd(*_contig(*args), causal, scale, window_left, out=out, lse=lse_k,
+                                        logits_soft_cap=logits_soft_cap)
+        if lse_k is None:
+            lse_out.copy_(l)
         return
     o = None
     if _use_sdpa_cpu(q):

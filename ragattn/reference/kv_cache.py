@@ -2,6 +2,10 @@
 helpers the methods layer reuses. Float64-capable: angles are always taken in float64; the
 rotation runs in ``compute_dtype`` (default float64, the ground truth of the tests).
 
+float8_e4m3fn caches carry a per-tensor scale per layer (vLLM's ``kv_cache_dtype="fp8"``): a stored
+element ``x`` means ``x * scale``; a value ``v`` is stored as ``clamp(v / scale, -448, 448)`` rounded to
+nearest even (:func:`dequantize`, :func:`quantize`).
+
 RoPE layouts (``rotary_dim`` = r, only dims ``< r`` rotate, the rest pass through):
   interleaved=False (NeoX / HF ``rotate_half``): pair ``(i, i + r/2)`` uses ``inv_freq[i]``
   interleaved=True  (GPT-J ``rotate_every_two``): pair ``(2i, 2i + 1)`` uses ``inv_freq[i]``
@@ -165,10 +169,40 @@ def gather_rows(layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return v[_row_index(rows, g)]
 
 
-def scatter_rows_(layer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """In place: rows ``rows`` of ``layer`` = ``values`` ``[N, H, D]``."""
+def scatter_rows_(layer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, raw: bool = False) -> None:
+    """In place: rows ``rows`` of ``layer`` = ``values`` ``[N, H, D]`` (cast to the layer's dtype;
+    ``raw``: already of it)."""
     v, g = rows_view(layer)
-    v[_row_index(rows, g)] = values.to(layer.dtype)
+    v[_row_index(rows, g)] = values if raw else values.to(layer.dtype)
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def layer_scale(scale: Optional[torch.Tensor], layer: int) -> Optional[torch.Tensor]:
+    """Layer ``layer``'s scale out of a ``[]`` / ``[1]`` (every layer) or ``[L]`` scale tensor."""
+    if scale is None:
+        return None
+    flat = scale.reshape(-1)
+    return flat[0 if flat.numel() == 1 else layer]
+
+
+def dequantize(x: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``x`` as ``dtype`` values: ``x * scale`` for float8_e4m3fn, a cast otherwise.
+    The product is exact in float64 and, for fp8, in float32 too (4-bit significands)."""
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return x.to(dtype) * scale.to(dtype)
+
+
+def quantize(v: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Values ``v`` stored as ``dtype``: float8_e4m3fn as ``clamp(v / scale)`` rounded to nearest even
+    (the division in float32, as the kernels do it), a cast otherwise."""
+    if dtype != FP8:
+        return v.to(dtype)
+    q = v.to(torch.float32) / scale.to(torch.float32)
+    return q.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def rerotate_keys_(
@@ -179,12 +213,23 @@ def rerotate_keys_(
     rotary_dim: int,
     interleaved: bool,
     compute_dtype: Optional[torch.dtype] = torch.float64,
+    num_kv_heads: Optional[int] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """In place: row ``rows[n]`` of every layer (addressed as ``[rows, heads, head_dim]``, see
     :func:`row_layout`) is rotated by ``delta[n]`` positions. rows int32/int64 ``[N]`` (distinct),
-    delta int32 ``[N]``. The layers must not share memory (the op refuses it)."""
-    for layer in k_layers:
-        scatter_rows_(layer, rows, rope_rotate(gather_rows(layer, rows), delta, inv_freq, rotary_dim, interleaved, compute_dtype))
+    delta int32/int64 ``[N]``. The layers must not share memory (the op refuses it).
+    float8_e4m3fn layers: dequantised with ``k_scale`` (``[]``/``[1]``/``[L]``), rotated in
+    ``compute_dtype`` (float32 when None), requantised. ``num_kv_heads`` is checked by the op."""
+    for l, layer in enumerate(k_layers):
+        x = gather_rows(layer, rows)
+        if layer.dtype != FP8:
+            scatter_rows_(layer, rows, rope_rotate(x, delta, inv_freq, rotary_dim, interleaved, compute_dtype))
+            continue
+        sc = layer_scale(k_scale, l)
+        cd = compute_dtype or torch.float32
+        y = rope_rotate(dequantize(x, sc, cd), delta, inv_freq, rotary_dim, interleaved, cd)
+        scatter_rows_(layer, rows, quantize(y, sc, FP8), raw=True)
 
 
 def copy_kv_(
@@ -199,24 +244,52 @@ def copy_kv_(
     rotary_dim: int = 0,
     interleaved: bool = False,
     compute_dtype: Optional[torch.dtype] = torch.float64,
+    num_kv_heads: Optional[int] = None,
+    src_k_scale: Optional[torch.Tensor] = None,
+    src_v_scale: Optional[torch.Tensor] = None,
+    dst_k_scale: Optional[torch.Tensor] = None,
+    dst_v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """In place: for every layer ``l`` and ``n``, ``dst_k[l][dst_rows[n]] = R(delta[n]) src_k[l][src_rows[n]]``
     (no rotation when ``delta`` is None) and ``dst_v[l][dst_rows[n]] = src_v[l][src_rows[n]]``.
-    Rows are int32/int64 ``[N]``; layers are addressed as in :func:`row_layout`. Every source row
-    is read before any destination row is written (gather, then scatter), so sources may share
-    memory with destinations; destinations must not share memory with each other (the op refuses it)."""
-    k_new = []
-    for s in src_k:
-        g = gather_rows(s, src_rows)
-        if delta is not None:
-            g = rope_rotate(g, delta, inv_freq, rotary_dim, interleaved, compute_dtype)
-        k_new.append(g)
-    v_new = [gather_rows(s, src_rows) for s in src_v]
+    Rows are int32/int64 ``[N]``, delta int32/int64; layers are addressed as in :func:`row_layout`.
+    Every source row is read before any destination row is written (gather, then scatter), so
+    sources may share memory with destinations; destinations must not share memory with each other
+    (the op refuses it). A float8_e4m3fn side is dequantised / quantised with its scales
+    (``[]``/``[1]``/``[L]``); with an fp8 side the values pass through ``compute_dtype`` (float32
+    when None) once. ``num_kv_heads`` is checked by the op."""
+    fp8 = bool(len(dst_k)) and FP8 in (dst_k[0].dtype, src_k[0].dtype)
+    if not fp8:
+        k_new = []
+        for s in src_k:
+            g = gather_rows(s, src_rows)
+            if delta is not None:
+                g = rope_rotate(g, delta, inv_freq, rotary_dim, interleaved, compute_dtype)
+            k_new.append(g)
+        v_new = [gather_rows(s, src_rows) for s in src_v]
+        for d, g in zip(dst_k, k_new):
+            scatter_rows_(d, dst_rows, g)
+        for d, g in zip(dst_v, v_new):
+            scatter_rows_(d, dst_rows, g)
+        return
+    cd = compute_dtype or torch.float32
+
+    def moved(src, dst, s_scale, d_scale, rotate):
+        out = []
+        for l, (s, d) in enumerate(zip(src, dst)):
+            x = dequantize(gather_rows(s, src_rows), layer_scale(s_scale, l), cd)
+            if rotate:
+                x = rope_rotate(x, delta, inv_freq, rotary_dim, interleaved, cd)
+            out.append(quantize(x, layer_scale(d_scale, l), d.dtype))
+        return out
+
+    k_new = moved(src_k, dst_k, src_k_scale, dst_k_scale, delta is not None)
+    v_new = moved(src_v, dst_v, src_v_scale, dst_v_scale, False)
     for d, g in zip(dst_k, k_new):
-        scatter_rows_(d, dst_rows, g)
+        scatter_rows_(d, dst_rows, g, raw=True)
     for d, g in zip(dst_v, v_new):
-        scatter_rows_(d, dst_rows, g)
+        scatter_rows_(d, dst_rows, g, raw=True)
 
 
-__all__ = ["rope_cos_sin", "rope_rotate", "RowLayout", "row_layout", "layers_overlap", "rows_view", "gather_rows",
+__all__ = ["rope_cos_sin", "rope_rotate", "FP8", "FP8_MAX", "layer_scale", "dequantize", "quantize", "RowLayout", "row_layout", "layers_overlap", "rows_view", "gather_rows",
            "scatter_rows_", "rerotate_keys_", "copy_kv_"]

@@ -115,8 +115,11 @@ class RagattnConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.WORKER:
             budget = cfg.get_from_extra_config("memory_budget", None)
+            # the model may have empty parameters (fingerprint from the files): the store lives on the
+            # CPU (chunk K/V in host memory, staged to the caches' device) and only serves chunk files
             self._store = ChunkStore(self._model, self._dir, page_size=self._block_size, read_only=True,
-                                     memory_budget=None if budget is None else int(budget))
+                                     memory_budget=None if budget is None else int(budget),
+                                     fingerprint=self.fingerprint, device="cpu")
 
     # ----- scheduler side ---------------------------------------------------------------
     def _spans(self, request: "Request"):

@@ -7,12 +7,21 @@ the backend's KV cache layout). Where K and V live inside ``C`` depends on the b
 * ``"channel"`` (FLASH_ATTN, TRITON_ATTN): ``C = [K | V]`` of each token, ``kv[..., :D]`` is K.
 * ``"rows"`` (CPU_ATTN): each ``(block, head)`` tile ``[N, 2D]`` is read as ``[2N, D]``: the
   first ``N`` rows are the block's keys, the next ``N`` its values (contiguous tiles only).
+* ``"planes"`` (FLASHINFER): the cache is FlashInfer's ``[B, 2, N, Hkv, D]`` (K and V planes of a
+  block), in either of its memory orders: NHD as allocated, or HND (vLLM's FlashInfer stride
+  order ``[B, 2, Hkv, N, D]`` in memory, the same logical shape), each a strided view.
 
-Neither puts a token's heads next to each other, so the writer addresses every (layer, head) as
-its own ``[num_blocks * block_size, 1, D]`` cache (a strided view: no copy of the cache) and
-writes all of them with one ``ragattn.copy_kv_`` (keys re-rotated to the request's positions in
-the same pass) through :meth:`ChunkStore.gather_into_` with ``split_heads=True``. Row ``r`` of
-such a view is vLLM's slot ``r = block_id * block_size + offset``.
+None of them reliably puts a token's heads next to each other, so the writer addresses every
+(layer, head) as its own ``[num_blocks * block_size, 1, D]`` cache (a strided view: no copy of the
+cache) and writes all of them with one ``ragattn.copy_kv_`` (keys re-rotated to the request's
+positions in the same pass) through :meth:`ChunkStore.gather_into_` with ``split_heads=True``. Row
+``r`` of such a view is vLLM's slot ``r = block_id * block_size + offset``.
+
+KV cache groups (vLLM's hybrid allocator: full-attention and sliding-window layers in groups with
+their own block tables): ``PageWriter(..., groups=[(layers, sliding), ...])`` and
+``write(..., block_ids=(group 0's ids, group 1's ids, ...))``. The chunks are gathered once, then
+each group's layers are written with that group's blocks in one ``copy_kv_``; a sliding-window
+group's null block (id 0: vLLM's placeholder for blocks outside the window) is never written.
 """
 from __future__ import annotations
 
@@ -23,9 +32,10 @@ import torch
 from ragattn import ops as _ops
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 
-KV_SPLITS = ("channel", "rows")
+KV_SPLITS = ("channel", "rows", "planes")
 # vLLM attention backends (get_name()) whose cache layout the writer knows
-BACKEND_KV_SPLIT = {"FLASH_ATTN": "channel", "TRITON_ATTN": "channel", "CPU_ATTN": "rows"}
+BACKEND_KV_SPLIT = {"FLASH_ATTN": "channel", "TRITON_ATTN": "channel", "CPU_ATTN": "rows", "FLASHINFER": "planes"}
+NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block (sliding-window placeholders)
 
 
 class CacheLayoutError(ValueError):
@@ -34,10 +44,21 @@ class CacheLayoutError(ValueError):
 
 def head_views(kv: torch.Tensor, num_kv_heads: int, head_size: int, block_size: int, split: str
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-head K and V views of one layer's cache ``kv`` (logical ``[B, Hkv, N, 2 * D]``, any
-    strides), each ``[B, N, 1, D]`` (rows ``b * N + n``) over ``kv``'s memory."""
+    """Per-head K and V views of one layer's cache ``kv`` (logical ``[B, Hkv, N, 2 * D]``, or
+    ``[B, 2, N, Hkv, D]`` for ``"planes"``; any strides), each ``[B, N, 1, D]`` (rows ``b * N + n``)
+    over ``kv``'s memory."""
     if split not in KV_SPLITS:
         raise CacheLayoutError(f"ragattn.vllm: kv split must be one of {KV_SPLITS}, got {split!r}")
+    if split == "planes":
+        want = (2, block_size, num_kv_heads, head_size)
+        if kv.dim() != 5 or tuple(kv.shape[1:]) != want:
+            raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache of shape {tuple(kv.shape)} for the 'planes' "
+                                   f"split (FLASHINFER): expected [num_blocks, 2, {block_size}, {num_kv_heads}, "
+                                   f"{head_size}] ([B, 2, block_size, Hkv, D], NHD or HND in memory)")
+        if kv.stride(4) != 1:
+            raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache strides {kv.stride()}: head_size must be contiguous")
+        return ([kv[:, 0, :, h:h + 1] for h in range(num_kv_heads)],
+                [kv[:, 1, :, h:h + 1] for h in range(num_kv_heads)])
     want = (num_kv_heads, block_size, 2 * head_size)
     if kv.dim() != 4 or tuple(kv.shape[1:]) != want:
         raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache of shape {tuple(kv.shape)}: expected "
@@ -79,7 +100,8 @@ class PageWriter:
     on another device (chunk KV kept in host memory) is staged: the claimed rows are gathered on
     the store's device, moved over once, and written with one ``copy_kv_`` there."""
 
-    def __init__(self, store: ChunkStore, kv_caches: Sequence[torch.Tensor], block_size: int, split: str):
+    def __init__(self, store: ChunkStore, kv_caches: Sequence[torch.Tensor], block_size: int, split: str,
+                 groups: Sequence[tuple[Sequence[int], bool]] | None = None):
         if len(kv_caches) != store.num_layers:
             raise CacheLayoutError(f"ragattn.vllm: the worker has {len(kv_caches)} attention layers, the chunk "
                                    f"store's model {store.num_layers}")
@@ -92,6 +114,13 @@ class PageWriter:
                 raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} differs from layer 0 in device, shape or "
                                        "strides; every layer must share one layout")
         self.store, self.block_size, self.split = store, block_size, split
+        # KV cache groups: (model layer indices, sliding window?); default one full-attention group
+        self.groups = [(list(range(store.num_layers)), False)] if groups is None else \
+            [(sorted(int(l) for l in layers), bool(sliding)) for layers, sliding in groups]
+        seen = sorted(l for layers, _ in self.groups for l in layers)
+        if seen != list(range(store.num_layers)):
+            raise CacheLayoutError(f"ragattn.vllm: the KV cache groups must hold every one of the {store.num_layers} "
+                                   f"layers exactly once, got {[g for g, _ in self.groups]}")
         self.device = first.device
         self.k, self.v = [], []
         for kv in kv_caches:
@@ -100,29 +129,34 @@ class PageWriter:
             self.v += vs
         self._inv_freq = store.rope.inv_freq.to(self.device)
 
-    def write(self, keys: Sequence[str], spans: Sequence[tuple[int, int]], block_ids: Sequence[int],
-              skip: int = 0, stage: bool | None = None) -> None:
+    def write(self, keys: Sequence[str], spans: Sequence[tuple[int, int]], block_ids, skip: int = 0,
+              stage: bool | None = None) -> None:
         """Write the chunks ``keys`` (prompt token ranges ``spans``, contiguous from token 0) into
-        the request's pages ``block_ids``, keys re-rotated to their prompt positions; tokens below
-        ``skip`` (vLLM's own prefix-cache hit) are left alone. Every chunk is loaded and checked
-        before the first write: an unknown, foreign or corrupt chunk raises ChunkStoreError with
-        the caches untouched. ``stage``: go through a staging copy (default: only when the store
-        is on another device than the caches)."""
+        the request's pages ``block_ids`` (a list; with several groups, one list per group), keys
+        re-rotated to their prompt positions; tokens below ``skip`` (vLLM's own prefix-cache hit)
+        are left alone. Every chunk is loaded and checked before the first write: an unknown,
+        foreign or corrupt chunk raises ChunkStoreError with the caches untouched. ``stage``: go
+        through a staging copy (default: only when the store is on another device than the
+        caches, or with several groups)."""
         if not keys:
             return
         end = spans[-1][1]
         if spans[0][0] != 0 or any(a != b for (_, a), (b, _) in zip(spans[:-1], spans[1:])):
             raise ChunkStoreError(f"ragattn.vllm: spans {list(spans)} must tile the prompt from token 0")
-        rows = slot_rows(block_ids, self.block_size, skip, end).to(self.device)
+        per_group = [list(b) for b in block_ids] if block_ids and not isinstance(block_ids[0], int) else [list(block_ids)]
+        if len(per_group) != len(self.groups):
+            raise ChunkStoreError(f"ragattn.vllm: {len(per_group)} block lists for {len(self.groups)} KV cache groups")
         positions = torch.arange(skip, end, dtype=torch.int64)
-        if not (stage if stage is not None else self.store.device != self.device):
+        simple = len(self.groups) == 1 and not self.groups[0][1]
+        if simple and not (stage if stage is not None else self.store.device != self.device):
+            rows = slot_rows(per_group[0], self.block_size, skip, end).to(self.device)
             self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True)
             return
-        self._write_staged(keys, rows, positions, skip)
+        self._write_staged(keys, per_group, positions, skip, end)
 
-    def _write_staged(self, keys, rows, positions, skip):
+    def _write_staged(self, keys, per_group, positions, skip, end):
         st = self.store
-        n = rows.numel()
+        n = end - skip
         shape = (n, st.num_kv_heads, st.head_dim)
         sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
         sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
@@ -130,11 +164,23 @@ class PageWriter:
         st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), skip=skip)
         lens = [st.tokens(k).numel() for k in keys]
         local = st._local_positions(lens)[skip:].cpu()
-        delta = (positions - local).to(torch.int32).to(self.device)
+        delta = (positions - local).to(self.device)  # int64 (copy_kv_ takes vLLM's position dtype)
         hs = range(st.num_kv_heads)
         sk = [t.to(self.device, non_blocking=True) for t in sk]
         sv = [t.to(self.device, non_blocking=True) for t in sv]
-        src_k = [k[:, h:h + 1] for k in sk for h in hs]
-        src_v = [v[:, h:h + 1] for v in sv for h in hs]
-        _ops.copy_kv_(self.k, self.v, src_k, src_v, torch.arange(n, device=self.device), rows, delta,
-                      self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)
+        H = st.num_kv_heads
+        for (layers, sliding), ids in zip(self.groups, per_group):
+            rows = slot_rows(ids, self.block_size, skip, end)
+            src = torch.arange(n)
+            if sliding:  # the null block stands for pages outside the window: never written
+                keep = rows // self.block_size != NULL_BLOCK
+                rows, src = rows[keep], src[keep]
+            if rows.numel() == 0:
+                continue
+            src_k = [sk[l][:, h:h + 1] for l in layers for h in hs]
+            src_v = [sv[l][:, h:h + 1] for l in layers for h in hs]
+            dst_k = [self.k[l * H + h] for l in layers for h in hs]
+            dst_v = [self.v[l * H + h] for l in layers for h in hs]
+            _ops.copy_kv_(dst_k, dst_v, src_k, src_v, src.to(self.device), rows.to(self.device),
+                          delta[src.to(delta.device)], self._inv_freq, st.rope.rotary_dim, st.rope.interleaved,
+                          num_kv_heads=1)

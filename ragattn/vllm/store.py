@@ -2,12 +2,16 @@
 
 The connector keys chunks with the same fingerprint as the HF path
 (:func:`ragattn.methods.chunk_store.model_fingerprint`: config and an exact checksum of every
-weight), so it loads the served checkpoint once per process with transformers, on the CPU, to
-compute it; the worker's chunk store keeps that model for its RoPE parameters (and for nothing
-on the hot path). A chunk directory built for another model is refused at start-up.
+weight). It computes it from the served checkpoint's files (:mod:`ragattn.vllm.fingerprint`: the
+model built with empty parameters, each weight's checksum streamed from its safetensors file), so
+no process holds a copy of the weights; the worker's chunk store keeps that empty model for its
+config and RoPE parameters. Checkpoints whose files do not hold the parameters under the model's
+names (renamed, quantised, not safetensors) fall back to loading the model on the CPU, with a
+warning. A chunk directory built for another model is refused at start-up.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,15 +19,29 @@ import torch
 
 from ragattn.methods.chunk_store import FORMAT, ChunkStoreError, model_fingerprint
 
+log = logging.getLogger(__name__)
 _MODELS: dict[tuple[str, torch.dtype], tuple[object, str]] = {}
 _SAMPLE = 64   # chunk files whose header is read at start-up
 
 
 def served_model(path: str | os.PathLike, dtype: torch.dtype):
-    """``(model, fingerprint)`` of the HF checkpoint at ``path`` loaded in ``dtype`` on the CPU
-    (once per process and path)."""
+    """``(model, fingerprint)`` of the HF checkpoint at ``path`` served in ``dtype`` (once per process
+    and path). The model has empty (meta) parameters when the fingerprint came from the files
+    (the usual case), real CPU weights after the fallback."""
     key = (str(path), dtype)
     if key not in _MODELS:
+        from ragattn.vllm.fingerprint import FingerprintUnavailable, checkpoint_fingerprint
+
+        try:
+            fp, model = checkpoint_fingerprint(path, dtype, return_model=True)
+            _MODELS[key] = (model, fp)
+            return _MODELS[key]
+        except FingerprintUnavailable as exc:
+            log.warning("ragattn.vllm: %s; loading the model on the CPU to fingerprint it", exc)
+        except (OSError, ValueError) as exc:
+            raise ChunkStoreError(f"ragattn.vllm: cannot read the served model at {path} to fingerprint it ({exc}); "
+                                  "set kv_connector_extra_config 'hf_model' to the HF folder the chunk store was "
+                                  "built from") from exc
         from transformers import AutoModelForCausalLM
 
         try:

@@ -178,21 +178,25 @@ class ChunkStore:
 
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
-                 read_only: bool = False):
+                 read_only: bool = False, fingerprint: str | None = None, device=None):
         if page_size < 1 or max_batch_tokens < 1:
             raise ChunkStoreError(f"ragattn.ChunkStore: page_size and max_batch_tokens must be >= 1, "
                                   f"got {page_size} and {max_batch_tokens}")
         self.model = model
         self.config = model.config
         self.rope: RopeParams = rope_params(model)
-        self.fingerprint = model_fingerprint(model, cached=False)
+        # fingerprint=/device=: computed elsewhere, for a model whose parameters are not materialised
+        # (the vLLM worker: ragattn.vllm.fingerprint); such a store serves chunk files only and does
+        # not follow the (empty) model's weights
+        self._fixed_fingerprint = fingerprint is not None
+        self.fingerprint = model_fingerprint(model, cached=False) if fingerprint is None else fingerprint
         self.num_layers = self.config.num_hidden_layers
         self.num_kv_heads = self.config.num_key_value_heads
         self.head_dim = self.rope.head_dim
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         p = next(model.parameters())
-        self.dtype, self.device = p.dtype, p.device
+        self.dtype, self.device = p.dtype, p.device if device is None else torch.device(device)
         self.page_size, self.max_batch_tokens = page_size, max_batch_tokens
         self.read_only = bool(read_only)
         self.directory = Path(directory) if directory is not None else None
@@ -221,6 +225,8 @@ class ChunkStore:
         """Follow the model: when its fingerprint changed since the last call (weights edited in
         place, a config change; see :func:`model_fingerprint` for what the cached check sees),
         every entry computed with the old weights leaves memory and later keys use the new one."""
+        if self._fixed_fingerprint:
+            return
         fp = model_fingerprint(self.model)
         if fp != self.fingerprint:
             self._weights_changed(fp)
@@ -229,6 +235,8 @@ class ChunkStore:
         """Checksum every weight byte (``model_fingerprint(cached=False)``: also sees ``.data``
         writes the per-call check cannot, e.g. to one element or to CUDA memory) and follow the
         model if it changed; returns the fingerprint."""
+        if self._fixed_fingerprint:
+            return self.fingerprint
         fp = model_fingerprint(self.model, cached=False)
         if fp != self.fingerprint:
             self._weights_changed(fp)

@@ -1,0 +1,105 @@
+"""Issue 25.4: verify_draft on vLLM's rejection-sampler layout (flat [T, V] target logits, bonus
+logits apart, [B] cumulative ends, per-request generators) through
+ragattn.ops.speculative.verify_draft_vllm, against the padded native layout on random ragged batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragattn.ops.speculative import verify_draft, verify_draft_vllm
+from tests.helpers import use_kernel_backend
+
+
+def _batch(counts, vocab, seed, with_probs=True):
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(counts), sum(counts)
+    drafts = torch.randint(0, vocab, (T,), generator=g)
+    logits = torch.randn(T, vocab, generator=g) * 2
+    # drafts often agree with the target: accept runs of varied length
+    agree = torch.rand(T, generator=g) < 0.6
+    drafts = torch.where(agree, logits.argmax(-1), drafts)
+    probs = torch.softmax(torch.randn(T, vocab, generator=g), -1) if with_probs else None
+    bonus = torch.randn(B, vocab, generator=g) * 2
+    ends = torch.tensor(counts).cumsum(0)
+    return drafts, ends, logits, probs, bonus
+
+
+def _padded(counts, drafts, logits, probs, bonus, seeds, vocab, width):
+    """The same batch in verify_draft's padded layout ([B, g], [B, g + 1, V], num_draft), the
+    uniforms drawn as vLLM draws them: each request's g_b acceptance draws then its final draw."""
+    B = len(counts)
+    d = torch.zeros(B, width, dtype=torch.int64)
+    z = torch.full((B, width + 1, vocab), 0.5)
+    q = torch.full((B, width, vocab), 1.0 / vocab) if probs is not None else None
+    u = torch.full((B, width + 1), 0.25)
+    start = 0
+    for b, c in enumerate(counts):
+        d[b, :c] = drafts[start:start + c]
+        z[b, :c] = logits[start:start + c]
+        z[b, c] = bonus[b]
+        if q is not None:
+            q[b, :c] = probs[start:start + c]
+        r = torch.rand(c + 1, generator=torch.Generator().manual_seed(seeds[b]))
+        u[b, :c] = r[:c]
+        u[b, width] = r[c]  # the padded layout's final draw is column g
+        start += c
+    return d, q, z, u
+
+
+@pytest.mark.parametrize("backend", ["default", "reference"])
+@pytest.mark.parametrize("case", range(6))
+def test_vllm_layout_matches_padded_native(monkeypatch, backend, case):
+    use_kernel_backend(monkeypatch, torch.device("cpu"), backend)
+    g = torch.Generator().manual_seed(100 + case)
+    B = int(torch.randint(1, 7, (1,), generator=g))
+    counts = torch.randint(0, 5, (B,), generator=g).tolist()
+    counts[0] = 0 if case == 0 else counts[0]  # a request with no drafts
+    vocab, temp = 37, [1.0, 0.7, 1.3][case % 3]
+    drafts, ends, logits, probs, bonus = _batch(counts, vocab, case, with_probs=case % 2 == 0)
+    seeds = [1000 * case + b for b in range(B)]
+    gens = {b: torch.Generator().manual_seed(s) for b, s in enumerate(seeds)}
+    width = max(counts) + (case == 4)  # vLLM's max_spec_len may exceed the batch's longest chain
+    got = verify_draft_vllm(drafts, ends.to(torch.int32), logits, probs, bonus_logits=bonus, temperature=temp,
+                            generators=gens, max_spec_len=width)
+    d, q, z, u = _padded(counts, drafts, logits, probs, bonus, seeds, vocab, width)
+    want, n_acc = verify_draft(d, q, z, u, temp, num_draft=torch.tensor(counts))
+    assert got.shape == (B, width + 1) and got.dtype == torch.int64
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal((got != -1).sum(1) - 1, n_acc.long())
+
+
+def test_vllm_layout_per_request_temperature_and_greedy():
+    """A [B] temperature: sampled requests as if verified alone at their temperature, greedy ones
+    (temperature 0, vLLM's greedy marker) as greedy verification; bonus_token_ids emitted as given."""
+    counts, vocab = [3, 0, 4, 2], 29
+    drafts, ends, logits, probs, bonus = _batch(counts, vocab, 7)
+    temps = torch.tensor([0.8, 0.0, 1.4, 0.0])
+    gens = {b: torch.Generator().manual_seed(50 + b) for b in range(4)}
+    bonus_ids = torch.tensor([5, 6, 7, 8])
+    got = verify_draft_vllm(drafts, ends, logits, probs, bonus_token_ids=bonus_ids[:, None], temperature=temps,
+                            generators=gens)
+    start = 0
+    for b, c in enumerate(counts):
+        one = verify_draft_vllm(drafts[start:start + c], torch.tensor([c]), logits[start:start + c],
+                                probs[start:start + c], bonus_token_ids=bonus_ids[b:b + 1],
+                                temperature=float(temps[b]), generators={0: torch.Generator().manual_seed(50 + b)},
+                                max_spec_len=4)
+        assert torch.equal(got[b], one[0]), (b, got[b], one[0])
+        n = int((got[b] != -1).sum()) - 1
+        if n == c:  # every draft accepted: the given bonus token is emitted
+            assert int(got[b, c]) == int(bonus_ids[b])
+        if temps[b] == 0:  # greedy: accepted drafts are the target's argmax
+            assert torch.equal(got[b, :n], logits[start:start + n].argmax(-1))
+        start += c
+
+
+def test_vllm_layout_errors():
+    drafts, ends, logits, probs, bonus = _batch([2, 1], 11, 3)
+    with pytest.raises(ValueError, match="verify_draft_vllm: give exactly one of bonus_logits"):
+        verify_draft_vllm(drafts, ends, logits, probs)
+    with pytest.raises(ValueError, match="verify_draft_vllm: cu_num_draft_tokens must be non-decreasing"):
+        verify_draft_vllm(drafts, torch.tensor([2, 1]), logits, probs, bonus_logits=bonus)
+    with pytest.raises(ValueError, match=r"verify_draft_vllm: target_logits must have shape \(T, V\) = \(3, V\)"):
+        verify_draft_vllm(drafts, ends, logits[:2], probs, bonus_logits=bonus)
+    with pytest.raises(ValueError, match="max_spec_len = 1 is below"):
+        verify_draft_vllm(drafts, ends, logits, probs, bonus_logits=bonus, max_spec_len=1)
