@@ -118,7 +118,7 @@ def test_cuda_fallback_validates_like_the_kernels(monkeypatch):
         _as_cuda("rerotate_keys_", layers, torch.tensor([1]), torch.tensor([1], dtype=torch.int32),
                  torch.ones(8), 16, False)
     with pytest.raises(TypeError, match="delta"):
-        _as_cuda("rerotate_keys_", layers, torch.tensor([1]), torch.tensor([1]), torch.ones(4), 8, False)
+        _as_cuda("rerotate_keys_", layers, torch.tensor([1]), torch.tensor([1.0]), torch.ones(4), 8, False)
 
 
 # ----- scripts/setup.sh's torch choice ------------------------------------------------------------
