@@ -47,7 +47,7 @@ def _kv_cases(dev):
     return {
         "layer dtype (size_t index, ScalarType)": (
             lambda: rot(L + [torch.randn(10, 2, 32, dtype=torch.float64, device=dev)], ix(1), one, f, 32, False),
-            TypeError, "ragattn.rerotate_keys_: k_layers[1] must be float16, bfloat16 or float32, got Double"),
+            TypeError, "ragattn.rerotate_keys_: k_layers[1] must be float16, bfloat16, float32 or float8_e4m3fn, got Double"),
         "layer shapes (IntArrayRef)": (
             lambda: rot(L + [torch.randn(11, 2, 32, device=dev)], ix(1), one, f, 32, False), ValueError,
             "ragattn.rerotate_keys_: every layer of k_layers must have one shape; k_layers[0] is [10, 2, 32], "
