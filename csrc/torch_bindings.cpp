@@ -50,13 +50,13 @@ TORCH_LIBRARY(ragattn, m) {
       "Tensor pages, Tensor? row_start, Tensor kv_lens, Tensor tile_seq, Tensor tile_row0, int[] launch, "
       "float? scale=None, int window_left=-1, Tensor? entry_pos=None, Tensor? entry_len=None, "
       "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+      "Tensor? v_scale=None, float logits_soft_cap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "paged_attention_run.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
       "Tensor pages, Tensor? row_start, Tensor kv_lens, Tensor tile_seq, Tensor tile_row0, int[] launch, "
       "float? scale=None, int window_left=-1, Tensor? entry_pos=None, Tensor? entry_len=None, "
       "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+      "Tensor? v_scale=None, float logits_soft_cap=0.0, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 3. Exact merge of two partial attentions over disjoint key sets (Triton). LSEs are natural
   //    log; log2=True takes and returns base-2 LSEs (FlashInfer's convention).

@@ -422,3 +422,28 @@ def test_fp8_tagged_pages_with_rope(backend, device, seed):
     olp, llp = paged_attention_table(*a, k_deq.half(), v_deq.half(), *t, inv_freq.cpu(), 64, False, upcast=False)
     assert_precision(out.cpu(), o64, olp)
     assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+def test_soft_cap_through_the_run(backend, device, seed):
+    """logits_soft_cap (Gemma 2/3) on the plan/run pair: equal to the one-call op over the padded
+    table, and on position-tagged pages equal to the float64 reference's capped scores."""
+    c = make_csr_case([[20], [3, 9]], [21, 10], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.float32, device=device)
+    plan = _plan(c, PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8))
+    out, lse = run_paged_attention(plan, c["q"] * 4, c["q_pos"], c["k"], c["v"], logits_soft_cap=2.5)
+    want = ragattn.paged_attention(c["q"] * 4, c["q_pos"], c["cu"], c["k"], c["v"], c["bt"], c["kv_lens"],
+                                   logits_soft_cap=2.5)
+    torch.testing.assert_close(out, want[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, want[1], atol=2e-5, rtol=2e-5)
+    plain = run_paged_attention(plan, c["q"] * 4, c["q_pos"], c["k"], c["v"])
+    assert (plain[1] - lse).abs().max() > 1e-2, "the cap must change the result"
+    from ragattn.reference.paged_attention_table import paged_attention_table
+
+    q, q_pos, cu, k, v, table = make_tagged_case([7, 12], "gapped", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    got = run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table), q * 4, q_pos, k, v, logits_soft_cap=1.5)
+    t = [x.cpu() for x in (table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len)]
+    o64, l64 = paged_attention_table((q * 4).cpu(), q_pos.cpu(), cu.cpu(), k.cpu(), v.cpu(), *t, None, 0, False,
+                                     None, -1, 1.5)
+    torch.testing.assert_close(got[0].cpu().double(), o64, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got[1].cpu().double(), l64.double(), atol=2e-4, rtol=2e-4)

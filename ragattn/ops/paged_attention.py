@@ -414,6 +414,7 @@ def run_paged_attention(
     interleaved: bool = False,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    logits_soft_cap: float = 0.0,
     out: Optional[torch.Tensor] = None,
     lse_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -435,6 +436,7 @@ def run_paged_attention(
             ``kv_cache_dtype="fp8"``: ``float8_e4m3fn``, or ``float8_e5m2``): the kernel reads
             ``x * scale`` in fp32 and feeds the dot in q's dtype (fp16/bf16). Both or neither;
             required for float8 caches.
+        logits_soft_cap: as in ``paged_attention`` (``> 0``: score -> cap * tanh(score / cap)).
         out, lse_out: optional outputs (``[total_q, num_heads, head_dim]`` in q's dtype, float32
             ``[total_q, num_heads]``; any strides; no overlap with an input).
 
@@ -458,7 +460,7 @@ def run_paged_attention(
         rotary_dim = q.shape[-1]
     args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
             plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, inv_freq,
-            rotary_dim or 0, bool(interleaved), k_scale, v_scale)
+            rotary_dim or 0, bool(interleaved), k_scale, v_scale, float(logits_soft_cap))
     if out is None and lse_out is None:
         return torch.ops.ragattn.paged_attention_run(*args)
     if out is None:
@@ -471,7 +473,7 @@ def run_paged_attention(
 
 def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0,
                   launch, scale, window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0,
-                  interleaved=False, k_scale=None, v_scale=None, out=None, lse_out=None, *,
+                  interleaved=False, k_scale=None, v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None, *,
                   read_values=True) -> None:
     """The run op's checks: ``_validate``'s on the table, the plan's tensors, the position-tagged
     entries and the RoPE arguments and, where values may be read (CPU, ``RAGATTN_DEBUG=1``), that
@@ -504,7 +506,8 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         check_tensor(_RUN_OP, "inv_freq", inv_freq, shape=(rotary_dim // 2,))
 
     _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out, lse_out,
-              read_values=read_values, row_start=row_start, kv_fp8=kv_fp8, _OP=_RUN_OP)
+              read_values=read_values, row_start=row_start, kv_fp8=kv_fp8, logits_soft_cap=logits_soft_cap,
+              _OP=_RUN_OP)
     dev = q.device
     check_tensor(_RUN_OP, "tile_seq", tile_seq, dtypes=(torch.int32,), ndim=1, device=dev)
     check_tensor(_RUN_OP, "tile_row0", tile_row0, dtypes=(torch.int32,), shape=tuple(tile_seq.shape), device=dev)
@@ -547,7 +550,7 @@ def _run_padded_table(pages, row_start, kv_lens, page_size):
 
 def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
          window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
-         v_scale=None, out=None, lse_out=None):
+         v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None):
     from ragattn.triton_kernels.paged_attention import PagedPlan, run_paged_attention as run_tiles
 
     if k_scale is not None and q.device.type == "cpu" and _extension.cpu_backend() != "triton":
@@ -561,7 +564,8 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
         from ragattn.reference.paged_attention_table import paged_attention_table
 
         o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
-                                       entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale, window_left)
+                                       entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale, window_left,
+                                       logits_soft_cap)
         if out is None:
             return o.to(q.dtype), lse.float()
         out.copy_(o)
@@ -571,22 +575,25 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
         # CPU: the C++ kernel (or the reference) over the equivalent padded table
         bt = _run_padded_table(pages, row_start, kv_lens, k_cache.shape[1])
         if out is None:
-            return paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, bt, kv_lens, scale, window_left)
+            return paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, bt, kv_lens, scale, window_left,
+                                   logits_soft_cap)
         return paged_attention(q, q_pos, cu_seqlens_q, k_cache, v_cache, bt, kv_lens, scale, window_left,
-                               out=out, lse_out=lse_out)
+                               logits_soft_cap, out=out, lse_out=lse_out)
     plan = PagedPlan.from_launch(tile_seq, tile_row0, launch)
     with device_guard(q):
         return run_tiles(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out,
                          lse_out, row_start=row_start, entry_pos=entry_pos, entry_len=entry_len, inv_freq=inv_freq,
-                         rotary_dim=rotary_dim, interleaved=interleaved, k_scale=k_scale, v_scale=v_scale)
+                         rotary_dim=rotary_dim, interleaved=interleaved, k_scale=k_scale, v_scale=v_scale,
+                         logits_soft_cap=logits_soft_cap)
 
 
 @torch.library.impl("ragattn::paged_attention_run", "CompositeExplicitAutograd")
 def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                               tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None):
+                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
+                              logits_soft_cap=0.0):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale, logits_soft_cap)
     _validate_run(*a)
     return _run(*a)
 
@@ -594,10 +601,10 @@ def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, r
 @torch.library.impl("ragattn::paged_attention_run.out", "CompositeExplicitAutograd")
 def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                                   tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, *, out,
-                                  lse_out):
+                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
+                                  logits_soft_cap=0.0, *, out, lse_out):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale)
+         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale, logits_soft_cap)
     _validate_run(*a, out, lse_out)
     _run(*a, out, lse_out)
 
@@ -605,18 +612,19 @@ def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, page
 @torch.library.register_fake("ragattn::paged_attention_run")
 def _paged_attention_run_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                               tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None):
+                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
+                              logits_soft_cap=0.0):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
                   scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
-                  read_values=False)
+                  logits_soft_cap, read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run.out")
 def _paged_attention_run_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
                                   tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
-                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, *, out,
-                                  lse_out):
+                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
+                                  logits_soft_cap=0.0, *, out, lse_out):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
                   scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
-                  out, lse_out, read_values=False)
+                  logits_soft_cap, out, lse_out, read_values=False)

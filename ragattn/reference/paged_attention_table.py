@@ -59,6 +59,7 @@ def paged_attention_table(
     interleaved: bool = False,
     scale: Optional[float] = None,
     window_left: int = -1,
+    logits_soft_cap: float = 0.0,
     *,
     upcast: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -89,5 +90,5 @@ def paged_attention_table(
     else:
         k = k.to(q.dtype)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q.long(), cu_k, q_pos.long(), kv_pos, None, None, True, scale,
-                                window_left, upcast=upcast)
+                                window_left, logits_soft_cap, upcast=upcast)
     return out, lse
