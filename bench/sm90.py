@@ -748,8 +748,8 @@ def bandwidth_cases(triton_rows: List[dict], cuda_rows: List[dict]) -> List[dict
     batch = _file_constant(kv_cu, "kBatch")
     # the benchmark's configuration: bf16 (16-byte slots: VEC 8), NeoX, rotary_dim = head_dim
     for kind, bench, instance in (("rerotate", "rerotate_keys_", "rerotate_keys_kernel<__nv_bfloat16, 8, false>"),
-                                  ("copy", "copy_kv_", "copy_kv_kernel<__nv_bfloat16, 8, false, false>"),
-                                  ("copy_rotate", "copy_kv_+rotate", "copy_kv_kernel<__nv_bfloat16, 8, false, true>")):
+                                  ("copy", "copy_kv_", "copy_kv_kernel<__nv_bfloat16, __nv_bfloat16, 8, false, false>"),
+                                  ("copy_rotate", "copy_kv_+rotate", "copy_kv_kernel<__nv_bfloat16, __nv_bfloat16, 8, false, true>")):
         row = next((r for r in kv_rows if instance in r["kernel"]), None)
         if row is None:
             continue

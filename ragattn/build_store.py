@@ -53,8 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> dict:
-    """Build the store; returns a summary dict (also printed)."""
+def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
+    """Build the store; returns a summary dict (also printed to ``out``, default the current
+    ``sys.stdout``: read at call time, never bound when the module is imported)."""
+    out = sys.stdout if out is None else out
     from tqdm import tqdm
 
     from ragattn.corpus import load_corpus

@@ -108,7 +108,12 @@ def main(argv=None) -> int:
     """One ``error:`` line and exit status 2 for every bad input (:func:`ragattn.cli.run_command`)."""
     from ragattn.cli import run_command
 
-    return run_command(lambda: _main(argv), "python -m ragattn finetune")
+    try:
+        return run_command(lambda: _main(argv), "python -m ragattn finetune")
+    finally:
+        # the process-wide flag is this command's alone: a caller (a test, a notebook) gets its
+        # default back, so numpy and torch see subnormals again after a fine-tune
+        torch.set_flush_denormal(False)
 
 
 def _main(argv=None) -> int:

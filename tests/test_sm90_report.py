@@ -59,8 +59,8 @@ def assert_known_defects(rows: list, labels: set) -> None:
 
 # the kv_cache instantiations the GPU benchmark launches (bf16, 16-byte slots, NeoX; bench_kv_cache
 # size "gpu"): assembled alone (ptxas --entry), the file's other 27 are not
-KV_CACHE_BENCH_KERNELS = ["rerotate_keys_kernel<__nv_bfloat16, 8, false>", "copy_kv_kernel<__nv_bfloat16, 8, false, false>",
-                          "copy_kv_kernel<__nv_bfloat16, 8, false, true>"]
+KV_CACHE_BENCH_KERNELS = ["rerotate_keys_kernel<__nv_bfloat16, 8, false>", "copy_kv_kernel<__nv_bfloat16, __nv_bfloat16, 8, false, false>",
+                          "copy_kv_kernel<__nv_bfloat16, __nv_bfloat16, 8, false, true>"]
 
 
 @pytest.fixture(scope="module")
