@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from ragattn._paths import probe_writable_dir
 
 
 class UsageError(Exception):
@@ -108,11 +109,8 @@ def writable_dir(path, flag: str) -> Path:
     d = Path(path)
     if d.exists() and not d.is_dir():
         raise UsageError(f"{flag} {d}: exists and is not a folder")
-    probe = d / f".ragattn-write-probe-{os.getpid()}"
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable_dir(d)
     except OSError as exc:
         raise UsageError(f"{flag} {d}: cannot write there ({exc.strerror or exc})") from None
     return d

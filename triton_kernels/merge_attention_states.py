@@ -53,6 +53,17 @@ def _load_lse(ptr, mask):
 
 
 @triton.jit
+def _store_merged(out, lse, row, h, d, h_ok, d_ok, o, ls, stride_ot, stride_oh, stride_lot, stride_loh,
+                  LOG2: tl.constexpr):
+    """One row's merged out (in out's dtype) and lse (base 2 again with LOG2), shared by the merges."""
+    if LOG2:
+        ls = ls * 1.4426950408889634
+    tl.store(out + row * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(lse + row * stride_lot + h * stride_loh, ls, mask=h_ok)
+
+
+@triton.jit
 def _natural(ls, LOG2: tl.constexpr):
     if LOG2:
         ls = ls * 0.6931471805599453
@@ -85,11 +96,7 @@ def _merge_two_kernel(
     ob = tl.load(out_b + row * stride_bt + h[:, None] * stride_bh + d[None, :],
                  mask=read_b[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     o, ls = _finish(oa * wa[:, None] + ob * wb[:, None], wa + wb, m_safe, bad)
-    if LOG2:
-        ls = ls * 1.4426950408889634
-    tl.store(out + row * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(lse + row * stride_lot + h * stride_loh, ls, mask=h_ok)
+    _store_merged(out, lse, row, h, d, h_ok, d_ok, o, ls, stride_ot, stride_oh, stride_lot, stride_loh, LOG2)
 
 
 @triton.jit
@@ -128,11 +135,7 @@ def _merge_n_kernel(
         lse_ptr += stride_ls
         out_ptr += stride_ps
     o, ls = _finish(acc, total, m_safe, bad)
-    if LOG2:
-        ls = ls * 1.4426950408889634
-    tl.store(out + row * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
-    tl.store(lse + row * stride_lot + h * stride_loh, ls, mask=h_ok)
+    _store_merged(out, lse, row, h, d, h_ok, d_ok, o, ls, stride_ot, stride_oh, stride_lot, stride_loh, LOG2)
 
 
 @triton.jit

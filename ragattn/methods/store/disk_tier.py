@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ragattn._paths import probe_writable_dir
 from ragattn.methods.store.errors import ChunkStoreError
 from ragattn.methods.store.fingerprint import chunk_key, variant_key
 
@@ -57,11 +58,8 @@ class DiskTier:
             if not d.is_dir():
                 raise ChunkStoreError(f"ragattn.ChunkStore: directory {d} does not exist (read_only=True)")
             return
-        probe = d / f".ragattn-write-probe-{os.getpid()}"
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
+            probe_writable_dir(d)
         except OSError as exc:
             raise ChunkStoreError(
                 f"ragattn.ChunkStore: cannot write chunk files to directory {d} ({exc.strerror or exc}); "
