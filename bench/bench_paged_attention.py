@@ -53,6 +53,12 @@ def _contiguous(cache, block_table_row, ctx):
     return gather_paged(cache, block_table_row, ctx).transpose(0, 1).unsqueeze(0).contiguous()
 
 
+def _plan_config(plan) -> dict:
+    """The launch a plan chose (the results table's config column)."""
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "group", "group_pad", "splits", "split_len", "num_stages", "num_warps")
+    return dict(zip(names, plan.launch))
+
+
 def _sparse_prefill(device, size, gen):
     import ragattn
 
@@ -129,11 +135,17 @@ def _decode(device, size, gen):
     def sdpa_decode():
         return torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)
 
+    # the engine path: one plan per step (here: once), the run per layer; the one-call op plans
+    # (and reads the lengths back to the host) on every call
+    plan = ragattn.plan_paged_attention(cu, ragattn.PageTable.from_block_table(bt, kv_lens), num_heads=heads,
+                                        num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     return Case(
         family="paged_attention",
         name=f"decode_b{batch}_ctx{ctx}_h{heads}_kv{kv_heads}_d{head_dim}_p{page_size}",
-        run=lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens),
-        baselines={"sdpa_contiguous_gqa": sdpa_decode},
+        run=lambda: ragattn.run_paged_attention(plan, q, q_pos, k, v),
+        config=lambda: _plan_config(plan),
+        baselines={"sdpa_contiguous_gqa": sdpa_decode,
+                   "ragattn_one_call": lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens)},
         bytes=kv_bytes,
         flops=4.0 * head_dim * heads * batch * ctx,
         peak="copy",
@@ -160,12 +172,16 @@ def _decode_window(device, size, gen):
     vc = v[bt.long()].reshape(batch, -1, kv_heads, head_dim)[:, ctx - window: ctx].transpose(1, 2).contiguous()
     q4 = q.unsqueeze(2)
 
+    plan = ragattn.plan_paged_attention(cu, ragattn.PageTable.from_block_table(bt, kv_lens), num_heads=heads,
+                                        num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, window_left=window - 1)
     return Case(
         family="paged_attention",
         name=f"decode_window{window}_b{batch}_ctx{ctx}_h{heads}_kv{kv_heads}_d{head_dim}_p{page_size}",
-        run=lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens, None, window - 1),
+        run=lambda: ragattn.run_paged_attention(plan, q, q_pos, k, v),
+        config=lambda: _plan_config(plan),
         baselines={"sdpa_contiguous_window_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(
-            q4, kc, vc, enable_gqa=True)},
+            q4, kc, vc, enable_gqa=True),
+                   "ragattn_one_call": lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens, None, window - 1)},
         bytes=kv_bytes,
         flops=4.0 * head_dim * heads * batch * window,
         peak="copy",

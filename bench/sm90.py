@@ -277,15 +277,18 @@ def triton_specs() -> List[TritonSpec]:
         group_pad = triton.next_power_of_2(group)
         m_tile = min(128, max(16, triton.next_power_of_2(rows * group_pad)))
         block_d = max(16, triton.next_power_of_2(D))
-        m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, 2, False)
+        cfg = pa.kernel_config(m_tile, block_d, 2, device_name=DEVICE_NAME)  # the table's H100 entry
+        m_tile, block_n, stages, warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
         block_m = max(1, m_tile // group_pad)
         tiles = batch * triton.cdiv(rows, block_m)
-        span = ctx if (window < 0 or block_m > 1) else min(ctx, window + 1)
-        splits = pa.splits_for_sms(tiles * Hkv, span, block_n, sms)
+        span = ctx if (window < 0 or min(block_m, rows) > 1) else min(ctx, window + block_n)
+        splits = pa.splits_for_sms(tiles * Hkv, span, block_n, sms, cfg["waves"])
         split_len = triton.cdiv(triton.cdiv(span, splits), block_n) * block_n
         splits = max(1, triton.cdiv(span, split_len))
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                      HAS_WINDOW=window >= 0, ROW_STARTS=False, SOFTCAP=False, UPCAST=False, IEEE_FP32=False)
+                      HAS_WINDOW=window >= 0, ROW_STARTS=False, SOFTCAP=False, UPCAST=False, IEEE_FP32=False,
+                      EVEN_D=D == block_d, PAGE_MODE=pa.page_mode(page, block_n, split_len),
+                      PAGE_SIZE=page if pa.page_mode(page, block_n, split_len) else 1)
         types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
         # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
         ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,

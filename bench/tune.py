@@ -15,7 +15,7 @@ fastest is written under the device's ``torch.cuda.get_device_name``, with the c
 timings in the entry's ``source``. Nothing here runs without a CUDA GPU: on a CPU it refuses (exit
 status 2), since a timing in the interpreter says nothing about a GPU.
 
-The lead wires paged_attention's launcher to the tables; its family joins ``FAMILIES`` then.
+    python -m ragattn.bench.tune paged_attention --keys decode/16bit/d128 --max-candidates 40
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ ANCHORS = {
     "fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     "bwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     "key_attention_scores": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, waves=3.0),
+    "paged_decode": dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=2, waves=2.0),
+    "paged_prefill": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, waves=2.0),
 }
 
 
@@ -100,6 +102,24 @@ def key_attention_scores_candidates(shape_key: str) -> List[Config]:
             continue
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
     return nearest_first(out, ANCHORS["key_attention_scores"])
+
+
+def paged_attention_candidates(shape_key: str) -> List[Config]:
+    """The sweep of a ``paged_attention`` shape class: the key tile, warps, stages and the split-KV
+    wave target (the query tile follows from the rows and the GQA group, so it is not swept)."""
+    kind, dt, dclass = shape_key.split("/")[:3]
+    block_d = int(dclass[1:])
+    elt = 4 if dt == "fp32" else 2
+    m_tile = {"decode": 16, "verify": 64, "prefill": 128}[kind]
+    out = []
+    for bn, warps, stages, waves in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (1.0, 2.0, 4.0, 8.0)):
+        if kind == "prefill" and waves != 2.0:  # prefill grids fill the GPU without splits
+            continue
+        if m_tile * bn < 32 * warps * 4 or elt * block_d * (m_tile + 2 * bn * stages) > SMEM_LIMIT:
+            continue
+        out.append(dict(BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
+    anchor = ANCHORS["paged_decode" if kind != "prefill" else "paged_prefill"]
+    return nearest_first([dict(c, BLOCK_M=anchor["BLOCK_M"]) for c in out], anchor)
 
 
 def sweep(candidates: Iterable[Config], time_config: Callable[[Config], float],
@@ -215,7 +235,58 @@ class KeyScoresFamily(Family):
         return lambda: ragattn.key_attention_scores(q, k, cu_q, cu_k)
 
 
-FAMILIES: Dict[str, Family] = {f.name: f for f in (VarlenFamily(), KeyScoresFamily())}
+class PagedFamily(Family):
+    """``paged_attention``: each class is timed on the sum of a few problems of its kind, so one
+    config serves the batch sizes and windows a server sees (bf16, 32 query / 8 kv heads, page 16,
+    shuffled pages): decode at batch 32 x 32K, batch 4 x 32K and batch 32 x 32K under a 4096 window;
+    verify (5-token speculative tails) at batch 32 x 8K; prefill 15% scattered rows of 32K."""
+    name = "paged_attention"
+    keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128"))
+
+    def candidates(self, shape_key):
+        return [{k: v for k, v in c.items() if k != "BLOCK_M"} for c in paged_attention_candidates(shape_key)]
+
+    def problem(self, shape_key, device):
+        import ragattn
+
+        kind, dt, dclass = shape_key.split("/")[:3]
+        d = int(dclass[1:])
+        dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+        gen = torch.Generator().manual_seed(0)
+        page = 16
+
+        def one(batch, ctx, rows, window=-1):
+            pages = -(-ctx // page)
+            bt = torch.randperm(batch * pages, generator=gen).view(batch, pages).to(torch.int32).to(device)
+            k = torch.randn(batch * pages, page, 8, d, generator=gen).to(device=device, dtype=dtype)
+            v = torch.randn(batch * pages, page, 8, d, generator=gen).to(device=device, dtype=dtype)
+            if rows == "sparse":
+                pos = torch.sort(torch.randperm(ctx, generator=gen)[: int(0.15 * ctx)]).values
+            else:
+                pos = torch.arange(ctx - rows, ctx).repeat(batch)
+            q_pos = pos.to(torch.int32).to(device)
+            n = q_pos.numel() // batch
+            q = torch.randn(q_pos.numel(), 32, d, generator=gen).to(device=device, dtype=dtype)
+            cu = (torch.arange(batch + 1) * n).to(torch.int32).to(device)
+            kv_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            table = ragattn.PageTable.from_block_table(bt, kv_lens)
+
+            def run():  # planned from maxima (no host sync) under whatever config is in force
+                plan = ragattn.plan_paged_attention(cu, table, num_heads=32, num_kv_heads=8, head_dim=d, dtype=dtype,
+                                                    window_left=window, max_q_len=n, max_kv_len=ctx)
+                return ragattn.run_paged_attention(plan, q, q_pos, k, v)[0]
+            return run
+
+        if kind == "decode":
+            runs = [one(32, 32768, 1), one(4, 32768, 1), one(32, 32768, 1, window=4095)]
+        elif kind == "verify":
+            runs = [one(32, 8192, 5)]
+        else:
+            runs = [one(1, 32768, "sparse")]
+        return lambda: torch.cat([r().flatten() for r in runs])
+
+
+FAMILIES: Dict[str, Family] = {f.name: f for f in (VarlenFamily(), KeyScoresFamily(), PagedFamily())}
 
 
 def _gpu_timer(family: Family, device: torch.device, warmup_ms: int, rep_ms: int):

@@ -709,7 +709,9 @@ for elt, head_dim in SM90_CASES:
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, SOFTCAP=False, UPCAST=False,
                       IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
                       ROW_STARTS=split,  # flat (CSR) page lists: decode/verify configs
-                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False)
+                      POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False,
+                      # page ids once per page (16-slot pages) for decode/verify, once per tile (128) for prefill
+                      EVEN_D=block_d == head_dim, PAGE_MODE=1 if split else 2, PAGE_SIZE=16 if split else 128)
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32", softcap_log2="fp32")

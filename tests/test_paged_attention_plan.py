@@ -447,3 +447,43 @@ def test_soft_cap_through_the_run(backend, device, seed):
                                      None, -1, 1.5)
     torch.testing.assert_close(got[0].cpu().double(), o64, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(got[1].cpu().double(), l64.double(), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("page_size,mode", [(5, 0), (16, 1), (64, 2), (128, 2)])
+def test_every_page_mode_of_the_kernel(triton_backend, device, seed, page_size, mode):
+    """The kernel reads the page list once per slot (page sizes that are not powers of two), once per
+    page (pages smaller than a key tile) or once per tile (pages holding whole tiles; issue 22's
+    "page ids loaded once per page"): each mode, with windows that start inside a page, split-KV
+    partitions, an uneven head dim and position-tagged entries, against the reference."""
+    import ragattn.triton_kernels.paged_attention as pa
+
+    kv_lens = [300, 1, 130, 0, 77]
+    q_positions = [[299, 150, 3], [0], [129], [], [76, 40]]
+    for head_dim, dtype in ((64, torch.float16), (80, torch.bfloat16)):
+        c = make_csr_case(q_positions, kv_lens, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                          page_size=page_size, dtype=dtype, device=device)
+        args = (c["q"], c["q_pos"], c["cu"], c["k"], c["v"], c["bt"], c["kv_lens"])
+        table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], page_size)
+        for window_left, splits in ((-1, 1), (37, 3), (5, 2)):
+            plan = _plan(c, table, window_left, num_splits=splits)
+            block_n, split_len = plan.launch[1], plan.launch[6]
+            assert pa.page_mode(page_size, block_n, split_len) == mode
+            out = torch.full_like(c["q"], float("nan"))
+            lse = torch.full(c["q"].shape[:2], float("nan"), device=device)
+            run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"], out=out, lse_out=lse)
+            check_against_reference(args, out, lse, window_left)
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([70, 9, 140], "gapped", page_size=page_size, num_heads=4,
+                                                 num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device,
+                                                 gen=gen)
+    for window_left in (-1, 10):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left, num_splits=2)
+        out, lse = run_paged_attention(plan, q, q_pos, k, v)
+        (o64, l64), (olp, llp) = _table_refs(*(x.cpu() for x in (q, q_pos, cu, k, v)),
+                                             PageTable(*(None if x is None else x.cpu() for x in (
+                                                 table.pages, table.kv_lens, table.row_start, table.entry_pos,
+                                                 table.entry_len))), window_left, (None, 0, False))
+        from tests.helpers import assert_precision
+
+        assert_precision(out.cpu(), o64, olp)
+        assert_precision(lse.cpu(), l64, llp, what="lse")

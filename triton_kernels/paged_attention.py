@@ -43,6 +43,23 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _per_slot(ptr, start, hi, j, page_size, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The per-page value ``ptr[p]`` (a page id, an entry's position or length) of each slot ``j`` of
+    the key tile ``[start, start + BLOCK_N)``, 0 for slots at or past ``hi``: read once per slot
+    (mode 0), once per page (1: PAGE_SIZE divides BLOCK_N, ``start`` a multiple of BLOCK_N) or once
+    for the tile (2: the tile lies inside one page)."""
+    if PAGE_MODE == 2:
+        return tl.zeros([BLOCK_N], tl.int32) + tl.load(ptr + start // PAGE_SIZE)
+    elif PAGE_MODE == 1:
+        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
+        p = start // PAGE_SIZE + tl.arange(0, NP)
+        per_page = tl.load(ptr + p, mask=p * PAGE_SIZE < hi, other=0)
+        return tl.reshape(tl.broadcast_to(per_page[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
+    else:
+        return tl.load(ptr + j // page_size, mask=j < hi, other=0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, PAGES, ROW_START, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
@@ -70,6 +87,10 @@ def _paged_attention_kernel(
     HAS_ENTRY_LEN: tl.constexpr = False,  # slots at offsets >= ENTRY_LEN[entry] do not exist
     ROPE: tl.constexpr = False, ROPE_INTERLEAVED: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,  # float8 K/V: dequantised (x * scale, fp32) right after loading
+    EVEN_D: tl.constexpr = False,  # head_dim == BLOCK_D: no head-dim mask on the loads
+    PAGE_MODE: tl.constexpr = 0,  # how a key tile finds its pages: 0 one table read per slot (any page
+    # size); 1 one per page (PAGE_SIZE divides BLOCK_N); 2 one per tile (BLOCK_N divides PAGE_SIZE)
+    PAGE_SIZE: tl.constexpr = 1,  # the page size when PAGE_MODE > 0 (a power of two)
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -87,7 +108,10 @@ def _paged_attention_kernel(
     row_ok = (q_row < row_end) & (g < GROUP)
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
+    if EVEN_D:
+        d_ok = d < BLOCK_D  # all true, known at compile time: vector loads without a mask
+    else:
+        d_ok = d < head_dim
     q_row64 = q_row.to(tl.int64)  # row * stride can pass 2^31 elements
     q = tl.load(Q + q_row64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -115,6 +139,10 @@ def _paged_attention_kernel(
         hi_tile = kv_len
         full_lo = kv_len
         full_hi = -1
+    if PAGE_MODE > 0:
+        # key tiles start at multiples of BLOCK_N (the slots left of a window are masked), so a
+        # tile covers whole pages (mode 1) or lies inside one (mode 2)
+        lo_tile = (lo_tile // BLOCK_N) * BLOCK_N
     # ---- this program's split of the tile's key range [lo_tile, hi_tile); the last split takes
     # whatever remains, so a plan made for shorter contexts stays exact (only slower)
     lo = tl.minimum(lo_tile + split * split_len, hi_tile)
@@ -146,13 +174,17 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
-        page = tl.load(page_row + j // page_size, mask=j_ok, other=0).to(tl.int64)
-        off = j % page_size
+        page = _per_slot(page_row, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N).to(tl.int64)
+        if PAGE_MODE > 0:
+            off = j % PAGE_SIZE
+        else:
+            off = j % page_size
         slot_ok = j_ok
         if HAS_ENTRY_LEN:
-            slot_ok = slot_ok & (off < tl.load(ENTRY_LEN + entry0 + j // page_size, mask=j_ok, other=0))
+            slot_ok = slot_ok & (off < _per_slot(ENTRY_LEN + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N))
         if POS_TABLE:
-            slot_pos = tl.load(ENTRY_POS + entry0 + j // page_size, mask=j_ok, other=0).to(tl.int64) + off
+            slot_pos = _per_slot(ENTRY_POS + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
+                                 BLOCK_N).to(tl.int64) + off
         else:
             slot_pos = j.to(tl.int64)
         kv_mask = slot_ok[:, None] & d_ok[None, :]
@@ -236,57 +268,91 @@ def _paged_attention_kernel(
     tl.store(LSE + split.to(tl.int64) * stride_ls + q_row64 * stride_lt + head, lse, mask=row_ok)
 
 
+def page_mode(page_size: int, block_n: int, split_len: int) -> int:
+    """The kernel's PAGE_MODE: 2 when a key tile lies inside one page, 1 when it covers whole pages,
+    0 (a table read per slot) for page sizes that are not powers of two or tiles that straddle pages."""
+    if page_size & (page_size - 1) or split_len % block_n:
+        return 0
+    return 2 if page_size % block_n == 0 else 1
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_config(m_tile: int, block_d: int, elt: int, interp: bool):
-    """(m_tile, block_n, num_stages, num_warps) whose tiles fit the shared memory of an H100.
+def shape_key(m_tile: int, block_d: int, elt: int) -> str:
+    """The config table's shape class: ``<kind>/<dtype class>/d<BLOCK_D>`` with kind "decode" (query
+    tiles of at most 16 stacked rows: one decode row x a GQA group), "verify" (up to 64: speculative
+    tails) or "prefill"."""
+    kind = "decode" if m_tile <= 16 else "verify" if m_tile <= 64 else "prefill"
+    return f"{kind}/{'fp32' if elt == 4 else '16bit'}/d{block_d}"
 
-    Budget ~160 KB for the Q tile plus ``num_stages`` K and V tiles (leaving room for Triton's
-    layout-conversion scratch); shrink stages, then the key tile, then the query tile.
+
+def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
+                  device_name: Optional[str] = None) -> dict:
+    """The launch configuration: ``m_tile`` (stacked query rows), ``BLOCK_N`` (keys a loop step),
+    ``num_warps``, ``num_stages`` and ``waves`` (split-KV fills ``waves`` x the SM count with programs).
+
+    From ``configs/paged_attention.json``: the GPU's entry (``device_name``; keys as ``shape_key``,
+    measured by ``python -m ragattn.bench.tune paged_attention``), else its "default" heuristic, or
+    the "interpreter" entry. ``m_tile`` is capped at the entry's ``BLOCK_M``; then the tiles are
+    shrunk to fit ~160 KB of shared memory for the Q tile plus ``num_stages`` K and V tiles (stages
+    first, then the key tile, then the query tile).
     """
-    if interp:  # the interpreter's cost is programs x loop trips: big tiles, no pipelining
-        return m_tile, 64, 1, 4
-    block_n, stages = 64, 3
+    from .gpu_configs import DEFAULT, get_config
+
+    cfg = get_config("paged_attention", None if interp else (device_name or DEFAULT), shape_key(m_tile, block_d, elt))
+    cfg["m_tile"] = min(m_tile, cfg.pop("BLOCK_M"))
+    cfg.setdefault("waves", 2.0)
+    if interp:
+        return cfg
 
     def smem(m, n, st):
         return elt * block_d * (m + 2 * n * st)
 
-    while smem(m_tile, block_n, stages) > 160 * 1024:
-        if stages > 2:
-            stages -= 1
-        elif block_n > 32:
-            block_n //= 2
-        elif m_tile > 16:
-            m_tile //= 2
+    while smem(cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"]) > 160 * 1024:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_N"] > 32:
+            cfg["BLOCK_N"] //= 2
+        elif cfg["m_tile"] > 16:
+            cfg["m_tile"] //= 2
         else:
             break
-    if m_tile <= 16:
-        # decode-sized tiles keep K and V in registers: 64-key tiles need 206 registers at 4 warps
-        # (255 and a spill with a window); 32-key tiles ~150, no spill, 3 CTAs/SM (bench.sm90)
-        block_n = min(block_n, 32)
-    return m_tile, block_n, stages, 8 if m_tile >= 128 else 4
+    return cfg
 
 
-def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: torch.device) -> int:
-    """Split the key range when the grid would leave the GPU under-filled (decode, few rows).
+def tile_config(m_tile: int, block_d: int, elt: int, interp: bool, device_name: Optional[str] = None):
+    """(m_tile, block_n, num_stages, num_warps) of ``kernel_config`` (the static sm_90 report and the
+    compile tests ask it)."""
+    c = kernel_config(m_tile, block_d, elt, interp=interp, device_name=device_name)
+    return c["m_tile"], c["BLOCK_N"], c["num_stages"], c["num_warps"]
 
-    Aim for ~4 programs per SM, keeping every split at least 4 key tiles long.
-    """
+
+def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: torch.device,
+                      waves: float = 2.0) -> int:
+    """Split the key range when the grid would leave the GPU under-filled (decode, few rows)."""
     if device.type != "cuda" or num_programs == 0:
         return 1
-    return splits_for_sms(num_programs, max_kv_len, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
+    from .gpu_configs import sm_count
+
+    return splits_for_sms(num_programs, max_kv_len, block_n, sm_count(device), waves)
 
 
-def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int) -> int:
-    """``choose_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too)."""
+def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int, waves: float = 2.0,
+                   min_tiles: int = 4) -> int:
+    """``choose_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too):
+    enough splits for ``waves`` x ``sms`` programs, each split at least ``min_tiles`` key tiles long
+    (a split costs a partial state per row and a merge), at most 64.
+
+    On an H100 (bf16 d128, GQA 4, page 16) the decode time was flat within 3% from 2 to 16 splits at
+    batch 32 x 32K, and best at 8 splits for batch 4 x 32K (16 and 32: +3% and +9%; 64: +22%), i.e.
+    around two programs per SM (docs/perf/h100)."""
     if num_programs == 0:
         return 1
-    if num_programs >= 4 * sms:
-        return 1
     key_tiles = triton.cdiv(max(max_kv_len, 1), block_n)
-    return max(1, min(triton.cdiv(4 * sms, num_programs), key_tiles // 4, 64))
+    want = math.ceil(waves * sms / num_programs)
+    return max(1, min(want, key_tiles // min_tiles, 64))
 
 
 @dataclass(frozen=True)
@@ -374,7 +440,12 @@ def plan_paged_attention(
     m_tile = min(128, max(16, triton.next_power_of_2(max(max_q_len, 1) * group_pad)))
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     elt = torch.empty((), dtype=dtype).element_size()
-    m_tile, block_n, num_stages, num_warps = tile_config(m_tile, block_d, elt, _interpreting())
+    from .gpu_configs import device_name as table_device
+
+    interp = _interpreting()
+    cfg = kernel_config(m_tile, block_d, elt, interp=interp,
+                        device_name=table_device(device) if (device.type == "cuda" and not interp) else None)
+    m_tile, block_n, num_stages, num_warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
     block_m = max(1, m_tile // group_pad)
 
     if exact_tiles:
@@ -396,10 +467,12 @@ def plan_paged_attention(
         tile_seq = tile_seq.to(torch.int32)
     num_tiles = tile_seq.shape[0]
 
-    # the key span one tile can see: a single-row tile under a window sees at most window_left + 1
-    span = max_kv_len if (window_left < 0 or block_m > 1) else min(max_kv_len, window_left + 1)
+    # the key span one tile can see: a tile holding one query row (decode) under a window sees at
+    # most window_left + 1 slots (+ the slots left of the window in its first, aligned key tile)
+    one_row = min(block_m, max_q_len) <= 1
+    span = max_kv_len if (window_left < 0 or not one_row) else min(max_kv_len, window_left + block_n)
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, span, block_n, device)
+        num_splits = choose_num_splits(num_tiles * num_kv_heads, span, block_n, device, cfg["waves"])
     split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(span, 1), split_len))
     return PagedPlan(
@@ -493,6 +566,8 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
     has_window = window_left >= 0
     row_starts = row_start is not None
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
+    page_size = k_cache.shape[1]
+    mode = page_mode(page_size, plan.block_n, plan.split_len)
     _paged_attention_kernel[grid](
         q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start if row_starts else kv_lens, kv_lens,
         plan.tile_seq, plan.tile_row0,
@@ -517,6 +592,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
         POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
+        EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
