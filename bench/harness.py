@@ -14,8 +14,9 @@ Two checks make an impossible figure an error instead of a table row (issue 22.6
   did: their ``run`` lambdas, built in a loop, looked the loop's variables up when called, so the
   N8192 cases ran the last iteration's 512-row inputs while counting 8192 rows' bytes (28.9 us for
   "1.07 GB", 878% of the copy peak on an H200; on the CPU the N256 and chunk32 rows had equal times);
-* a row above 100% of the measured peak raises ``PeakExceeded`` with the case's name. The peaks
-  are the best (not median) of their timings, since a peak is what the device can do.
+* a row above 125% of the measured peak raises ``PeakExceeded`` with the case's name (``check_peak``:
+  a kernel may beat torch's own copy by a little, not by 25%). The peaks are the best (not median)
+  of their timings, since a peak is what the device can do.
 """
 from __future__ import annotations
 
@@ -156,9 +157,15 @@ def check_bytes_touched(case: "Case") -> None:
         )
 
 
+PEAK_SLACK = 125.0  # percent of a measured peak above which a row is called impossible
+
+
 def check_peak(case: "Case", row: dict, device: Optional[torch.device] = None) -> None:
-    """Raise ``PeakExceeded`` when a result row reports more than 100% of a measured peak. With
-    ``device``, a row over the peak first has the peak measured again (a peak measured while the
+    """Raise ``PeakExceeded`` when a result row reports more than ``PEAK_SLACK`` (125%) of a measured
+    peak. The peaks are what torch's own copy, sum and matmul reach, not the datasheet's, and a
+    tuned kernel may beat them by a little (SDPA's decode read at 102% of them on an H100); a
+    wrong byte or flop count is off by far more (878% for the kv_cache closure bug). With
+    ``device``, a row over 100% first has the peak measured again (a peak measured while the
     machine was busy is too low) and its percentage recomputed."""
     pct = row.get("pct_peak")
     if pct is not None and pct > 100.0 and device is not None:
@@ -167,7 +174,7 @@ def check_peak(case: "Case", row: dict, device: Optional[torch.device] = None) -
         _PEAKS.pop(("matmul", str(device), torch.float32), None)
         peak = measured_copy_bandwidth(device) if case.peak == "copy" else measured_matmul_tflops(device, case.peak_dtype)
         pct = row["pct_peak"] = 100.0 * (row["GB/s"] if case.peak == "copy" else row["TFLOP/s"]) / peak
-    if pct is not None and pct > 100.0:
+    if pct is not None and pct > PEAK_SLACK:
         what = f"{row['GB/s']:.1f} GB/s" if case.peak == "copy" else f"{row['TFLOP/s']:.1f} TFLOP/s"
         raise PeakExceeded(
             f"bench case {case.family}/{case.name!r} ({row['impl']}): {pct:.0f}% of the measured {case.peak} peak "

@@ -50,8 +50,8 @@ ANCHORS = {
     "fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     "bwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     "key_attention_scores": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, waves=3.0),
-    "paged_decode": dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=2, waves=2.0),
-    "paged_prefill": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, waves=2.0),
+    "paged_decode": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2, waves=4.0),
+    "paged_prefill": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, waves=4.0),
 }
 
 
@@ -107,15 +107,17 @@ def key_attention_scores_candidates(shape_key: str) -> List[Config]:
 def paged_attention_candidates(shape_key: str) -> List[Config]:
     """The sweep of a ``paged_attention`` shape class: the key tile, warps, stages and the split-KV
     wave target (the query tile follows from the rows and the GQA group, so it is not swept)."""
+    from ragattn.triton_kernels.paged_attention import SMEM_BUDGET  # over it the launcher shrinks a config
+
     kind, dt, dclass = shape_key.split("/")[:3]
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
     m_tile = {"decode": 16, "verify": 64, "prefill": 128}[kind]
     out = []
-    for bn, warps, stages, waves in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (1.0, 2.0, 4.0, 8.0)):
-        if kind == "prefill" and waves != 2.0:  # prefill grids fill the GPU without splits
+    for bn, warps, stages, waves in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (2.0, 4.0, 8.0)):
+        if kind == "prefill" and waves != 4.0:  # prefill grids fill the GPU without splits
             continue
-        if m_tile * bn < 32 * warps * 4 or elt * block_d * (m_tile + 2 * bn * stages) > SMEM_LIMIT:
+        if m_tile * bn < 32 * warps * 4 or elt * block_d * (m_tile + 2 * bn * stages) > SMEM_BUDGET:
             continue
         out.append(dict(BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
     anchor = ANCHORS["paged_decode" if kind != "prefill" else "paged_prefill"]
@@ -244,7 +246,7 @@ class PagedFamily(Family):
     keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128"))
 
     def candidates(self, shape_key):
-        return [{k: v for k, v in c.items() if k != "BLOCK_M"} for c in paged_attention_candidates(shape_key)]
+        return paged_attention_candidates(shape_key)
 
     def problem(self, shape_key, device):
         import ragattn

@@ -7,7 +7,8 @@
 #   build      build the extension in place (TORCH_CUDA_ARCH_LIST=9.0a, every core); fail if the CUDA
 #              kernels did not get registered. A failed build stops the run.
 #   test-ops   the op tests on CUDA tensors (--device cuda), in parallel with pytest-xdist where it
-#              imports (TEST_WORKERS, 8), and transformers' offloaded cache (tests/test_hf_generate.py)
+#              imports (TEST_WORKERS, 8), and transformers' offloaded cache (tests/test_hf_generate.py);
+#              verbose (-v), so a run cut at its cap still names every failure before the cut
 #   e2e        end-to-end TTFT on a Llama-3-8B-shaped random bf16 model at 8K and 32K tokens
 #   bench      the micro-benchmarks at GPU sizes, one family per process, most important first
 #   test-rest  every other test on CUDA, model tests skipping without the model packages (not in
@@ -185,7 +186,7 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
     test-ops)
       cap=$(share "${CAP[test-ops]}" "$reserve")
       # shellcheck disable=SC2046
-      run_step test-ops "$cap" $PY -m pytest -q --device cuda -p no:cacheprovider $(xdist_args) "${OP_TESTS[@]}" "${HF_CUDA_TESTS[@]}" ;;
+      run_step test-ops "$cap" $PY -m pytest -v -rfE --device cuda -p no:cacheprovider $(xdist_args) "${OP_TESTS[@]}" "${HF_CUDA_TESTS[@]}" ;;
     e2e)   # 8K and 32K tokens (bench.e2e's "gpu-check" sizes: 16 and 64 chunks of 512)
       run_step e2e "$(share "${CAP[e2e]}" "$reserve")" \
         $PY -m bench.e2e --device cuda --model llama3-8b-random --sizes gpu-check --out "$OUT/e2e" ;;
@@ -207,7 +208,7 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
       for f in "${OP_TESTS[@]}"; do ignores+=(--ignore "$f"); done
       # shellcheck disable=SC2046
       run_step test-rest "$(share "${CAP[test-rest]}" "$reserve")" \
-        $PY -m pytest -q --device cuda -p no:cacheprovider $(xdist_args) "${ignores[@]}" tests ;;
+        $PY -m pytest -v -rfE --device cuda -p no:cacheprovider $(xdist_args) "${ignores[@]}" tests ;;
   esac
 done
 write_summary

@@ -49,7 +49,7 @@ def test_committed_tables_are_well_formed(path):
     (None, "interpreter"),
 ])
 def test_device_names_find_their_entry(name, entry):
-    for family in ("varlen_attention", "key_attention_scores"):
+    for family in ("varlen_attention", "key_attention_scores", "paged_attention"):
         assert gpu_configs.device_entry_name(_table(family), name) == entry
 
 
@@ -128,3 +128,39 @@ def test_splits_fill_the_sms_without_a_straggling_wave():
     assert kas.splits_for_sms(2, 1, 8, 512, 132, waves=3.0) == 24  # the H100 entry: 384 programs <= 396 slots
     assert kas.splits_for_sms(2, 1, 8, 8, 132, waves=4.0) == 2  # at least 4 key tiles a split
     assert kas.splits_for_sms(300, 4, 8, 256, 132) == 1
+
+
+def test_paged_attention_reads_its_table_and_every_tune_candidate():
+    """The paged launcher's config comes from its table (the H100's measured decode entry, the
+    heuristic elsewhere), and every candidate bench.tune sweeps reaches the launcher whole under
+    ``override`` (a candidate the launcher could not read was skipped: the first GPU tune run
+    skipped them all on a KeyError)."""
+    from bench.tune import FAMILIES
+    from ragattn.triton_kernels import paged_attention as pa
+
+    assert pa.kernel_config(16, 128, 2, device_name=H100) == dict(m_tile=16, BLOCK_N=64, num_warps=4, num_stages=2,
+                                                                 waves=4.0)
+    assert pa.kernel_config(16, 128, 2, device_name="Some Future GPU")["num_stages"] == 3
+    assert pa.kernel_config(128, 256, 4)["m_tile"] * 4 * 256 <= 160 * 1024  # shrunk to fit shared memory
+    family = FAMILIES["paged_attention"]
+    for key in family.keys:
+        kind = key.split("/")[0]
+        m_tile = {"decode": 16, "verify": 64, "prefill": 128}[kind]
+        assert pa.shape_key(m_tile, int(key.split("/d")[1]), 2) == key
+        for cand in family.candidates(key)[:10]:
+            with gpu_configs.override("paged_attention", key, cand):
+                got = pa.kernel_config(m_tile, int(key.split("/d")[1]), 2, device_name=H100)
+            assert all(got[k] == cand[k] for k in ("BLOCK_N", "num_warps", "num_stages", "waves")), (key, cand, got)
+
+
+def test_paged_splits_never_leave_a_partial_wave():
+    """At most waves x SMs programs (the H100 measured a 288-program decode 1.4x slower than a
+    256-program one: 24 programs past the 264 slots ran as a second wave)."""
+    from ragattn.triton_kernels import paged_attention as pa
+
+    for programs in (1, 7, 32, 100, 256, 263, 264, 1000):
+        s = pa.splits_for_sms(programs, 1 << 20, 64, 132, waves=2.0)
+        assert s == 1 or programs * s <= 264, (programs, s)
+    assert pa.splits_for_sms(32, 32768, 64, 132) == 16  # batch 4 x 8 kv heads: 512 programs = 4 x 132 - 16
+    assert pa.splits_for_sms(256, 32768, 64, 132) == 2
+    assert pa.splits_for_sms(32, 256, 64, 132) == 1  # 4 key tiles: no split shorter than 4 tiles

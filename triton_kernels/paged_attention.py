@@ -280,6 +280,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+SMEM_BUDGET = 160 * 1024  # the Q tile and the pipelined K/V tiles (Triton's layout scratch takes the rest)
+
+
 def shape_key(m_tile: int, block_d: int, elt: int) -> str:
     """The config table's shape class: ``<kind>/<dtype class>/d<BLOCK_D>`` with kind "decode" (query
     tiles of at most 16 stacked rows: one decode row x a GQA group), "verify" (up to 64: speculative
@@ -302,15 +305,15 @@ def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
     from .gpu_configs import DEFAULT, get_config
 
     cfg = get_config("paged_attention", None if interp else (device_name or DEFAULT), shape_key(m_tile, block_d, elt))
-    cfg["m_tile"] = min(m_tile, cfg.pop("BLOCK_M"))
-    cfg.setdefault("waves", 2.0)
+    cfg["m_tile"] = min(m_tile, cfg.pop("BLOCK_M", m_tile))
+    cfg.setdefault("waves", 4.0)
     if interp:
         return cfg
 
     def smem(m, n, st):
         return elt * block_d * (m + 2 * n * st)
 
-    while smem(cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"]) > 160 * 1024:
+    while smem(cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"]) > SMEM_BUDGET:
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
         elif cfg["BLOCK_N"] > 32:
@@ -330,7 +333,7 @@ def tile_config(m_tile: int, block_d: int, elt: int, interp: bool, device_name: 
 
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: torch.device,
-                      waves: float = 2.0) -> int:
+                      waves: float = 4.0) -> int:
     """Split the key range when the grid would leave the GPU under-filled (decode, few rows)."""
     if device.type != "cuda" or num_programs == 0:
         return 1
@@ -339,19 +342,22 @@ def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: 
     return splits_for_sms(num_programs, max_kv_len, block_n, sm_count(device), waves)
 
 
-def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int, waves: float = 2.0,
+def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int, waves: float = 4.0,
                    min_tiles: int = 4) -> int:
     """``choose_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too):
-    enough splits for ``waves`` x ``sms`` programs, each split at least ``min_tiles`` key tiles long
-    (a split costs a partial state per row and a merge), at most 64.
+    as many splits as keep the grid within ``waves`` x ``sms`` programs (never a straggling partial
+    wave), each split at least ``min_tiles`` key tiles long (a split costs a partial state per row
+    and a merge), at most 64.
 
-    On an H100 (bf16 d128, GQA 4, page 16) the decode time was flat within 3% from 2 to 16 splits at
-    batch 32 x 32K, and best at 8 splits for batch 4 x 32K (16 and 32: +3% and +9%; 64: +22%), i.e.
-    around two programs per SM (docs/perf/h100)."""
+    Measured on an H100 (bf16 d128, GQA 4, page 16; docs/perf/h100): decode time is flat within 3%
+    from 2 to 16 splits at batch 32 x 32K, but at batch 4 x 32K 9 splits (288 programs) took 1.4x as
+    long as 8 (256): the decode config holds 2 programs per SM, 264 on the GPU, and the 24 past them
+    ran as a second wave. Rounding down to ``waves`` (4: two rounds of 2 per SM) keeps every grid
+    whole: 2 splits at batch 32, 16 at batch 4, 1 at batch 128 x 4K."""
     if num_programs == 0:
         return 1
     key_tiles = triton.cdiv(max(max_kv_len, 1), block_n)
-    want = math.ceil(waves * sms / num_programs)
+    want = int(waves * sms // num_programs)
     return max(1, min(want, key_tiles // min_tiles, 64))
 
 
