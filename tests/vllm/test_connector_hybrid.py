@@ -25,7 +25,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from ragattn.methods.chunk_store import ChunkStore  # noqa: E402
 from ragattn.reference import kv_cache as ref_kv  # noqa: E402
-from ragattn.vllm.pages import NULL_BLOCK, slot_rows  # noqa: E402
+from ragattn.vllm.pages import NULL_BLOCK, CacheLayoutError, slot_rows  # noqa: E402
 from tests.vllm.test_connector import (D, H, L, LAYERS, NUM_BLOCKS, _prompt, _request,  # noqa: E402,F401
                                        _schedule, served)
 
@@ -175,6 +175,10 @@ def test_unsupported_groups_and_cache_dtypes_are_refused(served):
                         kv_cache_groups=[KVCacheGroupSpec(layer_names=LAYERS, kv_cache_spec=chunked)])
     with pytest.raises(NotImplementedError, match="KV cache group 0 .* full-attention and sliding-window"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, bad)
+    conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    fp8_bytes = {n: torch.zeros(NUM_BLOCKS, H, spec.block_size, 2 * D, dtype=torch.uint8) for n in LAYERS}
+    with pytest.raises(CacheLayoutError, match="kv_cache_dtype 'auto'; the connector writes fp8 caches of"):
+        conn.register_kv_caches(fp8_bytes)       # uint8 caches whose layers are not fp8: no scales to trust
     cfg, kvc = _hybrid(served, "fp8_e5m2")
     with pytest.raises(NotImplementedError, match="kv_cache_dtype 'fp8_e5m2' is not supported"):
         KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kvc)
