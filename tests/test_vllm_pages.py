@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ragattn.methods.block_attention import block_ids
+from ragattn.reference import kv_cache as ref_kv
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 from ragattn.methods.common import paged_forward
 from ragattn.vllm.pages import CacheLayoutError, PageWriter, slot_rows
@@ -77,12 +78,12 @@ def _read_pages(caches, split, rows):
     """K, V per layer at ``rows`` (vLLM slots) as [n, Hkv, D], read with vLLM's own views."""
     out = []
     for kv in caches:
-        B = kv.shape[0]
+        B, N = kv.shape[0], kv.shape[2]
         if split == "channel":   # flash_attn: kv.transpose(1, 2).split(D, -1)
             k, v = kv.transpose(1, 2).split(D, dim=-1)
         else:                    # cpu_attn: kv.view(B, H, 2N, D).chunk(2, dim=2)
-            k, v = (t.transpose(1, 2) for t in kv.view(B, H, 2 * BS, D).chunk(2, dim=2))
-        out.append((k.reshape(B * BS, H, D)[rows], v.reshape(B * BS, H, D)[rows]))
+            k, v = (t.transpose(1, 2) for t in kv.view(B, H, 2 * N, D).chunk(2, dim=2))
+        out.append((k.reshape(B * N, H, D)[rows], v.reshape(B * N, H, D)[rows]))
     return out
 
 
@@ -264,3 +265,97 @@ def test_kv_cache_groups_with_a_sliding_window_group(store, split):
         PageWriter(store, caches, BS, split, groups=[([0], False), ([0], True)])
     with pytest.raises(ChunkStoreError, match="1 block lists for 2 KV cache groups"):
         w.write(keys, spans, full_ids)
+
+
+# ----- issue 25: fp8 caches (vLLM's kv_cache_dtype="fp8") and allocator blocks over kernel blocks ------
+POISON = 0x7F   # an e4m3fn NaN byte
+
+
+def _fp8_caches(split, num_blocks):
+    """Two layers of vLLM's fp8 cache (uint8 storage, as vLLM allocates it), poisoned."""
+    if split == "planes":
+        return [torch.full((num_blocks, 2, H, BS, D), POISON, dtype=torch.uint8).transpose(2, 3) for _ in range(2)]
+    return [torch.full((num_blocks, H, BS, 2 * D), POISON, dtype=torch.uint8) for _ in range(2)]
+
+
+@pytest.mark.parametrize("split", ["channel", "rows", "planes"])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("skip", [0, 16])
+def test_fp8_pages_equal_the_quantised_assembled_request(store, split, per_head, skip):
+    """fp8 e4m3 pages with per-layer (or per-KV-head) k/v scales: every written byte equals the fp8
+    reference's quantisation (``clamp(x / scale, -448, 448)``, round to nearest even) of the HF path's
+    assembled request; one layer's k scale is small enough to saturate; nothing else is touched."""
+    keys = store.add(_chunks(7))
+    spans = [(0, 7), (7, 26), (26, 31)]
+    req = store.assemble(keys, positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(31))
+    if per_head:
+        scales = [(torch.tensor([0.0625, 0.011]), torch.tensor([0.021, 0.37])),
+                  (torch.tensor([0.0011, 0.29]), torch.tensor([0.05, 0.0077]))]
+    else:
+        scales = [(torch.tensor(0.0625), torch.tensor(0.021)), (torch.tensor([0.0011]), torch.tensor([0.05]))]
+    caches = _fp8_caches(split, 6)
+    block_ids = [4, 1]
+    PageWriter(store, caches, BS, split, scales=scales).write(keys, spans, block_ids, skip=skip)
+    views = [c.view(ref_kv.FP8) for c in caches]
+    rows = slot_rows(block_ids, BS, 0, 31)
+    got = _read_planes(views, rows) if split == "planes" else _read_pages(views, split, rows)
+    saturated = 0
+    for l, (pk, pv) in enumerate(got):
+        for t, have, scale in ((req.cache.k[l], pk, scales[l][0]), (req.cache.v[l], pv, scales[l][1])):
+            full = t.reshape(-1, H, D)[ref_rows]
+            want = ref_kv.quantize(full, scale.reshape(-1, 1), ref_kv.FP8)
+            assert torch.equal(have[skip:].view(torch.uint8), want[skip:].view(torch.uint8))
+            assert (have[:skip].view(torch.uint8) == POISON).all()         # vLLM's own prefix hit
+            saturated += int((full[skip:].abs() / scale.reshape(-1, 1) > 448).sum())
+    assert saturated > 0
+    untouched = torch.ones(6 * BS, dtype=torch.bool)
+    untouched[rows[skip:]] = False
+    rest = untouched.nonzero()[:, 0]
+    for pk, pv in (_read_planes(views, rest) if split == "planes" else _read_pages(views, split, rest)):
+        assert (pk.view(torch.uint8) == POISON).all() and (pv.view(torch.uint8) == POISON).all()
+
+
+def test_fp8_setups_are_refused(store):
+    fp8 = _fp8_caches("channel", 4)
+    with pytest.raises(CacheLayoutError, match="no \\(k_scale, v_scale\\)"):
+        PageWriter(store, fp8, BS, "channel")
+    with pytest.raises(CacheLayoutError, match="k_scale must be a float32 tensor of 1 or 2"):
+        PageWriter(store, fp8, BS, "channel", scales=[(torch.ones(3), torch.ones(1))] * 2)
+    with pytest.raises(CacheLayoutError, match="v_scale must be a float32"):
+        PageWriter(store, fp8, BS, "channel", scales=[(torch.ones(1), torch.ones(1, dtype=torch.float64))] * 2)
+    with pytest.raises(CacheLayoutError, match="not fp8, but has scales"):
+        PageWriter(store, _vllm_caches(4), BS, "channel", scales=[(torch.ones(1), torch.ones(1))] * 2)
+    with pytest.raises(CacheLayoutError, match="2 fp8 scale entries for 1 layers|attention layers"):
+        PageWriter(store, fp8[:1], BS, "channel", scales=[None, None])
+
+
+def test_mixed_fp8_and_plain_layers_in_sliding_groups_over_kernel_blocks(store):
+    """vLLM's hybrid allocator: group 0 (layer 0, full attention, fp8 cache) and group 1 (layer 1,
+    sliding window, the store's dtype) with 32-token allocator blocks over 16- and 8-token cache
+    blocks (vLLM's kernel block size): each layer's pages hold its rows of the assembled request."""
+    keys = store.add(_chunks(8))
+    spans = [(0, 7), (7, 26), (26, 31)]
+    req = store.assemble(keys, positions="reordered")
+    ref_rows = req.cache.slot_rows(0, torch.arange(31))
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor(0.02)
+    caches = [torch.full((8, H, BS, 2 * D), POISON, dtype=torch.uint8),          # 16-token cache blocks
+              torch.full((16, H, 8, 2 * D), float("nan"))]                       # 8-token cache blocks
+    full_ids, sliding_ids = [2], [3]           # 31 tokens: one 32-token block each
+    w = PageWriter(store, caches, 32, "channel", groups=[([0], False), ([1], True, 32)],
+                   scales=[(k_scale, v_scale), None])
+    w.write(keys, spans, (full_ids, sliding_ids))
+    pk, pv = _read_pages([caches[0].view(ref_kv.FP8)], "channel", slot_rows(full_ids, 32, 0, 31))[0]
+    want_k = ref_kv.quantize(req.cache.k[0].reshape(-1, H, D)[ref_rows], k_scale, ref_kv.FP8)
+    want_v = ref_kv.quantize(req.cache.v[0].reshape(-1, H, D)[ref_rows], v_scale, ref_kv.FP8)
+    assert torch.equal(pk.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(pv.view(torch.uint8), want_v.view(torch.uint8))
+    rows = slot_rows(sliding_ids, 32, 0, 31)
+    assert rows.tolist() == list(range(96, 127))         # block 3 of 32 tokens = 8-token cache blocks 12..15
+    pk, pv = _read_pages(caches[1:], "channel", rows)[0]
+    assert torch.equal(pk, req.cache.k[1].reshape(-1, H, D)[ref_rows])
+    assert torch.equal(pv, req.cache.v[1].reshape(-1, H, D)[ref_rows])
+    assert int((caches[0] != POISON).sum()) == 31 * H * 2 * D
+    assert int((~caches[1].isnan()).sum()) == 31 * H * 2 * D
+    with pytest.raises(CacheLayoutError, match="blocks of 16 tokens, which do not divide .* block size 8"):
+        PageWriter(store, caches, 8, "channel", groups=[([0], False), ([1], True, 8)], scales=[(k_scale, v_scale), None])

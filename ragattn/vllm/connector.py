@@ -8,10 +8,14 @@ Scheduler side: finds the chunk spans of a prompt (``kv_transfer_params["ragattn
 the request, or the ``separator_token_id`` configured), looks each chunk up in the chunk
 store's directory and claims the prompt tokens up to the end of the last span whose chunks are
 all cached (:func:`ragattn.vllm.spans.plan_claim`: never the whole prompt); the request's block
-ids go to the worker in the step's metadata. Worker side: :class:`~ragattn.vllm.pages.PageWriter`
-writes those chunks' K/V into vLLM's own cache tensors at the request's slots, keys re-rotated
-to their real positions, with one ``copy_kv_`` for all layers before the forward; saves are
-no-ops. Options (``kv_connector_extra_config``) are listed in :data:`OPTIONS`; see docs/vllm.md.
+ids (every KV cache group's) go to the worker in the step's metadata. Worker side:
+:class:`~ragattn.vllm.pages.PageWriter` writes those chunks' K/V into vLLM's own cache tensors at
+the request's slots, keys re-rotated to their real positions (and quantised with the layers'
+``_k_scale``/``_v_scale`` for fp8 caches), with one ``copy_kv_`` per KV cache group before the
+forward; saves are no-ops. A ``SupportsHMA`` connector: under vLLM's hybrid KV cache manager
+each full-attention or sliding-window group is written with its own blocks (a sliding group's
+null blocks, outside the window, never). Options (``kv_connector_extra_config``) are listed in
+:data:`OPTIONS`; see docs/vllm.md.
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, chunk_key
-from ragattn.vllm.pages import BACKEND_KV_SPLIT, KV_SPLITS, CacheLayoutError, PageWriter
+from ragattn.vllm.pages import BACKEND_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK, CacheLayoutError, PageWriter
 from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
                                 separator_salt, span_salt, spans_from_params,
                                 spans_from_separator)
@@ -55,14 +60,20 @@ OPTIONS = {
 }
 
 
+# vLLM kv_cache_dtype values the connector writes: the model's dtype, or fp8 e4m3 with per-tensor scales
+PLAIN_CACHE_DTYPES = ("auto", "float16", "half", "bfloat16", "float", "float32")
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 @dataclass
 class RequestLoad:
-    """One request's load: chunks ``keys`` at prompt ranges ``spans``, the request's blocks
-    (first KV cache group) and ``skip`` tokens vLLM already holds (its own prefix-cache hit)."""
+    """One request's load: chunks ``keys`` at prompt ranges ``spans``, the request's blocks (one
+    list per KV cache group, in vLLM's group order) and ``skip`` tokens vLLM already holds (its own
+    prefix-cache hit)."""
     req_id: str
     keys: tuple[str, ...]
     spans: tuple[tuple[int, int], ...]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     skip: int
 
 
@@ -71,11 +82,38 @@ class RagattnConnectorMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
 
 
-class RagattnConnector(KVConnectorBase_V1):
-    """See the module docstring. Does not support vLLM's hybrid KV cache manager (not a
-    ``SupportsHMA`` connector: vLLM turns it off by itself for a connector without it, and
-    refuses ``--no-disable-hybrid-kv-cache-manager``), tensor parallelism (one worker holds
-    every KV head), or quantized KV caches."""
+def cache_groups(kv_cache_config: "KVCacheConfig") -> list[tuple[list[str], bool, int]]:
+    """``(layer names, sliding window?, block size)`` of each of vLLM's KV cache groups; refuses
+    groups the connector cannot write (MLA, Mamba, chunked-local, cross attention, quantisation
+    other than fp8 per-tensor, groups vLLM rebuilds itself after a load)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
+
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        where = f"KV cache group {i} ({len(g.layer_names)} layers: {g.layer_names[0]}, ...)"
+        if type(spec) is SlidingWindowSpec:
+            sliding = True
+        elif type(spec) is FullAttentionSpec and spec.attention_chunk_size is None:
+            sliding = False   # (a sliding layer under the non-hybrid manager too: every token has a block)
+        else:
+            raise NotImplementedError(f"ragattn.vllm: {where} is a {type(spec).__name__}: the connector writes "
+                                      "full-attention and sliding-window attention groups only")
+        if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+            raise NotImplementedError(f"ragattn.vllm: {where} has KV cache quantisation {spec.kv_quant_mode.name}; "
+                                      "the connector writes unquantised or fp8 per-tensor caches only")
+        if not g.enable_kv_transfer:
+            raise NotImplementedError(f"ragattn.vllm: {where} is not a KV transfer group")
+        out.append((list(g.layer_names), sliding, int(spec.block_size)))
+    return out
+
+
+class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. Supports vLLM's hybrid KV cache manager (``SupportsHMA``:
+    full-attention and sliding-window groups, each with its block table) and fp8 e4m3 KV caches
+    (``kv_cache_dtype`` ``fp8``/``fp8_e4m3``, per-layer or per-head scales). Not supported: tensor
+    or pipeline parallelism (one worker holds every KV head and layer), other quantised caches,
+    MLA or Mamba layers."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -93,14 +131,16 @@ class RagattnConnector(KVConnectorBase_V1):
         if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise NotImplementedError("ragattn.vllm: tensor/pipeline parallelism is not supported yet "
                                       "(a worker would need its share of the KV heads or layers)")
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) != 1:
-            raise NotImplementedError(f"ragattn.vllm: the model has {len(groups)} KV cache groups (sliding-window "
-                                      "or hybrid layers); the connector supports one full-attention group "
-                                      "(Llama, Qwen2, Mistral): run with --disable-hybrid-kv-cache-manager")
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
+            raise NotImplementedError(f"ragattn.vllm: kv_cache_dtype {cache_dtype!r} is not supported; the connector "
+                                      f"writes caches in the model's dtype or {' / '.join(FP8_CACHE_DTYPES)} "
+                                      "(float8_e4m3fn with per-tensor scales)")
+        # (layer names, sliding window?, block size) per KV cache group; [] without a KV cache config
+        self._groups = cache_groups(kv_cache_config) if getattr(kv_cache_config, "kv_cache_groups", None) else []
         self._sep = cfg.get_from_extra_config("separator_token_id", None)
         self._spans_param = cfg.get_from_extra_config("spans_param", SPANS_PARAM)
-        self._block_size = vllm_config.cache_config.block_size
+        self._block_size = self._groups[0][2] if self._groups else vllm_config.cache_config.block_size
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         mc = vllm_config.model_config
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
@@ -172,18 +212,29 @@ class RagattnConnector(KVConnectorBase_V1):
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
                 claim, skip = self._pending.pop(req.req_id)
-                meta.loads.append(RequestLoad(req.req_id, claim.keys, claim.spans, list(req.block_ids[0]), skip))
+                meta.loads.append(RequestLoad(req.req_id, claim.keys, claim.spans, _lists(req.block_ids), skip))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 claim, skip = self._pending.pop(req_id)
-                meta.loads.append(RequestLoad(req_id, claim.keys, claim.spans, list(cached.new_block_ids[i][0]), skip))
+                meta.loads.append(RequestLoad(req_id, claim.keys, claim.spans, _lists(cached.new_block_ids[i]), skip))
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._claims.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: called instead of :meth:`request_finished`; nothing is saved, so the
+        blocks are freed at once."""
+        return self.request_finished(request, [])
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Every group: the load writes each group's own blocks (sliding-window groups included),
+        not only the prefix-cacheable ones vLLM assumes by default."""
+        return tuple(range(len(self._groups))) if self._groups else super().get_loaded_kv_cache_group_ids(request)
 
     # ----- worker side ------------------------------------------------------------------
     def _kv_split(self) -> str:
@@ -201,9 +252,52 @@ class RagattnConnector(KVConnectorBase_V1):
                                    "'kv_split' if the backend stores K/V like one of them")
         return BACKEND_KV_SPLIT[next(iter(names))]
 
+    def _fp8_scales(self, names: list[str], kv_caches: dict[str, torch.Tensor]):
+        """Per layer ``(layer._k_scale, layer._v_scale)`` (the tensors themselves, read at each
+        write) for the fp8 caches among ``kv_caches``, None for the others; None if none is fp8."""
+        if not any(kv_caches[n].dtype in FP8_STORAGE for n in names):
+            return None
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.platforms import current_platform
+
+        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
+            raise CacheLayoutError(f"ragattn.vllm: this platform's fp8 KV cache type is {current_platform.fp8_dtype()}; "
+                                   "the connector writes float8_e4m3fn caches only")
+        layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
+        out = []
+        for n in names:
+            if kv_caches[n].dtype not in FP8_STORAGE:
+                out.append(None)
+                continue
+            layer = layers.get(n)
+            kind = getattr(layer, "kv_cache_dtype", None)
+            if kind not in FP8_CACHE_DTYPES or not hasattr(layer, "_k_scale"):
+                raise CacheLayoutError(f"ragattn.vllm: layer {n}'s KV cache is {kv_caches[n].dtype} with kv_cache_dtype "
+                                       f"{kind!r}; the connector writes fp8 caches of kv_cache_dtype "
+                                       f"{' / '.join(FP8_CACHE_DTYPES)} (e4m3 with the layer's _k_scale/_v_scale) only")
+            out.append((layer._k_scale, layer._v_scale))
+        return out
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         names = sorted(kv_caches, key=layer_index)
-        self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, self._kv_split())
+        groups = None
+        if self._groups:
+            grouped = [n for layers, _, _ in self._groups for n in layers]
+            if sorted(grouped) != sorted(names):
+                raise CacheLayoutError(f"ragattn.vllm: the KV cache groups name layers {sorted(grouped)}, the worker's "
+                                       f"caches are {sorted(names)}")
+            pos = {n: i for i, n in enumerate(names)}
+            groups = [([pos[n] for n in layers], sliding, bs) for layers, sliding, bs in self._groups]
+        self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, self._kv_split(),
+                                  groups=groups, scales=self._fp8_scales(names, kv_caches))
+
+    def _claimed_blocks(self, load: RequestLoad) -> set[int]:
+        """The blocks a load writes (every group's, from vLLM's hit on; never a null block)."""
+        out = set()
+        for (_, sliding, bs), ids in zip(self._groups or [([], False, self._block_size)], load.block_ids):
+            out |= {b for b in ids[load.skip // bs: -(-load.spans[-1][1] // bs)] if not (sliding and b == NULL_BLOCK)}
+        return out
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Writes every claimed request's chunks (all layers at once) before the forward. A
@@ -218,8 +312,7 @@ class RagattnConnector(KVConnectorBase_V1):
                 with torch.inference_mode():
                     self._writer.write(load.keys, load.spans, load.block_ids, load.skip)
             except (ChunkStoreError, OSError) as exc:
-                n = -(-load.spans[-1][1] // self._block_size)
-                failed = set(load.block_ids[load.skip // self._block_size: n])
+                failed = self._claimed_blocks(load)
                 log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
                           "as failed loads", load.req_id, exc, sorted(failed))
                 self._failed_blocks |= failed
@@ -236,6 +329,11 @@ class RagattnConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         return
+
+
+def _lists(block_ids) -> tuple[list[int], ...]:
+    """vLLM's per-group block ids (a tuple of lists) as plain lists."""
+    return tuple(list(ids) for ids in block_ids)
 
 
 __all__ = ["RagattnConnector", "RagattnConnectorMetadata", "RequestLoad", "OPTIONS", "span_salt", "separator_salt"]

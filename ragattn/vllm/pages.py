@@ -18,10 +18,20 @@ positions in the same pass) through :meth:`ChunkStore.gather_into_` with ``split
 ``r`` of such a view is vLLM's slot ``r = block_id * block_size + offset``.
 
 KV cache groups (vLLM's hybrid allocator: full-attention and sliding-window layers in groups with
-their own block tables): ``PageWriter(..., groups=[(layers, sliding), ...])`` and
-``write(..., block_ids=(group 0's ids, group 1's ids, ...))``. The chunks are gathered once, then
-each group's layers are written with that group's blocks in one ``copy_kv_``; a sliding-window
-group's null block (id 0: vLLM's placeholder for blocks outside the window) is never written.
+their own block tables and block sizes): ``PageWriter(..., groups=[(layers, sliding[, block_size]),
+...])`` and ``write(..., block_ids=(group 0's ids, group 1's ids, ...))``. The chunks are gathered
+once, then each group's layers are written with that group's blocks in one ``copy_kv_``; a
+sliding-window group's null block (id 0: vLLM's placeholder for blocks outside the window) is never
+written. A group's block (the allocator's) may span several blocks of the cache tensor (vLLM's
+kernel block size, e.g. 32-token blocks over 16-token cache blocks): slot ``block_id *
+block_size + offset`` is the same row of the per-head view either way.
+
+fp8 caches (vLLM's ``kv_cache_dtype="fp8"``/``"fp8_e4m3"``: uint8 tensors holding float8_e4m3fn
+bytes, a per-tensor ``_k_scale``/``_v_scale`` per layer, or one per KV head): ``PageWriter(...,
+scales=[(k_scale, v_scale) or None per layer])``. The chunks (in the store's dtype) are
+quantised by the same ``copy_kv_`` that re-rotates them (``dst_k_scale``/``dst_v_scale``: rotate in
+fp32, store ``clamp(x / scale, -448, 448)`` rounded to nearest even). The scale tensors are read at
+every write, so a scale vLLM updates in place is honoured.
 """
 from __future__ import annotations
 
@@ -36,6 +46,8 @@ KV_SPLITS = ("channel", "rows", "planes")
 # vLLM attention backends (get_name()) whose cache layout the writer knows
 BACKEND_KV_SPLIT = {"FLASH_ATTN": "channel", "TRITON_ATTN": "channel", "CPU_ATTN": "rows", "FLASHINFER": "planes"}
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block (sliding-window placeholders)
+FP8 = torch.float8_e4m3fn
+FP8_STORAGE = (torch.uint8, FP8)  # vLLM allocates fp8 caches as uint8 and views them as e4m3 in the kernels
 
 
 class CacheLayoutError(ValueError):
@@ -95,39 +107,89 @@ class PageWriter:
     """Writes cached chunks into one worker's vLLM KV caches.
 
     ``kv_caches``: the worker's per-layer caches in model layer order (``[B, Hkv, N, 2D]``
-    each); ``split``: ``"channel"`` or ``"rows"`` (see the module docstring). The store must
-    hold the same layers, KV heads and head size; its dtype must be the caches' dtype. A store
-    on another device (chunk KV kept in host memory) is staged: the claimed rows are gathered on
-    the store's device, moved over once, and written with one ``copy_kv_`` there."""
+    each, ``[B, 2, N, Hkv, D]`` for ``"planes"``; ``N`` the cache's own block size, which must
+    divide its group's ``block_size``); ``split``: see the module docstring; ``block_size``:
+    vLLM's block size of the block ids (the default for groups that name none). ``groups``:
+    vLLM's KV cache groups as ``(model layer indices, sliding window?[, block size])``, default
+    one full-attention group. ``scales``: per layer ``(k_scale, v_scale)`` (float32 ``[]``,
+    ``[1]`` or ``[Hkv]``) for an fp8 cache (uint8 or float8_e4m3fn: e4m3 bytes), None for a
+    cache in the store's dtype. The store must hold the same layers, KV heads and head size. A
+    store on another device (chunk KV kept in host memory) is staged: the claimed rows are
+    gathered on the store's device, moved over once, and written with one ``copy_kv_`` per group
+    (and cache dtype) there."""
 
     def __init__(self, store: ChunkStore, kv_caches: Sequence[torch.Tensor], block_size: int, split: str,
-                 groups: Sequence[tuple[Sequence[int], bool]] | None = None):
+                 groups: Sequence[tuple] | None = None,
+                 scales: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None):
         if len(kv_caches) != store.num_layers:
             raise CacheLayoutError(f"ragattn.vllm: the worker has {len(kv_caches)} attention layers, the chunk "
                                    f"store's model {store.num_layers}")
+        scales = [None] * len(kv_caches) if scales is None else list(scales)
+        if len(scales) != len(kv_caches):
+            raise CacheLayoutError(f"ragattn.vllm: {len(scales)} fp8 scale entries for {len(kv_caches)} layers")
         first = kv_caches[0]
-        for i, kv in enumerate(kv_caches):
-            if kv.dtype != store.dtype:
+        H = store.num_kv_heads
+        self.fp8 = []
+        for i, (kv, sc) in enumerate(zip(kv_caches, scales)):
+            if kv.dtype in FP8_STORAGE:
+                if sc is None:
+                    raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} is fp8 ({kv.dtype}) and has no "
+                                           "(k_scale, v_scale)")
+                for name, t in zip(("k_scale", "v_scale"), sc):
+                    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() not in (1, H):
+                        raise CacheLayoutError(f"ragattn.vllm: layer {i}'s {name} must be a float32 tensor of 1 or "
+                                               f"{H} (KV heads) elements, got "
+                                               f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                                               f"{' ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
+            elif kv.dtype != store.dtype:
                 raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} has dtype {kv.dtype}, the chunk store "
-                                       f"{store.dtype} (quantized or other-dtype KV caches are not supported)")
-            if kv.device != first.device or kv.shape != first.shape or kv.stride() != first.stride():
-                raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} differs from layer 0 in device, shape or "
-                                       "strides; every layer must share one layout")
+                                       f"{store.dtype} (caches in the store's dtype, or fp8 e4m3 with scales)")
+            elif sc is not None:
+                raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} is {kv.dtype}, not fp8, but has scales")
+            self.fp8.append(kv.dtype in FP8_STORAGE)
+            if kv.device != first.device or kv.dim() != first.dim() or kv.shape[1:2] != first.shape[1:2] \
+                    or kv.shape[3:] != first.shape[3:]:
+                raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} of shape {tuple(kv.shape)} on {kv.device} "
+                                       f"differs from layer 0 ({tuple(first.shape)} on {first.device}) in device "
+                                       "or token shape; every layer must hold the same heads and head size")
+        self.scales = scales
         self.store, self.block_size, self.split = store, block_size, split
-        # KV cache groups: (model layer indices, sliding window?); default one full-attention group
-        self.groups = [(list(range(store.num_layers)), False)] if groups is None else \
-            [(sorted(int(l) for l in layers), bool(sliding)) for layers, sliding in groups]
-        seen = sorted(l for layers, _ in self.groups for l in layers)
+        # KV cache groups: (model layer indices, sliding window?, block size); default one full-attention group
+        raw = [(range(store.num_layers), False)] if groups is None else groups
+        self.groups = []
+        for g in raw:
+            if len(g) not in (2, 3):
+                raise CacheLayoutError(f"ragattn.vllm: a KV cache group is (layers, sliding[, block_size]), got {g!r}")
+            self.groups.append((sorted(int(l) for l in g[0]), bool(g[1]), int(g[2]) if len(g) == 3 else block_size))
+        seen = sorted(l for layers, _, _ in self.groups for l in layers)
         if seen != list(range(store.num_layers)):
             raise CacheLayoutError(f"ragattn.vllm: the KV cache groups must hold every one of the {store.num_layers} "
-                                   f"layers exactly once, got {[g for g, _ in self.groups]}")
+                                   f"layers exactly once, got {[g for g, _, _ in self.groups]}")
         self.device = first.device
         self.k, self.v = [], []
-        for kv in kv_caches:
-            ks, vs = head_views(kv, store.num_kv_heads, store.head_dim, block_size, split)
+        group_bs = {l: bs for layers, _, bs in self.groups for l in layers}
+        for i, kv in enumerate(kv_caches):
+            n = kv.shape[2] if kv.dim() >= 3 else 0       # the cache's own block size (vLLM's kernel block)
+            if n < 1 or group_bs[i] % n:
+                raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} of shape {tuple(kv.shape)} has blocks of "
+                                       f"{n} tokens, which do not divide its KV cache group's block size "
+                                       f"{group_bs[i]}")
+            if self.fp8[i] and kv.dtype != FP8:
+                kv = kv.view(FP8)          # same bytes, same strides
+            ks, vs = head_views(kv, H, store.head_dim, n, split)
             self.k += ks
             self.v += vs
         self._inv_freq = store.rope.inv_freq.to(self.device)
+
+    def _head_scales(self, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``[len(layers) * Hkv]``: the k and v scale of each (layer, head) destination."""
+        H = self.store.num_kv_heads
+        ks, vs = [], []
+        for l in layers:
+            k, v = self.scales[l]
+            ks.append(k.reshape(-1).to(self.device).expand(H) if k.numel() == 1 else k.reshape(-1).to(self.device))
+            vs.append(v.reshape(-1).to(self.device).expand(H) if v.numel() == 1 else v.reshape(-1).to(self.device))
+        return torch.cat(ks), torch.cat(vs)
 
     def write(self, keys: Sequence[str], spans: Sequence[tuple[int, int]], block_ids, skip: int = 0,
               stage: bool | None = None) -> None:
@@ -137,7 +199,7 @@ class PageWriter:
         are left alone. Every chunk is loaded and checked before the first write: an unknown,
         foreign or corrupt chunk raises ChunkStoreError with the caches untouched. ``stage``: go
         through a staging copy (default: only when the store is on another device than the
-        caches, or with several groups)."""
+        caches, or with several groups or fp8 caches)."""
         if not keys:
             return
         end = spans[-1][1]
@@ -147,9 +209,9 @@ class PageWriter:
         if len(per_group) != len(self.groups):
             raise ChunkStoreError(f"ragattn.vllm: {len(per_group)} block lists for {len(self.groups)} KV cache groups")
         positions = torch.arange(skip, end, dtype=torch.int64)
-        simple = len(self.groups) == 1 and not self.groups[0][1]
+        simple = len(self.groups) == 1 and not self.groups[0][1] and not any(self.fp8)
         if simple and not (stage if stage is not None else self.store.device != self.device):
-            rows = slot_rows(per_group[0], self.block_size, skip, end).to(self.device)
+            rows = slot_rows(per_group[0], self.groups[0][2], skip, end).to(self.device)
             self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True)
             return
         self._write_staged(keys, per_group, positions, skip, end)
@@ -169,18 +231,23 @@ class PageWriter:
         sk = [t.to(self.device, non_blocking=True) for t in sk]
         sv = [t.to(self.device, non_blocking=True) for t in sv]
         H = st.num_kv_heads
-        for (layers, sliding), ids in zip(self.groups, per_group):
-            rows = slot_rows(ids, self.block_size, skip, end)
+        for (layers, sliding, bs), ids in zip(self.groups, per_group):
+            rows = slot_rows(ids, bs, skip, end)
             src = torch.arange(n)
             if sliding:  # the null block stands for pages outside the window: never written
-                keep = rows // self.block_size != NULL_BLOCK
+                keep = rows // bs != NULL_BLOCK
                 rows, src = rows[keep], src[keep]
             if rows.numel() == 0:
                 continue
-            src_k = [sk[l][:, h:h + 1] for l in layers for h in hs]
-            src_v = [sv[l][:, h:h + 1] for l in layers for h in hs]
-            dst_k = [self.k[l * H + h] for l in layers for h in hs]
-            dst_v = [self.v[l * H + h] for l in layers for h in hs]
-            _ops.copy_kv_(dst_k, dst_v, src_k, src_v, src.to(self.device), rows.to(self.device),
-                          delta[src.to(delta.device)], self._inv_freq, st.rope.rotary_dim, st.rope.interleaved,
-                          num_kv_heads=1)
+            src_d, rows_d = src.to(self.device), rows.to(self.device)
+            for fp8 in (False, True):     # one copy_kv_ per cache dtype (fp8 caches quantise on the way)
+                part = [l for l in layers if self.fp8[l] == fp8]
+                if not part:
+                    continue
+                scale = dict(zip(("dst_k_scale", "dst_v_scale"), self._head_scales(part))) if fp8 else {}
+                _ops.copy_kv_([self.k[l * H + h] for l in part for h in hs],
+                              [self.v[l * H + h] for l in part for h in hs],
+                              [sk[l][:, h:h + 1] for l in part for h in hs],
+                              [sv[l][:, h:h + 1] for l in part for h in hs],
+                              src_d, rows_d, delta[src_d], self._inv_freq, st.rope.rotary_dim,
+                              st.rope.interleaved, num_kv_heads=1, **scale)
