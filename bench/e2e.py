@@ -393,7 +393,11 @@ def main(argv=None) -> int:
 
     model = build_model(model_name, device, dtype, args.layers)
     load_before = os.getloadavg()
-    rows = measure(model, sizes, args.question_len, repeats, answer_tokens=args.answer_tokens)
+    rows = []
+    for size in sizes:  # each context's rows printed as they finish: a run cut at a deadline keeps them
+        part = measure(model, [size], args.question_len, repeats, answer_tokens=args.answer_tokens)
+        print(format_table(part), flush=True)
+        rows += part
     decode_rows = []
     if args.decode_rounds > 0:
         decode_rows = measure_decode_steps(model, sizes, args.question_len, args.decode_rounds,
