@@ -146,9 +146,18 @@ def test_tma_descriptors_only_where_they_apply(monkeypatch):
     flag decides (never in the interpreter); a padded head dim, a misaligned or non-contiguous K/V
     or no keys keep the pointer loads."""
     import ragattn.triton_kernels.varlen_attention as va
+    from tests.helpers import cuda_usable
 
-    k = torch.randn(40, 2, 64).bfloat16()
-    v = torch.randn(40, 2, 64).bfloat16()
+    # the interpreter emulates descriptors over CPU tensors; compiled kernels need a Hopper GPU's
+    # (CPU tensors there get none: the first H100 run failed this test on exactly that)
+    if va._INTERPRET:
+        dev = torch.device("cpu")
+    elif cuda_usable() and torch.cuda.get_device_capability()[0] >= 9:
+        dev = torch.device("cuda")
+    else:
+        pytest.skip("TMA descriptors need the interpreter or a GPU of compute capability >= 9")
+    k = torch.randn(40, 2, 64).bfloat16().to(dev)
+    v = torch.randn(40, 2, 64).bfloat16().to(dev)
     monkeypatch.setenv("RAGATTN_VARLEN_TMA", "1")
     kd, vd = va._tma_descriptors(k, v, 64, 32, False)
     assert kd is not None and list(kd.block_shape) == [32, 64] and list(kd.shape) == [40, 128]
@@ -156,11 +165,16 @@ def test_tma_descriptors_only_where_they_apply(monkeypatch):
     monkeypatch.setenv("RAGATTN_VARLEN_TMA", "0")
     assert va._tma_descriptors(k, v, 64, 32, True) == (None, None)
     monkeypatch.delenv("RAGATTN_VARLEN_TMA")
-    assert va._tma_descriptors(k, v, 64, 32, True) == (None, None)  # the interpreter needs the explicit 1
+    if va._INTERPRET:
+        assert va._tma_descriptors(k, v, 64, 32, True) == (None, None)  # the interpreter needs the explicit 1
+    else:
+        assert va._tma_descriptors(k, v, 64, 32, True)[0] is not None  # the table's flag decides
+        assert va._tma_descriptors(k.cpu(), v.cpu(), 64, 32, True) == (None, None)  # never CPU tensors
+    assert va._tma_descriptors(k, v, 64, 32, False) == (None, None)
     monkeypatch.setenv("RAGATTN_VARLEN_TMA", "1")
-    k80 = torch.randn(40, 2, 80).bfloat16()
+    k80 = torch.randn(40, 2, 80).bfloat16().to(dev)
     assert va._tma_descriptors(k80, k80.clone(), 80, 32, True) == (None, None)  # padded to 128
-    base = torch.randn(40 * 2 * 64 + 1).bfloat16()
+    base = torch.randn(40 * 2 * 64 + 1).bfloat16().to(dev)
     shifted = base[1:].view(40, 2, 64)  # 2-byte offset: not 16-byte aligned
     assert va._tma_descriptors(shifted, v, 64, 32, True) == (None, None)
     assert va._tma_descriptors(k.transpose(1, 2).contiguous().transpose(1, 2), v, 64, 32, True) == (None, None)
