@@ -288,7 +288,8 @@ def triton_specs() -> List[TritonSpec]:
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                       HAS_WINDOW=window >= 0, ROW_STARTS=False, SOFTCAP=False, UPCAST=False, IEEE_FP32=False,
                       EVEN_D=D == block_d, PAGE_MODE=pa.page_mode(page, block_n, split_len),
-                      PAGE_SIZE=page if pa.page_mode(page, block_n, split_len) else 1)
+                      PAGE_SIZE=page if pa.page_mode(page, block_n, split_len) else 1,
+                      SPLIT_WHOLE_TILES=m_tile <= 64)
         types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
         # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
         ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,

@@ -711,7 +711,8 @@ for elt, head_dim in SM90_CASES:
                       ROW_STARTS=split,  # flat (CSR) page lists: decode/verify configs
                       POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False,
                       # page ids once per page (16-slot pages) for decode/verify, once per tile (128) for prefill
-                      EVEN_D=block_d == head_dim, PAGE_MODE=1 if split else 2, PAGE_SIZE=16 if split else 128)
+                      EVEN_D=block_d == head_dim, PAGE_MODE=1 if split else 2, PAGE_SIZE=16 if split else 128,
+                      SPLIT_WHOLE_TILES=m_tile <= 64)  # as the launcher: whole key tiles in a loop of their own
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32", softcap_log2="fp32")

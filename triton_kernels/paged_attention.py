@@ -12,10 +12,18 @@ Row ``i`` sees slot ``j`` iff ``j < kv_len`` and ``j <= q_pos[i]`` and, with a s
 ``j >= q_pos[i] - window_left``; key tiles right of the tile's largest position or left of its
 smallest window start are never visited, so work is proportional to the visible keys.
 
-Masked slots are never read into a row: key tiles that every row of the query tile sees fully
-take the plain path; partially masked tiles (the causal diagonal, the window edge, the last
-tile) zero non-finite V values before the P @ V product and put NaN back only where a row sees
-them (an extra visible-mask @ non-finite-mask product, in those tiles only). A NaN or +inf
+Masked slots are never read into a row. Key tiles that every row of the query tile sees whole
+run in a loop of their own with no masks (``_attend_key_tiles``, TILES=0), where V feeds only the
+P @ V product and so is pipelined like K; partially masked tiles (the causal diagonal, the window
+edge, the last tile; every tile of a position-tagged table) run before and after it, zeroing
+non-finite V values before the P @ V product and putting NaN back only where a row sees them (an
+extra visible-mask @ non-finite-mask product, in those tiles only)::
+
+    keys of a split:  [lo ............ f0) [f0 .................. f1) [f1 .... hi)
+                       masked (window edge)  whole tiles, no masks       masked (diagonal, last)
+
+That split is for decode and verify tiles (up to 64 stacked rows); prefill's 128-row tiles test
+each tile in one loop (TILES=2), where three loops would spill. A NaN or +inf
 visible score poisons its row (out and lse NaN); a -inf one has weight 0. Slot ``j`` is
 read from page ``block_table[b, j // page_size]`` at offset ``j % page_size`` (any page size, pages
 in any order). Key tiles start at multiples of BLOCK_N, so with a power-of-two page size a tile
@@ -65,6 +73,127 @@ def _per_slot(ptr, start, hi, j, page_size, PAGE_MODE: tl.constexpr, PAGE_SIZE: 
 
 
 @triton.jit
+def _pv_whole(acc, p, v, IEEE_FP32: tl.constexpr):
+    """acc + P @ V for a tile every row sees whole: non-finite V reaches exactly the rows it should."""
+    if IEEE_FP32:
+        return acc + tl.dot(p, v, input_precision="ieee")
+    return acc + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _pv_masked(acc, p, v, visible, IEEE_FP32: tl.constexpr):
+    """acc + P @ V for a partially masked tile: a masked slot must not reach a row through 0 * NaN,
+    so non-finite V values are zeroed and put back as NaN only where a row sees them."""
+    v_bad = (v != v) | (tl.abs(v) == float("inf"))
+    v = tl.where(v_bad, 0.0, v)
+    if IEEE_FP32:
+        acc += tl.dot(p, v, input_precision="ieee")
+        hits = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+        hits = tl.dot(visible.to(v.dtype), v_bad.to(v.dtype))
+    return tl.where(hits > 0, float("nan"), acc)
+
+
+@triton.jit
+def _attend_key_tiles(
+    m_i, l_i, acc, bad_row, lo, hi,
+    q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row, ENTRY_POS, ENTRY_LEN, entry0,
+    kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, page_size,
+    k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+    TILES: tl.constexpr,  # 0: every row sees every slot of [lo, hi); 1: masked tiles; 2: decided per tile
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE_FP32: tl.constexpr, POS_TABLE: tl.constexpr, HAS_ENTRY_LEN: tl.constexpr, ROPE: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """The online softmax over the key tiles ``[lo, hi)`` (steps of BLOCK_N) of one query tile;
+    returns the updated ``(m_i, l_i, acc, bad_row)``. ``TILES=0`` is the lean loop of key tiles that
+    every row sees whole: no visibility masks and V used by the P @ V product alone, so Triton
+    pipelines its loads as it does K's (the static sm_90 report showed V as a plain register load
+    while the masked code shared the loop). ``TILES=2`` (prefill's 128-row tiles, where three loops
+    would spill) tests each tile for being whole (``[full_lo, full_hi]``) at run time."""
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        page = _per_slot(page_row, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N).to(tl.int64)
+        if PAGE_MODE > 0:
+            off = j % PAGE_SIZE
+        else:
+            off = j % page_size
+        slot_ok = j_ok
+        if HAS_ENTRY_LEN:
+            slot_ok = slot_ok & (off < _per_slot(ENTRY_LEN + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
+                                                 BLOCK_N))
+        if POS_TABLE:
+            slot_pos = _per_slot(ENTRY_POS + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
+                                 BLOCK_N).to(tl.int64) + off
+        else:
+            slot_pos = j.to(tl.int64)
+        kv_mask = slot_ok[:, None] & d_ok[None, :]
+        k_rows = K_CACHE + page[:, None] * stride_kp + off[:, None] * stride_ko + kv_head * stride_kh
+        k = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_CACHE + page[:, None] * stride_vp + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if KV_FP8:  # the dot's operands in q's dtype
+            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
+        if ROPE:
+            # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
+            # within float rounding of the exact rotation; the rotated key is rounded once
+            k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
+            if KV_FP8:
+                k2 = k2 * k_scale
+            ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
+            ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
+            k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
+                             k.to(tl.float32))
+            if UPCAST and Q.dtype.element_ty == tl.bfloat16:
+                k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
+            else:
+                k = k_rot.to(k.dtype)  # the dot's operand: rounded once, as a stored rotated key
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE_FP32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if POS_TABLE or HAS_ENTRY_LEN:
+            visible = (slot_pos[None, :] <= q_pos[:, None]) & slot_ok[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                visible = visible & (slot_pos[None, :] >= q_pos[:, None] - window_left)
+        elif TILES == 0:
+            visible = row_ok[:, None] | (j[None, :] < 0)  # the whole tile: [M, BLOCK_N] of row_ok
+        else:
+            visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
+        qk = qk * qk_scale
+        if SOFTCAP:
+            qk = soft_cap_log2(qk, softcap_log2)
+        # a NaN or +inf visible score poisons its row (out and lse NaN) and never enters the
+        # softmax; -inf is a valid score of weight 0 (varlen_attention's rule, IEEE softmax)
+        nonfinite = (qk != qk) | (qk == float("inf"))
+        bad_row = bad_row | tl.max((visible & nonfinite).to(tl.int32), 1)
+        qk = tl.where(visible & ~nonfinite, qk, float("-inf"))
+        # online softmax; a row with nothing visible so far keeps m = -inf, so shift by 0 instead
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if TILES == 0:
+            acc = _pv_whole(acc, p, v, IEEE_FP32)
+        elif TILES == 1:
+            acc = _pv_masked(acc, p, v, visible, IEEE_FP32)
+        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi):
+            acc = _pv_whole(acc, p, v, IEEE_FP32)
+        else:
+            acc = _pv_masked(acc, p, v, visible, IEEE_FP32)
+        m_i = m_new
+    return m_i, l_i, acc, bad_row
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, PAGES, ROW_START, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
@@ -96,6 +225,7 @@ def _paged_attention_kernel(
     PAGE_MODE: tl.constexpr = 0,  # how a key tile finds its pages: 0 one table read per slot (any page
     # size); 1 one per page (PAGE_SIZE divides BLOCK_N); 2 one per tile (BLOCK_N divides PAGE_SIZE)
     PAGE_SIZE: tl.constexpr = 1,  # the page size when PAGE_MODE > 0 (a power of two)
+    SPLIT_WHOLE_TILES: tl.constexpr = False,  # whole key tiles in a loop of their own (decode, verify)
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -162,9 +292,15 @@ def _paged_attention_kernel(
     else:
         entry0 = seq.to(tl.int64) * stride_bt
     page_row = PAGES + entry0
+    k_scale = 1.0
+    v_scale = 1.0
     if KV_FP8:
         k_scale = tl.load(K_SCALE)
         v_scale = tl.load(V_SCALE)
+    rot = d < 0  # (no rotation unless ROPE)
+    partner = d
+    freq = tl.zeros([BLOCK_D], tl.float64)
+    sgn = tl.zeros([BLOCK_D], tl.float32)
     if ROPE:  # the rotation pairs of each head dim: partner dim, frequency index, sign of the sine
         rot = d < rotary_dim
         if ROPE_INTERLEAVED:  # GPT-J: (2i, 2i + 1)
@@ -176,91 +312,43 @@ def _paged_attention_kernel(
             partner = tl.where(d < half, d + half, d - half)
             freq = tl.load(INV_FREQ + tl.where(d < half, d, d - half), mask=rot, other=0.0).to(tl.float64)
             sgn = tl.where(d < half, -1.0, 1.0)
-    for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < hi
-        page = _per_slot(page_row, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N).to(tl.int64)
-        if PAGE_MODE > 0:
-            off = j % PAGE_SIZE
-        else:
-            off = j % page_size
-        slot_ok = j_ok
-        if HAS_ENTRY_LEN:
-            slot_ok = slot_ok & (off < _per_slot(ENTRY_LEN + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N))
-        if POS_TABLE:
-            slot_pos = _per_slot(ENTRY_POS + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
-                                 BLOCK_N).to(tl.int64) + off
-        else:
-            slot_pos = j.to(tl.int64)
-        kv_mask = slot_ok[:, None] & d_ok[None, :]
-        k_rows = K_CACHE + page[:, None] * stride_kp + off[:, None] * stride_ko + kv_head * stride_kh
-        k = tl.load(k_rows + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V_CACHE + page[:, None] * stride_vp + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if KV_FP8:  # the dot's operands in q's dtype
-            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
-            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
-        if ROPE:
-            # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
-            # within float rounding of the exact rotation; the rotated key is rounded once
-            k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
-            if KV_FP8:
-                k2 = k2 * k_scale
-            ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
-            ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
-            k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
-                             k.to(tl.float32))
-            if UPCAST and Q.dtype.element_ty == tl.bfloat16:
-                k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
-            else:
-                k = k_rot.to(k.dtype)  # the dot's operand: rounded once, as a stored rotated key
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE_FP32:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        if POS_TABLE or HAS_ENTRY_LEN:
-            visible = (slot_pos[None, :] <= q_pos[:, None]) & slot_ok[None, :] & row_ok[:, None]
-            if HAS_WINDOW:
-                visible = visible & (slot_pos[None, :] >= q_pos[:, None] - window_left)
-        else:
-            visible = (j[None, :] <= row_hi[:, None]) & (j[None, :] >= row_lo[:, None]) & j_ok[None, :]
-        qk = qk * qk_scale
-        if SOFTCAP:
-            qk = soft_cap_log2(qk, softcap_log2)
-        # a NaN or +inf visible score poisons its row (out and lse NaN) and never enters the
-        # softmax; -inf is a valid score of weight 0 (varlen_attention's rule, IEEE softmax)
-        nonfinite = (qk != qk) | (qk == float("inf"))
-        bad_row = bad_row | tl.max((visible & nonfinite).to(tl.int32), 1)
-        qk = tl.where(visible & ~nonfinite, qk, float("-inf"))
-        # online softmax; a row with nothing visible so far keeps m = -inf, so shift by 0 instead
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi):
-            # every row sees every slot of the tile: non-finite V reaches exactly the rows it should
-            if IEEE_FP32:
-                acc += tl.dot(p, v, input_precision="ieee")
-            else:
-                acc += tl.dot(p.to(v.dtype), v)
-        else:
-            # partially masked tile: a masked slot must not reach a row through 0 * NaN, so
-            # non-finite V values are zeroed and put back as NaN only where a row sees them
-            v_bad = (v != v) | (tl.abs(v) == float("inf"))
-            v = tl.where(v_bad, 0.0, v)
-            if IEEE_FP32:
-                acc += tl.dot(p, v, input_precision="ieee")
-                hits = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(p.to(v.dtype), v)
-                hits = tl.dot(visible.to(v.dtype), v_bad.to(v.dtype))
-            acc = tl.where(hits > 0, float("nan"), acc)
-        m_i = m_new
+    if POS_TABLE or HAS_ENTRY_LEN:  # positions from the entries: every tile takes the masked loop
+        m_i, l_i, acc, bad_row = _attend_key_tiles(
+            m_i, l_i, acc, bad_row, lo, hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
+            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+            1, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            PAGE_SIZE)
+    elif not SPLIT_WHOLE_TILES:  # one loop, each tile tested (prefill: three loops would spill)
+        m_i, l_i, acc, bad_row = _attend_key_tiles(
+            m_i, l_i, acc, bad_row, lo, hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
+            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+            2, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            PAGE_SIZE)
+    else:
+        # [lo, f0) and [f1, hi): tiles some row sees only in part (the window's edge, the causal
+        # diagonal, the last tile); [f0, f1): tiles every row sees whole (the bulk of a decode)
+        f0 = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        f1 = f0 + tl.maximum(tl.minimum(full_hi + 1, hi) - f0, 0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc, bad_row = _attend_key_tiles(
+            m_i, l_i, acc, bad_row, lo, f0, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
+            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+            1, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            PAGE_SIZE)
+        m_i, l_i, acc, bad_row = _attend_key_tiles(
+            m_i, l_i, acc, bad_row, f0, f1, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
+            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+            0, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            PAGE_SIZE)
+        m_i, l_i, acc, bad_row = _attend_key_tiles(
+            m_i, l_i, acc, bad_row, f1, hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
+            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+            1, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            PAGE_SIZE)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -604,6 +692,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
+        SPLIT_WHOLE_TILES=plan.block_m * plan.group_pad <= 64,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
