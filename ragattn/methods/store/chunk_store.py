@@ -8,8 +8,11 @@
     # keys re-rotated to their request positions; req.next_position: RoPE position after the chunks.
 
 Chunk K/V are computed by one ``varlen_attention`` forward over all missing chunks packed (one
-sequence per chunk, positions 0..n-1 per chunk), so each chunk's keys are stored rotated at its
-local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
+sequence per chunk, positions 0..n-1 per chunk); the pool keeps each chunk's keys *position-free*
+(un-rotated once, in fp32, when the chunk enters the pool; its pages are never written again), so
+that a request may attend to them in place with RoPE applied in the kernel (:meth:`ChunkStore.request`,
+zero-copy) and a copy into a caller's cache rotates each key once, to its target position. Chunk
+files and :meth:`ChunkStore.get_kv` hold keys rotated at the chunk's local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
 fingerprint (:func:`model_fingerprint`) hashes the model's config (every value but the attention
 implementation and the path it was loaded from) and a checksum of every weight and buffer (two
 exact int64 sums over each tensor's bytes: any changed bit changes it), computed in full at store
@@ -305,11 +308,33 @@ class ChunkStore:
         parts = self._pool.alloc(n, self._evict_one)
         rows = self._pool.rows_of(parts)
         self._pool.write(parts, rows, k_layers, v_layers)
+        self._rotate_parts_(parts, rows, -1)   # position-free: un-rotated from 0..n-1, in fp32
         e = _Entry(tokens.to("cpu", torch.int64), parts, rows, on_disk, variant)
         self._entries[key] = e
         self._recomputable.pop(key, None)
         self._layout += 1
         return e
+
+    def _rotate_parts_(self, parts, rows: torch.Tensor, sign: int) -> None:
+        """Rotate the keys of a chunk (``parts``/``rows`` of its pages, token order) in place by
+        ``sign * j`` for its token ``j``: -1 makes keys computed at ``0..n-1`` position-free
+        (the pool's form), +1 the reverse. One ``rerotate_keys_`` per slab (fp32 rotation)."""
+        at = 0
+        for slab, _, r in parts:
+            delta = torch.arange(at, at + r, dtype=torch.int64, device=self.device)
+            _ops.rerotate_keys_(slab.k, rows[at: at + r], delta if sign > 0 else delta.neg_(), self._inv_freq,
+                                self.rope.rotary_dim, self.rope.interleaved)
+            at += r
+
+    def _read_local(self, e: "_Entry") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer ``[n, Hkv, D]`` copies of an entry, keys rotated to its local positions
+        ``0..n-1`` (the form of chunk files and of :meth:`get_kv`)."""
+        k, v = self._pool.read(e.parts, e.rows)
+        n = e.length
+        if n:
+            _ops.rerotate_keys_(k, torch.arange(n, device=self.device), torch.arange(n, device=self.device),
+                                self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
+        return k, v
 
     def pooled_kv(self, device: str | torch.device = "cpu", pin_memory: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +345,7 @@ class ChunkStore:
         ``pin_memory=True`` (CPU ``device`` only, needs CUDA) allocates them in page-locked
         memory so that :meth:`load_pooled_kv_` can copy them to the GPU asynchronously. The copy
         is only meaningful to this store while no chunk is added, evicted or overwritten.
-        Keys are rotated at each chunk's local positions ``0..n-1``."""
+        Keys are position-free (no RoPE; :meth:`get_kv` rotates them to their local positions)."""
         self._sync()
         device = torch.device(device)
         if pin_memory and device.type != "cpu":
@@ -450,10 +475,11 @@ class ChunkStore:
         return vkey
 
     def get_kv(self, key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies (keys at local positions)."""
+        """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies, keys rotated to the chunk's
+        local positions ``0..n-1`` (the pool holds them position-free: rotated here, in fp32)."""
         self._sync()
         e = self._get(key)
-        return self._pool.read(e.parts, e.rows)
+        return self._read_local(e)
 
     def kv(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of a stored chunk: ``[L, n, Hkv, D]`` each (copies; keys at local positions)."""
@@ -622,7 +648,7 @@ class ChunkStore:
             raise ChunkStoreError(f"ragattn.ChunkStore.save: cannot create directory {d} "
                                   f"({exc.strerror or exc})") from None
         e = self._get(key)
-        k, v = (torch.stack(x) for x in self._pool.read(e.parts, e.rows))
+        k, v = (torch.stack(x) for x in self._read_local(e))
         path = self._write_file(key, e.tokens, k, v, e.variant, d)
         if directory is None:
             e.on_disk = True
@@ -694,7 +720,7 @@ class ChunkStore:
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
                      dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
-                     split_heads: bool = False) -> None:
+                     split_heads: bool = False, rotate: bool = True) -> None:
         """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
 
         ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
@@ -705,7 +731,10 @@ class ChunkStore:
         ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
         caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
         token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
-        RoPE position each key is re-rotated to (from its local position ``j`` within its chunk).
+        RoPE position each key is rotated to (None: its local position ``j`` within its chunk; the
+        pool holds keys position-free, so every gathered key is rotated once, by its position);
+        ``rotate=False``: keys are written position-free (no RoPE; ``positions`` must be None), for
+        a caller that rotates them itself (one rotation, by the target position).
         Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
         unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
         involved."""
@@ -725,7 +754,10 @@ class ChunkStore:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
                                       f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
                                       f"{len(dst_k)} and {len(dst_v)}")
-            delta = None
+            delta = self._local_positions(lens)[skip:] if rotate else None
+            if positions is not None and not rotate:
+                raise ChunkStoreError("ragattn.ChunkStore.gather_into_: positions with rotate=False (the keys "
+                                      "stay position-free)")
             if positions is not None:
                 if tuple(positions.shape) != (n,):
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
@@ -737,7 +769,7 @@ class ChunkStore:
                     # the rotation deltas are int32: a larger position would wrap around
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be in [0, "
                                           f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
-                delta = (positions.to(self.device, torch.int64) - self._local_positions(lens)[skip:]).to(torch.int32)
+                delta = positions.to(self.device, torch.int64)
             self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta, skip, split_heads)
         finally:
             self._unpin(pinned)
@@ -750,7 +782,8 @@ class ChunkStore:
         return torch.arange(total, dtype=torch.int64).sub_(offs).to(self.device)
 
     def _copy(self, entries, lens, dst_k, dst_v, dst, delta, skip: int = 0, split_heads: bool = False):
-        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst`` (``delta``: rotation of each)."""
+        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from position-free
+        to ``delta`` (int64, each token's target position; None: left position-free)."""
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
         rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved) if delta is not None else (None, 0, False)
         if len(slabs) == 1:
@@ -826,11 +859,9 @@ class ChunkStore:
                 pos = slots.to(torch.int32)
             else:
                 pos = self._local_positions(lens).to(torch.int32)
-            # reordered: chunk i moves by its start (chunk 0 by 0); composite: nothing moves
-            delta = None
-            if rerotate and positions == "reordered" and len(lens) > 1:
-                delta = (slots - self._local_positions(lens)).to(torch.int32)
-            self._copy(entries, lens, cache.k, cache.v, dst, delta)
+            # position-free keys are rotated to their slot's position (rerotate=False: to the
+            # chunk-local ones, as if the chunks had not moved)
+            self._copy(entries, lens, cache.k, cache.v, dst, pos.long() if rerotate else self._local_positions(lens))
         finally:
             self._unpin(pinned)
         cache.lengths[0] = total
