@@ -41,3 +41,108 @@ def test_pool_keys_are_position_free(model):
             if n > 1:   # not the rotated keys themselves (position 0 is the identity)
                 assert (raw_k[l][1:] - want_k[1:]).abs().max() > 1e-3
             torch.testing.assert_close(raw_v[l], past.layers[l].values[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def _masked_full_logits(model, blocks, final, firsts, dtype=torch.float64):
+    """One forward of blocks + final in ``dtype``, each block alone at positions ``firsts[i] + j``
+    (Block-Attention mask), the final block after the furthest block end, seeing everything."""
+    import copy
+
+    m = copy.deepcopy(model).to(dtype)
+    lens = [len(b) for b in blocks]
+    nxt = max(f + n for f, n in zip(firsts, lens))
+    ids = torch.tensor([[t for b in blocks for t in b] + final])
+    pos = torch.cat([f + torch.arange(n) for f, n in zip(firsts, lens)] + [nxt + torch.arange(len(final))])
+    blk = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)] + [torch.full((len(final),), -1)])
+    n = ids.shape[1]
+    allow = (pos[None, :] <= pos[:, None]) & ((blk[:, None] == blk[None, :]) | (blk[:, None] == -1))
+    allow &= torch.ones(n, n, dtype=torch.bool).tril()
+    mask = torch.zeros(n, n, dtype=dtype).masked_fill(~allow, float("-inf"))[None, None]
+    with torch.no_grad():
+        out = m(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=False)
+    return out.logits[0, -len(final):]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("scheme", ["reordered", "composite", "gapped"])
+def test_request_equals_copy_path_and_float64_pass(model, scheme):
+    """The final block prefilled on a zero-copy request (pages shared with the store, keys
+    rotated in the kernel) gives the copy path's logits within fp32 rounding and the float64
+    masked single pass's; pages out of order, partial last pages (lengths not multiples of 4)."""
+    from ragattn.methods.common import paged_forward
+
+    chunks = _chunks(3, [6, 11, 1, 9])
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(chunks[::-1])[::-1]          # pool pages in the reverse order of the request
+    final = [5, 17, 3, 41, 8]
+    lens = [len(c) for c in chunks]
+    if scheme == "reordered":
+        firsts = [sum(lens[:i]) for i in range(len(lens))]
+    elif scheme == "composite":
+        firsts = [0] * len(lens)
+    else:                                          # gaps and an overlap, chunks not in position order
+        firsts = [40, 3, 70, 5]
+    with store.request(keys, scheme if scheme != "gapped" else firsts, extra_slots=len(final) + 3) as req:
+        assert req.next_position == max(f + n for f, n in zip(firsts, lens))
+        assert req.positions.tolist() == torch.cat([f + torch.arange(n) for f, n in zip(firsts, lens)]).tolist()
+        pos = req.next_position + torch.arange(len(final))
+        got = paged_forward(model, torch.tensor([final]), pos, req.cache)
+        assert req.private_pages == 2 and req.cache.cow_pages == 0
+    ref = _masked_full_logits(model, chunks, final, firsts)
+    assert _rel(got, ref) <= 2e-5, _rel(got, ref)
+    if scheme != "gapped":
+        areq = store.assemble(keys, positions=scheme, extra_slots=len(final))
+        copy = paged_forward(model, torch.tensor([final]), pos, areq.cache)
+        assert _rel(got, copy) <= 2e-5
+    # positions matter: the same request read as composite is another computation
+    wrong = _masked_full_logits(model, chunks, final, [0, 0, 0, 0] if scheme != "composite" else [0, 6, 17, 18])
+    assert _rel(wrong, ref) > 1e-3
+
+
+def test_request_over_several_slabs_merges_exactly(model):
+    """Chunks spread over several pool slabs: one kernel call per slab, merged by LSE."""
+    from ragattn.methods.common import paged_forward
+
+    row_bytes = ChunkStore(model).row_bytes
+    store = ChunkStore(model, page_size=4, memory_budget=40 * 4 * row_bytes)
+    filler = store.add(_chunks(4, [60]))          # first slab (16 pages) mostly used
+    chunks = _chunks(5, [7, 30, 13])
+    keys = store.add(chunks)
+    final = [9, 2, 77]
+    with store.request(keys, "reordered", extra_slots=len(final)) as req:
+        assert len(req.cache.segments) > 1
+        pos = req.next_position + torch.arange(len(final))
+        got = paged_forward(model, torch.tensor([final]), pos, req.cache)
+    ref = _masked_full_logits(model, chunks, final, [0, 7, 37])
+    assert _rel(got, ref) <= 2e-5
+    assert filler
+
+
+def test_generate_on_a_request_equals_the_copy_path(model):
+    """Greedy decoding over a PagedCache of a zero-copy request gives the copy path's tokens, and
+    every decode step's keys go un-rotated into the private pages (several of them)."""
+    from ragattn.methods.common import generate_paged
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    model.generation_config.eos_token_id = None
+    chunks = _chunks(6, [5, 14, 8])
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(chunks)
+    final = [4, 50, 23]
+    a = store.assemble(keys, positions="composite", extra_slots=len(final) + 12)
+    want = generate_paged(model, Tok(), a.cache, final, a.next_position, 12, 0.0, "copy", 0)
+    with store.request(keys, "composite", extra_slots=len(final) + 12) as req:
+        got = generate_paged(model, Tok(), req.cache, final, req.next_position, 12, 0.0, "zero-copy", 0)
+        n = req.num_slots + len(final) + 11
+        assert int(req.cache.lengths[0]) == n and req.private_pages == 4
+        assert req.cache.positions()[req.num_slots:].tolist() == list(range(14, 14 + len(final) + 11))
+    assert got.tokens == want.tokens and len(got.tokens) == 12
+    torch.testing.assert_close(got.first_logits, want.first_logits, rtol=2e-5, atol=2e-5)
