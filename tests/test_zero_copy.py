@@ -146,3 +146,69 @@ def test_generate_on_a_request_equals_the_copy_path(model):
         assert req.cache.positions()[req.num_slots:].tolist() == list(range(14, 14 + len(final) + 11))
     assert got.tokens == want.tokens and len(got.tokens) == 12
     torch.testing.assert_close(got.first_logits, want.first_logits, rtol=2e-5, atol=2e-5)
+
+
+# ----- copy on write under selective recompute (FusionRAG, CacheBlend) ---------------------------
+def _fusion_setup(family="llama"):
+    from tests.test_fusionrag import CHUNKS, QUESTION, _tiny
+
+    model, tok = _tiny(family)
+    return model, tok, [c[:40] for c in CHUNKS], QUESTION
+
+
+@pytest.mark.parametrize("method", ["fusionrag", "cacheblend"])
+def test_recompute_copies_only_the_pages_it_writes(method):
+    """A partial recompute on a zero-copy request: the pages holding recomputed slots are copied
+    into the request's private pages (page granularity), the others stay shared and the store's
+    pages are never written; answers and logits equal the copy path's."""
+    from ragattn.methods import fusionrag
+
+    model, tok, chunks, question = _fusion_setup()
+    store = ChunkStore(model, page_size=4)
+    fn = getattr(fusionrag, "answer" if method == "fusionrag" else "cacheblend")
+    keys = store.add(fusionrag.prompt_parts(tok, chunks, question)[1])
+    before = {k: store.kv(k) for k in keys}
+    copy = fn(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.2, zero_copy=False)
+    raw = {k: store._pool.read(e.parts, e.rows) for k, e in store._entries.items()}   # head included
+    got = fn(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.2)
+    assert got.extra["recomputed_slots"] == copy.extra["recomputed_slots"] and got.tokens == copy.tokens
+    torch.testing.assert_close(got.first_logits, copy.first_logits, rtol=1e-4, atol=1e-4)
+    # copy on write: exactly the pages of the slots written (selected chunk tokens; CacheBlend
+    # writes every chunk slot in its first layers)
+    head, chunk_ids, tail = fusionrag.prompt_parts(tok, chunks, question)
+    written = (range(len(head), len(head) + sum(map(len, chunk_ids))) if method == "cacheblend"
+               else copy.extra["recomputed_slots"])
+    starts = [len(head)]
+    for c in chunk_ids:
+        starts.append(starts[-1] + len(c))
+
+    def page_of(slot):   # (block, page within the block): blocks start on fresh pages
+        b = max(i for i, s0 in enumerate([0] + starts[:-1]) if slot >= s0)
+        return b, (slot - ([0] + starts[:-1])[b]) // 4
+    pages = {page_of(s) for s in written}
+    assert 0 < len(pages) and got.extra["cow_pages"] == len(pages)
+    if method == "fusionrag":
+        total = sum(-(-n // 4) for n in [len(head)] + [len(c) for c in chunk_ids])
+        assert got.extra["cow_pages"] < total
+    n_private = -(-(len(tail) + 3) // 4) + len(pages)
+    assert got.extra["private_bytes"] == n_private * 4 * store.row_bytes
+    # the store's pages (every slab) are bit for bit as before: only private copies were written
+    for k, e in store._entries.items():
+        assert all(torch.equal(a, b) for x, y in zip(raw[k], store._pool.read(e.parts, e.rows)) for a, b in zip(x, y))
+    assert all(torch.equal(a, b) for k in keys for a, b in zip(before[k], store.kv(k)))
+    assert all(e.pins == 0 for e in store._entries.values())
+
+
+def test_recompute_at_another_position_is_refused(model):
+    from ragattn.hf.attention import use_ragattn
+    from ragattn.methods.fusionrag import recompute
+
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(_chunks(7, [6, 5]))
+    with store.request(keys, "reordered", extra_slots=2) as req, use_ragattn(model):
+        with pytest.raises(ValueError, match="chunk slot at position 7"):
+            recompute(model, req.cache, torch.tensor([3, 4]), torch.tensor([2, 7]),
+                      positions=torch.tensor([2, 9]))
+        assert req.cache.cow_pages == 0
+    with pytest.raises(ValueError, match="released"):
+        req.cache.read_kv(0, torch.tensor([0]))
