@@ -212,3 +212,27 @@ def test_recompute_at_another_position_is_refused(model):
         assert req.cache.cow_pages == 0
     with pytest.raises(ValueError, match="released"):
         req.cache.read_kv(0, torch.tensor([0]))
+
+
+def test_concurrent_requests_hold_the_chunk_pages_once(model):
+    """N requests over the same chunks point at the same pool pages: the pool holds the chunks'
+    pages once plus each request's private pages; releasing gives the private pages back."""
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(_chunks(8, [10, 7, 13]))                 # 3 + 2 + 4 pages
+    in_use = lambda: sum(s.pages - len(s.free) for s in store._pool.slabs)  # noqa: E731
+    assert in_use() == 9
+    reqs = [store.request(keys, "reordered", extra_slots=6) for _ in range(4)]   # 2 private pages each
+    assert in_use() == 9 + 4 * 2 and all(r.private_bytes == 2 * 4 * store.row_bytes for r in reqs)
+    shared = [[(id(r.cache.segments[s][0][0]), p) for s, p, sh in zip(r.cache.e_seg, r.cache.e_page, r.cache.e_shared)
+               if sh] for r in reqs]
+    assert len(shared[0]) == 9 and all(x == shared[0] for x in shared)
+    assert all(store._entries[k].pins == 4 for k in keys)
+    for r in reqs[:3]:
+        r.release()
+    r.release()                                               # idempotent
+    assert in_use() == 9 + 2 and all(store._entries[k].pins == 1 for k in keys)
+    del reqs, r                                               # the last one: released when collected
+    import gc
+
+    gc.collect()
+    assert in_use() == 9 and all(store._entries[k].pins == 0 for k in keys)
