@@ -67,13 +67,18 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
+BACKENDS = ["default", "reference", "triton"]   # CPU SDPA route; run_paged_attention: reference, kernel
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scheme", ["reordered", "composite", "gapped"])
-def test_request_equals_copy_path_and_float64_pass(model, scheme):
+def test_request_equals_copy_path_and_float64_pass(model, scheme, backend, monkeypatch):
     """The final block prefilled on a zero-copy request (pages shared with the store, keys
     rotated in the kernel) gives the copy path's logits within fp32 rounding and the float64
     masked single pass's; pages out of order, partial last pages (lengths not multiples of 4)."""
     from ragattn.methods.common import paged_forward
 
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     chunks = _chunks(3, [6, 11, 1, 9])
     store = ChunkStore(model, page_size=4)
     keys = store.add(chunks[::-1])[::-1]          # pool pages in the reverse order of the request
@@ -102,10 +107,12 @@ def test_request_equals_copy_path_and_float64_pass(model, scheme):
     assert _rel(wrong, ref) > 1e-3
 
 
-def test_request_over_several_slabs_merges_exactly(model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_request_over_several_slabs_merges_exactly(model, backend, monkeypatch):
     """Chunks spread over several pool slabs: one kernel call per slab, merged by LSE."""
     from ragattn.methods.common import paged_forward
 
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     row_bytes = ChunkStore(model).row_bytes
     store = ChunkStore(model, page_size=4, memory_budget=40 * 4 * row_bytes)
     filler = store.add(_chunks(4, [60]))          # first slab (16 pages) mostly used
@@ -121,7 +128,8 @@ def test_request_over_several_slabs_merges_exactly(model):
     assert filler
 
 
-def test_generate_on_a_request_equals_the_copy_path(model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generate_on_a_request_equals_the_copy_path(model, backend, monkeypatch):
     """Greedy decoding over a PagedCache of a zero-copy request gives the copy path's tokens, and
     every decode step's keys go un-rotated into the private pages (several of them)."""
     from ragattn.methods.common import generate_paged
@@ -133,6 +141,7 @@ def test_generate_on_a_request_equals_the_copy_path(model):
             return " ".join(map(str, ids))
 
     model.generation_config.eos_token_id = None
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     chunks = _chunks(6, [5, 14, 8])
     store = ChunkStore(model, page_size=4)
     keys = store.add(chunks)
@@ -156,14 +165,16 @@ def _fusion_setup(family="llama"):
     return model, tok, [c[:40] for c in CHUNKS], QUESTION
 
 
+@pytest.mark.parametrize("backend", ["default", "triton"])
 @pytest.mark.parametrize("method", ["fusionrag", "cacheblend"])
-def test_recompute_copies_only_the_pages_it_writes(method):
+def test_recompute_copies_only_the_pages_it_writes(method, backend, monkeypatch):
     """A partial recompute on a zero-copy request: the pages holding recomputed slots are copied
     into the request's private pages (page granularity), the others stay shared and the store's
     pages are never written; answers and logits equal the copy path's."""
     from ragattn.methods import fusionrag
 
     model, tok, chunks, question = _fusion_setup()
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     store = ChunkStore(model, page_size=4)
     fn = getattr(fusionrag, "answer" if method == "fusionrag" else "cacheblend")
     keys = store.add(fusionrag.prompt_parts(tok, chunks, question)[1])

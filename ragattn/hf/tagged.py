@@ -43,7 +43,32 @@ from ragattn import ops as _ops
 
 class _Forward:
     """What every layer of one forward shares: where the new tokens go and the page tables."""
-    __slots__ = ("key", "q", "src", "writes", "q_pos", "cu_q", "tables", "plans")
+    __slots__ = ("key", "q", "src", "writes", "q_pos", "cu_q", "tables", "plans", "cpu")
+
+
+def _cpu_route(device) -> bool:
+    """The CPU's default route: gathered slots, fp32 RoPE, SDPA (``RAGATTN_CPU_BACKEND=triton`` or
+    ``=reference``: ``run_paged_attention``, i.e. the Triton kernel in the interpreter or the
+    float64-capable reference, for checking them)."""
+    from ragattn import _extension
+
+    return device.type == "cpu" and _extension.cpu_backend() == "default"
+
+
+def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool):
+    """``k`` ``[n, H, D]`` rotated by angles whose cos/sin are float32 ``[n, 1, rotary_dim // 2]``:
+    in fp32, rounded once to k's dtype (the kernel's computation); dims past ``rotary_dim`` kept."""
+    half = rotary_dim // 2
+    x = k[..., :rotary_dim].float()
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :half], x[..., half:]
+        y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if rotary_dim == k.shape[-1]:
+        return y.to(k.dtype)
+    return torch.cat((y.to(k.dtype), k[..., rotary_dim:]), dim=-1)
 
 
 class TaggedPagedKV:
@@ -301,6 +326,19 @@ class TaggedPagedKV:
                                                 epos.to(self.device), lens[use].to(self.device), self.page_size)
             f.tables.append((s, table))
         f.plans = {}
+        f.cpu = None
+        if _cpu_route(self.device):
+            # every valid slot gathered per layer (rows per segment), its position's cos/sin once
+            # per forward (angles in fp64, as the kernel reduces them), then SDPA with a position mask
+            gather, all_pos = [], []
+            for s, t in f.tables:
+                use = t.entry_len.long()
+                rows = torch.repeat_interleave(t.pages.long() * self.page_size, use) + _offsets(use)
+                all_pos.append(torch.repeat_interleave(t.entry_pos.long(), use) + _offsets(use))
+                gather.append((s, rows))
+            kv_pos = torch.cat(all_pos) if all_pos else torch.zeros(0, dtype=torch.int64)
+            ang = kv_pos[:, None].double() * self.inv_freq.double()[None, :]
+            f.cpu = (gather, kv_pos, ang.cos().float()[:, None], ang.sin().float()[:, None], {})
         f.key = (id(slots), q)
         self._fwd = f
         return f
@@ -327,7 +365,11 @@ class TaggedPagedKV:
     def attend(self, f: _Forward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int = -1,
                logits_soft_cap: float = 0.0) -> torch.Tensor:
         """``q_rows`` ``[q, Hq, D]`` (rotated) against every valid slot at a position ``<=`` its row's:
-        one ``run_paged_attention`` per segment (keys rotated in the kernel), merged by LSE."""
+        one ``run_paged_attention`` per segment (keys rotated in the kernel), merged by LSE. The
+        CPU's own route (no Triton interpreter; no soft cap, which SDPA lacks): the valid slots
+        gathered, rotated in fp32 and attended by SDPA under the same position mask."""
+        if f.cpu is not None and not logits_soft_cap:
+            return self._attend_cpu(f, layer, q_rows, scale, window_left)
         plans = f.plans.get(window_left)
         if plans is None:
             plans = f.plans[window_left] = [
@@ -347,3 +389,39 @@ class TaggedPagedKV:
         if out is None:
             return q_rows.new_zeros(q_rows.shape)
         return out
+
+    def _attend_cpu(self, f: _Forward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int):
+        gather, kv_pos, cos, sin, masks = f.cpu
+        H, D = self.num_kv_heads, self.head_dim
+        ks = [self.segments[s][0][layer].view(-1, H, D).index_select(0, rows) for s, rows in gather]
+        vs = [self.segments[s][1][layer].view(-1, H, D).index_select(0, rows) for s, rows in gather]
+        k = ks[0] if len(ks) == 1 else torch.cat(ks)
+        v = vs[0] if len(vs) == 1 else torch.cat(vs)
+        k = _rotate(k, cos, sin, self.rotary_dim, self.interleaved)
+        mask = masks.get((window_left, q_rows.dtype))
+        if mask is None:
+            qp = f.q_pos[:, None]
+            seen = kv_pos[None, :] <= qp
+            if window_left >= 0:
+                seen &= kv_pos[None, :] >= qp - window_left
+            empty = ~seen.any(1)
+            if seen.shape[1]:
+                seen[empty, 0] = True     # (rows that see nothing: zeroed below, never NaN)
+            mask = masks[(window_left, q_rows.dtype)] = (
+                torch.zeros(seen.shape, dtype=q_rows.dtype).masked_fill_(~seen, float("-inf")), empty)
+        add, empty = mask
+        if k.shape[0] == 0:
+            return q_rows.new_zeros(q_rows.shape)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_rows.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=add,
+            scale=scale, enable_gqa=q_rows.shape[1] != H)[0].transpose(0, 1)
+        if bool(empty.any()):
+            out = out.masked_fill(empty[:, None, None], 0.0)
+        return out
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    """``0..n_i-1`` for each ``n_i`` of ``lens`` (int64), concatenated."""
+    total = int(lens.sum())
+    starts = torch.cumsum(lens, 0) - lens
+    return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens, output_size=total)
