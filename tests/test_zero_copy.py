@@ -247,3 +247,48 @@ def test_concurrent_requests_hold_the_chunk_pages_once(model):
 
     gc.collect()
     assert in_use() == 9 and all(store._entries[k].pins == 0 for k in keys)
+
+
+def test_live_requests_refuse_pool_overwrites_and_weight_changes(model):
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(_chunks(9, [7, 5]))
+    k, v = store.pooled_kv()
+    req = store.request(keys, "composite", extra_slots=3)
+    with pytest.raises(Exception, match="release them first"):
+        store.load_pooled_kv_(k, v)
+    w = model.model.layers[0].self_attn.k_proj.weight
+    old = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(1.5)
+    with pytest.raises(Exception, match="live zero-copy request"):
+        store.add(_chunks(10, [3]))
+    with torch.no_grad():
+        w.copy_(old)
+    req.release()
+    store.load_pooled_kv_(k, v)
+    with pytest.raises(Exception, match="positions must"):
+        store.request(keys, [0], extra_slots=1)
+    with pytest.raises(Exception, match="empty retrieval"):
+        store.request([], "reordered")
+    assert all(e.pins == 0 for e in store._entries.values())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [16, 10])
+def test_cpu_route_rotation_against_float64(interleaved, rotary_dim):
+    """The CPU route's fp32 rotation (both pair layouts, partial rotary) against the float64
+    reference rotation, within fp32 rounding; positions up to 2^17."""
+    from ragattn.hf.tagged import _rope_tables, _rotate
+
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(37, 3, 16, generator=g)
+    pos = torch.randint(0, 1 << 17, (37,), generator=g)
+    inv_freq = 1.0 / (500.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    c, s = _rope_tables(pos[:, None].double() * inv_freq.double()[None], 16, rotary_dim, interleaved)
+    got = _rotate(k, c, s, rotary_dim, interleaved)
+    want = rope_rotate(k.double(), pos, inv_freq, rotary_dim, interleaved)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    if rotary_dim < 16:
+        assert torch.equal(got[..., rotary_dim:], k[..., rotary_dim:])
+    other = rope_rotate(k.double(), pos, inv_freq, rotary_dim, not interleaved)
+    assert (got.double() - other).abs().max() > 1e-2

@@ -55,20 +55,34 @@ def _cpu_route(device) -> bool:
     return device.type == "cpu" and _extension.cpu_backend() == "default"
 
 
-def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool):
-    """``k`` ``[n, H, D]`` rotated by angles whose cos/sin are float32 ``[n, 1, rotary_dim // 2]``:
-    in fp32, rounded once to k's dtype (the kernel's computation); dims past ``rotary_dim`` kept."""
-    half = rotary_dim // 2
-    x = k[..., :rotary_dim].float()
+def _rope_tables(ang: torch.Tensor, head_dim: int, rotary_dim: int, interleaved: bool):
+    """float32 ``[n, 1, head_dim]`` factors ``(c, s)`` of the rotation by angles ``ang`` (float64
+    ``[n, rotary_dim // 2]``): ``rot(k) = k * c + partner(k) * s`` with ``partner`` swapping each
+    rotary pair (:func:`_rotate`); past ``rotary_dim`` ``c = 1``, ``s = 0``."""
+    cos, sin = ang.cos().float(), ang.sin().float()
+    n = ang.shape[0]
+    c = torch.ones(n, head_dim, dtype=torch.float32)
+    s = torch.zeros(n, head_dim, dtype=torch.float32)
+    if interleaved:   # pairs (2i, 2i+1): x' = x cos - y sin, y' = y cos + x sin
+        c[:, 0:rotary_dim:2], c[:, 1:rotary_dim:2] = cos, cos
+        s[:, 0:rotary_dim:2], s[:, 1:rotary_dim:2] = -sin, sin
+    else:             # halves (i, i + half)
+        half = rotary_dim // 2
+        c[:, :half], c[:, half:rotary_dim] = cos, cos
+        s[:, :half], s[:, half:rotary_dim] = -sin, sin
+    return c[:, None], s[:, None]
+
+
+def _rotate(k: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rotary_dim: int, interleaved: bool):
+    """``k`` ``[n, H, D]`` rotated with the factors of :func:`_rope_tables`, in fp32, rounded once
+    to k's dtype (the kernel's computation)."""
+    x = k.float()
     if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        partner = x.view(*x.shape[:-1], -1, 2).flip(-1).reshape(x.shape)
     else:
-        x1, x2 = x[..., :half], x[..., half:]
-        y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if rotary_dim == k.shape[-1]:
-        return y.to(k.dtype)
-    return torch.cat((y.to(k.dtype), k[..., rotary_dim:]), dim=-1)
+        half = rotary_dim // 2
+        partner = torch.cat((x[..., half:rotary_dim], x[..., :half], x[..., rotary_dim:]), dim=-1)
+    return torch.addcmul(x * c, partner, s).to(k.dtype)
 
 
 class TaggedPagedKV:
@@ -338,7 +352,7 @@ class TaggedPagedKV:
                 gather.append((s, rows))
             kv_pos = torch.cat(all_pos) if all_pos else torch.zeros(0, dtype=torch.int64)
             ang = kv_pos[:, None].double() * self.inv_freq.double()[None, :]
-            f.cpu = (gather, kv_pos, ang.cos().float()[:, None], ang.sin().float()[:, None], {})
+            f.cpu = (gather, kv_pos, *_rope_tables(ang, self.head_dim, self.rotary_dim, self.interleaved), {})
         f.key = (id(slots), q)
         self._fwd = f
         return f
@@ -407,8 +421,9 @@ class TaggedPagedKV:
             empty = ~seen.any(1)
             if seen.shape[1]:
                 seen[empty, 0] = True     # (rows that see nothing: zeroed below, never NaN)
-            mask = masks[(window_left, q_rows.dtype)] = (
-                torch.zeros(seen.shape, dtype=q_rows.dtype).masked_fill_(~seen, float("-inf")), empty)
+            add = None if bool(seen.all()) else torch.zeros(seen.shape, dtype=q_rows.dtype).masked_fill_(
+                ~seen, float("-inf"))     # (a decode step sees every slot: no mask, SDPA's fast path)
+            mask = masks[(window_left, q_rows.dtype)] = (add, empty)
         add, empty = mask
         if k.shape[0] == 0:
             return q_rows.new_zeros(q_rows.shape)

@@ -53,6 +53,10 @@ Public API (for the methods, FusionRAG's offline fusion and serving-engine conne
   re-rotated from their local positions to ``positions``: one ``ragattn.copy_kv_`` per pool
   slab the chunks live in (usually one).
 * ``store.assemble(keys, ...)``: :meth:`gather_into_` into a fresh batch-1 ``PagedKV``.
+* ``store.request(keys, positions, extra_slots)`` -> :class:`ZeroCopyRequest`: no copy; a
+  position-tagged page table over the chunks' own (shared) pool pages plus private pool pages
+  (``ragattn.hf.tagged.TaggedPagedKV``), keys rotated in the attention kernel, pages a recompute
+  writes copied on write; the chunks stay pinned until ``req.release()`` (docs/chunk-store.md).
 
 Memory: a byte budget, LRU eviction, no 2x growth
 --------------------------------------------------
@@ -69,6 +73,10 @@ without a (writable) directory is recomputed from its tokens (kept in host memor
 token) on its next use; a derived entry
 that exists only in memory is dropped (``has`` turns False; build it again). ``pool_bytes`` is
 the pool's allocated size (never above the budget), ``num_rows`` the tokens held.
+
+Zero-copy requests (:meth:`ChunkStore.request`) read the pool in place: their chunks are pinned
+(the LRU evicts only chunks no live request holds) and their private pages come from the same
+budget (shared chunk pages counted once), until released.
 
 Assembled requests use *copy-out* semantics: :meth:`assemble` / :meth:`gather_into_` copy the
 chunks' rows into the request's own cache, so an ``AssembledRequest`` never refers to pool
@@ -434,6 +442,10 @@ class ChunkStore:
             if t.dtype != self.dtype:
                 raise ChunkStoreError(f"ragattn.ChunkStore.load_pooled_kv_: {name} has dtype {t.dtype}, "
                                       f"expected {self.dtype}")
+        if any(e.pins for e in self._entries.values()):
+            # a live zero-copy request's private pages (its question and answer) are pool pages too
+            raise ChunkStoreError("ragattn.ChunkStore.load_pooled_kv_: live requests hold pages of the pool "
+                                  "(release them first): the copy would overwrite their private pages")
         if self._pooled_layout != self._layout:
             raise ChunkStoreError("ragattn.ChunkStore.load_pooled_kv_: the pool changed (chunks added, "
                                   "evicted or overwritten) since pooled_kv() was taken: the copy is stale")
