@@ -292,3 +292,19 @@ def test_cpu_route_rotation_against_float64(interleaved, rotary_dim):
         assert torch.equal(got[..., rotary_dim:], k[..., rotary_dim:])
     other = rope_rotate(k.double(), pos, inv_freq, rotary_dim, not interleaved)
     assert (got.double() - other).abs().max() > 1e-2
+
+
+def test_private_page_positions_must_be_consecutive(model):
+    """A private page has one first position: tokens appended at non-consecutive positions within
+    a page are refused (they would be rotated by the wrong positions), at a page start they are not."""
+    from ragattn.methods.common import paged_forward
+
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(_chunks(11, [5, 6]))
+    with store.request(keys, "composite", extra_slots=8) as req:
+        with pytest.raises(ValueError, match="consecutive"):
+            paged_forward(model, torch.tensor([[3, 4]]), torch.tensor([6, 8]), req.cache)
+        req.cache.lengths[0] = req.num_slots
+        paged_forward(model, torch.tensor([[3, 4, 5, 6]]), torch.tensor([6, 7, 8, 9]), req.cache)
+        got = paged_forward(model, torch.tensor([[9]]), torch.tensor([20]), req.cache)   # a new page: any start
+        assert req.cache.positions()[-5:].tolist() == [6, 7, 8, 9, 20] and torch.isfinite(got).all()

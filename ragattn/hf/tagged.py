@@ -119,6 +119,7 @@ class TaggedPagedKV:
         self.slot_entry = self.slot_off = self.slot_pos = None
         self.capacity = 0
         self.cow_pages = 0                    # shared pages copied on write so far
+        self._entries = None                  # _entry_tensors' cache
         self.closed = False
         self._fwd: Optional[_Forward] = None
 
@@ -170,6 +171,21 @@ class TaggedPagedKV:
         self._slot_off.append(torch.arange(n, dtype=torch.int64))
         self.capacity += n
         self.slot_entry = None
+        self._entries = None
+
+    def _entry_tensors(self) -> dict:
+        """The entries as int64 CPU tensors (rebuilt after entries are added or copied on write):
+        segment, page, first position and valid slots as built (a private entry's are set per
+        forward), first logical slot; the private entries and their logical slots."""
+        if self._entries is None:
+            t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+            fixed = torch.tensor(self.e_fixed, dtype=torch.bool)
+            entry = self._slots()[0]
+            priv = (~fixed).nonzero()[:, 0]
+            self._entries = dict(seg=t(self.e_seg), page=t(self.e_page), pos=t(self.e_pos), len=t(self.e_len),
+                                 slot0=t(self.e_slot0), fixed=fixed, private=priv,
+                                 private_slots=(~fixed[entry]).nonzero()[:, 0] if entry.numel() else entry)
+        return self._entries
 
     def _slots(self):
         if self.slot_entry is None:
@@ -208,8 +224,9 @@ class TaggedPagedKV:
             raise ValueError(f"ragattn TaggedPagedKV: slots must lie in [0, {self.capacity}), "
                              f"got {int(s.min())} .. {int(s.max())}")
         e = entry[s]
-        seg = torch.tensor(self.e_seg, dtype=torch.int64)[e]
-        row = torch.tensor(self.e_page, dtype=torch.int64)[e] * self.page_size + off[s]
+        E = self._entry_tensors()
+        seg = E["seg"][e]
+        row = E["page"][e] * self.page_size + off[s]
         return seg, row, pos[s]
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +264,7 @@ class TaggedPagedKV:
             moves.setdefault((self.e_seg[e], s), []).append((self.e_page[e], int(page)))
             self.e_seg[e], self.e_page[e], self.e_shared[e] = s, int(page), False
             self.cow_pages += 1
+        self._entries = None
         ps = self.page_size
         for (a, b), pairs in moves.items():
             src = torch.tensor([p for p, _ in pairs], dtype=torch.int64)[:, None] * ps + torch.arange(ps)
@@ -291,7 +309,7 @@ class TaggedPagedKV:
             filled = length
         wpos = pos if src is None else pos[src]
         we = entry[w]
-        fixed = torch.tensor(self.e_fixed, dtype=torch.bool)[we] if w.numel() else torch.zeros(0, dtype=torch.bool)
+        fixed = self._entry_tensors()["fixed"][we]
         if bool(fixed.any()):
             # a chunk slot keeps its position (its entry says where it is): a recompute at another
             # position would be rotated wrongly, silently
@@ -303,21 +321,25 @@ class TaggedPagedKV:
             self._cow(sorted({int(e) for e in we[fixed].tolist() if self.e_shared[e]}))
         slot_pos[w] = wpos
         # private entries: valid = their filled slots, positions consecutive from the first
-        seg_of = torch.tensor(self.e_seg, dtype=torch.int64)
-        page_of = torch.tensor(self.e_page, dtype=torch.int64)
-        for e, fx in enumerate(self.e_fixed):
-            if fx:
-                continue
-            s0 = self.e_slot0[e]
-            nv = max(0, min(self.page_size, filled - s0))
-            self.e_len[e] = nv
-            if nv:
-                p = slot_pos[s0: s0 + nv]
-                if int(p[0]) < 0 or bool((p != p[0] + torch.arange(nv)).any()):
-                    raise ValueError(
-                        f"ragattn TaggedPagedKV: the positions of a private page's slots must be consecutive "
-                        f"(slots {s0}..{s0 + nv - 1} hold {p.tolist()}): a zero-copy page has one first position")
-                self.e_pos[e] = int(p[0])
+        # (vectorised: a decode step at a long context has thousands of entries)
+        E = self._entry_tensors()
+        seg_of, page_of, e_pos, lens = E["seg"], E["page"], E["pos"].clone(), E["len"].clone()
+        priv, pslots = E["private"], E["private_slots"]
+        if priv.numel():
+            s0 = E["slot0"][priv]
+            nv = (filled - s0).clamp(0, self.page_size)
+            lens[priv] = nv
+            e_pos[priv] = torch.where(nv > 0, slot_pos[s0], 0)
+            r = pslots[pslots < filled]
+            bad = (slot_pos[r] < 0) | (slot_pos[r] != e_pos[entry[r]] + off[r])
+            if bool(bad.any()):
+                i = int(r[bad][0])
+                e = int(entry[i])
+                s_a, n_e = self.e_slot0[e], int(lens[e])
+                raise ValueError(
+                    f"ragattn TaggedPagedKV: the positions of a private page's slots must be consecutive "
+                    f"(slots {s_a}..{s_a + n_e - 1} hold {slot_pos[s_a: s_a + n_e].tolist()}): a zero-copy page "
+                    "has one first position")
         f = _Forward()
         f.q, f.src = q, None if src is None else src.to(self.device)
         rows = page_of[we] * self.page_size + off[w]
@@ -329,15 +351,13 @@ class TaggedPagedKV:
         f.q_pos = pos.to(self.device)
         f.cu_q = torch.tensor([0, q], dtype=torch.int32, device=self.device)
         f.tables = []
-        lens = torch.tensor(self.e_len, dtype=torch.int64)
         for s in range(len(self.segments)):
             use = ((seg_of == s) & (lens > 0)).nonzero()[:, 0]
             if use.numel() == 0:
                 continue
             ptr = torch.tensor([0, use.numel()], dtype=torch.int32)
-            epos = torch.tensor(self.e_pos, dtype=torch.int64)[use]
             table = _ops.PageTable.from_entries(ptr.to(self.device), page_of[use].to(self.device),
-                                                epos.to(self.device), lens[use].to(self.device), self.page_size)
+                                                e_pos[use].to(self.device), lens[use].to(self.device), self.page_size)
             f.tables.append((s, table))
         f.plans = {}
         f.cpu = None
