@@ -308,3 +308,56 @@ def test_private_page_positions_must_be_consecutive(model):
         paged_forward(model, torch.tensor([[3, 4, 5, 6]]), torch.tensor([6, 7, 8, 9]), req.cache)
         got = paged_forward(model, torch.tensor([[9]]), torch.tensor([20]), req.cache)   # a new page: any start
         assert req.cache.positions()[-5:].tolist() == [6, 7, 8, 9, 20] and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_sliding_window_and_soft_cap_layers(family):
+    """Sliding layers (window 5, by position) and Gemma 2's soft cap (run_paged_attention's path)
+    on a zero-copy request: the copy path's logits (reordered: slot order is position order)."""
+    from ragattn.methods.common import paged_forward
+    from tests.test_hf_families import _build
+
+    model = _build(family)
+    if family == "gemma3":   # one RoPE for every layer (the chunk store's requirement)
+        model.config.rope_parameters["sliding_attention"]["rope_theta"] = 1e6
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+        model.model.rotary_emb = Gemma3RotaryEmbedding(model.config)
+    g = torch.Generator().manual_seed(4)
+    blocks = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    final = torch.randint(3, 100, (7,), generator=g).tolist()
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(blocks)
+    areq = store.assemble(keys, extra_slots=len(final))
+    pos = areq.next_position + torch.arange(len(final))
+    want = paged_forward(model, torch.tensor([final]), pos, areq.cache)
+    with store.request(keys, extra_slots=len(final)) as req:
+        got = paged_forward(model, torch.tensor([final]), pos, req.cache)
+    assert _rel(got, want) <= 1e-4, _rel(got, want)
+    # the window matters here: without it the logits differ
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    with store.request(keys, extra_slots=len(final)) as req:
+        wide = paged_forward(model, torch.tensor([final]), pos, req.cache)
+    assert _rel(wide, want) > 1e-3
+
+
+def test_copy_on_write_without_room_changes_nothing(model):
+    """A recompute whose copies do not fit in the budget raises and leaves the request as it was
+    (no entry points at an unfilled page); it answers as before."""
+    from ragattn.hf.attention import use_ragattn
+    from ragattn.methods.common import paged_forward
+    from ragattn.methods.fusionrag import recompute
+    from ragattn.methods.store.errors import ChunkStoreError
+
+    row = ChunkStore(model).row_bytes
+    store = ChunkStore(model, page_size=4, memory_budget=7 * 4 * row)
+    keys = store.add(_chunks(12, [8, 12]))                    # 2 + 3 pages
+    with store.request(keys, "reordered", extra_slots=4) as req:   # + 1 private page: 1 left
+        before = (list(req.cache.e_seg), list(req.cache.e_page))
+        with use_ragattn(model), pytest.raises(ChunkStoreError, match="too small"):
+            recompute(model, req.cache, torch.tensor([5, 6]), torch.tensor([1, 13]),
+                      positions=torch.tensor([1, 13]))       # two shared pages, room for one
+        assert (req.cache.e_seg, req.cache.e_page) == before and req.cache.cow_pages == 0
+        got = paged_forward(model, torch.tensor([[3, 4]]), torch.tensor([20, 21]), req.cache)
+    ref = _masked_full_logits(model, _chunks(12, [8, 12]), [3, 4], [0, 8])
+    assert _rel(got, ref) <= 2e-5

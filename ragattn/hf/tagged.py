@@ -257,9 +257,10 @@ class TaggedPagedKV:
         if self.alloc_page is None:
             raise ValueError("ragattn TaggedPagedKV: writing to shared chunk pages needs copy on write "
                              "(alloc_page), this cache has none")
+        # every page first: if the pool runs out, no entry points at a page not yet filled
+        fresh = [self.alloc_page() for _ in entries]
         moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for e in entries:
-            k_layers, v_layers, page = self.alloc_page()
+        for e, (k_layers, v_layers, page) in zip(entries, fresh):
             s = self.segment(k_layers, v_layers)
             moves.setdefault((self.e_seg[e], s), []).append((self.e_page[e], int(page)))
             self.e_seg[e], self.e_page[e], self.e_shared[e] = s, int(page), False
