@@ -304,7 +304,7 @@ def test_private_page_positions_must_be_consecutive(model):
     with store.request(keys, "composite", extra_slots=8) as req:
         with pytest.raises(ValueError, match="consecutive"):
             paged_forward(model, torch.tensor([[3, 4]]), torch.tensor([6, 8]), req.cache)
-        req.cache.lengths[0] = req.num_slots
+        assert int(req.cache.lengths[0]) == req.num_slots and (req.cache.slot_pos[req.num_slots:] == -1).all()
         paged_forward(model, torch.tensor([[3, 4, 5, 6]]), torch.tensor([6, 7, 8, 9]), req.cache)
         got = paged_forward(model, torch.tensor([[9]]), torch.tensor([20]), req.cache)   # a new page: any start
         assert req.cache.positions()[-5:].tolist() == [6, 7, 8, 9, 20] and torch.isfinite(got).all()

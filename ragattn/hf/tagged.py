@@ -320,6 +320,7 @@ class TaggedPagedKV:
                 raise ValueError(f"ragattn TaggedPagedKV: slot {int(w[i])} is a chunk slot at position "
                                  f"{int(slot_pos[w[i]])}, written at position {int(wpos[i])}")
             self._cow(sorted({int(e) for e in we[fixed].tolist() if self.e_shared[e]}))
+        committed, slot_pos = slot_pos, slot_pos.clone()   # kept only when the forward is accepted
         slot_pos[w] = wpos
         # private entries: valid = their filled slots, positions consecutive from the first
         # (vectorised: a decode step at a long context has thousands of entries)
@@ -341,6 +342,7 @@ class TaggedPagedKV:
                     f"ragattn TaggedPagedKV: the positions of a private page's slots must be consecutive "
                     f"(slots {s_a}..{s_a + n_e - 1} hold {slot_pos[s_a: s_a + n_e].tolist()}): a zero-copy page "
                     "has one first position")
+        committed.copy_(slot_pos)
         f = _Forward()
         f.q, f.src = q, None if src is None else src.to(self.device)
         rows = page_of[we] * self.page_size + off[w]
