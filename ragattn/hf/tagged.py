@@ -361,14 +361,14 @@ class TaggedPagedKV:
             ptr = torch.tensor([0, use.numel()], dtype=torch.int32)
             table = _ops.PageTable.from_entries(ptr.to(self.device), page_of[use].to(self.device),
                                                 e_pos[use].to(self.device), lens[use].to(self.device), self.page_size)
-            f.tables.append((s, table))
+            f.tables.append((s, table, int(use.numel()) * self.page_size))
         f.plans = {}
         f.cpu = None
         if _cpu_route(self.device):
             # every valid slot gathered per layer (rows per segment), its position's cos/sin once
             # per forward (angles in fp64, as the kernel reduces them), then SDPA with a position mask
             gather, all_pos = [], []
-            for s, t in f.tables:
+            for s, t, _ in f.tables:
                 use = t.entry_len.long()
                 rows = torch.repeat_interleave(t.pages.long() * self.page_size, use) + _offsets(use)
                 all_pos.append(torch.repeat_interleave(t.entry_pos.long(), use) + _offsets(use))
@@ -409,10 +409,12 @@ class TaggedPagedKV:
             return self._attend_cpu(f, layer, q_rows, scale, window_left)
         plans = f.plans.get(window_left)
         if plans is None:
+            # the sizes are known here: planning reads nothing from the device (no sync)
             plans = f.plans[window_left] = [
                 (s, _ops.plan_paged_attention(f.cu_q, t, num_heads=q_rows.shape[1], num_kv_heads=self.num_kv_heads,
-                                              head_dim=self.head_dim, dtype=q_rows.dtype, window_left=window_left))
-                for s, t in f.tables]
+                                              head_dim=self.head_dim, dtype=q_rows.dtype, window_left=window_left,
+                                              max_q_len=f.q, max_kv_len=kv_len))
+                for s, t, kv_len in f.tables]
         out = lse = None
         for s, plan in plans:
             ks, vs = self.segments[s]
