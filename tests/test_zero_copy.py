@@ -361,3 +361,31 @@ def test_copy_on_write_without_room_changes_nothing(model):
         got = paged_forward(model, torch.tensor([[3, 4]]), torch.tensor([20, 21]), req.cache)
     ref = _masked_full_logits(model, _chunks(12, [8, 12]), [3, 4], [0, 8])
     assert _rel(got, ref) <= 2e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_that_sees_nothing_gets_zeros_not_nan(backend, monkeypatch):
+    """A padding row of a masked append (not written) at a position below every key sees no slot:
+    its output is 0, never NaN, on every route; the real row attends normally."""
+    from ragattn.hf.tagged import TaggedPagedKV
+    from ragattn.reference.paged_attention_table import paged_attention_table
+
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
+    g = torch.Generator().manual_seed(2)
+    L, H, D, ps = 1, 2, 16, 4
+    inv = 1.0 / (100.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    k = [torch.randn(6, ps, H, D, generator=g)]
+    v = [torch.randn(6, ps, H, D, generator=g)]
+    pages = iter([5, 4])
+    c = TaggedPagedKV(L, H, D, ps, torch.float32, "cpu", inv, D, False, alloc_page=lambda: (k, v, next(pages)))
+    c.add_entries(k, v, [3, 1], [10, 14], [4, 3])               # a chunk at positions 10..16
+    c.add_private(k, v, [2])
+    f = c.begin_forward(2, torch.tensor([0, 20]), valid=torch.tensor([[False, True]]))
+    c.write(f, 0, torch.randn(2, H, D, generator=g), torch.randn(2, H, D, generator=g))
+    q = torch.randn(2, 4, D, generator=g)
+    out = c.attend(f, 0, q, 0.25)
+    assert torch.isfinite(out).all() and (out[0] == 0).all() and out[1].abs().max() > 0
+    want, _ = paged_attention_table(q.double(), torch.tensor([0, 20]), torch.tensor([0, 2]), k[0].double(),
+                                    v[0].double(), torch.tensor([3, 1, 2]), torch.tensor([0]), torch.tensor([12]),
+                                    torch.tensor([10, 14, 20]), torch.tensor([4, 3, 1]), inv, D, False, 0.25)
+    torch.testing.assert_close(out[1].double(), want[1], rtol=1e-5, atol=1e-5)

@@ -448,14 +448,14 @@ class TaggedPagedKV:
                 seen[empty, 0] = True     # (rows that see nothing: zeroed below, never NaN)
             add = None if bool(seen.all()) else torch.zeros(seen.shape, dtype=q_rows.dtype).masked_fill_(
                 ~seen, float("-inf"))     # (a decode step sees every slot: no mask, SDPA's fast path)
-            mask = masks[(window_left, q_rows.dtype)] = (add, empty)
+            mask = masks[(window_left, q_rows.dtype)] = (add, empty if bool(empty.any()) else None)
         add, empty = mask
         if k.shape[0] == 0:
             return q_rows.new_zeros(q_rows.shape)
         out = torch.nn.functional.scaled_dot_product_attention(
             q_rows.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=add,
             scale=scale, enable_gqa=q_rows.shape[1] != H)[0].transpose(0, 1)
-        if bool(empty.any()):
+        if empty is not None:   # (decided once per forward: no per-layer host read)
             out = out.masked_fill(empty[:, None, None], 0.0)
         return out
 
