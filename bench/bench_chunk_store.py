@@ -5,6 +5,8 @@ its final-block prefill, with every chunk already in memory.
   assemble         ``store.assemble(keys)``: a fresh paged request cache, one ``copy_kv_`` per
                    pool slab (one here) gathering and re-rotating the chunks' K/V
   add_assemble     both, as ``ragattn.methods`` call them
+  request          ``store.request(keys, extra_slots=64)`` and its release: a zero-copy request
+                   (page table of the chunks' pool pages + private pages; no K/V moved)
 
 cpu: SmolLM2-135M's KV shape (30 layers x 3 KV heads x 64 dims, fp32), 16 chunks of 34..46
 tokens, on a random model of that shape (the model never runs on this path).
@@ -47,4 +49,5 @@ def cases(device: torch.device, size: str):
              params=params),
         Case("chunk_store", "add_assemble", lambda: store.assemble(store.add(chunks), extra_slots=64),
              bytes=moved, params=params),
+        Case("chunk_store", "request", lambda: store.request(keys, extra_slots=64).release(), params=params),
     ]

@@ -20,6 +20,9 @@ question) it measures the time to the first token's logits of
   CPU its ``assembly_ms`` is the median of the gathering alone;
 * ``cached (KV from CPU)`` (CUDA only): the same, with the chunks' KV first copied from pinned
   host memory (TurboRAG's deployment, its Table 4 "with h2d").
+* ``cached, zero-copy``: the same request on the store's own pages (``ChunkStore.request``: a
+  page table of the chunks' shared, position-free pages and private pages for the question; RoPE
+  in the attention kernel, no K/V copied).
 
 For ``full-prefill`` and ``cached (on device)`` it also times a ``--answer-tokens`` answer (32 by
 default) with ``model.generate()`` (greedy, no early stop): ``total`` is call to last token, and
@@ -39,6 +42,12 @@ No ``generate()`` around the steps: the attention and the cache are all that dif
 Every figure is a median over ``--repeats`` rounds after a warm-up; each round runs every path
 once, in a rotated order, so that the load of a shared machine falls on all paths alike. The
 load average (``os.getloadavg``) before and after the run goes into the report.
+
+``--memory-requests 1,4,16`` adds the memory case (no timing: bytes of the tensors held, on the
+CPU): ``N`` concurrent requests over the same chunks (the largest context), each with room for the
+question and the answer, through the copy path (each request's own paged cache of every chunk)
+and zero-copy (the chunks' pages once, in the store; per request its private pages): the store's
+chunk pages, the bytes per request, and the total.
 
 Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (TTFT vs context tokens, log-log) to ``--out``.
 The module is named without the ``bench_`` prefix so the micro-benchmark discovery skips it.
@@ -177,9 +186,22 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
             return generate_paged(model, tok, req.cache, question, req.next_position, n, t0, "cached",
                                   ctx + question_len, min_new_tokens=n, logits_processor=[clock])
 
+        def zero_copy():
+            with store.request(keys, positions="reordered", extra_slots=question_len + 1) as req:
+                pos = req.next_position + torch.arange(question_len, device=device)
+                return paged_forward(model, q, pos, req.cache, logits_to_keep=1)[-1]
+
+        def zero_copy_answer(clock):
+            t0 = time.perf_counter()
+            with store.request(keys, positions="reordered", extra_slots=question_len + n) as req:
+                return generate_paged(model, tok, req.cache, question, req.next_position, n, t0, "zero-copy",
+                                      ctx + question_len, min_new_tokens=n, logits_processor=[clock])
+
         ttft_fns = {"full-prefill": full, "final block alone (bound)": bound,
-                    "final block over the model's own cache": over_own_cache, "cached (on device)": cached}
-        answer_fns = {"full-prefill": full_answer, "cached (on device)": cached_answer} if n > 1 else {}
+                    "final block over the model's own cache": over_own_cache, "cached (on device)": cached,
+                    ZERO_COPY: zero_copy}
+        answer_fns = ({"full-prefill": full_answer, "cached (on device)": cached_answer, ZERO_COPY: zero_copy_answer}
+                      if n > 1 else {})
         if device.type == "cuda":
             # the chunk KV lives in pinned host memory; the store's device pool is refilled from it
             host_k, host_v = store.pooled_kv("cpu", pin_memory=True)
@@ -225,8 +247,11 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
     return rows
 
 
-# the CPU routes of the paged decode step (RAGATTN_HF_CPU_SDPA): the default takes paged_attention
-DECODE_ROUTES = {"cached, default (ragattn.paged_attention)": "auto", "cached, SDPA over the pages": "1"}
+ZERO_COPY = "cached, zero-copy"
+# the CPU routes of the paged decode step (RAGATTN_HF_CPU_SDPA): the default takes paged_attention;
+# a zero-copy request has one route (the flag does not apply to it)
+DECODE_ROUTES = {"cached, default (ragattn.paged_attention)": "auto", "cached, SDPA over the pages": "1",
+                 ZERO_COPY: "zero-copy"}
 
 
 @torch.no_grad()
@@ -270,12 +295,16 @@ def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: in
             return lambda i: step(cache, i)
 
         def cached(flag):
-            req = store.assemble(keys, positions="reordered", extra_slots=question_len + steps)
+            if flag == "zero-copy":
+                req = store.request(keys, positions="reordered", extra_slots=question_len + steps)
+                flag = "auto"
+            else:
+                req = store.assemble(keys, positions="reordered", extra_slots=question_len + steps)
             paged_forward(model, torch.tensor([question], device=device),
                           req.next_position + torch.arange(question_len, device=device), req.cache)
             cache = PagedCache(req.cache, seen=n)
 
-            def one(i):
+            def one(i, req=req):   # (holds a zero-copy request until the round's steppers go)
                 with mock.patch.dict(os.environ, {"RAGATTN_HF_CPU_SDPA": flag}), use_ragattn(model):
                     return step(cache, i)
             return one
@@ -300,6 +329,62 @@ def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: in
                              step_ms=ms, vs_full=ms / full_ms, vs_full_paired=paired, steps=len(times[k])))
         del store
     return rows
+
+
+@torch.no_grad()
+def measure_memory(model, num_chunks: int, chunk_size: int, question_len: int, answer_tokens: int,
+                   concurrent=(1, 4, 16), seed: int = 0) -> List[Dict]:
+    """The memory case: for each ``N`` in ``concurrent``, ``N`` live requests over the same chunks,
+    each with the question prefilled and room for ``answer_tokens``; bytes of the tensors held
+    (measured from the allocations: pool pages in use, each request's cache or private pages)."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    chunks = [torch.randint(10, vocab, (chunk_size,), generator=gen).tolist() for _ in range(num_chunks)]
+    question = torch.randint(10, vocab, (question_len,), generator=gen).tolist()
+    q = torch.tensor([question], device=device)
+    rows = []
+    for n in concurrent:
+        store = ChunkStore(model)
+        keys = store.add(chunks)
+        page_bytes = store.page_size * store.row_bytes
+        in_use = lambda: sum(s.pages - len(s.free) for s in store._pool.slabs) * page_bytes  # noqa: E731
+        chunk_bytes = in_use()
+        base = dict(num_chunks=num_chunks, chunk_size=chunk_size, context_tokens=num_chunks * chunk_size,
+                    question_tokens=question_len, answer_tokens=answer_tokens, requests=n,
+                    store_chunk_bytes=chunk_bytes, store_pool_bytes=store.pool_bytes)
+        extra = question_len + answer_tokens
+        copies = [store.assemble(keys, positions="reordered", extra_slots=extra) for _ in range(n)]
+        for r in copies:
+            paged_forward(model, q, r.next_position + torch.arange(question_len, device=device), r.cache,
+                          logits_to_keep=1)
+        per = [sum(t.numel() * t.element_size() for t in r.cache.k + r.cache.v) for r in copies]
+        rows.append(dict(base, path="copy (assemble)", per_request_bytes=statistics.mean(per),
+                         total_bytes=chunk_bytes + sum(per)))
+        del copies
+        reqs = [store.request(keys, positions="reordered", extra_slots=extra) for _ in range(n)]
+        for r in reqs:
+            paged_forward(model, q, r.next_position + torch.arange(question_len, device=device), r.cache,
+                          logits_to_keep=1)
+        per = [r.private_bytes for r in reqs]
+        assert in_use() == chunk_bytes + sum(per)    # the chunks' pages once, plus the private ones
+        rows.append(dict(base, path="zero-copy (request)", per_request_bytes=statistics.mean(per),
+                         total_bytes=in_use()))
+        for r in reqs:
+            r.release()
+        del store
+    return rows
+
+
+def format_memory_table(rows: List[Dict]) -> str:
+    mib = 1 << 20
+    lines = ["| chunks x size | concurrent requests | path | store chunk pages (MiB) | per request (MiB) "
+             "| total (MiB) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['num_chunks']} x {r['chunk_size']} | {r['requests']} | {r['path']} | "
+                     f"{r['store_chunk_bytes'] / mib:.2f} | {r['per_request_bytes'] / mib:.3f} | "
+                     f"{r['total_bytes'] / mib:.2f} |")
+    return "\n".join(lines)
 
 
 def format_decode_table(rows: List[Dict]) -> str:
@@ -377,6 +462,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-rounds", type=int, default=0,
                    help="rounds of the decode-step check (0: skip it)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per path and round")
+    p.add_argument("--memory-requests", default="1,4,16",
+                   help="concurrent requests of the memory case, comma-separated ('' or 0: skip it)")
     p.add_argument("--out", default="bench_results/e2e")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -402,6 +489,11 @@ def main(argv=None) -> int:
     if args.decode_rounds > 0:
         decode_rows = measure_decode_steps(model, sizes, args.question_len, args.decode_rounds,
                                            args.decode_steps)
+    concurrent = [int(x) for x in args.memory_requests.split(",") if x.strip() and int(x) > 0]
+    memory_rows = []
+    if concurrent:
+        memory_rows = measure_memory(model, *max(sizes, key=lambda s: s[0] * s[1]), args.question_len,
+                                     args.answer_tokens, concurrent)
     meta = dict(model=model_name, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                 dtype=str(dtype).replace("torch.", ""), question_tokens=args.question_len, repeats=repeats,
                 answer_tokens=args.answer_tokens,
@@ -417,10 +509,13 @@ def main(argv=None) -> int:
     if decode_rows:
         table += (f"\n\nDecode-step check ({args.decode_rounds} rounds x {args.decode_steps} `model()` "
                   f"steps per path, the paths' steps interleaved, no generate()):\n\n" + format_decode_table(decode_rows))
+    if memory_rows:
+        table += ("\n\nMemory per request (bytes of the tensors held, measured on the CPU; each request has "
+                  "its question prefilled and room for the answer):\n\n" + format_memory_table(memory_rows))
     print(header + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "decode_steps": decode_rows}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "decode_steps": decode_rows, "memory": memory_rows}, f, indent=2)
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write(header + table + "\n\n![TTFT vs context](e2e.png)\n")
     plot(rows, os.path.join(args.out, "e2e.png"), f"TTFT, {model_name} {meta['dtype']} on {meta['device']}")

@@ -148,7 +148,8 @@ def _store_model(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("positions", ["reordered", "composite"])
-def test_chunk_store_exact_on_family(family, positions):
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_chunk_store_exact_on_family(family, positions, zero_copy):
     """Cached chunks + re-rotation + the final block through the paged cache == one eager forward
     of the whole prompt under the Block-Attention mask (test_methods_exactness's rule)."""
     from ragattn.methods.chunk_store import ChunkStore
@@ -160,7 +161,7 @@ def test_chunk_store_exact_on_family(family, positions):
     final = torch.randint(3, VOCAB, (5,), generator=g).tolist()
     store = ChunkStore(model)
     ref = _reference_logits(model, blocks, final, positions)   # eager (the model's implementation)
-    got = _cached_logits(model, store, blocks, final, positions)
+    got = _cached_logits(model, store, blocks, final, positions, zero_copy=zero_copy)
     rel = ((got - ref).abs().max() / ref.abs().max()).item()
     assert rel <= 1e-4, rel
 

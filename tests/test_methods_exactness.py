@@ -37,8 +37,14 @@ def _reference_logits(model, blocks, final, positions):
     return out.logits[0, -len(final):].float()
 
 
-def _cached_logits(model, store, blocks, final, positions, rerotate=True):
+def _cached_logits(model, store, blocks, final, positions, rerotate=True, zero_copy=False):
+    """The final block's logits over the cached blocks: copied into a request cache (keys rotated
+    on the way), or ``zero_copy`` on the store's own pages (RoPE in the kernel)."""
     keys = store.add(blocks)
+    if zero_copy:
+        with store.request(keys, positions=positions, extra_slots=len(final)) as req:
+            pos = req.next_position + torch.arange(len(final))
+            return paged_forward(model, torch.tensor([final]), pos, req.cache)
     req = store.assemble(keys, positions=positions, extra_slots=len(final), rerotate=rerotate)
     pos = req.next_position + torch.arange(len(final))
     return paged_forward(model, torch.tensor([final]), pos, req.cache)
@@ -57,6 +63,10 @@ def test_cached_equals_single_masked_pass(smollm2, store, positions, order):
     ref = _reference_logits(model, blocks, tail, positions)
     got = _cached_logits(model, store, blocks, tail, positions)
     assert _rel(got, ref) <= 1e-4, _rel(got, ref)
+    # zero-copy (the store's pages, positions in the page table, RoPE in the kernel): the same
+    # logits within fp32 rounding
+    zc = _cached_logits(model, store, blocks, tail, positions, zero_copy=True)
+    assert _rel(zc, ref) <= 1e-4 and _rel(zc, got) <= 1e-4, (_rel(zc, ref), _rel(zc, got))
     if positions == "reordered":
         # without re-rotation the keys sit at the wrong positions: the test must see it
         wrong = _cached_logits(model, store, blocks, tail, positions, rerotate=False)

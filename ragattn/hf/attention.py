@@ -56,6 +56,10 @@ Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``mo
   cache at slots ``lengths[b] + i`` and attention runs through ``ragattn.paged_attention`` (causal by
   slot; RoPE positions come from ``position_ids`` and may differ from slots). The caller advances
   ``lengths`` after the forward (:class:`ragattn.hf.cache.PagedCache` does it for ``generate()``).
+  ``ragattn_paged`` may also be a zero-copy request (:class:`ragattn.hf.tagged.TaggedPagedKV`,
+  ``ChunkStore.request``): keys are stored un-rotated on shared and private pages, positions come
+  from its page table and RoPE is applied in the kernel; it needs ``position_ids`` (batch 1) and
+  masks by position (the same rule as by slot for the methods' position schemes).
 * ``ragattn_slots`` int ``[q]`` with ``ragattn_paged`` (batch 1): selective recompute. The current
   tokens' K/V overwrite these slots (distinct, each ``< lengths[0]``; the caller sets ``lengths`` to
   cover them first and does not advance it after) instead of being appended, and row ``i`` attends
@@ -77,6 +81,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ragattn import _extension
 from ragattn import ops as _ops
 from ragattn.hf.rope import SUPPORTED_FAMILIES  # the families whose attention modules are checked
+from ragattn.hf.tagged import TaggedPagedKV
 
 NAME = "ragattn"
 # transformers versions this path is tested with (inclusive, major.minor)
@@ -122,6 +127,17 @@ class PagedKV:
         self._head_views = {}
         self.launch_plans = {}   # the paged launch plans of the current forward (Triton route)
         self.cpu_sdpa = None     # the current forward's CPU route (cpu_sdpa_enabled), set at its first layer
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer ``layer``'s K, V at row 0's ``slots``: ``[n, Hkv, D]`` each (keys as
+        stored: rotated). :class:`ragattn.hf.tagged.TaggedPagedKV` has the same method."""
+        rows = self.slot_rows(0, slots)
+        return (self.k[layer].view(-1, *self.k[layer].shape[2:])[rows],
+                self.v[layer].view(-1, *self.v[layer].shape[2:])[rows])
 
     @staticmethod
     def buffer_numel(num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16) -> int:
@@ -267,10 +283,14 @@ def _window_left(module, kwargs) -> int:
 
 
 def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=None, valid=None,
-                   window_left: int = -1, logits_soft_cap: float = 0.0):
+                   window_left: int = -1, logits_soft_cap: float = 0.0, positions=None):
     """Write the new K/V into ``cache`` and attend through it; ``valid`` bool ``[B, q]`` marks
     the real (non-padding) new tokens; ``window_left`` >= 0: sliding window. Returns
-    ``((out, None), counts or None)``."""
+    ``((out, None), counts or None)``. A zero-copy request (:class:`TaggedPagedKV`) needs the
+    forward's ``positions`` (its ``position_ids``)."""
+    if isinstance(cache, TaggedPagedKV):
+        return _tagged_forward(module, query, key, value, scaling, cache, slots, valid, window_left,
+                               logits_soft_cap, positions)
     b, hq, q, d = query.shape
     layer = module.layer_idx
     first = layer == 0
@@ -326,6 +346,26 @@ def _paged_forward(module, query, key, value, scaling, cache: PagedKV, slots=Non
                          q_pos, cu, cache.k[layer], cache.v[layer], cache.block_table, kv_lens, scaling,
                          window_left, logits_soft_cap)
     return (o.view(b, q, hq, d), None), counts
+
+
+def _tagged_forward(module, query, key, value, scaling, cache: TaggedPagedKV, slots, valid, window_left,
+                    logits_soft_cap, positions):
+    """The zero-copy request path: the new keys go un-rotated into the request's private pages
+    (a shared page a recompute writes is copied first), then attention over the request's
+    position-tagged page table with RoPE in the kernel (:mod:`ragattn.hf.tagged`)."""
+    b, hq, q, d = query.shape
+    if b != 1:
+        raise ValueError(f"ragattn attention: a zero-copy request cache (TaggedPagedKV) holds one sequence, "
+                         f"got a batch of {b}")
+    if positions is None:
+        raise ValueError("ragattn attention: a zero-copy request cache (TaggedPagedKV) needs the forward's "
+                         "position_ids (its keys are rotated in the kernel by position)")
+    layer = module.layer_idx
+    f = cache.forward_plan(layer == 0, q, positions.reshape(-1), slots, valid)
+    cache.write(f, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    o = cache.attend(f, layer, query[0].transpose(0, 1).contiguous(), scaling, window_left, logits_soft_cap)
+    counts = None if valid is None else valid.sum(1, dtype=torch.int32)
+    return (o.view(1, q, hq, d), None), counts
 
 
 def _paged_attention(launch_plans: dict, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens,
@@ -401,7 +441,7 @@ def _cpu_rows_sdpa(query, k4, v4, rows_plan, scaling):
 
 
 def _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner, window_left=-1,
-                         logits_soft_cap=0.0):
+                         logits_soft_cap=0.0, positions=None):
     """The :class:`ragattn.hf.cache.PagedCache` path: the mask covers only the new tokens
     (``[B, 1, q, q]``: causal + their padding); its diagonal says which tokens are real."""
     b, q = query.shape[0], query.shape[2]
@@ -412,7 +452,8 @@ def _paged_cache_forward(module, query, key, value, attention_mask, scaling, own
             raise NotImplementedError("ragattn attention: a custom attention mask with a PagedCache")
         valid = torch.diagonal(vis, dim1=1, dim2=2)                     # [B, q]
     out, counts = _paged_forward(module, query, key, value, scaling, owner.paged, valid=valid,
-                                 window_left=window_left, logits_soft_cap=logits_soft_cap)
+                                 window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                 positions=positions)
     if module.layer_idx == owner.num_layers - 1:
         owner._advance(q, counts)
     return out
@@ -663,11 +704,12 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
     owner = getattr(key, "_ragattn_cache", None)       # set by PagedCache.update
     if owner is not None:
         return _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner,
-                                    _window_left(module, kwargs), cap)
+                                    _window_left(module, kwargs), cap, kwargs.get("position_ids"))
     paged = kwargs.get("ragattn_paged")
     if paged is not None:
         return _paged_forward(module, query, key, value, scaling, paged, kwargs.get("ragattn_slots"),
-                              window_left=_window_left(module, kwargs), logits_soft_cap=cap)[0]
+                              window_left=_window_left(module, kwargs), logits_soft_cap=cap,
+                              positions=kwargs.get("position_ids"))[0]
     kv = key.shape[2]
     cu_packed = kwargs.get("ragattn_cu_seqlens")
     if cu_packed is not None:

@@ -88,7 +88,8 @@ class PagedLayer(CacheLayerMixin):
 class PagedCache(Cache):
     """A transformers ``Cache`` over a :class:`PagedKV` (see the module docstring).
 
-    ``paged``: the request pages (``lengths[b]`` slots already filled in row ``b``); ``seen``: the
+    ``paged``: the request pages, a :class:`PagedKV` or a zero-copy
+    :class:`~ragattn.hf.tagged.TaggedPagedKV` (``lengths[b]`` slots already filled in row ``b``); ``seen``: the
     number of leading ``input_ids`` tokens the cache stands for (default ``max(lengths)``).
     After each forward, ``paged.lengths[b]`` has grown by row ``b``'s non-padding new tokens and
     ``seen`` by the number of new tokens.
@@ -97,11 +98,11 @@ class PagedCache(Cache):
     def __init__(self, paged: PagedKV, seen: int | None = None):
         self.paged = paged
         self.seen = int(paged.lengths.max()) if seen is None else int(seen)
-        super().__init__(layers=[PagedLayer(self, i) for i in range(len(paged.k))])
+        super().__init__(layers=[PagedLayer(self, i) for i in range(paged.num_layers)])
 
     @property
     def num_layers(self) -> int:
-        return len(self.paged.k)
+        return self.paged.num_layers
 
     def _hand_over(self, key_states, value_states):
         # the attention function finds the pages on the key it is given (update's return value)

@@ -6,7 +6,7 @@
 """
 from ragattn.methods.store import (  # noqa: F401  (re-exported)
     DEFAULT_BUDGET_FRACTION, FORMAT, AssembledRequest, ChunkStore, ChunkStoreError, chunk_key, default_budget,
-    model_fingerprint, variant_key, weight_checksums)
+    model_fingerprint, variant_key, weight_checksums, ZeroCopyRequest)
 
-__all__ = ["AssembledRequest", "ChunkStore", "ChunkStoreError", "FORMAT", "DEFAULT_BUDGET_FRACTION",
+__all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "FORMAT", "DEFAULT_BUDGET_FRACTION",
            "chunk_key", "default_budget", "model_fingerprint", "variant_key", "weight_checksums"]

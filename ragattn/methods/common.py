@@ -168,10 +168,14 @@ def generate_paged(model, tokenizer, cache, final_ids, start_pos: int, max_new_t
 
 
 def cached_answer(model, tokenizer, chunks, question, *, positions: str, method: str,
-                  max_new_tokens: int = 32, store=None, rerotate: bool = True,
+                  max_new_tokens: int = 32, store=None, rerotate: bool = True, zero_copy: bool = True,
                   **generate_kwargs) -> Answer:
     """Answer from cached chunks (TurboRAG / Block-Attention). See the module docstring;
-    ``generate_kwargs`` go to ``model.generate()`` (default: greedy)."""
+    ``generate_kwargs`` go to ``model.generate()`` (default: greedy). ``zero_copy`` (default):
+    the request attends to the store's own chunk pages in place (``ChunkStore.request``: positions
+    in its page table, RoPE in the kernel); False: the chunks are copied into a request cache with
+    their keys rotated on the way (``ChunkStore.assemble``; ``rerotate=False`` is a copy-path
+    option for tests)."""
     from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
 
     if len(chunks) == 0:
@@ -184,12 +188,22 @@ def cached_answer(model, tokenizer, chunks, question, *, positions: str, method:
     with use_ragattn(model):  # switched outside the timed region
         t0 = time.perf_counter()
         keys = store.add([head] + chunk_ids)
-        req = store.assemble(keys, positions=positions, extra_slots=len(tail) + max_new_tokens,
-                             rerotate=rerotate)
+        if zero_copy and rerotate:
+            req = store.request(keys, positions=positions, extra_slots=len(tail) + max_new_tokens)
+        else:
+            req = store.assemble(keys, positions=positions, extra_slots=len(tail) + max_new_tokens,
+                                 rerotate=rerotate)
         prompt_len = req.num_slots + len(tail)
-        return generate_paged(model, tokenizer, req.cache, tail, req.next_position, max_new_tokens,
-                              t0, method, prompt_len, cached_ids=[t for c in [head] + chunk_ids for t in c],
-                              cached_positions=req.positions, **generate_kwargs)
+        try:
+            ans = generate_paged(model, tokenizer, req.cache, tail, req.next_position, max_new_tokens,
+                                 t0, method, prompt_len, cached_ids=[t for c in [head] + chunk_ids for t in c],
+                                 cached_positions=req.positions, **generate_kwargs)
+        finally:
+            if zero_copy and rerotate:
+                req.release()
+        if zero_copy and rerotate:
+            ans.extra["private_bytes"] = req.private_bytes
+        return ans
 
 
 @torch.no_grad()

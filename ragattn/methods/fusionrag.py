@@ -169,10 +169,8 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
         kw = {}
         if l == last and capture_query is not None:
             kw["ragattn_capture_query"] = capture_query
-        if l in checks:
-            rows = cache.slot_rows(0, slots[:num_candidates])
-            old = (cache.k[l].view(-1, *cache.k[l].shape[2:])[rows].clone(),
-                   cache.v[l].view(-1, *cache.v[l].shape[2:])[rows].clone())
+        if l in checks:   # the cache's K/V at the candidates' slots before this layer writes them
+            old = tuple(t.clone() for t in cache.read_kv(l, slots[:num_candidates]))
             kw["ragattn_capture"] = captured = []
         h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin),
                   ragattn_paged=cache, ragattn_slots=slots, **kw)
@@ -306,7 +304,7 @@ def _check_store(model, store, where):
 
 def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm, group):
     """Slots (int64, sorted) of the ``k`` chunk tokens FusionRAG recomputes."""
-    dev = req.cache.k[0].device
+    dev = req.cache.lengths.device
     ctx = req.num_slots
     tail_ids = torch.tensor(tail, device=dev)
     tail_pos = ctx + torch.arange(len(tail), device=dev)
@@ -319,15 +317,14 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
         from ragattn.hf.attention import PagedKV
 
         c = req.cache
-        small = PagedKV(len(c.k), 1, len(tail), c.k[0].shape[2], c.k[0].shape[3], c.page_size,
-                        c.k[0].dtype, dev)
+        k0 = c.read_kv(0, torch.zeros(1, dtype=torch.long, device=dev))[0]
+        small = PagedKV(c.num_layers, 1, len(tail), k0.shape[1], k0.shape[2], c.page_size, k0.dtype, dev)
         small.lengths[0] = len(tail)
         recompute(model, small, tail_ids, torch.arange(len(tail), device=dev), positions=tail_pos,
                   capture_query=cap)
     q_last = cap[0][0].transpose(0, 1)                                   # [T, Hq, D]
     chunk_slots = torch.arange(head_len, ctx, device=dev)
-    kf = req.cache.k[-1].view(-1, *req.cache.k[-1].shape[2:])
-    k_last = kf[req.cache.slot_rows(0, chunk_slots)]                      # [N, Hkv, D]
+    k_last = req.cache.read_kv(req.cache.num_layers - 1, chunk_slots)[0]   # [N, Hkv, D], rotated
     attn = _layers(model).layers[-1].self_attn
     scores = query_guided_scores(q_last, k_last, req.chunk_lens[1:], score_norm,
                                  getattr(attn, "scaling", None))
@@ -336,7 +333,7 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
 
 def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens, store, fused=None,
             question_mode="context", score_norm="per_chunk", check_layers=CACHEBLEND_CHECK_LAYERS,
-            group=None) -> Answer:
+            group=None, zero_copy: bool = True) -> Answer:
     where = {"fusionrag": "answer", "cacheblend": "cacheblend", "full_reuse": "full_reuse"}[method]
     ratio = check_ratio(ratio, where)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -367,45 +364,63 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
                     "or fusionrag.fuse_chunks)")
             keys = keys[:1] + [f if h else k for f, h, k in zip(fkeys, have, keys[1:])]
             n_fused = sum(have)
-        req = store.assemble(keys, positions="reordered", extra_slots=len(tail) + max_new_tokens)
-        ctx, head_len = req.num_slots, len(head)
-        n_chunk = ctx - head_len
-        k = budget(ratio, n_chunk)
-        _sync(dev)
-        t_sel = time.perf_counter()
-        checks = None
-        if method == "fusionrag" and k == n_chunk:
-            chosen = torch.arange(head_len, ctx, device=dev)  # everything: nothing to score
-        elif method == "fusionrag" and k > 0:
-            chosen = _select_query_guided(model, req, head_len, tail, k, question=question_mode,
-                                          score_norm=score_norm, group=group)
-        elif method == "cacheblend":
-            chosen = torch.arange(head_len, ctx, device=dev)
-            checks = cacheblend_schedule(ratio, n_chunk, check_layers)
+        if zero_copy:   # the store's own pages; the recomputed ones copied on write
+            req = store.request(keys, positions="reordered", extra_slots=len(tail) + max_new_tokens)
         else:
-            chosen = torch.empty(0, dtype=torch.long, device=dev)
-        _sync(dev)
-        t_rec = time.perf_counter()
-        # the selected chunk tokens and the whole final block: its last row gives the first token
-        slots = torch.cat([chosen, ctx + torch.arange(len(tail), device=dev)])
-        ids = torch.tensor(store_tokens(head, chunk_ids) + tail, device=dev)[slots]
-        req.cache.lengths[0] = ctx + len(tail)
-        kept, first = recompute(model, req.cache, ids, slots, check_layers=checks,
-                                num_candidates=chosen.numel(), group=group, logits=True)
-        tok = int(first.argmax())
-        _sync(dev)
-        ttft = time.perf_counter() - t0
-        tokens = [tok]
-        if max_new_tokens > 1 and tok not in _eos_ids(model, tokenizer):  # greedy decode
-            tokens += generate_paged(model, tokenizer, req.cache, [tok], ctx + len(tail),
-                                     max_new_tokens - 1, t0, method, ctx + len(tail)).tokens
-        _sync(dev)
+            req = store.assemble(keys, positions="reordered", extra_slots=len(tail) + max_new_tokens)
+        try:
+            return _answer_request(model, tokenizer, store, req, head, chunk_ids, tail, t0, method=method,
+                                   ratio=ratio, max_new_tokens=max_new_tokens, question_mode=question_mode,
+                                   score_norm=score_norm, check_layers=check_layers, group=group,
+                                   n_fused=n_fused)
+        finally:
+            if zero_copy:
+                req.release()
+
+
+def _answer_request(model, tokenizer, store, req, head, chunk_ids, tail, t0, *, method, ratio, max_new_tokens,
+                    question_mode, score_norm, check_layers, group, n_fused) -> Answer:
+    dev = store.device
+    ctx, head_len = req.num_slots, len(head)
+    n_chunk = ctx - head_len
+    k = budget(ratio, n_chunk)
+    _sync(dev)
+    t_sel = time.perf_counter()
+    checks = None
+    if method == "fusionrag" and k == n_chunk:
+        chosen = torch.arange(head_len, ctx, device=dev)  # everything: nothing to score
+    elif method == "fusionrag" and k > 0:
+        chosen = _select_query_guided(model, req, head_len, tail, k, question=question_mode,
+                                      score_norm=score_norm, group=group)
+    elif method == "cacheblend":
+        chosen = torch.arange(head_len, ctx, device=dev)
+        checks = cacheblend_schedule(ratio, n_chunk, check_layers)
+    else:
+        chosen = torch.empty(0, dtype=torch.long, device=dev)
+    _sync(dev)
+    t_rec = time.perf_counter()
+    # the selected chunk tokens and the whole final block: its last row gives the first token
+    slots = torch.cat([chosen, ctx + torch.arange(len(tail), device=dev)])
+    ids = torch.tensor(store_tokens(head, chunk_ids) + tail, device=dev)[slots]
+    req.cache.lengths[0] = ctx + len(tail)
+    kept, first = recompute(model, req.cache, ids, slots, check_layers=checks,
+                            num_candidates=chosen.numel(), group=group, logits=True)
+    tok = int(first.argmax())
+    _sync(dev)
+    ttft = time.perf_counter() - t0
+    tokens = [tok]
+    if max_new_tokens > 1 and tok not in _eos_ids(model, tokenizer):  # greedy decode
+        tokens += generate_paged(model, tokenizer, req.cache, [tok], ctx + len(tail),
+                                 max_new_tokens - 1, t0, method, ctx + len(tail)).tokens
+    _sync(dev)
     recomputed = kept[kept < ctx]
+    extra = dict(ratio=ratio, recomputed_slots=recomputed.tolist(), context_tokens=n_chunk,
+                 assemble_s=t_sel - t0, select_s=t_rec - t_sel, recompute_s=t0 + ttft - t_rec,
+                 fused_chunks=n_fused)
+    if hasattr(req, "private_bytes"):   # zero-copy: what this request held on its own
+        extra.update(private_bytes=req.private_bytes, cow_pages=req.cache.cow_pages)
     return Answer(tokens, tokenizer.decode(tokens, skip_special_tokens=True), ttft,
-                  time.perf_counter() - t0, first, ctx + len(tail), method,
-                  dict(ratio=ratio, recomputed_slots=recomputed.tolist(), context_tokens=n_chunk,
-                       assemble_s=t_sel - t0, select_s=t_rec - t_sel, recompute_s=t0 + ttft - t_rec,
-                       fused_chunks=n_fused))
+                  time.perf_counter() - t0, first, ctx + len(tail), method, extra)
 
 
 def store_tokens(head, chunk_ids) -> list[int]:
@@ -415,21 +430,23 @@ def store_tokens(head, chunk_ids) -> list[int]:
 
 def answer(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
            ratio: float = DEFAULT_RATIO, fused: bool | None = None, question_mode: str = "context",
-           score_norm: str = "per_chunk", group=None) -> Answer:
+           score_norm: str = "per_chunk", group=None, zero_copy: bool = True) -> Answer:
     """FusionRAG: query-guided selection of ``ratio`` of the chunk tokens, recomputed through every
     layer (see the module docstring). ``fused``: use the chunks' fused caches (built offline by
     :func:`fuse_chunks` / ``python -m ragattn build-store``): None (default) where the store has
-    one, True: all chunks (ChunkStoreError if one is missing), False: the raw caches only."""
+    one, True: all chunks (ChunkStoreError if one is missing), False: the raw caches only.
+    ``zero_copy`` (default): the request reads the store's pages in place (recomputed pages are
+    copied on write); False: the chunks are copied into a request cache first (``assemble``)."""
     return _answer(model, tokenizer, chunks, question, method="fusionrag", ratio=ratio,
                    max_new_tokens=max_new_tokens, store=store, fused=fused,
-                   question_mode=question_mode, score_norm=score_norm, group=group)
+                   question_mode=question_mode, score_norm=score_norm, group=group, zero_copy=zero_copy)
 
 
 def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
                ratio: float = DEFAULT_RATIO, check_layers: Sequence[int] = CACHEBLEND_CHECK_LAYERS,
-               group=None) -> Answer:
+               group=None, zero_copy: bool = True) -> Answer:
     """CacheBlend: K/V-deviation selection with gradual filtering over ``check_layers``, then the
-    same recompute (see the module docstring)."""
+    same recompute (see the module docstring; ``zero_copy`` as in :func:`answer`)."""
     if not check_layers or min(check_layers) < 1 or list(check_layers) != sorted(set(check_layers)):
         raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers must be increasing "
                          f"layer indices >= 1, got {check_layers!r}")
@@ -439,18 +456,18 @@ def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
                          f"layers of the model, in [1, {depth - 1}] (it has {depth} layers)")
     return _answer(model, tokenizer, chunks, question, method="cacheblend", ratio=ratio,
                    max_new_tokens=max_new_tokens, store=store, fused=False, check_layers=tuple(check_layers),
-                   group=group)
+                   group=group, zero_copy=zero_copy)
 
 
 def full_reuse(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
-               ratio: float = 0.0) -> Answer:
+               ratio: float = 0.0, zero_copy: bool = True) -> Answer:
     """Full Reuse: the cached chunks re-rotated, nothing recomputed (``ratio`` must be 0; it is
-    accepted so that all three methods share one signature)."""
+    accepted so that all three methods share one signature; ``zero_copy`` as in :func:`answer`)."""
     if check_ratio(ratio, "full_reuse") != 0.0:
         raise ValueError(f"ragattn.methods.fusionrag.full_reuse: Full Reuse recomputes nothing; "
                          f"ratio must be 0, got {ratio!r}")
     return _answer(model, tokenizer, chunks, question, method="full_reuse", ratio=0.0,
-                   max_new_tokens=max_new_tokens, store=store, fused=False)
+                   max_new_tokens=max_new_tokens, store=store, fused=False, zero_copy=zero_copy)
 
 
 METHODS = {"fusionrag": answer, "cacheblend": cacheblend, "full_reuse": full_reuse}

@@ -5,10 +5,14 @@
                           max_new_tokens=32, store=store)      # -> ragattn.methods.common.Answer
 
 ``positions``:
-* "reordered" (default, the paper's better scheme): chunk keys are re-rotated to consecutive
-  positions (``copy_kv_`` with a per-chunk delta), the question follows the last chunk.
-* "composite": every chunk keeps its own 0-based positions, no re-rotation; the question starts
-  after the longest chunk (``max len``).
+* "reordered" (default, the paper's better scheme): chunks at consecutive positions, the question
+  follows the last chunk.
+* "composite": every chunk keeps its own 0-based positions; the question starts after the longest
+  chunk (``max len``).
+
+Either scheme is just the request's page table over the store's shared, position-free chunk pages
+(``ChunkStore.request``; keys rotated in the attention kernel); ``zero_copy=False`` copies the
+chunks into a request cache instead, keys rotated on the way (``copy_kv_``).
 Chunks attend only to themselves (Independent Attention); the final block (question + assistant
 header) and the answer attend to everything, through ``ragattn.paged_attention``.
 """
@@ -20,12 +24,13 @@ POSITIONS = ("reordered", "composite")
 
 
 def answer(model, tokenizer, chunks, question: str, *, positions: str = "reordered",
-           max_new_tokens: int = 32, store=None, **generate_kwargs) -> Answer:
+           max_new_tokens: int = 32, store=None, zero_copy: bool = True, **generate_kwargs) -> Answer:
     """``generate_kwargs`` go to ``model.generate()`` (default greedy): sampling, logits
-    processors, ``stop_strings``..."""
+    processors, ``stop_strings``... ``zero_copy`` (default): attend to the store's chunk pages
+    in place; False: copy them into a request cache first (see ``common.cached_answer``)."""
     if positions not in POSITIONS:
         raise ValueError(f"ragattn.methods.turborag.answer: positions must be one of {POSITIONS}, "
                          f"got {positions!r}")
     return cached_answer(model, tokenizer, chunks, question, positions=positions,
                          method=f"turborag-{positions}", max_new_tokens=max_new_tokens, store=store,
-                         **generate_kwargs)
+                         zero_copy=zero_copy, **generate_kwargs)

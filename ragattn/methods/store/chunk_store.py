@@ -8,8 +8,11 @@
     # keys re-rotated to their request positions; req.next_position: RoPE position after the chunks.
 
 Chunk K/V are computed by one ``varlen_attention`` forward over all missing chunks packed (one
-sequence per chunk, positions 0..n-1 per chunk), so each chunk's keys are stored rotated at its
-local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
+sequence per chunk, positions 0..n-1 per chunk); the pool keeps each chunk's keys *position-free*
+(un-rotated once, in fp32, when the chunk enters the pool; its pages are never written again), so
+that a request may attend to them in place with RoPE applied in the kernel (:meth:`ChunkStore.request`,
+zero-copy) and a copy into a caller's cache rotates each key once, to its target position. Chunk
+files and :meth:`ChunkStore.get_kv` hold keys rotated at the chunk's local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
 fingerprint (:func:`model_fingerprint`) hashes the model's config (every value but the attention
 implementation and the path it was loaded from) and a checksum of every weight and buffer (two
 exact int64 sums over each tensor's bytes: any changed bit changes it), computed in full at store
@@ -50,6 +53,10 @@ Public API (for the methods, FusionRAG's offline fusion and serving-engine conne
   re-rotated from their local positions to ``positions``: one ``ragattn.copy_kv_`` per pool
   slab the chunks live in (usually one).
 * ``store.assemble(keys, ...)``: :meth:`gather_into_` into a fresh batch-1 ``PagedKV``.
+* ``store.request(keys, positions, extra_slots)`` -> :class:`ZeroCopyRequest`: no copy; a
+  position-tagged page table over the chunks' own (shared) pool pages plus private pool pages
+  (``ragattn.hf.tagged.TaggedPagedKV``), keys rotated in the attention kernel, pages a recompute
+  writes copied on write; the chunks stay pinned until ``req.release()`` (docs/chunk-store.md).
 
 Memory: a byte budget, LRU eviction, no 2x growth
 --------------------------------------------------
@@ -66,6 +73,10 @@ without a (writable) directory is recomputed from its tokens (kept in host memor
 token) on its next use; a derived entry
 that exists only in memory is dropped (``has`` turns False; build it again). ``pool_bytes`` is
 the pool's allocated size (never above the budget), ``num_rows`` the tokens held.
+
+Zero-copy requests (:meth:`ChunkStore.request`) read the pool in place: their chunks are pinned
+(the LRU evicts only chunks no live request holds) and their private pages come from the same
+budget (shared chunk pages counted once), until released.
 
 Assembled requests use *copy-out* semantics: :meth:`assemble` / :meth:`gather_into_` copy the
 chunks' rows into the request's own cache, so an ``AssembledRequest`` never refers to pool
@@ -148,6 +159,62 @@ class _Entry:
     @property
     def length(self) -> int:
         return int(self.tokens.numel())
+
+
+def _release_request(pool: PagePool, pinned: list, private: list, cache_ref) -> None:
+    """Finalizer of a zero-copy request: its private pages go back to the pool, its chunks are
+    unpinned, its cache (when still alive) refuses any later use."""
+    cache = cache_ref()
+    if cache is not None:
+        cache.close()
+    PagePool.free(private)
+    private.clear()
+    for e in pinned:
+        e.pins -= 1
+    pinned.clear()
+
+
+class ZeroCopyRequest:
+    """A request over the store's own pages (:meth:`ChunkStore.request`): ``cache`` is a
+    :class:`~ragattn.hf.tagged.TaggedPagedKV` whose page table lists the chunks' shared pool pages
+    (with their positions) and the request's private pages. ``chunk_starts``/``chunk_lens``,
+    ``positions`` (int32 ``[num_slots]``, each chunk slot's RoPE position), ``next_position``
+    and ``num_slots`` mean what they mean on :class:`AssembledRequest`.
+
+    The chunks stay pinned (never evicted) and the private pages allocated until :meth:`release`
+    (or the end of a ``with`` block, or when the request and its cache are garbage-collected);
+    afterwards the cache refuses every use. ``private_pages``/``private_bytes``: what this
+    request holds on its own (question/answer pages and pages copied on write), the shared
+    chunk pages being counted once, in the store's ``pool_bytes``."""
+
+    def __init__(self, cache, chunk_starts, chunk_lens, positions, next_position, release, page_bytes):
+        self.cache = cache
+        self.chunk_starts, self.chunk_lens = chunk_starts, chunk_lens
+        self.positions, self.next_position = positions, next_position
+        self.num_slots = sum(chunk_lens)
+        self._release, self._page_bytes = release, page_bytes
+
+    @property
+    def private_pages(self) -> int:
+        return self.cache.private_pages
+
+    @property
+    def private_bytes(self) -> int:
+        return self.private_pages * self._page_bytes
+
+    @property
+    def released(self) -> bool:
+        return not self._release.alive
+
+    def release(self) -> None:
+        """Give the private pages back and unpin the chunks (idempotent)."""
+        self._release()
+
+    def __enter__(self) -> "ZeroCopyRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 @dataclass
@@ -244,7 +311,8 @@ class ChunkStore:
 
     def _weights_changed(self, fp: str) -> None:
         if any(e.pins for e in self._entries.values()):
-            raise ChunkStoreError("ragattn.ChunkStore: the model's weights changed during a gather")
+            raise ChunkStoreError("ragattn.ChunkStore: the model's weights changed during a gather or while "
+                                  "a live zero-copy request holds chunks of the store (release it first)")
         self._stale.update(self._entries)
         self._stale.update(self._recomputable)
         for key in list(self._entries):
@@ -305,11 +373,33 @@ class ChunkStore:
         parts = self._pool.alloc(n, self._evict_one)
         rows = self._pool.rows_of(parts)
         self._pool.write(parts, rows, k_layers, v_layers)
+        self._rotate_parts_(parts, rows, -1)   # position-free: un-rotated from 0..n-1, in fp32
         e = _Entry(tokens.to("cpu", torch.int64), parts, rows, on_disk, variant)
         self._entries[key] = e
         self._recomputable.pop(key, None)
         self._layout += 1
         return e
+
+    def _rotate_parts_(self, parts, rows: torch.Tensor, sign: int) -> None:
+        """Rotate the keys of a chunk (``parts``/``rows`` of its pages, token order) in place by
+        ``sign * j`` for its token ``j``: -1 makes keys computed at ``0..n-1`` position-free
+        (the pool's form), +1 the reverse. One ``rerotate_keys_`` per slab (fp32 rotation)."""
+        at = 0
+        for slab, _, r in parts:
+            delta = torch.arange(at, at + r, dtype=torch.int64, device=self.device)
+            _ops.rerotate_keys_(slab.k, rows[at: at + r], delta if sign > 0 else delta.neg_(), self._inv_freq,
+                                self.rope.rotary_dim, self.rope.interleaved)
+            at += r
+
+    def _read_local(self, e: "_Entry") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer ``[n, Hkv, D]`` copies of an entry, keys rotated to its local positions
+        ``0..n-1`` (the form of chunk files and of :meth:`get_kv`)."""
+        k, v = self._pool.read(e.parts, e.rows)
+        n = e.length
+        if n:
+            _ops.rerotate_keys_(k, torch.arange(n, device=self.device), torch.arange(n, device=self.device),
+                                self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
+        return k, v
 
     def pooled_kv(self, device: str | torch.device = "cpu", pin_memory: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +410,7 @@ class ChunkStore:
         ``pin_memory=True`` (CPU ``device`` only, needs CUDA) allocates them in page-locked
         memory so that :meth:`load_pooled_kv_` can copy them to the GPU asynchronously. The copy
         is only meaningful to this store while no chunk is added, evicted or overwritten.
-        Keys are rotated at each chunk's local positions ``0..n-1``."""
+        Keys are position-free (no RoPE; :meth:`get_kv` rotates them to their local positions)."""
         self._sync()
         device = torch.device(device)
         if pin_memory and device.type != "cpu":
@@ -352,6 +442,10 @@ class ChunkStore:
             if t.dtype != self.dtype:
                 raise ChunkStoreError(f"ragattn.ChunkStore.load_pooled_kv_: {name} has dtype {t.dtype}, "
                                       f"expected {self.dtype}")
+        if any(e.pins for e in self._entries.values()):
+            # a live zero-copy request's private pages (its question and answer) are pool pages too
+            raise ChunkStoreError("ragattn.ChunkStore.load_pooled_kv_: live requests hold pages of the pool "
+                                  "(release them first): the copy would overwrite their private pages")
         if self._pooled_layout != self._layout:
             raise ChunkStoreError("ragattn.ChunkStore.load_pooled_kv_: the pool changed (chunks added, "
                                   "evicted or overwritten) since pooled_kv() was taken: the copy is stale")
@@ -450,10 +544,11 @@ class ChunkStore:
         return vkey
 
     def get_kv(self, key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies (keys at local positions)."""
+        """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies, keys rotated to the chunk's
+        local positions ``0..n-1`` (the pool holds them position-free: rotated here, in fp32)."""
         self._sync()
         e = self._get(key)
-        return self._pool.read(e.parts, e.rows)
+        return self._read_local(e)
 
     def kv(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of a stored chunk: ``[L, n, Hkv, D]`` each (copies; keys at local positions)."""
@@ -622,7 +717,7 @@ class ChunkStore:
             raise ChunkStoreError(f"ragattn.ChunkStore.save: cannot create directory {d} "
                                   f"({exc.strerror or exc})") from None
         e = self._get(key)
-        k, v = (torch.stack(x) for x in self._pool.read(e.parts, e.rows))
+        k, v = (torch.stack(x) for x in self._read_local(e))
         path = self._write_file(key, e.tokens, k, v, e.variant, d)
         if directory is None:
             e.on_disk = True
@@ -694,7 +789,7 @@ class ChunkStore:
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
                      dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
-                     split_heads: bool = False) -> None:
+                     split_heads: bool = False, rotate: bool = True) -> None:
         """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
 
         ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
@@ -705,7 +800,10 @@ class ChunkStore:
         ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
         caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
         token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
-        RoPE position each key is re-rotated to (from its local position ``j`` within its chunk).
+        RoPE position each key is rotated to (None: its local position ``j`` within its chunk; the
+        pool holds keys position-free, so every gathered key is rotated once, by its position);
+        ``rotate=False``: keys are written position-free (no RoPE; ``positions`` must be None), for
+        a caller that rotates them itself (one rotation, by the target position).
         Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
         unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
         involved."""
@@ -725,7 +823,10 @@ class ChunkStore:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
                                       f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
                                       f"{len(dst_k)} and {len(dst_v)}")
-            delta = None
+            delta = self._local_positions(lens)[skip:] if rotate else None
+            if positions is not None and not rotate:
+                raise ChunkStoreError("ragattn.ChunkStore.gather_into_: positions with rotate=False (the keys "
+                                      "stay position-free)")
             if positions is not None:
                 if tuple(positions.shape) != (n,):
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
@@ -737,7 +838,7 @@ class ChunkStore:
                     # the rotation deltas are int32: a larger position would wrap around
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be in [0, "
                                           f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
-                delta = (positions.to(self.device, torch.int64) - self._local_positions(lens)[skip:]).to(torch.int32)
+                delta = positions.to(self.device, torch.int64)
             self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta, skip, split_heads)
         finally:
             self._unpin(pinned)
@@ -750,7 +851,8 @@ class ChunkStore:
         return torch.arange(total, dtype=torch.int64).sub_(offs).to(self.device)
 
     def _copy(self, entries, lens, dst_k, dst_v, dst, delta, skip: int = 0, split_heads: bool = False):
-        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst`` (``delta``: rotation of each)."""
+        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from position-free
+        to ``delta`` (int64, each token's target position; None: left position-free)."""
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
         rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved) if delta is not None else (None, 0, False)
         if len(slabs) == 1:
@@ -784,6 +886,83 @@ class ChunkStore:
         cache = PagedKV(*dims, self.dtype, self.device, buffer=buf)
         weakref.finalize(cache, _keep_spare, spare, buf)
         return cache
+
+    @torch.no_grad()
+    def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
+        """A zero-copy request over the chunks ``keys`` (in this order): no K/V is copied; the
+        request's page table points at the chunks' own (shared, position-free) pool pages with
+        their positions, followed by ``ceil(extra_slots / page_size)`` private pages from the pool
+        for the final block and the answer. The model then runs on ``req.cache`` through the
+        "ragattn" attention (``ragattn_paged=req.cache`` or a ``PagedCache``), keys rotated in the
+        kernel; a recompute that writes chunk slots copies their pages first (copy on write).
+
+        ``positions``: "reordered" (chunk i from ``o_i``, consecutive), "composite" (every chunk
+        from 0; the final block starts at ``max n_i``), or a sequence of ints: the first position
+        of each chunk (any scheme: Block-Attention's offsets, gaps, overlaps); the final block
+        starts after the furthest chunk end. Release with ``req.release()`` or ``with``."""
+        self._sync()
+        if len(keys) == 0:
+            raise ChunkStoreError("ragattn.ChunkStore.request: no chunks given (empty retrieval)")
+        if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
+            raise ChunkStoreError(f"ragattn.ChunkStore.request: extra_slots must be an integer >= 0, "
+                                  f"got {extra_slots!r}")
+        if isinstance(positions, str):
+            if positions not in ("reordered", "composite"):
+                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be 'reordered', 'composite' "
+                                      f"or each chunk's first position, got {positions!r}")
+            firsts = None
+        else:
+            firsts = [int(p) for p in positions]
+            if len(firsts) != len(keys) or any(p < 0 for p in firsts):
+                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
+                                      f"per chunk ({len(keys)}), got {list(positions)}")
+        from ragattn.hf.tagged import TaggedPagedKV
+
+        entries, pinned = self._pin(keys)
+        private: list = []
+        try:
+            lens = [e.length for e in entries]
+            starts = [0]
+            for n in lens[:-1]:
+                starts.append(starts[-1] + n)
+            total = sum(lens)
+            if firsts is None:
+                firsts = starts if positions == "reordered" else [0] * len(lens)
+            next_pos = max(f + n for f, n in zip(firsts, lens))
+            if next_pos + extra_slots > self.max_positions:
+                raise ChunkStoreError(
+                    f"ragattn.ChunkStore.request: chunks up to position {next_pos} + {extra_slots} extra slots "
+                    f"exceed the model's window (max_position_embeddings={self.max_positions})")
+            ps, pool = self.page_size, self._pool
+
+            def alloc_page():
+                parts = pool.alloc(ps, self._evict_one)
+                private.extend(parts)
+                slab, pages, _ = parts[0]
+                return slab.k_pages, slab.v_pages, pages[0]
+
+            cache = TaggedPagedKV(self.num_layers, self.num_kv_heads, self.head_dim, ps, self.dtype, self.device,
+                                  self._inv_freq, self.rope.rotary_dim, self.rope.interleaved, alloc_page)
+            for e, first in zip(entries, firsts):
+                at = 0
+                for slab, pages, r in e.parts:
+                    valid = [min(ps, r - i * ps) for i in range(len(pages))]
+                    pos = [first + at + i * ps for i in range(len(pages))]
+                    cache.add_entries(slab.k_pages, slab.v_pages, pages, pos, valid)
+                    at += r
+            if extra_slots:
+                parts = pool.alloc(extra_slots, self._evict_one)
+                private.extend(parts)
+                for slab, pages, _ in parts:
+                    cache.add_private(slab.k_pages, slab.v_pages, pages)
+        except BaseException:
+            PagePool.free(private)
+            self._unpin(pinned)
+            raise
+        release = weakref.finalize(cache, _release_request, pool, pinned, private, weakref.ref(cache))
+        release.atexit = False
+        pos = torch.cat([f + torch.arange(n, dtype=torch.int32) for f, n in zip(firsts, lens)])
+        return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * self.row_bytes)
 
     @torch.no_grad()
     def assemble(self, keys: Sequence[str], positions: str = "reordered", extra_slots: int = 0,
@@ -826,11 +1005,9 @@ class ChunkStore:
                 pos = slots.to(torch.int32)
             else:
                 pos = self._local_positions(lens).to(torch.int32)
-            # reordered: chunk i moves by its start (chunk 0 by 0); composite: nothing moves
-            delta = None
-            if rerotate and positions == "reordered" and len(lens) > 1:
-                delta = (slots - self._local_positions(lens)).to(torch.int32)
-            self._copy(entries, lens, cache.k, cache.v, dst, delta)
+            # position-free keys are rotated to their slot's position (rerotate=False: to the
+            # chunk-local ones, as if the chunks had not moved)
+            self._copy(entries, lens, cache.k, cache.v, dst, pos.long() if rerotate else self._local_positions(lens))
         finally:
             self._unpin(pinned)
         cache.lengths[0] = total

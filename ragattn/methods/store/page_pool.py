@@ -46,6 +46,11 @@ class _Slab:
         self.v = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
         self.pages = pages
         self.free = list(range(pages - 1, -1, -1))  # popped from the end: low pages first
+        # the same memory as [pages, page_size, Hkv, D] per layer: what zero-copy requests read
+        # (one object per slab, so that a request knows its pages' tensors by identity)
+        page_shape = (pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
+        self.k_pages = [t.view(page_shape) for t in self.k]
+        self.v_pages = [t.view(page_shape) for t in self.v]
 
 
 class PagePool:
