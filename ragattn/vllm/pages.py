@@ -222,11 +222,10 @@ class PageWriter:
         shape = (n, st.num_kv_heads, st.head_dim)
         sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
         sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
-        # keys stay at their local positions here; the one rotation happens on the cache's device
-        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), skip=skip)
-        lens = [st.tokens(k).numel() for k in keys]
-        local = st._local_positions(lens)[skip:].cpu()
-        delta = (positions - local).to(self.device)  # int64 (copy_kv_ takes vLLM's position dtype)
+        # keys stay position-free here (as the pool holds them); the one rotation, by each key's
+        # target position, happens on the cache's device in copy_kv_
+        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), skip=skip, rotate=False)
+        delta = positions.to(self.device)  # int64 (copy_kv_ takes vLLM's position dtype)
         hs = range(st.num_kv_heads)
         sk = [t.to(self.device, non_blocking=True) for t in sk]
         sv = [t.to(self.device, non_blocking=True) for t in sv]
