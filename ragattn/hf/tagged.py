@@ -452,6 +452,15 @@ class TaggedPagedKV:
         add, empty = mask
         if k.shape[0] == 0:
             return q_rows.new_zeros(q_rows.shape)
+        if q_rows.shape[0] == 1 and add is None and empty is None:
+            # a decode step that sees every slot: the C++ paged kernel over the gathered rows as one
+            # page (it reads each row once for the whole GQA group; SDPA over the [H, n, D] view of
+            # these [n, H, D] rows is ~2x slower a layer, as for PagedKV's decode: cpu_sdpa_enabled)
+            n = k.shape[0]
+            one = torch.zeros((1, 1), dtype=torch.int32)
+            return _ops.paged_attention(q_rows, torch.full((1,), n - 1, dtype=torch.int32),
+                                        torch.tensor([0, 1], dtype=torch.int32), k[None], v[None], one,
+                                        torch.full((1,), n, dtype=torch.int32), scale)[0]
         out = torch.nn.functional.scaled_dot_product_attention(
             q_rows.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=add,
             scale=scale, enable_gqa=q_rows.shape[1] != H)[0].transpose(0, 1)
