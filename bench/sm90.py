@@ -289,7 +289,7 @@ def triton_specs() -> List[TritonSpec]:
                       HAS_WINDOW=window >= 0, ROW_STARTS=False, SOFTCAP=False, UPCAST=False, IEEE_FP32=False,
                       EVEN_D=D == block_d, PAGE_MODE=pa.page_mode(page, block_n, split_len),
                       PAGE_SIZE=page if pa.page_mode(page, block_n, split_len) else 1,
-                      SPLIT_WHOLE_TILES=m_tile <= 64)
+                      SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile))
         types = dict(types_pa, OUT="*fp32" if splits > 1 else "*bf16")
         # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
         ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,

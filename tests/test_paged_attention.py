@@ -704,7 +704,8 @@ for elt, head_dim in SM90_CASES:
         group_pad = triton.next_power_of_2(group)
         m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)))
         block_d = max(16, triton.next_power_of_2(head_dim))
-        m_tile, block_n, stages, warps = pa.tile_config(m_tile, block_d, dtype.itemsize, False)
+        cfg = pa.kernel_config(m_tile, block_d, dtype.itemsize)  # the table's default entry
+        m_tile, block_n, stages, warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, SOFTCAP=False, UPCAST=False,
                       IEEE_FP32=dtype == torch.float32,  # windows: decode/verify configs
@@ -712,7 +713,7 @@ for elt, head_dim in SM90_CASES:
                       POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False,
                       # page ids once per page (16-slot pages) for decode/verify, once per tile (128) for prefill
                       EVEN_D=block_d == head_dim, PAGE_MODE=1 if split else 2, PAGE_SIZE=16 if split else 128,
-                      SPLIT_WHOLE_TILES=m_tile <= 64)  # as the launcher: whole key tiles in a loop of their own
+                      SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile))  # as the launcher
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32", softcap_log2="fp32")

@@ -312,42 +312,35 @@ def _paged_attention_kernel(
             partner = tl.where(d < half, d + half, d - half)
             freq = tl.load(INV_FREQ + tl.where(d < half, d, d - half), mask=rot, other=0.0).to(tl.float64)
             sgn = tl.where(d < half, -1.0, 1.0)
-    if POS_TABLE or HAS_ENTRY_LEN:  # positions from the entries: every tile takes the masked loop
+    # the key range in segments, one loop of one kind (TILES) each: a position-tagged table is one
+    # masked segment, prefill's 128-row tiles one segment tested tile by tile (three loops would
+    # spill), decode and verify tiles three: [lo, f0) and [f1, hi) hold the tiles some row sees
+    # only in part (the window's edge, the causal diagonal, the last tile), [f0, f1) the tiles
+    # every row sees whole (the bulk of a decode)
+    TAGGED: tl.constexpr = POS_TABLE or HAS_ENTRY_LEN
+    SEGMENTS: tl.constexpr = 3 if (SPLIT_WHOLE_TILES and not TAGGED) else 1
+    f0 = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    f1 = f0 + tl.maximum(tl.minimum(full_hi + 1, hi) - f0, 0) // BLOCK_N * BLOCK_N
+    for seg in tl.static_range(SEGMENTS):
+        if SEGMENTS == 1:
+            seg_lo = lo
+            seg_hi = hi
+        elif seg == 0:
+            seg_lo = lo
+            seg_hi = f0
+        elif seg == 1:
+            seg_lo = f0
+            seg_hi = f1
+        else:
+            seg_lo = f1
+            seg_hi = hi
         m_i, l_i, acc, bad_row = _attend_key_tiles(
-            m_i, l_i, acc, bad_row, lo, hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
-            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
-            1, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
-            PAGE_SIZE)
-    elif not SPLIT_WHOLE_TILES:  # one loop, each tile tested (prefill: three loops would spill)
-        m_i, l_i, acc, bad_row = _attend_key_tiles(
-            m_i, l_i, acc, bad_row, lo, hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
-            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
-            2, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
-            PAGE_SIZE)
-    else:
-        # [lo, f0) and [f1, hi): tiles some row sees only in part (the window's edge, the causal
-        # diagonal, the last tile); [f0, f1): tiles every row sees whole (the bulk of a decode)
-        f0 = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
-        f1 = f0 + tl.maximum(tl.minimum(full_hi + 1, hi) - f0, 0) // BLOCK_N * BLOCK_N
-        m_i, l_i, acc, bad_row = _attend_key_tiles(
-            m_i, l_i, acc, bad_row, lo, f0, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
-            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
-            1, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
-            PAGE_SIZE)
-        m_i, l_i, acc, bad_row = _attend_key_tiles(
-            m_i, l_i, acc, bad_row, f0, f1, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
-            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
-            0, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
-            PAGE_SIZE)
-        m_i, l_i, acc, bad_row = _attend_key_tiles(
-            m_i, l_i, acc, bad_row, f1, hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row,
-            ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-            page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
-            1, BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            m_i, l_i, acc, bad_row, seg_lo, seg_hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE,
+            page_row, ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
+            stride_vh, page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left,
+            full_lo, full_hi,
+            (1 if TAGGED else 2) if SEGMENTS == 1 else (0 if seg == 1 else 1),  # TILES (a constexpr: no variable)
+            BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
             PAGE_SIZE)
 
     seen = l_i > 0
@@ -367,6 +360,12 @@ def page_mode(page_size: int, block_n: int, split_len: int) -> int:
     if page_size & (page_size - 1) or split_len % block_n:
         return 0
     return 2 if page_size % block_n == 0 else 1
+
+
+def split_whole_tiles(m_tile: int) -> bool:
+    """The kernel's SPLIT_WHOLE_TILES for query tiles of ``m_tile`` stacked rows: decode and verify
+    tiles (<= 64 rows) run whole key tiles in a loop of their own; prefill's (128) would spill."""
+    return m_tile <= 64
 
 
 def _interpreting() -> bool:
@@ -416,13 +415,6 @@ def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
         else:
             break
     return cfg
-
-
-def tile_config(m_tile: int, block_d: int, elt: int, interp: bool, device_name: Optional[str] = None):
-    """(m_tile, block_n, num_stages, num_warps) of ``kernel_config`` (the static sm_90 report and the
-    compile tests ask it)."""
-    c = kernel_config(m_tile, block_d, elt, interp=interp, device_name=device_name)
-    return c["m_tile"], c["BLOCK_N"], c["num_stages"], c["num_warps"]
 
 
 def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: torch.device,
@@ -692,7 +684,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
-        SPLIT_WHOLE_TILES=plan.block_m * plan.group_pad <= 64,
+        SPLIT_WHOLE_TILES=split_whole_tiles(plan.block_m * plan.group_pad),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
