@@ -105,6 +105,7 @@ creation, naming it, unless ``read_only=True`` (serve the chunks in it; new chun
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import weakref
@@ -127,6 +128,21 @@ from ragattn.methods.store.page_pool import PagePool, _Slab, default_budget
 
 _KEY = re.compile(r"^[0-9a-f]{40}$")
 _MAX_POSITION = (1 << 31) - 1   # rotation deltas are int32
+
+
+def _check_chunks_and_extra(method: str, keys, extra_slots) -> None:
+    """The arguments ``ChunkStore.request`` and ``ChunkStore.assemble`` share: at least one chunk,
+    and ``extra_slots`` an int >= 0."""
+    if len(keys) == 0:
+        raise ChunkStoreError(f"ragattn.ChunkStore.{method}: no chunks given (empty retrieval)")
+    if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
+        raise ChunkStoreError(f"ragattn.ChunkStore.{method}: extra_slots must be an integer >= 0, "
+                              f"got {extra_slots!r}")
+
+
+def _chunk_starts(lens: Sequence[int]) -> list[int]:
+    """Each chunk's first logical slot: chunk after chunk."""
+    return [0, *itertools.accumulate(lens[:-1])]
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -901,11 +917,7 @@ class ChunkStore:
         of each chunk (any scheme: Block-Attention's offsets, gaps, overlaps); the final block
         starts after the furthest chunk end. Release with ``req.release()`` or ``with``."""
         self._sync()
-        if len(keys) == 0:
-            raise ChunkStoreError("ragattn.ChunkStore.request: no chunks given (empty retrieval)")
-        if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
-            raise ChunkStoreError(f"ragattn.ChunkStore.request: extra_slots must be an integer >= 0, "
-                                  f"got {extra_slots!r}")
+        _check_chunks_and_extra("request", keys, extra_slots)
         if isinstance(positions, str):
             if positions not in ("reordered", "composite"):
                 raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be 'reordered', 'composite' "
@@ -922,10 +934,7 @@ class ChunkStore:
         private: list = []
         try:
             lens = [e.length for e in entries]
-            starts = [0]
-            for n in lens[:-1]:
-                starts.append(starts[-1] + n)
-            total = sum(lens)
+            starts = _chunk_starts(lens)
             if firsts is None:
                 firsts = starts if positions == "reordered" else [0] * len(lens)
             next_pos = max(f + n for f, n in zip(firsts, lens))
@@ -978,20 +987,14 @@ class ChunkStore:
         if positions not in ("reordered", "composite"):
             raise ChunkStoreError(f"ragattn.ChunkStore.assemble: positions must be 'reordered' or "
                                   f"'composite', got {positions!r}")
-        if len(keys) == 0:
-            raise ChunkStoreError("ragattn.ChunkStore.assemble: no chunks given (empty retrieval)")
-        if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
-            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: extra_slots must be an integer >= 0, "
-                                  f"got {extra_slots!r}")
+        _check_chunks_and_extra("assemble", keys, extra_slots)
         if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
             raise ChunkStoreError(f"ragattn.ChunkStore.assemble: page_size must be an integer >= 1 or None, "
                                   f"got {page_size!r}")
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
-            starts = [0]
-            for n in lens[:-1]:
-                starts.append(starts[-1] + n)
+            starts = _chunk_starts(lens)
             total = sum(lens)
             next_pos = total if positions == "reordered" else max(lens)
             if next_pos + extra_slots > self.max_positions:
