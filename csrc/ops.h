@@ -42,6 +42,14 @@ void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                              const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
                              double logits_soft_cap, const at::Tensor& out, const at::Tensor& lse_out);
+// paged_attention_run's CPU kernel for position-tagged page lists and un-rotated keys (private:
+// called by ragattn/ops/paged_attention.py after its checks, and by ragattn/hf/tagged.py)
+std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(const at::Tensor& q, const at::Tensor& q_pos,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& pages,
+    const at::Tensor& row_start, const at::Tensor& kv_lens, const std::optional<at::Tensor>& entry_pos,
+    const std::optional<at::Tensor>& entry_len, const std::optional<at::Tensor>& rope_cos,
+    const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim, bool interleaved, double scale,
+    int64_t window_left, double logits_soft_cap);
 // varlen_attention's default CPU forward and backward (index-value checks in C++; metadata by Python)
 std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,

@@ -102,6 +102,13 @@ TORCH_LIBRARY(ragattn, m) {
       "_paged_attention_cpu_backend(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, "
       "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left, float logits_soft_cap=0.0) "
       "-> (Tensor out, Tensor lse)");
+  //    paged_attention_run's CPU kernel for position-tagged page lists (C++): rope_cos/rope_sin
+  //    float32 [positions, rotary_dim / 2] (None: keys stored rotated) rotate each key by its slot's position.
+  m.def(
+      "_paged_attention_tagged_cpu(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor pages, Tensor row_start, Tensor kv_lens, Tensor? entry_pos, Tensor? entry_len, Tensor? rope_cos, "
+      "Tensor? rope_sin, int rotary_dim, bool interleaved, float scale, int window_left, float logits_soft_cap) "
+      "-> (Tensor out, Tensor lse)");
   //    varlen_attention's default CPU forward and backward (C++), called by its Python impls after
   //    the metadata checks; the backward takes the forward's out and lse.
   m.def(
@@ -143,6 +150,7 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   // attention CPU paths
   m.impl("paged_attention", &ragattn::paged_attention_cpu);
   m.impl("paged_attention.out", &ragattn::paged_attention_out_cpu);
+  m.impl("_paged_attention_tagged_cpu", &ragattn::paged_attention_tagged_cpu);
   m.impl("_merge_attention_states_cpu", &ragattn::merge_attention_states_cpu);
   m.impl("_merge_attention_states_n_cpu", &ragattn::merge_attention_states_n_cpu);
   m.impl("_varlen_attention_cpu", &ragattn::varlen_attention_cpu);

@@ -344,6 +344,62 @@ def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
     torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", ["many", "one per sequence"])
+def test_cpu_tagged_kernel_scratch_groups_and_in_task_rotation(seed, monkeypatch, rows):
+    """The C++ tagged kernel's two ways of rotating keys: sequences with several rows rotate their
+    visible keys once into scratch (in groups of sequences that fit its budget: a 1-byte budget
+    makes each sequence a group, bit for bit the same), sequences of one row (decode) rotate them
+    in the task. Both against the float64 reference, GQA 3, page size 5, a window, bf16."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 4, 9], "reordered", page_size=5, num_heads=6, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                 gen=gen, question_len=4)
+    if rows == "one per sequence":   # each request's last row (its question's last token)
+        last = (cu[1:] - 1).long()
+        q, q_pos, cu = q[last], q_pos[last], torch.arange(3, dtype=I32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    for window_left in (-1, 7):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
+        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
+        assert_precision(got[0], o64, olp)
+        assert_precision(got[1], l64, llp, what="lse")
+        monkeypatch.setenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES", "1")
+        grouped = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        monkeypatch.delenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES")
+        assert torch.equal(grouped[0], got[0]) and torch.equal(grouped[1], got[1])
+
+
+def test_cpu_tagged_private_op_checks_like_its_fake():
+    """``ragattn::_paged_attention_tagged_cpu`` (the C++ kernel the CPU route calls directly):
+    opcheck, and out-of-range index values refused before any read."""
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "gapped", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    from ragattn.ops.paged_attention import rope_position_table
+
+    cos, sin = rope_position_table(torch.rand(32) * 0.5 + 0.01, int(q_pos.max()) + 1)
+    op = torch.ops.ragattn._paged_attention_tagged_cpu.default
+    args = [q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len, cos,
+            sin, 64, False, 0.125, -1, 0.0]
+    torch.library.opcheck(op, tuple(args))
+    for bad, msg, values in [({5: table.pages + k.shape[0]}, "must lie in", True),
+                             ({10: cos[:-1], 11: sin[:-1]}, "RoPE table has", True),
+                             ({9: table.entry_len + 4}, "entry_len", True), ({11: None}, "go together", False),
+                             ({12: 63}, "rotary_dim must be even", False),
+                             ({10: cos.double(), 11: sin.double()}, "contiguous float32", False),
+                             ({6: table.row_start[:1]}, "row_start must be", False)]:
+        a = list(args)
+        for i, x in bad.items():
+            a[i] = x
+        with pytest.raises(ValueError, match=msg):
+            op(*a)
+        if not values:   # the fake impl refuses what needs no index values, with the same message
+            with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match=msg):
+                op(*[mode.from_tensor(x) if torch.is_tensor(x) else x for x in a])
+
+
 def test_tagged_run_opcheck_and_errors(device):
     q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "composite", page_size=4, num_heads=4, num_kv_heads=2,
                                                  head_dim=64, dtype=torch.float32, device=device)

@@ -275,23 +275,37 @@ def test_live_requests_refuse_pool_overwrites_and_weight_changes(model):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [16, 10])
-def test_cpu_route_rotation_against_float64(interleaved, rotary_dim):
-    """The CPU route's fp32 rotation (both pair layouts, partial rotary) against the float64
-    reference rotation, within fp32 rounding; positions up to 2^17."""
-    from ragattn.hf.tagged import _rope_tables, _rotate
+def test_cpu_kernel_rotation_against_float64(interleaved, rotary_dim):
+    """The CPU route's table (``rope_position_table``) and the C++ kernel's fp32 rotation (both
+    pair layouts, partial rotary) at positions up to 2^17, against the float64 reference: one
+    query row that sees one slot gets exactly that slot's V, and its score is q . rot(k)."""
+    from ragattn.ops.paged_attention import rope_position_table
 
     g = torch.Generator().manual_seed(1)
-    k = torch.randn(37, 3, 16, generator=g)
-    pos = torch.randint(0, 1 << 17, (37,), generator=g)
     inv_freq = 1.0 / (500.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    c, s = _rope_tables(pos[:, None].double() * inv_freq.double()[None], 16, rotary_dim, interleaved)
-    got = _rotate(k, c, s, rotary_dim, interleaved)
-    want = rope_rotate(k.double(), pos, inv_freq, rotary_dim, interleaved)
-    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    if rotary_dim < 16:
-        assert torch.equal(got[..., rotary_dim:], k[..., rotary_dim:])
-    other = rope_rotate(k.double(), pos, inv_freq, rotary_dim, not interleaved)
-    assert (got.double() - other).abs().max() > 1e-2
+    pos = torch.randint(0, 1 << 17, (37,), generator=g)
+    cos, sin = rope_position_table(inv_freq, int(pos.max()) + 1)
+    ang = pos[:, None].double() * inv_freq.double()[None]
+    assert (cos[pos].double() - ang.cos()).abs().max() <= 2e-7 and (sin[pos].double() - ang.sin()).abs().max() <= 2e-7
+    # each slot its own page, its own position; row r at slot r's position sees slots at <= it: give
+    # every row a window of 0 so that it sees exactly its slot, and read q . rot(k) from the lse
+    k = torch.randn(37, 1, 1, 16, generator=g)
+    v = torch.randn(37, 1, 1, 16, generator=g)
+    q = torch.randn(37, 1, 16, generator=g)
+    idx = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    out, lse = torch.ops.ragattn._paged_attention_tagged_cpu(
+        q, pos, idx([0, 37]), k, v, torch.arange(37), idx([0]), idx([37]), pos, None, cos, sin, rotary_dim,
+        interleaved, 1.0, 0, 0.0)
+    want = rope_rotate(k[:, 0].double(), pos, inv_freq, rotary_dim, interleaved)[:, 0]
+    score = (q[:, 0].double() * want).sum(-1)
+    # (positions may repeat: a row then sees every slot at its position)
+    same = pos[:, None] == pos[None, :]
+    lse_want = torch.logsumexp(torch.where(same, score[None, :], float("-inf")), 1)
+    assert (lse[:, 0].double() - lse_want).abs().max() <= 1e-4 * max(1.0, float(lse_want.abs().max()))
+    unique = same.sum(1) == 1
+    torch.testing.assert_close(out[unique], v[unique, 0], rtol=1e-6, atol=1e-6)
+    other = rope_rotate(k[:, 0].double(), pos, inv_freq, rotary_dim, not interleaved)[:, 0]
+    assert ((q[:, 0].double() * other).sum(-1) - score).abs().max() > 1e-2
 
 
 def test_private_page_positions_must_be_consecutive(model):

@@ -33,6 +33,7 @@
 
 #include "attention/cpu_attention_blocks_c10.h"
 #include "attention/softmax_math.h"
+#include "kv_cache/rope_math.h"
 #include "common/check_message.h"
 #include "common/cpu_isa.h"
 #include "common/vec8.h"
@@ -279,20 +280,92 @@ RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, flo
 }
 
 
+// One task's state: the online softmax of the G query heads of one (query row, kv head).
+struct RowState {
+  int64_t D, G;
+  std::vector<float> buf;
+  float* qf;     // [G, D] the group's query rows in float
+  float* acc;    // [G, D] unnormalised outputs
+  float* p;      // [G, kPRow] scores, then probabilities
+  float* m;      // [G] running max
+  float* l;      // [G] running sum
+  float* alpha;  // [G] this chunk's rescale of acc (0 for a poisoned head)
+  float* bad;    // [G] 1: a NaN or +inf visible score
+  RowState(int64_t D_, int64_t G_) : D(D_), G(G_), buf(G_ * D_ * 2 + G_ * kPRow + G_ * 4) {
+    qf = buf.data();
+    acc = qf + G * D;
+    p = acc + G * D;
+    m = p + G * kPRow;
+    l = m + G;
+    alpha = l + G;
+    bad = alpha + G;
+  }
+
+  // Row i's queries of kv head g's group; an empty softmax.
+  template <typename T>
+  RAGATTN_ALWAYS_INLINE void start(const PagedArgs& a, int64_t i, int64_t g) {
+    const T* qrow = static_cast<const T*>(a.q) + i * a.q_s0 + g * G * a.q_s1;
+    for (int64_t h = 0; h < G; ++h) {
+      for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qrow[h * a.q_s1 + d]);
+      m[h] = -std::numeric_limits<float>::infinity();
+      l[h] = 0.f;
+      bad[h] = 0.f;
+    }
+    std::fill(acc, acc + G * D, 0.f);
+  }
+
+  // out and lse of row i's G heads: NaN when poisoned, 0 and -inf when nothing was visible.
+  template <typename T>
+  RAGATTN_ALWAYS_INLINE void write(const PagedArgs& a, int64_t i, int64_t g) const {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t head = g * G + h;
+      T* orow = static_cast<T*>(a.out) + i * a.o_s0 + head * a.o_s1;
+      float* lse = a.lse + i * a.l_s0 + head * a.l_s1;
+      if (bad[h] != 0.f) {
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(nan);
+        *lse = nan;
+      } else if (l[h] == 0.f) {  // no visible slot (l >= 1 otherwise: the max slot contributes 1)
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(0.f);
+        *lse = -std::numeric_limits<float>::infinity();
+      } else {
+        const float inv = 1.f / l[h];
+        const float* acch = acc + h * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(std::isfinite(acch[d]) ? acch[d] * inv : nan);
+        *lse = m[h] + logf(l[h]);
+      }
+    }
+  }
+};
+
+// One online-softmax step over the visible slots [first, first + n) of a chunk, whose K and V
+// rows are kslot/vslot[first ...] (kslot has 8 spare entries past the chunk for the padding).
+template <typename T>
+RAGATTN_ALWAYS_INLINE void attend_chunk(RowState& st, const PagedArgs& a, const T** kslot, const T* const* vslot,
+                                        int64_t first, int64_t n) {
+  const int64_t D = st.D, G = st.G;
+  float* p = st.p;
+  for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
+  // the G heads' scores (k padded with a visible slot to a multiple of 8; scores past n unused)
+  dot_rows<kPRow>(st.qf, G, D, kslot + first, n, a.scale, p + first);
+  if (a.softcap > 0.f)  // score -> cap * tanh(score / cap)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t s = first; s < first + n; ++s) p[h * kPRow + s] = a.softcap * std::tanh(p[h * kPRow + s] / a.softcap);
+  for (int64_t h = 0; h < G; ++h) {
+    st.alpha[h] = 0.f;  // a poisoned head's acc is never read again
+    if (st.bad[h] == 0.f && !softmax_step(p + h * kPRow, first, n, st.m + h, st.l + h, st.alpha + h)) st.bad[h] = 1.f;
+  }
+  // heads in pairs: each V row loaded once for both
+  int64_t h = 0;
+  for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(st.acc + h * D, p + h * kPRow + first, st.alpha + h, vslot + first, n, D);
+  for (; h < G; ++h) accumulate<1, kPRow>(st.acc + h * D, p + h * kPRow + first, st.alpha + h, vslot + first, n, D);
+}
+
 // Query rows x kv heads [begin, end): item = row * num_kv_heads + kv_head.
 template <typename T>
 RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_t end) {
   const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> buf(G * D * 2 + G * kPRow + G * 4);
-  float* qf = buf.data();       // [G, D] the group's query rows in float
-  float* acc = qf + G * D;      // [G, D] unnormalised outputs
-  float* p = acc + G * D;       // [G, kPRow] scores, then probabilities
-  float* m = p + G * kPRow;     // [G] running max
-  float* l = m + G;             // [G] running sum
-  float* alpha = l + G;         // [G] this chunk's rescale of acc (0 for a poisoned head)
-  float* bad = alpha + G;       // [G] 1: a NaN or +inf visible score
+  RowState st(D, G);
   // chunk-local slot pointers (+ 8: the last block of dots8 is padded with a visible slot)
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
@@ -302,14 +375,7 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
     const int64_t pos = a.q_pos(i), kv_len = a.kv_lens(b);
     const int64_t hi = pos >= kv_len ? kv_len : pos + 1;  // never pos + 1 past int64 max
     const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
-    const T* qrow = static_cast<const T*>(a.q) + i * a.q_s0 + g * G * a.q_s1;
-    for (int64_t h = 0; h < G; ++h) {
-      for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qrow[h * a.q_s1 + d]);
-      m[h] = neg_inf;
-      l[h] = 0.f;
-      bad[h] = 0.f;
-    }
-    std::fill(acc, acc + G * D, 0.f);
+    st.start<T>(a, i, g);
     const T* k_base = static_cast<const T*>(a.k) + g * a.k_s2;
     const T* v_base = static_cast<const T*>(a.v) + g * a.v_s2;
     int64_t page_idx = lo / S, off = lo % S;  // slot lo's page-table entry and offset, stepped below
@@ -331,38 +397,9 @@ RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_
           ++page_idx;
         }
       }
-      for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
-      // the G heads' scores (k padded with a visible slot to a multiple of 8; scores past n unused)
-      dot_rows<kPRow>(qf, G, D, kslot + first, n, a.scale, p + first);
-      if (a.softcap > 0.f)  // score -> cap * tanh(score / cap)
-        for (int64_t h = 0; h < G; ++h)
-          for (int64_t s = first; s < first + n; ++s) p[h * kPRow + s] = a.softcap * std::tanh(p[h * kPRow + s] / a.softcap);
-      for (int64_t h = 0; h < G; ++h) {
-        alpha[h] = 0.f;  // a poisoned head's acc is never read again
-        if (bad[h] == 0.f && !softmax_step(p + h * kPRow, first, n, m + h, l + h, alpha + h)) bad[h] = 1.f;
-      }
-      // heads in pairs: each V row loaded once for both
-      int64_t h = 0;
-      for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
-      for (; h < G; ++h) accumulate<1, kPRow>(acc + h * D, p + h * kPRow + first, alpha + h, vslot + first, n, D);
+      attend_chunk<T>(st, a, kslot, vslot, first, n);
     }
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t head = g * G + h;
-      T* orow = static_cast<T*>(a.out) + i * a.o_s0 + head * a.o_s1;
-      float* lse = a.lse + i * a.l_s0 + head * a.l_s1;
-      if (bad[h] != 0.f) {
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(nan);
-        *lse = nan;
-      } else if (l[h] == 0.f) {  // no visible slot (l >= 1 otherwise: the max slot contributes 1)
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(0.f);
-        *lse = neg_inf;
-      } else {
-        const float inv = 1.f / l[h];
-        const float* acch = acc + h * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(std::isfinite(acch[d]) ? acch[d] * inv : nan);
-        *lse = m[h] + logf(l[h]);
-      }
-    }
+    st.write<T>(a, i, g);
   }
 }
 
@@ -372,6 +409,167 @@ RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64
   paged_items<T>(a, begin, end);
 }
 
+// --------------------------------------------------------------- position-tagged page lists
+// paged_attention_run over a flat page list whose entries carry the position of their slot 0
+// and their count of valid slots, with keys optionally stored without RoPE (zero-copy chunk pages:
+// ragattn/hf/tagged.py, ragattn/reference/paged_attention_table.py). Slot j < kv_lens[b] lies in
+// entry e = row_start[b] + j / page_size at offset o = j % page_size; it is valid iff
+// o < entry_len[e] and holds position entry_pos[e] + o (without entry_pos: j). A row sees the valid
+// slots at positions <= q_pos (and >= q_pos - window_left). Positions need not grow with j, so
+// each entry's visible offsets are found from its first position, and only those slots enter a
+// chunk (compacted: no masks). Keys to rotate are rotated once per call, in fp32 and rounded once
+// to the cache's dtype (the Triton kernel's computation), into a scratch copy of the slots some
+// row can see; the cos/sin come from a per-position table (rope_cos/sin [P, rotary_dim / 2]).
+
+struct TaggedArgs {
+  IndexView pages, row_start, entry_pos, entry_len;
+  bool has_pos, has_len;
+  const void* krot;          // [slots, num_kv_heads, head_dim] rotated keys, or nullptr: keys read in place
+  const int64_t* slot_base;  // each sequence's first scratch slot
+  const float* cos;          // rotate in the task instead (rows that read their keys alone: decode):
+  const float* sin;          // the table [positions, half], or nullptr: no rotation
+  int64_t half;
+  bool interleaved;
+};
+
+// The offsets [*o_lo, *o_hi) of an entry (first position p0, cnt valid slots) that a row at
+// position pos sees; empty when *o_lo >= *o_hi. No int64 overflow for any pos, p0 >= 0.
+RAGATTN_ALWAYS_INLINE void visible_offsets(int64_t pos, int64_t window_left, int64_t p0, int64_t cnt, int64_t* o_lo,
+                                           int64_t* o_hi) {
+  *o_hi = pos < p0 ? 0 : (pos - p0 < cnt ? pos - p0 + 1 : cnt);
+  const int64_t first = window_left >= 0 ? pos - window_left : 0;  // >= -INT64_MAX
+  *o_lo = first > p0 ? first - p0 : 0;
+}
+
+// Slot count of entry pi of a sequence of kv_len slots (page_size S), and its first position.
+RAGATTN_ALWAYS_INLINE void entry_extent(const TaggedArgs& t, int64_t e, int64_t pi, int64_t S, int64_t kv_len,
+                                        int64_t* cnt, int64_t* p0) {
+  *cnt = std::min(S, kv_len - pi * S);
+  if (t.has_len) *cnt = std::min(*cnt, t.entry_len(e));
+  *p0 = t.has_pos ? t.entry_pos(e) : pi * S;
+}
+
+// dst = src rotated by the angles of (c, s) [half], pairs (f, f + half) or (2f, 2f + 1), in fp32,
+// rounded once to T; dims past 2 * half copied. Two plain loops (one per layout) so that the
+// compiler vectorises them.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void rotate_row(const T* src, T* dst, const float* c, const float* s, int64_t half, int64_t D,
+                                      bool interleaved) {
+  float y1, y2;
+  if (interleaved) {
+    for (int64_t f = 0; f < half; ++f) {
+      rope::rotate_pair(static_cast<float>(src[2 * f]), static_cast<float>(src[2 * f + 1]), c[f], s[f], &y1, &y2);
+      dst[2 * f] = static_cast<T>(y1);
+      dst[2 * f + 1] = static_cast<T>(y2);
+    }
+  } else {
+    for (int64_t f = 0; f < half; ++f) {
+      rope::rotate_pair(static_cast<float>(src[f]), static_cast<float>(src[f + half]), c[f], s[f], &y1, &y2);
+      dst[f] = static_cast<T>(y1);
+      dst[f + half] = static_cast<T>(y2);
+    }
+  }
+  for (int64_t d = 2 * half; d < D; ++d) dst[d] = src[d];
+}
+
+template <typename T>
+RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, int64_t begin, int64_t end) {
+  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size, H = a.num_kv_heads;
+  RowState st(D, G);
+  const T* kslot[kChunk + 8];
+  const T* vslot[kChunk];
+  std::vector<T> kbuf(t.cos ? kChunk * D : 0);  // the chunk's keys rotated in the task
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t i = item / H, g = item % H;
+    const int64_t b = a.row_seq[i];
+    const int64_t pos = a.q_pos(i), kv_len = a.kv_lens(b), r0 = t.row_start(b);
+    st.start<T>(a, i, g);
+    const T* k_base = static_cast<const T*>(a.k) + g * a.k_s2;
+    const T* v_base = static_cast<const T*>(a.v) + g * a.v_s2;
+    const T* krot = t.krot ? static_cast<const T*>(t.krot) + (t.slot_base[b] * H + g) * D : nullptr;
+    int64_t n = 0;
+    for (int64_t pi = 0; pi * S < kv_len; ++pi) {
+      int64_t cnt, p0, o_lo, o_hi;
+      entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
+      visible_offsets(pos, a.window_left, p0, cnt, &o_lo, &o_hi);
+      if (o_lo >= o_hi) continue;
+      const int64_t page = t.pages(r0 + pi);
+      const T* kp = krot ? krot + pi * S * H * D : k_base + page * a.k_s0;
+      const int64_t k_step = krot ? H * D : a.k_s1;
+      const T* vp = v_base + page * a.v_s0;
+      for (int64_t o = o_lo; o < o_hi; ++o) {
+        kslot[n] = kp + o * k_step;
+        if (t.cos) {
+          rotate_row(kslot[n], &kbuf[n * D], t.cos + (p0 + o) * t.half, t.sin + (p0 + o) * t.half, t.half, D,
+                     t.interleaved);
+          kslot[n] = &kbuf[n * D];
+        }
+        vslot[n] = vp + o * a.v_s1;
+        if (++n == kChunk) {
+          attend_chunk<T>(st, a, kslot, vslot, 0, n);
+          n = 0;
+        }
+      }
+    }
+    if (n) attend_chunk<T>(st, a, kslot, vslot, 0, n);
+    st.write<T>(a, i, g);
+  }
+}
+
+template <typename T>
+RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, int64_t begin, int64_t end) {
+  tagged_items<T>(a, t, begin, end);
+}
+
+// The rotated keys of sequences [b0, b1)'s entries [e0, e1) (flattened over the sequences: entry
+// list `ents` of (sequence, page index)) whose slots lie in [pos_lo[b], pos_hi[b]], the positions
+// some row of the sequence can see, into krot[slot_base[b] + slot].
+template <typename T>
+RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs& t, const int64_t* ents, int64_t e0,
+                                           int64_t e1, const int64_t* pos_lo, const int64_t* pos_hi,
+                                           const float* cos_t, const float* sin_t, int64_t rotary_dim,
+                                           bool interleaved, T* krot) {
+  const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, half = rotary_dim / 2;
+  for (int64_t x = e0; x < e1; ++x) {
+    const int64_t b = ents[2 * x], pi = ents[2 * x + 1], e = t.row_start(b) + pi;
+    int64_t cnt, p0, o_lo, o_hi;
+    entry_extent(t, e, pi, S, a.kv_lens(b), &cnt, &p0);
+    // [pos_lo, pos_hi] as visible_offsets' window: pos_hi is the last position, window pos_hi - pos_lo
+    visible_offsets(pos_hi[b], pos_hi[b] - pos_lo[b], p0, cnt, &o_lo, &o_hi);
+    const int64_t page = t.pages(e);
+    for (int64_t o = o_lo; o < o_hi; ++o) {
+      const float* c = cos_t + (p0 + o) * half;
+      const float* s = sin_t + (p0 + o) * half;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* src = static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1 + h * a.k_s2;
+        T* dst = krot + ((t.slot_base[b] + pi * S + o) * H + h) * D;
+        rotate_row(src, dst, c, s, half, D, interleaved);
+      }
+    }
+  }
+}
+
+// The sequence of each query row, from cu_seqlens_q.
+std::vector<int64_t> row_sequences(const at::Tensor& cu_seqlens_q, int64_t total_q, int64_t batch) {
+  std::vector<int64_t> row_seq(total_q);
+  const IndexView cu(cu_seqlens_q);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = cu(b); r < cu(b + 1); ++r) row_seq[r] = b;
+  return row_seq;
+}
+
+// The kernels' view of checked tensors (table: the padded block table or the flat page list).
+PagedArgs paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& table, const at::Tensor& kv_lens, const std::vector<int64_t>& row_seq,
+                     float scale, int64_t window_left, float softcap, const at::Tensor& out, const at::Tensor& lse_out) {
+  return PagedArgs{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse_out.data_ptr<float>(),
+                   row_seq.data(), IndexView(q_pos), IndexView(table), IndexView(kv_lens),
+                   q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                   q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+                   lse_out.stride(0), lse_out.stride(1), scale, window_left, softcap};
+}
+
 // The kernel on checked arguments; q, k_cache, v_cache and out have a unit last-dim stride.
 void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
                 const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -379,17 +577,9 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
                 const at::Tensor& lse_out) {
   const int64_t total_q = q.size(0), batch = kv_lens.size(0);
   if (total_q == 0) return;
-  // sequence of each query row, from cu_seqlens_q
-  std::vector<int64_t> row_seq(total_q);
-  const IndexView cu(cu_seqlens_q);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t r = cu(b); r < cu(b + 1); ++r) row_seq[r] = b;
-  PagedArgs a{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse_out.data_ptr<float>(),
-              row_seq.data(), IndexView(q_pos), IndexView(block_table), IndexView(kv_lens),
-              q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
-              q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-              lse_out.stride(0), lse_out.stride(1), scale, window_left, softcap};
+  const std::vector<int64_t> row_seq = row_sequences(cu_seqlens_q, total_q, batch);
+  const PagedArgs a = paged_args(q, q_pos, k_cache, v_cache, block_table, kv_lens, row_seq, scale, window_left,
+                                 softcap, out, lse_out);
   const int64_t items = total_q * a.num_kv_heads;
   // grain: about GRAIN_SIZE multiply-adds per task, from the average cached length
   int64_t kv_total = 0;
@@ -408,6 +598,121 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
 }
 
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// Rotated keys held at once (sequences in groups): 256 MiB, or RAGATTN_TEST_TAGGED_SCRATCH_BYTES
+// (the tests' way to make every sequence a group of its own).
+int64_t scratch_budget() {
+  const char* env = std::getenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES");
+  return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(256) << 20;
+}
+
+// Every index value the tagged kernel reads, checked (the public op's Python checks ran before;
+// this keeps the private op memory-safe on its own): entries of the used slots, their pages,
+// valid counts and positions, q_pos, and a RoPE table that covers every position a row sees.
+void check_tagged_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, int64_t num_pages, int64_t S,
+                         const TaggedArgs& t, const at::Tensor& pages, const at::Tensor& kv_lens, int64_t table_rows) {
+  constexpr const char* op = "ragattn._paged_attention_tagged_cpu";
+  const IndexView pos(q_pos), cu(cu_seqlens_q), lens(kv_lens);
+  const int64_t batch = kv_lens.size(0), num_entries = pages.size(0);
+  RAGATTN_CHECK_VALUE(cu_seqlens_q.numel() == batch + 1 && cu(0) == 0 && cu(batch) == q_pos.size(0), op,
+                      ": cu_seqlens_q must be [batch + 1] from 0 to the packed length");
+  for (int64_t b = 0; b < batch; ++b) {
+    RAGATTN_CHECK_VALUE(cu(b + 1) >= cu(b), op, ": cu_seqlens_q must be non-decreasing");
+    const int64_t len = lens(b), r0 = t.row_start(b);
+    const int64_t used = (len + S - 1) / S;
+    RAGATTN_CHECK_VALUE(len >= 0 && r0 >= 0 && r0 + used <= num_entries, op, ": sequence ", b, "'s ", len,
+                        " slots need entries [", r0, ", ", r0 + used, ") of ", num_entries);
+    for (int64_t e = r0; e < r0 + used; ++e) {
+      RAGATTN_CHECK_VALUE(t.pages(e) >= 0 && t.pages(e) < num_pages, op, ": pages[", e, "] = ", t.pages(e),
+                          " must lie in [0, ", num_pages, ")");
+      RAGATTN_CHECK_VALUE(!t.has_len || (t.entry_len(e) >= 0 && t.entry_len(e) <= S), op, ": entry_len[", e,
+                          "] must lie in [0, ", S, "]");
+      RAGATTN_CHECK_VALUE(!t.has_pos || t.entry_pos(e) >= 0, op, ": entry_pos[", e, "] must be >= 0");
+    }
+  }
+  for (int64_t r = 0; r < q_pos.size(0); ++r) {
+    RAGATTN_CHECK_VALUE(pos(r) >= 0, op, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
+    RAGATTN_CHECK_VALUE(table_rows < 0 || pos(r) < table_rows, op, ": the RoPE table has ", table_rows,
+                        " positions, row ", r, " is at ", pos(r));
+  }
+}
+
+// The tagged kernel on checked arguments (unit last-dim strides), sequences in groups whose
+// rotated keys fit scratch_budget().
+void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& kv_lens, const TaggedArgs& t0,
+                const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
+                int64_t rotary_dim, bool interleaved, float scale, int64_t window_left, float softcap,
+                const at::Tensor& out, const at::Tensor& lse_out) {
+  const int64_t total_q = q.size(0), batch = kv_lens.size(0);
+  if (total_q == 0) return;
+  const std::vector<int64_t> row_seq = row_sequences(cu_seqlens_q, total_q, batch);
+  const IndexView cu(cu_seqlens_q), qp(q_pos);
+  const PagedArgs a = paged_args(q, q_pos, k_cache, v_cache, pages, kv_lens, row_seq, scale, window_left, softcap,
+                                 out, lse_out);
+  const int64_t H = a.num_kv_heads, D = a.head_dim, S = a.page_size;
+  const bool rope = rope_cos.has_value();
+  // per sequence, the positions its rows see: [pos_lo, pos_hi] (pos_hi -1: no rows)
+  std::vector<int64_t> pos_lo(batch, 0), pos_hi(batch, -1);
+  for (int64_t r = 0; r < total_q; ++r) {
+    const int64_t b = row_seq[r], p = qp(r);
+    const int64_t lo = window_left >= 0 && p > window_left ? p - window_left : 0;
+    pos_lo[b] = pos_hi[b] < 0 ? lo : std::min(pos_lo[b], lo);
+    pos_hi[b] = std::max(pos_hi[b], p);
+  }
+  std::vector<int64_t> slot_base(batch, 0), ents;
+  const int64_t budget = scratch_budget();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_tagged_cpu", [&] {
+    for (int64_t b0 = 0, b1; b0 < batch; b0 = b1) {
+      int64_t slots = 0;
+      for (b1 = b0; b1 < batch; ++b1) {
+        const int64_t more = rope && pos_hi[b1] >= 0 ? a.kv_lens(b1) : 0;
+        if (b1 > b0 && (slots + more) * H * D * int64_t(sizeof(scalar_t)) > budget) break;
+        slot_base[b1] = slots;
+        slots += more;
+      }
+      TaggedArgs t = t0;
+      at::Tensor scratch;
+      // a sequence of one row reads each key once: rotated in its tasks, no scratch pass
+      bool one_row = true;
+      for (int64_t b = b0; b < b1 && one_row; ++b) one_row = cu(b + 1) - cu(b) <= 1;
+      if (rope && one_row) {
+        t.cos = rope_cos->data_ptr<float>();
+        t.sin = rope_sin->data_ptr<float>();
+        t.half = rotary_dim / 2;
+        t.interleaved = interleaved;
+      } else if (rope && slots > 0) {
+        scratch = at::empty({slots, H, D}, k_cache.options());
+        ents.clear();
+        for (int64_t b = b0; b < b1; ++b)
+          for (int64_t pi = 0; pos_hi[b] >= 0 && pi * S < a.kv_lens(b); ++pi) ents.insert(ents.end(), {b, pi});
+        t.krot = scratch.data_ptr();
+        t.slot_base = slot_base.data();
+        const int64_t n_ents = static_cast<int64_t>(ents.size()) / 2;
+        const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, S * H * D));
+        const float* c = rope_cos->data_ptr<float>();
+        const float* s = rope_sin->data_ptr<float>();
+        scalar_t* k = scratch.data_ptr<scalar_t>();
+        at::parallel_for(0, n_ents, grain, [&](int64_t e0, int64_t e1) {
+          rotate_tagged_keys<scalar_t>(a, t, ents.data(), e0, e1, pos_lo.data(), pos_hi.data(), c, s, rotary_dim,
+                                       interleaved, k);
+        });
+      }
+      // items of the group's rows: row cu(b0) + item / H, kv head item % H
+      const int64_t row0 = cu(b0), items = (cu(b1) - row0) * H;
+      int64_t kv_total = 0;
+      for (int64_t b = b0; b < b1; ++b) kv_total += a.kv_lens(b);
+      const int64_t per_item = std::max<int64_t>(1, kv_total / std::max<int64_t>(1, b1 - b0) * D * (a.num_heads / H));
+      const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
+      auto run = [&](int64_t begin, int64_t end) { tagged_items_run<scalar_t>(a, t, row0 * H + begin, row0 * H + end); };
+      if (items <= grain) {
+        run(0, items);
+      } else {
+        at::parallel_for(0, items, grain, run);
+      }
+    }
+  });
+}
 
 }  // namespace
 
@@ -447,6 +752,62 @@ void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const
   run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
              block_table, kv_lens, static_cast<float>(s), window_left, static_cast<float>(logits_soft_cap), o, lse_out);
   if (!o.is_same(out)) out.copy_(o);
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
+    const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& row_start, const at::Tensor& kv_lens,
+    const std::optional<at::Tensor>& entry_pos, const std::optional<at::Tensor>& entry_len,
+    const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim,
+    bool interleaved, double scale, int64_t window_left, double logits_soft_cap) {
+  constexpr const char* op = "ragattn._paged_attention_tagged_cpu";
+  // shapes and dtypes (the public op's Python checks are the user-facing ones)
+  RAGATTN_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                          k_cache.size(3) == q.size(2) && k_cache.size(2) >= 1 && q.size(1) % k_cache.size(2) == 0 &&
+                          k_cache.size(1) >= 1,
+                      op, ": q [N, H, D] and k_cache, v_cache [pages, page_size, H_kv, D] with H_kv dividing H");
+  RAGATTN_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), op,
+                     ": q, k_cache and v_cache must share a dtype");
+  RAGATTN_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
+                      ": CPU tensors only");
+  const int64_t batch = kv_lens.numel();
+  auto index = [&](const char* name, const at::Tensor& x, int64_t n) {
+    RAGATTN_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, op, ": ", name,
+                       " must be int32 or int64");
+    RAGATTN_CHECK_VALUE(x.dim() == 1 && x.size(0) == n && x.device().is_cpu(), op, ": ", name, " must be a CPU [",
+                        n, "] tensor");
+  };
+  index("q_pos", q_pos, q.size(0));
+  index("cu_seqlens_q", cu_seqlens_q, batch + 1);
+  index("kv_lens", kv_lens, batch);
+  index("row_start", row_start, batch);
+  RAGATTN_CHECK_VALUE(pages.dim() == 1, op, ": pages must be a flat page list");
+  index("pages", pages, pages.size(0));
+  if (entry_pos) index("entry_pos", *entry_pos, pages.size(0));
+  if (entry_len) index("entry_len", *entry_len, pages.size(0));
+  RAGATTN_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(), op, ": rope_cos and rope_sin go together");
+  int64_t table_rows = -1;
+  if (rope_cos) {
+    RAGATTN_CHECK_VALUE(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2), op,
+                        ": rotary_dim must be even and in [2, head_dim]");
+    for (const at::Tensor* x : {&*rope_cos, &*rope_sin})
+      RAGATTN_CHECK_VALUE(x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(1) == rotary_dim / 2 &&
+                              x->is_contiguous() && x->device().is_cpu() && x->sizes() == rope_cos->sizes(),
+                          op, ": rope_cos and rope_sin must be contiguous float32 [positions, rotary_dim / 2]");
+    table_rows = rope_cos->size(0);
+  }
+  RAGATTN_CHECK_VALUE(std::isfinite(scale) && std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
+                      ": scale finite, logits_soft_cap finite and >= 0");
+  const TaggedArgs t{IndexView(pages), IndexView(row_start), IndexView(entry_pos ? *entry_pos : pages),
+                     IndexView(entry_len ? *entry_len : pages), entry_pos.has_value(), entry_len.has_value(),
+                     nullptr, nullptr, nullptr, nullptr, 0, false};
+  check_tagged_values(q_pos, cu_seqlens_q, k_cache.size(0), k_cache.size(1), t, pages, kv_lens, table_rows);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  run_tagged(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache), pages,
+             kv_lens, t, rope_cos, rope_sin, rotary_dim, interleaved, static_cast<float>(scale), window_left,
+             static_cast<float>(logits_soft_cap), out, lse);
+  return {out, lse};
 }
 
 }  // namespace ragattn

@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from ragattn import ops as _ops
+from ragattn.ops.paged_attention import rope_position_table
 
 
 class _Forward:
@@ -47,42 +48,12 @@ class _Forward:
 
 
 def _cpu_route(device) -> bool:
-    """The CPU's default route: gathered slots, fp32 RoPE, SDPA (``RAGATTN_CPU_BACKEND=triton`` or
-    ``=reference``: ``run_paged_attention``, i.e. the Triton kernel in the interpreter or the
-    float64-capable reference, for checking them)."""
+    """The CPU's default route: the C++ tagged kernel called directly with this request's RoPE
+    table (``RAGATTN_CPU_BACKEND=triton`` or ``=reference``: ``run_paged_attention``, i.e. the
+    Triton kernel in the interpreter or the float64-capable reference, for checking them)."""
     from ragattn import _extension
 
     return device.type == "cpu" and _extension.cpu_backend() == "default"
-
-
-def _rope_tables(ang: torch.Tensor, head_dim: int, rotary_dim: int, interleaved: bool):
-    """float32 ``[n, 1, head_dim]`` factors ``(c, s)`` of the rotation by angles ``ang`` (float64
-    ``[n, rotary_dim // 2]``): ``rot(k) = k * c + partner(k) * s`` with ``partner`` swapping each
-    rotary pair (:func:`_rotate`); past ``rotary_dim`` ``c = 1``, ``s = 0``."""
-    cos, sin = ang.cos().float(), ang.sin().float()
-    n = ang.shape[0]
-    c = torch.ones(n, head_dim, dtype=torch.float32)
-    s = torch.zeros(n, head_dim, dtype=torch.float32)
-    if interleaved:   # pairs (2i, 2i+1): x' = x cos - y sin, y' = y cos + x sin
-        c[:, 0:rotary_dim:2], c[:, 1:rotary_dim:2] = cos, cos
-        s[:, 0:rotary_dim:2], s[:, 1:rotary_dim:2] = -sin, sin
-    else:             # halves (i, i + half)
-        half = rotary_dim // 2
-        c[:, :half], c[:, half:rotary_dim] = cos, cos
-        s[:, :half], s[:, half:rotary_dim] = -sin, sin
-    return c[:, None], s[:, None]
-
-
-def _rotate(k: torch.Tensor, c: torch.Tensor, s: torch.Tensor, rotary_dim: int, interleaved: bool):
-    """``k`` ``[n, H, D]`` rotated with the factors of :func:`_rope_tables`, in fp32, rounded once
-    to k's dtype (the kernel's computation)."""
-    x = k.float()
-    if interleaved:
-        partner = x.view(*x.shape[:-1], -1, 2).flip(-1).reshape(x.shape)
-    else:
-        half = rotary_dim // 2
-        partner = torch.cat((x[..., half:rotary_dim], x[..., :half], x[..., rotary_dim:]), dim=-1)
-    return torch.addcmul(x * c, partner, s).to(k.dtype)
 
 
 class TaggedPagedKV:
@@ -120,6 +91,7 @@ class TaggedPagedKV:
         self.capacity = 0
         self.cow_pages = 0                    # shared pages copied on write so far
         self._entries = None                  # _entry_tensors' cache
+        self._rope = None                     # the CPU kernel's (cos, sin) by position
         self.closed = False
         self._fwd: Optional[_Forward] = None
 
@@ -365,17 +337,9 @@ class TaggedPagedKV:
         f.plans = {}
         f.cpu = None
         if _cpu_route(self.device):
-            # every valid slot gathered per layer (rows per segment), its position's cos/sin once
-            # per forward (angles in fp64, as the kernel reduces them), then SDPA with a position mask
-            gather, all_pos = [], []
-            for s, t, _ in f.tables:
-                use = t.entry_len.long()
-                rows = torch.repeat_interleave(t.pages.long() * self.page_size, use) + _offsets(use)
-                all_pos.append(torch.repeat_interleave(t.entry_pos.long(), use) + _offsets(use))
-                gather.append((s, rows))
-            kv_pos = torch.cat(all_pos) if all_pos else torch.zeros(0, dtype=torch.int64)
-            ang = kv_pos[:, None].double() * self.inv_freq.double()[None, :]
-            f.cpu = (gather, kv_pos, *_rope_tables(ang, self.head_dim, self.rotary_dim, self.interleaved), {})
+            # the C++ kernel takes a cos/sin table by position, made once for the request (and
+            # grown): one per forward would cost more than the kernel's rotation at decode
+            f.cpu = self._rope_table(int(pos.max()) + 1 if q else 0)
         f.key = (id(slots), q)
         self._fwd = f
         return f
@@ -402,25 +366,25 @@ class TaggedPagedKV:
     def attend(self, f: _Forward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int = -1,
                logits_soft_cap: float = 0.0) -> torch.Tensor:
         """``q_rows`` ``[q, Hq, D]`` (rotated) against every valid slot at a position ``<=`` its row's:
-        one ``run_paged_attention`` per segment (keys rotated in the kernel), merged by LSE. The
-        CPU's own route (no Triton interpreter; no soft cap, which SDPA lacks): the valid slots
-        gathered, rotated in fp32 and attended by SDPA under the same position mask."""
-        if f.cpu is not None and not logits_soft_cap:
-            return self._attend_cpu(f, layer, q_rows, scale, window_left)
-        plans = f.plans.get(window_left)
-        if plans is None:
-            # the sizes are known here: planning reads nothing from the device (no sync)
-            plans = f.plans[window_left] = [
-                (s, _ops.plan_paged_attention(f.cu_q, t, num_heads=q_rows.shape[1], num_kv_heads=self.num_kv_heads,
-                                              head_dim=self.head_dim, dtype=q_rows.dtype, window_left=window_left,
-                                              max_q_len=f.q, max_kv_len=kv_len))
-                for s, t, kv_len in f.tables]
+        one ``run_paged_attention`` per segment (keys rotated in the kernel), merged by LSE. On the
+        CPU's default route the C++ kernel behind it is called directly, with the request's RoPE
+        table and the forward's tables (checked once, in ``begin_forward``)."""
+        if f.cpu is not None:
+            cos, sin = f.cpu
+            run = lambda s, t: torch.ops.ragattn._paged_attention_tagged_cpu(  # noqa: E731
+                q_rows, f.q_pos, f.cu_q, self.segments[s][0][layer], self.segments[s][1][layer], t.pages,
+                t.row_start, t.kv_lens, t.entry_pos, t.entry_len, cos, sin, self.rotary_dim, self.interleaved,
+                scale, window_left, logits_soft_cap)
+            plans = [(s, t) for s, t, _ in f.tables]
+        else:
+            run = lambda s, plan: _ops.run_paged_attention(  # noqa: E731
+                plan, q_rows, f.q_pos, self.segments[s][0][layer], self.segments[s][1][layer], scale,
+                inv_freq=self.inv_freq, rotary_dim=self.rotary_dim, interleaved=self.interleaved,
+                logits_soft_cap=logits_soft_cap)
+            plans = self._plans(f, q_rows, window_left)
         out = lse = None
         for s, plan in plans:
-            ks, vs = self.segments[s]
-            o, l = _ops.run_paged_attention(plan, q_rows, f.q_pos, ks[layer], vs[layer], scale,
-                                            inv_freq=self.inv_freq, rotary_dim=self.rotary_dim,
-                                            interleaved=self.interleaved, logits_soft_cap=logits_soft_cap)
+            o, l = run(s, plan)
             if out is None:
                 out, lse = o, l
             else:
@@ -429,48 +393,20 @@ class TaggedPagedKV:
             return q_rows.new_zeros(q_rows.shape)
         return out
 
-    def _attend_cpu(self, f: _Forward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int):
-        gather, kv_pos, cos, sin, masks = f.cpu
-        H, D = self.num_kv_heads, self.head_dim
-        ks = [self.segments[s][0][layer].view(-1, H, D).index_select(0, rows) for s, rows in gather]
-        vs = [self.segments[s][1][layer].view(-1, H, D).index_select(0, rows) for s, rows in gather]
-        k = ks[0] if len(ks) == 1 else torch.cat(ks)
-        v = vs[0] if len(vs) == 1 else torch.cat(vs)
-        k = _rotate(k, cos, sin, self.rotary_dim, self.interleaved)
-        mask = masks.get((window_left, q_rows.dtype))
-        if mask is None:
-            qp = f.q_pos[:, None]
-            seen = kv_pos[None, :] <= qp
-            if window_left >= 0:
-                seen &= kv_pos[None, :] >= qp - window_left
-            empty = ~seen.any(1)
-            if seen.shape[1]:
-                seen[empty, 0] = True     # (rows that see nothing: zeroed below, never NaN)
-            add = None if bool(seen.all()) else torch.zeros(seen.shape, dtype=q_rows.dtype).masked_fill_(
-                ~seen, float("-inf"))     # (a decode step sees every slot: no mask, SDPA's fast path)
-            mask = masks[(window_left, q_rows.dtype)] = (add, empty if bool(empty.any()) else None)
-        add, empty = mask
-        if k.shape[0] == 0:
-            return q_rows.new_zeros(q_rows.shape)
-        if q_rows.shape[0] == 1 and add is None and empty is None:
-            # a decode step that sees every slot: the C++ paged kernel over the gathered rows as one
-            # page (it reads each row once for the whole GQA group; SDPA over the [H, n, D] view of
-            # these [n, H, D] rows is ~2x slower a layer, as for PagedKV's decode: cpu_sdpa_enabled)
-            n = k.shape[0]
-            one = torch.zeros((1, 1), dtype=torch.int32)
-            return _ops.paged_attention(q_rows, torch.full((1,), n - 1, dtype=torch.int32),
-                                        torch.tensor([0, 1], dtype=torch.int32), k[None], v[None], one,
-                                        torch.full((1,), n, dtype=torch.int32), scale)[0]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_rows.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=add,
-            scale=scale, enable_gqa=q_rows.shape[1] != H)[0].transpose(0, 1)
-        if empty is not None:   # (decided once per forward: no per-layer host read)
-            out = out.masked_fill(empty[:, None, None], 0.0)
-        return out
+    def _plans(self, f: _Forward, q_rows: torch.Tensor, window_left: int):
+        plans = f.plans.get(window_left)
+        if plans is None:
+            # the sizes are known here: planning reads nothing from the device (no sync)
+            plans = f.plans[window_left] = [
+                (s, _ops.plan_paged_attention(f.cu_q, t, num_heads=q_rows.shape[1], num_kv_heads=self.num_kv_heads,
+                                              head_dim=self.head_dim, dtype=q_rows.dtype, window_left=window_left,
+                                              max_q_len=f.q, max_kv_len=kv_len))
+                for s, t, kv_len in f.tables]
+        return plans
 
-
-def _offsets(lens: torch.Tensor) -> torch.Tensor:
-    """``0..n_i-1`` for each ``n_i`` of ``lens`` (int64), concatenated."""
-    total = int(lens.sum())
-    starts = torch.cumsum(lens, 0) - lens
-    return torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens, output_size=total)
+    def _rope_table(self, positions: int):
+        """float32 ``(cos, sin)`` ``[>= positions, rotary_dim // 2]`` of this request's RoPE."""
+        have = 0 if self._rope is None else self._rope[0].shape[0]
+        if have < positions:
+            self._rope = rope_position_table(self.inv_freq, max(positions, 2 * have))
+        return self._rope

@@ -535,6 +535,16 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
                              f"the batch has {rows.tolist()}: plan again (a larger max_q_len)")
 
 
+def rope_position_table(inv_freq: torch.Tensor, positions: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[positions, rotary_dim // 2]`` cos and sin of the RoPE angles ``p * inv_freq[i]``
+    of positions ``0 .. positions - 1``: each angle formed and reduced to [-pi, pi] in float64
+    (as the kernels and ``rerotate_keys_`` do), then cos/sin in float32. The CPU tagged kernel's
+    rotation table (``ragattn::_paged_attention_tagged_cpu``)."""
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq.detach().to("cpu", torch.float64)[None, :]
+    ang = (ang - torch.round(ang * (0.5 / math.pi)) * (2 * math.pi)).float()
+    return ang.cos(), ang.sin()
+
+
 def _run_padded_table(pages, row_start, kv_lens, page_size):
     """The CPU kernels' padded ``[B, max_used]`` table of a flat page list (entries past a
     sequence's used ones are clamped in range and never read)."""
@@ -560,12 +570,24 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
         k_scale = v_scale = None
     tagged = entry_pos is not None or entry_len is not None or inv_freq is not None
     if q.device.type == "cpu" and tagged and _extension.cpu_backend() != "triton":
-        # the C++ kernel reads slot-index positions of stored-rotated keys: the reference here
-        from ragattn.reference.paged_attention_table import paged_attention_table
+        if _extension.cpu_backend() == "reference":
+            from ragattn.reference.paged_attention_table import paged_attention_table
 
-        o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
-                                       entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale, window_left,
-                                       logits_soft_cap)
+            o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
+                                           entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale,
+                                           window_left, logits_soft_cap)
+        else:
+            # the C++ tagged kernel; its RoPE table covers every position a row can see
+            if row_start is None:   # a padded [B, max_pages] table as a flat list
+                row_start = torch.arange(pages.shape[0], dtype=torch.int64) * pages.shape[1]
+                pages = pages.reshape(-1)
+            cos = sin = None
+            if inv_freq is not None:
+                cos, sin = rope_position_table(inv_freq, int(q_pos.max()) + 1 if q_pos.numel() else 0)
+            o, lse = torch.ops.ragattn._paged_attention_tagged_cpu(
+                q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos, entry_len, cos, sin,
+                rotary_dim if inv_freq is not None else 0, interleaved,
+                scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), window_left, logits_soft_cap)
         if out is None:
             return o.to(q.dtype), lse.float()
         out.copy_(o)
@@ -607,6 +629,45 @@ def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, page
          window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale, logits_soft_cap)
     _validate_run(*a, out, lse_out)
     _run(*a, out, lse_out)
+
+
+@torch.library.register_fake("ragattn::_paged_attention_tagged_cpu")
+def _paged_attention_tagged_cpu_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos,
+                                     entry_len, rope_cos, rope_sin, rotary_dim, interleaved, scale, window_left,
+                                     logits_soft_cap):
+    """The C++ op's checks that need no index values, in its order with its messages."""
+    op = "ragattn._paged_attention_tagged_cpu"
+    if not (q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == q.shape[2]
+            and k_cache.shape[2] >= 1 and q.shape[1] % k_cache.shape[2] == 0 and k_cache.shape[1] >= 1):
+        raise ValueError(f"{op}: q [N, H, D] and k_cache, v_cache [pages, page_size, H_kv, D] with H_kv dividing H")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k_cache and v_cache must share a dtype")
+    batch = kv_lens.numel()
+    for name, x, n in (("q_pos", q_pos, q.shape[0]), ("cu_seqlens_q", cu_seqlens_q, batch + 1),
+                       ("kv_lens", kv_lens, batch), ("row_start", row_start, batch)):
+        if x.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{op}: {name} must be int32 or int64")
+        if x.dim() != 1 or x.shape[0] != n:
+            raise ValueError(f"{op}: {name} must be a CPU [{n}] tensor")
+    if pages.dim() != 1:
+        raise ValueError(f"{op}: pages must be a flat page list")
+    for name, x in (("pages", pages), ("entry_pos", entry_pos), ("entry_len", entry_len)):
+        if x is not None and x.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{op}: {name} must be int32 or int64")
+        if x is not None and (x.dim() != 1 or x.shape[0] != pages.shape[0]):
+            raise ValueError(f"{op}: {name} must be a CPU [{pages.shape[0]}] tensor")
+    if (rope_cos is None) != (rope_sin is None):
+        raise ValueError(f"{op}: rope_cos and rope_sin go together")
+    if rope_cos is not None:
+        if not (2 <= rotary_dim <= q.shape[2] and rotary_dim % 2 == 0):
+            raise ValueError(f"{op}: rotary_dim must be even and in [2, head_dim]")
+        for x in (rope_cos, rope_sin):
+            if not (x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == rotary_dim // 2 and x.is_contiguous()
+                    and x.shape == rope_cos.shape):
+                raise ValueError(f"{op}: rope_cos and rope_sin must be contiguous float32 [positions, rotary_dim / 2]")
+    if not (math.isfinite(scale) and math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        raise ValueError(f"{op}: scale finite, logits_soft_cap finite and >= 0")
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run")
