@@ -417,9 +417,11 @@ RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64
 // o < entry_len[e] and holds position entry_pos[e] + o (without entry_pos: j). A row sees the valid
 // slots at positions <= q_pos (and >= q_pos - window_left). Positions need not grow with j, so
 // each entry's visible offsets are found from its first position, and only those slots enter a
-// chunk (compacted: no masks). Keys to rotate are rotated once per call, in fp32 and rounded once
-// to the cache's dtype (the Triton kernel's computation), into a scratch copy of the slots some
-// row can see; the cos/sin come from a per-position table (rope_cos/sin [P, rotary_dim / 2]).
+// chunk (compacted: no masks). Keys are rotated in fp32 and rounded once to the cache's dtype (the
+// Triton kernel's computation), with cos/sin from a per-position table (rope_cos/sin
+// [P, rotary_dim / 2]): for sequences of several rows once per call, into a scratch copy of the
+// slots some row can see; for one-row sequences (decode) in the task, the angle of p0 + o formed
+// from the table rows of p0 and o (angle addition, ~2 ulp).
 
 struct TaggedArgs {
   IndexView pages, row_start, entry_pos, entry_len;
@@ -479,6 +481,7 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
   std::vector<T> kbuf(t.cos ? kChunk * D : 0);  // the chunk's keys rotated in the task
+  std::vector<float> cs(t.half), sn(t.half);     // one slot's cos/sin
   for (int64_t item = begin; item < end; ++item) {
     const int64_t i = item / H, g = item % H;
     const int64_t b = a.row_seq[i];
@@ -500,8 +503,12 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
       for (int64_t o = o_lo; o < o_hi; ++o) {
         kslot[n] = kp + o * k_step;
         if (t.cos) {
-          rotate_row(kslot[n], &kbuf[n * D], t.cos + (p0 + o) * t.half, t.sin + (p0 + o) * t.half, t.half, D,
-                     t.interleaved);
+          // angle of p0 + o = angle of p0 + angle of o: the table's rows p0 and 0..o (hot in
+          // cache), not a row per slot and kv head (that doubled the bytes a decode step reads)
+          const float *cb = t.cos + p0 * t.half, *sb = t.sin + p0 * t.half;
+          const float *co = t.cos + o * t.half, *so = t.sin + o * t.half;
+          for (int64_t f = 0; f < t.half; ++f) rope::rotate_pair(cb[f], sb[f], co[f], so[f], &cs[f], &sn[f]);
+          rotate_row(kslot[n], &kbuf[n * D], cs.data(), sn.data(), t.half, D, t.interleaved);
           kslot[n] = &kbuf[n * D];
         }
         vslot[n] = vp + o * a.v_s1;
