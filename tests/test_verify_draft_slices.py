@@ -17,6 +17,13 @@ from tests.test_verify_draft import assert_same, check_structure, make_case, rob
 
 BACKENDS = ["twin", "default"]
 
+
+def use_backend(monkeypatch, device, backend):
+    """The twin or the fast default on CPU; on CUDA the kernels, once (under the "twin" id)."""
+    if device.type != "cpu" and backend != "twin":
+        pytest.skip("CUDA runs the kernels whatever the CPU backend")
+    use_kernel_backend(monkeypatch, device, backend)
+
 # vocabularies: less than a chunk, one partial slice, exactly one and two slices, a partial last slice
 VOCABS = [5, 1001, S, 2 * S, 2 * S + 13, 3 * S + 1]
 
@@ -27,7 +34,7 @@ VOCABS = [5, 1001, S, 2 * S, 2 * S + 13, 3 * S + 1]
 @pytest.mark.parametrize("eta", [0.0, 10.0])
 def test_slices_match_reference(device, monkeypatch, backend, vocab, g, eta):
     """Sampling and greedy at every slicing, drafts mostly accepted (draft probs near p), spread mass."""
-    use_kernel_backend(monkeypatch, device, backend)
+    use_backend(monkeypatch, device, backend)
     gen = torch.Generator().manual_seed(vocab * 7 + g)
     bsz = 6
     x, q, z, u = make_case(bsz, g, vocab, dtype=torch.bfloat16, gen=gen, spread=1.0, closeness=0.3)
@@ -56,7 +63,7 @@ def _peaked(bsz, g, vocab, hot, gen, dtype=torch.float32):
 def test_draw_lands_in_the_right_slice(device, monkeypatch, backend, eta, where):
     """The residual and bonus draws when the mass lives in one slice (or straddles a slice boundary):
     slice bases folded in order, slices without mass, the first slice's crossing."""
-    use_kernel_backend(monkeypatch, device, backend)
+    use_backend(monkeypatch, device, backend)
     vocab = 3 * S + 77
     hot = {"first": [3, 9, 40, 41], "middle": [S + 5, S + 6, 2 * S - 1], "last_partial": [3 * S, 3 * S + 50, vocab - 1],
            "across": [S - 2, S - 1, S, S + 1, 2 * S + 3]}[where]
@@ -81,7 +88,7 @@ def test_draw_lands_in_the_right_slice(device, monkeypatch, backend, eta, where)
 def test_all_accepted_and_first_position_rejected(device, monkeypatch, backend, eta):
     """Rows that accept every draft (the bonus draw at position g from p) next to rows that reject
     their first draft (the residual draw at position 0), at a vocabulary of several slices."""
-    use_kernel_backend(monkeypatch, device, backend)
+    use_backend(monkeypatch, device, backend)
     vocab, g, bsz = 2 * S + 13, 3, 12
     gen = torch.Generator().manual_seed(5)
     x, q, z, u = make_case(bsz, g, vocab, gen=gen, closeness=0.2)
@@ -104,7 +111,7 @@ def test_all_accepted_and_first_position_rejected(device, monkeypatch, backend, 
 def test_zero_residual_falls_back_to_p_over_slices(device, monkeypatch, backend):
     """q >= p everywhere leaves a residual that is zero in every slice: the draw folds p's slice totals
     instead (the fallback the draw kernels take from the same totals launch)."""
-    use_kernel_backend(monkeypatch, device, backend)
+    use_backend(monkeypatch, device, backend)
     vocab, bsz = 2 * S + 13, 8
     gen = torch.Generator().manual_seed(9)
     z = randn_nonzero(bsz, 2, vocab, generator=gen)
@@ -123,7 +130,7 @@ def test_zero_residual_falls_back_to_p_over_slices(device, monkeypatch, backend)
 def test_non_finite_logits_over_slices(device, monkeypatch, backend, eta):
     """The documented rule across slices: +inf tokens in different slices share the mass, NaN and -inf
     have none (whole slices of them included), a position of all -inf/NaN rejects and emits token 0."""
-    use_kernel_backend(monkeypatch, device, backend)
+    use_backend(monkeypatch, device, backend)
     vocab, g, bsz = 2 * S + 13, 2, 24
     gen = torch.Generator().manual_seed(11)
     x, q, z, u = make_case(bsz, g, vocab, gen=gen)

@@ -303,8 +303,9 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
                                                                                   VerifyDraftWorkspace ws) {
   __shared__ Shared sh;
   const int ns = num_slices(a.vocab);
-  const int64_t r = blockIdx.x / ns;
-  const int s = static_cast<int>(blockIdx.x - r * ns);
+  // positions in the reverse order of the first pass: the last ones it read may still be in L2
+  const int64_t r = a.rows - 1 - blockIdx.x / ns;
+  const int s = static_cast<int>(blockIdx.x % ns);
   const Position pos = position_of_row(a, r);
   if (pos.j >= pos.nd) return;  // the bonus position uses p alone
   const PositionStats ps = ws.stats[r];
