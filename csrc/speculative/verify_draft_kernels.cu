@@ -14,8 +14,8 @@
 //      (per (batch row, slice) the slice totals in scan order), verify_draft_draw_find_kernel (per slice
 //      the prefix scans from the slice's base, folded in slice order, to the first crossing; slices an
 //      earlier slice certainly decides are skipped), verify_draft_finish_kernel (the first slice's
-//      crossing). The phase-1 grid is rows x slices CTAs (B 64, g 10, V 128256: 704 x 32 = 22528, about
-//      21 waves of 8 CTAs on 132 SMs): every SM streams logits, where a per-row chain walk left the
+//      crossing). The phase-1 grid is rows x slices CTAs (B 64, g 10, V 128256: 704 x 32 = 22528, 43
+//      waves of 4 CTAs per SM on 132 SMs): every SM streams logits, where a per-row chain walk left the
 //      sweep of each position latency-bound. It reads the logits of positions after a rejection too.
 //
 // All arithmetic lives in verify_draft_math.h and is replayed by the CPU twin in the same order
