@@ -150,13 +150,14 @@ RAGATTN_HD float load_logit(const void* row, int kind, int64_t v) {
   return kind == kLogitsBF16 ? bf16_to_float(h) : fp16_to_float(h);
 }
 
-// exp(x) for x <= 88 (the op only ever needs x <= 0): Cody-Waite reduction by ln2 and a degree-7
-// polynomial, about 1 ulp. Returns 0 below -87 (no subnormal results) and for -inf and NaN.
-// Branch-free (the argument is clamped, the result selected): no divergent warps on the GPU, and
-// k is rounded to an integer by adding and subtracting 1.5 * 2^23 (exact, ties to even, like rint).
+// exp(x) for x <= 0, the only arguments the op has (a value minus the running max of its kind, so
+// no clamp above): Cody-Waite reduction by ln2 and a degree-7 polynomial, about 1 ulp. Returns 0
+// below -87 (no subnormal results) and for -inf and NaN. Branch-free (the argument is clamped, the
+// result selected): no divergent warps on the GPU, and k is rounded to an integer by adding and
+// subtracting 1.5 * 2^23 (exact, ties to even, like rint).
 RAGATTN_HD float vexp(float x) {
   const bool live = x >= -87.0f;  // false for NaN and -inf
-  const float xc = live ? (x < 88.0f ? x : 88.0f) : 0.0f;  // (live: x is not NaN; plain selects)
+  const float xc = live ? x : 0.0f;
   const float k = f_sub(f_add(f_mul(xc, 1.44269504088896341f), 12582912.0f), 12582912.0f);
   float r = f_fma(k, -0.693145751953125f, xc);  // ln2 split: hi has 16 significant bits
   r = f_fma(k, -1.428606765330187045e-06f, r);
@@ -168,9 +169,9 @@ RAGATTN_HD float vexp(float x) {
   p = f_fma(p, r, 0.5f);
   p = f_fma(p, r, 1.0f);
   p = f_fma(p, r, 1.0f);
-  const int ki = static_cast<int>(k);  // in [-126, 127]
+  const int ki = static_cast<int>(k);  // in [-126, 0]
   const float e = f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
-  return live ? (x > 88.0f ? INFINITY : e) : 0.0f;
+  return live ? e : 0.0f;
 }
 
 // 1/T in fp32, saturated at FLT_MAX: for T below 1/FLT_MAX every token but the argmax ties of z
@@ -219,10 +220,14 @@ RAGATTN_HD void softmax_update_chunk(SoftmaxState& st, const float (&x)[kChunk],
   st.idx = cm > st.m ? ci : st.idx;
   st.s = f_mul(st.s, vexp(f_mul(logit_diff(st.m, m), inv_t)));  // vexp(NaN) = 0 when both are -inf
   st.m = m;
+  if (m == INFINITY) {  // (rare) a +inf logit: +inf - +inf must give 0, not NaN
+    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(logit_diff(x[e], m), inv_t)));
+  } else {  // logit_diff(x, m) == x - m: a uniform branch saves its checks on every token
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(logit_diff(x[e], m), inv_t)));
+    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(f_sub(x[e], m), inv_t)));
+  }
 }
 
 // Symmetric in (a, b) bit for bit, so both lanes of a butterfly hold the same result.
