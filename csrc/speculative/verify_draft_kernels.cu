@@ -5,7 +5,8 @@
 //      once: the slice's online softmax of z / T by chunks, its argmax and (eta > 0) its max q into a
 //      global workspace. With eta > 0, verify_draft_fold_kernel folds each position's slices into p's
 //      statistics and verify_draft_modified_stats_kernel does the same per (row, slice) for the
-//      modified logits (p_hat).
+//      modified logits (p_hat); on sm_90, verify_draft_rapid_stats_kernel does all three in one read
+//      of HBM (a cluster per position keeping its slices in shared memory between the two sweeps).
 //   2. verify_draft_walk_kernel: one warp per batch row; lane j folds position j's slices in slice
 //      order, decides its draft on scalars (two loads: z[x], q[x]), a ballot finds the first rejection;
 //      it writes the accepted drafts, the -1 tail, num_accepted and the row's DrawPlan (greedy: the
@@ -23,6 +24,9 @@
 // across CTAs, so CUDA and CPU emit the same tokens given the uniforms, on any GPU.
 #include "speculative/verify_draft_kernels.cuh"
 #include "speculative/verify_draft_math.h"
+
+#include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 
 namespace ragattn {
 namespace speculative {
@@ -327,6 +331,137 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
   if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
 }
 
+// Phase 1 with eta > 0 in one pass over memory: a thread-block cluster of C CTAs per position (C =
+// min(8, slices)), CTA rank k owning slices k, k + C, ...; it copies its slices' logits and draft
+// probabilities into shared memory (cp.async), reduces p's partials from there, the cluster exchanges
+// them through distributed shared memory, every CTA folds all slices in order (fold_target_stats,
+// the fold kernel's arithmetic) and reduces the modified logits' partials from shared memory again.
+// The same slices, sweeps and folds as stats + fold + modified_stats, hence the same bits; only
+// the second read of each slice comes from shared memory instead of HBM. sm_90 (clusters) only.
+template <int KIND>
+constexpr int logits_bytes() {
+  return KIND == kLogitsF32 ? 4 : 2;
+}
+
+template <int KIND, bool ONEHOT>
+__host__ __device__ constexpr size_t rapid_slice_bytes() {
+  return static_cast<size_t>(kSliceLen) * (logits_bytes<KIND>() + (ONEHOT ? 0 : 4));
+}
+
+// Dynamic shared memory of the one-pass kernel: `per` slices' logits (and draft probs), then their
+// partials, then all slices' partials gathered for the fold.
+template <int KIND, bool ONEHOT>
+__host__ __device__ size_t rapid_smem_bytes(int per, int ns) {
+  return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// Copies tokens [begin, end) of a row (elements of `esize` bytes) into shared memory: 16-byte cp.async
+// copies when both sides are aligned, element copies for the rest (the tail, or misaligned rows).
+__device__ __forceinline__ void copy_to_shared(void* dst, const void* src, int begin, int end, int esize, bool vec) {
+  const int n = end - begin;
+  const char* from = static_cast<const char*>(src) + static_cast<size_t>(begin) * esize;
+  char* to = static_cast<char*>(dst);
+  const int per16 = 16 / esize;
+  const int nvec = vec ? n / per16 : 0;
+  for (int i = threadIdx.x; i < nvec; i += kThreads) __pipeline_memcpy_async(to + 16 * i, from + 16 * i, 16);
+  for (int i = nvec * per16 + threadIdx.x; i < n; i += kThreads) {
+    if (esize == 4) {
+      reinterpret_cast<float*>(to)[i] = reinterpret_cast<const float*>(from)[i];
+    } else {
+      reinterpret_cast<uint16_t*>(to)[i] = reinterpret_cast<const uint16_t*>(from)[i];
+    }
+  }
+}
+#endif
+
+template <int KIND, bool ONEHOT>
+__global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
+                                                                            VerifyDraftWorkspace ws) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char dyn[];
+  __shared__ Shared sh;
+  __shared__ PositionStats ps_shared;
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cl = cg::this_cluster();
+  const int C = static_cast<int>(cl.num_blocks()), rank = static_cast<int>(cl.block_rank());
+  const int ns = num_slices(a.vocab), per = (ns + C - 1) / C;
+  const int64_t r = blockIdx.x / C;  // (clusters are consecutive blocks)
+  const Position pos = position_of_row(a, r);
+  if (pos.j > pos.nd) return;  // the whole cluster: padding past the bonus position
+  const bool drafted = pos.j < pos.nd;
+  const void* zrow = logits_row(a, r);
+  const float* qrow = drafted && a.draft_probs != nullptr ? a.draft_probs + pos.tok * a.vocab : nullptr;
+  const int x = drafted ? draft_index(a, pos.tok) : -1;
+  const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
+  constexpr int esize = logits_bytes<KIND>();
+  unsigned char* zbuf = dyn;
+  float* qbuf = reinterpret_cast<float*>(dyn + static_cast<size_t>(kSliceLen) * esize * per);
+  SlicePartial* mine = reinterpret_cast<SlicePartial*>(dyn + rapid_slice_bytes<KIND, ONEHOT>() * per);
+  SlicePartial* all = mine + per;
+  // 1. this CTA's slices into shared memory (the only read of HBM)
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
+    copy_to_shared(zbuf + static_cast<size_t>(l) * kSliceLen * esize, zrow, begin, end, esize, vec);
+    if (!ONEHOT && qrow != nullptr) copy_to_shared(qbuf + static_cast<size_t>(l) * kSliceLen, qrow, begin, end, 4, vec);
+  }
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel
+  const float inv_t = a.inv_temperature, eta = a.eta;
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
+    SoftmaxState st = softmax_identity();
+    float qm = -INFINITY;
+    if (drafted) {
+      sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+        softmax_update_chunk(st, z, begin + v0, inv_t);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
+      });
+    } else {
+      sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
+        softmax_update_chunk(st, z, begin + v0, inv_t);
+      });
+    }
+    const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+    const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
+    if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
+  }
+  // 3. every slice's partial from its CTA, folded in slice order
+  cl.sync();
+  for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
+  cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
+  if (threadIdx.x == 0) {
+    ps_shared = fold_target_stats(all, ns, inv_t, a.alpha, drafted);
+    if (rank == 0) ws.stats[r] = ps_shared;
+  }
+  __syncthreads();
+  if (!drafted) return;  // the bonus position uses p alone
+  const PositionStats ps = ps_shared;
+  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    SoftmaxState st = softmax_identity();
+    sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+      float m[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e)
+        m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+      softmax_update_chunk(st, m, begin + v0, 1.0f);
+    });
+    const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
+    if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
+  }
+#endif
+}
+
 // Phase 2: one warp per batch row. Lane l folds positions l, l + 32, ... (in chunks of 32 positions,
 // stopping at the chunk holding the first rejection or the bonus position) and decides its draft; the
 // lane of the emitting position writes the row's DrawPlan (greedy: its token).
@@ -532,6 +667,53 @@ __global__ void __launch_bounds__(kThreads) verify_draft_finish_kernel(const Ver
 
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
+// The largest dynamic shared memory the one-pass eta > 0 kernel asks for (of an H100's 227 KB per CTA;
+// up to ~113 KB two CTAs fit an SM: V 128256 with bf16 logits and fp32 draft probs takes 97 KB).
+constexpr size_t kRapidSmemLimit = 200 * 1024;
+
+// eta > 0: phase 1 in one pass over memory (verify_draft_rapid_stats_kernel) where the device runs
+// clusters (the sm_90 code was loaded) and a CTA's slices fit kRapidSmemLimit; *done tells the caller.
+// The tokens are the same either way.
+template <int KIND, bool ONEHOT>
+cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, cudaStream_t stream, bool* done) {
+  *done = false;
+  auto* kernel = verify_draft_rapid_stats_kernel<KIND, ONEHOT>;
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  const int ns = num_slices(a.vocab);
+  const int C = ns < 8 ? ns : 8;
+  const int per = (ns + C - 1) / C;
+  const size_t smem = rapid_smem_bytes<KIND, ONEHOT>(per, ns);
+  const int64_t grid = a.rows * C;
+  if (smem > kRapidSmemLimit || grid > 0x7fffffff) return cudaSuccess;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;  // a cluster of C such CTAs must fit the device at all (a host query, no sync)
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters < 1) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  *done = true;
+  return cudaLaunchKernelEx(&cfg, kernel, a, ws);
+}
+
 template <int KIND, bool ONEHOT>
 cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
   VerifyDraftWorkspace ws{};
@@ -540,10 +722,17 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
   const int64_t position_ctas = a.rows * ns, draw_ctas = static_cast<int64_t>(a.batch) * ns;
   if (position_ctas > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 block(kThreads);
-  verify_draft_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
+  bool one_pass = false;
   if (a.eta > 0.0f) {
-    verify_draft_fold_kernel<<<blocks_for(a.rows, kThreads), block, 0, stream>>>(a, ws);
-    verify_draft_modified_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
+    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, stream, &one_pass);
+    if (err != cudaSuccess) return err;
+  }
+  if (!one_pass) {
+    verify_draft_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
+    if (a.eta > 0.0f) {
+      verify_draft_fold_kernel<<<blocks_for(a.rows, kThreads), block, 0, stream>>>(a, ws);
+      verify_draft_modified_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
+    }
   }
   verify_draft_walk_kernel<KIND, ONEHOT><<<blocks_for(a.batch, kWalkWarps), kWalkWarps * kWarpSize, 0, stream>>>(a, ws);
   if (!a.greedy) {

@@ -85,7 +85,8 @@ inline size_t verify_draft_workspace_bytes(int64_t batch, int64_t rows, int voca
 }
 
 // The launches (see verify_draft_kernels.cu): phase 1 over rows x num_slices(V) CTAs of kThreads
-// threads (twice with eta > 0, a fold between), the walk (a warp per batch row), then, unless greedy,
+// threads (twice with eta > 0, a fold between; on sm_90 one launch of a cluster per position
+// instead, same bits), the walk (a warp per batch row), then, unless greedy,
 // the draw over B x num_slices(V) CTAs twice and a finish. No host synchronisation, a fixed launch
 // sequence for given shapes (CUDA-graph safe), no atomics across CTAs. Preconditions (not checked
 // here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in [0, g]
