@@ -539,21 +539,24 @@ def verify_draft_slices(vocab: int) -> int:
 def verify_draft_grid(batch: int, g: int, vocab: int) -> dict:
     """CTAs of the verify_draft launches (csrc/speculative/verify_draft_kernels.cu, mirrored): phase 1
     (statistics; a second pass with eta > 0) over every (position, slice) of every row, the draw over
-    (row, slice) of the one drawn position per row."""
-    return dict(stats=batch * (g + 1) * verify_draft_slices(vocab), draw=batch * verify_draft_slices(vocab))
+    (row, slice) of the one drawn position per row; with eta > 0 on sm_90 phase 1 is instead one
+    cluster of min(8, slices) CTAs per position (``rapid``)."""
+    ns = verify_draft_slices(vocab)
+    return dict(stats=batch * (g + 1) * ns, draw=batch * ns, rapid=batch * (g + 1) * min(8, ns))
 
 
 def verify_draft_coverage(cuda_rows: List[dict]) -> List[dict]:
     """SM coverage of the verify_draft statistics launch at the benchmark's shapes (modelled): grid =
     rows x positions x slices CTAs; a grid of at least one CTA per SM occupies min(grid, 132) SMs, in
-    ceil(grid / (132 x CTAs/SM)) waves at the kernel's CTAs/SM."""
+    ceil(grid / (132 x CTAs/SM)) waves at the kernel's CTAs/SM (the statistics kernel's; the eta > 0
+    one-pass kernel's CTAs/SM depend on its dynamic shared memory, not modelled here)."""
     vd = [r for r in cuda_rows if "verify_draft_stats_kernel" in r["kernel"]]
     per_sm = min((r["ctas_per_sm"] for r in vd), default=None)
     rows = []
     for b, g, vocab in [(1, 4, 32000), (1, 10, 128256), (8, 10, 128256), (64, 10, 128256)]:
         grid = verify_draft_grid(b, g, vocab)
         rows.append(dict(batch=b, g=g, vocab=vocab, slices=verify_draft_slices(vocab), ctas=grid["stats"],
-                         draw_ctas=grid["draw"], sms_used=min(grid["stats"], H100["sms"]), ctas_per_sm=per_sm,
+                         draw_ctas=grid["draw"], rapid_ctas=grid["rapid"], sms_used=min(grid["stats"], H100["sms"]), ctas_per_sm=per_sm,
                          waves=math.ceil(grid["stats"] / (H100["sms"] * per_sm)) if per_sm else None))
     return rows
 
@@ -838,13 +841,14 @@ def to_markdown(r: dict) -> str:
         lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch.", "",
                   "`verify_draft` splits every position of every row into vocabulary slices of "
                   f"{VERIFY_DRAFT_SLICE_LEN} tokens, one CTA each (phase 1: softmax statistics; a second pass with "
-                  "eta > 0), folds them per row in a warp, and draws the one token per row over (row, slice) CTAs. "
-                  "SM coverage of phase 1 at the benchmark's shapes (modelled):", "",
-                  "| batch | g | V | slices | grid (CTAs) | draw grid | SMs used | CTAs/SM | waves |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "eta > 0; on sm_90 with eta > 0 instead one cluster of up to 8 CTAs per position keeping its slices "
+                  "in shared memory, the 'eta > 0 grid'), folds them per row in a warp, and draws the one token per "
+                  "row over (row, slice) CTAs. SM coverage of phase 1 at the benchmark's shapes (modelled):", "",
+                  "| batch | g | V | slices | grid (CTAs) | eta > 0 grid | draw grid | SMs used | CTAs/SM | waves |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for c in r.get("verify_draft_coverage", []):
-            lines.append(f"| {c['batch']} | {c['g']} | {c['vocab']} | {c['slices']} | {c['ctas']} | {c['draw_ctas']} | "
-                         f"{c['sms_used']} of {H100['sms']} | {c['ctas_per_sm']} | {c['waves']} |")
+            lines.append(f"| {c['batch']} | {c['g']} | {c['vocab']} | {c['slices']} | {c['ctas']} | {c.get('rapid_ctas')} | "
+                         f"{c['draw_ctas']} | {c['sms_used']} of {H100['sms']} | {c['ctas_per_sm']} | {c['waves']} |")
     lines += ["", "## Roofline lower bounds (modelled)", "",
               "| case | bytes | FLOPs | FLOP/B | memory us | compute us | lower bound us | bound |",
               "|---|---|---|---|---|---|---|---|"]

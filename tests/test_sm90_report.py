@@ -110,7 +110,8 @@ def test_verify_draft_slice_rule():
     from ragattn.bench.sm90 import VERIFY_DRAFT_SLICE_LEN, verify_draft_grid, verify_draft_slices
 
     assert [verify_draft_slices(v) for v in (1, 4095, 4096, 4097, 32000, 128256, 152064)] == [1, 1, 1, 2, 8, 32, 38]
-    assert verify_draft_grid(64, 10, 128256) == dict(stats=64 * 11 * 32, draw=64 * 32)
+    assert verify_draft_grid(64, 10, 128256) == dict(stats=64 * 11 * 32, draw=64 * 32, rapid=64 * 11 * 8)
+    assert verify_draft_grid(2, 3, 5000)["rapid"] == 2 * 4 * 2  # clusters of min(8, slices) CTAs
     from pathlib import Path
 
     math_h = (Path(__file__).resolve().parent.parent / "csrc" / "speculative" / "verify_draft_math.h").read_text()
