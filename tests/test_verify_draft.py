@@ -182,7 +182,8 @@ def test_reference_backend_matches_default(monkeypatch, seed):
 
 def test_cuda_matches_cpu_twin(device, seed, monkeypatch):
     """The kernel and the twin (RAGATTN_CPU_BACKEND=twin) share every rounding: same tokens on any
-    uniforms, no margin (vocabularies of 1 to 32 slices, padded and num_draft layouts)."""
+    uniforms, no margin (vocabularies of 1 to 74 slices, padded and num_draft layouts; with eta > 0 the
+    sm_90 one-pass kernel and, at V 300007, the two-pass path)."""
     if device.type != "cuda":
         pytest.skip("needs --device cuda")
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "twin")
@@ -190,7 +191,9 @@ def test_cuda_matches_cpu_twin(device, seed, monkeypatch):
     for bsz, g, vocab, dtype, eta in [(64, 10, 128256, torch.bfloat16, 0.0), (64, 10, 128256, torch.bfloat16, 10.0),
                                       (33, 16, 49157, torch.float16, 20.0), (128, 4, 32000, torch.float32, 5.0),
                                       (7, 3, 151, torch.bfloat16, 0.0), (200, 2, 1001, torch.bfloat16, 3.0),
-                                      (1, 6, 50257, torch.float32, 10.0)]:
+                                      (1, 6, 50257, torch.float32, 10.0),
+                                      # eta > 0 past the one-pass kernel's shared memory: the two-pass path
+                                      (2, 2, 300007, torch.bfloat16, 10.0)]:
         x, q, z, u = make_case(bsz, g, vocab, dtype=dtype, gen=gen, closeness=0.3)
         nd = torch.randint(0, g + 1, (bsz,), generator=gen)
         for greedy in (False, True):
