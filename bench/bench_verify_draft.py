@@ -4,13 +4,14 @@ RAPID's modified target (eta 10).
 gpu: B in {1, 8, 64} x gamma in {4, 10} x V in {32000 (LLaMA-2), 128256 (LLaMA-3.1),
 152064 (Qwen2.5)}, bf16 target logits, fp32 draft probs, T = 1. The drafts are sampled from a
 draft distribution close to the target's, so that a realistic share of each chain is accepted
-(the kernel stops at the first rejection; ``mean_accepted`` is reported in the params).
-``bytes`` = the bytes the kernel really touches from memory, counted from the call's own
-``num_accepted``: for row b with n_b accepted of g drafts, the n_b + 1 target-logits rows it
-verifies (accepted positions, then the rejected or bonus one), and the draft-probs rows it reads
-(eta > 0: every verified drafted position's row, for max q and p_hat; eta = 0: only the rejected
-position's row, for the residual, plus single entries at the draft tokens), each row counted once
-(re-reads of a row within a call hit the L2 cache), plus the small per-row tensors. Peak "copy".
+(``mean_accepted`` is reported in the params). ``bytes`` = the bytes the kernel must read and write,
+counted from the call's own ``num_accepted``: every position's target-logits row (the CUDA kernel's
+first phase covers all g + 1 positions of a row at once, rejected or not), the draft-probs rows it reads
+(eta > 0: every drafted position's row, for max q and p_hat; eta = 0: only the rejected position's row,
+for the residual, plus single entries at the draft tokens), each row counted once (with eta > 0 the
+second pass re-reads logits and draft probs, up to 2x these bytes, and the draw re-reads the drawn
+position's rows; the kernel's workspace, ~16 B per position and vocabulary slice, is not counted), plus
+the small per-row tensors. Peak "copy".
 Target on an H100: >= 80% of the copy bandwidth at B = 64, gamma = 10, V = 128256, and >= 10x
 over the torch implementation.
 
@@ -54,23 +55,23 @@ def _rapid_loop(x, q, z, temperature, eta, alpha):
 def _bytes_touched(num_accepted, g, vocab, logits_elem, eta):
     """Bytes one call reads and writes at least once (see the module docstring)."""
     n = num_accepted.long().cpu()
-    logits_rows = int((n + 1).sum())
+    logits_rows = n.numel() * (g + 1)
     rejected = n < g
-    probs_rows = int(torch.minimum(n + 1, torch.full_like(n, g)).sum()) if eta > 0 else int(rejected.sum())
+    probs_rows = n.numel() * g if eta > 0 else int(rejected.sum())
     per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4  # drafts, uniforms, out_tokens, num_accepted
     return float(logits_rows * vocab * logits_elem + probs_rows * vocab * 4 + n.numel() * per_row)
 
 
-def _config(device, batch):
-    """The CUDA launcher's choice (csrc/speculative: a cluster of C CTAs of 256 threads per row, C
-    from the batch and the SM count; mirrored by bench.sm90), or the CPU backend."""
+def _config(device, batch, g, vocab):
+    """The CUDA launcher's grid (csrc/speculative: CTAs of 256 threads over every (position, vocabulary
+    slice), mirrored by bench.sm90), or the CPU backend."""
     if device.type != "cuda":
         return cpu_config()
-    from .sm90 import verify_draft_cluster_size
+    from .sm90 import verify_draft_grid, verify_draft_slices
 
-    props = torch.cuda.get_device_properties(device)
-    c = verify_draft_cluster_size(batch, props.multi_processor_count, props.major)
-    return {"kernel": "cuda", "threads": 256, "ctas_per_row": c, "grid": batch * c}
+    grid = verify_draft_grid(batch, g, vocab)
+    return {"kernel": "cuda", "threads": 256, "slices": verify_draft_slices(vocab), "grid": grid["stats"],
+            "draw_grid": grid["draw"]}
 
 
 def _inputs(bsz, g, vocab, device, gen):
@@ -110,7 +111,7 @@ def cases(device: torch.device, size: str):
                     },
                     bytes=float(nbytes),
                     peak="copy",
-                    config=lambda b=bsz: _config(device, b),
+                    config=lambda b=bsz, g=g, v=vocab: _config(device, b, g, v),
                     params={
                         "logits": "bfloat16",
                         "eta": eta,

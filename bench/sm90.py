@@ -526,29 +526,38 @@ def load16_runs(ptx: str, entry: str) -> List[int]:
     return runs + ([n] if n else [])
 
 
-def verify_draft_cluster_size(batch: int, sms: int = H100["sms"], cc_major: int = 9) -> int:
-    """CTAs per batch row of the verify_draft kernel: the launcher's rule
-    (``verify_draft_cluster_size`` in csrc/speculative/verify_draft_kernels.cuh, mirrored here)."""
-    c = 1
-    if cc_major < 9:
-        return c
-    while c < 8 and batch * c < sms:
-        c *= 2
-    return c
+# kSliceLen of csrc/speculative/verify_draft_math.h (kSliceTiles x kThreads x kChunk tokens): the
+# vocabulary share of one CTA of the verify_draft kernels, mirrored here
+VERIFY_DRAFT_SLICE_LEN = 2 * 256 * 8
+
+
+def verify_draft_slices(vocab: int) -> int:
+    """Vocabulary slices of the verify_draft kernels (``num_slices`` in verify_draft_math.h)."""
+    return -(-vocab // VERIFY_DRAFT_SLICE_LEN)
+
+
+def verify_draft_grid(batch: int, g: int, vocab: int) -> dict:
+    """CTAs of the verify_draft launches (csrc/speculative/verify_draft_kernels.cu, mirrored): phase 1
+    (statistics; a second pass with eta > 0) over every (position, slice) of every row, the draw over
+    (row, slice) of the one drawn position per row; with eta > 0 on sm_90 phase 1 is instead one
+    cluster of min(8, slices) CTAs per position (``rapid``)."""
+    ns = verify_draft_slices(vocab)
+    return dict(stats=batch * (g + 1) * ns, draw=batch * ns, rapid=batch * (g + 1) * min(8, ns))
 
 
 def verify_draft_coverage(cuda_rows: List[dict]) -> List[dict]:
-    """SM coverage of the verify_draft launches at the benchmark's batch sizes (modelled): grid =
-    batch x cluster size CTAs; a grid of at least one CTA per SM, at the kernel's CTAs/SM, occupies
-    min(grid, 132) SMs in one wave (the block scheduler spreads CTAs over idle SMs first)."""
-    vd = [r for r in cuda_rows if "verify_draft_kernel" in r["kernel"]]
+    """SM coverage of the verify_draft statistics launch at the benchmark's shapes (modelled): grid =
+    rows x positions x slices CTAs; a grid of at least one CTA per SM occupies min(grid, 132) SMs, in
+    ceil(grid / (132 x CTAs/SM)) waves at the kernel's CTAs/SM (the statistics kernel's; the eta > 0
+    one-pass kernel's CTAs/SM depend on its dynamic shared memory, not modelled here)."""
+    vd = [r for r in cuda_rows if "verify_draft_stats_kernel" in r["kernel"]]
     per_sm = min((r["ctas_per_sm"] for r in vd), default=None)
     rows = []
-    for b in (1, 8, 64):
-        c = verify_draft_cluster_size(b)
-        grid = b * c
-        rows.append(dict(batch=b, cluster=c, ctas=grid, sms_used=min(grid, H100["sms"]), ctas_per_sm=per_sm,
-                         waves=math.ceil(grid / (H100["sms"] * per_sm)) if per_sm else None))
+    for b, g, vocab in [(1, 4, 32000), (1, 10, 128256), (8, 10, 128256), (64, 10, 128256)]:
+        grid = verify_draft_grid(b, g, vocab)
+        rows.append(dict(batch=b, g=g, vocab=vocab, slices=verify_draft_slices(vocab), ctas=grid["stats"],
+                         draw_ctas=grid["draw"], rapid_ctas=grid["rapid"], sms_used=min(grid["stats"], H100["sms"]), ctas_per_sm=per_sm,
+                         waves=math.ceil(grid["stats"] / (H100["sms"] * per_sm)) if per_sm else None))
     return rows
 
 
@@ -600,13 +609,14 @@ def roofline_cases() -> List[dict]:
         cases.append(dict(case=f"kv_cache/copy_kv_ {tag}", bytes=2 * 2 * kv, flops=None))
         cases.append(dict(case=f"kv_cache/copy_kv_+rotate {tag}", bytes=2 * 2 * kv, flops=None))
     for b, g, vocab in [(1, 4, 32000), (64, 10, 128256)]:  # bench_verify_draft: bf16 logits, fp32 draft probs
-        # data-dependent: every draft accepted reads all g+1 logits rows (the most a call reads); eta 0 reads
-        # draft probs only at the draft tokens, eta > 0 every drafted row (max q, p_hat)
+        # every position's logits row, whatever the acceptance (phase 1 covers all g + 1 positions); eta 0 reads
+        # draft probs at the draft tokens and one rejected row (not counted), eta > 0 every drafted row (max q,
+        # p_hat). Compulsory bytes: the eta > 0 pass over the modified logits re-reads logits and probs (up to 2x)
         per_row = g * 8 + (g + 1) * 4 + (g + 1) * 8 + 4 + g * 4
         logits = b * (g + 1) * vocab * bf
-        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta0 (all accepted)",
+        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta0",
                           bytes=float(logits + b * per_row), flops=None))
-        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta10 (all accepted)",
+        cases.append(dict(case=f"verify_draft/B{b}_g{g}_V{vocab}_eta10",
                           bytes=float(logits + b * g * vocab * 4 + b * per_row), flops=None))
     for c in cases:
         t_mem = c["bytes"] / H100["hbm_bytes_per_s"]
@@ -829,13 +839,16 @@ def to_markdown(r: dict) -> str:
                          f"{k['spill_stores']}/{k['spill_loads']} | {k['static_smem']} | {k['ctas_per_sm']} ({k['occupancy_bound']}) | "
                          f"{k.get('load16_runs') or '-'} |")
         lines += ["", "Static shared memory only: the kv_cache kernels' dynamic shared memory depends on the launch.", "",
-                  "`verify_draft` launches a thread-block cluster of C CTAs per batch row (C = 1, 2, 4, 8: the smallest "
-                  "giving at least one CTA per SM; each CTA owns kSlices / C of the 8 vocabulary slices, exchanged "
-                  "through distributed shared memory). SM coverage at the benchmark's batch sizes (modelled):", "",
-                  "| batch | CTAs per row | grid (CTAs) | SMs used | CTAs/SM | waves |", "|---|---|---|---|---|---|"]
+                  "`verify_draft` splits every position of every row into vocabulary slices of "
+                  f"{VERIFY_DRAFT_SLICE_LEN} tokens, one CTA each (phase 1: softmax statistics; a second pass with "
+                  "eta > 0; on sm_90 with eta > 0 instead one cluster of up to 8 CTAs per position keeping its slices "
+                  "in shared memory, the 'eta > 0 grid'), folds them per row in a warp, and draws the one token per "
+                  "row over (row, slice) CTAs. SM coverage of phase 1 at the benchmark's shapes (modelled):", "",
+                  "| batch | g | V | slices | grid (CTAs) | eta > 0 grid | draw grid | SMs used | CTAs/SM | waves |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for c in r.get("verify_draft_coverage", []):
-            lines.append(f"| {c['batch']} | {c['cluster']} | {c['ctas']} | {c['sms_used']} of {H100['sms']} | "
-                         f"{c['ctas_per_sm']} | {c['waves']} |")
+            lines.append(f"| {c['batch']} | {c['g']} | {c['vocab']} | {c['slices']} | {c['ctas']} | {c.get('rapid_ctas')} | "
+                         f"{c['draw_ctas']} | {c['sms_used']} of {H100['sms']} | {c['ctas_per_sm']} | {c['waves']} |")
     lines += ["", "## Roofline lower bounds (modelled)", "",
               "| case | bytes | FLOPs | FLOP/B | memory us | compute us | lower bound us | bound |",
               "|---|---|---|---|---|---|---|---|"]

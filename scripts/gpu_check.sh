@@ -86,7 +86,8 @@ export RAGATTN_COMMIT
 RAGATTN_COMMIT=$(commit_of_tree)
 OP_TESTS=(tests/test_varlen_attention.py tests/test_paged_attention.py tests/test_paged_attention_plan.py
           tests/test_merge_attention_states.py
-          tests/test_kv_cache.py tests/test_key_attention_scores.py tests/test_verify_draft.py tests/test_rope_vs_hf.py
+          tests/test_kv_cache.py tests/test_key_attention_scores.py tests/test_verify_draft.py tests/test_verify_draft_slices.py
+          tests/test_rope_vs_hf.py
           tests/test_refrag_assemble.py tests/test_cpp_error_messages.py tests/test_fuzz_kv_cache.py
           tests/test_fuzz_merge_attention_states.py tests/test_fuzz_paged_attention.py tests/test_fuzz_varlen.py
           tests/test_fuzz_verify_draft.py)

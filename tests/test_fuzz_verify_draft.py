@@ -1,5 +1,6 @@
 """Property test of ``verify_draft``: random batch sizes (0 included), chain lengths (0 and 1
-included), vocabularies, logits dtypes, temperatures, eta, padded / flat (vLLM) layouts, with and
+included), vocabularies (up to two vocabulary slices of the CUDA kernel), logits dtypes, temperatures, eta,
+padded / flat (vLLM) layouts, with and
 without draft probabilities, and non-finite logits (+inf, -inf, NaN) injected, on the fast C++ default,
 the C++ twin and the reference path, token for token against the float64 reference (uniforms kept away from the
 rounding thresholds, see test_verify_draft.robust_uniforms)."""
@@ -23,7 +24,7 @@ SPECIAL = [float("inf"), float("-inf"), float("nan")]
 def cases(draw):
     bsz = draw(st.integers(0, 5))
     g = draw(st.integers(0, 4))
-    vocab = draw(st.sampled_from([1, 2, 7, 40, 333]))
+    vocab = draw(st.sampled_from([1, 2, 7, 40, 333, 4101]))  # 4101: two vocabulary slices of the kernel
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     temperature = draw(st.sampled_from([1.0, 0.6, 1e-3]))
     eta = draw(st.sampled_from([0.0, 4.0]))

@@ -84,34 +84,43 @@ def test_cuda_kernels_at_launch_bounds():
         pytest.skip("nvcc not found")
     # verify_draft only: the kv_cache file's 30 instantiations take minutes of nvcc on 2 cores
     rows = analyse_cuda(["verify_draft_kernels.cu"])
-    assert len(rows) == 6  # logits dtype x one-hot drafts
+    # (logits dtype x one-hot drafts) x (stats, modified stats, one-pass rapid stats, walk, draw totals,
+    # draw find) + fold + finish
+    assert len(rows) == 6 * 6 + 2
     for r in rows:
-        # issue 15.7: 1024-thread CTAs capped registers at 64 and three variants spilled; 256-thread CTAs
-        # with __launch_bounds__(256, 2) leave up to 128 registers and two CTAs per SM
-        assert r["threads"] == 256 and 0 < r["regs"] <= 128 and r["ctas_per_sm"] >= 2, r
+        # issue 22.4: the phase-1 and draw kernels run many small CTAs: __launch_bounds__(256, 4) leaves 64
+        # registers, four CTAs (half the SM's threads) per SM (the one-pass eta > 0 kernel: 64 registers,
+        # its dynamic shared memory, ~97 KB at V 128256, bounds it at 2 CTAs per SM: not in this model)
+        assert r["threads"] == 256 and 0 < r["regs"] <= 64 and r["ctas_per_sm"] >= 4, r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
     assert_known_defects(rows, {r["kernel"] for r in rows})
-    # issue 15.7: one CTA per row used 64 of the 132 SMs at B = 64 (modelled); a cluster per row fills them
+    # issue 15.7 / 22.4: one CTA per row used 64 of the 132 SMs at B = 64, a cluster of 4 per row one wave of
+    # 256 CTAs walking the positions in turn; every (position, slice) in its own CTA fills the SMs many times
     from ragattn.bench.sm90 import verify_draft_coverage
 
-    cover = {c["batch"]: c for c in verify_draft_coverage(rows)}
-    assert cover[64]["sms_used"] >= 128 and cover[64]["waves"] == 1, cover[64]
+    cover = {(c["batch"], c["g"], c["vocab"]): c for c in verify_draft_coverage(rows)}
+    big = cover[(64, 10, 128256)]
+    assert big["ctas"] == 64 * 11 * 32 and big["sms_used"] == 132 and big["waves"] >= 20, big
+    assert cover[(1, 10, 128256)]["sms_used"] == 132, cover[(1, 10, 128256)]
 
 
-def test_verify_draft_cluster_rule():
-    """The launcher's CTAs-per-row rule (mirrored in bench.sm90): at least one CTA per SM where a
-    cluster of at most 8 can give it, 1 before sm_90, always a divisor of the 8 vocabulary slices."""
-    from ragattn.bench.sm90 import verify_draft_cluster_size
+def test_verify_draft_slice_rule():
+    """The kernels' vocabulary slicing (mirrored in bench.sm90): fixed slices of kSliceLen tokens,
+    the last one ending at V, independent of the GPU and the batch."""
+    from ragattn.bench.sm90 import VERIFY_DRAFT_SLICE_LEN, verify_draft_grid, verify_draft_slices
 
-    assert [verify_draft_cluster_size(b) for b in (1, 8, 17, 33, 64, 66, 128, 132, 4096)] == [8, 8, 8, 4, 4, 2, 2, 1, 1]
-    assert verify_draft_cluster_size(64, cc_major=8) == 1
-    assert verify_draft_cluster_size(64, sms=114) == 2  # H100 PCIe
+    assert [verify_draft_slices(v) for v in (1, 4095, 4096, 4097, 32000, 128256, 152064)] == [1, 1, 1, 2, 8, 32, 38]
+    assert verify_draft_grid(64, 10, 128256) == dict(stats=64 * 11 * 32, draw=64 * 32, rapid=64 * 11 * 8)
+    assert verify_draft_grid(2, 3, 5000)["rapid"] == 2 * 4 * 2  # clusters of min(8, slices) CTAs
     from pathlib import Path
 
-    csrc = Path(__file__).resolve().parent.parent / "csrc" / "speculative"
-    header = (csrc / "verify_draft_kernels.cuh").read_text()  # the rule the mirror copies
-    assert "while (c < 8 && batch * c < num_sms) c *= 2;" in header and "if (cc_major < 9) return c;" in header
-    assert "constexpr int kSlices = 8;" in (csrc / "verify_draft_math.h").read_text()
+    math_h = (Path(__file__).resolve().parent.parent / "csrc" / "speculative" / "verify_draft_math.h").read_text()
+    # the constants the mirror copies: kSliceLen = kSliceTiles x kThreads x kChunk
+    for line in ("constexpr int kThreads = 256;", "constexpr int kChunk = 8;", "constexpr int kSliceTiles = 2;",
+                 "constexpr int kSliceLen = kSliceTiles * kTile;", "constexpr int kTile = kThreads * kChunk;"):
+        assert line in math_h, line
+    assert VERIFY_DRAFT_SLICE_LEN == 2 * 256 * 8
+    assert "return (vocab + kSliceLen - 1) / kSliceLen;" in math_h
 
 
 def test_occupancy_model():

@@ -1,6 +1,7 @@
 // ATen launcher of verify_draft on CUDA tensors: validate (shared with the CPU twin; the index
 // and range checks that need host data are preconditions here, checked by the Python wrapper
-// when RAGATTN_DEBUG=1), allocate the outputs, launch on the current stream. No host sync.
+// when RAGATTN_DEBUG=1), allocate the outputs and the kernels' workspace, launch on the current
+// stream. No host sync.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -61,12 +62,15 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
   args.eta = static_cast<float>(eta);
   args.alpha = static_cast<float>(alpha);
   args.greedy = greedy;
-  int num_sms = 0, cc_major = 0;  // device attributes: host queries, no stream sync (graph safe)
-  const int dev = target_logits.device().index();
-  RAGATTN_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess,
-                "ragattn.verify_draft: cannot query the device's attributes");
-  args.cluster_size = speculative::verify_draft_cluster_size(B, num_sms, cc_major);
+  args.rows = logits.numel() / logits.size(-1);
+  RAGATTN_CHECK_VALUE(args.rows * speculative::num_slices(args.vocab) <= 0x7fffffff,
+                      "ragattn.verify_draft: the CUDA kernels take fewer than 2^31 (position, vocabulary slice) "
+                      "pairs, got ", args.rows, " positions x ", speculative::num_slices(args.vocab), " slices");
+  // the kernels' global workspace (partials per position and slice, draw plans): from torch's caching
+  // allocator on the current stream, so no cudaMalloc and no host sync
+  const auto ws_bytes = static_cast<int64_t>(speculative::verify_draft_workspace_bytes(B, args.rows, args.vocab, eta > 0));
+  const at::Tensor workspace = at::empty({ws_bytes}, logits.options().dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
   const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream());
   RAGATTN_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out_tokens, num_accepted};

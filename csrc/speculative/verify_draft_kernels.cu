@@ -1,38 +1,39 @@
-// verify_draft CUDA kernel: chain speculative verification, a cluster of C CTAs per batch row.
+// verify_draft CUDA kernels: chain speculative verification over every drafted position at once.
 //
-// The vocabulary is cut into kSlices canonical slices; CTA rank r of a row's cluster owns slices
-// r, r + C, ... (C = 1, 2, 4 or 8, picked by the launcher from the batch and the SM count, so that
-// B = 64 fills an H100's 132 SMs; C = 1 without thread-block clusters, before sm_90). Per drafted
-// position j (in order, stopping at the first rejection) every CTA sweeps its slices once for p
-// (online softmax of z / T by chunks, argmax, max q) and, when eta > 0, once more for p_hat; each
-// slice is reduced by its CTA, the slice results are exchanged through distributed shared memory and
-// every CTA folds all kSlices of them in slice order: every CTA of the cluster holds the same
-// statistics, takes the same decision, and the result does not depend on C. At the first rejection,
-// or for the bonus token, the final token is drawn by inverse CDF: the slices' totals (one sweep),
-// exchanged and folded, then per slice block-wide prefix scans from the slice's base that stop at the
-// tile holding the crossing; the first slice with a crossing wins.
+// The vocabulary is cut into num_slices(V) slices of kSliceLen tokens (verify_draft_math.h). Phases:
+//   1. verify_draft_stats_kernel: one CTA per (logits row, slice), every position of every row at
+//      once: the slice's online softmax of z / T by chunks, its argmax and (eta > 0) its max q into a
+//      global workspace. With eta > 0, verify_draft_fold_kernel folds each position's slices into p's
+//      statistics and verify_draft_modified_stats_kernel does the same per (row, slice) for the
+//      modified logits (p_hat); on sm_90, verify_draft_rapid_stats_kernel does all three in one read
+//      of HBM (a cluster per position keeping its slices in shared memory between the two sweeps).
+//   2. verify_draft_walk_kernel: one warp per batch row; lane j folds position j's slices in slice
+//      order, decides its draft on scalars (two loads: z[x], q[x]), a ballot finds the first rejection;
+//      it writes the accepted drafts, the -1 tail, num_accepted and the row's DrawPlan (greedy: the
+//      token too, and it is the last launch).
+//   3. The final token at the one position that needs it, by inverse CDF: verify_draft_draw_totals_kernel
+//      (per (batch row, slice) the slice totals in scan order), verify_draft_draw_find_kernel (per slice
+//      the prefix scans from the slice's base, folded in slice order, to the first crossing; slices an
+//      earlier slice certainly decides are skipped), verify_draft_finish_kernel (the first slice's
+//      crossing). The phase-1 grid is rows x slices CTAs (B 64, g 10, V 128256: 704 x 32 = 22528, 43
+//      waves of 4 CTAs per SM on 132 SMs): every SM streams logits, where a per-row chain walk left the
+//      sweep of each position latency-bound. It reads the logits of positions after a rejection too.
 //
 // All arithmetic lives in verify_draft_math.h and is replayed by the CPU twin in the same order
-// (see "Summation order" there), so CUDA and CPU emit the same tokens. No global workspace, no host
-// synchronisation, no atomics across CTAs: the cluster's exchanges are the only communication.
+// (see "Summation order" there): fixed slicing, every fold in slice order on one thread, no atomics
+// across CTAs, so CUDA and CPU emit the same tokens given the uniforms, on any GPU.
 #include "speculative/verify_draft_kernels.cuh"
 #include "speculative/verify_draft_math.h"
 
 #include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 
 namespace ragattn {
 namespace speculative {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-
-// One slice's result, published to the cluster: a softmax state, a float (max q / the slice total)
-// and an int (the slice's last positive token / its crossing).
-struct SliceResult {
-  SoftmaxState st;
-  float f;
-  int i;
-};
+constexpr int kWalkWarps = kWarps;  // batch rows per CTA of the walk kernel (kThreads threads, like the others)
 
 struct Shared {
   SoftmaxState soft[kWarps];
@@ -41,45 +42,6 @@ struct Shared {
   int i[kWarps];
   float tile_total;
   int found;
-  SliceResult slices[2][kSlices];  // double-buffered: exchange k writes [k % 2] (see Cluster)
-};
-
-// The CTAs of one batch row. Exchange protocol: each CTA writes the results of its own slices into
-// slices[buf], sync(), then every thread reads all kSlices results (slice s from CTA s % size) and
-// the next exchange uses the other buffer; a CTA writes a buffer again only two exchanges later,
-// after every CTA has passed the sync that follows its reads of it. Without clusters (sm_80) size is 1.
-struct Cluster {
-  int size, rank, buf;
-
-  __device__ static Cluster mine() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
-    return Cluster{static_cast<int>(cl.num_blocks()), static_cast<int>(cl.block_rank()), 0};
-#else
-    return Cluster{1, 0, 0};
-#endif
-  }
-  __device__ void sync() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (size > 1) {
-      cooperative_groups::this_cluster().sync();
-      return;
-    }
-#endif
-    __syncthreads();
-  }
-  // Slice s's result of the current exchange (from the CTA that owns it).
-  __device__ SliceResult get(Shared& sh, int s) const {
-    SliceResult* p = &sh.slices[buf][s];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (size > 1) p = cooperative_groups::this_cluster().map_shared_rank(p, s % size);
-#endif
-    return *p;
-  }
-  __device__ void put(Shared& sh, int s, const SliceResult& r) const {
-    if (threadIdx.x == 0) sh.slices[buf][s] = r;
-  }
-  __device__ void next() { buf ^= 1; }
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & (kWarpSize - 1); }
@@ -224,74 +186,349 @@ __device__ __forceinline__ void sweep(const void* zrow, const float* qrow, int x
   }
 }
 
-// The statistics of p (and p_hat when eta > 0 and q is given) at one position, the same in every
-// thread of every CTA of the cluster. has_q: a drafted position (qrow, or one-hot on x when qrow is
-// nullptr), not the bonus position.
-template <int KIND, bool ONEHOT>
-__device__ __forceinline__ PositionStats position_stats(const void* zrow, const float* qrow, bool has_q, int x, int vocab,
-                                        float inv_t, float eta, float alpha, Cluster& cl, Shared& sh) {
-  const bool with_q = eta > 0.0f && has_q;
-  const bool vec = aligned16(zrow) && (!with_q || qrow == nullptr || aligned16(qrow));
-  for (int s = cl.rank; s < kSlices; s += cl.size) {
-    const int begin = slice_begin(s, vocab), end = slice_end(s, vocab);
-    SoftmaxState st = softmax_identity();
-    float qm = -INFINITY;
-    if (with_q) {
-      sweep<KIND, true, ONEHOT>(zrow, qrow, x, begin, end, vec,
-                                [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                                  softmax_update_chunk(st, z, v0, inv_t);
-#pragma unroll
-                                  for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
-                                });
-    } else {
-      sweep<KIND, false, ONEHOT>(zrow, qrow, x, begin, end, vec,
-                                 [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-                                   softmax_update_chunk(st, z, v0, inv_t);
-                                 });
-    }
-    const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
-    cl.put(sh, s, SliceResult{ss, with_q ? block_max(qm, sh) : -INFINITY, 0});
-  }
-  cl.sync();
-  SoftmaxState sz = softmax_identity();
-  float qmax = -INFINITY;
-  for (int s = 0; s < kSlices; ++s) {
-    const SliceResult r = cl.get(sh, s);
-    sz = softmax_merge(sz, r.st, inv_t);
-    qmax = f_max(qmax, r.f);
-  }
-  cl.next();
-  PositionStats ps = target_stats(sz);
-  if (!with_q) return ps;
-  ps.q_thresh = f_mul(alpha, qmax);
-  for (int s = cl.rank; s < kSlices; s += cl.size) {
-    SoftmaxState st = softmax_identity();
-    sweep<KIND, true, ONEHOT>(zrow, qrow, x, slice_begin(s, vocab), slice_end(s, vocab), vec,
-                              [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                                float a[kChunk];
-#pragma unroll
-                                for (int e = 0; e < kChunk; ++e)
-                                  a[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh,
-                                                        ps.inv_sp);
-                                softmax_update_chunk(st, a, v0, 1.0f);
-                              });
-    cl.put(sh, s, SliceResult{block_reduce_softmax(st, 1.0f, sh), 0.0f, 0});
-  }
-  cl.sync();
-  SoftmaxState sa = softmax_identity();
-  for (int s = 0; s < kSlices; ++s) sa = softmax_merge(sa, cl.get(sh, s).st, 1.0f);
-  cl.next();
-  ps.m_a = sa.m;
-  ps.inv_sa = f_div(1.0f, sa.s);
-  ps.argmax_a = sa.idx;
-  return ps;
+
+// Where batch row b's data lives: drafts / draft probs from tok_off, logits / uniforms / outputs from
+// row_off (padded layout: b * g and b * (g + 1); flat layout: cu[b] and cu[b] + b).
+struct RowRef {
+  int64_t tok_off, row_off, nd, out_len, u_last;
+};
+
+__device__ __forceinline__ int64_t cu_at(const VerifyDraftArgs& a, int64_t i) {
+  return a.cu_is_int64 ? static_cast<const int64_t*>(a.cu_num_draft)[i] : static_cast<const int32_t*>(a.cu_num_draft)[i];
 }
 
-// Draw weights of this thread's chunk in `tile` of slice [begin, end) (0 past it) and their sum from 0.
+__device__ RowRef row_ref(const VerifyDraftArgs& a, int64_t b) {
+  RowRef r;
+  if (a.cu_num_draft != nullptr) {
+    const int64_t c0 = cu_at(a, b), c1 = cu_at(a, b + 1);
+    r.tok_off = c0;
+    r.row_off = c0 + b;
+    r.nd = c1 > c0 ? c1 - c0 : 0;
+    r.out_len = r.nd + 1;
+    r.u_last = r.row_off + r.nd;  // the request's last row
+  } else {
+    const int g = a.g;
+    r.tok_off = b * g;
+    r.row_off = b * (g + 1);
+    r.nd = g;
+    if (a.num_draft != nullptr) {
+      const int64_t v = a.num_draft_is_int64 ? static_cast<const int64_t*>(a.num_draft)[b]
+                                             : static_cast<const int32_t*>(a.num_draft)[b];
+      r.nd = v < 0 ? 0 : (v > g ? g : v);
+    }
+    r.out_len = g + 1;
+    r.u_last = r.row_off + g;  // column g
+  }
+  return r;
+}
+
+// The batch row owning logits row r (flat layout: the last b with cu[b] + b <= r, by bisection).
+__device__ int64_t batch_of_row(const VerifyDraftArgs& a, int64_t r) {
+  if (a.cu_num_draft == nullptr) return r / (a.g + 1);
+  int64_t lo = 0, hi = a.batch - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (cu_at(a, mid) + mid <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// One position of one batch row, as a phase-1 CTA sees it.
+struct Position {
+  int64_t row;  // its target-logits row
+  int64_t j;    // its index in the chain (j == nd: the bonus position; j > nd: padding, never read)
+  int64_t nd;
+  int64_t tok;  // its drafts / draft-probs row (j < nd)
+};
+
+__device__ Position position_of_row(const VerifyDraftArgs& a, int64_t r) {
+  const RowRef rr = row_ref(a, batch_of_row(a, r));
+  return Position{r, r - rr.row_off, rr.nd, rr.tok_off + (r - rr.row_off)};
+}
+
+__device__ __forceinline__ const void* logits_row(const VerifyDraftArgs& a, int64_t r) {
+  const size_t esize = a.logits_kind == kLogitsF32 ? 4 : 2;
+  return static_cast<const char*>(a.target_logits) + static_cast<size_t>(r) * static_cast<size_t>(a.vocab) * esize;
+}
+
+// The draft token of a drafted position, or -1 when out of range (its one-hot q is then all zero).
+__device__ __forceinline__ int draft_index(const VerifyDraftArgs& a, int64_t tok) {
+  const int64_t x = a.draft_tokens[tok];
+  return x >= 0 && x < a.vocab ? static_cast<int>(x) : -1;
+}
+
+// Phase 1: p's partial over one slice of one position (and max q when eta > 0 at a drafted position).
+template <int KIND, bool ONEHOT>
+__global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
+  __shared__ Shared sh;
+  const int ns = num_slices(a.vocab);
+  const int64_t r = blockIdx.x / ns;
+  const int s = static_cast<int>(blockIdx.x - r * ns);
+  const Position pos = position_of_row(a, r);
+  if (pos.j > pos.nd) return;  // padding past the bonus position (num_draft < g): never read
+  const bool with_q = a.eta > 0.0f && pos.j < pos.nd;
+  const void* zrow = logits_row(a, r);
+  const float* qrow = with_q && a.draft_probs != nullptr ? a.draft_probs + pos.tok * a.vocab : nullptr;
+  const int x = with_q ? draft_index(a, pos.tok) : -1;
+  const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
+  const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
+  const float inv_t = a.inv_temperature;
+  SoftmaxState st = softmax_identity();
+  float qm = -INFINITY;
+  if (with_q) {
+    sweep<KIND, true, ONEHOT>(zrow, qrow, x, begin, end, vec, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+      softmax_update_chunk(st, z, v0, inv_t);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
+    });
+  } else {
+    sweep<KIND, false, ONEHOT>(zrow, qrow, x, begin, end, vec, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
+      softmax_update_chunk(st, z, v0, inv_t);
+    });
+  }
+  const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+  const float qs = with_q ? block_max(qm, sh) : -INFINITY;
+  if (threadIdx.x == 0) ws.parts_p[r * ns + s] = SlicePartial{ss, qs};
+}
+
+// eta > 0: p's statistics per position (one thread per logits row), for the modified logits' pass.
+__global__ void __launch_bounds__(kThreads) verify_draft_fold_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (r >= a.rows) return;
+  const Position pos = position_of_row(a, r);
+  if (pos.j > pos.nd) return;
+  const int ns = num_slices(a.vocab);
+  ws.stats[r] = fold_target_stats(ws.parts_p + r * ns, ns, a.inv_temperature, a.alpha, pos.j < pos.nd);
+}
+
+// Phase 1, eta > 0: the modified logits' partial over one slice of one drafted position.
+template <int KIND, bool ONEHOT>
+__global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kernel(const VerifyDraftArgs a,
+                                                                                  VerifyDraftWorkspace ws) {
+  __shared__ Shared sh;
+  const int ns = num_slices(a.vocab);
+  // positions in the reverse order of the first pass: the last ones it read may still be in L2
+  const int64_t r = a.rows - 1 - blockIdx.x / ns;
+  const int s = static_cast<int>(blockIdx.x % ns);
+  const Position pos = position_of_row(a, r);
+  if (pos.j >= pos.nd) return;  // the bonus position uses p alone
+  const PositionStats ps = ws.stats[r];
+  const void* zrow = logits_row(a, r);
+  const float* qrow = a.draft_probs != nullptr ? a.draft_probs + pos.tok * a.vocab : nullptr;
+  const int x = draft_index(a, pos.tok);
+  const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
+  const float inv_t = a.inv_temperature, eta = a.eta;
+  SoftmaxState st = softmax_identity();
+  sweep<KIND, true, ONEHOT>(zrow, qrow, x, slice_begin(s, a.vocab), slice_end(s, a.vocab), vec,
+                            [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                              float m[kChunk];
+#pragma unroll
+                              for (int e = 0; e < kChunk; ++e)
+                                m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+                              softmax_update_chunk(st, m, v0, 1.0f);
+                            });
+  const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
+  if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
+}
+
+// Phase 1 with eta > 0 in one pass over memory: a thread-block cluster of C CTAs per position (C =
+// min(8, slices)), CTA rank k owning slices k, k + C, ...; it copies its slices' logits and draft
+// probabilities into shared memory (cp.async), reduces p's partials from there, the cluster exchanges
+// them through distributed shared memory, every CTA folds all slices in order (fold_target_stats,
+// the fold kernel's arithmetic) and reduces the modified logits' partials from shared memory again.
+// The same slices, sweeps and folds as stats + fold + modified_stats, hence the same bits; only
+// the second read of each slice comes from shared memory instead of HBM. sm_90 (clusters) only.
+template <int KIND>
+constexpr int logits_bytes() {
+  return KIND == kLogitsF32 ? 4 : 2;
+}
+
+template <int KIND, bool ONEHOT>
+__host__ __device__ constexpr size_t rapid_slice_bytes() {
+  return static_cast<size_t>(kSliceLen) * (logits_bytes<KIND>() + (ONEHOT ? 0 : 4));
+}
+
+// Dynamic shared memory of the one-pass kernel: `per` slices' logits (and draft probs), then their
+// partials, then all slices' partials gathered for the fold.
+template <int KIND, bool ONEHOT>
+__host__ __device__ size_t rapid_smem_bytes(int per, int ns) {
+  return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// Copies tokens [begin, end) of a row (elements of `esize` bytes) into shared memory: 16-byte cp.async
+// copies when both sides are aligned, element copies for the rest (the tail, or misaligned rows).
+__device__ __forceinline__ void copy_to_shared(void* dst, const void* src, int begin, int end, int esize, bool vec) {
+  const int n = end - begin;
+  const char* from = static_cast<const char*>(src) + static_cast<size_t>(begin) * esize;
+  char* to = static_cast<char*>(dst);
+  const int per16 = 16 / esize;
+  const int nvec = vec ? n / per16 : 0;
+  for (int i = threadIdx.x; i < nvec; i += kThreads) __pipeline_memcpy_async(to + 16 * i, from + 16 * i, 16);
+  for (int i = nvec * per16 + threadIdx.x; i < n; i += kThreads) {
+    if (esize == 4) {
+      reinterpret_cast<float*>(to)[i] = reinterpret_cast<const float*>(from)[i];
+    } else {
+      reinterpret_cast<uint16_t*>(to)[i] = reinterpret_cast<const uint16_t*>(from)[i];
+    }
+  }
+}
+#endif
+
+template <int KIND, bool ONEHOT>
+__global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
+                                                                            VerifyDraftWorkspace ws) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char dyn[];
+  __shared__ Shared sh;
+  __shared__ PositionStats ps_shared;
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cl = cg::this_cluster();
+  const int C = static_cast<int>(cl.num_blocks()), rank = static_cast<int>(cl.block_rank());
+  const int ns = num_slices(a.vocab), per = (ns + C - 1) / C;
+  const int64_t r = blockIdx.x / C;  // (clusters are consecutive blocks)
+  const Position pos = position_of_row(a, r);
+  if (pos.j > pos.nd) return;  // the whole cluster: padding past the bonus position
+  const bool drafted = pos.j < pos.nd;
+  const void* zrow = logits_row(a, r);
+  const float* qrow = drafted && a.draft_probs != nullptr ? a.draft_probs + pos.tok * a.vocab : nullptr;
+  const int x = drafted ? draft_index(a, pos.tok) : -1;
+  const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
+  constexpr int esize = logits_bytes<KIND>();
+  unsigned char* zbuf = dyn;
+  float* qbuf = reinterpret_cast<float*>(dyn + static_cast<size_t>(kSliceLen) * esize * per);
+  SlicePartial* mine = reinterpret_cast<SlicePartial*>(dyn + rapid_slice_bytes<KIND, ONEHOT>() * per);
+  SlicePartial* all = mine + per;
+  // 1. this CTA's slices into shared memory (the only read of HBM)
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
+    copy_to_shared(zbuf + static_cast<size_t>(l) * kSliceLen * esize, zrow, begin, end, esize, vec);
+    if (!ONEHOT && qrow != nullptr) copy_to_shared(qbuf + static_cast<size_t>(l) * kSliceLen, qrow, begin, end, 4, vec);
+  }
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel
+  const float inv_t = a.inv_temperature, eta = a.eta;
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
+    SoftmaxState st = softmax_identity();
+    float qm = -INFINITY;
+    if (drafted) {
+      sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+        softmax_update_chunk(st, z, begin + v0, inv_t);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
+      });
+    } else {
+      sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
+        softmax_update_chunk(st, z, begin + v0, inv_t);
+      });
+    }
+    const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+    const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
+    if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
+  }
+  // 3. every slice's partial from its CTA, folded in slice order
+  cl.sync();
+  for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
+  cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
+  if (threadIdx.x == 0) {
+    ps_shared = fold_target_stats(all, ns, inv_t, a.alpha, drafted);
+    if (rank == 0) ws.stats[r] = ps_shared;
+  }
+  __syncthreads();
+  if (!drafted) return;  // the bonus position uses p alone
+  const PositionStats ps = ps_shared;
+  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    SoftmaxState st = softmax_identity();
+    sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+      float m[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e)
+        m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+      softmax_update_chunk(st, m, begin + v0, 1.0f);
+    });
+    const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
+    if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
+  }
+#endif
+}
+
+// Phase 2: one warp per batch row. Lane l folds positions l, l + 32, ... (in chunks of 32 positions,
+// stopping at the chunk holding the first rejection or the bonus position) and decides its draft; the
+// lane of the emitting position writes the row's DrawPlan (greedy: its token).
+template <int KIND, bool ONEHOT>
+__global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kernel(const VerifyDraftArgs a,
+                                                                                   VerifyDraftWorkspace ws) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * kWalkWarps + threadIdx.x / kWarpSize;
+  if (b >= a.batch) return;  // (the whole warp)
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  const RowRef rr = row_ref(a, b);
+  const int ns = num_slices(a.vocab);
+  const float inv_t = a.inv_temperature, eta = a.eta;
+  int64_t n = rr.nd;
+  for (int64_t j0 = 0; j0 <= rr.nd; j0 += kWarpSize) {
+    const int64_t j = j0 + lane;
+    const int64_t r = rr.row_off + j;
+    bool reject = false;
+    int best = 0, xi = -1;
+    PositionStats ps{};
+    if (j <= rr.nd) {
+      const bool drafted = j < rr.nd;
+      if (eta > 0.0f) {
+        ps = ws.stats[r];
+        if (drafted) fold_modified_stats(ps, ws.parts_a + r * ns, ns);
+      } else {
+        ps = fold_target_stats(ws.parts_p + r * ns, ns, inv_t, a.alpha, false);
+      }
+      if (drafted) {
+        const int64_t x = a.draft_tokens[rr.tok_off + j];
+        xi = draft_index(a, rr.tok_off + j);
+        const bool in_range = xi >= 0;
+        const int xr = in_range ? xi : 0;
+        const float z_x = load_logit(logits_row(a, r), KIND, xr);
+        const float q_x = ONEHOT ? draft_prob(nullptr, x, xr) : a.draft_probs[(rr.tok_off + j) * a.vocab + xr];
+        reject = !draft_accepted(a.greedy, ps, x, in_range, z_x, q_x, a.uniforms[r], inv_t, eta, &best);
+      }
+    }
+    const unsigned rejected = __ballot_sync(kFullMask, reject);
+    const bool last_chunk = rr.nd < j0 + kWarpSize;
+    if (rejected == 0 && !last_chunk) continue;
+    n = rejected != 0 ? j0 + __ffs(rejected) - 1 : rr.nd;
+    if (j == n) {  // the emitting position's lane
+      if (a.greedy) {
+        int token = j < rr.nd ? best : ps.argmax_z;
+        if (token < 0 || token >= a.vocab) token = 0;  // only for positions of all -inf / NaN logits
+        a.out_tokens[r] = token;
+      } else {
+        const bool rej = j < rr.nd;
+        ws.plans[b] = DrawPlan{r, rej && a.draft_probs != nullptr ? rr.tok_off + j : -1, rej ? xi : -1,
+                               rej ? kWeightResidual : kWeightTarget, a.uniforms[rr.u_last], ps};
+      }
+    }
+    break;
+  }
+  for (int64_t j = lane; j < rr.out_len; j += kWarpSize) {
+    if (j < n) a.out_tokens[rr.row_off + j] = a.draft_tokens[rr.tok_off + j];
+    if (j > n) a.out_tokens[rr.row_off + j] = -1;
+  }
+  if (lane == 0) a.num_accepted[b] = static_cast<int32_t>(n);
+}
+
+// Draw weights of this thread's chunk in `tile` of slice [begin, end) (0 past it), their sum from 0 and
+// p's (with_p), and the last tokens of positive weight of each.
 template <int KIND, bool ONEHOT>
 __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int begin, int end, bool vec,
                                                int tile, int mode, const PositionStats& ps, float inv_t, float eta,
-                                               float (&w)[kChunk], int* last_pos) {
+                                               float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
   const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
   const int cnt = max(0, min(kChunk, end - v0));
   float z[kChunk], q[kChunk];
@@ -304,69 +541,92 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
       for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
     }
   }
-  float s = 0.0f;
+  float s = 0.0f, sp = 0.0f;
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) {
-    w[e] = e < cnt ? draw_weight(mode, z[e], q[e], ps, inv_t, eta) : 0.0f;
-    if (w[e] > 0.0f) *last_pos = v0 + e;
+    float wp = 0.0f;
+    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, inv_t, eta, &wp) : 0.0f;
+    if (w[e] > 0.0f) *last = v0 + e;
+    if (wp > 0.0f) *last_p = v0 + e;
     s = f_add(s, w[e]);
+    sp = f_add(sp, wp);
   }
+  *sum_p = sp;
   return s;
 }
 
-__device__ __forceinline__ int slice_tiles(int s, int vocab) {
-  const int nchunks = (slice_end(s, vocab) - slice_begin(s, vocab) + kChunk - 1) / kChunk;
-  return (nchunks + kThreads - 1) / kThreads;
+struct DrawRow {
+  DrawPlan plan;
+  const void* zrow;
+  const float* qrow;
+  bool vec;
+};
+
+__device__ __forceinline__ DrawRow draw_row(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, int64_t b) {
+  DrawRow d;
+  d.plan = ws.plans[b];
+  d.zrow = logits_row(a, d.plan.row);
+  d.qrow = d.plan.qrow >= 0 ? a.draft_probs + d.plan.qrow * a.vocab : nullptr;
+  d.vec = aligned16(d.zrow) && (d.qrow == nullptr || aligned16(d.qrow));
+  return d;
 }
 
-// Inverse-CDF draw at uniform u from the residual (falling back to p when it is all zero) or p.
+// Phase 3a: one slice's totals at the row's drawn position (tile totals in scan order, folded from 0).
 template <int KIND, bool ONEHOT>
-__device__ __forceinline__ int draw_token(const void* zrow, const float* qrow, int x, int vocab, const PositionStats& ps, int mode,
-                          float inv_t, float eta, float u, Cluster& cl, Shared& sh) {
-  float w[kChunk];
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    const bool vec = aligned16(zrow) && (mode != kWeightResidual || qrow == nullptr || aligned16(qrow));
-    // 1. the slice totals T_s (each folded from 0 tile by tile) and last positive tokens
-    for (int s = cl.rank; s < kSlices; s += cl.size) {
-      const int begin = slice_begin(s, vocab), end = slice_end(s, vocab);
-      int last_pos = -1;
-      float total = 0.0f;
-      for (int tile = 0; tile < slice_tiles(s, vocab); ++tile) {
-        const float cs = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, begin, end, vec, tile, mode, ps, inv_t, eta, w,
-                                                     &last_pos);
-        float base;
-        total = f_add(total, block_scan(cs, total, &base, sh));
-      }
-      cl.put(sh, s, SliceResult{softmax_identity(), total, block_max_int(last_pos, sh)});
-    }
-    cl.sync();
-    float total = 0.0f;
-    int last_pos = -1;
-    for (int s = 0; s < kSlices; ++s) {
-      const SliceResult r = cl.get(sh, s);
-      total = f_add(total, r.f);
-      last_pos = max(last_pos, r.i);
-    }
-    if (!(total > 0.0f)) {
-      cl.next();
-      if (mode == kWeightResidual) {
-        mode = kWeightTarget;  // all-zero residual: draw from p
-        continue;
-      }
-      return ps.argmax_z;  // degenerate row (all logits -inf)
-    }
-    // 2. per own slice, prefix scans from the slice's base T_0 + ... + T_{s-1} up to the first crossing
-    const float target = f_mul(u, total);
-    int cand = kNoToken;
-    for (int s = cl.rank; s < kSlices && cand == kNoToken; s += cl.size) {
-      const int begin = slice_begin(s, vocab), end = slice_end(s, vocab);
-      float tile_base = 0.0f;
-      for (int k = 0; k < s; ++k) tile_base = f_add(tile_base, cl.get(sh, k).f);
-      int ignored = -1;
-      for (int tile = 0; tile < slice_tiles(s, vocab); ++tile) {
+__global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(const VerifyDraftArgs a,
+                                                                               VerifyDraftWorkspace ws) {
+  __shared__ Shared sh;
+  const int ns = num_slices(a.vocab);
+  const int64_t b = blockIdx.x / ns;
+  const int s = static_cast<int>(blockIdx.x - b * ns);
+  const DrawRow d = draw_row(a, ws, b);
+  const int mode = d.plan.mode;
+  const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
+  float w[kChunk], total = 0.0f, total_p = 0.0f, base;
+  int last = -1, last_p = -1;
+  for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
+    float cs_p;
+    const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
+                                                 a.inv_temperature, a.eta, w, &cs_p, &last, &last_p);
+    total = f_add(total, block_scan(cs, total, &base, sh));
+    if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
+  }
+  last = block_max_int(last, sh);
+  if (mode == kWeightResidual) {
+    last_p = block_max_int(last_p, sh);
+  } else {
+    total_p = total;
+    last_p = last;
+  }
+  if (threadIdx.x == 0) ws.draws[b * ns + s] = DrawSlice{total, last, total_p, last_p};
+}
+
+// Phase 3b: the first crossing of u * total in one slice, its prefixes starting at the slice's base.
+template <int KIND, bool ONEHOT>
+__global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(const VerifyDraftArgs a,
+                                                                             VerifyDraftWorkspace ws) {
+  __shared__ Shared sh;
+  const int ns = num_slices(a.vocab);
+  const int64_t b = blockIdx.x / ns;
+  const int s = static_cast<int>(blockIdx.x - b * ns);
+  const DrawRow d = draw_row(a, ws, b);
+  const DrawSlice* ds = ws.draws + b * ns;
+  float total = 0.0f;
+  const int mode = draw_pick(ds, ns, d.plan.mode, &total);  // (the same on every thread: a broadcast read)
+  int cand = kNoToken;
+  if (mode >= 0) {
+    const float target = f_mul(d.plan.u, total);
+    bool decided = false;
+    float tile_base = draw_slice_base(ds, s, mode, target, &decided);
+    if (!decided && draw_slice_total(ds[s], mode) > 0.0f) {
+      const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
+      float w[kChunk];
+      for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
         if (threadIdx.x == 0) sh.found = kNoToken;  // published by block_scan's barrier
-        const float cs = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, begin, end, vec, tile, mode, ps, inv_t, eta, w,
-                                                     &ignored);
+        float cs_p;
+        int ignored = -1, ignored_p = -1;
+        const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
+                                                     a.inv_temperature, a.eta, w, &cs_p, &ignored, &ignored_p);
         float run;
         const float tile_total = block_scan(cs, tile_base, &run, sh);
         int c = kNoToken;
@@ -376,7 +636,7 @@ __device__ __forceinline__ int draw_token(const void* zrow, const float* qrow, i
           if (c == kNoToken && w[e] > 0.0f && run > target)
             c = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk + e;
         }
-        if (c != kNoToken) atomicMin(&sh.found, c);
+        if (c != kNoToken) atomicMin(&sh.found, c);  // (the block's smallest: order-independent)
         __syncthreads();
         const int found = sh.found;
         __syncthreads();
@@ -387,122 +647,56 @@ __device__ __forceinline__ int draw_token(const void* zrow, const float* qrow, i
         tile_base = f_add(tile_base, tile_total);
       }
     }
-    cl.next();  // (the totals' buffer stays untouched until every CTA passed the next sync)
-    // 3. the first slice with a crossing: the smallest candidate of the cluster
-    for (int s = cl.rank; s < kSlices; s += cl.size) cl.put(sh, s, SliceResult{softmax_identity(), 0.0f, cand});
-    cl.sync();
-    int found = kNoToken;
-    for (int s = 0; s < kSlices; ++s) found = min(found, cl.get(sh, s).i);
-    cl.next();
-    return found != kNoToken ? found : last_pos;  // none: rounding left u * total at or past the last prefix
   }
-  return ps.argmax_z;
+  if (threadIdx.x == 0) ws.cands[b * ns + s] = cand;
 }
 
-template <int KIND, bool ONEHOT>
-__global__ void __launch_bounds__(kThreads, 2) verify_draft_kernel(const VerifyDraftArgs a) {
-  __shared__ Shared sh;
-  Cluster cl = Cluster::mine();
-  const int64_t b = blockIdx.x / cl.size;
-  const size_t esize = KIND == kLogitsF32 ? 4 : 2;
-  const int vocab = a.vocab;
-  // Row b's drafts from tok_off, its logits / uniforms / outputs from row_off (padded or flat layout).
-  int64_t tok_off, row_off, nd, out_len;
-  if (a.cu_num_draft != nullptr) {
-    const int64_t c0 = a.cu_is_int64 ? static_cast<const int64_t*>(a.cu_num_draft)[b]
-                                     : static_cast<const int32_t*>(a.cu_num_draft)[b];
-    const int64_t c1 = a.cu_is_int64 ? static_cast<const int64_t*>(a.cu_num_draft)[b + 1]
-                                     : static_cast<const int32_t*>(a.cu_num_draft)[b + 1];
-    tok_off = c0;
-    row_off = c0 + b;
-    nd = c1 > c0 ? c1 - c0 : 0;
-    out_len = nd + 1;
-  } else {
-    const int g = a.g;
-    tok_off = b * g;
-    row_off = b * (g + 1);
-    nd = g;
-    if (a.num_draft != nullptr) {
-      const int64_t v = a.num_draft_is_int64 ? static_cast<const int64_t*>(a.num_draft)[b]
-                                             : static_cast<const int32_t*>(a.num_draft)[b];
-      nd = v < 0 ? 0 : (v > g ? g : v);
-    }
-    out_len = g + 1;
-  }
-  // the final draw's uniform: column g (padded) or the request's last row (flat)
-  const float u_last = a.uniforms[row_off + (a.cu_num_draft != nullptr ? nd : out_len - 1)];
-  const char* zbase = static_cast<const char*>(a.target_logits);
-  const bool writer = cl.rank == 0;  // one CTA of the cluster writes the row's outputs
-  int64_t n = nd;
-  int token = -1;
-  for (int64_t j = 0; j < nd; ++j) {
-    const void* zrow = zbase + static_cast<size_t>((row_off + j) * vocab) * esize;
-    const float* qrow = a.draft_probs != nullptr ? a.draft_probs + (tok_off + j) * vocab : nullptr;
-    const int64_t x = a.draft_tokens[tok_off + j];
-    const bool in_range = x >= 0 && x < vocab;
-    const int xi = in_range ? static_cast<int>(x) : -1;  // (one-hot q of an out-of-range draft: all zero)
-    const PositionStats ps = position_stats<KIND, ONEHOT>(zrow, qrow, true, xi, vocab, a.inv_temperature, a.eta,
-                                                          a.alpha, cl, sh);
-    bool ok;
-    if (a.greedy) {
-      const int best = a.eta > 0.0f ? ps.argmax_a : ps.argmax_z;
-      ok = x == best;
-      if (!ok) token = best;
-    } else {
-      ok = false;
-      if (in_range) {  // every thread of every CTA reads the same two values and decides alike
-        float p, p_hat;
-        const float q_x = ONEHOT ? 1.0f : qrow[x];
-        token_probs(load_logit(zrow, KIND, x), q_x, ps, a.inv_temperature, a.eta, &p, &p_hat);
-        ok = accept_draft(a.uniforms[row_off + j], q_x, p_hat);
-      }
-      if (!ok) {
-        token = draw_token<KIND, ONEHOT>(zrow, qrow, xi, vocab, ps, kWeightResidual, a.inv_temperature, a.eta, u_last,
-                                         cl, sh);
-      }
-    }
-    if (!ok) {
-      n = j;
-      break;
-    }
-    if (writer && threadIdx.x == 0) a.out_tokens[row_off + j] = x;
-  }
-  if (n == nd) {  // every draft accepted: bonus token from p at position num_draft
-    const void* zrow = zbase + static_cast<size_t>((row_off + nd) * vocab) * esize;
-    const PositionStats ps =
-        position_stats<KIND, ONEHOT>(zrow, nullptr, false, -1, vocab, a.inv_temperature, 0.0f, a.alpha, cl, sh);
-    token = a.greedy ? ps.argmax_z
-                     : draw_token<KIND, ONEHOT>(zrow, nullptr, -1, vocab, ps, kWeightTarget, a.inv_temperature, a.eta,
-                                                u_last, cl, sh);
-  }
-  if (token < 0 || token >= vocab) token = 0;  // only for positions of all -inf / NaN logits
-  if (writer) {
-    for (int64_t j = n + static_cast<int>(threadIdx.x); j < out_len; j += kThreads)
-      a.out_tokens[row_off + j] = j == n ? token : -1;
-    if (threadIdx.x == 0) a.num_accepted[b] = static_cast<int32_t>(n);
-  }
-  cl.sync();  // no CTA leaves while another may still read its shared memory
+// Phase 3c: the row's token, one thread per batch row.
+__global__ void __launch_bounds__(kThreads) verify_draft_finish_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (b >= a.batch) return;
+  const int ns = num_slices(a.vocab);
+  const DrawPlan plan = ws.plans[b];
+  const DrawSlice* ds = ws.draws + b * ns;
+  float total = 0.0f;
+  const int mode = draw_pick(ds, ns, plan.mode, &total);
+  int token = draw_finish(ws.cands + b * ns, ds, ns, mode, plan.ps.argmax_z);
+  if (token < 0 || token >= a.vocab) token = 0;  // only for positions of all -inf / NaN logits
+  a.out_tokens[plan.row] = token;
 }
 
+unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+
+// The largest dynamic shared memory the one-pass eta > 0 kernel asks for (of an H100's 227 KB per CTA;
+// up to ~113 KB two CTAs fit an SM: V 128256 with bf16 logits and fp32 draft probs takes 97 KB).
+constexpr size_t kRapidSmemLimit = 200 * 1024;
+
+// eta > 0: phase 1 in one pass over memory (verify_draft_rapid_stats_kernel) where the device runs
+// clusters (the sm_90 code was loaded) and a CTA's slices fit kRapidSmemLimit; *done tells the caller.
+// The tokens are the same either way.
 template <int KIND, bool ONEHOT>
-cudaError_t launch(const VerifyDraftArgs& args, cudaStream_t stream) {
-  // Clusters need the sm_90 code of the kernel: a build without it (e.g. sm_80 code JIT-compiled on an
-  // H100) runs one CTA per row. (A host query of the loaded binary, no stream synchronisation.)
+cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, cudaStream_t stream, bool* done) {
+  *done = false;
+  auto* kernel = verify_draft_rapid_stats_kernel<KIND, ONEHOT>;
   cudaFuncAttributes fa;
-  const cudaError_t err = cudaFuncGetAttributes(&fa, verify_draft_kernel<KIND, ONEHOT>);
-  if (err != cudaSuccess) return err;
-  VerifyDraftArgs a = args;
-  if (fa.ptxVersion < 90) a.cluster_size = 1;  // (the virtual architecture the code was compiled for)
-  const int C = a.cluster_size;
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(args.batch) * C)), block(kThreads);
-  if (C == 1) {
-    verify_draft_kernel<KIND, ONEHOT><<<grid, block, 0, stream>>>(a);
-    return cudaGetLastError();
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  const int ns = num_slices(a.vocab);
+  const int C = ns < 8 ? ns : 8;
+  const int per = (ns + C - 1) / C;
+  const size_t smem = rapid_smem_bytes<KIND, ONEHOT>(per, ns);
+  const int64_t grid = a.rows * C;
+  if (smem > kRapidSmemLimit || grid > 0x7fffffff) return cudaSuccess;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -511,15 +705,48 @@ cudaError_t launch(const VerifyDraftArgs& args, cudaStream_t stream) {
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, verify_draft_kernel<KIND, ONEHOT>, a);
+  int clusters = 0;  // a cluster of C such CTAs must fit the device at all (a host query, no sync)
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters < 1) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  *done = true;
+  return cudaLaunchKernelEx(&cfg, kernel, a, ws);
+}
+
+template <int KIND, bool ONEHOT>
+cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
+  VerifyDraftWorkspace ws{};
+  verify_draft_workspace_layout(a.batch, a.rows, a.vocab, a.eta > 0.0f, a.workspace, &ws);
+  const int64_t ns = num_slices(a.vocab);
+  const int64_t position_ctas = a.rows * ns, draw_ctas = static_cast<int64_t>(a.batch) * ns;
+  if (position_ctas > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 block(kThreads);
+  bool one_pass = false;
+  if (a.eta > 0.0f) {
+    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, stream, &one_pass);
+    if (err != cudaSuccess) return err;
+  }
+  if (!one_pass) {
+    verify_draft_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
+    if (a.eta > 0.0f) {
+      verify_draft_fold_kernel<<<blocks_for(a.rows, kThreads), block, 0, stream>>>(a, ws);
+      verify_draft_modified_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
+    }
+  }
+  verify_draft_walk_kernel<KIND, ONEHOT><<<blocks_for(a.batch, kWalkWarps), kWalkWarps * kWarpSize, 0, stream>>>(a, ws);
+  if (!a.greedy) {
+    verify_draft_draw_totals_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
+    verify_draft_draw_find_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
+    verify_draft_finish_kernel<<<blocks_for(a.batch, kThreads), block, 0, stream>>>(a, ws);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream) {
   if (args.batch == 0) return cudaSuccess;
-  const int C = args.cluster_size;
-  if (C != 1 && C != 2 && C != 4 && C != 8) return cudaErrorInvalidValue;
   const bool onehot = args.draft_probs == nullptr;
   switch (args.logits_kind) {
     case kLogitsF32:

@@ -1,11 +1,14 @@
-// Framework-free launcher of the verify_draft kernel (no torch headers): raw device pointers
-// of contiguous tensors, a logits-format tag, a stream. Called by verify_draft_cuda.cu after it
-// has validated everything.
+// Framework-free launcher of the verify_draft kernels (no torch headers): raw device pointers
+// of contiguous tensors, a logits-format tag, a workspace from the caller, a stream. Called by
+// verify_draft_cuda.cu after it has validated everything.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "speculative/verify_draft_math.h"
 
 namespace ragattn {
 namespace speculative {
@@ -22,33 +25,73 @@ struct VerifyDraftArgs {
   bool cu_is_int64;
   int64_t* out_tokens;    // [B, g + 1] / [T + B]
   int32_t* num_accepted;  // [B]
+  void* workspace;        // verify_draft_workspace_bytes(batch, rows, vocab, eta > 0) bytes, 16-byte aligned
   int batch;
   int g;
+  int64_t rows;  // target-logits rows: B * (g + 1) / T + B
   int vocab;
   int logits_kind;
   float inv_temperature;  // 1 / T (inverse_temperature)
   float eta;          // >= 0
   float alpha;        // in [0, 1]
   bool greedy;
-  int cluster_size;  // CTAs per batch row: 1, 2, 4 or 8 (verify_draft_cluster_size; > 1 needs sm_90)
 };
 
-// A cluster of cluster_size CTAs of kThreads threads per batch row (grid = batch * cluster_size),
-// sequential over the row's drafts (early exit at the first rejection), no host synchronisation, no
-// global workspace (CUDA-graph safe). The tokens do not depend on cluster_size. Preconditions (not
-// checked here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in
-// [0, g] (clamped), uniforms in [0, 1).
-cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream);
+// What the walk decided for one batch row, read by the draw kernels: the position to draw at and how.
+struct DrawPlan {
+  int64_t row;   // target-logits row of the drawn position (= its slot in out_tokens)
+  int64_t qrow;  // draft-probs row after a rejection (-1: a bonus draw, or one-hot drafts)
+  int x;         // the rejected draft token (one-hot q; -1: none)
+  int mode;      // kWeightResidual after a rejection, kWeightTarget for the bonus token
+  float u;       // the draw's uniform
+  PositionStats ps;
+};
 
-// CTAs per batch row: the smallest power of two up to 8 (kSlices) that gives at least one CTA per SM
-// (B = 64 on an H100's 132 SMs: 4, a grid of 256 CTAs); 1 before sm_90 (no clusters). A function of
-// the shapes and the device only, so a CUDA graph replays the same launch. bench/sm90.py mirrors it.
-inline int verify_draft_cluster_size(int64_t batch, int num_sms, int cc_major) {
-  int c = 1;
-  if (cc_major < 9) return c;
-  while (c < 8 && batch * c < num_sms) c *= 2;
-  return c;
+// The global workspace: per (logits row, slice) partials, per logits row folded stats (eta > 0),
+// per batch row the draw plan, per (batch row, slice) the draw totals and crossings.
+struct VerifyDraftWorkspace {
+  SlicePartial* parts_p;  // [rows, slices]: phase 1, p
+  SlicePartial* parts_a;  // [rows, slices]: phase 1's second pass, p_hat (eta > 0)
+  PositionStats* stats;   // [rows]: p's folded statistics (eta > 0)
+  DrawPlan* plans;        // [B]
+  DrawSlice* draws;       // [B, slices]
+  int* cands;             // [B, slices]
+};
+
+// Bytes of the workspace (and, with base != nullptr, its pointers carved from base).
+inline size_t verify_draft_workspace_layout(int64_t batch, int64_t rows, int vocab, bool modified, void* base,
+                                            VerifyDraftWorkspace* ws) {
+  const size_t ns = static_cast<size_t>(num_slices(vocab));
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 15) / 16 * 16;
+    return base != nullptr ? static_cast<char*>(base) + at : nullptr;
+  };
+  const size_t r = static_cast<size_t>(rows), b = static_cast<size_t>(batch);
+  VerifyDraftWorkspace w{};
+  w.parts_p = reinterpret_cast<SlicePartial*>(take(r * ns * sizeof(SlicePartial)));
+  w.parts_a = reinterpret_cast<SlicePartial*>(take(modified ? r * ns * sizeof(SlicePartial) : 0));
+  w.stats = reinterpret_cast<PositionStats*>(take(modified ? r * sizeof(PositionStats) : 0));
+  w.plans = reinterpret_cast<DrawPlan*>(take(b * sizeof(DrawPlan)));
+  w.draws = reinterpret_cast<DrawSlice*>(take(b * ns * sizeof(DrawSlice)));
+  w.cands = reinterpret_cast<int*>(take(b * ns * sizeof(int)));
+  if (ws != nullptr) *ws = w;
+  return off;
 }
+
+inline size_t verify_draft_workspace_bytes(int64_t batch, int64_t rows, int vocab, bool modified) {
+  return verify_draft_workspace_layout(batch, rows, vocab, modified, nullptr, nullptr);
+}
+
+// The launches (see verify_draft_kernels.cu): phase 1 over rows x num_slices(V) CTAs of kThreads
+// threads (twice with eta > 0, a fold between; on sm_90 one launch of a cluster per position
+// instead, same bits), the walk (a warp per batch row), then, unless greedy,
+// the draw over B x num_slices(V) CTAs twice and a finish. No host synchronisation, a fixed launch
+// sequence for given shapes (CUDA-graph safe), no atomics across CTAs. Preconditions (not checked
+// here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in [0, g]
+// (clamped), uniforms in [0, 1), rows * num_slices(V) < 2^31 (cudaErrorInvalidValue otherwise).
+cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream);
 
 }  // namespace speculative
 }  // namespace ragattn

@@ -9,12 +9,11 @@
 //   * sums are taken in one canonical order (see "Summation order"), which the CPU twin
 //     replays on virtual threads. Maxima and argmaxima are order-independent.
 //
-// Summation order. The vocabulary is cut into kSlices slices of slice_len(V) tokens (a multiple of
-// kChunk; the last slice ends at V, trailing slices may be empty). Every statistic is first reduced
-// per slice by one block of kThreads threads, then the kSlices slice results are folded in slice
-// order from the identity. A cluster of C CTAs (C divides kSlices; C = 1 without clusters) gives
-// CTA rank r the slices r, r + C, ...: the slice results travel through distributed shared memory
-// and every CTA folds all of them in the same order, so the result does not depend on C.
+// Summation order. The vocabulary is cut into num_slices(V) slices of kSliceLen tokens (the last one
+// ends at V); on the GPU one CTA reduces one slice of one position, and the slice results are folded
+// in slice order from the identity, at every position alike (fold_target_stats,
+// fold_modified_stats, draw_pick, draw_slice_base). Slicing and fold order depend on V only, never
+// on the device or the batch.
 // Within a slice:
 //   * the slice is cut into chunks of kChunk consecutive tokens; thread t owns the slice's chunks
 //     t, t + kThreads, t + 2 kThreads, ... and folds them in increasing order, one chunk at a time
@@ -48,7 +47,8 @@ constexpr int kWarpSize = 32;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kChunk = 8;                    // consecutive tokens per thread step (one 16-byte bf16 load)
 constexpr int kTile = kThreads * kChunk;     // tokens per block-wide step
-constexpr int kSlices = 8;                   // canonical vocabulary slices (the largest cluster: 8 CTAs)
+constexpr int kSliceTiles = 2;               // tiles per vocabulary slice (one CTA's share of a position)
+constexpr int kSliceLen = kSliceTiles * kTile;  // 4096 tokens: 8 KB of bf16 logits per CTA
 constexpr int kNoToken = 0x7fffffff;         // "no index yet" in argmin/argmax reductions
 
 // Storage format of target_logits.
@@ -57,18 +57,19 @@ enum LogitsKind : int { kLogitsF32 = 0, kLogitsF16 = 1, kLogitsBF16 = 2 };
 // Which weights the final draw uses.
 enum WeightMode : int { kWeightTarget = 0, kWeightResidual = 1 };
 
-// Tokens per canonical slice (see "Summation order"): ceil(V / kSlices) rounded up to whole chunks,
-// so that every slice but the last holds full chunks and starts 16-byte aligned.
-RAGATTN_HD int slice_len(int vocab) {
-  const int per = (vocab + kSlices - 1) / kSlices;
-  return (per + kChunk - 1) / kChunk * kChunk;
-}
-// First token of slice s and one past its last (begin == end for an empty slice).
+// Vocabulary slices (see "Summation order"): kSliceLen tokens each, the last one ends at V.
+RAGATTN_HD int num_slices(int vocab) { return (vocab + kSliceLen - 1) / kSliceLen; }
+// First token of slice s and one past its last.
 RAGATTN_HD int slice_begin(int s, int vocab) {
-  const int b = s * slice_len(vocab);
+  const int b = s * kSliceLen;
   return b < vocab ? b : vocab;
 }
 RAGATTN_HD int slice_end(int s, int vocab) { return slice_begin(s + 1, vocab); }
+// Tiles of slice s (the last slice may hold fewer than kSliceTiles).
+RAGATTN_HD int slice_tiles(int s, int vocab) {
+  const int nchunks = (slice_end(s, vocab) - slice_begin(s, vocab) + kChunk - 1) / kChunk;
+  return (nchunks + kThreads - 1) / kThreads;
+}
 
 // ---- explicitly rounded fp32 arithmetic ------------------------------------------------------
 // Host compilers only fuse a*b+c into an FMA when the target has one (__FP_FAST_FMAF); there the
@@ -149,13 +150,14 @@ RAGATTN_HD float load_logit(const void* row, int kind, int64_t v) {
   return kind == kLogitsBF16 ? bf16_to_float(h) : fp16_to_float(h);
 }
 
-// exp(x) for x <= 88 (the op only ever needs x <= 0): Cody-Waite reduction by ln2 and a degree-7
-// polynomial, about 1 ulp. Returns 0 below -87 (no subnormal results) and for -inf and NaN.
-// Branch-free (the argument is clamped, the result selected): no divergent warps on the GPU, and
-// k is rounded to an integer by adding and subtracting 1.5 * 2^23 (exact, ties to even, like rint).
+// exp(x) for x <= 0, the only arguments the op has (a value minus the running max of its kind, so
+// no clamp above): Cody-Waite reduction by ln2 and a degree-7 polynomial, about 1 ulp. Returns 0
+// below -87 (no subnormal results) and for -inf and NaN. Branch-free (the argument is clamped, the
+// result selected): no divergent warps on the GPU, and k is rounded to an integer by adding and
+// subtracting 1.5 * 2^23 (exact, ties to even, like rint).
 RAGATTN_HD float vexp(float x) {
   const bool live = x >= -87.0f;  // false for NaN and -inf
-  const float xc = live ? (x < 88.0f ? x : 88.0f) : 0.0f;  // (live: x is not NaN; plain selects)
+  const float xc = live ? x : 0.0f;
   const float k = f_sub(f_add(f_mul(xc, 1.44269504088896341f), 12582912.0f), 12582912.0f);
   float r = f_fma(k, -0.693145751953125f, xc);  // ln2 split: hi has 16 significant bits
   r = f_fma(k, -1.428606765330187045e-06f, r);
@@ -167,9 +169,9 @@ RAGATTN_HD float vexp(float x) {
   p = f_fma(p, r, 0.5f);
   p = f_fma(p, r, 1.0f);
   p = f_fma(p, r, 1.0f);
-  const int ki = static_cast<int>(k);  // in [-126, 127]
+  const int ki = static_cast<int>(k);  // in [-126, 0]
   const float e = f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
-  return live ? (x > 88.0f ? INFINITY : e) : 0.0f;
+  return live ? e : 0.0f;
 }
 
 // 1/T in fp32, saturated at FLT_MAX: for T below 1/FLT_MAX every token but the argmax ties of z
@@ -218,10 +220,14 @@ RAGATTN_HD void softmax_update_chunk(SoftmaxState& st, const float (&x)[kChunk],
   st.idx = cm > st.m ? ci : st.idx;
   st.s = f_mul(st.s, vexp(f_mul(logit_diff(st.m, m), inv_t)));  // vexp(NaN) = 0 when both are -inf
   st.m = m;
+  if (m == INFINITY) {  // (rare) a +inf logit: +inf - +inf must give 0, not NaN
+    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(logit_diff(x[e], m), inv_t)));
+  } else {  // logit_diff(x, m) == x - m: a uniform branch saves its checks on every token
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(logit_diff(x[e], m), inv_t)));
+    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(f_sub(x[e], m), inv_t)));
+  }
 }
 
 // Symmetric in (a, b) bit for bit, so both lanes of a butterfly hold the same result.
@@ -309,9 +315,126 @@ RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st
   return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
 }
 
+// draw_weight of token v and p(v) (*w_p: draw_weight in kWeightTarget mode, bit for bit), in one pass:
+// the draw totals of a rejected position need both (the residual, and p for its all-zero fallback).
+RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& st, float inv_t, float eta, float* w_p) {
+  float p, p_hat;
+  if (mode == kWeightTarget) {
+    p = target_prob(scaled_logit(z, st.m_z, inv_t), st.inv_sp);
+    *w_p = p;
+    return p;
+  }
+  token_probs(z, q, st, inv_t, eta, &p, &p_hat);
+  *w_p = p;
+  return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
+}
+
 // Prefix of a chunk's first token within a tile (see "Summation order").
 RAGATTN_HD float chunk_base(float tile_base, float warp_exclusive, float lane_exclusive) {
   return f_add(tile_base, f_add(warp_exclusive, lane_exclusive));
+}
+
+// ---- the phases' scalar steps (see verify_draft_kernels.cu: the kernel runs each slice of each
+// position in its own CTA and these folds on single threads; the twin calls the same functions) --
+
+// One slice's statistics at one position (phase 1): the softmax state of z / T (or, in the second
+// pass, of the modified logits) and the slice's max draft probability (-inf where it is not needed).
+struct SlicePartial {
+  SoftmaxState st;
+  float qmax;
+};
+
+// p's statistics at a position from its slices' partials, folded in slice order; with_q (eta > 0 at
+// a drafted position): also RAPID's mask threshold alpha * max q.
+RAGATTN_HD PositionStats fold_target_stats(const SlicePartial* parts, int n, float inv_t, float alpha, bool with_q) {
+  SoftmaxState sz = softmax_identity();
+  float qm = -INFINITY;
+  for (int s = 0; s < n; ++s) {
+    sz = softmax_merge(sz, parts[s].st, inv_t);
+    qm = f_max(qm, parts[s].qmax);
+  }
+  PositionStats ps = target_stats(sz);
+  if (with_q) ps.q_thresh = f_mul(alpha, qm);
+  return ps;
+}
+
+// p_hat's statistics (eta > 0) from the second pass's partials, folded in slice order.
+RAGATTN_HD void fold_modified_stats(PositionStats& ps, const SlicePartial* parts, int n) {
+  SoftmaxState sa = softmax_identity();
+  for (int s = 0; s < n; ++s) sa = softmax_merge(sa, parts[s].st, 1.0f);
+  ps.m_a = sa.m;
+  ps.inv_sa = f_div(1.0f, sa.s);
+  ps.argmax_a = sa.idx;
+}
+
+// The decision at a drafted position: draft x (in_range: x in [0, V)), its logit z_x and draft
+// probability q_x (read only when in_range), acceptance uniform u. Greedy: accepted iff x is the argmax
+// of p_hat (*best, the token emitted on rejection); sampling: accept_draft.
+RAGATTN_HD bool draft_accepted(bool greedy, const PositionStats& ps, int64_t x, bool in_range, float z_x, float q_x,
+                               float u, float inv_t, float eta, int* best) {
+  *best = eta > 0.0f ? ps.argmax_a : ps.argmax_z;
+  if (greedy) return x == *best;
+  if (!in_range) return false;
+  float p, p_hat;
+  token_probs(z_x, q_x, ps, inv_t, eta, &p, &p_hat);
+  return accept_draft(u, q_x, p_hat);
+}
+
+// One slice's totals at the drawn position (phase 3a): T_s of the draw's weights and, after a rejection,
+// of p too (the fallback when the whole residual is zero), each with the slice's last token of positive
+// weight (-1: none). For a bonus draw both pairs hold p's.
+struct DrawSlice {
+  float total;
+  int last;
+  float total_p;
+  int last_p;
+};
+
+RAGATTN_HD float draw_slice_total(const DrawSlice& d, int mode) { return mode == kWeightResidual ? d.total : d.total_p; }
+
+// The weights the draw uses (mode: the residual, or p if the residual is all zero; -1: no weight at all,
+// a position of all -inf / NaN logits) and their grand total, the slices folded in order from 0.
+RAGATTN_HD int draw_pick(const DrawSlice* d, int n, int mode, float* total) {
+  float t = 0.0f;
+  if (mode == kWeightResidual) {
+    for (int s = 0; s < n; ++s) t = f_add(t, d[s].total);
+    if (t > 0.0f) {
+      *total = t;
+      return kWeightResidual;
+    }
+    t = 0.0f;
+  }
+  for (int s = 0; s < n; ++s) t = f_add(t, d[s].total_p);
+  *total = t;
+  return t > 0.0f ? kWeightTarget : -1;
+}
+
+// The base of slice s's prefixes, T_0 + ... + T_{s-1} folded from 0. *decided: some earlier slice k
+// has base_k > target and T_k > 0, so its first token of positive weight already crosses (prefixes
+// never decrease) and slice s cannot hold the first crossing: its search is skipped.
+RAGATTN_HD float draw_slice_base(const DrawSlice* d, int s, int mode, float target, bool* decided) {
+  float base = 0.0f;
+  *decided = false;
+  for (int k = 0; k < s; ++k) {
+    const float t = draw_slice_total(d[k], mode);
+    if (base > target && t > 0.0f) *decided = true;
+    base = f_add(base, t);
+  }
+  return base;
+}
+
+// The drawn token (phase 3c): the first slice's crossing (the smallest candidate: slices are in token
+// order; kNoToken where a slice has none), else the last token of positive weight (rounding left
+// u * total at or past the last prefix), else (no weight at all) argmax_z.
+RAGATTN_HD int draw_finish(const int* cand, const DrawSlice* d, int n, int mode, int argmax_z) {
+  if (mode < 0) return argmax_z;
+  int c = kNoToken, last = -1;
+  for (int s = 0; s < n; ++s) {
+    c = cand[s] < c ? cand[s] : c;
+    const int l = mode == kWeightResidual ? d[s].last : d[s].last_p;
+    last = l > last ? l : last;
+  }
+  return c != kNoToken ? c : last;
 }
 
 }  // namespace speculative

@@ -1,7 +1,10 @@
 // verify_draft's bit-faithful CPU twin (RAGATTN_CPU_BACKEND=twin): replays the CUDA kernel's
-// arithmetic on kThreads virtual threads, slice by slice (chunk ownership, warp butterflies,
-// Kogge-Stone scans, the fold over the kSlices slices: see verify_draft_math.h), so that both emit
-// the same tokens for the same uniforms, whatever cluster size the kernel runs with. Slow (a scalar
+// arithmetic on kThreads virtual threads, one vocabulary slice at a time as one CTA of the kernel
+// reduces it (chunk ownership, warp butterflies, Kogge-Stone scans), and folds the slices with the
+// kernel's own fold functions (verify_draft_math.h: fold_target_stats, draft_accepted, draw_pick,
+// draw_slice_base, draw_finish), so that both emit the same tokens for the same uniforms. The kernel
+// computes every position's slices at once; the twin walks the positions in order and stops at the
+// first rejection (a position's statistics do not depend on any other position). Slow (a scalar
 // replay with correctly rounded software FMAs): the tests that compare against the CUDA order use
 // it; the default CPU path is verify_draft_fast_cpu.cpp.
 #include <algorithm>
@@ -89,138 +92,164 @@ void slice_sweep(const RowView& r, int s, bool with_q, F&& f) {
   }
 }
 
-PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
-  const bool with_q = eta > 0.0f && r.has_q;
-  std::vector<SoftmaxState> st(kThreads);
-  std::vector<float> qmax(kThreads);
+// Phase 1, one slice of one position (a CTA of verify_draft_stats_kernel): p's softmax state and,
+// with_q, the slice's max q.
+SlicePartial target_partial(const RowView& r, int s, float inv_t, bool with_q) {
+  std::vector<SoftmaxState> st(kThreads, softmax_identity());
+  std::vector<float> qmax(kThreads, -INFINITY);
+  slice_sweep(r, s, with_q, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+    softmax_update_chunk(st[t], z, v0, inv_t);
+    if (with_q)
+      for (int e = 0; e < kChunk; ++e) qmax[t] = f_max(qmax[t], q[e]);
+  });
   auto merge_t = [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); };
   auto max_f = [](float a, float b) { return f_max(a, b); };
-  // Per slice: block reduction of the per-thread states; then the slices folded in order.
-  SoftmaxState sz = softmax_identity();
-  float qm = -INFINITY;
-  for (int s = 0; s < kSlices; ++s) {
-    std::fill(st.begin(), st.end(), softmax_identity());
-    std::fill(qmax.begin(), qmax.end(), -INFINITY);
-    slice_sweep(r, s, with_q, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-      softmax_update_chunk(st[t], z, v0, inv_t);
-      if (with_q)
-        for (int e = 0; e < kChunk; ++e) qmax[t] = f_max(qmax[t], q[e]);
-    });
-    sz = softmax_merge(sz, block_reduce(st, softmax_identity(), merge_t), inv_t);
-    if (with_q) qm = f_max(qm, block_reduce(qmax, -INFINITY, max_f));
-  }
-  PositionStats ps = target_stats(sz);
-  if (!with_q) return ps;
-  ps.q_thresh = f_mul(alpha, qm);
-  // Second sweep: online softmax of the modified logits a = y + eta * mask * (q - p).
+  return SlicePartial{block_reduce(st, softmax_identity(), merge_t),
+                      with_q ? block_reduce(qmax, -INFINITY, max_f) : -INFINITY};
+}
+
+// Phase 1's second pass (eta > 0), one slice (a CTA of verify_draft_modified_stats_kernel): the
+// online softmax of the modified logits a = y + eta * mask * (q - p).
+SlicePartial modified_partial(const RowView& r, int s, const PositionStats& ps, float inv_t, float eta) {
+  std::vector<SoftmaxState> st(kThreads, softmax_identity());
+  slice_sweep(r, s, true, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+    float a[kChunk];
+    for (int e = 0; e < kChunk; ++e)
+      a[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+    softmax_update_chunk(st[t], a, v0, 1.0f);
+  });
   auto merge_1 = [](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, 1.0f); };
-  SoftmaxState sa = softmax_identity();
-  for (int s = 0; s < kSlices; ++s) {
-    std::fill(st.begin(), st.end(), softmax_identity());
-    slice_sweep(r, s, true, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-      float a[kChunk];
-      for (int e = 0; e < kChunk; ++e)
-        a[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
-      softmax_update_chunk(st[t], a, v0, 1.0f);
-    });
-    sa = softmax_merge(sa, block_reduce(st, softmax_identity(), merge_1), 1.0f);
-  }
-  ps.m_a = sa.m;
-  ps.inv_sa = f_div(1.0f, sa.s);
-  ps.argmax_a = sa.idx;
+  return SlicePartial{block_reduce(st, softmax_identity(), merge_1), -INFINITY};
+}
+
+// The statistics at one position: its slices' partials, folded in slice order.
+PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
+  const bool with_q = eta > 0.0f && r.has_q;
+  const int n = num_slices(r.V);
+  std::vector<SlicePartial> parts(static_cast<size_t>(n));
+  for (int s = 0; s < n; ++s) parts[s] = target_partial(r, s, inv_t, with_q);
+  PositionStats ps = fold_target_stats(parts.data(), n, inv_t, alpha, with_q);
+  if (!with_q) return ps;
+  for (int s = 0; s < n; ++s) parts[s] = modified_partial(r, s, ps, inv_t, eta);
+  fold_modified_stats(ps, parts.data(), n);
   return ps;
 }
 
-// Inverse-CDF draw of one token from the weights of `mode` at this position (see the
-// "Summation order" of verify_draft_math.h); falls back from the residual to p when the
-// residual is all zero.
-int draw_token(const RowView& r, const PositionStats& ps, int mode, float inv_t, float eta, float u) {
-  std::vector<float> w(static_cast<size_t>(kTile));
-  std::vector<float> base(kThreads);
-
-  // Weights of one tile of slice s (0 past the slice), chunk sums, and the block scan -> tile total.
-  auto tile_scan = [&](int s, int tile, float tile_base, int* last_pos) {
-    const int sb = slice_begin(s, r.V), se = slice_end(s, r.V);
-    std::array<float, kWarpSize> warp_tot;
-    warp_tot.fill(0.0f);
-    std::array<std::array<float, kWarpSize>, kWarps> lane_excl;
-    for (int wi = 0; wi < kWarps; ++wi) {
-      std::array<float, kWarpSize> x;
-      for (int lane = 0; lane < kWarpSize; ++lane) {
-        const int t = wi * kWarpSize + lane;
-        const int v0 = sb + (tile * kThreads + t) * kChunk;
-        float sum = 0.0f;
-        for (int e = 0; e < kChunk; ++e) {
-          const int v = v0 + e;
-          float wv = 0.0f;
-          if (v < se) {
-            wv = draw_weight(mode, logit_at(r, v), mode == kWeightTarget ? 0.0f : q_at(r, v), ps, inv_t, eta);
-            if (wv > 0.0f && v > *last_pos) *last_pos = v;
-          }
-          w[t * kChunk + e] = wv;
-          sum = f_add(sum, wv);
-        }
-        x[lane] = sum;
-      }
-      warp_inclusive_scan(x);
-      lane_excl[wi][0] = 0.0f;
-      for (int lane = 1; lane < kWarpSize; ++lane) lane_excl[wi][lane] = x[lane - 1];
-      warp_tot[wi] = x[kWarpSize - 1];
-    }
-    warp_inclusive_scan(warp_tot);
-    for (int wi = 0; wi < kWarps; ++wi) {
-      const float warp_excl = wi == 0 ? 0.0f : warp_tot[wi - 1];
-      for (int lane = 0; lane < kWarpSize; ++lane)
-        base[wi * kWarpSize + lane] = chunk_base(tile_base, warp_excl, lane_excl[wi][lane]);
-    }
-    return warp_tot[kWarpSize - 1];
-  };
-  auto ntiles = [&](int s) {
-    const int nchunks = (slice_end(s, r.V) - slice_begin(s, r.V) + kChunk - 1) / kChunk;
-    return (nchunks + kThreads - 1) / kThreads;
-  };
-
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    int last_pos = -1;
-    std::array<float, kSlices> slice_total;
-    for (int s = 0; s < kSlices; ++s) {
-      slice_total[s] = 0.0f;
-      for (int tile = 0; tile < ntiles(s); ++tile)
-        slice_total[s] = f_add(slice_total[s], tile_scan(s, tile, slice_total[s], &last_pos));
-    }
-    float total = 0.0f;
-    for (int s = 0; s < kSlices; ++s) total = f_add(total, slice_total[s]);
-    if (!(total > 0.0f)) {
-      if (mode == kWeightResidual) {
-        mode = kWeightTarget;  // all-zero residual: draw from p
-        continue;
-      }
-      return ps.argmax_z;  // degenerate row (all logits -inf): no weight anywhere
-    }
-    const float target = f_mul(u, total);
-    float slice_base = 0.0f;  // T_0 + ... + T_{s-1}
-    int ignored = -1;
-    for (int s = 0; s < kSlices; ++s) {
-      float tile_base = slice_base;
-      for (int tile = 0; tile < ntiles(s); ++tile) {
-        const float tile_total = tile_scan(s, tile, tile_base, &ignored);
-        const int v_tile = slice_begin(s, r.V) + tile * kTile;
-        for (int t = 0; t < kThreads; ++t) {
-          float run = base[t];
-          for (int e = 0; e < kChunk; ++e) {
-            const float wv = w[t * kChunk + e];
-            run = f_add(run, wv);
-            if (wv > 0.0f && run > target) return v_tile + t * kChunk + e;
-          }
-        }
-        tile_base = f_add(tile_base, tile_total);
-      }
-      slice_base = f_add(slice_base, slice_total[s]);
-    }
-    return last_pos;  // rounding left u * total at or past the last prefix
+// Block-wide scan of one chunk sum per virtual thread (the kernel's block_scan): each thread's chunk
+// base from tile_base into `base`; returns the tile total.
+float block_scan(const std::vector<float>& sums, float tile_base, std::vector<float>& base) {
+  std::array<float, kWarpSize> warp_tot;
+  warp_tot.fill(0.0f);
+  std::array<std::array<float, kWarpSize>, kWarps> lane_excl;
+  for (int wi = 0; wi < kWarps; ++wi) {
+    std::array<float, kWarpSize> x;
+    for (int lane = 0; lane < kWarpSize; ++lane) x[lane] = sums[wi * kWarpSize + lane];
+    warp_inclusive_scan(x);
+    lane_excl[wi][0] = 0.0f;
+    for (int lane = 1; lane < kWarpSize; ++lane) lane_excl[wi][lane] = x[lane - 1];
+    warp_tot[wi] = x[kWarpSize - 1];
   }
-  return ps.argmax_z;
+  warp_inclusive_scan(warp_tot);
+  for (int wi = 0; wi < kWarps; ++wi) {
+    const float warp_excl = wi == 0 ? 0.0f : warp_tot[wi - 1];
+    for (int lane = 0; lane < kWarpSize; ++lane)
+      base[wi * kWarpSize + lane] = chunk_base(tile_base, warp_excl, lane_excl[wi][lane]);
+  }
+  return warp_tot[kWarpSize - 1];
 }
+
+// The inverse-CDF draw at one position, phase by phase as the kernels run it (see the "Summation
+// order" of verify_draft_math.h).
+class Draw {
+ public:
+  Draw(const RowView& r, const PositionStats& ps, float inv_t, float eta)
+      : r_(r), ps_(ps), inv_t_(inv_t), eta_(eta), w_(kTile), sums_(kThreads), sums_p_(kThreads), base_(kThreads) {}
+
+  int token(int mode, float u) {
+    const int n = num_slices(r_.V);
+    std::vector<DrawSlice> d(static_cast<size_t>(n));
+    for (int s = 0; s < n; ++s) d[s] = slice_totals(s, mode);  // verify_draft_draw_totals_kernel
+    float total = 0.0f;
+    const int used = draw_pick(d.data(), n, mode, &total);
+    std::vector<int> cand(static_cast<size_t>(n), kNoToken);
+    if (used >= 0) {
+      const float target = f_mul(u, total);
+      for (int s = 0; s < n; ++s) {  // verify_draft_draw_find_kernel
+        bool decided = false;
+        const float base = draw_slice_base(d.data(), s, used, target, &decided);
+        if (!decided && draw_slice_total(d[s], used) > 0.0f) cand[s] = slice_find(s, used, base, target);
+      }
+    }
+    return draw_finish(cand.data(), d.data(), n, used, ps_.argmax_z);  // verify_draft_finish_kernel
+  }
+
+ private:
+  // Weights of `mode` for one tile of slice s (0 past it) into w_, their chunk sums into sums_ and p's
+  // into sums_p_; the last token of positive weight of each into *last / *last_p.
+  void tile_weights(int s, int tile, int mode, int* last, int* last_p) {
+    const int sb = slice_begin(s, r_.V), se = slice_end(s, r_.V);
+    for (int t = 0; t < kThreads; ++t) {
+      const int v0 = sb + (tile * kThreads + t) * kChunk;
+      float sum = 0.0f, sum_p = 0.0f;
+      for (int e = 0; e < kChunk; ++e) {
+        const int v = v0 + e;
+        float wv = 0.0f, wp = 0.0f;
+        if (v < se) {
+          wv = draw_weights(mode, logit_at(r_, v), mode == kWeightTarget ? 0.0f : q_at(r_, v), ps_, inv_t_, eta_, &wp);
+          if (wv > 0.0f) *last = std::max(*last, v);
+          if (wp > 0.0f) *last_p = std::max(*last_p, v);
+        }
+        w_[t * kChunk + e] = wv;
+        sum = f_add(sum, wv);
+        sum_p = f_add(sum_p, wp);
+      }
+      sums_[t] = sum;
+      sums_p_[t] = sum_p;
+    }
+  }
+
+  // Phase 3a, one slice: its totals T_s (tile totals folded from 0).
+  DrawSlice slice_totals(int s, int mode) {
+    DrawSlice d{0.0f, -1, 0.0f, -1};
+    const bool with_p = mode == kWeightResidual;
+    for (int tile = 0; tile < slice_tiles(s, r_.V); ++tile) {
+      tile_weights(s, tile, mode, &d.last, &d.last_p);
+      d.total = f_add(d.total, block_scan(sums_, d.total, base_));
+      if (with_p) d.total_p = f_add(d.total_p, block_scan(sums_p_, d.total_p, base_));
+    }
+    if (!with_p) {
+      d.total_p = d.total;
+      d.last_p = d.last;
+    }
+    return d;
+  }
+
+  // Phase 3b, one slice: the first token whose prefix (from the slice's base) passes target.
+  int slice_find(int s, int mode, float base, float target) {
+    int ignored = -1, ignored_p = -1;
+    float tile_base = base;
+    for (int tile = 0; tile < slice_tiles(s, r_.V); ++tile) {
+      tile_weights(s, tile, mode, &ignored, &ignored_p);
+      const float tile_total = block_scan(sums_, tile_base, base_);
+      const int v_tile = slice_begin(s, r_.V) + tile * kTile;
+      for (int t = 0; t < kThreads; ++t) {
+        float run = base_[t];
+        for (int e = 0; e < kChunk; ++e) {
+          const float wv = w_[t * kChunk + e];
+          run = f_add(run, wv);
+          if (wv > 0.0f && run > target) return v_tile + t * kChunk + e;
+        }
+      }
+      tile_base = f_add(tile_base, tile_total);
+    }
+    return kNoToken;
+  }
+
+  RowView r_;
+  PositionStats ps_;
+  float inv_t_, eta_;
+  std::vector<float> w_, sums_, sums_p_, base_;
+};
 
 class TwinVerifier final : public PositionVerifier {
  public:
@@ -229,21 +258,19 @@ class TwinVerifier final : public PositionVerifier {
   Decision drafted(const void* z, const float* q, int64_t x, float u, float u_final) override {
     RowView r{z, q, true, x, p_.logits_kind, p_.vocab};
     const PositionStats ps = position_stats(r, p_.inv_t, p_.eta, p_.alpha);
-    if (p_.greedy) {
-      const int best = p_.eta > 0.0f ? ps.argmax_a : ps.argmax_z;
-      return {x == best, best};
-    }
-    float pv, p_hat;
-    const float q_x = q_at(r, static_cast<int>(x));
-    token_probs(load_logit(z, p_.logits_kind, x), q_x, ps, p_.inv_t, p_.eta, &pv, &p_hat);
-    if (accept_draft(u, q_x, p_hat)) return {true, 0};
-    return {false, draw_token(r, ps, kWeightResidual, p_.inv_t, p_.eta, u_final)};
+    const bool in_range = x >= 0 && x < p_.vocab;
+    const int xi = in_range ? static_cast<int>(x) : 0;
+    int best = 0;
+    if (draft_accepted(p_.greedy, ps, x, in_range, logit_at(r, xi), q_at(r, xi), u, p_.inv_t, p_.eta, &best))
+      return {true, 0};
+    if (p_.greedy) return {false, best};
+    return {false, Draw(r, ps, p_.inv_t, p_.eta).token(kWeightResidual, u_final)};
   }
 
   int bonus(const void* z, float u_final) override {
     RowView r{z, nullptr, false, -1, p_.logits_kind, p_.vocab};
     const PositionStats ps = position_stats(r, p_.inv_t, 0.0f, p_.alpha);
-    return p_.greedy ? ps.argmax_z : draw_token(r, ps, kWeightTarget, p_.inv_t, p_.eta, u_final);
+    return p_.greedy ? ps.argmax_z : Draw(r, ps, p_.inv_t, p_.eta).token(kWeightTarget, u_final);
   }
 
  private:
