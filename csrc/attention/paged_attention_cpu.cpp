@@ -280,30 +280,25 @@ RAGATTN_ALWAYS_INLINE bool softmax_step(float* ph, int64_t first, int64_t n, flo
 }
 
 
-// One task's state: the online softmax of the G query heads of one (query row, kv head).
+// The online softmax of G query vectors (one query row's heads of one kv head, or the heads of
+// several rows stacked), over buffers a RowStateBuffer owns; part() views some of its vectors.
 struct RowState {
   int64_t D, G;
-  std::vector<float> buf;
-  float* qf;     // [G, D] the group's query rows in float
+  float* qf;     // [G, D] the query vectors in float
   float* acc;    // [G, D] unnormalised outputs
   float* p;      // [G, kPRow] scores, then probabilities
   float* m;      // [G] running max
   float* l;      // [G] running sum
   float* alpha;  // [G] this chunk's rescale of acc (0 for a poisoned head)
   float* bad;    // [G] 1: a NaN or +inf visible score
-  RowState(int64_t D_, int64_t G_) : D(D_), G(G_), buf(G_ * D_ * 2 + G_ * kPRow + G_ * 4) {
-    qf = buf.data();
-    acc = qf + G * D;
-    p = acc + G * D;
-    m = p + G * kPRow;
-    l = m + G;
-    alpha = l + G;
-    bad = alpha + G;
+
+  RowState part(int64_t v0, int64_t n) const {
+    return RowState{D, n, qf + v0 * D, acc + v0 * D, p + v0 * kPRow, m + v0, l + v0, alpha + v0, bad + v0};
   }
 
   // Row i's queries of kv head g's group; an empty softmax.
   template <typename T>
-  RAGATTN_ALWAYS_INLINE void start(const PagedArgs& a, int64_t i, int64_t g) {
+  RAGATTN_ALWAYS_INLINE void start(const PagedArgs& a, int64_t i, int64_t g) const {
     const T* qrow = static_cast<const T*>(a.q) + i * a.q_s0 + g * G * a.q_s1;
     for (int64_t h = 0; h < G; ++h) {
       for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qrow[h * a.q_s1 + d]);
@@ -338,10 +333,20 @@ struct RowState {
   }
 };
 
+struct RowStateBuffer {
+  std::vector<float> buf;
+  RowState st;
+  RowStateBuffer(int64_t D, int64_t G) : buf(G * D * 2 + G * kPRow + G * 4) {
+    float* b = buf.data();
+    st = RowState{D, G, b, b + G * D, b + 2 * G * D, b + 2 * G * D + G * kPRow, b + 2 * G * D + G * kPRow + G,
+                  b + 2 * G * D + G * kPRow + 2 * G, b + 2 * G * D + G * kPRow + 3 * G};
+  }
+};
+
 // One online-softmax step over the visible slots [first, first + n) of a chunk, whose K and V
 // rows are kslot/vslot[first ...] (kslot has 8 spare entries past the chunk for the padding).
 template <typename T>
-RAGATTN_ALWAYS_INLINE void attend_chunk(RowState& st, const PagedArgs& a, const T** kslot, const T* const* vslot,
+RAGATTN_ALWAYS_INLINE void attend_chunk(const RowState& st, const PagedArgs& a, const T** kslot, const T* const* vslot,
                                         int64_t first, int64_t n) {
   const int64_t D = st.D, G = st.G;
   float* p = st.p;
@@ -365,7 +370,8 @@ RAGATTN_ALWAYS_INLINE void attend_chunk(RowState& st, const PagedArgs& a, const 
 template <typename T>
 RAGATTN_ALWAYS_INLINE void paged_items(const PagedArgs& a, int64_t begin, int64_t end) {
   const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size;
-  RowState st(D, G);
+  RowStateBuffer sb(D, G);
+  RowState& st = sb.st;
   // chunk-local slot pointers (+ 8: the last block of dots8 is padded with a visible slot)
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
@@ -474,58 +480,88 @@ RAGATTN_ALWAYS_INLINE void rotate_row(const T* src, T* dst, const float* c, cons
   for (int64_t d = 2 * half; d < D; ++d) dst[d] = src[d];
 }
 
+// Items [begin, end) = row blocks x kv heads: item = block * num_kv_heads + kv_head, block k the
+// rows [blocks[2k], blocks[2k] + blocks[2k + 1]) of one sequence. The slots every row of the block
+// sees are attended by all their query vectors at once (each K/V row loaded once for the block);
+// the rest (the causal diagonal, window edges) row by row, so no row ever reads a slot it does
+// not see (no masks: 0 * NaN cannot happen).
 template <typename T>
-RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, int64_t begin, int64_t end) {
+RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, const int64_t* blocks,
+                                        int64_t max_rows, int64_t begin, int64_t end) {
   const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size, H = a.num_kv_heads;
-  RowState st(D, G);
+  RowStateBuffer buf(D, max_rows * G);
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
   std::vector<T> kbuf(t.cos ? kChunk * D : 0);  // the chunk's keys rotated in the task
   std::vector<float> cs(t.half), sn(t.half);     // one slot's cos/sin
+  std::vector<int64_t> lo(max_rows), hi(max_rows), pos(max_rows);
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t i = item / H, g = item % H;
-    const int64_t b = a.row_seq[i];
-    const int64_t pos = a.q_pos(i), kv_len = a.kv_lens(b), r0 = t.row_start(b);
-    st.start<T>(a, i, g);
+    const int64_t k = item / H, g = item % H, i0 = blocks[2 * k], nr = blocks[2 * k + 1];
+    const int64_t b = a.row_seq[i0];
+    const int64_t kv_len = a.kv_lens(b), r0 = t.row_start(b);
+    for (int64_t r = 0; r < nr; ++r) {
+      pos[r] = a.q_pos(i0 + r);
+      buf.st.part(r * G, G).start<T>(a, i0 + r, g);
+    }
     const T* k_base = static_cast<const T*>(a.k) + g * a.k_s2;
     const T* v_base = static_cast<const T*>(a.v) + g * a.v_s2;
     const T* krot = t.krot ? static_cast<const T*>(t.krot) + (t.slot_base[b] * H + g) * D : nullptr;
-    int64_t n = 0;
-    for (int64_t pi = 0; pi * S < kv_len; ++pi) {
-      int64_t cnt, p0, o_lo, o_hi;
-      entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
-      visible_offsets(pos, a.window_left, p0, cnt, &o_lo, &o_hi);
-      if (o_lo >= o_hi) continue;
-      const int64_t page = t.pages(r0 + pi);
-      const T* kp = krot ? krot + pi * S * H * D : k_base + page * a.k_s0;
-      const int64_t k_step = krot ? H * D : a.k_s1;
-      const T* vp = v_base + page * a.v_s0;
-      for (int64_t o = o_lo; o < o_hi; ++o) {
-        kslot[n] = kp + o * k_step;
-        if (t.cos) {
-          // angle of p0 + o = angle of p0 + angle of o: the table's rows p0 and 0..o (hot in
-          // cache), not a row per slot and kv head (that doubled the bytes a decode step reads)
-          const float *cb = t.cos + p0 * t.half, *sb = t.sin + p0 * t.half;
-          const float *co = t.cos + o * t.half, *so = t.sin + o * t.half;
-          for (int64_t f = 0; f < t.half; ++f) rope::rotate_pair(cb[f], sb[f], co[f], so[f], &cs[f], &sn[f]);
-          rotate_row(kslot[n], &kbuf[n * D], cs.data(), sn.data(), t.half, D, t.interleaved);
-          kslot[n] = &kbuf[n * D];
+    // pass -1: the slots all nr rows see, attended by all of them; pass r: row r's others
+    for (int64_t pass = -1; pass < (nr > 1 ? nr : 0); ++pass) {
+      const RowState st = pass < 0 ? buf.st.part(0, nr * G) : buf.st.part(pass * G, G);
+      int64_t n = 0;
+      for (int64_t pi = 0; pi * S < kv_len; ++pi) {
+        int64_t cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
+        entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
+        for (int64_t r = 0; r < nr; ++r) {
+          visible_offsets(pos[r], a.window_left, p0, cnt, &lo[r], &hi[r]);
+          all_lo = std::max(all_lo, lo[r]);
+          all_hi = std::min(all_hi, hi[r]);
         }
-        vslot[n] = vp + o * a.v_s1;
-        if (++n == kChunk) {
-          attend_chunk<T>(st, a, kslot, vslot, 0, n);
-          n = 0;
+        if (all_lo >= all_hi) all_lo = all_hi = 0;  // no slot of the entry seen by every row
+        // the offsets of this pass: [all_lo, all_hi), or row `pass`'s range without it (which it
+        // contains when not empty): two pieces
+        int64_t ranges[2][2] = {{all_lo, all_hi}, {0, 0}};
+        if (pass >= 0 && all_lo < all_hi) {
+          ranges[0][0] = lo[pass], ranges[0][1] = all_lo;
+          ranges[1][0] = all_hi, ranges[1][1] = hi[pass];
+        } else if (pass >= 0) {
+          ranges[0][0] = lo[pass], ranges[0][1] = hi[pass];
+        }
+        const int64_t page = t.pages(r0 + pi);
+        const T* kp = krot ? krot + pi * S * H * D : k_base + page * a.k_s0;
+        const int64_t k_step = krot ? H * D : a.k_s1;
+        const T* vp = v_base + page * a.v_s0;
+        for (const auto& rg : ranges) {
+          for (int64_t o = rg[0]; o < rg[1]; ++o) {
+            kslot[n] = kp + o * k_step;
+            if (t.cos) {
+              // angle of p0 + o = angle of p0 + angle of o: the table's rows p0 and 0..o (hot in
+              // cache), not a row per slot and kv head (that doubled the bytes a decode step reads)
+              const float *cb = t.cos + p0 * t.half, *sb = t.sin + p0 * t.half;
+              const float *co = t.cos + o * t.half, *so = t.sin + o * t.half;
+              for (int64_t f = 0; f < t.half; ++f) rope::rotate_pair(cb[f], sb[f], co[f], so[f], &cs[f], &sn[f]);
+              rotate_row(kslot[n], &kbuf[n * D], cs.data(), sn.data(), t.half, D, t.interleaved);
+              kslot[n] = &kbuf[n * D];
+            }
+            vslot[n] = vp + o * a.v_s1;
+            if (++n == kChunk) {
+              attend_chunk<T>(st, a, kslot, vslot, 0, n);
+              n = 0;
+            }
+          }
         }
       }
+      if (n) attend_chunk<T>(st, a, kslot, vslot, 0, n);
     }
-    if (n) attend_chunk<T>(st, a, kslot, vslot, 0, n);
-    st.write<T>(a, i, g);
+    for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, g);
   }
 }
 
 template <typename T>
-RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, int64_t begin, int64_t end) {
-  tagged_items<T>(a, t, begin, end);
+RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, const int64_t* blocks,
+                                         int64_t max_rows, int64_t begin, int64_t end) {
+  tagged_items<T>(a, t, blocks, max_rows, begin, end);
 }
 
 // The rotated keys of sequences [b0, b1)'s entries [e0, e1) (flattened over the sequences: entry
@@ -606,6 +642,8 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
 
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+constexpr int64_t kBlockVectors = 16;
+
 // Rotated keys held at once (sequences in groups): 256 MiB, or RAGATTN_TEST_TAGGED_SCRATCH_BYTES
 // (the tests' way to make every sequence a group of its own).
 int64_t scratch_budget() {
@@ -667,8 +705,10 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
     pos_lo[b] = pos_hi[b] < 0 ? lo : std::min(pos_lo[b], lo);
     pos_hi[b] = std::max(pos_hi[b], p);
   }
-  std::vector<int64_t> slot_base(batch, 0), ents;
+  std::vector<int64_t> slot_base(batch, 0), ents, blocks;
   const int64_t budget = scratch_budget();
+  // rows per block: about kBlockVectors query vectors (rows x the GQA group) share each K/V load
+  const int64_t max_rows = std::max<int64_t>(1, kBlockVectors / (a.num_heads / H));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_tagged_cpu", [&] {
     for (int64_t b0 = 0, b1; b0 < batch; b0 = b1) {
       int64_t slots = 0;
@@ -705,13 +745,18 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
                                        interleaved, k);
         });
       }
-      // items of the group's rows: row cu(b0) + item / H, kv head item % H
-      const int64_t row0 = cu(b0), items = (cu(b1) - row0) * H;
+      // items: blocks of up to max_rows rows of one sequence x kv heads
+      blocks.clear();
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t r = cu(b); r < cu(b + 1); r += max_rows) blocks.insert(blocks.end(), {r, std::min(max_rows, cu(b + 1) - r)});
+      const int64_t items = static_cast<int64_t>(blocks.size()) / 2 * H;
       int64_t kv_total = 0;
       for (int64_t b = b0; b < b1; ++b) kv_total += a.kv_lens(b);
       const int64_t per_item = std::max<int64_t>(1, kv_total / std::max<int64_t>(1, b1 - b0) * D * (a.num_heads / H));
       const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
-      auto run = [&](int64_t begin, int64_t end) { tagged_items_run<scalar_t>(a, t, row0 * H + begin, row0 * H + end); };
+      auto run = [&](int64_t begin, int64_t end) {
+        tagged_items_run<scalar_t>(a, t, blocks.data(), max_rows, begin, end);
+      };
       if (items <= grain) {
         run(0, items);
       } else {
