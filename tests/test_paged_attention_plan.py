@@ -345,11 +345,11 @@ def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
 
 
 @pytest.mark.parametrize("rows", ["many", "one per sequence"])
-def test_cpu_tagged_kernel_scratch_groups_and_in_task_rotation(seed, monkeypatch, rows):
-    """The C++ tagged kernel's two ways of rotating keys: sequences with several rows rotate their
-    visible keys once into scratch (in groups of sequences that fit its budget: a 1-byte budget
-    makes each sequence a group, bit for bit the same), sequences of one row (decode) rotate them
-    in the task. Both against the float64 reference, GQA 3, page size 5, a window, bf16."""
+def test_cpu_tagged_kernel_row_blocks_and_scratch_groups(seed, monkeypatch, rows):
+    """The C++ tagged kernel: row blocks (slots every row of a block sees, then each row's others)
+    and decode rows, keys rotated once into scratch in groups of sequences that fit its budget (a
+    1-byte budget makes each sequence a group: bit for bit the same). Against the float64
+    reference, GQA 3, page size 5, a window, bf16."""
     from tests.helpers import assert_precision
 
     gen = torch.Generator().manual_seed(seed)

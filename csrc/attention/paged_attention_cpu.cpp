@@ -423,21 +423,18 @@ RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64
 // o < entry_len[e] and holds position entry_pos[e] + o (without entry_pos: j). A row sees the valid
 // slots at positions <= q_pos (and >= q_pos - window_left). Positions need not grow with j, so
 // each entry's visible offsets are found from its first position, and only those slots enter a
-// chunk (compacted: no masks). Keys are rotated in fp32 and rounded once to the cache's dtype (the
-// Triton kernel's computation), with cos/sin from a per-position table (rope_cos/sin
-// [P, rotary_dim / 2]): for sequences of several rows once per call, into a scratch copy of the
-// slots some row can see; for one-row sequences (decode) in the task, the angle of p0 + o formed
-// from the table rows of p0 and o (angle addition, ~2 ulp).
+// chunk (compacted: no masks). Keys are rotated once per call, in fp32 and rounded once to the
+// cache's dtype (the Triton kernel's computation), into a scratch copy of the slots some row can
+// see; the angle of position p0 + o comes from rows p0 and o of a per-position cos/sin table
+// (rope_cos/sin [P, rotary_dim / 2]) by angle addition, once per slot for every kv head. (Rotating
+// in each (row, kv head) task instead cost a decode step 1.12x the copy path's here, against
+// 1.05x: the angle and the rotation were repeated per head.)
 
 struct TaggedArgs {
   IndexView pages, row_start, entry_pos, entry_len;
   bool has_pos, has_len;
   const void* krot;          // [slots, num_kv_heads, head_dim] rotated keys, or nullptr: keys read in place
   const int64_t* slot_base;  // each sequence's first scratch slot
-  const float* cos;          // rotate in the task instead (rows that read their keys alone: decode):
-  const float* sin;          // the table [positions, half], or nullptr: no rotation
-  int64_t half;
-  bool interleaved;
 };
 
 // The offsets [*o_lo, *o_hi) of an entry (first position p0, cnt valid slots) that a row at
@@ -455,6 +452,14 @@ RAGATTN_ALWAYS_INLINE void entry_extent(const TaggedArgs& t, int64_t e, int64_t 
   *cnt = std::min(S, kv_len - pi * S);
   if (t.has_len) *cnt = std::min(*cnt, t.entry_len(e));
   *p0 = t.has_pos ? t.entry_pos(e) : pi * S;
+}
+
+// cos/sin [half] of position p0 + o from the table rows of p0 and o (angle addition, ~2 ulp): a
+// page's slots read two rows (o < page_size: hot in cache), not a row each.
+RAGATTN_ALWAYS_INLINE void slot_cos_sin(const float* cos_t, const float* sin_t, int64_t half, int64_t p0, int64_t o,
+                                        float* c, float* s) {
+  const float *cb = cos_t + p0 * half, *sb = sin_t + p0 * half, *co = cos_t + o * half, *so = sin_t + o * half;
+  for (int64_t f = 0; f < half; ++f) rope::rotate_pair(cb[f], sb[f], co[f], so[f], &c[f], &s[f]);
 }
 
 // dst = src rotated by the angles of (c, s) [half], pairs (f, f + half) or (2f, 2f + 1), in fp32,
@@ -492,8 +497,6 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
   RowStateBuffer buf(D, max_rows * G);
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
-  std::vector<T> kbuf(t.cos ? kChunk * D : 0);  // the chunk's keys rotated in the task
-  std::vector<float> cs(t.half), sn(t.half);     // one slot's cos/sin
   std::vector<int64_t> lo(max_rows), hi(max_rows), pos(max_rows);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t k = item / H, g = item % H, i0 = blocks[2 * k], nr = blocks[2 * k + 1];
@@ -535,15 +538,6 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
         for (const auto& rg : ranges) {
           for (int64_t o = rg[0]; o < rg[1]; ++o) {
             kslot[n] = kp + o * k_step;
-            if (t.cos) {
-              // angle of p0 + o = angle of p0 + angle of o: the table's rows p0 and 0..o (hot in
-              // cache), not a row per slot and kv head (that doubled the bytes a decode step reads)
-              const float *cb = t.cos + p0 * t.half, *sb = t.sin + p0 * t.half;
-              const float *co = t.cos + o * t.half, *so = t.sin + o * t.half;
-              for (int64_t f = 0; f < t.half; ++f) rope::rotate_pair(cb[f], sb[f], co[f], so[f], &cs[f], &sn[f]);
-              rotate_row(kslot[n], &kbuf[n * D], cs.data(), sn.data(), t.half, D, t.interleaved);
-              kslot[n] = &kbuf[n * D];
-            }
             vslot[n] = vp + o * a.v_s1;
             if (++n == kChunk) {
               attend_chunk<T>(st, a, kslot, vslot, 0, n);
@@ -573,6 +567,8 @@ RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs&
                                            const float* cos_t, const float* sin_t, int64_t rotary_dim,
                                            bool interleaved, T* krot) {
   const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, half = rotary_dim / 2;
+  std::vector<float> cs(2 * half);
+  float *c = cs.data(), *s = c + half;
   for (int64_t x = e0; x < e1; ++x) {
     const int64_t b = ents[2 * x], pi = ents[2 * x + 1], e = t.row_start(b) + pi;
     int64_t cnt, p0, o_lo, o_hi;
@@ -581,8 +577,7 @@ RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs&
     visible_offsets(pos_hi[b], pos_hi[b] - pos_lo[b], p0, cnt, &o_lo, &o_hi);
     const int64_t page = t.pages(e);
     for (int64_t o = o_lo; o < o_hi; ++o) {
-      const float* c = cos_t + (p0 + o) * half;
-      const float* s = sin_t + (p0 + o) * half;
+      slot_cos_sin(cos_t, sin_t, half, p0, o, c, s);
       for (int64_t h = 0; h < H; ++h) {
         const T* src = static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1 + h * a.k_s2;
         T* dst = krot + ((t.slot_base[b] + pi * S + o) * H + h) * D;
@@ -720,15 +715,7 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
       }
       TaggedArgs t = t0;
       at::Tensor scratch;
-      // a sequence of one row reads each key once: rotated in its tasks, no scratch pass
-      bool one_row = true;
-      for (int64_t b = b0; b < b1 && one_row; ++b) one_row = cu(b + 1) - cu(b) <= 1;
-      if (rope && one_row) {
-        t.cos = rope_cos->data_ptr<float>();
-        t.sin = rope_sin->data_ptr<float>();
-        t.half = rotary_dim / 2;
-        t.interleaved = interleaved;
-      } else if (rope && slots > 0) {
+      if (rope && slots > 0) {
         scratch = at::empty({slots, H, D}, k_cache.options());
         ents.clear();
         for (int64_t b = b0; b < b1; ++b)
@@ -852,7 +839,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
                       ": scale finite, logits_soft_cap finite and >= 0");
   const TaggedArgs t{IndexView(pages), IndexView(row_start), IndexView(entry_pos ? *entry_pos : pages),
                      IndexView(entry_len ? *entry_len : pages), entry_pos.has_value(), entry_len.has_value(),
-                     nullptr, nullptr, nullptr, nullptr, 0, false};
+                     nullptr, nullptr};
   check_tagged_values(q_pos, cu_seqlens_q, k_cache.size(0), k_cache.size(1), t, pages, kv_lens, table_rows);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));

@@ -355,13 +355,15 @@ class TaggedPagedKV:
         un-rotated) and V ``[q, Hkv, D]`` of ``layer`` into their pages."""
         if f.src is not None:
             k_new, v_new = k_new.index_select(0, f.src), v_new.index_select(0, f.src)
+        if not f.writes:
+            return
+        k_new, v_new = k_new.to(self.dtype).contiguous(), v_new.to(self.dtype).contiguous()
         for s, sel, rows, unrot in f.writes:
             ks, vs = self.segments[s]
-            kf = ks[layer].view(-1, self.num_kv_heads, self.head_dim)
-            vf = vs[layer].view(-1, self.num_kv_heads, self.head_dim)
-            kf.index_copy_(0, rows, k_new.index_select(0, sel).to(kf.dtype))
-            vf.index_copy_(0, rows, v_new.index_select(0, sel).to(vf.dtype))
-            _ops.rerotate_keys_([kf], rows, unrot, self.inv_freq, self.rotary_dim, self.interleaved)
+            # one pass: K rotated back by -position (in fp32, rounded once) and V, into their rows
+            _ops.copy_kv_([ks[layer].view(-1, self.num_kv_heads, self.head_dim)],
+                          [vs[layer].view(-1, self.num_kv_heads, self.head_dim)], [k_new], [v_new], sel, rows,
+                          unrot, self.inv_freq, self.rotary_dim, self.interleaved)
 
     def attend(self, f: _Forward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int = -1,
                logits_soft_cap: float = 0.0) -> torch.Tensor:
