@@ -324,6 +324,45 @@ def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme
         assert_precision(lse.cpu(), l64, llp, what="lse")
 
 
+def _hf_inv_freq(rope_type):
+    """inv_freq of a Llama RoPE with each scaling ragattn supports (those that only change the
+    frequencies: default, linear, llama3), from transformers' own rotary embedding."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = {"default": {"rope_type": "default", "rope_theta": 10000.0},
+              "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+              "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}[rope_type]
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=1 << 17, rope_parameters=params)
+    return LlamaRotaryEmbedding(cfg).inv_freq.float()
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3"])
+def test_in_kernel_rope_scalings_at_long_positions(backend, device, seed, rope_type):
+    """The in-kernel rotation with every RoPE scaling the chunk store accepts (ragattn.hf.rope:
+    frequencies only), at positions past 40000 (chunks placed there with gaps), against the
+    float64 reference, with the precision rule."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([9, 14], "gapped", page_size=8, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device, gen=gen)
+    far = 40000 + int(torch.randint(0, 1000, (1,), generator=gen))
+    table = PageTable(table.pages, table.kv_lens, table.row_start, table.entry_pos + far, table.entry_len)
+    q_pos = q_pos + far
+    inv_freq = _hf_inv_freq(rope_type)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    out, lse = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq.to(device))
+    cpu = PageTable(*(None if x is None else x.cpu() for x in (table.pages, table.kv_lens, table.row_start,
+                                                             table.entry_pos, table.entry_len)))
+    (o64, l64), (olp, llp) = _table_refs(q.cpu(), q_pos.cpu(), cu.cpu(), k.cpu(), v.cpu(), cpu, -1,
+                                         (inv_freq, 64, False))
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
 def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
     """NaN in the slots past each entry's valid count (a chunk's partial last page) and in the
     request's unused pages change nothing."""
