@@ -689,6 +689,39 @@ def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
         assert_precision(g, w64, wlp, what=name)
 
 
+@pytest.mark.parametrize("backend", ["triton", "default"])
+@pytest.mark.parametrize("ratio, dim, dtype, mask, causal, window", [
+    (8, 256, torch.bfloat16, "chunks", True, 9),
+    (4, 80, torch.float16, "random", False, 20),
+])
+def test_head_dims_gqa_and_windows_forward_backward(device, seed, backend, monkeypatch, ratio, dim, dtype, mask, causal,
+                                                    window):
+    """Issue 22: forward and backward at head dims 256 and 80 without a soft cap (test_soft_cap
+    runs them with one), GQA 8 and 4 under a window, blocks; lengths off the tiles, an empty and a
+    length-1 sequence; the forward into poisoned out=/lse_out= buffers."""
+    use_kernel_backend(monkeypatch, device, backend)
+    lens_q, lens_k = _lens("default")
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens_q, lens_k, hkv * ratio, hkv, dim, dtype, device, blocks=mask, causal=causal,
+                 gen=torch.Generator().manual_seed(seed)) + (None, window)
+    out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+    ragattn.varlen_attention(*args, out=out, lse_out=lse)
+    o64, l64 = ref_varlen(*_float64(args))
+    o_lp, l_lp = ref_varlen(*args, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64)) and (out[torch.isneginf(l64)] == 0).all()
+    dout = randn_nonzero(*out.shape, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed + 1))
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
+    l64s = [t.double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)
+
+
 def test_more_work_items_than_a_cuda_grid_axis_holds(monkeypatch):
     """Issue 15.10: CUDA's grid axes y and z stop at 65535 programs, and a long packed batch has
     more work items than that (1M query rows are 16K-64K tiles). Every launch keeps axes 1 and 2
