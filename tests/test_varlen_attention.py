@@ -141,6 +141,34 @@ def test_tma_forward_matches_reference(device, monkeypatch, mask, causal, ratio,
         assert (len(made) == 2) == (dim in (64, 128)), made
 
 
+@pytest.mark.parametrize("ratio, dim, dtype, window", [(8, 256, torch.float16, 40), (4, 128, torch.bfloat16, -1)])
+def test_tma_forward_with_windows_and_split_rows(device, monkeypatch, ratio, dim, dtype, window):
+    """Issue 22: the TMA loads (emulated by the interpreter) at head dims 256 and 128, GQA 8 and 4,
+    under a window, in long rows split over several programs and merged (split_len=2 tiles), with
+    16-row tiles (several whole key tiles per row tile); an empty and a length-1 sequence; into
+    poisoned outputs."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
+
+    require_triton_on(device)
+    monkeypatch.setenv("RAGATTN_VARLEN_TMA", "1")
+    made = []
+    real = TensorDescriptor.from_tensor
+    monkeypatch.setattr(TensorDescriptor, "from_tensor", lambda t, b: made.append(tuple(b)) or real(t, b))
+    lens = [50, 0, 1, 37]
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens, lens, hkv * ratio, hkv, dim, dtype, device, gen=torch.Generator().manual_seed(dim))
+    out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+    varlen_attention_fwd(*args, None, window, block_m=16, block_n=16, split_len=2, out=out, lse=lse)
+    if device.type == "cpu":
+        assert made == [(16, dim), (16, dim)]
+    o64, l64 = ref_varlen(*_float64(args), None, window)
+    o_lp, l_lp = ref_varlen(*args, None, window, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+
+
 def test_tma_descriptors_only_where_they_apply(monkeypatch):
     """The TMA switch: RAGATTN_VARLEN_TMA=0 wins over the table; without the variable the table's
     flag decides (never in the interpreter); a padded head dim, a misaligned or non-contiguous K/V
