@@ -673,6 +673,26 @@ def test_window_decode_split_kv(triton_backend, monkeypatch, device, seed):
         check_against_reference(args, out, lse, 70)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,page_size",
+                         [(2, 2, 96, torch.bfloat16, 64), (8, 1, 256, torch.float16, 16)])
+def test_window_decode_split_kv_across_gqa_and_head_dims(triton_backend, monkeypatch, device, seed, num_heads,
+                                                         num_kv_heads, head_dim, dtype, page_size):
+    """Issue 22: one-row decode tiles under a window size their splits from the window, not the
+    context, at GQA 1 and 8 and head dims 96 and 256, page ids read per tile and per page: a window
+    that starts inside a key tile and a page, a context shorter than the window, a length-1 and an
+    empty sequence; NaN in every slot no row sees, outputs poisoned."""
+    q_positions = [[299], [50], [0], []]
+    kv_lens = [300, 51, 1, 0]
+    args = make_case(q_positions, kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, device=device)
+    k, v = poison_unseen(args, q_positions, 70)
+    for splits in ("2", "3"):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+        ragattn.paged_attention(*args[:3], k, v, *args[5:], None, 70, out=out, lse_out=lse)
+        check_against_reference(args, out, lse, 70)
+
+
 def test_window_matches_transformers_sliding_window():
     """transformers' sliding_window W (kv_idx > q_idx - W, on top of causal) is window_left = W - 1."""
     masking_utils = pytest.importorskip("transformers.masking_utils")
