@@ -459,6 +459,35 @@ def test_fp8_caches_with_scales(backend, device, seed, fp8):
         run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks.expand(2), v_scale=vs)
 
 
+def test_fp8_tagged_pages_under_bf16_queries(triton_backend, device):
+    """bf16 queries over an fp8 cache (vLLM's usual pairing) of position-tagged pages, GQA 8, d128,
+    chunks over several key tiles: the kernel within the precision rule of the same computation with
+    the dequantised K/V rounded to bf16 (the table reference keeps fp32 softmax statistics: a tight
+    bar for the lse). The interpreter's fp32 -> bf16 cast truncates (twice the error of
+    round-to-nearest), so there the kernel keeps dequantised tiles in fp32, as it does a rotated key;
+    rounding them failed the rule on about half of all inputs (fixed seeds here)."""
+    from ragattn.reference.paged_attention_table import paged_attention_table
+    from tests.helpers import assert_precision, poison_like
+
+    for s in range(3):
+        torch.manual_seed(s)
+        q, q_pos, cu, k, v, table = make_tagged_case([70, 9, 40], "gapped", page_size=16, num_heads=8,
+                                                     num_kv_heads=1, head_dim=128, dtype=torch.bfloat16,
+                                                     device=device, gen=torch.Generator().manual_seed(s))
+        ks, vs = torch.tensor(0.04, device=device), torch.tensor(0.02, device=device)
+        k8, v8 = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
+        k_deq, v_deq = (k8.double() * ks.double()).cpu(), (v8.double() * vs.double()).cpu()
+        out, lse = poison_like(q), poison_like(q[..., 0].float())
+        run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table), q, q_pos, k8, v8, k_scale=ks, v_scale=vs, out=out,
+                            lse_out=lse)
+        t = [x.cpu() for x in (table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len)]
+        a = (q.cpu(), q_pos.cpu(), cu.cpu())
+        o64, l64 = paged_attention_table(*a, k_deq, v_deq, *t, None, 0, False)
+        olp, llp = paged_attention_table(*a, k_deq.bfloat16(), v_deq.bfloat16(), *t, None, 0, False, upcast=False)
+        assert_precision(out.cpu(), o64, olp, what=f"out (seed {s})")
+        assert_precision(lse.cpu(), l64, llp, what=f"lse (seed {s})")
+
+
 def test_fp8_tagged_pages_with_rope(backend, device, seed):
     from ragattn.reference.paged_attention_table import paged_attention_table
     from tests.helpers import assert_precision
