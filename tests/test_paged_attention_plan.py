@@ -580,20 +580,23 @@ def test_every_page_mode_of_the_kernel(triton_backend, device, seed, page_size, 
     (8, 2, 256, torch.float32, 256, False, 5, False),  # GQA 4, d256; page ids per slot
     (16, 2, 80, torch.bfloat16, 48, True, 8, False),   # GQA 8, d80, partial GPT-J
 ])
-def test_tagged_pages_across_gqa_and_head_dims(triton_backend, device, seed, num_heads, num_kv_heads, head_dim, dtype,
-                                              rotary_dim, interleaved, page_size, fp8):
+@pytest.mark.parametrize("kernel", ["default", "triton"])
+def test_tagged_pages_across_gqa_and_head_dims(kernel, monkeypatch, device, seed, num_heads, num_kv_heads, head_dim,
+                                              dtype, rotary_dim, interleaved, page_size, fp8):
     """Issue 22: position-tagged pages with in-kernel RoPE at GQA 1/4/8 and head dims 80/96/128/256
     (rotation partners inside a padded head-dim tile, partial rotary dims), a chunk spanning several
-    key tiles, gapped positions, page ids read per slot, page or tile, an fp8 cache; with a window
-    and split-KV; NaN past each entry's valid count and in unused pages, outputs poisoned; vs the
-    float64 reference with the precision rule."""
+    key tiles, gapped positions, an fp8 cache, a 19-token question (several of the C++ kernel's
+    16-vector row blocks); Triton: page ids read per slot, page or tile, split-KV; with a window;
+    NaN past each entry's valid count and in unused pages, outputs poisoned; vs the float64
+    reference with the precision rule."""
     from ragattn.reference.paged_attention_table import paged_attention_table
     from tests.helpers import assert_precision, poison_like
 
+    use_kernel_backend(monkeypatch, device, kernel)
     gen = torch.Generator().manual_seed(seed)
     q, q_pos, cu, k, v, table = make_tagged_case([70, 9, 40], "gapped", page_size=page_size, num_heads=num_heads,
                                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                                                 device=device, gen=gen)
+                                                 device=device, gen=gen, question_len=19)
     inv_freq = (1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))).to(device)
     scales = {}
     k_ref, v_ref = k.double(), v.double()
