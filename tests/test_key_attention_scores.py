@@ -46,6 +46,25 @@ def test_matches_reference(device, seed, monkeypatch, backend, dtype, head_dim, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim, dtype, heads", [(80, torch.bfloat16, (8, 1)), (96, torch.float16, (4, 4)),
+                                                    (256, torch.float32, (8, 2))])
+def test_other_head_dims_and_key_splits(device, seed, monkeypatch, backend, head_dim, dtype, heads):
+    """Issue 22: head dims 80 and 96 (padded, masked tiles) and 256 at GQA 8, 1 and 4; key ranges off
+    the 64-key tile, a sequence without queries, a length-1 one; on the Triton path also pass 1's
+    key splits (3, uneven) merged by the LSE merge kernel."""
+    use_kernel_backend(monkeypatch, device, backend)
+    q, k, cu_q, cu_k = make_inputs([5, 0, 1, 19], [70, 3, 1, 150], heads[0], heads[1], head_dim, dtype, device)
+    check_against_reference(q, k, cu_q, cu_k)
+    if backend == "triton":
+        from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
+
+        out = kernel(q, k, cu_q, cu_k, num_splits=3)
+        ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
+        ref_lowp = ref_scores(q, k, cu_q, cu_k, compute_dtype=q.dtype)
+        assert_precision(out, ref64, ref_lowp, what="scores with 3 key splits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_explicit_scale_and_strided_inputs(device, seed, monkeypatch, backend):
     """A given scale, and q/k that are views (row and head strides not the packed ones)."""
     use_kernel_backend(monkeypatch, device, backend)

@@ -6,7 +6,7 @@ import torch
 
 import ragattn
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check, use_kernel_backend
+from tests.helpers import assert_precision, poison_like, randn_nonzero, run_compile_check, use_kernel_backend
 
 I32 = torch.int32
 
@@ -397,3 +397,39 @@ def test_new_forms_under_inference_mode_and_compile(device):
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(a2, la2, out_b, lse_b)
     assert torch.equal(a1, a2) and torch.equal(la1, la2)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+@pytest.mark.parametrize("head_dim, dtype, heads", [(80, torch.bfloat16, 8), (96, torch.float16, 1),
+                                                    (256, torch.float32, 4)])
+def test_other_head_dims(backend, device, head_dim, dtype, heads):
+    """Issue 22: head dims 80 and 96 (padded, masked tiles) and 256, one to eight heads: the pair
+    merge into poisoned outputs, the N-way merge (3 states with empty ones) and, on the Triton path,
+    the split-KV merge kernel over float32 partials, against the float64 reference."""
+    from ragattn.reference.merge_attention_states import merge_attention_states as ref_pair
+
+    outs, lses = _n_states(3, 11, heads, head_dim, dtype, device, torch.Generator().manual_seed(head_dim))
+    cpu = (outs.cpu(), lses.cpu())
+    out, lse = poison_like(outs[0]), poison_like(lses[0])
+    ragattn.merge_attention_states(outs[0], lses[0], outs[1], lses[1], out=out, lse_out=lse)
+    out64, lse64 = ref_pair(cpu[0][0].double(), cpu[1][0].double(), cpu[0][1].double(), cpu[1][1].double())
+    out_lp, _ = ref_pair(cpu[0][0], cpu[1][0], cpu[0][1], cpu[1][1])
+    assert_precision(out.cpu(), out64, out_lp, what="pair out")
+    torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-5, rtol=1e-6)
+    out, lse = ragattn.merge_attention_states_n(outs, lses)
+    out64, lse64 = ref_merge_n(cpu[0].double(), cpu[1].double())
+    out_lp, _ = ref_merge_n(*cpu)
+    assert_precision(out.cpu(), out64, out_lp, what="n-way out")
+    torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-5, rtol=1e-6)
+    if backend == "triton":
+        from ragattn.triton_kernels.merge_attention_states import merge_split_states
+
+        parts = outs.float()
+        parts[1, 2, 0] = 0.0  # a split with lse +inf is "saw no key" to the N-way merge only: give it 0 and -inf
+        lses_split = lses.clone()
+        lses_split[1, 2, 0] = float("-inf")
+        out, lse = poison_like(outs[0]), poison_like(lses[0])
+        merge_split_states(parts, lses_split, out, lse)
+        out64, lse64 = ref_merge_n(parts.cpu().double(), lses_split.cpu().double())
+        out_lp, _ = ref_merge_n(parts.cpu().to(dtype), lses_split.cpu())
+        assert_precision(out.cpu(), out64, out_lp, what="split out")
+        torch.testing.assert_close(lse.cpu().double(), lse64, atol=1e-5, rtol=1e-6)

@@ -8,7 +8,8 @@ import torch
 
 import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
-from tests.helpers import assert_precision, randn_nonzero, run_compile_check, run_offsets_check, use_kernel_backend
+from tests.helpers import (assert_precision, poison_like, randn_nonzero, run_compile_check, run_offsets_check,
+                           use_kernel_backend)
 
 I32 = torch.int32
 
@@ -38,13 +39,19 @@ def make_case(q_positions, kv_lens, *, num_heads, num_kv_heads, head_dim, page_s
     return q, q_pos, cu, k, v, bt, kvl
 
 
-def check_against_reference(args, out, lse, window_left=-1):
+def check_against_reference(args, out, lse, window_left=-1, nan_at=None):
+    """``nan_at`` (bool, like ``out``): the elements that must be NaN (a non-finite V value the
+    reference in ``args`` does not hold); every other one is checked against the reference."""
     q = args[0]
     cpu = [a.cpu() for a in args]
     out64, lse64 = ref_paged(*[a.double() if a.is_floating_point() else a for a in cpu], None, window_left)
     out_lp, lse_lp = ref_paged(*cpu, None, window_left, compute_dtype=q.dtype)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and lse.shape == q.shape[:2]
+    if nan_at is not None:
+        nan_at = nan_at.cpu()
+        assert torch.equal(torch.isnan(out.cpu()), nan_at), "NaN where a row does not see the NaN, or not where it does"
+        out, out64, out_lp = (t.cpu().masked_fill(nan_at, 0) for t in (out, out64, out_lp))
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_precision(out.cpu(), out64, out_lp, what="out")
     assert_precision(lse.cpu(), lse64, lse_lp.float(), what="lse")
@@ -102,6 +109,80 @@ def test_other_head_dims(backend, device, seed, head_dim, dtype):
                      page_size=16, dtype=dtype, device=device)
     out, lse = ragattn.paged_attention(*args)
     check_against_reference(args, out, lse)
+
+
+def poison_unseen(args, q_positions, window_left=-1):
+    """Copies of the caches with NaN in K and V at every (page, offset) that no row sees (unused
+    pages, stale slots past kv_lens, slots right of every row or left of every window): a kernel
+    that reads one of them into a row, even at weight 0, returns NaN there."""
+    from ragattn.reference.paged_attention import visible_slots
+
+    k, v, bt, kvl = args[3].clone(), args[4].clone(), args[5].cpu(), args[6].cpu()
+    page_size = k.shape[1]
+    seen = torch.zeros(k.shape[:2], dtype=torch.bool)
+    for b, rows in enumerate(q_positions):
+        n = int(kvl[b])
+        if rows and n:
+            for j in visible_slots(torch.tensor(rows), n, window_left).any(0).nonzero().flatten().tolist():
+                seen[int(bt[b, j // page_size]), j % page_size] = True
+    k[~seen.to(k.device)] = float("nan")
+    v[~seen.to(v.device)] = float("nan")
+    return k, v
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,dtype,page_size",
+    [
+        (2, 2, 96, torch.float16, 16),    # GQA 1: page ids once per page (interpreter tiles: 64 keys)
+        (8, 2, 128, torch.bfloat16, 64),  # GQA 4: once per key tile
+        (8, 1, 256, torch.float32, 5),    # GQA 8: once per slot
+        (16, 2, 96, torch.bfloat16, 32),  # GQA 8, two kv heads
+    ],
+)
+def test_decode_tiles_across_gqa_and_head_dims(backend, monkeypatch, device, seed, num_heads, num_kv_heads, head_dim,
+                                               dtype, page_size):
+    """Issue 22: decode and verify tiles (<= 64 stacked rows) at GQA 1/4/8 and head dims 96/128/256:
+    the whole key tiles of a 150-slot context in their own loop, the masked tiles before them (a
+    window starting inside a tile) and after them (the partial last tile), split-KV pieces of one
+    tile each, an empty and a length-1 sequence; shuffled pages, NaN in every slot no row sees (a
+    masked tile taken for a whole one reads them), outputs poisoned before the call."""
+    kv_lens = [150, 0, 1, 75]
+    q_positions = [[149], [], [0], [71, 72, 73]]  # decode, nothing, length 1, a speculative tail
+    args = make_case(q_positions, kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, device=device)
+    for window_left in (-1, 100):
+        for splits in ("1", "3") if backend == "triton" else ("auto",):
+            monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+            out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+            ragattn.paged_attention(*args[:3], *poison_unseen(args, q_positions, window_left), *args[5:], None,
+                                    window_left, out=out, lse_out=lse)
+            check_against_reference(args, out, lse, window_left)
+
+
+@pytest.mark.parametrize("page_size", [7, 16, 64])
+def test_prefill_tiles_with_whole_key_tiles(backend, monkeypatch, device, seed, page_size):
+    """Issue 22: prefill's 128-row query tiles decide per key tile whether every row sees it whole
+    (one loop): the first query tile (rows at 66, 70, 100-129; 32 rows x GQA 4) sees [0, 64) whole
+    and [64, 128) in part though it is not its last tile; the second (130-139) sees both whole.
+    Without a window and with one that cuts into the first key tile; page ids once per slot, page
+    or tile (page sizes 7, 16, 64); unsplit and split-KV; an empty and a length-1 sequence beside
+    them. NaN in every slot no row sees, and a NaN in V at slot 100 that rows 66 and 70 do not see:
+    a partial tile taken for a whole one gives them 0 * NaN."""
+    kv_lens = [200, 1, 0, 66]
+    q_positions = [[66, 70] + list(range(100, 140)), [0], [], [3, 40, 64, 65]]
+    args = make_case(q_positions, kv_lens, num_heads=8, num_kv_heads=2, head_dim=64, page_size=page_size,
+                     dtype=torch.float16, device=device)
+    page, off = _slot(args[5][0].cpu(), 100, page_size)
+    nan_at = torch.zeros_like(args[0], dtype=torch.bool)
+    nan_at[2:42, :4, 3] = True  # sequence 0's rows at positions >= 100, the heads of kv head 0, dim 3
+    for window_left in (-1, 100):
+        k, v = poison_unseen(args, q_positions, window_left)
+        v[page, off, 0, 3] = float("nan")
+        for splits in ("1", "2") if backend == "triton" else ("auto",):
+            monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+            out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+            ragattn.paged_attention(*args[:3], k, v, *args[5:], None, window_left, out=out, lse_out=lse)
+            check_against_reference(args, out, lse, window_left, nan_at=nan_at)
 
 
 def test_rows_that_see_no_key(backend, device, seed):
@@ -589,6 +670,26 @@ def test_window_decode_split_kv(triton_backend, monkeypatch, device, seed):
     for splits in ("1", "2", "5"):
         monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
         out, lse = ragattn.paged_attention(*args, None, 70)
+        check_against_reference(args, out, lse, 70)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,page_size",
+                         [(2, 2, 96, torch.bfloat16, 64), (8, 1, 256, torch.float16, 16)])
+def test_window_decode_split_kv_across_gqa_and_head_dims(triton_backend, monkeypatch, device, seed, num_heads,
+                                                         num_kv_heads, head_dim, dtype, page_size):
+    """Issue 22: one-row decode tiles under a window size their splits from the window, not the
+    context, at GQA 1 and 8 and head dims 96 and 256, page ids read per tile and per page: a window
+    that starts inside a key tile and a page, a context shorter than the window, a length-1 and an
+    empty sequence; NaN in every slot no row sees, outputs poisoned."""
+    q_positions = [[299], [50], [0], []]
+    kv_lens = [300, 51, 1, 0]
+    args = make_case(q_positions, kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, device=device)
+    k, v = poison_unseen(args, q_positions, 70)
+    for splits in ("2", "3"):
+        monkeypatch.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+        out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+        ragattn.paged_attention(*args[:3], k, v, *args[5:], None, 70, out=out, lse_out=lse)
         check_against_reference(args, out, lse, 70)
 
 

@@ -498,6 +498,35 @@ def test_fp8_caches_with_scales(backend, device, seed, fp8):
         run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks.expand(2), v_scale=vs)
 
 
+def test_fp8_tagged_pages_under_bf16_queries(triton_backend, device):
+    """bf16 queries over an fp8 cache (vLLM's usual pairing) of position-tagged pages, GQA 8, d128,
+    chunks over several key tiles: the kernel within the precision rule of the same computation with
+    the dequantised K/V rounded to bf16 (the table reference keeps fp32 softmax statistics: a tight
+    bar for the lse). The interpreter's fp32 -> bf16 cast truncates (twice the error of
+    round-to-nearest), so there the kernel keeps dequantised tiles in fp32, as it does a rotated key;
+    rounding them failed the rule on about half of all inputs (fixed seeds here)."""
+    from ragattn.reference.paged_attention_table import paged_attention_table
+    from tests.helpers import assert_precision, poison_like
+
+    for s in range(3):
+        torch.manual_seed(s)
+        q, q_pos, cu, k, v, table = make_tagged_case([70, 9, 40], "gapped", page_size=16, num_heads=8,
+                                                     num_kv_heads=1, head_dim=128, dtype=torch.bfloat16,
+                                                     device=device, gen=torch.Generator().manual_seed(s))
+        ks, vs = torch.tensor(0.04, device=device), torch.tensor(0.02, device=device)
+        k8, v8 = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
+        k_deq, v_deq = (k8.double() * ks.double()).cpu(), (v8.double() * vs.double()).cpu()
+        out, lse = poison_like(q), poison_like(q[..., 0].float())
+        run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table), q, q_pos, k8, v8, k_scale=ks, v_scale=vs, out=out,
+                            lse_out=lse)
+        t = [x.cpu() for x in (table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len)]
+        a = (q.cpu(), q_pos.cpu(), cu.cpu())
+        o64, l64 = paged_attention_table(*a, k_deq, v_deq, *t, None, 0, False)
+        olp, llp = paged_attention_table(*a, k_deq.bfloat16(), v_deq.bfloat16(), *t, None, 0, False, upcast=False)
+        assert_precision(out.cpu(), o64, olp, what=f"out (seed {s})")
+        assert_precision(lse.cpu(), l64, llp, what=f"lse (seed {s})")
+
+
 def test_fp8_tagged_pages_with_rope(backend, device, seed):
     from ragattn.reference.paged_attention_table import paged_attention_table
     from tests.helpers import assert_precision
@@ -580,5 +609,57 @@ def test_every_page_mode_of_the_kernel(triton_backend, device, seed, page_size, 
                                                  table.entry_len))), window_left, (None, 0, False))
         from tests.helpers import assert_precision
 
+        assert_precision(out.cpu(), o64, olp)
+        assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype,rotary_dim,interleaved,page_size,fp8", [
+    (1, 1, 96, torch.bfloat16, 96, False, 16, False),  # GQA 1, d96 (a padded tile), NeoX; page ids per page
+    (8, 1, 128, torch.float16, 64, True, 64, True),    # GQA 8, partial GPT-J, fp8 cache; one page a key tile
+    (8, 2, 256, torch.float32, 256, False, 5, False),  # GQA 4, d256; page ids per slot
+    (16, 2, 80, torch.bfloat16, 48, True, 8, False),   # GQA 8, d80, partial GPT-J
+])
+@pytest.mark.parametrize("kernel", ["default", "triton"])
+def test_tagged_pages_across_gqa_and_head_dims(kernel, monkeypatch, device, seed, num_heads, num_kv_heads, head_dim,
+                                              dtype, rotary_dim, interleaved, page_size, fp8):
+    """Issue 22: position-tagged pages with in-kernel RoPE at GQA 1/4/8 and head dims 80/96/128/256
+    (rotation partners inside a padded head-dim tile, partial rotary dims), a chunk spanning several
+    key tiles, gapped positions, an fp8 cache, a 19-token question (several of the C++ kernel's
+    16-vector row blocks); Triton: page ids read per slot, page or tile, split-KV; with a window;
+    NaN past each entry's valid count and in unused pages, outputs poisoned; vs the float64
+    reference with the precision rule."""
+    from ragattn.reference.paged_attention_table import paged_attention_table
+    from tests.helpers import assert_precision, poison_like
+
+    use_kernel_backend(monkeypatch, device, kernel)
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([70, 9, 40], "gapped", page_size=page_size, num_heads=num_heads,
+                                                 num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                                                 device=device, gen=gen, question_len=19)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))).to(device)
+    scales = {}
+    k_ref, v_ref = k.double(), v.double()
+    if fp8:
+        ks, vs = torch.tensor(0.04, device=device), torch.tensor(0.02, device=device)
+        k, v = (k.float() / ks).to(torch.float8_e4m3fn), (v.float() / vs).to(torch.float8_e4m3fn)
+        k_ref, v_ref = k.double() * ks.double(), v.double() * vs.double()
+        scales = dict(k_scale=ks, v_scale=vs)
+    k_run, v_run = k.clone(), v.clone()
+    used = set(table.pages.tolist())
+    for p, n in zip(table.pages.tolist(), table.entry_len.tolist()):
+        k_run[p, n:], v_run[p, n:] = float("nan"), float("nan")
+    for p in set(range(k.shape[0])) - used:
+        k_run[p], v_run[p] = float("nan"), float("nan")
+    t = [x.cpu() for x in (table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len)]
+    for window_left, splits in ((-1, 1), (30, 3)):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left, num_splits=splits)
+        out, lse = poison_like(q), poison_like(q[..., 0].float())
+        run_paged_attention(plan, q, q_pos, k_run, v_run, out=out, lse_out=lse, inv_freq=inv_freq,
+                            rotary_dim=rotary_dim, interleaved=interleaved, **scales)
+        a = (q.cpu(), q_pos.cpu(), cu.cpu())
+        rope = (inv_freq.cpu(), rotary_dim, interleaved, None, window_left)
+        o64, l64 = paged_attention_table(*a, k_ref.cpu(), v_ref.cpu(), *t, *rope)
+        olp, llp = paged_attention_table(*a, k_ref.cpu().to(dtype), v_ref.cpu().to(dtype), *t, *rope, upcast=False)
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
         assert_precision(out.cpu(), o64, olp)
         assert_precision(lse.cpu(), l64, llp, what="lse")

@@ -89,6 +89,37 @@ def test_varlen_gradients_match_reference(device, backend, monkeypatch, dtype, D
             assert (p - w64).abs().max() > 1e-2   # the tanh's derivative is in there
 
 
+def test_varlen_kernels_small_tiles_with_cap(device):
+    """Issue 22: 16-row tiles and no mask, so the forward, dq and dk/dv kernels run capped scores
+    through their loops of whole tiles (the soft-cap backward there ran in no other test) as well as
+    the masked ones of the partial last tiles; GQA 3, an empty and a length-1 sequence; vs the
+    float64 reference."""
+    from ragattn.triton_kernels.varlen_attention import varlen_attention_bwd, varlen_attention_fwd
+    from tests.helpers import require_triton_on
+
+    require_triton_on(device)
+    args = _varlen_args(device, torch.float32, 64, "none", False, seed=6)
+    out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+    varlen_attention_fwd(*args, SCALE, block_m=16, block_n=16, out=out, lse=lse, logits_soft_cap=CAP)
+    o64, l64 = ref_varlen(*_float64(args), SCALE, -1, CAP)
+    o32, l32 = ref_varlen(*args, SCALE, -1, CAP, upcast=False)
+    assert_precision(out, o64, o32, what="out")
+    assert_precision(lse, l64, l32, what="lse")
+    dout = randn_nonzero(*out.shape, device=device, generator=torch.Generator().manual_seed(7))
+    got = varlen_attention_bwd(dout, *args[:3], out, lse, *args[3:], SCALE, block_m=16, block_n=16,
+                               logits_soft_cap=CAP)
+    for what, up, tensors in (("64", True, _float64(args[:3])), ("32", False, args[:3])):
+        leaves = [t.detach().requires_grad_(True) for t in tensors]
+        ref = torch.autograd.grad(ref_varlen(*leaves, *args[3:], SCALE, -1, CAP, upcast=up)[0], leaves,
+                                  dout.double() if up else dout)
+        if up:
+            want64 = ref
+        else:
+            want32 = ref
+    for name, g, w64, w32 in zip(("dq", "dk", "dv"), got, want64, want32):
+        assert_precision(g, w64, w32, what=name)
+
+
 def _paged_case(device, dtype, D, seed=0, page=5):
     g = torch.Generator().manual_seed(seed)
     lens, rows = [23, 0, 1, 17], [4, 0, 1, 3]

@@ -141,6 +141,34 @@ def test_tma_forward_matches_reference(device, monkeypatch, mask, causal, ratio,
         assert (len(made) == 2) == (dim in (64, 128)), made
 
 
+@pytest.mark.parametrize("ratio, dim, dtype, window", [(8, 256, torch.float16, 40), (4, 128, torch.bfloat16, -1)])
+def test_tma_forward_with_windows_and_split_rows(device, monkeypatch, ratio, dim, dtype, window):
+    """Issue 22: the TMA loads (emulated by the interpreter) at head dims 256 and 128, GQA 8 and 4,
+    under a window, in long rows split over several programs and merged (split_len=2 tiles), with
+    16-row tiles (several whole key tiles per row tile); an empty and a length-1 sequence; into
+    poisoned outputs."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ragattn.triton_kernels.varlen_attention import varlen_attention_fwd
+
+    require_triton_on(device)
+    monkeypatch.setenv("RAGATTN_VARLEN_TMA", "1")
+    made = []
+    real = TensorDescriptor.from_tensor
+    monkeypatch.setattr(TensorDescriptor, "from_tensor", lambda t, b: made.append(tuple(b)) or real(t, b))
+    lens = [50, 0, 1, 37]
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens, lens, hkv * ratio, hkv, dim, dtype, device, gen=torch.Generator().manual_seed(dim))
+    out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+    varlen_attention_fwd(*args, None, window, block_m=16, block_n=16, split_len=2, out=out, lse=lse)
+    if device.type == "cpu":
+        assert made == [(16, dim), (16, dim)]
+    o64, l64 = ref_varlen(*_float64(args), None, window)
+    o_lp, l_lp = ref_varlen(*args, None, window, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+
+
 def test_tma_descriptors_only_where_they_apply(monkeypatch):
     """The TMA switch: RAGATTN_VARLEN_TMA=0 wins over the table; without the variable the table's
     flag decides (never in the interpreter); a padded head dim, a misaligned or non-contiguous K/V
@@ -685,6 +713,39 @@ def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
     want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:], None, 9)[0], l64s, dout.double())
     llp = [t.detach().requires_grad_(True) for t in args[:3]]
     want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], None, 9, upcast=False)[0], llp, dout)
+    for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
+        assert_precision(g, w64, wlp, what=name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "default"])
+@pytest.mark.parametrize("ratio, dim, dtype, mask, causal, window", [
+    (8, 256, torch.bfloat16, "chunks", True, 9),
+    (4, 80, torch.float16, "random", False, 20),
+])
+def test_head_dims_gqa_and_windows_forward_backward(device, seed, backend, monkeypatch, ratio, dim, dtype, mask, causal,
+                                                    window):
+    """Issue 22: forward and backward at head dims 256 and 80 without a soft cap (test_soft_cap
+    runs them with one), GQA 8 and 4 under a window, blocks; lengths off the tiles, an empty and a
+    length-1 sequence; the forward into poisoned out=/lse_out= buffers."""
+    use_kernel_backend(monkeypatch, device, backend)
+    lens_q, lens_k = _lens("default")
+    hkv = 1 if ratio == 8 else 2
+    args = _case(lens_q, lens_k, hkv * ratio, hkv, dim, dtype, device, blocks=mask, causal=causal,
+                 gen=torch.Generator().manual_seed(seed)) + (None, window)
+    out, lse = poison_like(args[0]), poison_like(args[0][..., 0].float())
+    ragattn.varlen_attention(*args, out=out, lse_out=lse)
+    o64, l64 = ref_varlen(*_float64(args))
+    o_lp, l_lp = ref_varlen(*args, upcast=False)
+    assert_precision(out, o64, o_lp, what="out")
+    assert_precision(lse, l64, l_lp, what="lse")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(l64)) and (out[torch.isneginf(l64)] == 0).all()
+    dout = randn_nonzero(*out.shape, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed + 1))
+    leaves = [t.detach().requires_grad_(True) for t in args[:3]]
+    got = torch.autograd.grad(ragattn.varlen_attention(*leaves, *args[3:])[0], leaves, dout)
+    l64s = [t.double().requires_grad_(True) for t in args[:3]]
+    want64 = torch.autograd.grad(ref_varlen(*l64s, *args[3:])[0], l64s, dout.double())
+    llp = [t.detach().requires_grad_(True) for t in args[:3]]
+    want_lp = torch.autograd.grad(ref_varlen(*llp, *args[3:], upcast=False)[0], llp, dout)
     for name, g, w64, wlp in zip(("dq", "dk", "dv"), got, want64, want_lp):
         assert_precision(g, w64, wlp, what=name)
 

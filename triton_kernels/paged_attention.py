@@ -135,8 +135,11 @@ def _attend_key_tiles(
         v = tl.load(V_CACHE + page[:, None] * stride_vp + off[:, None] * stride_vo + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
         if KV_FP8:  # the dot's operands in q's dtype
-            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
-            v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
+            if not (UPCAST and Q.dtype.element_ty == tl.bfloat16):  # the interpreter's bf16 rounding is
+                k = k.to(Q.dtype.element_ty)  # not round-to-nearest (twice its error): it stays in fp32
+                v = v.to(Q.dtype.element_ty)
         if ROPE:
             # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
             # within float rounding of the exact rotation; the rotated key is rounded once
