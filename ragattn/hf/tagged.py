@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from ragattn import ops as _ops
-from ragattn.ops.paged_attention import rope_position_table
+from ragattn.ops.paged_attention import ROPE_TABLE_MAX_POSITIONS, rope_position_table
 
 
 class _Forward:
@@ -336,10 +336,11 @@ class TaggedPagedKV:
             f.tables.append((s, table, int(use.numel()) * self.page_size))
         f.plans = {}
         f.cpu = None
-        if _cpu_route(self.device):
+        top = int(pos.max()) + 1 if q else 0
+        if _cpu_route(self.device) and top <= ROPE_TABLE_MAX_POSITIONS:
             # the C++ kernel takes a cos/sin table by position, made once for the request (and
             # grown): one per forward would cost more than the kernel's rotation at decode
-            f.cpu = self._rope_table(int(pos.max()) + 1 if q else 0)
+            f.cpu = self._rope_table(top)
         f.key = (id(slots), q)
         self._fwd = f
         return f
@@ -410,5 +411,5 @@ class TaggedPagedKV:
         """float32 ``(cos, sin)`` ``[>= positions, rotary_dim // 2]`` of this request's RoPE."""
         have = 0 if self._rope is None else self._rope[0].shape[0]
         if have < positions:
-            self._rope = rope_position_table(self.inv_freq, max(positions, 2 * have))
+            self._rope = rope_position_table(self.inv_freq, min(max(positions, 2 * have), ROPE_TABLE_MAX_POSITIONS))
         return self._rope

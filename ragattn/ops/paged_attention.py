@@ -535,6 +535,11 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
                              f"the batch has {rows.tolist()}: plan again (a larger max_q_len)")
 
 
+# The CPU tagged kernel's cos/sin table covers positions 0 .. max(q_pos): up to 2^20 of them (256
+# MiB at rotary_dim 128); rows at later positions run the reference instead.
+ROPE_TABLE_MAX_POSITIONS = 1 << 20
+
+
 def rope_position_table(inv_freq: torch.Tensor, positions: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """float32 ``[positions, rotary_dim // 2]`` cos and sin of the RoPE angles ``p * inv_freq[i]``
     of positions ``0 .. positions - 1``: each angle formed and reduced to [-pi, pi] in float64
@@ -570,7 +575,9 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
         k_scale = v_scale = None
     tagged = entry_pos is not None or entry_len is not None or inv_freq is not None
     if q.device.type == "cpu" and tagged and _extension.cpu_backend() != "triton":
-        if _extension.cpu_backend() == "reference":
+        positions = int(q_pos.max()) + 1 if q_pos.numel() else 0
+        if _extension.cpu_backend() == "reference" or (inv_freq is not None and positions > ROPE_TABLE_MAX_POSITIONS):
+            # (positions past the C++ kernel's table: the reference, same semantics, slower)
             from ragattn.reference.paged_attention_table import paged_attention_table
 
             o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
@@ -583,7 +590,7 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
                 pages = pages.reshape(-1)
             cos = sin = None
             if inv_freq is not None:
-                cos, sin = rope_position_table(inv_freq, int(q_pos.max()) + 1 if q_pos.numel() else 0)
+                cos, sin = rope_position_table(inv_freq, positions)
             o, lse = torch.ops.ragattn._paged_attention_tagged_cpu(
                 q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos, entry_len, cos, sin,
                 rotary_dim if inv_freq is not None else 0, interleaved,
