@@ -425,10 +425,9 @@ RAGATTN_CPU_CLONES void paged_items_run(const PagedArgs& a, int64_t begin, int64
 // each entry's visible offsets are found from its first position, and only those slots enter a
 // chunk (compacted: no masks). Keys are rotated once per call, in fp32 and rounded once to the
 // cache's dtype (the Triton kernel's computation), into a scratch copy of the slots some row can
-// see; the angle of position p0 + o comes from rows p0 and o of a per-position cos/sin table
-// (rope_cos/sin [P, rotary_dim / 2]) by angle addition, once per slot for every kv head. (Rotating
-// in each (row, kv head) task instead cost a decode step 1.12x the copy path's here, against
-// 1.05x: the angle and the rotation were repeated per head.)
+// see, with cos/sin from a per-position table (rope_cos/sin [P, rotary_dim / 2]) read once per
+// slot for every kv head. (Rotating in each (row, kv head) task instead cost a decode step 1.12x
+// the copy path's here, against 1.05x: the table reads and rotations were repeated per head.)
 
 struct TaggedArgs {
   IndexView pages, row_start, entry_pos, entry_len;
@@ -452,14 +451,6 @@ RAGATTN_ALWAYS_INLINE void entry_extent(const TaggedArgs& t, int64_t e, int64_t 
   *cnt = std::min(S, kv_len - pi * S);
   if (t.has_len) *cnt = std::min(*cnt, t.entry_len(e));
   *p0 = t.has_pos ? t.entry_pos(e) : pi * S;
-}
-
-// cos/sin [half] of position p0 + o from the table rows of p0 and o (angle addition, ~2 ulp): a
-// page's slots read two rows (o < page_size: hot in cache), not a row each.
-RAGATTN_ALWAYS_INLINE void slot_cos_sin(const float* cos_t, const float* sin_t, int64_t half, int64_t p0, int64_t o,
-                                        float* c, float* s) {
-  const float *cb = cos_t + p0 * half, *sb = sin_t + p0 * half, *co = cos_t + o * half, *so = sin_t + o * half;
-  for (int64_t f = 0; f < half; ++f) rope::rotate_pair(cb[f], sb[f], co[f], so[f], &c[f], &s[f]);
 }
 
 // dst = src rotated by the angles of (c, s) [half], pairs (f, f + half) or (2f, 2f + 1), in fp32,
@@ -567,8 +558,6 @@ RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs&
                                            const float* cos_t, const float* sin_t, int64_t rotary_dim,
                                            bool interleaved, T* krot) {
   const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, half = rotary_dim / 2;
-  std::vector<float> cs(2 * half);
-  float *c = cs.data(), *s = c + half;
   for (int64_t x = e0; x < e1; ++x) {
     const int64_t b = ents[2 * x], pi = ents[2 * x + 1], e = t.row_start(b) + pi;
     int64_t cnt, p0, o_lo, o_hi;
@@ -577,7 +566,8 @@ RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs&
     visible_offsets(pos_hi[b], pos_hi[b] - pos_lo[b], p0, cnt, &o_lo, &o_hi);
     const int64_t page = t.pages(e);
     for (int64_t o = o_lo; o < o_hi; ++o) {
-      slot_cos_sin(cos_t, sin_t, half, p0, o, c, s);
+      const float* c = cos_t + (p0 + o) * half;  // position p0 + o's row, read once for every kv head
+      const float* s = sin_t + (p0 + o) * half;
       for (int64_t h = 0; h < H; ++h) {
         const T* src = static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1 + h * a.k_s2;
         T* dst = krot + ((t.slot_base[b] + pi * S + o) * H + h) * D;

@@ -1,0 +1,100 @@
+"""Property test of the C++ CPU kernel for position-tagged page lists (``paged_attention_run`` with
+``PageTable.from_entries`` and in-kernel RoPE, i.e. ``ragattn::_paged_attention_tagged_cpu``):
+random sequences of entries (any first positions, partial and empty-looking valid counts, pages
+in any order, shared between sequences), random query rows (scattered, repeated positions, rows
+before every slot), windows, GQA 1-4, head dims 8-72 with partial rotary and both pair layouts,
+NaN in every slot no row may read; against the float64 reference with the precision rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragattn import PageTable, plan_paged_attention, run_paged_attention
+from ragattn.reference.paged_attention_table import paged_attention_table
+from tests.helpers import assert_precision
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def cases(draw):
+    page_size = draw(st.sampled_from([1, 3, 4, 8]))
+    kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 3, 4]))
+    head_dim = draw(st.sampled_from([8, 24, 64, 72]))
+    rotary_dim = draw(st.sampled_from([head_dim, head_dim // 2 // 2 * 2 or 2]))
+    interleaved = draw(st.booleans())
+    window = draw(st.sampled_from([-1, 0, 5, 30]))
+    seqs = []
+    for _ in range(draw(st.integers(1, 3))):
+        entries = [(draw(st.integers(0, 200)), draw(st.integers(1, page_size)))
+                   for _ in range(draw(st.integers(0, 6)))]
+        # rows: anywhere, or next to an entry's first position (inside or just past its slots,
+        # so the rows of one block see different parts of a page: the kernel's per-row pass)
+        near = draw(st.lists(st.tuples(st.integers(0, 5), st.integers(-2, 9)), max_size=12))
+        rows = draw(st.lists(st.integers(0, 260), max_size=8))
+        rows += [max(0, entries[e % len(entries)][0] + d) for e, d in near] if entries else []
+        seqs.append((entries, draw(st.permutations(rows))))
+    seed = draw(st.integers(0, 2 ** 16))
+    return page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, seqs, seed
+
+
+@settings(max_examples=max(150, settings.default.max_examples))   # C++: ~15 ms an example
+@given(cases())
+def test_tagged_cpu_kernel_matches_float64(case):
+    from ragattn import _extension
+
+    if _extension.cpu_backend() != "default":
+        pytest.skip("the C++ kernel is the default CPU backend's")
+    page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, seqs, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    n_entries = sum(len(e) for e, _ in seqs)
+    num_pages = n_entries + 2
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    pages, first, valid, indptr, q_pos, cu = [], [], [], [0], [], [0]
+    for entries, rows in seqs:
+        for f, n in entries:
+            pages.append(perm[len(pages)])
+            first.append(f)
+            valid.append(n)
+        indptr.append(len(pages))
+        q_pos += rows
+        cu.append(len(q_pos))
+    if seqs[-1][0] and len(seqs) > 1:   # the last sequence also reads the first one's first page
+        pages[-1] = pages[0]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    table = PageTable.from_entries(i32(indptr), i32(pages), i32(first), i32(valid), page_size)
+    k = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen)
+    used = {}
+    for p, n in zip(pages, valid):   # slots past every valid count of a page's entries: never read
+        used[p] = max(used.get(p, 0), n)
+    for p, n in used.items():
+        k[p, n:], v[p, n:] = float("nan"), float("nan")
+    for p in set(range(num_pages)) - set(used):
+        k[p], v[p] = float("nan"), float("nan")
+    q = torch.randn(len(q_pos), kv_heads * group, head_dim, generator=gen)
+    inv_freq = 1.0 / (500.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    plan = plan_paged_attention(i32(cu), table, num_heads=q.shape[1], num_kv_heads=kv_heads, head_dim=head_dim,
+                                dtype=q.dtype, window_left=window)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    run_paged_attention(plan, q, i32(q_pos), k, v, inv_freq=inv_freq, rotary_dim=rotary_dim,
+                        interleaved=interleaved, out=out, lse_out=lse)
+    a = (q, i32(q_pos), i32(cu), k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos,
+         table.entry_len, inv_freq, rotary_dim, interleaved, None, window)
+    o64, l64 = paged_attention_table(*a)
+    olp, llp = paged_attention_table(*a, upcast=False)
+    assert not bool(l64.isnan().any())   # (no row can see a NaN here)
+    seen = torch.isfinite(l64)   # rows that see nothing: out 0, lse -inf
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen])) and bool((lse[~seen] == float("-inf")).all())
+    if bool(seen.any()):
+        assert_precision(out[seen], o64[seen], olp[seen])
+        # (an lse is one score where a row sees one slot: its floor is an fp32 rounding of the
+        # products the score sums, not of the score, which may cancel to near 0; the softmax
+        # scale 1/sqrt(D) times the sqrt(D) growth of a sum of D products: max|q| max|k|)
+        term = float(q.abs().max() * k[torch.isfinite(k)].abs().max())
+        assert_precision(lse[seen], l64[seen], llp[seen], what="lse",
+                         atol_floor=4 * torch.finfo(torch.float32).eps * max(term, float(l64[seen].abs().max())))
