@@ -339,50 +339,43 @@ def _hf_inv_freq(rope_type):
     return LlamaRotaryEmbedding(cfg).inv_freq.float()
 
 
+def _check_far_positions(case, far, inv_freq, device):
+    """``case`` (make_tagged_case's) moved ``far`` positions on (entries and rows alike: the same
+    visibility), run with in-kernel RoPE, against the float64 reference with the precision rule."""
+    from tests.helpers import assert_precision
+
+    q, q_pos, cu, k, v, table = case
+    table = PageTable(table.pages, table.kv_lens, table.row_start, table.entry_pos + far, table.entry_len)
+    q_pos = q_pos + far
+    out, lse = run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table), q, q_pos, k, v, inv_freq=inv_freq.to(device))
+    cpu = PageTable(*(None if x is None else x.cpu() for x in (table.pages, table.kv_lens, table.row_start,
+                                                             table.entry_pos, table.entry_len)))
+    (o64, l64), (olp, llp) = _table_refs(q.cpu(), q_pos.cpu(), cu.cpu(), k.cpu(), v.cpu(), cpu, -1,
+                                         (inv_freq, q.shape[-1], False))
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
 @pytest.mark.parametrize("rope_type", ["default", "linear", "llama3"])
 def test_in_kernel_rope_scalings_at_long_positions(backend, device, seed, rope_type):
     """The in-kernel rotation with every RoPE scaling the chunk store accepts (ragattn.hf.rope:
     frequencies only), at positions past 40000 (chunks placed there with gaps), against the
     float64 reference, with the precision rule."""
-    from tests.helpers import assert_precision
-
     gen = torch.Generator().manual_seed(seed)
-    q, q_pos, cu, k, v, table = make_tagged_case([9, 14], "gapped", page_size=8, num_heads=4, num_kv_heads=2,
-                                                 head_dim=64, dtype=torch.float32, device=device, gen=gen)
-    far = 40000 + int(torch.randint(0, 1000, (1,), generator=gen))
-    table = PageTable(table.pages, table.kv_lens, table.row_start, table.entry_pos + far, table.entry_len)
-    q_pos = q_pos + far
-    inv_freq = _hf_inv_freq(rope_type)
-    plan = _plan(dict(cu=cu, q=q, k=k), table)
-    out, lse = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq.to(device))
-    cpu = PageTable(*(None if x is None else x.cpu() for x in (table.pages, table.kv_lens, table.row_start,
-                                                             table.entry_pos, table.entry_len)))
-    (o64, l64), (olp, llp) = _table_refs(q.cpu(), q_pos.cpu(), cu.cpu(), k.cpu(), v.cpu(), cpu, -1,
-                                         (inv_freq, 64, False))
-    assert_precision(out.cpu(), o64, olp)
-    assert_precision(lse.cpu(), l64, llp, what="lse")
+    case = make_tagged_case([9, 14], "gapped", page_size=8, num_heads=4, num_kv_heads=2, head_dim=64,
+                            dtype=torch.float32, device=device, gen=gen)
+    _check_far_positions(case, 40000 + int(torch.randint(0, 1000, (1,), generator=gen)), _hf_inv_freq(rope_type),
+                         device)
 
 
 def test_tagged_positions_near_int32_max(backend, device, seed):
     """Chunks and rows at positions near 2^31 - 1 (int32 tables): the same rule on every backend
     (on the CPU, positions past the C++ kernel's 2^20-row RoPE table run the reference)."""
-    from tests.helpers import assert_precision
-
-    gen = torch.Generator().manual_seed(seed)
-    q, q_pos, cu, k, v, table = make_tagged_case([9, 6], "reordered", page_size=4, num_heads=4, num_kv_heads=2,
-                                                 head_dim=64, dtype=torch.float32, device=device, gen=gen)
-    far = (1 << 31) - 1 - int(q_pos.max())
-    table = PageTable(table.pages, table.kv_lens, table.row_start, table.entry_pos + far, table.entry_len)
-    q_pos = q_pos + far
-    assert int(q_pos.max()) == (1 << 31) - 1
-    inv_freq = _hf_inv_freq("llama3")
-    out, lse = run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table), q, q_pos, k, v, inv_freq=inv_freq.to(device))
-    cpu = PageTable(*(None if x is None else x.cpu() for x in (table.pages, table.kv_lens, table.row_start,
-                                                             table.entry_pos, table.entry_len)))
-    (o64, l64), (olp, llp) = _table_refs(q.cpu(), q_pos.cpu(), cu.cpu(), k.cpu(), v.cpu(), cpu, -1,
-                                         (inv_freq, 64, False))
-    assert_precision(out.cpu(), o64, olp)
-    assert_precision(lse.cpu(), l64, llp, what="lse")
+    case = make_tagged_case([9, 6], "reordered", page_size=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                            dtype=torch.float32, device=device, gen=torch.Generator().manual_seed(seed))
+    far = (1 << 31) - 1 - int(case[1].max())
+    assert int(case[1].max()) + far == (1 << 31) - 1
+    _check_far_positions(case, far, _hf_inv_freq("llama3"), device)
 
 
 def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
