@@ -129,6 +129,14 @@ void check_no_overlap(const at::Tensor& out, const at::Tensor& lse_out,
   }
 }
 
+// cu_seqlens_q [batch + 1]'s values: from 0 to the packed length total_q, non-decreasing.
+void check_cu_seqlens_values(const char* op, const IndexView& cu, int64_t batch, int64_t total_q) {
+  RAGATTN_CHECK_VALUE(cu(0) == 0 && cu(batch) == total_q, op, ": cu_seqlens_q must start at 0 and end at ", total_q,
+                      " (the packed length), got ", cu(0), " .. ", cu(batch));
+  for (int64_t b = 0; b < batch; ++b)
+    RAGATTN_CHECK_VALUE(cu(b + 1) >= cu(b), op, ": cu_seqlens_q must be non-decreasing");
+}
+
 // Every check of _validate (read_values=True: this path owns host data), in its order.
 void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -159,11 +167,7 @@ void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Te
   check_device("cu_seqlens_q", cu_seqlens_q, dev);
   RAGATTN_CHECK_VALUE(cu_seqlens_q.numel() >= 1, kOp, ": cu_seqlens_q must have at least one entry (batch + 1)");
   const int64_t batch = cu_seqlens_q.numel() - 1;
-  const IndexView cu(cu_seqlens_q);
-  RAGATTN_CHECK_VALUE(cu(0) == 0 && cu(batch) == total_q, kOp, ": cu_seqlens_q must start at 0 and end at ", total_q,
-                      " (the packed length), got ", cu(0), " .. ", cu(batch));
-  for (int64_t b = 0; b < batch; ++b)
-    RAGATTN_CHECK_VALUE(cu(b + 1) >= cu(b), kOp, ": cu_seqlens_q must be non-decreasing");
+  check_cu_seqlens_values(kOp, IndexView(cu_seqlens_q), batch, total_q);
   check_dtype("block_table", block_table, kIndexTypes);
   check_ndim("block_table", block_table, 2);
   check_device("block_table", block_table, dev);
@@ -642,12 +646,10 @@ int64_t scratch_budget() {
 void check_tagged_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, int64_t num_pages, int64_t S,
                          const TaggedArgs& t, const at::Tensor& pages, const at::Tensor& kv_lens, int64_t table_rows) {
   constexpr const char* op = "ragattn._paged_attention_tagged_cpu";
-  const IndexView pos(q_pos), cu(cu_seqlens_q), lens(kv_lens);
+  const IndexView pos(q_pos), lens(kv_lens);
   const int64_t batch = kv_lens.size(0), num_entries = pages.size(0);
-  RAGATTN_CHECK_VALUE(cu_seqlens_q.numel() == batch + 1 && cu(0) == 0 && cu(batch) == q_pos.size(0), op,
-                      ": cu_seqlens_q must be [batch + 1] from 0 to the packed length");
+  check_cu_seqlens_values(op, IndexView(cu_seqlens_q), batch, q_pos.size(0));  // (its shape: checked by the caller)
   for (int64_t b = 0; b < batch; ++b) {
-    RAGATTN_CHECK_VALUE(cu(b + 1) >= cu(b), op, ": cu_seqlens_q must be non-decreasing");
     const int64_t len = lens(b), r0 = t.row_start(b);
     const int64_t used = (len + S - 1) / S;
     RAGATTN_CHECK_VALUE(len >= 0 && r0 >= 0 && r0 + used <= num_entries, op, ": sequence ", b, "'s ", len,
