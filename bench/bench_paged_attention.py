@@ -10,6 +10,8 @@ gpu (bf16, 32 query heads, 8 kv heads, head dim 128, page size 16, shuffled page
   >= 80% of the measured copy peak). Baseline: SDPA over contiguous K/V with ``enable_gqa``.
 * ``decode_window``: the decode case under a 4096-token sliding window (``window_left=4095``);
   GB/s on the window's K/V bytes. Baseline: SDPA over the window's slots stored contiguously.
+* ``decode_tagged_rope``: the decode case on a zero-copy request's position-tagged table, keys
+  stored without RoPE and rotated in the kernel. Baseline: the same decode over rotated keys.
 * ``merge``: cascade merge of two partial states for 32 x 128 rows; GB/s on bytes read + written.
 cpu: tiny shapes of the same cases.
 """
@@ -44,6 +46,24 @@ def _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen):
     k = torch.randn(batch * pages, page_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     v = torch.randn(batch * pages, page_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return k, v, block_table
+
+
+def _decode_shape(device, size):
+    """(batch, ctx, heads, kv_heads, head_dim, dtype, page_size) of the decode cases."""
+    if size == "gpu":
+        return 32, 32768, 32, 8, 128, torch.bfloat16, 16
+    return 3, 200, 4, 2, 64, small_dtype(device), 16
+
+
+def _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device, gen):
+    """A decode step's inputs: the paged K/V (`_paged_cache`), one query row per sequence at its
+    last position, cu_seqlens_q and kv_lens."""
+    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
+    cu = torch.arange(batch + 1, dtype=I32, device=device)
+    kv_lens = torch.full((batch,), ctx, dtype=I32, device=device)
+    return k, v, bt, q, q_pos, cu, kv_lens
 
 
 def _contiguous(cache, block_table_row, ctx):
@@ -116,15 +136,9 @@ def _sparse_prefill(device, size, gen):
 def _decode(device, size, gen):
     import ragattn
 
-    if size == "gpu":
-        batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 32, 32768, 32, 8, 128, torch.bfloat16, 16
-    else:
-        batch, ctx, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 4, 2, 64, small_dtype(device), 16
-    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
-    q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
-    cu = torch.arange(batch + 1, dtype=I32, device=device)
-    kv_lens = torch.full((batch,), ctx, dtype=I32, device=device)
+    batch, ctx, heads, kv_heads, head_dim, dtype, page_size = _decode_shape(device, size)
+    k, v, bt, q, q_pos, cu, kv_lens = _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device,
+                                                    gen)
     kv_bytes = 2.0 * batch * ctx * kv_heads * head_dim * k.element_size()
 
     # baseline: SDPA over the same K/V stored contiguously [B, kv_heads, ctx, D], GQA by the op
@@ -153,6 +167,39 @@ def _decode(device, size, gen):
     )
 
 
+def _decode_tagged(device, size, gen):
+    """Decode on a zero-copy request's table (issue 27): every page an entry with its first
+    position (``PageTable.from_entries``), keys stored without RoPE and rotated in the kernel.
+    Baseline: the same decode over keys rotated beforehand (the copy path's cache)."""
+    import ragattn
+
+    batch, ctx, heads, kv_heads, head_dim, dtype, page_size = _decode_shape(device, size)
+    k, v, bt, q, q_pos, cu, kv_lens = _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device,
+                                                    gen)
+    pages_per_seq = bt.shape[1]
+    indptr = torch.arange(0, (batch + 1) * pages_per_seq, pages_per_seq, dtype=I32, device=device)
+    first = (torch.arange(pages_per_seq, dtype=I32, device=device) * page_size).repeat(batch)
+    valid = torch.full_like(first, page_size)
+    valid.view(batch, pages_per_seq)[:, -1] = ctx - (pages_per_seq - 1) * page_size
+    table = ragattn.PageTable.from_entries(indptr, bt.reshape(-1), first, valid, page_size)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))).to(device)
+    plan = ragattn.plan_paged_attention(cu, table, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                        dtype=dtype)
+    plain = ragattn.plan_paged_attention(cu, ragattn.PageTable.from_block_table(bt, kv_lens), num_heads=heads,
+                                         num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    return Case(
+        family="paged_attention",
+        name=f"decode_tagged_rope_b{batch}_ctx{ctx}_h{heads}_kv{kv_heads}_d{head_dim}_p{page_size}",
+        run=lambda: ragattn.run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq),
+        config=lambda: _plan_config(plan),
+        baselines={"ragattn_keys_rotated_beforehand": lambda: ragattn.run_paged_attention(plain, q, q_pos, k, v)},
+        bytes=2.0 * batch * ctx * kv_heads * head_dim * k.element_size(),
+        flops=4.0 * head_dim * heads * batch * ctx,
+        peak="copy",
+        params={"dtype": str(dtype).replace("torch.", ""), "target": "within a few % of the keys-rotated decode"},
+    )
+
+
 def _decode_window(device, size, gen):
     import ragattn
 
@@ -160,11 +207,8 @@ def _decode_window(device, size, gen):
         batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 32, 32768, 4096, 32, 8, 128, torch.bfloat16, 16
     else:
         batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 32, 4, 2, 64, small_dtype(device), 16
-    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
-    q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
-    cu = torch.arange(batch + 1, dtype=I32, device=device)
-    kv_lens = torch.full((batch,), ctx, dtype=I32, device=device)
+    k, v, bt, q, q_pos, cu, kv_lens = _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device,
+                                                    gen)
     kv_bytes = 2.0 * batch * window * kv_heads * head_dim * k.element_size()  # only the window is read
 
     # baseline: SDPA over the window's slots stored contiguously [B, kv_heads, window, D]
@@ -247,4 +291,4 @@ def _merge_n(device, size, gen):
 def cases(device: torch.device, size: str):
     gen = torch.Generator().manual_seed(0)
     return [_sparse_prefill(device, size, gen), _decode(device, size, gen), _decode_window(device, size, gen),
-            _merge(device, size, gen), _merge_n(device, size, gen)]
+            _decode_tagged(device, size, gen), _merge(device, size, gen), _merge_n(device, size, gen)]
