@@ -33,17 +33,14 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
 #endif
 
 // ---- attention CPU paths (csrc/attention/): called by the Python ops after their validation ----
-// paged_attention's CPU impls (checks in C++, like the Python _validate)
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_table, const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-    double logits_soft_cap);
-void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                             const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-                             double logits_soft_cap, const at::Tensor& out, const at::Tensor& lse_out);
+// paged_attention's CPU kernel over a padded block table (private: called by
+// ragattn/ops/paged_attention.py after its checks; writes out and lse_out)
+void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                         const at::Tensor& kv_lens, double scale, int64_t window_left, double logits_soft_cap,
+                         const at::Tensor& out, const at::Tensor& lse_out);
 // paged_attention_run's CPU kernel for position-tagged page lists and un-rotated keys (private:
-// called by ragattn/ops/paged_attention.py after its checks, and by ragattn/hf/tagged.py)
+// called by ragattn/ops/paged_attention_run.py after its checks)
 std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(const at::Tensor& q, const at::Tensor& q_pos,
     const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& pages,
     const at::Tensor& row_start, const at::Tensor& kv_lens, const std::optional<at::Tensor>& entry_pos,

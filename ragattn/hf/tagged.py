@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from ragattn import ops as _ops
-from ragattn.ops.paged_attention import ROPE_TABLE_MAX_POSITIONS, rope_position_table
+from ragattn.ops.paged_attention_run import ROPE_TABLE_MAX_POSITIONS, rope_position_table
 
 
 class _Forward:

@@ -9,12 +9,8 @@ from ragattn.ops.key_attention_scores import key_attention_scores
 from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_
 from ragattn.ops.merge_attention_states import merge_attention_states, merge_attention_states_, merge_attention_states_n
 from ragattn.ops.page_table import PageTable
-from ragattn.ops.paged_attention import (
-    PagedAttentionPlan,
-    paged_attention,
-    plan_paged_attention,
-    run_paged_attention,
-)
+from ragattn.ops.paged_attention import paged_attention
+from ragattn.ops.paged_attention_run import PagedAttentionPlan, plan_paged_attention, run_paged_attention
 from ragattn.ops.refrag_assemble import refrag_assemble
 from ragattn.ops.speculative import verify_draft
 from ragattn.ops.varlen_attention import varlen_attention
