@@ -52,6 +52,14 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
     in ``csrc/attention/paged_attention_cpu.cpp``: the same checks, its messages name the entry).
     With ``row_start`` (the run op's flat page list, ``ragattn.PageTable``), ``block_table`` is the
     flat ``pages`` ``[num_entries]``."""
+    if out is None and lse_out is None and _cpu_well_formed(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table,
+                                                            kv_lens, row_start, scale, window_left, logits_soft_cap,
+                                                            kv_fp8):
+        # (every metadata check below passes: only the values are left; a CPU call per layer)
+        if read_values:
+            _check_values(q_pos, cu_seqlens_q, block_table, kv_lens, row_start, k_cache.shape[1], k_cache.shape[0],
+                          _OP)
+        return
     check_tensor(_OP, "q", q, dtypes=FLOAT_DTYPES, ndim=3)
     dev = q.device
     total_q, num_heads, head_dim = q.shape
@@ -92,6 +100,32 @@ def _validate(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, sc
     # index checks would sync a GPU: there they are a precondition, checked when RAGATTN_DEBUG=1
     if read_values and dev.type != "meta" and (dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1"):
         _check_values(q_pos, cu_seqlens_q, block_table, kv_lens, row_start, page_size, num_pages, _OP)
+
+
+def _cpu_well_formed(q, q_pos, cu, k, v, table, kv_lens, row_start, scale, window_left, soft_cap, kv_fp8) -> bool:
+    """A fast sufficient condition for ``_validate``'s metadata checks on plain CPU tensors; False
+    only means "run the named checks" (which raise with the argument)."""
+    T = torch.Tensor
+    if not (type(q) is T and type(q_pos) is T and type(cu) is T and type(k) is T and type(v) is T
+            and type(table) is T and type(kv_lens) is T and (row_start is None or type(row_start) is T)):
+        return False
+    if not (q.is_cpu and q_pos.is_cpu and cu.is_cpu and k.is_cpu and v.is_cpu and table.is_cpu and kv_lens.is_cpu
+            and (row_start is None or row_start.is_cpu)):
+        return False
+    if kv_fp8 or q.dtype not in FLOAT_DTYPES or q.dim() != 3 or k.dim() != 4 or k.dtype != q.dtype:
+        return False
+    n, h, d = q.shape
+    batch = cu.shape[0] - 1 if cu.dim() == 1 else -1
+    return (v.dtype == q.dtype and v.shape == k.shape and k.shape[3] == d and d > 0 and k.shape[1] > 0
+            and k.shape[2] > 0 and h % k.shape[2] == 0 and batch >= 0
+            and q_pos.dtype in INDEX_DTYPES and q_pos.dim() == 1 and q_pos.shape[0] == n
+            and cu.dtype in INDEX_DTYPES and kv_lens.dtype in INDEX_DTYPES and kv_lens.dim() == 1
+            and kv_lens.shape[0] == batch and table.dtype in INDEX_DTYPES
+            and (table.dim() == 2 and table.shape[0] == batch if row_start is None else
+                 table.dim() == 1 and row_start.dtype in INDEX_DTYPES and row_start.dim() == 1
+                 and row_start.shape[0] == batch)
+            and (scale is None or (type(scale) is float and math.isfinite(scale))) and type(window_left) is int
+            and type(soft_cap) is float and math.isfinite(soft_cap) and soft_cap >= 0)
 
 
 def _check_values(q_pos, cu_seqlens_q, block_table, kv_lens, row_start, page_size, num_pages, _OP=_OP) -> None:
