@@ -59,7 +59,8 @@ from typing import Optional, Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.hf.attention import PagedKV, use_ragattn
+from ragattn.hf.attention import use_ragattn
+from ragattn.kv import PagedKV
 from ragattn.methods.common import Answer, _eos_ids, _sync, prompt_parts
 
 SEPARATORS = ("\n\n", "\n", ". ", "! ", "? ", "; ", ", ", " ")
