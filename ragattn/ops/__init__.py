@@ -12,7 +12,7 @@ from ragattn.ops.page_table import PageTable
 from ragattn.ops.paged_attention import paged_attention
 from ragattn.ops.paged_attention_run import PagedAttentionPlan, plan_paged_attention, run_paged_attention
 from ragattn.ops.refrag_assemble import refrag_assemble
-from ragattn.ops.speculative import verify_draft
+from ragattn.ops.verify_draft import verify_draft, verify_draft_vllm  # noqa: F401  (ragattn.ops.verify_draft_vllm)
 from ragattn.ops.varlen_attention import varlen_attention
 from ragattn.ops import _cuda_fallback  # noqa: F401,E402  (CUDA impls where ragattn._C has no CUDA kernels)
 

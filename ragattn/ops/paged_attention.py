@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -22,7 +21,6 @@ from ragattn.ops._validate import (
     check_tensor,
     device_guard,
 )
-from ragattn.ops.page_table import PageTable
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
