@@ -90,7 +90,7 @@ def test_the_check_sees_an_op_layer_import(tmp_path):
 def test_only_the_op_layer_reaches_the_kernels(path):
     bad = _layering_errors(path)
     assert not bad, (f"{path.relative_to(ROOT)} uses {bad}: kernels, private ops and the backend choice are "
-                     "ragattn.ops' own (call the public ops, PageTable, plan/run or PagedAttentionStep)")
+                     "ragattn.ops' own (call the public ops, PageTable, plan/run or ops.PagedAttentionStep)")
 
 
 @pytest.mark.parametrize("path", KV_FILES, ids=[p.name for p in KV_FILES])

@@ -12,8 +12,7 @@ import threading
 
 import torch
 
-from ragattn.ops import PageTable
-from ragattn.ops.paged_attention_run import PagedAttentionStep
+from ragattn.ops import PagedAttentionStep, PageTable
 
 _FAR = 1 << 30  # a key position no query reaches (padding keys) is _FAR; padded queries sit at -1
 

@@ -19,8 +19,7 @@ from typing import Optional
 import torch
 
 from ragattn.kv.cpu_sdpa import cpu_sdpa_enabled, head_rows, row_masks, rows_sdpa
-from ragattn.ops import PageTable
-from ragattn.ops.paged_attention_run import PagedAttentionStep
+from ragattn.ops import PagedAttentionStep, PageTable
 
 
 class CopyForward:

@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from ragattn import ops as _ops
-from ragattn.ops.paged_attention_run import PagedAttentionStep
+from ragattn.ops import PagedAttentionStep
 
 
 class ZeroCopyForward:

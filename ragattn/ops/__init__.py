@@ -10,7 +10,12 @@ from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_
 from ragattn.ops.merge_attention_states import merge_attention_states, merge_attention_states_, merge_attention_states_n
 from ragattn.ops.page_table import PageTable
 from ragattn.ops.paged_attention import paged_attention
-from ragattn.ops.paged_attention_run import PagedAttentionPlan, plan_paged_attention, run_paged_attention
+from ragattn.ops.paged_attention_run import (
+    PagedAttentionPlan,
+    PagedAttentionStep,
+    plan_paged_attention,
+    run_paged_attention,
+)
 from ragattn.ops.refrag_assemble import refrag_assemble
 from ragattn.ops.verify_draft import verify_draft, verify_draft_vllm  # noqa: F401  (ragattn.ops.verify_draft_vllm)
 from ragattn.ops.varlen_attention import varlen_attention
@@ -31,3 +36,4 @@ __all__ = [
 ]
 # The engine-facing plan/run pair of paged_attention (torch.ops.ragattn.paged_attention_run).
 __all__ += ["PageTable", "PagedAttentionPlan", "plan_paged_attention", "run_paged_attention"]
+# (PagedAttentionStep, the per-forward call of request caches, is ragattn.ops.PagedAttentionStep.)
