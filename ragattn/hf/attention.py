@@ -68,6 +68,7 @@ Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``mo
 from __future__ import annotations
 
 import torch
+import transformers  # noqa: F401  (ragattn.hf.attention.transformers: the version register() checks)
 
 from ragattn import ops as _ops
 from ragattn.hf.fallbacks import _eager_forward, _refuse_unsupported, _sdpa_fallback, _soft_cap
