@@ -71,10 +71,12 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
                              const at::Tensor& target_logits, const at::Tensor& uniforms, double temperature,
                              double eta, double alpha, const std::optional<at::Tensor>& num_draft,
                              const std::optional<at::Tensor>& cu_num_draft, bool check_values);
+// verify_draft's CPU kernels (private: ragattn/ops/verify_draft.py chooses; twin: the CUDA kernel's
+// bit-faithful twin, else the fast path)
 std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const at::Tensor& target_logits, const at::Tensor& uniforms,
     double temperature, double eta, double alpha, bool greedy, const std::optional<at::Tensor>& num_draft,
-    const std::optional<at::Tensor>& cu_num_draft);
+    const std::optional<at::Tensor>& cu_num_draft, bool twin);
 #ifdef RAGATTN_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const at::Tensor& target_logits, const at::Tensor& uniforms,

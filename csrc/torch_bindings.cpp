@@ -134,6 +134,12 @@ TORCH_LIBRARY(ragattn, m) {
       "verify_draft(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
       "float temperature=1.0, float eta=0.0, float alpha=0.1, bool greedy=False, "
       "Tensor? num_draft=None, Tensor? cu_num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
+  //    Its CPU kernels (C++, with every check of the op): the fast path, or with twin=True the CUDA
+  //    kernel's bit-faithful twin; the op's CPU impl (ragattn/ops/verify_draft.py) chooses.
+  m.def(
+      "_verify_draft_cpu(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
+      "float temperature, float eta, float alpha, bool greedy, Tensor? num_draft, Tensor? cu_num_draft, "
+      "bool twin) -> (Tensor out_tokens, Tensor num_accepted)");
 
   // 8. REFRAG's decoder input: token embeddings and projected chunk embeddings interleaved in one
   //    pass (Triton; plain torch on CPU), with autograd (registered from Python).
@@ -145,8 +151,8 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   // kv_cache: rerotate_keys_, copy_kv_
   m.impl("rerotate_keys_", &ragattn::rerotate_keys_cpu);
   m.impl("copy_kv_", &ragattn::copy_kv_cpu);
-  // speculative: verify_draft
-  m.impl("verify_draft", &ragattn::verify_draft_cpu);
+  // speculative: verify_draft's CPU kernels
+  m.impl("_verify_draft_cpu", &ragattn::verify_draft_cpu);
   // attention CPU paths
   m.impl("_paged_attention_cpu", &ragattn::paged_attention_cpu);
   m.impl("_paged_attention_tagged_cpu", &ragattn::paged_attention_tagged_cpu);

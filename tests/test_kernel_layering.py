@@ -99,12 +99,17 @@ def test_the_request_kv_layer_is_engine_neutral(path):
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}: ragattn.kv sits below every engine and the store"
 
 
-def test_no_cpp_op_calls_back_through_the_dispatcher():
-    """An op's C++ kernel runs what it was given: the backend is chosen in ragattn/ops (a C++ op
-    that looked up another op, e.g. a Python one, by schema would choose it a second time)."""
-    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "csrc").rglob("*")) if p.is_file()
-                 for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
-                 if "findSchema" in line.split("//")[0] or "Dispatcher::singleton" in line.split("//")[0]]
+def _cpp_backend_choices(root: pathlib.Path) -> list:
+    banned = ("findSchema", "Dispatcher::singleton", "RAGATTN_CPU_BACKEND")
+    return [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*")) if p.is_file()
+            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+            if any(b in line.split("//")[0] for b in banned)]
+
+
+def test_no_cpp_op_chooses_a_backend():
+    """An op's C++ kernel runs what it was given: the backend is chosen in ragattn/ops, never by a
+    C++ op reading RAGATTN_CPU_BACKEND or looking up another op (e.g. a Python one) by schema."""
+    offenders = _cpp_backend_choices(ROOT / "csrc")
     assert not offenders, offenders
 
 
@@ -121,3 +126,7 @@ def test_the_layering_checks_see_a_broken_rule(tmp_path):
     k.write_text("from ragattn.ops import PageTable\nfrom ragattn.hf.rope import rope_params\n"
                  "def f():\n    import transformers\n    from ragattn.methods.store import chunk_store\n")
     assert _kv_errors(k) == ["ragattn.hf.rope", "transformers", "ragattn.methods.store"]
+    c = tmp_path / "csrc"
+    c.mkdir()
+    (c / "op.cpp").write_text('// RAGATTN_CPU_BACKEND in a comment is fine\nconst char* e = std::getenv("RAGATTN_CPU_BACKEND");\n')
+    assert _cpp_backend_choices(c) == ["op.cpp:2"]

@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn import _extension
+from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ragattn.reference.speculative import verify_draft as _reference
 
@@ -185,19 +186,35 @@ def verify_draft(
     """
     _check_scalar_types(temperature, eta, alpha)  # (the schema would coerce or reject them unnamed)
     on_cpu = isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
-    reference = on_cpu and _extension.cpu_backend() == "reference"
-    # The C++ op validates shapes, dtypes and devices, and on CPU the values too; check here only
-    # where it is not reached (reference) or does not look (CUDA values, in debug mode: a sync).
-    if reference or (not on_cpu and os.environ.get("RAGATTN_DEBUG", "0") == "1"):
+    # The C++ kernels validate shapes, dtypes and devices, and on CPU the values too; the CUDA
+    # kernel does not read values (a sync): checked here in debug mode.
+    if not on_cpu and os.environ.get("RAGATTN_DEBUG", "0") == "1":
         _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft, cu_num_draft)
         _check_values(draft_tokens, target_logits, uniforms, num_draft, cu_num_draft)
-    if reference:
+    args = (draft_tokens, draft_probs, target_logits, uniforms, float(temperature), float(eta), float(alpha),
+            bool(greedy), num_draft, cu_num_draft)
+    if on_cpu and plain_cpu_call(target_logits, draft_tokens, draft_probs, uniforms, num_draft, cu_num_draft):
+        return _verify_draft_cpu(*args)   # what torch.ops would run, without its dispatch
+    return torch.ops.ragattn.verify_draft(*args)
+
+
+def _verify_draft_cpu(draft_tokens, draft_probs, target_logits, uniforms, temperature=1.0, eta=0.0, alpha=0.1,
+                      greedy=False, num_draft=None, cu_num_draft=None):
+    """``torch.ops.ragattn.verify_draft`` on the CPU, the op's one choice of CPU backend
+    (``RAGATTN_CPU_BACKEND``, read on every call): the float64 reference after the op's checks
+    (``reference``), else the C++ kernel ``ragattn::_verify_draft_cpu`` (every check in C++): the
+    CUDA kernel's bit-faithful twin (``twin``) or the fast path."""
+    backend = _extension.cpu_backend()
+    if backend == "reference":
+        _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft, cu_num_draft)
+        _check_values(draft_tokens, target_logits, uniforms, num_draft, cu_num_draft)
         return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft,
                           cu_num_draft=cu_num_draft)
-    return torch.ops.ragattn.verify_draft(
-        draft_tokens, draft_probs, target_logits, uniforms, float(temperature), float(eta), float(alpha), bool(greedy),
-        num_draft, cu_num_draft,
-    )
+    return torch.ops.ragattn._verify_draft_cpu(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta,
+                                               alpha, greedy, num_draft, cu_num_draft, backend == "twin")
+
+
+torch.library.impl("ragattn::verify_draft", "CPU", _verify_draft_cpu)
 
 
 @torch.library.register_fake("ragattn::verify_draft")
@@ -211,6 +228,13 @@ def _verify_draft_fake(draft_tokens, draft_probs, target_logits, uniforms, tempe
         bsz, g = draft_tokens.shape
         out = draft_tokens.new_empty((bsz, g + 1))
     return out, draft_tokens.new_empty((bsz,), dtype=torch.int32)
+
+
+@torch.library.register_fake("ragattn::_verify_draft_cpu")
+def _verify_draft_cpu_fake(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy,
+                           num_draft, cu_num_draft, twin):
+    return _verify_draft_fake(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy,
+                              num_draft, cu_num_draft)
 
 
 def verify_draft_vllm(
