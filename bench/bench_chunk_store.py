@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case, small_dtype
+from .harness import Case, lazy, small_dtype
 
 FAMILIES = ("chunk_store",)
 
 
 def cases(device: torch.device, size: str):
+    """The cases, not built yet (they share one set of inputs, made when measured)."""
+    return [lazy("chunk_store", "", _build, device, size)]
+
+
+def _build(device: torch.device, size: str):
     from ragattn.hf.models import random_llama
     from ragattn.methods.chunk_store import ChunkStore
 

@@ -77,7 +77,8 @@ SIZES = {  # (num_chunks, chunk_size) per context
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
     "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (issue 15's end-to-end case)
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
-    "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K: scripts/gpu_check.sh's one-shot run
+    "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K
+    "gpu-32k": [(64, 512)],  # 32K alone: scripts/gpu_check.sh's first call
 }
 
 
@@ -481,10 +482,13 @@ def main(argv=None) -> int:
     model = build_model(model_name, device, dtype, args.layers)
     load_before = os.getloadavg()
     rows = []
-    for size in sizes:  # each context's rows printed as they finish: a run cut at a deadline keeps them
+    os.makedirs(args.out, exist_ok=True)
+    for size in sizes:  # each context's rows printed and saved as they finish: a run cut at a deadline keeps them
         part = measure(model, [size], args.question_len, repeats, answer_tokens=args.answer_tokens)
         print(format_table(part), flush=True)
         rows += part
+        with open(os.path.join(args.out, "e2e.partial.json"), "w") as f:
+            json.dump({"model": model_name, "commit": _commit(), "rows": rows}, f, indent=2)
     decode_rows = []
     if args.decode_rounds > 0:
         decode_rows = measure_decode_steps(model, sizes, args.question_len, args.decode_rounds,
