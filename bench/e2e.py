@@ -203,8 +203,15 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
                     ZERO_COPY: zero_copy}
         answer_fns = ({"full-prefill": full_answer, "cached (on device)": cached_answer, ZERO_COPY: zero_copy_answer}
                       if n > 1 else {})
+        ttft = {k: [] for k in ttft_fns}
+        totals = {k: [] for k in answer_fns}
+        steps = {k: [] for k in answer_fns}
+        for f in list(ttft_fns.values()) + [lambda f=f: f(_StepClock()) for f in answer_fns.values()]:
+            f()  # warm-up (Triton compilation, allocator)
         if device.type == "cuda":
-            # the chunk KV lives in pinned host memory; the store's device pool is refilled from it
+            # the chunk KV lives in pinned host memory; the store's device pool is refilled from it.
+            # Copied after the warm-up: a zero-copy request's private pages grow the pool, and a
+            # copy taken before no longer matches it.
             host_k, host_v = store.pooled_kv("cpu", pin_memory=True)
 
             def from_host():
@@ -212,11 +219,8 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
                 return cached(record=False)
 
             ttft_fns["cached (KV from CPU)"] = from_host
-        ttft = {k: [] for k in ttft_fns}
-        totals = {k: [] for k in answer_fns}
-        steps = {k: [] for k in answer_fns}
-        for f in list(ttft_fns.values()) + [lambda f=f: f(_StepClock()) for f in answer_fns.values()]:
-            f()  # warm-up (Triton compilation, allocator)
+            ttft["cached (KV from CPU)"] = []
+            from_host()
         for r in range(repeats):
             names = list(ttft_fns)
             for k in names[r % len(names):] + names[:r % len(names)]:

@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .merge_attention_states import merge_split_states
 from .soft_cap import soft_cap_log2
@@ -96,15 +97,30 @@ def _pv_masked(acc, p, v, visible, IEEE_FP32: tl.constexpr):
 
 
 @triton.jit
+def _rope_angle(pos, turn_hi, turn_lo):
+    """``[N, D]`` fp32 angles ``pos * freq`` reduced to ``[0, 2 pi)``, from int64 positions ``pos [N]``
+    and each frequency in turns as a 64-bit fixed-point fraction ``turn_hi [D]``, ``turn_lo [D]``
+    (uint32 halves): the fraction of ``pos * turns`` is bits 32..63 of that product mod 2^64, which
+    32-bit multiplies give exactly (``umulhi`` for the low half, ``pos >> 32`` for positions past
+    2^32). An fp64 angle reduced by floor(ang / 2 pi) was as accurate but held 64-bit values per
+    key element: 255 registers and 1.3 KB of spills per thread at decode's 64 x 128 key tile, 17x
+    the time of keys rotated beforehand on an H100; this holds 32-bit ones."""
+    p_lo = pos.to(tl.uint32)  # pos mod 2^32
+    p_hi = (pos >> 32).to(tl.uint32)
+    frac = p_lo[:, None] * turn_hi[None, :] + tl.umulhi(p_lo[:, None], turn_lo[None, :]) + p_hi[:, None] * turn_lo[None, :]
+    return frac.to(tl.float32) * 1.4629180792671596e-09  # 2 pi / 2^32
+
+
+@triton.jit
 def _attend_key_tiles(
     m_i, l_i, acc, bad_row, lo, hi,
     q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row, ENTRY_POS, ENTRY_LEN, entry0,
     kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, page_size,
-    k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+    k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
     TILES: tl.constexpr,  # 0: every row sees every slot of [lo, hi); 1: masked tiles; 2: decided per tile
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     IEEE_FP32: tl.constexpr, POS_TABLE: tl.constexpr, HAS_ENTRY_LEN: tl.constexpr, ROPE: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
     """The online softmax over the key tiles ``[lo, hi)`` (steps of BLOCK_N) of one query tile;
     returns the updated ``(m_i, l_i, acc, bad_row)``. ``TILES=0`` is the lean loop of key tiles that
@@ -141,15 +157,19 @@ def _attend_key_tiles(
                 k = k.to(Q.dtype.element_ty)  # not round-to-nearest (twice its error): it stays in fp32
                 v = v.to(Q.dtype.element_ty)
         if ROPE:
-            # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
-            # within float rounding of the exact rotation; the rotated key is rounded once
+            # the angle reduced to [0, 2 pi) in 32-bit fixed point (_rope_angle) before the fp32
+            # cos/sin: within float rounding of the exact rotation; the rotated key is rounded once
             k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
             if KV_FP8:
                 k2 = k2 * k_scale
-            ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
-            ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
-            k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
-                             k.to(tl.float32))
+            ang = _rope_angle(slot_pos, turn_hi, turn_lo)
+            if FAST_TRIG:
+                cos_a = libdevice.fast_cosf(ang)
+                sin_a = libdevice.fast_sinf(ang)
+            else:
+                cos_a = tl.cos(ang)
+                sin_a = tl.sin(ang)
+            k_rot = tl.where(rot[None, :], k.to(tl.float32) * cos_a + sgn[None, :] * k2 * sin_a, k.to(tl.float32))
             if UPCAST and Q.dtype.element_ty == tl.bfloat16:
                 k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
             else:
@@ -229,6 +249,9 @@ def _paged_attention_kernel(
     # size); 1 one per page (PAGE_SIZE divides BLOCK_N); 2 one per tile (BLOCK_N divides PAGE_SIZE)
     PAGE_SIZE: tl.constexpr = 1,  # the page size when PAGE_MODE > 0 (a power of two)
     SPLIT_WHOLE_TILES: tl.constexpr = False,  # whole key tiles in a loop of their own (decode, verify)
+    FAST_TRIG: tl.constexpr = False,  # ROPE into a 16-bit dot: the hardware's cos/sin (abs error ~4e-7 on
+    # [0, 2 pi), far below the 16-bit rounding of the rotated key) instead of libdevice's precise
+    # ones, whose large-argument path kept a stack frame and registers the tile needed
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -315,6 +338,12 @@ def _paged_attention_kernel(
             partner = tl.where(d < half, d + half, d - half)
             freq = tl.load(INV_FREQ + tl.where(d < half, d, d - half), mask=rot, other=0.0).to(tl.float64)
             sgn = tl.where(d < half, -1.0, 1.0)
+    # each frequency in turns per position (freq / 2 pi, fp64) as a 64-bit fixed-point fraction
+    # (turn_hi * 2^-32 + turn_lo * 2^-64), exact to the fp64 value: see _rope_angle
+    turns = freq * 0.15915494309189535
+    turn_hi = tl.floor(turns * 4294967296.0)
+    turn_lo = ((turns * 4294967296.0 - turn_hi) * 4294967296.0).to(tl.uint32)
+    turn_hi = turn_hi.to(tl.uint32)
     # the key range in segments, one loop of one kind (TILES) each: a position-tagged table is one
     # masked segment, prefill's 128-row tiles one segment tested tile by tile (three loops would
     # spill), decode and verify tiles three: [lo, f0) and [f1, hi) hold the tiles some row sees
@@ -340,11 +369,11 @@ def _paged_attention_kernel(
         m_i, l_i, acc, bad_row = _attend_key_tiles(
             m_i, l_i, acc, bad_row, seg_lo, seg_hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE,
             page_row, ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
-            stride_vh, page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left,
+            stride_vh, page_size, k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left,
             full_lo, full_hi,
             (1 if TAGGED else 2) if SEGMENTS == 1 else (0 if seg == 1 else 1),  # TILES (a constexpr: no variable)
             BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
-            PAGE_SIZE)
+            PAGE_SIZE, FAST_TRIG)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -688,7 +717,10 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
         SPLIT_WHOLE_TILES=split_whole_tiles(plan.block_m * plan.group_pad),
-        num_warps=plan.num_warps,
+        FAST_TRIG=inv_freq is not None and not interp and q.element_size() == 2,
+        # keys rotated in the kernel hold more per key element: 4 warps spilled at decode's 64 x 128
+        # key tile (sm_90 ptxas: 892 bytes), 8 do not
+        num_warps=plan.num_warps if inv_freq is None else max(plan.num_warps, 8),
         num_stages=plan.num_stages,
     )
     if o_buf is not out:
