@@ -176,7 +176,8 @@ write_summary() {
     echo "- commit: $RAGATTN_COMMIT"
     echo "- gpu: $(head -1 "$WORK/gpu.txt" 2>/dev/null)"
     echo "- $(cat "$WORK/versions.txt" 2>/dev/null)"
-    echo "- deadline: ${DEADLINE} s, elapsed $(now) s"
+    if [ "$PLAN" = 1 ]; then echo "- deadline: ${DEADLINE} s; plan only, nothing ran (each step counted at its whole cap: $(now) s)"
+    else echo "- deadline: ${DEADLINE} s, elapsed $(now) s"; fi
     echo
     echo "| step | result | seconds | cap (s) | last line of its log |"
     echo "|---|---|---|---|---|"
