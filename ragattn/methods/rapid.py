@@ -22,7 +22,7 @@ Pieces (the authors' code is the reference where it and the paper differ, notes 
   budget (``max(min_tokens, L / ratio)`` as in the authors' script, or ``budget_tokens``), those
   below ``threshold`` dropped (the best one always kept), and the rest re-sorted by document
   position and joined with "\\n\\n". The drafter's prompt is the target's prompt
-  (:func:`ragattn.methods.common.prompt_parts`) with this retrieval context as its document.
+  (:func:`ragattn.methods.prompt.prompt_parts`) with this retrieval context as its document.
 * **Caches**: one :class:`~ragattn.hf.attention.PagedKV` per model; slot ``j`` holds absolute
   position ``j``. The target holds every committed token but the last (fed next round, as in the
   authors' code); the drafter holds the committed tokens it has seen. Rollback after a rejection
@@ -60,7 +60,8 @@ import torch
 
 from ragattn import ops as _ops
 from ragattn.hf.attention import PagedKV, use_ragattn
-from ragattn.methods.common import Answer, _eos_ids, _sync, prompt_parts
+from ragattn.methods.generate import Answer, _eos_ids, _sync
+from ragattn.methods.prompt import prompt_parts
 
 SEPARATORS = ("\n\n", "\n", ". ", "! ", "? ", "; ", ", ", " ")
 MODES = ("rapid", "lc", "rag")
@@ -536,7 +537,7 @@ class RapidOutput:
 
 def prompts(tokenizer, context, question: str, retrieval: RetrievalContext):
     """``(target_ids, draft_ids)``: the chat prompt around the whole context and around the
-    retrieval context (:func:`ragattn.methods.common.prompt_parts`)."""
+    retrieval context (:func:`ragattn.methods.prompt.prompt_parts`)."""
     docs = [context] if isinstance(context, str) else list(context)
     head, chunks, tail = prompt_parts(tokenizer, docs, question)
     _, rchunks, _ = prompt_parts(tokenizer, [retrieval.text], question)
