@@ -99,6 +99,8 @@ class _ZeroCopy:
             if len(firsts) != len(keys) or any(p < 0 for p in firsts):
                 raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
                                       f"per chunk ({len(keys)}), got {list(positions)}")
+        # the zero-copy request cache (the request KV layer's, engine-neutral; in ragattn.hf until
+        # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
         from ragattn.hf.tagged import TaggedPagedKV
 
         entries, pinned = self._pin(keys)

@@ -23,7 +23,7 @@ from ragattn.hf.store_model import describe
 from ragattn.store import FORMAT, ChunkModel, ChunkStoreError, model_fingerprint
 
 log = logging.getLogger(__name__)
-_MODELS: dict[tuple[str, torch.dtype], ChunkModel] = {}
+_DESCRIPTIONS: dict[tuple[str, torch.dtype], ChunkModel] = {}
 _SAMPLE = 64   # chunk files whose header is read at start-up
 
 
@@ -32,13 +32,13 @@ def served_chunk_model(path: str | os.PathLike, dtype: torch.dtype) -> ChunkMode
     process and path): its fingerprint, dimensions and RoPE; the pool on the CPU (chunk K/V in host
     memory, staged to the caches' device); no prefill and no reference to a model."""
     key = (str(path), dtype)
-    if key not in _MODELS:
+    if key not in _DESCRIPTIONS:
         from ragattn.vllm.fingerprint import FingerprintUnavailable, checkpoint_fingerprint
 
         try:
             fp, model = checkpoint_fingerprint(path, dtype, return_model=True)
-            _MODELS[key] = describe(model, fp, "cpu", keep_model=False)
-            return _MODELS[key]
+            _DESCRIPTIONS[key] = describe(model, fp, "cpu", keep_model=False)
+            return _DESCRIPTIONS[key]
         except FingerprintUnavailable as exc:
             log.warning("ragattn.vllm: %s; loading the model on the CPU to fingerprint it", exc)
         except (OSError, ValueError) as exc:
@@ -53,8 +53,8 @@ def served_chunk_model(path: str | os.PathLike, dtype: torch.dtype) -> ChunkMode
             raise ChunkStoreError(f"ragattn.vllm: cannot load the served model from {path} with transformers to "
                                   f"fingerprint it ({exc}); set kv_connector_extra_config 'hf_model' to the HF "
                                   "folder the chunk store was built from") from exc
-        _MODELS[key] = describe(model, model_fingerprint(model, cached=False), "cpu", keep_model=False)
-    return _MODELS[key]
+        _DESCRIPTIONS[key] = describe(model, model_fingerprint(model, cached=False), "cpu", keep_model=False)
+    return _DESCRIPTIONS[key]
 
 
 def directory_fingerprints(directory: str | os.PathLike, limit: int = _SAMPLE) -> set[str]:
