@@ -16,8 +16,9 @@ One module per part:
   store's documentation), assembled from :mod:`.entries`, :mod:`.chunk_files`, :mod:`.add`,
   :mod:`.export`, :mod:`.copy_out` and :mod:`.zero_copy`.
 
-The store imports the op layer, never the model patches, the methods or the engines
-(tests/test_kernel_layering.py).
+The store imports the op layer, never the model patches, the methods, the engines or the apps
+(tests/test_kernel_layering.py), but for the two request caches it fills (``PagedKV``,
+``TaggedPagedKV``: the request KV layer's, in ``ragattn.hf`` until that layer has a package).
 """
 from ragattn.store.chunk_store import ChunkStore
 from ragattn.store.copy_out import AssembledRequest
