@@ -31,7 +31,6 @@ class _Entry:
         return int(self.tokens.numel())
 
 
-
 class _Entries:
     """The pool's entries: LRU eviction, insertion (keys made position-free), pinning."""
 
