@@ -36,7 +36,7 @@ class Rope(NamedTuple):
 Prefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # eq: identity (its tensors have no truth value)
 class ChunkModel:
     """A model as the chunk store sees it.
 
