@@ -29,7 +29,7 @@ def cases(device: torch.device, size: str):
 
 def _build(device: torch.device, size: str):
     from ragattn.hf.models import random_llama
-    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.store import ChunkStore
 
     if size == "gpu":
         L, Hkv, D, n_lo, n_hi, dtype = 32, 8, 128, 480, 544, torch.bfloat16

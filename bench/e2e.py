@@ -69,8 +69,8 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from .__main__ import _commit
 from .harness import synchronize
-from ragattn.methods.chunk_store import ChunkStore
-from ragattn.methods.common import generate_paged, paged_forward
+from ragattn.store import ChunkStore
+from ragattn.methods.generate import generate_paged, paged_forward
 
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test

@@ -33,12 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, chunk_key
+from ragattn.store import ChunkStore, ChunkStoreError, chunk_key
 from ragattn.vllm.pages import BACKEND_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK, CacheLayoutError, PageWriter
 from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
                                 separator_salt, span_salt, spans_from_params,
                                 spans_from_separator)
-from ragattn.vllm.store import check_directory_fingerprint, served_model
+from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,7 +144,8 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         mc = vllm_config.model_config
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
-        self._model, self.fingerprint = served_model(hf_path, mc.dtype)
+        self._chunk_model = served_chunk_model(hf_path, mc.dtype)
+        self.fingerprint = self._chunk_model.fingerprint
         check_directory_fingerprint(self._dir, self.fingerprint)
         # scheduler side
         self._claims: dict[str, tuple[Claim, int]] = {}   # claim, vLLM's own hit
@@ -155,11 +156,10 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.WORKER:
             budget = cfg.get_from_extra_config("memory_budget", None)
-            # the model may have empty parameters (fingerprint from the files): the store lives on the
-            # CPU (chunk K/V in host memory, staged to the caches' device) and only serves chunk files
-            self._store = ChunkStore(self._model, self._dir, page_size=self._block_size, read_only=True,
-                                     memory_budget=None if budget is None else int(budget),
-                                     fingerprint=self.fingerprint, device="cpu")
+            # the store lives on the CPU (chunk K/V in host memory, staged to the caches' device) and
+            # only serves chunk files (ragattn.vllm.store)
+            self._store = ChunkStore(self._chunk_model, self._dir, page_size=self._block_size, read_only=True,
+                                     memory_budget=None if budget is None else int(budget))
 
     # ----- scheduler side ---------------------------------------------------------------
     def _spans(self, request: "Request"):

@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+from ragattn.store import ChunkStore, ChunkStoreError
 
 KV_SPLITS = ("channel", "rows", "planes")
 # vLLM attention backends (get_name()) whose cache layout the writer knows

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         SlidingWindowSpec)
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from ragattn.methods.chunk_store import ChunkStore  # noqa: E402
+from ragattn.store import ChunkStore  # noqa: E402
 from ragattn.reference import kv_cache as ref_kv  # noqa: E402
 from ragattn.vllm.pages import NULL_BLOCK, CacheLayoutError, slot_rows  # noqa: E402
 from tests.vllm.test_connector import (D, H, L, LAYERS, NUM_BLOCKS, _prompt, _request,  # noqa: E402,F401

@@ -7,7 +7,7 @@ For every passage of the corpus (rendered and tokenized as the demo and the eval
 raw cache (the passage alone) and its fused cache (FusionRAG's offline stage: the passage
 prefilled after the prompt head and the raw caches of its ``N`` most similar passages, MiniLM
 cosine, default 10 capped by the corpus), both as safetensors files in ``--out`` (see
-``ragattn.methods.chunk_store``). Resumable: passages whose fused cache is already in ``--out`` are
+``ragattn.store``). Resumable: passages whose fused cache is already in ``--out`` are
 skipped. Shardable: ``--shard i/n`` builds the passages ``i, i+n, i+2n, ...``, so ``n`` workers can
 fill one directory at once (files are written atomically; the neighbour lists are the same
 everywhere).
@@ -32,7 +32,7 @@ def _shard(text: str):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ragattn.cli import OneLineParser
+    from ragattn.apps.cli import OneLineParser
 
     p = OneLineParser(prog="python -m ragattn build-store", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,14 +59,14 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
     out = sys.stdout if out is None else out
     from tqdm import tqdm
 
-    from ragattn.corpus import load_corpus
-    from ragattn.demo import load_model
+    from ragattn.apps.corpus import load_corpus
+    from ragattn.apps.demo import load_model
     from ragattn.methods import fusionrag
-    from ragattn.methods.chunk_store import ChunkStore
-    from ragattn.methods.common import prompt_parts
+    from ragattn.store import ChunkStore
+    from ragattn.methods.prompt import prompt_parts
     from ragattn.methods.retrieval import SentenceEncoder
 
-    from ragattn.cli import parse_device, writable_dir
+    from ragattn.apps.cli import parse_device, writable_dir
 
     device = parse_device(args.device)                  # before any work: the device and --out
     writable_dir(args.out, "--out")
@@ -96,8 +96,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
 
 def main(argv=None) -> int:
     """One ``error:`` line and exit status 2 for bad arguments, an unusable device, ``--out``,
-    corpus or model, and chunk store errors (:func:`ragattn.cli.run_command`)."""
-    from ragattn.cli import run_command
+    corpus or model, and chunk store errors (:func:`ragattn.apps.cli.run_command`)."""
+    from ragattn.apps.cli import run_command
 
     def go():
         run(parse_args(argv))

@@ -6,7 +6,7 @@ A corpus is a folder with two JSON-lines files (schema in ``ragattn/data/qa/READ
     questions.jsonl  {"id": str, "question": str, "answers": [str, ...], "passage_id": str?,
                       "passage_ids": [str, ...]?}
 
-    from ragattn.corpus import load_corpus
+    from ragattn.apps.corpus import load_corpus
     corpus = load_corpus()              # the corpus shipped in the package
     corpus = load_corpus("my/corpus")   # same format; CorpusError on anything missing or malformed
 """
@@ -19,8 +19,8 @@ import string
 from pathlib import Path
 from typing import List, Optional, Union
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "qa"
-EVAL_CORPUS = Path(__file__).resolve().parent / "data" / "qa_eval"  # python -m ragattn eval
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "data" / "qa"   # ragattn/data (package data)
+EVAL_CORPUS = Path(__file__).resolve().parents[1] / "data" / "qa_eval"  # python -m ragattn eval
 
 
 class CorpusError(ValueError):

@@ -9,7 +9,7 @@ gold answers and against full attention, over a QA folder (default: ``ragattn/da
 For each question the passages are ranked once by MiniLM (``ragattn.methods.retrieval``) and the
 top-k of that ranking (for each ``--top-k``) form the context, most relevant last, as in the demo.
 Every method answers from the same passages with greedy decoding; the methods that reuse chunk KV
-share one :class:`~ragattn.methods.chunk_store.ChunkStore`, filled before any timing (offline,
+share one :class:`~ragattn.store.ChunkStore`, filled before any timing (offline,
 as in deployment); FusionRAG's fused caches (``--fusion-neighbours``, its offline stage) are
 built into it too. Methods that take a recompute ratio (FusionRAG, CacheBlend) run once per
 ``--ratios`` entry (percent of the context's chunk tokens); the others once.
@@ -30,7 +30,7 @@ Outputs under ``--out``: ``results.json`` (configuration, per-question rows, agg
 line per method, one column per top-k; ratio-free methods are horizontal lines).
 
 Methods come from :data:`REGISTRY`: one entry per method (name, module, function, fixed options,
-whether it takes ``ratio=``); every function has the signature of ``ragattn.methods.common``
+whether it takes ``ratio=``); every function has the signature of ``ragattn.methods.baseline.full_prefill``
 (``answer(model, tokenizer, chunks, question, max_new_tokens=..., store=..., **options) ->
 Answer``). An entry whose module is not in this checkout is absent from the run, not faked.
 """
@@ -50,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ragattn.corpus import EVAL_CORPUS, CorpusError, exact_match, load_corpus, normalize_answer, token_f1
+from ragattn.apps.corpus import EVAL_CORPUS, CorpusError, exact_match, load_corpus, normalize_answer, token_f1
 
 BASELINE = "full-prefill"
 DEFAULT_TOP_K = "8,16"
@@ -69,7 +69,7 @@ class EvalError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Method:
     """One evaluated method: ``module.attr(model, tokenizer, chunks, question, max_new_tokens=,
-    store=, **options[, ratio=])`` returning a ``ragattn.methods.common.Answer``.
+    store=, **options[, ratio=])`` returning a ``ragattn.methods.generate.Answer``.
 
     ``ratio``: the function takes ``ratio=`` (fraction of chunk tokens recomputed) and runs once
     per ``--ratios`` entry. ``fused``: FusionRAG's offline fused chunk caches are built for it."""
@@ -94,7 +94,7 @@ class Method:
 
 # One line per method (REFRAG plugs in here when its module lands).
 REGISTRY = (
-    Method(BASELINE, "ragattn.methods.common", "full_prefill"),
+    Method(BASELINE, "ragattn.methods.baseline", "full_prefill"),
     Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),)),
     Method("turborag-reordered", "ragattn.methods.turborag", "answer", (("positions", "reordered"),)),
     Method("block-attention", "ragattn.methods.block_attention", "answer"),
@@ -248,10 +248,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     """Run the evaluation, write the outputs, print the tables; returns the results dict."""
     from tqdm import tqdm
 
-    from ragattn.cli import parse_device, save_or_keep, writable_dir
-    from ragattn.demo import DemoError, kl_divergence, load_model
-    from ragattn.methods.chunk_store import ChunkStore
-    from ragattn.methods.common import prompt_parts
+    from ragattn.apps.cli import parse_device, save_or_keep, writable_dir
+    from ragattn.apps.demo import DemoError, kl_divergence, load_model
+    from ragattn.store import ChunkStore
+    from ragattn.methods.prompt import prompt_parts
     from ragattn.methods.retrieval import Retriever
 
     commit, started = _git_commit(), datetime.datetime.now(datetime.timezone.utc)  # the code that runs
@@ -475,7 +475,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from ragattn.cli import run_command
+    from ragattn.apps.cli import run_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)

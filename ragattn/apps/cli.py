@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from ragattn._paths import probe_writable_dir
+from ragattn.store.disk_tier import probe_writable_dir
 
 
 class UsageError(Exception):
@@ -24,8 +24,8 @@ class UsageError(Exception):
 
 
 # errors of other modules that are the user's to fix (reported the same way), by module
-_USER_ERRORS = (("ragattn.demo", "DemoError"), ("ragattn.eval", "EvalError"), ("ragattn.corpus", "CorpusError"),
-                ("ragattn.methods.store.errors", "ChunkStoreError"),
+_USER_ERRORS = (("ragattn.apps.demo", "DemoError"), ("ragattn.apps.eval", "EvalError"),
+                ("ragattn.apps.corpus", "CorpusError"), ("ragattn.store.errors", "ChunkStoreError"),
                 ("ragattn.methods.refrag.train", "TrainError"))
 
 

@@ -30,7 +30,7 @@ method. Greedy decoding throughout.
 
 Every row, the baseline included, is answered by ``ragattn.methods`` (``full_prefill``,
 ``turborag.answer``, ``block_attention.answer``), with the prompt layout of
-``ragattn.methods.common.prompt_parts``.
+``ragattn.methods.prompt.prompt_parts``.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ragattn.corpus import Corpus, CorpusError, exact_match, load_corpus
+from ragattn.apps.corpus import Corpus, CorpusError, exact_match, load_corpus
 
 try:
     import ragattn.hf  # noqa: F401  (transformers; without it one line saying what to install)
@@ -54,8 +54,9 @@ except ModuleNotFoundError as _exc:
     raise SystemExit(f"ragattn demo: {_exc}") from None
 
 from ragattn.methods import block_attention, fusionrag, rapid, turborag
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
-from ragattn.methods.common import full_prefill, prompt_parts
+from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.methods.baseline import full_prefill
+from ragattn.methods.prompt import prompt_parts
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_LIMIT = 6  # questions in the default run (it runs in CI's setup script on 2 cores)
@@ -245,7 +246,7 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ragattn.cli import OneLineParser   # errors: one line, exit status 2, as every sub-command
+    from ragattn.apps.cli import OneLineParser   # errors: one line, exit status 2, as every sub-command
 
     p = OneLineParser(prog="python -m ragattn demo", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,13 +14,22 @@ from pathlib import Path
 
 import torch
 
-from ragattn._paths import probe_writable_dir
-from ragattn.methods.store.errors import ChunkStoreError
-from ragattn.methods.store.fingerprint import chunk_key, variant_key
+from ragattn.store.errors import ChunkStoreError
+from ragattn.store.fingerprint import chunk_key, variant_key
 
 FORMAT = "ragattn-chunk-kv-v1"
 # temporary files of a write (<key>.tmp<pid>) and the directory's write probe, by writer pid
 _ORPHAN = re.compile(r"^(?:[0-9a-f]{40}\.tmp|\.ragattn-write-probe-)(\d+)$")
+
+
+def probe_writable_dir(d: Path) -> None:
+    """Create folder ``d`` if needed and write (then remove) an empty probe file in it, so that an
+    unwritable directory is found before any work; raises the ``OSError`` otherwise. (The command
+    lines check their output folders with it too: ``ragattn.apps.cli.writable_dir``.)"""
+    probe = d / f".ragattn-write-probe-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,6 +1,6 @@
 """A long-context QA set assembled from the shipped corpora (RAPID's evaluation).
 
-    from ragattn.long_qa import build_long_qa
+    from ragattn.apps.long_qa import build_long_qa
     lqa = build_long_qa(tokenizer, min_tokens=4096)
     lqa.context          # one long document: shuffled rendered passages, >= min_tokens tokens
     lqa.questions        # the corpus questions whose supporting passages are all in it
@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from ragattn.corpus import DEFAULT_CORPUS, EVAL_CORPUS, Passage, Question, load_corpus
+from ragattn.apps.corpus import DEFAULT_CORPUS, EVAL_CORPUS, Passage, Question, load_corpus
 
 
 @dataclass
@@ -33,7 +33,7 @@ class LongQA:
 def build_long_qa(tokenizer, min_tokens: int = 4096, corpora: Sequence = (EVAL_CORPUS, DEFAULT_CORPUS),
                   seed: int = 0) -> LongQA:
     if min_tokens < 1:
-        raise ValueError(f"ragattn.long_qa: min_tokens must be >= 1, got {min_tokens}")
+        raise ValueError(f"ragattn.apps.long_qa: min_tokens must be >= 1, got {min_tokens}")
     passages: list[Passage] = []
     questions: list[Question] = []
     for root in corpora:
@@ -49,7 +49,7 @@ def build_long_qa(tokenizer, min_tokens: int = 4096, corpora: Sequence = (EVAL_C
         if total >= min_tokens:
             break
     else:
-        raise ValueError(f"ragattn.long_qa: the corpora hold only about {total} tokens, fewer than "
+        raise ValueError(f"ragattn.apps.long_qa: the corpora hold only about {total} tokens, fewer than "
                          f"min_tokens = {min_tokens}")
     ids = {p.id for p in taken}
     kept = [q for q in questions if q.passage_ids and set(q.passage_ids) <= ids]

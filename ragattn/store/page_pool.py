@@ -1,5 +1,5 @@
 """The chunk store's in-memory pool: a byte budget of K/V, in slabs cut into pages, and its
-allocator (see :mod:`ragattn.methods.store.chunk_store`, "Memory")."""
+allocator (see :mod:`ragattn.store.chunk_store`, "Memory")."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ragattn.methods.store.errors import ChunkStoreError
+from ragattn.store.errors import ChunkStoreError
 
 DEFAULT_BUDGET_FRACTION = 0.25   # of the device's available memory, when no budget is given
 _FIRST_SLAB_BYTES = 64 << 20    # first slab at most (and two model windows, and the budget's

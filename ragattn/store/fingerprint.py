@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ragattn.methods.store.errors import ChunkStoreError
+from ragattn.store.errors import ChunkStoreError
 
 _WORDS_PER_ROW = 64              # checksum rows: 64 int64 words (512 bytes) each
 

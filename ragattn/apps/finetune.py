@@ -4,7 +4,7 @@
     python scripts/finetune_block.py ...            # the same
 
 Each training sample is a RAG prompt in blocks, tokenized block by block exactly as at inference
-(``ragattn.methods.common.prompt_parts``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
+(``ragattn.methods.prompt.prompt_parts``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
 ``top-k - 1`` random distractors, in random order), and the final block (question + answer).
 Attention runs through ``ragattn.varlen_attention`` and its autograd, with
 
@@ -90,7 +90,7 @@ def use_block_attention(model) -> None:
 
 def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sample]:
     """One sample per question: gold passage + ``top_k - 1`` random distractors in random order."""
-    from ragattn.methods.common import prompt_parts
+    from ragattn.methods.prompt import prompt_parts
 
     out = []
     for q in corpus.questions:
@@ -105,8 +105,8 @@ def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sa
 
 
 def main(argv=None) -> int:
-    """One ``error:`` line and exit status 2 for every bad input (:func:`ragattn.cli.run_command`)."""
-    from ragattn.cli import run_command
+    """One ``error:`` line and exit status 2 for every bad input (:func:`ragattn.apps.cli.run_command`)."""
+    from ragattn.apps.cli import run_command
 
     try:
         return run_command(lambda: _main(argv), "python -m ragattn finetune")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    from ragattn.cli import OneLineParser, UsageError, check_positive, parse_device, save_or_keep, writable_dir
+    from ragattn.apps.cli import OneLineParser, UsageError, check_positive, parse_device, save_or_keep, writable_dir
 
     p = OneLineParser(prog="python -m ragattn finetune", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,8 +152,8 @@ def _main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from ragattn.corpus import load_corpus
-    from ragattn.demo import load_model
+    from ragattn.apps.corpus import load_corpus
+    from ragattn.apps.demo import load_model
 
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     corpus = load_corpus(args.corpus)
