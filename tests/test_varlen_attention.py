@@ -265,7 +265,7 @@ def test_kernel_small_tiles(device, mask, causal):
 
 def test_tile_metadata_skips(device):
     """Metadata of independent chunks: the tile pairs of different chunks cannot meet."""
-    from ragattn.triton_kernels.varlen_attention import tile_metadata, tile_pairs
+    from ragattn.triton_kernels.varlen_plan import tile_metadata, tile_pairs
 
     cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
     pos = torch.arange(64, dtype=torch.int32, device=device)
@@ -814,7 +814,7 @@ def _tile_visibility(args, bm, bn):
 def test_plan_lists_every_visible_tile_once_longest_first(mask, causal, pos, window):
     """The plan's work items cover exactly the visible tile pairs, fully visible ones in the
     mask-free range, split rows in consecutive pieces, and launch in descending order of work."""
-    from ragattn.triton_kernels.varlen_attention import build_plan
+    from ragattn.triton_kernels.varlen_plan import build_plan
 
     lens_k = [70, 0, 33, 1, 40]
     lens_q = [30, 0, 33, 1, 40] if pos == "offset" else lens_k
