@@ -224,6 +224,7 @@ def _fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    MASKED_SUB: tl.constexpr = 1,  # the masked loop takes a key tile in this many slices
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
     item = _item()
@@ -258,15 +259,20 @@ def _fwd_kernel(
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
     q_lo = _window_start(q_pos, window_left)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
+    # A masked tile in MASKED_SUB slices of its keys, one after another: the NaN guards hold registers
+    # per key, so a wide tile (the mask-free loop's) stays spill-free here.
+    SUB_N: tl.constexpr = BLOCK_N // MASKED_SUB
     for e in range(e_mid, e_end):
-        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < k_end
-        k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
-                                       UPCAST)
-        s = _scores(q, k, qk_scale, softcap_log2, SOFTCAP, PREC)
-        vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
-        p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
-        acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
+        row0 = tl.load(KvRows + e)
+        for sub in tl.static_range(MASKED_SUB):
+            offs_n = row0 + sub * SUB_N + tl.arange(0, SUB_N)
+            n_valid = offs_n < k_end
+            k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
+                                           UPCAST)
+            s = _scores(q, k, qk_scale, softcap_log2, SOFTCAP, PREC)
+            vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
+            p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
+            acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
 
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -451,6 +457,15 @@ def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, win
     return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]
 
 
+def masked_slices(block_n: int, wanted: int) -> int:
+    """The forward's MASKED_SUB: the config's ``masked_sub`` (a power of two; default 1) cut so that
+    each slice keeps at least 16 keys (tl.dot's minimum)."""
+    wanted = max(1, int(wanted))
+    if wanted & (wanted - 1):
+        raise ValueError(f"varlen_attention config: masked_sub must be a power of two, got {wanted}")
+    return max(1, min(wanted, block_n // 16))
+
+
 def _tma_descriptors(k, v, head_dim: int, block_n: int, wanted: bool):
     """(KDesc, VDesc) when the forward's mask-free loop loads K/V by TMA, else (None, None).
 
@@ -510,9 +525,11 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
     total_q, total_k, num_heads, num_kv_heads, head_dim, scale, window = _problem(q, k, scale, window_left)
     dev_name = _device_name(q.device)
     bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0, dev_name)
-    tma = bool(get_config("varlen_attention", dev_name or DEFAULT, config_key(head_dim, "fwd", q.dtype, window >= 0))
-               .get("tma", False)) and not _INTERPRET
+    opts = get_config("varlen_attention", None if _INTERPRET else (dev_name or DEFAULT),
+                      config_key(head_dim, "fwd", q.dtype, window >= 0))
+    tma = bool(opts.get("tma", False)) and not _INTERPRET
     bm, bn = block_m or bm, block_n or bn
+    masked_sub = masked_slices(bn, opts.get("masked_sub", 1))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
     if total_q == 0 or cu_q.numel() <= 1:
@@ -534,6 +551,7 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q), SOFTCAP=logits_soft_cap > 0,
             num_warps=warps, num_stages=stages, KDesc=k_desc, VDesc=v_desc, USE_TMA=k_desc is not None,
+            MASKED_SUB=masked_sub,
         )
     if parts_rows:  # merge the splits of long rows, then put their valid rows in place
         merged = torch.empty(parts_rows, num_heads, head_dim, dtype=out.dtype, device=q.device)

@@ -179,6 +179,12 @@ def triton_specs() -> List[TritonSpec]:
                 specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name} (TMA)", True,
                                         dict(consts, USE_TMA=True), dict(types_va, KDesc=desc, VDesc=desc), warps,
                                         stages, grid, ints_va, costs=_varlen_costs(csr, grid[0])))
+            if kernel == "fwd" and name != "fwd_chunks64x500+50":  # a wide key tile, masked tiles in halves
+                wide = _varlen_bench_plan(vp, n_chunks, chunk, 0 if window else 50, bm, 64, False, 2 * sms / H,
+                                          WINDOW_W - 1 if window else -1)
+                specs.append(TritonSpec(f"varlen_attention.{fn}", f"varlen_attention/{name} (x64 keys, masked_sub 2)",
+                                        True, dict(consts, BLOCK_N=64, MASKED_SUB=2), types_va, warps, stages,
+                                        (H, wide.by_q.items), ints_va, costs=_varlen_costs(wide.by_q, H)))
             if plan.by_q.split_tiles and kernel == "fwd":  # the merge of split rows
                 block_h = triton.next_power_of_2(H)
                 rows = plan.by_q.split_tiles * bm
