@@ -352,14 +352,19 @@ class PagedFamily(Family):
         return paged_attention_candidates(shape_key)
 
     def quick_variants(self, shape_key):
-        c = lambda bm, bn, w, s, waves=4.0: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves)  # noqa: E731
+        c = lambda bm, bn, w, s, waves=4.0, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves,  # noqa: E731
+                                                       **kw)
         kind = shape_key.split("/")[0]
-        if kind == "decode":  # deeper prefetch: 5 stages double-buffer K and V (sm_90, 71.7 KB, 2 CTAs/SM)
-            return [c(16, 64, 4, 5), c(16, 64, 4, 2), c(16, 32, 4, 5), c(16, 128, 4, 3), c(16, 64, 4, 5, 2.0)]
+        if kind == "decode":  # deeper prefetch: 5 stages double-buffer K and V (sm_90: 71.7 KB, 3 CTAs/SM
+            # without a window, so 6 waves of programs fill whole rounds of 3 per SM)
+            return [c(16, 64, 4, 5), c(16, 64, 4, 3, 6.0), c(16, 64, 4, 5, 6.0), c(16, 64, 4, 2), c(16, 32, 4, 5),
+                    c(16, 128, 4, 3)]
         if kind == "verify":
             return [c(64, 64, 4, 3), c(64, 32, 4, 3), c(64, 64, 4, 5)]
-        # the tile height: 64-row tiles pipeline V like K (whole key tiles in a loop of their own)
-        return [c(64, 64, 4, 3), c(64, 64, 4, 5), c(64, 64, 8, 3), c(128, 64, 8, 5), c(128, 32, 8, 3)]
+        # the 128-row loop with V in registers (the default before pipeline_v: the A/B baseline), the
+        # tile height (64-row tiles run whole key tiles in a loop of their own), deeper prefetch
+        return [c(128, 64, 8, 3, pipeline_v=False), c(64, 64, 8, 3), c(64, 64, 4, 3),
+                c(128, 64, 8, 5, pipeline_v=True), c(128, 32, 8, 3, pipeline_v=True)]
 
     def problem(self, shape_key, device):
         import ragattn
