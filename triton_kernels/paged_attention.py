@@ -1,5 +1,7 @@
 """Q-indexed attention over a paged KV cache: sparse prefill, speculative tails and decode.
 
+(Over 600 lines: one kernel family, its jit helpers and the launcher that plans it belong together.)
+
 One kernel serves every case. A program owns one *query tile* of one sequence (up to BLOCK_M
 consecutive query rows of that sequence) for one KV head, and stacks the rows x the GQA group of
 query heads that read that KV head into the rows of its tile, so ``tl.dot`` sees

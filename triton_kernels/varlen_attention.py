@@ -445,13 +445,10 @@ def config_key(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, 
 
 def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False,
             device_name: Optional[str] = None):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
-    head dim and dtype on ``device_name`` (``torch.cuda.get_device_name``; None: the table's
-    heuristic default), from ``configs/varlen_attention.json`` (``gpu_configs``). The default
-    entries are spill-free for sm_90 (``python -m ragattn.bench.sm90``); the partially visible
-    loops' NaN guards (operands through registers) are what bounds the tiles, and a sliding
-    window's compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants
-    few, big tiles."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") on ``device_name``
+    (None: the heuristic default) from ``configs/varlen_attention.json``. The defaults are spill-free
+    for sm_90 (``python -m ragattn.bench.sm90``): the masked loops' NaN guards bound the tiles, a window's
+    compare halves the 16-bit forward's key tile at d > 64. The interpreter wants few, big tiles."""
     c = get_config("varlen_attention", None if _INTERPRET else (device_name or DEFAULT),
                    config_key(head_dim, kernel, dtype, window))
     return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]

@@ -70,10 +70,11 @@ def sparse_prefill_positions() -> List[int]:
 
 
 def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[dict] = None, variant: str = "",
-                merge: bool = True) -> List[TritonSpec]:
+                merge: bool = True, hnd: bool = False) -> List[TritonSpec]:
     """The paged kernel (and its split-KV merge) as ``plan_paged_attention`` launches it for ``batch``
     sequences of ``rows`` query rows over PAGED_CTX slots (32 query / 8 kv heads, d 128, bf16, page
-    16) at the config table's H100 entry, with ``change`` applied to that entry (a variant)."""
+    16) at the config table's H100 entry, with ``change`` applied to that entry (a variant). ``hnd``:
+    head-major pages ``[pages, kv heads, page, d]`` (FlashInfer's HND) through the cache strides."""
     import triton
 
     import ragattn.triton_kernels.merge_attention_states as mas
@@ -105,8 +106,9 @@ def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[
     types.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32", softcap_log2="fp32",
                  OUT="*fp32" if splits > 1 else "*bf16")
     # strides of q [T, H, D], k/v cache [pages, page, Hkv, D], block table [B, pages], out, lse
-    ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=Hkv * D, stride_kh=D,
-                stride_vp=page * Hkv * D, stride_vo=Hkv * D, stride_vh=D, stride_bt=ctx // page,
+    slot, head = (D, page * D) if hnd else (Hkv * D, D)  # strides of a slot and a kv head within a page
+    ints = dict(stride_qt=H * D, stride_qh=D, stride_kp=page * Hkv * D, stride_ko=slot, stride_kh=head,
+                stride_vp=page * Hkv * D, stride_vo=slot, stride_vh=head, stride_bt=ctx // page,
                 page_size=page, head_dim=D, split_len=split_len)
     if splits > 1:  # fp32 partials [splits, T, H, D] and lse [splits, T, H]
         ints.update(stride_os=batch * rows * H * D, stride_ot=H * D, stride_oh=D, stride_ls=batch * rows * H, stride_lt=H)
@@ -203,6 +205,7 @@ def triton_specs() -> List[TritonSpec]:
     specs += paged_specs("decode", PAGED_BATCH, 1, -1)
     specs += paged_specs("decode_window", PAGED_BATCH, 1, PAGED_WINDOW)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1, dict(num_stages=5), "5 stages", merge=False)
+    specs += paged_specs("decode", PAGED_BATCH, 1, -1, None, "HND pages", merge=False, hnd=True)
     specs += paged_specs("sparse_prefill", 1, SPARSE_ROWS, -1, dict(pipeline_v=False), "V register load")
     specs += paged_specs("sparse_prefill", 1, SPARSE_ROWS, -1, dict(BLOCK_M=64, num_warps=4), "64-row tiles")
 
