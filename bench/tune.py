@@ -490,7 +490,8 @@ def main(argv=None) -> int:
 
     from .provenance import project_commit
 
-    torch.cuda.set_device(device)
+    if device.index is not None:  # "cuda" alone: the current device
+        torch.cuda.set_device(device)
     t0 = time.monotonic()
     results = tune_family(family, keys, _gpu_timer(family, device, args.warmup_ms, args.rep_ms),
                           max_candidates=args.max_candidates, candidates=candidates,
