@@ -75,7 +75,8 @@ def _contiguous(cache, block_table_row, ctx):
 
 def _plan_config(plan) -> dict:
     """The launch a plan chose (the results table's config column)."""
-    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "group", "group_pad", "splits", "split_len", "num_stages", "num_warps")
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "group", "group_pad", "splits", "split_len", "num_stages", "num_warps",
+             "pipeline_v")
     return dict(zip(names, plan.launch))
 
 
