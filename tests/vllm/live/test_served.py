@@ -62,6 +62,14 @@ def test_connector_block_attention_equals_hf(live):
     block: the answers equal the HF path's Block-Attention answers for the same chunks and positions."""
     server, ref = live
     eos = _eos(ref)
+    # the store was built under the HF environment's transformers; this one's fingerprint of the
+    # served folder (what the connector computes) is the same
+    import torch
+    import transformers
+
+    from ragattn.vllm.fingerprint import checkpoint_fingerprint
+    assert checkpoint_fingerprint(ref["model"], torch.float32) == ref["fingerprint"], \
+        (ref["transformers"], transformers.__version__)
     for p in ref["prompts"]:
         got, text = complete(server, ref, p["prompt"], {"ragattn_spans": p["spans"]})
         assert got == _upto_eos(p["block_attention"], eos), (p["question"], text, p["block_attention_text"])
