@@ -16,9 +16,11 @@ _WORDS_PER_ROW = 64              # checksum rows: 64 int64 words (512 bytes) eac
 
 def _config_json(model) -> str:
     cfg = model.config.to_dict()
-    # not what the model is: its attention kernel, and the path it was loaded from (a store built
-    # from "org/model" serves the same weights loaded from /abs/path/model, e.g. by vLLM)
-    for k in ("_attn_implementation_autoset", "_attn_implementation", "attn_implementation", "_name_or_path"):
+    # not what the model is: its attention kernel, the path it was loaded from (a store built
+    # from "org/model" serves the same weights loaded from /abs/path/model, e.g. by vLLM) and the
+    # transformers release that wrote the config (the HF environment and vLLM's pin other releases)
+    for k in ("_attn_implementation_autoset", "_attn_implementation", "attn_implementation", "_name_or_path",
+              "transformers_version"):
         cfg.pop(k, None)
     return json.dumps(cfg, sort_keys=True, default=str)
 
