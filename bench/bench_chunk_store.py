@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case, small_dtype
+from .harness import Case, lazy, small_dtype
 
 FAMILIES = ("chunk_store",)
 
 
 def cases(device: torch.device, size: str):
+    """The cases, not built yet (they share one set of inputs, made when measured)."""
+    return [lazy("chunk_store", "", _build, device, size)]
+
+
+def _build(device: torch.device, size: str):
     from ragattn.hf.models import random_llama
-    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.store import ChunkStore
 
     if size == "gpu":
         L, Hkv, D, n_lo, n_hi, dtype = 32, 8, 128, 480, 544, torch.bfloat16

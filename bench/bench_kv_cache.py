@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case, cpu_config, small_dtype
+from .harness import Case, Rand, cpu_config, lazy, small_dtype
 
 FAMILIES = ("kv_cache",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -42,14 +42,10 @@ def cases(device: torch.device, size: str):
         shapes = [("N8192", 32, 8, 128, 8192, torch.bfloat16), ("chunk512", 32, 8, 128, 512, torch.bfloat16)]
     else:
         shapes = [("N256", 4, 2, 64, 256, small_dtype(device)), ("chunk32", 4, 2, 64, 32, small_dtype(device))]
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for shape in shapes:
-        # One function call per shape: the lambdas below close over that call's own inputs. (Built
-        # inline in this loop, they looked the loop's variables up when called, so every shape ran
-        # the last shape's inputs while counting its own bytes: issue 22.6.)
-        out.extend(_shape_cases(device, gen, *shape))
-    return out
+    # One builder per shape, its arguments bound now: the lambdas of _shape_cases close over that
+    # call's own inputs. (Built inline in a loop, they looked the loop's variables up when called,
+    # so every shape ran the last shape's inputs while counting its own bytes.)
+    return [lazy("kv_cache", "", _shape_cases, device, Rand(device, seed), *shape) for seed, shape in enumerate(shapes)]
 
 
 def _kernel_config(device, n: int, layers: int) -> dict:
@@ -60,20 +56,20 @@ def _kernel_config(device, n: int, layers: int) -> dict:
     return {"kernel": "cuda", "threads": 256, "grid": n, "layers_per_cta": layers}
 
 
-def _shape_cases(device, gen, tag, L, H, D, N, dtype):
+def _shape_cases(device, rnd, tag, L, H, D, N, dtype):
     import ragattn
 
     out = []
     elem = torch.finfo(dtype).bits // 8
     rows_total = 2 * N  # the request cache holds twice the moved rows
     inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
-    cache_k = [torch.randn(rows_total, H, D, generator=gen).to(device=device, dtype=dtype) for _ in range(L)]
-    cache_v = [torch.randn(rows_total, H, D, generator=gen).to(device=device, dtype=dtype) for _ in range(L)]
-    store_k = [torch.randn(N, H, D, generator=gen).to(device=device, dtype=dtype) for _ in range(L)]
-    store_v = [torch.randn(N, H, D, generator=gen).to(device=device, dtype=dtype) for _ in range(L)]
-    rows = torch.randperm(rows_total, generator=gen)[:N].to(device)
+    cache_k = [rnd.randn(rows_total, H, D, dtype=dtype) for _ in range(L)]
+    cache_v = [rnd.randn(rows_total, H, D, dtype=dtype) for _ in range(L)]
+    store_k = [rnd.randn(N, H, D, dtype=dtype) for _ in range(L)]
+    store_v = [rnd.randn(N, H, D, dtype=dtype) for _ in range(L)]
+    rows = torch.randperm(rows_total, generator=rnd.cpu)[:N].to(device)
     src_rows = torch.arange(N, device=device)
-    old_pos = torch.randint(0, 4096, (N,), generator=gen).to(device)
+    old_pos = torch.randint(0, 4096, (N,), generator=rnd.cpu).to(device)
     new_pos = old_pos + 4096
     delta = (new_pos - old_pos).int()
     cos_t, sin_t = _cos_sin_tables(8192, inv_freq, dtype)

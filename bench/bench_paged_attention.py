@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .harness import Case, small_dtype, synchronize
+from .harness import Case, Rand, lazy, small_dtype, synchronize
 
 FAMILIES = ("paged_attention", "merge_attention_states")  # the Case.family values of this module (lets --only skip building it)
 
@@ -38,13 +38,13 @@ def _flash_only(device: torch.device):
     return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
-def _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen):
+def _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, rnd):
     """Random K/V for `batch` sequences of `ctx` slots, pages shuffled over the pool."""
     pages = math.ceil(ctx / page_size)
-    perm = torch.randperm(batch * pages, generator=gen).to(I32)
+    perm = torch.randperm(batch * pages, generator=rnd.cpu).to(I32)
     block_table = perm.view(batch, pages).to(device)
-    k = torch.randn(batch * pages, page_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(batch * pages, page_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k = rnd.randn(batch * pages, page_size, kv_heads, head_dim, dtype=dtype)
+    v = rnd.randn(batch * pages, page_size, kv_heads, head_dim, dtype=dtype)
     return k, v, block_table
 
 
@@ -55,11 +55,11 @@ def _decode_shape(device, size):
     return 3, 200, 4, 2, 64, small_dtype(device), 16
 
 
-def _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device, gen):
+def _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device, rnd):
     """A decode step's inputs: the paged K/V (`_paged_cache`), one query row per sequence at its
     last position, cu_seqlens_q and kv_lens."""
-    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
-    q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k, v, bt = _paged_cache(batch, ctx, page_size, kv_heads, head_dim, dtype, device, rnd)
+    q = rnd.randn(batch, heads, head_dim, dtype=dtype)
     q_pos = torch.full((batch,), ctx - 1, dtype=I32, device=device)
     cu = torch.arange(batch + 1, dtype=I32, device=device)
     kv_lens = torch.full((batch,), ctx, dtype=I32, device=device)
@@ -75,11 +75,12 @@ def _contiguous(cache, block_table_row, ctx):
 
 def _plan_config(plan) -> dict:
     """The launch a plan chose (the results table's config column)."""
-    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "group", "group_pad", "splits", "split_len", "num_stages", "num_warps")
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "group", "group_pad", "splits", "split_len", "num_stages", "num_warps",
+             "pipeline_v")
     return dict(zip(names, plan.launch))
 
 
-def _sparse_prefill(device, size, gen):
+def _sparse_prefill(device, size, rnd):
     import ragattn
 
     if size == "gpu":
@@ -87,11 +88,11 @@ def _sparse_prefill(device, size, gen):
     else:
         ctx, heads, kv_heads, head_dim, dtype, page_size, tail = 300, 4, 2, 64, small_dtype(device), 16, 8
     group = heads // kv_heads
-    k, v, bt = _paged_cache(1, ctx, page_size, kv_heads, head_dim, dtype, device, gen)
-    body = torch.randperm(ctx - tail, generator=gen)[: int(0.15 * (ctx - tail))].sort().values
+    k, v, bt = _paged_cache(1, ctx, page_size, kv_heads, head_dim, dtype, device, rnd)
+    body = torch.randperm(ctx - tail, generator=rnd.cpu)[: int(0.15 * (ctx - tail))].sort().values
     q_pos = torch.cat([body, torch.arange(ctx - tail, ctx)]).to(I32)
     n_rows = q_pos.numel()
-    q = torch.randn(n_rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q = rnd.randn(n_rows, heads, head_dim, dtype=dtype)
     q_pos_d = q_pos.to(device)
     cu = torch.tensor([0, n_rows], dtype=I32, device=device)
     kv_lens = torch.tensor([ctx], dtype=I32, device=device)
@@ -100,7 +101,7 @@ def _sparse_prefill(device, size, gen):
     # baselines: contiguous K/V with all query heads (what the flash backend accepts)
     kc = _contiguous(k, bt[0], ctx).repeat_interleave(group, dim=1)
     vc = _contiguous(v, bt[0], ctx).repeat_interleave(group, dim=1)
-    q_full = torch.randn(1, heads, ctx, head_dim, generator=gen).to(device=device, dtype=dtype)
+    q_full = rnd.randn(1, heads, ctx, head_dim, dtype=dtype)
     q_sel = q.transpose(0, 1).unsqueeze(0).contiguous()
 
     def full_causal():
@@ -129,16 +130,18 @@ def _sparse_prefill(device, size, gen):
         peak="matmul",
         peak_dtype=dtype,
         setup_ms={"sdpa_dense_mask_selected_rows": mask_ms},
+        backends={"sdpa_full_causal_all_rows": "SDPA, flash backend only (K/V repeated to every head)",
+                  "sdpa_dense_mask_selected_rows": "SDPA, torch's choice of backend for a boolean mask"},
         params={"dtype": str(dtype).replace("torch.", ""), "target": "speedup >= 5x over sdpa_full_causal_all_rows"},
     )
 
 
-def _decode(device, size, gen):
+def _decode(device, size, rnd):
     import ragattn
 
     batch, ctx, heads, kv_heads, head_dim, dtype, page_size = _decode_shape(device, size)
     k, v, bt, q, q_pos, cu, kv_lens = _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device,
-                                                    gen)
+                                                    rnd)
     kv_bytes = 2.0 * batch * ctx * kv_heads * head_dim * k.element_size()
 
     # baseline: SDPA over the same K/V stored contiguously [B, kv_heads, ctx, D], GQA by the op
@@ -160,6 +163,8 @@ def _decode(device, size, gen):
         config=lambda: _plan_config(plan),
         baselines={"sdpa_contiguous_gqa": sdpa_decode,
                    "ragattn_one_call": lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens)},
+        backends={"sdpa_contiguous_gqa": "SDPA, torch's choice of backend, enable_gqa=True",
+                  "ragattn_one_call": "plan + run in one call (host read of the lengths)"},
         bytes=kv_bytes,
         flops=4.0 * head_dim * heads * batch * ctx,
         peak="copy",
@@ -167,7 +172,7 @@ def _decode(device, size, gen):
     )
 
 
-def _decode_tagged(device, size, gen):
+def _decode_tagged(device, size, rnd):
     """Decode on a zero-copy request's table (issue 27): every page an entry with its first
     position (``PageTable.from_entries``), keys stored without RoPE and rotated in the kernel.
     Baseline: the same decode over keys rotated beforehand (the copy path's cache)."""
@@ -175,7 +180,7 @@ def _decode_tagged(device, size, gen):
 
     batch, ctx, heads, kv_heads, head_dim, dtype, page_size = _decode_shape(device, size)
     k, v, bt, q, q_pos, cu, kv_lens = _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device,
-                                                    gen)
+                                                    rnd)
     pages_per_seq = bt.shape[1]
     indptr = torch.arange(0, (batch + 1) * pages_per_seq, pages_per_seq, dtype=I32, device=device)
     first = (torch.arange(pages_per_seq, dtype=I32, device=device) * page_size).repeat(batch)
@@ -200,7 +205,7 @@ def _decode_tagged(device, size, gen):
     )
 
 
-def _decode_window(device, size, gen):
+def _decode_window(device, size, rnd):
     import ragattn
 
     if size == "gpu":
@@ -208,7 +213,7 @@ def _decode_window(device, size, gen):
     else:
         batch, ctx, window, heads, kv_heads, head_dim, dtype, page_size = 3, 200, 32, 4, 2, 64, small_dtype(device), 16
     k, v, bt, q, q_pos, cu, kv_lens = _decode_batch(batch, ctx, heads, kv_heads, head_dim, dtype, page_size, device,
-                                                    gen)
+                                                    rnd)
     kv_bytes = 2.0 * batch * window * kv_heads * head_dim * k.element_size()  # only the window is read
 
     # baseline: SDPA over the window's slots stored contiguously [B, kv_heads, window, D]
@@ -226,6 +231,7 @@ def _decode_window(device, size, gen):
         baselines={"sdpa_contiguous_window_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(
             q4, kc, vc, enable_gqa=True),
                    "ragattn_one_call": lambda: ragattn.paged_attention(q, q_pos, cu, k, v, bt, kv_lens, None, window - 1)},
+        backends={"sdpa_contiguous_window_gqa": "SDPA, torch's choice of backend, enable_gqa=True, window's slots only"},
         bytes=kv_bytes,
         flops=4.0 * head_dim * heads * batch * window,
         peak="copy",
@@ -234,7 +240,7 @@ def _decode_window(device, size, gen):
     )
 
 
-def _merge(device, size, gen):
+def _merge(device, size, rnd):
     import ragattn
     from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
 
@@ -242,10 +248,10 @@ def _merge(device, size, gen):
         rows, heads, head_dim, dtype = 32 * 128, 32, 128, torch.bfloat16
     else:
         rows, heads, head_dim, dtype = 64, 4, 64, small_dtype(device)
-    out_a = torch.randn(rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    out_b = torch.randn(rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    lse_a = torch.randn(rows, heads, generator=gen).to(device)
-    lse_b = torch.randn(rows, heads, generator=gen).to(device)
+    out_a = rnd.randn(rows, heads, head_dim, dtype=dtype)
+    out_b = rnd.randn(rows, heads, head_dim, dtype=dtype)
+    lse_a = rnd.randn(rows, heads)
+    lse_b = rnd.randn(rows, heads)
     nbytes = 3.0 * rows * heads * (head_dim * out_a.element_size() + 4)
     return Case(
         family="merge_attention_states",
@@ -258,7 +264,7 @@ def _merge(device, size, gen):
     )
 
 
-def _merge_n(device, size, gen):
+def _merge_n(device, size, rnd):
     """merge_attention_states_n over S = 4 cascade levels vs a chain of pairwise merges."""
     import ragattn
     from ragattn.reference.merge_attention_states import merge_attention_states_n as ref_merge_n
@@ -268,8 +274,8 @@ def _merge_n(device, size, gen):
     else:
         rows, heads, head_dim, dtype = 64, 4, 64, small_dtype(device)
     S = 4
-    outs = torch.randn(S, rows, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    lses = torch.randn(S, rows, heads, generator=gen).to(device)
+    outs = rnd.randn(S, rows, heads, head_dim, dtype=dtype)
+    lses = rnd.randn(S, rows, heads)
 
     def pairwise():
         o, l = outs[0], lses[0]
@@ -289,6 +295,11 @@ def _merge_n(device, size, gen):
 
 
 def cases(device: torch.device, size: str):
-    gen = torch.Generator().manual_seed(0)
-    return [_sparse_prefill(device, size, gen), _decode(device, size, gen), _decode_window(device, size, gen),
-            _decode_tagged(device, size, gen), _merge(device, size, gen), _merge_n(device, size, gen)]
+    """The cases, not built yet: each builds its inputs (on the device, from its own seed) only
+    when the runner measures it."""
+    builders = [("paged_attention", "sparse_prefill", _sparse_prefill), ("paged_attention", "decode_b", _decode),
+                ("paged_attention", "decode_window", _decode_window),
+                ("paged_attention", "decode_tagged_rope", _decode_tagged),
+                ("merge_attention_states", "n", _merge), ("merge_attention_states", "n-way", _merge_n)]
+    return [lazy(family, key, build, device, size, Rand(device, seed))
+            for seed, (family, key, build) in enumerate(builders)]

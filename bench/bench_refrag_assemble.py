@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Case, small_dtype
+from .harness import Case, lazy, small_dtype
 
 FAMILIES = ("refrag_assemble",)
 
 
 def cases(device: torch.device, size: str):
+    """The cases, not built yet (they share one set of inputs, made when measured)."""
+    return [lazy("refrag_assemble", "", _build, device, size)]
+
+
+def _build(device: torch.device, size: str):
     import ragattn
     from ragattn.methods.refrag import RefragExample, build_layout, chunk_context
 

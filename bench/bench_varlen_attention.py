@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .harness import Case, cpu_config, small_dtype, synchronize
+from .harness import Case, Rand, cpu_config, lazy, small_dtype, synchronize
 
 FAMILIES = ("varlen_attention",)  # the Case.family values of this module (lets --only skip building it)
 
@@ -50,15 +50,15 @@ def _shape(size, chunk, device):
     return dict(n_chunks=4, chunk=20 if chunk == 500 else 40, tail=6, heads=4, kv_heads=2, head_dim=64, dtype=small_dtype(device))
 
 
-def _problem(device, size, chunk, gen):
+def _problem(device, size, chunk, rnd):
     """Packed inputs of one sequence: chunk blocks 0..n-1, then the global tail (block -1)."""
     s = _shape(size, chunk, device)
     n, c, tail, H, Hkv, D, dtype = (s[k] for k in ("n_chunks", "chunk", "tail", "heads", "kv_heads", "head_dim", "dtype"))
     L = n * c + tail
     blk = torch.cat([torch.arange(n).repeat_interleave(c), torch.full((tail,), -1)]).to(I32)
-    q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
-    k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    q = rnd.randn(L, H, D, dtype=dtype)
+    k = rnd.randn(L, Hkv, D, dtype=dtype)
+    v = rnd.randn(L, Hkv, D, dtype=dtype)
     cu = torch.tensor([0, L], dtype=I32, device=device)
     pairs = n * c * (c + 1) / 2 + sum(n * c + i + 1 for i in range(tail))  # visible (q, k) pairs
     return dict(q=q, k=k, v=v, cu=cu, blk=blk.to(device), L=L, H=H, Hkv=Hkv, D=D, dtype=dtype, pairs=pairs, name=f"{n}x{c}+{tail}_h{H}_kv{Hkv}_d{D}")
@@ -158,6 +158,19 @@ def _flex_baseline(mask_mod, qkv, L, device, backward: bool):
     return (lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)), setup_ms
 
 
+def baseline_backends(device) -> dict:
+    """How each baseline of this module runs (recorded in every row: ``Case.backends``)."""
+    flex = ("torch.compile(flex_attention, fullgraph=True, dynamic=False), BlockMask from create_block_mask"
+            if device.type == "cuda" else "flex_attention eager (CPU: its time says nothing of the GPU)")
+    return {"flex_attention": flex, "flex_attention_bwd": flex + "; backward of the compiled graph",
+            "flex_attention_window": flex,
+            "sdpa_dense_mask": "SDPA, memory-efficient backend only, K/V repeated to every head",
+            "sdpa_dense_mask_bwd": "SDPA, memory-efficient backend only, K/V repeated to every head",
+            "sdpa_dense_band_mask": "SDPA, memory-efficient backend only, K/V repeated to every head",
+            "sdpa_full_causal": "SDPA, flash backend only, K/V repeated to every head",
+            "ragattn_no_cap": "ragattn, the same call without logits_soft_cap"}
+
+
 def _baselines(p, device, backward: bool):
     """(baselines dict, setup_ms dict) computing the same attention (or its backward)."""
     q4 = p["q"].transpose(0, 1).unsqueeze(0).contiguous()  # [1, H, L, D]
@@ -215,10 +228,10 @@ def _baselines(p, device, backward: bool):
     return _runnable(baselines, device), setup
 
 
-def _forward_case(device, size, chunk, gen):
+def _forward_case(device, size, chunk, rnd):
     import ragattn
 
-    p = _problem(device, size, chunk, gen)
+    p = _problem(device, size, chunk, rnd)
     baselines, setup = _baselines(p, device, backward=False)
     target = ">= 1.5x flex, >= 30x sdpa_full_causal" if chunk == 500 else ">= 50% of matmul peak"
     return Case(
@@ -230,18 +243,19 @@ def _forward_case(device, size, chunk, gen):
         peak="matmul",
         peak_dtype=p["dtype"],
         setup_ms=setup,
+        backends=baseline_backends(device),
         params={"dtype": str(p["dtype"]).replace("torch.", ""), "tokens": p["L"], "target": target},
         config=_config(device, p["D"], p["dtype"], ("fwd",)),
     )
 
 
-def _backward_case(device, size, gen):
+def _backward_case(device, size, rnd):
     import ragattn
 
-    p = _problem(device, size, 500, gen)
+    p = _problem(device, size, 500, rnd)
     q, k, v, cu, blk = p["q"], p["k"], p["v"], p["cu"], p["blk"]
     out, lse = ragattn.varlen_attention(q, k, v, cu, cu, q_block=blk, kv_block=blk)
-    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
+    dout = rnd.randn(*out.shape, dtype=out.dtype)
     baselines, setup = _baselines(p, device, backward=True)
     return Case(
         family="varlen_attention",
@@ -252,12 +266,13 @@ def _backward_case(device, size, gen):
         peak="matmul",
         peak_dtype=p["dtype"],
         setup_ms=setup,
+        backends=baseline_backends(device),
         params={"dtype": str(p["dtype"]).replace("torch.", ""), "tokens": p["L"], "target": ">= 1.2x flex backward"},
         config=_config(device, p["D"], p["dtype"], ("dq", "dkdv")),
     )
 
 
-def _window_case(device, size, gen):
+def _window_case(device, size, rnd):
     """Mistral-style sliding window: one causal sequence, each query sees the last ``window_left + 1``
     keys. Baseline: SDPA with the dense band mask (K/V repeated), the generic engine's fallback."""
     import ragattn
@@ -266,9 +281,9 @@ def _window_case(device, size, gen):
         L, H, Hkv, D, W, dtype = 16384, 32, 8, 128, 4095, torch.bfloat16
     else:
         L, H, Hkv, D, W, dtype = 96, 4, 2, 64, 31, small_dtype(device)
-    q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
-    k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    q = rnd.randn(L, H, D, dtype=dtype)
+    k = rnd.randn(L, Hkv, D, dtype=dtype)
+    v = rnd.randn(L, Hkv, D, dtype=dtype)
     cu = torch.tensor([0, L], dtype=I32, device=device)
     pairs = sum(min(i + 1, W + 1) for i in range(L))
     q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
@@ -298,6 +313,7 @@ def _window_case(device, size, gen):
         run=lambda: ragattn.varlen_attention(q, k, v, cu, cu, window_left=W),
         baselines=_runnable(baselines, device),
         setup_ms=setup,
+        backends=baseline_backends(device),
         flops=4.0 * D * H * pairs,
         peak="matmul",
         peak_dtype=dtype,
@@ -307,7 +323,7 @@ def _window_case(device, size, gen):
     )
 
 
-def _soft_cap_case(device, size, gen):
+def _soft_cap_case(device, size, rnd):
     """Gemma 2's layer: soft-capped scores (``logits_soft_cap=50``), head_dim 256, one causal
     sequence. Baseline: the same call without the cap (what the cap costs: one tanh per score)."""
     import ragattn
@@ -316,15 +332,16 @@ def _soft_cap_case(device, size, gen):
         L, H, Hkv, D, dtype = 8192, 16, 8, 256, torch.bfloat16
     else:
         L, H, Hkv, D, dtype = 96, 4, 2, 256, small_dtype(device)
-    q = torch.randn(L, H, D, generator=gen).to(device=device, dtype=dtype)
-    k = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(L, Hkv, D, generator=gen).to(device=device, dtype=dtype)
+    q = rnd.randn(L, H, D, dtype=dtype)
+    k = rnd.randn(L, Hkv, D, dtype=dtype)
+    v = rnd.randn(L, Hkv, D, dtype=dtype)
     cu = torch.tensor([0, L], dtype=I32, device=device)
     return Case(
         family="varlen_attention",
         name=f"softcap50_L{L}_h{H}_kv{Hkv}_d{D}",
         run=lambda: ragattn.varlen_attention(q, k, v, cu, cu, logits_soft_cap=50.0),
         baselines={"ragattn_no_cap": lambda: ragattn.varlen_attention(q, k, v, cu, cu)},
+        backends=baseline_backends(device),
         flops=4.0 * D * H * L * (L + 1) / 2,
         peak="matmul",
         peak_dtype=dtype,
@@ -333,6 +350,15 @@ def _soft_cap_case(device, size, gen):
 
 
 def cases(device: torch.device, size: str):
-    gen = torch.Generator().manual_seed(0)
-    return [_forward_case(device, size, 500, gen), _forward_case(device, size, 4096, gen), _backward_case(device, size, gen),
-            _window_case(device, size, gen), _soft_cap_case(device, size, gen)]
+    """The cases, not built yet (each builds its inputs on the device from its own seed when measured)."""
+    f = "varlen_attention"
+
+    def key(chunk):
+        s = _shape(size, chunk, device)
+        return f"{s['n_chunks']}x{s['chunk']}"
+
+    return [lazy(f, f"chunks{key(500)}", _forward_case, device, size, 500, Rand(device, 0)),
+            lazy(f, f"chunks{key(4096)}", _forward_case, device, size, 4096, Rand(device, 1)),
+            lazy(f, f"bwd_chunks{key(500)}", _backward_case, device, size, Rand(device, 2)),
+            lazy(f, "window", _window_case, device, size, Rand(device, 3)),
+            lazy(f, "softcap", _soft_cap_case, device, size, Rand(device, 4))]

@@ -31,7 +31,7 @@ import torch
 def cases():
     import ragattn
     from ragattn.hf.models import random_llama
-    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.store import ChunkStore
 
     L, H, Hkv, D, chunk, n_chunks, page = 30, 9, 3, 64, 42, 16, 16
     gen = torch.Generator().manual_seed(0)

@@ -69,15 +69,16 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from .__main__ import _commit
 from .harness import synchronize
-from ragattn.methods.chunk_store import ChunkStore
-from ragattn.methods.common import generate_paged, paged_forward
+from ragattn.store import ChunkStore
+from ragattn.methods.generate import generate_paged, paged_forward
 
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
     "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (issue 15's end-to-end case)
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
-    "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K: scripts/gpu_check.sh's one-shot run
+    "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K
+    "gpu-32k": [(64, 512)],  # 32K alone: scripts/gpu_check.sh's first call
 }
 
 
@@ -202,8 +203,15 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
                     ZERO_COPY: zero_copy}
         answer_fns = ({"full-prefill": full_answer, "cached (on device)": cached_answer, ZERO_COPY: zero_copy_answer}
                       if n > 1 else {})
+        ttft = {k: [] for k in ttft_fns}
+        totals = {k: [] for k in answer_fns}
+        steps = {k: [] for k in answer_fns}
+        for f in list(ttft_fns.values()) + [lambda f=f: f(_StepClock()) for f in answer_fns.values()]:
+            f()  # warm-up (Triton compilation, allocator)
         if device.type == "cuda":
-            # the chunk KV lives in pinned host memory; the store's device pool is refilled from it
+            # the chunk KV lives in pinned host memory; the store's device pool is refilled from it.
+            # Copied after the warm-up: a zero-copy request's private pages grow the pool, and a
+            # copy taken before no longer matches it.
             host_k, host_v = store.pooled_kv("cpu", pin_memory=True)
 
             def from_host():
@@ -211,11 +219,8 @@ def measure(model, sizes, question_len: int, repeats: int, seed: int = 0, answer
                 return cached(record=False)
 
             ttft_fns["cached (KV from CPU)"] = from_host
-        ttft = {k: [] for k in ttft_fns}
-        totals = {k: [] for k in answer_fns}
-        steps = {k: [] for k in answer_fns}
-        for f in list(ttft_fns.values()) + [lambda f=f: f(_StepClock()) for f in answer_fns.values()]:
-            f()  # warm-up (Triton compilation, allocator)
+            ttft["cached (KV from CPU)"] = []
+            from_host()
         for r in range(repeats):
             names = list(ttft_fns)
             for k in names[r % len(names):] + names[:r % len(names)]:
@@ -481,10 +486,13 @@ def main(argv=None) -> int:
     model = build_model(model_name, device, dtype, args.layers)
     load_before = os.getloadavg()
     rows = []
-    for size in sizes:  # each context's rows printed as they finish: a run cut at a deadline keeps them
+    os.makedirs(args.out, exist_ok=True)
+    for size in sizes:  # each context's rows printed and saved as they finish: a run cut at a deadline keeps them
         part = measure(model, [size], args.question_len, repeats, answer_tokens=args.answer_tokens)
         print(format_table(part), flush=True)
         rows += part
+        with open(os.path.join(args.out, "e2e.partial.json"), "w") as f:
+            json.dump({"model": model_name, "commit": _commit(), "rows": rows}, f, indent=2)
     decode_rows = []
     if args.decode_rounds > 0:
         decode_rows = measure_decode_steps(model, sizes, args.question_len, args.decode_rounds,

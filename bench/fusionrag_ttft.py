@@ -64,8 +64,8 @@ def modelled_h100(tokens: int = 32768, ratio: float = 0.15, question: int = 32, 
 
 
 def _contexts(tokenizer, targets, question):
-    from ragattn.corpus import EVAL_CORPUS, load_corpus
-    from ragattn.methods.common import prompt_parts
+    from ragattn.apps.corpus import EVAL_CORPUS, load_corpus
+    from ragattn.methods.prompt import prompt_parts
 
     passages = [p.render() for p in load_corpus(EVAL_CORPUS).passages]
     out = []
@@ -81,10 +81,11 @@ def _contexts(tokenizer, targets, question):
 
 
 def measure(model, tokenizer, targets, ratio, repeats):
-    from ragattn.corpus import EVAL_CORPUS, load_corpus
+    from ragattn.apps.corpus import EVAL_CORPUS, load_corpus
     from ragattn.methods import fusionrag
-    from ragattn.methods.chunk_store import ChunkStore
-    from ragattn.methods.common import full_prefill, prompt_parts
+    from ragattn.store import ChunkStore
+    from ragattn.methods.baseline import full_prefill
+    from ragattn.methods.prompt import prompt_parts
 
     question = load_corpus(EVAL_CORPUS).questions[0].question
     store = ChunkStore(model)

@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 import statistics
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -56,6 +56,9 @@ class Case:
     # How many times the call reads its tensors by design (a two-pass kernel: 2); ``bytes`` may be
     # at most that many times the bytes of the tensors the call sees (``check_bytes_touched``).
     passes: int = 1
+    # How each implementation runs, where its name does not say it (a baseline's backend and
+    # options: "torch.compile(fullgraph=True, dynamic=False)", "SDPA, flash backend only").
+    backends: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class PeakExceeded(RuntimeError):
@@ -226,6 +229,27 @@ def measured_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.bflo
     return _PEAKS[key]
 
 
+def load_peaks(device: torch.device, path: Optional[str] = None) -> Dict[str, float]:
+    """The copy and bf16 matmul peaks of ``device``: read from the JSON file ``path`` when it
+    exists and was measured on this device, else measured (and written to ``path`` if given)."""
+    import json
+    import os
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if path and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("device") == name:
+            _PEAKS[("copy", str(device))] = saved["copy_GBps"]
+            _PEAKS[("matmul", str(device), torch.float32 if device.type == "cpu" else torch.bfloat16)] = saved["matmul_TFLOPs"]
+    peaks = {"copy_GBps": measured_copy_bandwidth(device), "matmul_TFLOPs": measured_matmul_tflops(device, torch.bfloat16)}
+    if path and not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"device": name, **peaks}, f)
+    return peaks
+
+
 def discover_modules() -> List[str]:
     """Names of every ``bench_*`` module of this package (``bench.*`` in a checkout, ``ragattn.bench.*``
     once installed)."""
@@ -233,29 +257,98 @@ def discover_modules() -> List[str]:
     return sorted(f"{__package__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if m.name.startswith("bench_"))
 
 
-def _matches(case: Case, only: Optional[str]) -> bool:
+def load_modules() -> list:
+    """Every ``bench_*`` module, imported."""
+    return [importlib.import_module(m) for m in discover_modules()]
+
+
+@dataclasses.dataclass
+class LazyCase:
+    """A case not built yet: its family, a short ``key`` that its built name starts with, and the
+    function that builds it (allocates its inputs). A module's ``cases()`` returns these, so that
+    the runner builds only the cases asked for, one at a time, and a case whose inputs cannot be
+    made (out of memory, no backend) fails alone. ``build`` may return a list of cases that share
+    their inputs (then ``key`` is a prefix of all their names; "" for any name)."""
+
+    family: str
+    key: str
+    build: Callable[[], Union["Case", List["Case"]]]
+
+    def build_all(self) -> List["Case"]:
+        built = self.build()
+        return built if isinstance(built, list) else [built]
+
+
+def lazy(family: str, key: str, build: Callable[..., "Case"], *args) -> LazyCase:
+    """``LazyCase(family, key, lambda: build(*args))`` with ``args`` bound now (not late-bound)."""
+    return LazyCase(family, key, lambda: build(*args))
+
+
+class Rand:
+    """Seeded random inputs made on the device itself: a 32K-token decode batch is ~1 G values,
+    which took minutes to draw on the host and copy. ``cpu`` is a host generator for the small
+    index tensors (permutations, row choices) that are cheap anywhere."""
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.cpu = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Standard normal values of ``shape`` in ``dtype`` on the device (drawn in float32)."""
+        return torch.randn(*shape, generator=self.gen, device=self.device).to(dtype)
+
+
+def _only_terms(only: Optional[str]) -> Optional[List[str]]:
+    return None if only is None else [t.strip() for t in only.split(",") if t.strip()]
+
+
+def matches(case: Case, only: Optional[str]) -> bool:
     # A family substring ("kv_cache", "attention") or a case-name prefix; not any substring of a
-    # case name, whose shape tags ("h32kv8") would match unrelated families.
-    return only is None or only in case.family or case.name.startswith(only)
+    # case name, whose shape tags ("h32kv8") would match unrelated families. ``only`` may list
+    # several, comma-separated.
+    terms = _only_terms(only)
+    return terms is None or any(t in case.family or case.name.startswith(t) for t in terms)
+
+
+def _may_match(spec: LazyCase, terms: Optional[List[str]]) -> bool:
+    """Whether the built case could match (decided without building it): a family substring, or a
+    name prefix that agrees with the case's key as far as both go."""
+    return terms is None or any(t in spec.family or t.startswith(spec.key) or spec.key.startswith(t)
+                                for t in terms)
+
+
+def _as_lazy(item) -> LazyCase:
+    return item if isinstance(item, LazyCase) else LazyCase(item.family, item.name, lambda: item)
+
+
+def iter_specs(device: torch.device, size: str, only: Optional[str] = None) -> Iterator[Tuple[str, List[LazyCase]]]:
+    """``(module name, its cases not built yet)`` for every bench module that may match ``only``.
+
+    A module whose ``FAMILIES`` cannot match ``only`` is not asked at all; when ``only`` names no
+    family of any module it is a case-name prefix, and every module's cases are filtered by key.
+    """
+    terms = _only_terms(only)
+    modules = load_modules()
+    fams = [f for m in modules for f in getattr(m, "FAMILIES", ())]
+    by_family = terms is not None and all(any(t in f for f in fams) for t in terms)
+    for mod in modules:
+        if by_family and not any(t in f for t in terms for f in getattr(mod, "FAMILIES", (t,))):
+            continue
+        specs = [s for s in map(_as_lazy, mod.cases(device, size)) if _may_match(s, terms)]
+        if specs:
+            yield mod.__name__, specs
 
 
 def iter_cases(device: torch.device, size: str, only: Optional[str] = None) -> Iterator[Tuple[str, List[Case]]]:
-    """``(module name, its cases)`` for every bench module, one module at a time.
-
-    Cases hold their input tensors, so building one module's cases only when the previous ones
-    are measured and dropped keeps the GPU sizes of all families from being resident at once.
-    A module whose ``FAMILIES`` cannot match ``only`` is not built at all; when ``only`` names no
-    family of any module it is a case-name prefix, and every module is built and filtered.
-    """
-    modules = [importlib.import_module(m) for m in discover_modules()]
-    by_family = only is not None and any(only in f for m in modules for f in getattr(m, "FAMILIES", ()))
-    for mod in modules:
-        if by_family and not any(only in f for f in getattr(mod, "FAMILIES", (only,))):
-            continue
-        cases = [c for c in mod.cases(device, size) if _matches(c, only)]
+    """``(module name, its built cases)`` for every bench module, one module at a time (a module's
+    cases are built together: for the CPU sizes and pytest; the runner builds one case at a time
+    through ``iter_specs``)."""
+    for name, specs in iter_specs(device, size, only):
+        cases = [c for s in specs for c in s.build_all() if matches(c, only)]
         if cases:
-            yield mod.__name__, cases
-        del cases  # drop our reference before the next module builds its inputs
+            yield name, cases
+        del cases
 
 
 def collect_cases(device: torch.device, size: str, only: Optional[str] = None) -> List[Case]:
@@ -277,6 +370,30 @@ def case_config(case: Case) -> Optional[Dict[str, object]]:
     return {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v)) for k, v in case.config().items()}
 
 
+def launched_kernels(fn: Callable[[], object], device: torch.device, top: int = 3) -> Optional[List[str]]:
+    """The names of the device kernels one call of ``fn`` launches, the longest-running first (at
+    most ``top``): which backend a baseline really ran (SDPA's flash, memory-efficient or cuDNN
+    kernel; FlexAttention's compiled Triton kernel; a cuBLAS GEMM). None on the CPU (no kernels)
+    or where the profiler cannot run."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            synchronize(device)
+        times: Dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                times[ev.name] = times.get(ev.name, 0.0) + ev.device_time_total
+        return [n[:120] for n, _ in sorted(times.items(), key=lambda kv: -kv[1])[:top]]
+    except Exception as exc:  # pragma: no cover - profiler unavailable
+        return [f"(profiler failed: {type(exc).__name__})"]
+
+
 def measure_case(case: Case, device: torch.device) -> List[dict]:
     """Time a case and its baselines; one result row per implementation.
 
@@ -287,6 +404,7 @@ def measure_case(case: Case, device: torch.device) -> List[dict]:
     fns = [("ragattn", case.run)] + list(case.baselines.items())
     impls = [(name, time_us(fn, device)) for name, fn in fns]
     walls = {name: synced_wall_us(fn, device) for name, fn in fns} if device.type == "cuda" else {}
+    kernels = {name: launched_kernels(fn, device) for name, fn in fns} if device.type == "cuda" else {}
     t_ragattn = impls[0][1]
     config = case_config(case)
     for impl, us in impls:
@@ -312,6 +430,10 @@ def measure_case(case: Case, device: torch.device) -> List[dict]:
             row["setup_ms"] = case.setup_ms[impl]
         if impl in walls:
             row["wall_us"] = walls[impl]
+        if kernels.get(impl):
+            row["kernels"] = kernels[impl]
+        if impl in case.backends:
+            row["backend"] = case.backends[impl]
         if impl == "ragattn" and config is not None:
             row["config"] = config
         check_peak(case, row, device)
@@ -326,7 +448,7 @@ def _config_text(config: Optional[dict]) -> str:
 def format_table(rows: List[dict]) -> str:
     """A markdown table of result rows."""
     head = ["family", "case", "impl", "time (us)", "GB/s", "TFLOP/s", "% peak", "ragattn speedup", "setup (ms)",
-            "synced wall (us)", "config"]
+            "synced wall (us)", "config", "backend"]
 
     def f(v, fmt):
         return "" if v is None else format(v, fmt)
@@ -348,6 +470,7 @@ def format_table(rows: List[dict]) -> str:
                     f(r.get("setup_ms"), ".2f"),
                     f(r.get("wall_us"), ".1f"),
                     _config_text(r.get("config")),
+                    "; ".join(x for x in [r.get("backend")] + (r.get("kernels") or []) if x).replace("|", "/"),
                 ]
             )
             + " |"

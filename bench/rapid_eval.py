@@ -1,7 +1,7 @@
 """RAPID evaluation on a long context (CPU measurement, H100 model): ``python -m ragattn.bench.rapid_eval``.
 
 SmolLM2-135M-Instruct is both target (reads the whole >= 4K-token context of
-:func:`ragattn.long_qa.build_long_qa`) and RAG drafter (reads the MiniLM-retrieved chunks, up to
+:func:`ragattn.apps.long_qa.build_long_qa`) and RAG drafter (reads the MiniLM-retrieved chunks, up to
 ``--budget`` tokens). Per question, from one prefill of each cache (the context prefix is prefilled
 once for all questions; every run starts from an O(1) rollback of the caches):
 
@@ -111,11 +111,12 @@ def main(argv=None) -> int:
     if args.h100:
         print(modelled_h100())
         return 0
-    from ragattn.corpus import exact_match
+    from ragattn.apps.corpus import exact_match
     from ragattn.hf.models import load_smollm2
-    from ragattn.long_qa import build_long_qa
+    from ragattn.apps.long_qa import build_long_qa
     from ragattn.methods import rapid
-    from ragattn.methods.common import _eos_ids, prompt_parts
+    from ragattn.methods.generate import _eos_ids
+    from ragattn.methods.prompt import prompt_parts
 
     torch.manual_seed(0)
     model, tok = load_smollm2()

@@ -66,8 +66,9 @@ def analytic_row(ctx_tokens: int, other_tokens: int, k: int, dec: dict, enc: dic
 
 
 def measure_ttft(rm, targets, ks, repeats):
-    from ragattn.corpus import EVAL_CORPUS, load_corpus
-    from ragattn.methods.common import full_prefill, prompt_parts
+    from ragattn.apps.corpus import EVAL_CORPUS, load_corpus
+    from ragattn.methods.baseline import full_prefill
+    from ragattn.methods.prompt import prompt_parts
 
     model, tok = rm.decoder, rm.tokenizer
     question = load_corpus(EVAL_CORPUS).questions[0].question
@@ -111,8 +112,8 @@ def measure_ttft(rm, targets, ks, repeats):
 def measure_quality(rm, ks, fractions, limit, top_k, max_new_tokens=16):
     from tqdm import tqdm
 
-    from ragattn.corpus import EVAL_CORPUS, exact_match, load_corpus
-    from ragattn.methods.common import full_prefill
+    from ragattn.apps.corpus import EVAL_CORPUS, exact_match, load_corpus
+    from ragattn.methods.baseline import full_prefill
     from ragattn.methods.refrag import RandomPolicy
     from ragattn.methods.retrieval import Retriever
 

@@ -77,7 +77,7 @@ def test_kv_cache_cases_bind_their_own_inputs():
     large shape's call must touch more than the small one's."""
     from . import bench_kv_cache
 
-    cases = {c.name: c for c in bench_kv_cache.cases(CPU, "cpu")}
+    cases = {c.name: c for spec in bench_kv_cache.cases(CPU, "cpu") for c in spec.build_all()}
     for c in cases.values():
         harness.check_bytes_touched(c)
     big, small = (harness.touched_bytes(cases[f"copy_kv_ {t}"].run) for t in ("N256", "chunk32"))
@@ -287,9 +287,56 @@ def test_flex_window_baseline_computes_the_window():
     CPU it runs eagerly: its time means nothing, its values do)."""
     from . import bench_varlen_attention as bva
 
-    case = bva._window_case(CPU, "cpu", torch.Generator().manual_seed(1))
+    case = bva._window_case(CPU, "cpu", harness.Rand(CPU, 1))
     assert {"flex_attention_window", "sdpa_dense_band_mask"} <= set(case.baselines)
     out, _ = case.run()
     for name in ("flex_attention_window", "sdpa_dense_band_mask"):
         got = case.baselines[name]()[0].transpose(0, 1)  # [1, H, L, D] -> [L, H, D]
         assert (got.float() - out.float()).abs().max() < 1e-4, name
+
+
+def test_the_runner_keeps_every_row_and_skips_only_the_failing_case(tmp_path, monkeypatch, fixed_peaks):
+    """``python -m bench``: each row reaches results.jsonl as soon as it is measured; a case whose
+    build or measurement raises (here: an impossible byte count, then a build error) is recorded with
+    its error and skipped, the next case still runs; only the cases asked for are built, and
+    ``--resume`` skips the cases already measured."""
+    import types
+
+    from . import __main__ as runner
+
+    built = []
+
+    def make(name, fail=None):
+        def build():
+            built.append(name)
+            if fail == "build":
+                raise MemoryError("no room for the inputs")
+            x = torch.ones(1024)
+            return Case("zz", name, run=lambda: x.add_(1.0), bytes=4096 if fail != "peak" else 4096e6)
+        return harness.LazyCase("zz", name, build)
+
+    fake = types.SimpleNamespace(__name__="bench.bench_fake", FAMILIES=("zz",),
+                                 cases=lambda device, size: [make("a"), make("b", "peak"), make("c", "build"),
+                                                             make("d"), make("skipped_e")])
+    monkeypatch.setattr(harness, "load_modules", lambda: [fake])
+    monkeypatch.setattr(harness, "time_us", lambda fn, device, **kw: 1.0)
+    out = tmp_path / "res"
+    rc = runner.main(["--device", "cpu", "--only", "a,b,c,d", "--out", str(out)])
+    assert rc == 1 and built == ["a", "b", "c", "d"]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert "meta" in records[0]
+    got = [(r.get("key"), "error" in r) for r in records[1:]]
+    assert got == [("a", False), ("b", True), ("c", True), ("d", False)], got
+    assert "BytesNotTouched" in records[2]["error"] and "MemoryError" in records[3]["error"]
+    md = (out / "results.md").read_text()
+    assert "| zz | a |" in md and "| zz | d |" in md and "## Cases that failed" in md and "zz/b" in md
+    built.clear()
+    runner.main(["--device", "cpu", "--only", "a,b,c,d", "--out", str(out), "--resume"])
+    assert built == ["b", "c"]   # a and d are in results.jsonl already
+
+
+def test_rand_makes_inputs_on_the_device_from_its_seed():
+    a, b = harness.Rand(CPU, 3), harness.Rand(CPU, 3)
+    x = a.randn(4, 5, dtype=torch.bfloat16)
+    assert x.dtype == torch.bfloat16 and x.shape == (4, 5) and torch.equal(x, b.randn(4, 5, dtype=torch.bfloat16))
+    assert not torch.equal(a.randn(4, 5), harness.Rand(CPU, 4).randn(4, 5))

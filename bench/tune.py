@@ -1,21 +1,27 @@
-"""``python -m ragattn.bench.tune FAMILY``: sweep a kernel family's launch configurations on the GPU
-at hand and write its entry in the config table (``triton_kernels/configs/FAMILY.json``).
+"""``python -m ragattn.bench.tune FAMILY``: time a kernel family's launch configurations on the GPU at
+hand and write the fastest into its config table (``triton_kernels/configs/FAMILY.json``, keyed by
+``torch.cuda.get_device_name``).
 
-    python -m ragattn.bench.tune varlen_attention                    # every 16-bit shape class
-    python -m ragattn.bench.tune key_attention_scores --keys 16bit/d128 --out /tmp/configs
-    python -m ragattn.bench.tune varlen_attention --list             # the sweep, without a GPU
-    python -m ragattn.bench.tune varlen_attention --keys fwd/16bit/d128 fwd/16bit/d128/window \
-        --max-candidates 24                                          # a short lease: the nearest 24
+    python -m bench.tune paged_attention --device cuda        # quick: ~60 s, the benchmark's classes
+    python -m bench.tune paged_attention --list               # what it would time (no GPU needed)
+    python -m bench.tune varlen_attention --keys fwd/16bit/d128 --budget-s 120
+    python -m bench.tune varlen_attention --full --max-candidates 24 --budget-s 600   # the wide sweep
+    python -m bench.tune key_attention_scores --out /tmp/configs                      # write elsewhere
 
-For each shape class the family names, every candidate config (tiles, warps, stages, ...) is run
-through the real launcher (``gpu_configs.override``) on a representative problem, its output checked
-against the table's current config, and timed with ``triton.testing.do_bench`` (median, L2
-flushed); candidates that fail to compile or launch (shared memory, registers) are skipped. The
-fastest is written under the device's ``torch.cuda.get_device_name``, with the commit, date and
-timings in the entry's ``source``. Nothing here runs without a CUDA GPU: on a CPU it refuses (exit
-status 2), since a timing in the interpreter says nothing about a GPU.
-
-    python -m ragattn.bench.tune paged_attention --keys decode/16bit/d128 --max-candidates 40
+Quick mode (the default) times, for each of the family's benchmark shape classes (``quick_keys``),
+the table's current config for this GPU first, then a short list of variants chosen by the static
+sm_90 report (``quick_variants``: deeper decode prefetch, the prefill tile height, wider key
+tiles); ``--full`` sweeps the whole space nearest-first instead. Every candidate runs through the
+real launcher (``gpu_configs.override``) on a representative problem whose inputs are made on the
+device, its output is checked against the current config's, and it is timed with
+``triton.testing.do_bench`` (median, L2 flushed); candidates that fail to compile or launch, or
+compute another result, are skipped. ``--budget-s`` (default 60) bounds the timing: each class gets
+an equal share of what is left, and a candidate is started only within it (the current config
+always runs). A table of every candidate tried (time, ratio to the current config, or why it was
+skipped) is printed, and the fastest of each class is written with the commit, date and timings in
+the entry's ``source``: a variant replaces the current config only when it is more than
+``MIN_GAIN`` faster. Nothing is timed without a CUDA GPU: on a CPU it refuses (exit status 2),
+since a timing in the interpreter says nothing about a GPU.
 """
 from __future__ import annotations
 
@@ -25,11 +31,14 @@ import itertools
 import math
 import os
 import sys
+import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 Config = Dict[str, object]
+MIN_GAIN = 0.01  # a variant must beat the current config by more than this share to replace it
+REFERENCE_GPU = "NVIDIA H100 80GB HBM3"  # whose table entry --list shows as "current" without a GPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,33 +113,43 @@ def key_attention_scores_candidates(shape_key: str) -> List[Config]:
     return nearest_first(out, ANCHORS["key_attention_scores"])
 
 
+PAGED_M_TILES = {"decode": (16,), "verify": (64,), "prefill": (64, 128)}  # query tile heights swept per kind
+
+
 def paged_attention_candidates(shape_key: str) -> List[Config]:
-    """The sweep of a ``paged_attention`` shape class: the key tile, warps, stages and the split-KV
-    wave target (the query tile follows from the rows and the GQA group, so it is not swept)."""
-    from ragattn.triton_kernels.paged_attention import SMEM_BUDGET  # over it the launcher shrinks a config
+    """The sweep of a ``paged_attention`` shape class: the key tile, warps, stages 2-5 and the
+    split-KV wave target; for prefill also the query tile height (``BLOCK_M``: stacked rows, 64 or
+    128; a 64-row tile runs its whole key tiles in a loop of their own, V pipelined like K). A
+    config the launcher's shared-memory model (``paged_attention.smem_bytes``, the compiler's
+    figure) would shrink is left out, so every candidate runs as listed."""
+    from ragattn.triton_kernels.paged_attention import SMEM_BUDGET, smem_bytes
 
     kind, dt, dclass = shape_key.split("/")[:3]
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
-    m_tile = {"decode": 16, "verify": 64, "prefill": 128}[kind]
     out = []
-    for bn, warps, stages, waves in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4), (2.0, 4.0, 8.0)):
+    for m_tile, bn, warps, stages, waves in itertools.product(PAGED_M_TILES[kind], (16, 32, 64, 128), (2, 4, 8),
+                                                               (2, 3, 4, 5), (2.0, 4.0, 8.0)):
         if kind == "prefill" and waves != 4.0:  # prefill grids fill the GPU without splits
             continue
-        if m_tile * bn < 32 * warps * 4 or elt * block_d * (m_tile + 2 * bn * stages) > SMEM_BUDGET:
+        if m_tile * bn < 32 * warps * 4 or smem_bytes(m_tile, bn, block_d, elt, stages) > SMEM_BUDGET:
             continue
-        out.append(dict(BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
-    anchor = ANCHORS["paged_decode" if kind != "prefill" else "paged_prefill"]
-    return nearest_first([dict(c, BLOCK_M=anchor["BLOCK_M"]) for c in out], anchor)
+        out.append(dict(BLOCK_M=m_tile, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
+    return nearest_first(out, ANCHORS["paged_decode" if kind != "prefill" else "paged_prefill"])
 
 
 def sweep(candidates: Iterable[Config], time_config: Callable[[Config], float],
-          log: Callable[[str], None] = lambda s: None) -> Tuple[Optional[Config], List[Tuple[Config, float]]]:
+          log: Callable[[str], None] = lambda s: None, stop: Callable[[], bool] = lambda: False,
+          ) -> Tuple[Optional[Config], List[Tuple[Config, float]]]:
     """Time every candidate (``time_config`` returns microseconds, or raises when the candidate
-    cannot run or computes a wrong result: it is skipped); returns (the fastest, every timing).
+    cannot run or computes a wrong result: it is skipped) until ``stop()`` says the budget is spent
+    (checked before each candidate but the first); returns (the fastest, every timing).
     Ties keep the earlier candidate (the sweep's order is deterministic)."""
     best, best_us, timings = None, math.inf, []
-    for cfg in candidates:
+    for i, cfg in enumerate(candidates):
+        if i and stop():
+            log(f"  budget spent: {cfg} and later not timed")
+            break
         try:
             us = float(time_config(cfg))
         except Exception as exc:  # compile/launch failure, out of resources, wrong output
@@ -146,21 +165,63 @@ def sweep(candidates: Iterable[Config], time_config: Callable[[Config], float],
     return best, timings
 
 
+def _same(a: Config, b: Config) -> bool:
+    """Equal configs, a missing ``tma`` read as False."""
+    return dict(a, tma=bool(a.get("tma"))) == dict(b, tma=bool(b.get("tma")))
+
+
 def tune_family(family: "Family", keys: List[str], time_config: Callable[[str, Config], float],
-                log: Callable[[str], None] = print, max_candidates: Optional[int] = None) -> Dict[str, dict]:
-    """Sweep each shape key; returns {shape key: {"config": best, "us": its time, "tried": n}}."""
+                log: Callable[[str], None] = print, max_candidates: Optional[int] = None,
+                candidates: Optional[Callable[[str], List[Config]]] = None, budget_s: Optional[float] = None,
+                clock: Callable[[], float] = time.monotonic) -> Dict[str, dict]:
+    """Time each shape key's candidates (``candidates(key)``, default the full sweep; the first is
+    the baseline the others are compared with); returns {shape key: {"config": the one to write,
+    "us": its time, "tried": n, "timings": [(config, us)], "baseline": (config, us) or None,
+    "untimed": n}}. With ``budget_s``, each key gets an equal share of the time left."""
     results = {}
-    for key in keys:
-        cands = family.candidates(key)
+    start = clock()
+    for i, key in enumerate(keys):
+        cands = (candidates or family.candidates)(key)
         if max_candidates:
             cands = cands[:max_candidates]
         log(f"{family.name} {key}: {len(cands)} candidates")
-        best, timings = sweep(cands, lambda cfg, _k=key: time_config(_k, cfg), log)
+        stop = lambda: False  # noqa: E731
+        if budget_s is not None:
+            deadline = clock() + max(0.0, budget_s - (clock() - start)) / (len(keys) - i)
+            stop = lambda _d=deadline: clock() > _d  # noqa: E731
+        seen: List[Config] = []
+
+        def timed(cfg, _k=key):
+            seen.append(cfg)
+            return time_config(_k, cfg)
+
+        best, timings = sweep(cands, timed, log, stop)
         if best is None:
             log(f"{family.name} {key}: no candidate ran; the table keeps its entry")
             continue
-        results[key] = dict(config=best, us=min(us for _, us in timings), tried=len(timings))
+        base = next(((c, us) for c, us in timings if _same(c, cands[0])), None)
+        best_us = min(us for _, us in timings)
+        if base is not None and best_us > base[1] * (1 - MIN_GAIN):  # within noise: keep the current config
+            best, best_us = base
+        results[key] = dict(config=best, us=best_us, tried=len(timings), timings=timings, baseline=base,
+                            untimed=len(cands) - len(seen))
     return results
+
+
+def results_table(family: str, results: Dict[str, dict]) -> str:
+    """What was tried, per shape key: each timed config, its time and its ratio to the baseline
+    (the current config), the one chosen marked."""
+    lines = [f"| {family} class | config | us | vs current | |", "|---|---|---|---|---|"]
+    for key, r in results.items():
+        base_us = r["baseline"][1] if r.get("baseline") else None
+        for cfg, us in sorted(r["timings"], key=lambda t: t[1]):
+            mark = ("chosen" if cfg is r["config"] else "") + (" (current)" if r.get("baseline") and cfg is r["baseline"][0] else "")
+            ratio = f"{base_us / us:.3f}x" if base_us else "-"
+            text = ", ".join(f"{k}={v}" for k, v in sorted(cfg.items()))
+            lines.append(f"| {key} | {text} | {us:.1f} | {ratio} | {mark.strip()} |")
+        if r.get("untimed"):
+            lines.append(f"| {key} | {r['untimed']} more not timed (budget) | | | |")
+    return "\n".join(lines)
 
 
 def source_text(device_name: str, commit: str, results: Dict[str, dict]) -> str:
@@ -171,12 +232,38 @@ def source_text(device_name: str, commit: str, results: Dict[str, dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # The families: shape classes, candidates, a representative problem per class
+def _randn(gen: torch.Generator, *shape, dtype, device) -> torch.Tensor:
+    """Random values made on the device (a decode cache is ~2 G of them: the CPU would take minutes)."""
+    return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(0)
+
+
 class Family:
     name: str
     keys: Tuple[str, ...]
+    quick_keys: Tuple[str, ...]  # the benchmark's shape classes: what the quick run tunes
 
     def candidates(self, shape_key: str) -> List[Config]:
         raise NotImplementedError
+
+    def quick_variants(self, shape_key: str) -> List[Config]:
+        """The few configs the quick run times after the current one."""
+        raise NotImplementedError
+
+    def quick_candidates(self, shape_key: str, device_name: Optional[str]) -> List[Config]:
+        """The current config of ``device_name`` (the table's lookup), then ``quick_variants``
+        without repeats."""
+        from ragattn.triton_kernels import gpu_configs
+
+        current = gpu_configs.get_config(self.name, device_name or gpu_configs.DEFAULT, shape_key)
+        out: List[Config] = [current]
+        for c in self.quick_variants(shape_key):
+            if not any(_same(c, o) for o in out):
+                out.append(c)
+        return out
 
     def problem(self, shape_key: str, device: torch.device) -> Callable[[], object]:
         """A call of the op at a representative shape of the class (the launcher reads the table)."""
@@ -187,9 +274,17 @@ class VarlenFamily(Family):
     name = "varlen_attention"
     keys = tuple(f"{k}/16bit/{d}{w}" for d in ("d64", "d128", "d256")
                  for k, w in (("fwd", ""), ("fwd", "/window"), ("dq", ""), ("dkdv", "")))
+    quick_keys = ("fwd/16bit/d128", "fwd/16bit/d128/window", "dq/16bit/d128", "dkdv/16bit/d128")
 
     def candidates(self, shape_key):
         return varlen_candidates(shape_key)
+
+    def quick_variants(self, shape_key):
+        c = lambda bm, bn, w, s, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, **kw)  # noqa: E731
+        if shape_key.startswith("fwd/"):  # wider key tiles (masked ones in slices: spill-free), TMA, the default
+            return [c(128, 64, 8, 3, masked_sub=2), c(128, 64, 8, 3, masked_sub=2, tma=True),
+                    c(128, 128, 8, 3, masked_sub=4), c(128, 64, 8, 3), c(64, 64, 4, 3), c(64, 32, 4, 3)]
+        return [c(64, 32, 4, 2), c(32, 32, 4, 2), c(64, 64, 8, 2), c(32, 64, 4, 2)]
 
     def problem(self, shape_key, device):
         import ragattn
@@ -198,20 +293,21 @@ class VarlenFamily(Family):
         window = shape_key.endswith("/window")
         d = int(dclass[1:])
         dtype = torch.float32 if dt == "fp32" else torch.bfloat16
-        gen = torch.Generator().manual_seed(0)
+        gen = _generator(device)
         n, chunk, tail = (8, 1024, 50)
         L = n * chunk + tail
-        q = torch.randn(L, 32, d, generator=gen).to(device=device, dtype=dtype)
-        k = torch.randn(L, 8, d, generator=gen).to(device=device, dtype=dtype)
-        v = torch.randn(L, 8, d, generator=gen).to(device=device, dtype=dtype)
+        q = _randn(gen, L, 32, d, dtype=dtype, device=device)
+        k = _randn(gen, L, 8, d, dtype=dtype, device=device)
+        v = _randn(gen, L, 8, d, dtype=dtype, device=device)
         cu = torch.tensor([0, L], dtype=torch.int32, device=device)
         if window:
             return lambda: ragattn.varlen_attention(q, k, v, cu, cu, window_left=2047)[0]
-        blk = torch.cat([torch.arange(n).repeat_interleave(chunk), torch.full((tail,), -1)]).to(torch.int32).to(device)
+        blk = torch.cat([torch.arange(n, device=device).repeat_interleave(chunk),
+                         torch.full((tail,), -1, device=device)]).to(torch.int32)
         if kernel == "fwd":
             return lambda: ragattn.varlen_attention(q, k, v, cu, cu, q_block=blk, kv_block=blk)[0]
         out, lse = ragattn.varlen_attention(q, k, v, cu, cu, q_block=blk, kv_block=blk)
-        dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+        dout = _randn(gen, *out.shape, dtype=dtype, device=device)
         return lambda: torch.ops.ragattn.varlen_attention_backward(
             dout, q, k, v, out, lse, cu, cu, None, None, blk, blk, True, None)[0 if kernel == "dq" else 1]
 
@@ -219,9 +315,14 @@ class VarlenFamily(Family):
 class KeyScoresFamily(Family):
     name = "key_attention_scores"
     keys = ("16bit/d64", "16bit/d128", "16bit/d256")
+    quick_keys = ("16bit/d128",)
 
     def candidates(self, shape_key):
         return key_attention_scores_candidates(shape_key)
+
+    def quick_variants(self, shape_key):
+        c = lambda bm, bn, w, s, waves: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves)  # noqa: E731
+        return [c(128, 64, 8, 3, 3.0), c(128, 128, 8, 3, 2.0), c(128, 64, 8, 2, 2.0), c(64, 64, 4, 3, 4.0)]
 
     def problem(self, shape_key, device):
         import ragattn
@@ -229,9 +330,9 @@ class KeyScoresFamily(Family):
         dt, dclass = shape_key.split("/")[:2]
         d = int(dclass[1:])
         dtype = torch.float32 if dt == "fp32" else torch.bfloat16
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(64, 32, d, generator=gen).to(device=device, dtype=dtype)
-        k = torch.randn(32768, 8, d, generator=gen).to(device=device, dtype=dtype)
+        gen = _generator(device)
+        q = _randn(gen, 64, 32, d, dtype=dtype, device=device)
+        k = _randn(gen, 32768, 8, d, dtype=dtype, device=device)
         cu_q = torch.tensor([0, 64], dtype=torch.int32, device=device)
         cu_k = torch.tensor([0, 32768], dtype=torch.int32, device=device)
         return lambda: ragattn.key_attention_scores(q, k, cu_q, cu_k)
@@ -241,12 +342,29 @@ class PagedFamily(Family):
     """``paged_attention``: each class is timed on the sum of a few problems of its kind, so one
     config serves the batch sizes and windows a server sees (bf16, 32 query / 8 kv heads, page 16,
     shuffled pages): decode at batch 32 x 32K, batch 4 x 32K and batch 32 x 32K under a 4096 window;
-    verify (5-token speculative tails) at batch 32 x 8K; prefill 15% scattered rows of 32K."""
+    verify (5-token speculative tails) at batch 32 x 8K; prefill 15% scattered rows of 32K plus a
+    64-row tail (the benchmark's sparse prefill)."""
     name = "paged_attention"
     keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128"))
+    quick_keys = ("decode/16bit/d128", "prefill/16bit/d128")
 
     def candidates(self, shape_key):
         return paged_attention_candidates(shape_key)
+
+    def quick_variants(self, shape_key):
+        c = lambda bm, bn, w, s, waves=4.0, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves,  # noqa: E731
+                                                       **kw)
+        kind = shape_key.split("/")[0]
+        if kind == "decode":  # deeper prefetch: 5 stages double-buffer K and V (sm_90: 71.7 KB, 3 CTAs/SM
+            # without a window, so 6 waves of programs fill whole rounds of 3 per SM)
+            return [c(16, 64, 4, 5), c(16, 64, 4, 3, 6.0), c(16, 64, 4, 5, 6.0), c(16, 64, 4, 2), c(16, 32, 4, 5),
+                    c(16, 128, 4, 3)]
+        if kind == "verify":
+            return [c(64, 64, 4, 3), c(64, 32, 4, 3), c(64, 64, 4, 5)]
+        # the 128-row loop with V in registers (the default before pipeline_v: the A/B baseline), the
+        # tile height (64-row tiles run whole key tiles in a loop of their own), deeper prefetch
+        return [c(128, 64, 8, 3, pipeline_v=False), c(64, 64, 8, 3), c(64, 64, 4, 3),
+                c(128, 64, 8, 5, pipeline_v=True), c(128, 32, 8, 3, pipeline_v=True)]
 
     def problem(self, shape_key, device):
         import ragattn
@@ -254,22 +372,28 @@ class PagedFamily(Family):
         kind, dt, dclass = shape_key.split("/")[:3]
         d = int(dclass[1:])
         dtype = torch.float32 if dt == "fp32" else torch.bfloat16
-        gen = torch.Generator().manual_seed(0)
+        gen = _generator(device)
         page = 16
+        caches = {}
 
         def one(batch, ctx, rows, window=-1):
             pages = -(-ctx // page)
-            bt = torch.randperm(batch * pages, generator=gen).view(batch, pages).to(torch.int32).to(device)
-            k = torch.randn(batch * pages, page, 8, d, generator=gen).to(device=device, dtype=dtype)
-            v = torch.randn(batch * pages, page, 8, d, generator=gen).to(device=device, dtype=dtype)
+            if (batch, ctx) not in caches:  # decode and its window case read the same cache
+                bt = torch.randperm(batch * pages, generator=gen, device=device).view(batch, pages).to(torch.int32)
+                k = _randn(gen, batch * pages, page, 8, d, dtype=dtype, device=device)
+                v = _randn(gen, batch * pages, page, 8, d, dtype=dtype, device=device)
+                caches[batch, ctx] = (bt, k, v)
+            bt, k, v = caches[batch, ctx]
             if rows == "sparse":
-                pos = torch.sort(torch.randperm(ctx, generator=gen)[: int(0.15 * ctx)]).values
+                tail = 64
+                body = torch.randperm(ctx - tail, generator=gen, device=device)[: int(0.15 * (ctx - tail))]
+                pos = torch.cat([torch.sort(body).values, torch.arange(ctx - tail, ctx, device=device)])
             else:
-                pos = torch.arange(ctx - rows, ctx).repeat(batch)
-            q_pos = pos.to(torch.int32).to(device)
+                pos = torch.arange(ctx - rows, ctx, device=device).repeat(batch)
+            q_pos = pos.to(torch.int32)
             n = q_pos.numel() // batch
-            q = torch.randn(q_pos.numel(), 32, d, generator=gen).to(device=device, dtype=dtype)
-            cu = (torch.arange(batch + 1) * n).to(torch.int32).to(device)
+            q = _randn(gen, q_pos.numel(), 32, d, dtype=dtype, device=device)
+            cu = (torch.arange(batch + 1, device=device) * n).to(torch.int32)
             kv_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             table = ragattn.PageTable.from_block_table(bt, kv_lens)
 
@@ -302,6 +426,8 @@ def _gpu_timer(family: Family, device: torch.device, warmup_ms: int, rep_ms: int
 
     def time_config(shape_key: str, cfg: Config) -> float:
         if shape_key not in problems:
+            problems.clear()  # one class's inputs on the device at a time
+            torch.cuda.empty_cache()
             run = family.problem(shape_key, device)
             problems[shape_key] = (run, run().float())
         run, want = problems[shape_key]
@@ -321,27 +447,41 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ragattn.bench.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("family", choices=sorted(FAMILIES))
-    parser.add_argument("--keys", nargs="*", default=None, help="shape classes to tune (default: the family's list)")
+    parser.add_argument("--device", default="cuda", help="the GPU to tune (default cuda: the current one)")
+    parser.add_argument("--keys", nargs="*", default=None,
+                        help="shape classes to tune (default: the benchmark's; with --full every class)")
+    parser.add_argument("--full", action="store_true", help="sweep the whole space nearest-first, not the quick list")
     parser.add_argument("--out", default=None, help="folder of the tables to write (default: the committed ones)")
-    parser.add_argument("--max-candidates", type=int, default=None,
-                        help="time only the N candidates nearest the anchors per class")
+    parser.add_argument("--max-candidates", type=int, default=None, help="time at most N candidates per class")
+    parser.add_argument("--budget-s", type=float, default=60.0,
+                        help="seconds of timing for the whole family (0: no limit; default 60)")
     parser.add_argument("--warmup-ms", type=int, default=10)
     parser.add_argument("--rep-ms", type=int, default=40)
-    parser.add_argument("--list", action="store_true", help="print the shape classes and candidates, tune nothing")
+    parser.add_argument("--list", "--dry-run", dest="list", action="store_true",
+                        help="print the shape classes and the configs it would time, tune nothing")
     args = parser.parse_args(argv)
     family = FAMILIES[args.family]
-    keys = args.keys or list(family.keys)
+    keys = args.keys or list(family.keys if args.full else family.quick_keys)
     for key in keys:
         family.candidates(key)  # a malformed key fails here, before any GPU work
+    device = torch.device(args.device)
+    gpu = device.type == "cuda" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    name = torch.cuda.get_device_name(device) if gpu else REFERENCE_GPU
+
+    def candidates(key):
+        return family.candidates(key) if args.full else family.quick_candidates(key, name)
+
     if args.list:
         for key in keys:
-            cands = family.candidates(key)
-            print(f"{family.name} {key}: {len(cands)} candidates")
-            for c in cands[:args.max_candidates or len(cands)]:
+            cands = candidates(key)[:args.max_candidates or None]
+            mode = "full sweep, nearest first" if args.full else f"quick: the current config for {name!r} first"
+            print(f"{family.name} {key}: {len(cands)} candidates ({mode})")
+            for c in cands:
                 print(f"  {c}")
         return 0
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU is available here"
+    if not gpu:
+        why = ("no CUDA GPU is available here" if not torch.cuda.is_available() else
+               f"--device {args.device} is not a GPU" if device.type != "cuda" else "TRITON_INTERPRET=1 is set")
         print(f"ragattn.bench.tune: refusing to tune on this machine ({why}): it times configs on the GPU at hand, "
               f"and a CPU or interpreter timing says nothing about one. Use --list to see the sweep.", file=sys.stderr)
         return 2
@@ -350,10 +490,14 @@ def main(argv=None) -> int:
 
     from .provenance import project_commit
 
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
+    if device.index is not None:  # "cuda" alone: the current device
+        torch.cuda.set_device(device)
+    t0 = time.monotonic()
     results = tune_family(family, keys, _gpu_timer(family, device, args.warmup_ms, args.rep_ms),
-                          max_candidates=args.max_candidates)
+                          max_candidates=args.max_candidates, candidates=candidates,
+                          budget_s=args.budget_s or None)
+    print(results_table(family.name, results))
+    print(f"{family.name}: {sum(r['tried'] for r in results.values())} configs timed in {time.monotonic() - t0:.0f} s")
     if not results:
         print("ragattn.bench.tune: nothing to write", file=sys.stderr)
         return 1

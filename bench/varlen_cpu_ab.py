@@ -23,7 +23,8 @@ _NOT_SAME = ("flex_attention", "sdpa_full_causal", "sdpa_causal_prefill")
 
 def main(rounds: int = 300) -> None:
     dev = torch.device("cpu")
-    for case in bench_varlen_attention.cases(dev, "cpu") + bench_key_attention_scores.cases(dev, "cpu"):
+    specs = bench_varlen_attention.cases(dev, "cpu") + bench_key_attention_scores.cases(dev, "cpu")
+    for case in (c for spec in specs for c in spec.build_all()):
         fns = {"ragattn": case.run, **{k: f for k, f in case.baselines.items() if not k.startswith(_NOT_SAME)}}
         for f in fns.values():
             f()

@@ -20,7 +20,7 @@ import sys
 def main(argv=None) -> int:
     """Run a sub-command. Every one fails the same way: bad arguments and user-facing errors
     (corpus, model, device, output path, chunk store, ...) print one ``error: ...`` line and
-    return 2 (:func:`ragattn.cli.run_command`); anything else is a bug and keeps its traceback."""
+    return 2 (:func:`ragattn.apps.cli.run_command`); anything else is a bug and keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
@@ -31,37 +31,37 @@ def main(argv=None) -> int:
         print(f"error: python -m ragattn: unknown command {cmd!r} (commands: {', '.join(_COMMANDS)})",
               file=sys.stderr)
         return 2
-    from ragattn.cli import run_command
+    from ragattn.apps.cli import run_command
 
     return run_command(lambda: entry(rest), f"python -m ragattn {cmd}")
 
 
 def _demo(rest):
-    from ragattn.demo import main as demo_main
+    from ragattn.apps.demo import main as demo_main
 
     return demo_main(rest)
 
 
 def _build_store(rest):
-    from ragattn.build_store import main as build_store_main
+    from ragattn.apps.build_store import main as build_store_main
 
     return build_store_main(rest)
 
 
 def _eval(rest):
-    from ragattn.eval import main as eval_main
+    from ragattn.apps.eval import main as eval_main
 
     return eval_main(rest)
 
 
 def _finetune(rest):
-    from ragattn.finetune import main as finetune_main
+    from ragattn.apps.finetune import main as finetune_main
 
     return finetune_main(rest)
 
 
 def _refrag_train(rest):
-    from ragattn.methods.refrag.train import main as refrag_train_main
+    from ragattn.apps.refrag_train import main as refrag_train_main
 
     return refrag_train_main(rest)
 

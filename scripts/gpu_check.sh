@@ -1,31 +1,48 @@
 #!/usr/bin/env bash
-# One-shot check of a lent GPU machine, in one command that fits the device tool's 10-minute limit:
-#   bash scripts/gpu_check.sh OUT_DIR [STAGE ...]         run (default: build test-ops e2e bench)
-#   bash scripts/gpu_check.sh --plan OUT_DIR [STAGE ...]  print each step's command and time cap; run nothing
-#   bash scripts/gpu_check.sh --stamp                     write .gpu_check_commit (see "commit" below)
-# Stages, in this order:
-#   build      build the extension in place (TORCH_CUDA_ARCH_LIST=9.0a, every core); fail if the CUDA
-#              kernels did not get registered. A failed build stops the run.
-#   test-ops   the op tests on CUDA tensors (--device cuda), in parallel with pytest-xdist where it
-#              imports (TEST_WORKERS: the cores less 2, at most 14), and transformers' offloaded cache
-#              (tests/test_hf_generate.py);
-#              verbose (-v), so a run cut at its cap still names every failure before the cut
-#   e2e        end-to-end TTFT on a Llama-3-8B-shaped random bf16 model at 8K and 32K tokens
-#   bench      the micro-benchmarks at GPU sizes, one family per process, most important first
-#   test-rest  every other test on CUDA, model tests skipping without the model packages (not in
-#              the default run: give it its own command)
-# The whole run has a deadline (DEADLINE_S seconds from the start, 540 by default): each stage, and
-# each bench family, runs under `timeout` with its share of what is left, keeping a floor for the
-# stages after it, so a run cut off at the deadline still writes everything before the cut. Every
-# step logs to OUT_DIR/<step>.log; OUT_DIR/summary.md (one table, rewritten after each step) and
-# OUT_DIR/env.txt (GPU, driver, torch/triton, commit) sum it up; the exit code is non-zero if a step
-# failed or was cut. STAGE_TIMEOUT (seconds) caps every stage on top of its share.
+# A lent GPU's 15 minutes in two prepared calls of the device tool (each one command of <= 10 min):
+#   bash scripts/gpu_check.sh --call 1 OUT_DIR     build (background) + peaks, the GPU rows, twin tests, e2e 32K
+#   bash scripts/gpu_check.sh --call 2 OUT_DIR     the op tests on CUDA, then whatever call 1 cut
+#   bash scripts/gpu_check.sh OUT_DIR STAGE ...    chosen stages (below), in the order given
+#   bash scripts/gpu_check.sh --plan [--call N | STAGE ...]   print each step and its cap; run nothing
+#   bash scripts/gpu_check.sh --stamp              write .gpu_check_commit (see "commit" below)
+# OUT_DIR is required (what the device tool brings back is what the script leaves there). The device
+# tool returns at most 8 files, so OUT_DIR holds only: summary.md (one row a step), env.txt,
+# results.jsonl (every benchmark row, appended as it is measured), bench.md (the table of those rows),
+# e2e.json, and logs.tgz (every step's log and output, re-packed after each step). The work itself
+# happens in WORK_DIR (default /tmp/ragattn_gpu_check), which a warm machine keeps between the calls;
+# RESUME_FROM=FILE seeds its results.jsonl from call 1's (carried back in the tree) when the second
+# call lands on a fresh machine, so that call 2 re-measures nothing call 1 measured.
+#
+# Stages:
+#   build       build the extension in place (TORCH_CUDA_ARCH_LIST=9.0a, every core) in the background
+#               while the peaks (copy, bf16 matmul: pure torch) are measured, then wait for it; fail if
+#               the CUDA kernels are missing. Skipped when the extension already has them for these
+#               sources (a warm machine's second call). A failed build stops the run.
+#   bench-core  paged_attention (decode, window, tagged decode, sparse prefill) and varlen_attention
+#               (block prefill, its backward, window): one process per family
+#   bench-targets  key_attention_scores q64 x k32K and verify_draft B64 g10 V128256 (eta 0 and 10)
+#   twin        the CUDA-vs-CPU-twin tests (verify_draft, fp8 copy/rotate)
+#   e2e         end-to-end TTFT on a Llama-3-8B-shaped random bf16 model at 32K tokens
+#   bench-rest  every benchmark not measured yet (--resume over results.jsonl)
+#   test-ops    the op tests on CUDA tensors (pytest-xdist where it imports)
+#   tune        bench.tune for paged_attention and varlen_attention (tables written to WORK_DIR/tune)
+#   test-rest   every other test on CUDA (not in either call: give it its own command)
+# Without a CUDA device the script says so at once and runs nothing (--plan works anywhere).
+# Every step runs under `timeout` with its share of the call's deadline (DEADLINE_S: 450 s for call
+# 1, 240 s for call 2, 300 s for chosen stages: both calls and two machine start-ups of ~90 s fit
+# 15 minutes), keeping a floor for the steps after it, so a call cut at its deadline keeps
+# everything before the cut; STAGE_TIMEOUT caps every step on top of that.
 # Commit: RAGATTN_COMMIT if set, else `git rev-parse HEAD`, else the file .gpu_check_commit that
-# `--stamp` writes (run it before copying the tree to a machine without .git), else
-# "unknown (no .git)". It is exported as RAGATTN_COMMIT, which the benchmarks record.
+# `--stamp` writes, else "unknown (no .git)"; exported as RAGATTN_COMMIT for the benchmarks.
 set -uo pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
+
+usage() {
+  echo "usage: gpu_check.sh [--plan] --call 1|2 OUT_DIR | gpu_check.sh [--plan] OUT_DIR STAGE ... | gpu_check.sh --stamp" >&2
+  echo "stages: build bench-core bench-targets twin e2e bench-rest test-ops tune test-rest" >&2
+  exit 2
+}
 
 commit_of_tree() {
   if [ -n "${RAGATTN_COMMIT:-}" ]; then echo "$RAGATTN_COMMIT"; return; fi
@@ -46,6 +63,11 @@ if [ "${1:-}" = "--stamp" ]; then
   exit 0
 fi
 
+# The project's environment: .venv where setup.sh made one, else python3 (the GPU image's).
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3; fi
+
 build_check() {
   $PY - <<'EOF'
 import torch, ragattn
@@ -57,33 +79,63 @@ print("build: CUDA kernels registered for every C++ op")
 EOF
 }
 
-build() {
+WORK=${WORK_DIR:-/tmp/ragattn_gpu_check}
+sources_stamp() { cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-16; }
+
+build() {  # a warm machine's second call keeps the first call's build of the same sources
+  if [ -s "$WORK/built" ] && [ "$(cat "$WORK/built")" = "$(sources_stamp)" ] && build_check > /dev/null 2>&1; then
+    echo "build: the extension is already built from these sources with its CUDA kernels (kept)"; return 0
+  fi
   MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} \
-    $PY -m pip install -q --no-build-isolation --no-deps -e . && build_check
+    $PY -m pip install -q --no-build-isolation --no-deps -e . && build_check && mkdir -p "$WORK" && sources_stamp > "$WORK/built"
 }
 
-if [ "${1:-}" = "--build-only" ]; then   # the build stage's command (run under its time cap)
-  PY=${PYTHON:-python3}
-  build
-  exit $?
-fi
+if [ "${1:-}" = "--build-only" ]; then build; exit $?; fi
 
 PLAN=0
-if [ "${1:-}" = "--plan" ]; then PLAN=1; shift; fi
-OUT=${1:?usage: gpu_check.sh [--plan] OUT_DIR [build|test-ops|e2e|bench|test-rest ...] | gpu_check.sh --stamp}
-shift
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test-ops e2e bench)
-for s in "${STAGES[@]}"; do
-  case "$s" in build|test-ops|e2e|bench|test-rest) ;; *) echo "gpu_check: unknown stage $s"; exit 2 ;; esac
+CALL=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --plan) PLAN=1; shift ;;
+    --call) CALL=${2:-}; shift 2 || usage ;;
+    --*) usage ;;
+    *) break ;;
+  esac
 done
+case "$CALL" in
+  1) STAGES=(build bench-core bench-targets twin e2e bench-rest); DEADLINE=${DEADLINE_S:-450} ;;
+  2) STAGES=(build test-ops bench-rest); DEADLINE=${DEADLINE_S:-240} ;;
+  "") STAGES=(); DEADLINE=${DEADLINE_S:-300} ;;
+  *) echo "gpu_check: --call takes 1 or 2, got $CALL" >&2; usage ;;
+esac
+if [ $# -eq 0 ]; then
+  [ "$PLAN" = 1 ] || { echo "gpu_check: OUT_DIR is required (the folder the device tool brings back)" >&2; usage; }
+  OUT=$(mktemp -d)   # --plan without OUT_DIR: the plan is printed, nothing kept
+else
+  OUT=$1; shift
+fi
+if [ -n "$CALL" ] && [ $# -gt 0 ]; then echo "gpu_check: --call $CALL takes no stages" >&2; usage; fi
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && { echo "gpu_check: name --call 1, --call 2 or the stages to run" >&2; usage; }
+for s in "${STAGES[@]}"; do
+  case "$s" in build|bench-core|bench-targets|twin|e2e|bench-rest|test-ops|tune|test-rest) ;;
+    *) echo "gpu_check: unknown stage $s" >&2; usage ;; esac
+done
+if [ "$PLAN" = 0 ] && ! { command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; }; then
+  echo "gpu_check: no CUDA device here (nvidia-smi finds none): nothing to run. --plan prints the steps." >&2
+  exit 3
+fi
 
-PY=${PYTHON:-python3}
-DEADLINE=${DEADLINE_S:-540}
 WORKERS=${TEST_WORKERS:-$(n=$(nproc); [ "$n" -gt 16 ] && n=16; [ "$n" -gt 4 ] && echo $((n - 2)) || echo 2)}
+[ "$PLAN" = 1 ] && WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 export RAGATTN_COMMIT
 RAGATTN_COMMIT=$(commit_of_tree)
+mkdir -p "$OUT" "$WORK/logs" "$WORK/bench"
+if [ -n "${RESUME_FROM:-}" ] && [ -s "$RESUME_FROM" ] && [ ! -s "$WORK/bench/results.jsonl" ]; then
+  cp "$RESUME_FROM" "$WORK/bench/results.jsonl"
+fi
+
 OP_TESTS=(tests/test_varlen_attention.py tests/test_paged_attention.py tests/test_paged_attention_plan.py
           tests/test_merge_attention_states.py
           tests/test_kv_cache.py tests/test_key_attention_scores.py tests/test_verify_draft.py tests/test_verify_draft_slices.py
@@ -91,28 +143,24 @@ OP_TESTS=(tests/test_varlen_attention.py tests/test_paged_attention.py tests/tes
           tests/test_refrag_assemble.py tests/test_cpp_error_messages.py tests/test_fuzz_kv_cache.py
           tests/test_fuzz_merge_attention_states.py tests/test_fuzz_paged_attention.py tests/test_fuzz_varlen.py
           tests/test_fuzz_verify_draft.py)
-# transformers' offloaded cache (it needs CUDA: issue 26), a model-free test
-HF_CUDA_TESTS=(tests/test_hf_generate.py::test_generate_equals_sdpa_every_cache)
-# most important first: paged decode and sparse prefill, varlen block prefill, verify_draft, ...
-BENCH_FAMILIES=(paged_attention varlen_attention verify_draft key_attention_scores kv_cache
-                merge_attention_states refrag_assemble chunk_store)
-# Seconds: the most a stage may take (CAP), and what is kept free for each stage still to come
-# (FLOOR, in seconds of a 480 s deadline: scaled with DEADLINE_S) when an earlier one gets its share.
-# The caps leave the benchmarks at least 120 s of the default 540 (the device tool allows 600 s a
-# command, and a 15-minute lease must also start the machine). Measured: the H200 run at 57ef724
-# took 43 s to build, 139 s for the op tests (8 workers), 53 s for e2e (4 sizes) and 150 s of
-# benchmarks; the H100 at d2a4706 (docs/perf/h100) 50-59 s to build and ~190 s for today's larger
-# op suite (14 workers: 72% in 137 s), and its e2e printed nothing in 60 s.
-declare -A CAP=([build]=100 [test-ops]=220 [e2e]=100 [bench]=570 [test-rest]=570)
-declare -A FLOOR=([build]=60 [test-ops]=60 [e2e]=40 [bench]=120 [test-rest]=60)
-BENCH_FAMILY_CAP=90     # one family at most
-BENCH_FAMILY_FLOOR=15   # kept for each family still to come
+HF_CUDA_TESTS=(tests/test_hf_generate.py::test_generate_equals_sdpa_every_cache)   # transformers' offloaded cache
+TWIN_TESTS=(tests/test_verify_draft.py::test_cuda_matches_cpu_twin tests/test_kv_cache_fp8.py::test_fp8_cpu_twin_matches_reference_bits)
+CORE_FAMILIES=(paged_attention varlen_attention)
+TARGETS=q64_k32768,B64_g10_V128256
+# Seconds: the most a step may take (CAP) and what is kept free for each step still to come (FLOOR).
+# Measured: the H100 at d2a4706 built in 50-59 s and ran the op suite in ~190 s (14 workers); a
+# compiled FlexAttention baseline takes ~30 s to compile (three in bench-core, plus its backward).
+declare -A CAP=([build]=100 [bench-core]=260 [bench-targets]=70 [twin]=50 [e2e]=120 [bench-rest]=240
+                [test-ops]=200 [tune]=150 [test-rest]=560)
+declare -A FLOOR=([build]=60 [bench-core]=90 [bench-targets]=30 [twin]=20 [e2e]=60 [bench-rest]=20
+                  [test-ops]=90 [tune]=30 [test-rest]=60)
+FAMILY_FLOOR=60   # bench-core: kept for the second family while the first runs
 
 T0=$(date +%s.%N)
 PLAN_CLOCK=0   # --plan: each planned step is taken to use its whole cap (the worst case)
 now() { awk -v t0="$T0" -v t="$(date +%s.%N)" -v p="$PLAN_CLOCK" 'BEGIN { printf "%.1f", t - t0 + p }'; }
 # min(cap, deadline - elapsed - reserve), at most STAGE_TIMEOUT; the reserve (the floors of the
-# steps still to come) is in seconds of a 480 s run, scaled to DEADLINE; printed with one decimal
+# steps still to come) is in seconds of a 480 s call, scaled to DEADLINE
 share() {  # share CAP RESERVE
   awk -v cap="$1" -v res="$2" -v dl="$DEADLINE" -v el="$(now)" -v st="${STAGE_TIMEOUT:-}" \
     'BEGIN { s = dl - el - res * dl / 480; if (s > cap) s = cap; if (st != "" && s > st + 0) s = st;
@@ -120,28 +168,38 @@ share() {  # share CAP RESERVE
 }
 enough() { awk -v s="$1" 'BEGIN { exit !(s > 0) }'; }
 
-mkdir -p "$OUT"
 SUMMARY_ROWS=()
-: > "$OUT/summary.txt"
+: > "$WORK/summary.txt"
 write_summary() {
-  { echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  { echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ)${CALL:+, call $CALL}"
     echo
     echo "- commit: $RAGATTN_COMMIT"
-    echo "- gpu: $(head -1 "$OUT/gpu.txt" 2>/dev/null)"
-    echo "- $(cat "$OUT/versions.txt" 2>/dev/null)"
-    echo "- deadline: ${DEADLINE} s, elapsed $(now) s"
+    echo "- gpu: $(head -1 "$WORK/gpu.txt" 2>/dev/null)"
+    echo "- $(cat "$WORK/versions.txt" 2>/dev/null)"
+    if [ "$PLAN" = 1 ]; then echo "- deadline: ${DEADLINE} s; plan only, nothing ran (each step counted at its whole cap: $(now) s)"
+    else echo "- deadline: ${DEADLINE} s, elapsed $(now) s"; fi
     echo
     echo "| step | result | seconds | cap (s) | last line of its log |"
     echo "|---|---|---|---|---|"
     printf '%s\n' "${SUMMARY_ROWS[@]}"
   } > "$OUT/summary.md"
 }
+# What comes back: the summary, the rows, the tables, and every log in one archive (<= 8 files).
+sync_out() {
+  cp "$WORK/env.txt" "$OUT/env.txt" 2>/dev/null
+  [ "$PLAN" = 1 ] && return
+  [ -f "$WORK/bench/results.jsonl" ] && cp "$WORK/bench/results.jsonl" "$OUT/results.jsonl"
+  [ -f "$WORK/bench/results.md" ] && cp "$WORK/bench/results.md" "$OUT/bench.md"
+  [ -f "$WORK/e2e/e2e.json" ] && cp "$WORK/e2e/e2e.json" "$OUT/e2e.json"
+  [ -f "$WORK/e2e/e2e.partial.json" ] && [ ! -f "$WORK/e2e/e2e.json" ] && cp "$WORK/e2e/e2e.partial.json" "$OUT/e2e.json"
+  tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='*.so' . 2>/dev/null
+}
 
-# Run one step under `timeout CAP`; log to OUT/<name>.log; add its row to the summary.
+# Run one step under `timeout CAP`; log to WORK/logs/<name>.log; add its row to the summary.
 failed=()
 run_step() {  # run_step NAME CAP COMMAND...
   local name=$1 cap=$2; shift 2
-  local t0 rc result last
+  local t0 rc result last took log="$WORK/logs/$name.log"
   t0=$(now)
   echo "== $name (cap ${cap} s): $*"
   if [ "$PLAN" = 1 ]; then
@@ -149,33 +207,38 @@ run_step() {  # run_step NAME CAP COMMAND...
     SUMMARY_ROWS+=("| $name | planned | - | $cap | \`$*\` |"); write_summary; return 0
   fi
   if ! enough "$cap"; then
-    rc=124; echo "gpu_check: no time left before the deadline" > "$OUT/$name.log"
+    rc=124; echo "gpu_check: no time left before the deadline" > "$log"
   else
-    timeout --kill-after=10 "$cap" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=10 "$cap" "$@" > "$log" 2>&1
     rc=$?
   fi
-  tail -25 "$OUT/$name.log"
+  tail -15 "$log"
   case $rc in 0) result=ok ;; 124|137) result="cut at ${cap} s" ;; 5) result="no tests" ;; *) result="failed (exit $rc)" ;; esac
   [ "$rc" -eq 0 ] || failed+=("$name")
-  last=$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | tr '|' '/' | cut -c1-160)
-  local took
+  last=$(grep -v '^\s*$' "$log" | tail -1 | tr '|' '/' | cut -c1-160)
   took=$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.0f", b - a }')
   SUMMARY_ROWS+=("| $name | $result | $took | $cap | $last |")
-  echo "== $name: exit $rc in $took s" | tee -a "$OUT/summary.txt"
+  echo "== $name: exit $rc in $took s" | tee -a "$WORK/summary.txt"
   write_summary
+  sync_out
   return "$rc"
 }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"; } > "$OUT/gpu.txt"
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" > "$OUT/versions.txt" 2>/dev/null \
-  || echo "torch/triton: not importable" > "$OUT/versions.txt"
-{ echo "commit: $RAGATTN_COMMIT"; echo "gpu: $(cat "$OUT/gpu.txt")"; cat "$OUT/versions.txt"
-  echo "python: $($PY -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"; echo "cores: $(nproc)"; } > "$OUT/env.txt"
+if [ "$PLAN" = 0 ]; then
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"; } > "$WORK/gpu.txt"
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" > "$WORK/versions.txt" 2>/dev/null \
+    || echo "torch/triton: not importable by $PY" > "$WORK/versions.txt"
+else
+  echo "(plan only)" > "$WORK/gpu.txt"; echo "(plan only)" > "$WORK/versions.txt"
+fi
+{ echo "commit: $RAGATTN_COMMIT"; echo "gpu: $(cat "$WORK/gpu.txt")"; cat "$WORK/versions.txt"
+  echo "python: $PY"; echo "cores: $(nproc)"; } > "$WORK/env.txt"
 
 xdist_args() { if $PY -c "import xdist" > /dev/null 2>&1; then echo "-n $WORKERS"; fi; }
-
-# the stages still to come after position $1 in STAGES: the sum of their floors
-reserve_after() {
+bench_cmd() {  # bench_cmd ONLY: one benchmark process appending to WORK/bench/results.jsonl
+  echo $PY -m bench --device cuda --sizes gpu --only "$1" --out "$WORK/bench" --peaks "$WORK/peaks.json" --resume
+}
+reserve_after() {  # the floors of the stages after position $1 in STAGES
   local i=$1 r=0 j
   for ((j = i + 1; j < ${#STAGES[@]}; j++)); do r=$((r + FLOOR[${STAGES[j]}])); done
   echo "$r"
@@ -185,29 +248,44 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
   stage=${STAGES[i]}
   reserve=$(reserve_after "$i")
   case "$stage" in
-    build)
-      run_step build "$(share "${CAP[build]}" "$reserve")" bash "$SELF" --build-only \
-        || { [ "$PLAN" = 1 ] || break; } ;;   # a failed build makes every later stage meaningless
-    test-ops)
-      cap=$(share "${CAP[test-ops]}" "$reserve")
-      # shellcheck disable=SC2046
-      run_step test-ops "$cap" $PY -m pytest -v -rfE --device cuda -p no:cacheprovider $(xdist_args) "${OP_TESTS[@]}" "${HF_CUDA_TESTS[@]}" ;;
-    e2e)   # 8K and 32K tokens (bench.e2e's "gpu-check" sizes: 16 and 64 chunks of 512)
-      run_step e2e "$(share "${CAP[e2e]}" "$reserve")" \
-        $PY -m bench.e2e --device cuda --model llama3-8b-random --sizes gpu-check --out "$OUT/e2e" ;;
-    bench)
-      n=${#BENCH_FAMILIES[@]}
-      for ((f = 0; f < n; f++)); do
-        fam=${BENCH_FAMILIES[f]}
-        cap=$(share "$BENCH_FAMILY_CAP" $((reserve + (n - f - 1) * BENCH_FAMILY_FLOOR)))
-        run_step "bench-$fam" "$cap" $PY -m bench --device cuda --sizes gpu --only "$fam" --out "$OUT/bench/$fam"
-      done
-      if [ "$PLAN" = 0 ]; then   # one table of every family that finished
-        { echo "# ragattn benchmarks (one process per family)"; echo
-          for fam in "${BENCH_FAMILIES[@]}"; do
-            [ -f "$OUT/bench/$fam/results.md" ] && { echo "## $fam"; echo; sed '1,/^$/d' "$OUT/bench/$fam/results.md"; echo; }
-          done; } > "$OUT/bench.md"
+    build)   # the build in the background, the peaks (pure torch, no extension) meanwhile
+      cap=$(share "${CAP[build]}" "$reserve")
+      if [ "$PLAN" = 0 ]; then
+        ( timeout --kill-after=10 "$cap" bash "$SELF" --build-only > "$WORK/logs/build.log" 2>&1; echo $? > "$WORK/build.rc" ) &
+        bg=$!
+        run_step peaks "$cap" $PY -c "import torch; from bench.harness import load_peaks; print(load_peaks(torch.device('cuda'), '$WORK/peaks.json'))"
+        wait "$bg"
+        run_step build "$cap" bash -c "cat '$WORK/logs/build.log'; exit \$(cat '$WORK/build.rc')" \
+          || break   # a failed build makes every later stage meaningless
+      else
+        run_step build "$cap" "bash $SELF --build-only (in the background) + the peaks"
       fi ;;
+    bench-core)
+      for ((f = 0; f < ${#CORE_FAMILIES[@]}; f++)); do
+        fam=${CORE_FAMILIES[f]}
+        left=$(( (${#CORE_FAMILIES[@]} - f - 1) * FAMILY_FLOOR ))
+        cap=$(share "$(( CAP[bench-core] - f * FAMILY_FLOOR ))" $((reserve + left)))
+        run_step "bench-$fam" "$cap" $(bench_cmd "$fam")
+      done ;;
+    bench-targets)
+      run_step bench-targets "$(share "${CAP[bench-targets]}" "$reserve")" $(bench_cmd "$TARGETS") ;;
+    twin)
+      run_step twin "$(share "${CAP[twin]}" "$reserve")" \
+        $PY -m pytest -q -rfE --device cuda -p no:cacheprovider "${TWIN_TESTS[@]}" ;;
+    e2e)
+      run_step e2e "$(share "${CAP[e2e]}" "$reserve")" \
+        $PY -m bench.e2e --device cuda --model llama3-8b-random --sizes gpu-32k --repeats 3 --answer-tokens 16 \
+          --memory-requests 0 --out "$WORK/e2e" ;;
+    bench-rest)
+      run_step bench-rest "$(share "${CAP[bench-rest]}" "$reserve")" \
+        $PY -m bench --device cuda --sizes gpu --out "$WORK/bench" --peaks "$WORK/peaks.json" --resume ;;
+    test-ops)
+      # shellcheck disable=SC2046
+      run_step test-ops "$(share "${CAP[test-ops]}" "$reserve")" \
+        $PY -m pytest -v -rfE --device cuda -p no:cacheprovider $(xdist_args) "${OP_TESTS[@]}" "${HF_CUDA_TESTS[@]}" ;;
+    tune)
+      run_step tune "$(share "${CAP[tune]}" "$reserve")" \
+        bash -c "$PY -m bench.tune paged_attention --out '$WORK/tune' && $PY -m bench.tune varlen_attention --out '$WORK/tune'" ;;
     test-rest)
       ignores=()
       for f in "${OP_TESTS[@]}"; do ignores+=(--ignore "$f"); done
@@ -217,8 +295,9 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
   esac
 done
 write_summary
+sync_out
 echo
 cat "$OUT/summary.md"
-[ ${#failed[@]} -eq 0 ] || { echo "gpu_check: failed stages: ${failed[*]}"; exit 1; }
 [ "$PLAN" = 1 ] && { echo "gpu_check: plan only, nothing ran"; exit 0; }
-echo "gpu_check: all stages passed"
+[ ${#failed[@]} -eq 0 ] || { echo "gpu_check: failed steps: ${failed[*]}"; exit 1; }
+echo "gpu_check: all steps passed"

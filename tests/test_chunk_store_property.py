@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragattn.hf.models import random_llama
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, model_fingerprint
+from ragattn.store import ChunkStore, ChunkStoreError, model_fingerprint
 
 hyp = pytest.importorskip("hypothesis")
 st = hyp.strategies

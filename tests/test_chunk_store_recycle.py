@@ -9,7 +9,7 @@ import torch
 from ragattn.hf.attention import PagedKV
 from ragattn.hf.cache import PagedCache
 from ragattn.hf.models import random_llama
-from ragattn.methods.chunk_store import ChunkStore
+from ragattn.store import ChunkStore
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, rope_theta=1000.0)

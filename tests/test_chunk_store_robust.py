@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragattn.hf.models import random_llama
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+from ragattn.store import ChunkStore, ChunkStoreError
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=1000.0)
@@ -328,7 +328,7 @@ def test_baseline_and_stores_in_several_threads(model):
     other's implementation, none runs with the wrong one; a nested switch is an error, not a hang."""
     from ragattn.hf.attention import use_ragattn
     from ragattn.hf.attn_switch import attention_implementation
-    from ragattn.methods.common import full_prefill
+    from ragattn.methods.baseline import full_prefill
     from tests.test_fusionrag import CharTokenizer
 
     torch.set_num_threads(1)

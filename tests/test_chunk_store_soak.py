@@ -35,8 +35,8 @@ def _peak_rss() -> int:
 def soak(directory: str | None, budget: int = BUDGET, seed: int = 0) -> dict:
     """Run the soak loop in this process; returns its measurements."""
     from ragattn.hf.models import random_llama
-    from ragattn.methods.chunk_store import ChunkStore
-    from ragattn.methods.common import paged_forward
+    from ragattn.store import ChunkStore
+    from ragattn.methods.generate import paged_forward
 
     torch.set_num_threads(1)
     model = random_llama(SHAPE, dtype=torch.float32, seed=3)

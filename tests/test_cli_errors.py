@@ -73,8 +73,8 @@ def test_every_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch):
 
 
 def test_user_errors_from_inside_a_command_take_the_same_path(capsys):
-    from ragattn.cli import run_command
-    from ragattn.methods.chunk_store import ChunkStoreError
+    from ragattn.apps.cli import run_command
+    from ragattn.store import ChunkStoreError
 
     def store_error():
         raise ChunkStoreError("ragattn.ChunkStore: cannot write x.safetensors to directory /d (No space left on device)")
@@ -90,7 +90,7 @@ def test_user_errors_from_inside_a_command_take_the_same_path(capsys):
 
 
 def test_a_failed_output_keeps_the_result(tmp_path):
-    from ragattn.cli import UsageError, save_or_keep
+    from ragattn.apps.cli import UsageError, save_or_keep
 
     calls = []
 
@@ -120,7 +120,7 @@ def test_refrag_checkpoints_are_never_overwritten_without_asking(tmp_path):
 
 def test_a_zero_step_refrag_run_leaves_a_trained_checkpoint_alone(tmp_path, smollm2, minilm_dir, capsys):
     """The issue's data loss: a 0-step run replaced the trained checkpoint at the default path."""
-    from ragattn.methods.refrag import train as rt
+    from ragattn.apps import refrag_train as rt
 
     ckpt = tmp_path / "k8.pt"
     argv = ["--stages", "recon", "--recon-steps", "0", "--max-chunks", "1", "--eval-examples", "1",

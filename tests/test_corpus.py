@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ragattn.corpus import CorpusError, exact_match, load_corpus, normalize_answer
+from ragattn.apps.corpus import CorpusError, exact_match, load_corpus, normalize_answer
 
 
 def test_shipped_corpus_is_valid():

@@ -3,7 +3,7 @@ import io
 
 import pytest
 
-from ragattn import demo
+from ragattn.apps import demo
 from ragattn.__main__ import main as cli_main
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ragattn import eval as ev
+from ragattn.apps import eval as ev
 from ragattn.__main__ import main as cli_main
-from ragattn.corpus import token_f1
+from ragattn.apps.corpus import token_f1
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from ragattn import finetune as ft
+from ragattn.apps import finetune as ft
 
 
 def _tiny_llama(seed=0):

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from ragattn.demo import kl_divergence
+from ragattn.apps.demo import kl_divergence
 from ragattn.hf.attention import use_ragattn
 from ragattn.hf.models import random_llama
 from ragattn.methods import fusionrag, full_prefill, turborag
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
-from ragattn.methods.common import prompt_parts
+from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.methods.prompt import prompt_parts
 
 CHUNKS = ["The Eiffel Tower is in Paris. It was completed in 1889 for the World's Fair.",
           "Mount Fuji is the highest mountain in Japan, 3776 metres high.",
@@ -255,7 +255,7 @@ def test_fused_caches_equal_a_masked_forward_and_resume(tmp_path):
 def test_build_store_shards_resume_and_errors(tmp_path, capsys):
     import json
 
-    from ragattn import build_store
+    from ragattn.apps import build_store
     from ragattn.methods.retrieval import minilm_dir
 
     try:

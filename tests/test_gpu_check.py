@@ -26,14 +26,27 @@ def _fake_python(tmp_path, hang="-m") -> Path:
     return fake
 
 
-def _run_script(tmp_path, stages, *flags, hang="-m", **env):
+def _fake_gpu(tmp_path) -> str:
+    """A PATH whose ``nvidia-smi`` reports one GPU (the script refuses to run without one)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "GPU 0: Fake H100"\n')
+    smi.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def _run_script(tmp_path, stages, *flags, hang="-m", gpu=True, **env):
     """``gpu_check.sh [flags] OUT stages...`` with the fake python; (process, summary.txt lines)."""
-    env = dict(os.environ, PYTHON=str(_fake_python(tmp_path, hang)), **env)
+    env = dict(os.environ, PYTHON=str(_fake_python(tmp_path, hang)), WORK_DIR=str(tmp_path / "work"), **env)
+    if gpu:
+        env["PATH"] = _fake_gpu(tmp_path)
     env.pop("RAGATTN_COMMIT", None)
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(SCRIPT), *flags, str(out), *stages], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    summary = (out / "summary.txt").read_text().splitlines() if (out / "summary.txt").exists() else []
+    summary_file = tmp_path / "work" / "summary.txt"
+    summary = summary_file.read_text().splitlines() if summary_file.exists() else []
     return proc, summary
 
 
@@ -41,58 +54,94 @@ def _steps(summary):
     return [line.split(":")[0].removeprefix("== ") for line in summary]
 
 
-BENCH_STEPS = [f"bench-{f}" for f in ("paged_attention", "varlen_attention", "verify_draft", "key_attention_scores",
-                                      "kv_cache", "merge_attention_states", "refrag_assemble", "chunk_store")]
+CALL_1 = ["build", "bench-paged_attention", "bench-varlen_attention", "bench-targets", "twin", "e2e", "bench-rest"]
+CALL_2 = ["build", "test-ops", "bench-rest"]
 
 
 def test_every_stage_is_capped(tmp_path):
     """Each step runs under its own cap (STAGE_TIMEOUT here; by default a share of the deadline,
     always under the tool's 600 s): a step that hangs is cut at the cap and reported, and the
-    next step still runs; the benchmarks run one family per step."""
-    stages = ["test-ops", "test-rest", "bench", "e2e"]
+    next step still runs; the core benchmarks run one family per step."""
+    stages = ["test-ops", "test-rest", "bench-core", "e2e"]
     proc, summary = _run_script(tmp_path, stages, STAGE_TIMEOUT="0.3")
-    assert _steps(summary) == ["test-ops", "test-rest", *BENCH_STEPS, "e2e"], summary
+    steps = ["test-ops", "test-rest", "bench-paged_attention", "bench-varlen_attention", "e2e"]
+    assert _steps(summary) == steps, summary
     assert all("exit 124" in line for line in summary), summary   # timeout's exit code
-    assert proc.returncode != 0 and "failed stages: test-ops test-rest bench-paged_attention" in proc.stdout
-    for s in ["test-ops", "test-rest", *BENCH_STEPS, "e2e"]:
-        assert (tmp_path / "out" / f"{s}.log").exists()
+    assert proc.returncode != 0 and "failed steps: test-ops test-rest bench-paged_attention" in proc.stdout
+    logs = subprocess.run(["tar", "tzf", str(tmp_path / "out" / "logs.tgz")], capture_output=True, text=True).stdout
+    for s in steps:
+        assert f"./logs/{s}.log" in logs, logs
     table = (tmp_path / "out" / "summary.md").read_text()
     assert table.count("| cut at 0.3 s |") == len(summary), table
 
 
+def test_what_comes_back_fits_the_tool(tmp_path):
+    """The device tool brings back at most 8 files, at most two folders down: OUT_DIR holds only
+    the summary, the environment, the rows, the tables and one archive of the logs."""
+    _run_script(tmp_path, [], "--call", "1", DEADLINE_S="6", STAGE_TIMEOUT="0.3")
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert 0 < len(files) <= 8 and all(p.parent == tmp_path / "out" for p in files), files
+    assert {"summary.md", "env.txt", "logs.tgz"} <= {p.name for p in files}
+
+
 def test_failed_build_stops_the_run(tmp_path):
+    """The build runs in the background while the peaks are measured; a failed (here: cut) build
+    ends the run after its row."""
     proc, summary = _run_script(tmp_path, ["build", "test-ops"], STAGE_TIMEOUT="0.3")
-    assert len(summary) == 1 and summary[0].startswith("== build: exit 124"), summary
+    assert _steps(summary) == ["peaks", "build"] and "exit 124" in summary[1], summary
     assert proc.returncode != 0
 
 
-def test_plan_fits_the_deadline_most_important_first(tmp_path):
-    """``--plan``: every step of the default run with its cap, each step taken to use its whole
-    cap, nothing run: the caps add up to at most the deadline (540 s) and never exceed the tool's
-    600 s per command; paged attention leads the benchmarks."""
-    proc, summary = _run_script(tmp_path, [], "--plan")
+def test_without_a_gpu_it_says_so_at_once(tmp_path):
+    """On a machine without a CUDA device the script runs nothing (no minutes of building first)."""
+    env = dict(os.environ, PYTHON=str(_fake_python(tmp_path)), PATH="/usr/bin:/bin", WORK_DIR=str(tmp_path / "w"))
+    proc = subprocess.run(["bash", str(SCRIPT), "--call", "1", str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 3 and "no CUDA device here" in proc.stderr, proc.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_out_dir_is_required(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "--call", "1"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "OUT_DIR is required" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("call,steps,deadline", [("1", CALL_1, 450), ("2", CALL_2, 240)])
+def test_plan_of_each_call_fits_its_deadline(tmp_path, call, steps, deadline):
+    """``--plan --call N``: every step of the call with its cap, each step taken to use its whole
+    cap, nothing run: the caps add up to at most the call's deadline, never exceed the tool's
+    600 s per command, and both calls with a machine start-up each fit a 15-minute lease; paged
+    attention leads the benchmarks; --plan needs no OUT_DIR."""
+    proc, _ = _run_script(tmp_path, [], "--plan", "--call", call, gpu=False)
     assert proc.returncode == 0 and "plan only" in proc.stdout, proc.stdout + proc.stderr
     rows = [r for r in (tmp_path / "out" / "summary.md").read_text().splitlines() if "| planned |" in r]
-    steps = [r.split("|")[1].strip() for r in rows]
+    got = [r.split("|")[1].strip() for r in rows]
     caps = [float(r.split("|")[4]) for r in rows]
-    assert steps == ["build", "test-ops", "e2e", *BENCH_STEPS], steps
-    assert sum(caps) <= 540 + 1 and all(0 < c < 600 for c in caps), caps
-    assert caps[steps.index("bench-paged_attention")] >= 15, caps
-    assert "--device cuda" in rows[1] and "test_generate_equals_sdpa_every_cache" in rows[1]   # offloaded cache
-    assert "--sizes gpu-check" in rows[2]
-    assert not any(p.suffix == ".log" for p in (tmp_path / "out").iterdir())
+    assert got == steps, got
+    assert sum(caps) <= deadline + 1 and all(0 < c < 600 for c in caps), caps
+    assert 450 + 240 + 2 * 90 <= 900
+    text = "\n".join(rows)
+    if call == "1":
+        assert caps[got.index("bench-paged_attention")] >= 60, caps
+        assert "--sizes gpu-32k" in text and "--resume" in text
+    else:
+        assert "--device cuda" in text and "test_generate_equals_sdpa_every_cache" in text   # offloaded cache
+    bare = subprocess.run(["bash", str(SCRIPT), "--plan", "--call", call], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert bare.returncode == 0 and "plan only" in bare.stdout, bare.stderr
 
 
 def test_deadline_cuts_a_hung_step_and_keeps_the_rest(tmp_path):
-    """With a 20 s deadline, a hung end-to-end run is cut at its share, every step before it keeps
-    its result, and the benchmarks after it still get their floors; the summary table says which
-    step was cut (timeout's exit 124: the cut itself, not a wall-clock reading, is the proof)."""
-    proc, summary = _run_script(tmp_path, [], hang="bench.e2e", DEADLINE_S="20")
-    assert _steps(summary) == ["build", "test-ops", "e2e", *BENCH_STEPS], summary
-    assert [line.split("exit ")[1].split()[0] for line in summary] == ["0", "0", "124"] + ["0"] * len(BENCH_STEPS)
+    """With a 40 s deadline, a hung end-to-end run is cut at its share, every step before it keeps
+    its result, and the benchmarks after it still run; the summary table says which step was cut
+    (timeout's exit 124: the cut itself, not a wall-clock reading, is the proof)."""
+    proc, summary = _run_script(tmp_path, [], "--call", "1", hang="bench.e2e", DEADLINE_S="40")
+    assert _steps(summary) == ["peaks", *CALL_1], summary
+    codes = [line.split("exit ")[1].split()[0] for line in summary]
+    assert codes == ["0", "0", "0", "0", "0", "0", "124", "0"], summary
     table = (tmp_path / "out" / "summary.md").read_text()
-    assert "| e2e | cut at" in table and "| build | ok |" in table and "| bench-chunk_store | ok |" in table, table
-    assert proc.returncode != 0 and "failed stages: e2e" in proc.stdout
+    assert "| e2e | cut at" in table and "| build | ok |" in table and "| bench-rest | ok |" in table, table
+    assert proc.returncode != 0 and "failed steps: e2e" in proc.stdout
 
 
 @pytest.mark.parametrize("how", ["env", "stamp file", "nothing"])
@@ -115,7 +164,7 @@ def test_commit_without_git(tmp_path, how):
         stamp = subprocess.run(["bash", "scripts/gpu_check.sh", "--stamp"], cwd=tree, env=env, capture_output=True, text=True)
         assert stamp.returncode == 0 and (tree / ".gpu_check_commit").read_text().strip() == want, stamp.stdout
         shutil.rmtree(tree / ".git")
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--plan", str(tmp_path / "out")], cwd=tree, env=env,
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--plan", "--call", "1", str(tmp_path / "out")], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"commit: {want}\n" in (tmp_path / "out" / "env.txt").read_text()

@@ -164,3 +164,93 @@ def test_paged_splits_never_leave_a_partial_wave():
     assert pa.splits_for_sms(32, 32768, 64, 132) == 16  # batch 4 x 8 kv heads: 512 programs = 4 x 132 - 16
     assert pa.splits_for_sms(256, 32768, 64, 132) == 2
     assert pa.splits_for_sms(32, 256, 64, 132) == 1  # 4 key tiles: no split shorter than 4 tiles
+
+
+def test_deeper_decode_prefetch_is_not_shrunk():
+    """A 64-key decode tile at 5 stages (two K and two V tiles in flight: ~72 KB on sm_90) reaches the
+    kernel as configured; the launcher's old model (164 KB against 160) cut it to 4 stages. Tiles
+    that do not fit are still shrunk."""
+    from ragattn.triton_kernels import paged_attention as pa
+
+    five = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=5, waves=4.0)
+    with gpu_configs.override("paged_attention", "decode/16bit/d128", five):
+        assert pa.kernel_config(16, 128, 2, device_name=H100)["num_stages"] == 5
+    assert pa.smem_bytes(16, 64, 128, 2, 5) < 80 * 1024 < pa.smem_bytes(16, 128, 128, 2, 5)
+    assert pa.kv_buffers(16, 3) == pa.kv_buffers(16, 4) == 1 and pa.kv_buffers(16, 5) == 2
+    assert pa.kv_buffers(128, 3) == 2 and pa.kv_buffers(128, 5) == 3
+    big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=5, waves=4.0)
+    with gpu_configs.override("paged_attention", "prefill/16bit/d256", big):
+        cfg = pa.kernel_config(128, 256, 2, device_name=H100)
+    assert pa.smem_bytes(cfg["m_tile"], cfg["BLOCK_N"], 256, 2, cfg["num_stages"]) <= pa.SMEM_BUDGET
+
+
+def test_tune_sweeps_decode_stages_and_the_prefill_tile_height():
+    from bench.tune import FAMILIES
+    from ragattn.triton_kernels import paged_attention as pa
+
+    family = FAMILIES["paged_attention"]
+    decode = family.candidates("decode/16bit/d128")
+    assert {c["num_stages"] for c in decode} == {2, 3, 4, 5}
+    prefill = family.candidates("prefill/16bit/d128")
+    assert {c["BLOCK_M"] for c in prefill} == {64, 128} and {c["num_stages"] for c in prefill} == {2, 3, 4, 5}
+    for key, cands in (("decode/16bit/d128", decode), ("prefill/16bit/d128", prefill)):
+        m_tile = 16 if key.startswith("decode") else 128
+        for cand in cands:  # every candidate runs as listed: none is shrunk by the launcher
+            with gpu_configs.override("paged_attention", key, cand):
+                got = pa.kernel_config(m_tile, 128, 2, device_name=H100)
+            assert (got["m_tile"], got["BLOCK_N"], got["num_stages"]) == (min(m_tile, cand["BLOCK_M"]), cand["BLOCK_N"],
+                                                                           cand["num_stages"]), (key, cand, got)
+    # the quick run: the table's current config first, then the variants the static report points to
+    quick = family.quick_candidates("decode/16bit/d128", H100)
+    assert quick[0] == gpu_configs.get_config("paged_attention", H100, "decode/16bit/d128")
+    assert any(c["num_stages"] == 5 and c["BLOCK_N"] == 64 for c in quick)
+    quick = family.quick_candidates("prefill/16bit/d128", H100)
+    assert quick[0]["BLOCK_M"] == 128 and any(c["BLOCK_M"] == 64 for c in quick)
+    assert any(not c.get("pipeline_v") for c in quick) and quick[0].get("pipeline_v")
+    for fam in FAMILIES.values():
+        for key in fam.quick_keys:
+            assert key in fam.keys and 2 <= len(fam.quick_candidates(key, H100)) <= 8, (fam.name, key)
+
+
+def test_tune_list_prints_what_it_would_time(capsys):
+    from bench import tune
+
+    assert tune.main(["paged_attention", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("paged_attention decode/16bit/d128: ") and "prefill/16bit/d128: " in out
+    assert f"the current config for {H100!r} first" in out and "'num_stages': 5" in out
+    assert tune.main(["paged_attention", "--list", "--full", "--keys", "prefill/16bit/d128", "--max-candidates", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(full sweep, nearest first)" in out and out.count("{'BLOCK_M'") == 3
+    assert tune.main(["paged_attention", "--device", "cpu"]) == 2
+
+
+def test_tune_stops_at_its_budget_and_keeps_the_current_config_within_noise():
+    """Each class gets an equal share of the time left; the first candidate (the current config)
+    always runs; a variant must beat it by more than MIN_GAIN to replace it; the table lists all."""
+    from bench import tune
+
+    fam = tune.FAMILIES["paged_attention"]
+    now = [0.0]
+    times = {2: 100.0, 5: 99.5, 4: 90.0}
+
+    def timer(key, cfg):
+        now[0] += 10.0  # each candidate takes 10 s
+        return times.get(cfg["num_stages"], 200.0)
+
+    def cands(key):
+        return [dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=s, waves=4.0) for s in (2, 5, 3, 4)]
+
+    res = tune.tune_family(fam, ["decode/16bit/d128", "prefill/16bit/d128"], timer, log=lambda s: None,
+                           candidates=cands, budget_s=50.0, clock=lambda: now[0])
+    first, second = res["decode/16bit/d128"], res["prefill/16bit/d128"]
+    assert first["tried"] == 3 and first["untimed"] == 1  # 25 s share: starts at 0, 10, 20; not at 30
+    assert first["config"]["num_stages"] == 2  # 99.5 us is within 1% of 100: the current config stays
+    assert second["tried"] == 3  # 20 s left at 30 s: starts at 30, 40, 50 (60 is past the budget)
+    table = tune.results_table("paged_attention", res)
+    assert "| decode/16bit/d128 | BLOCK_M=16, BLOCK_N=64, num_stages=2, num_warps=4, waves=4.0 | 100.0 | 1.000x | chosen (current) |" in table
+    assert "1 more not timed (budget)" in table
+    times[3] = 50.0
+    now[0] = 0.0
+    res = tune.tune_family(fam, ["decode/16bit/d128"], timer, log=lambda s: None, candidates=cands)
+    assert res["decode/16bit/d128"]["config"]["num_stages"] == 3 and res["decode/16bit/d128"]["tried"] == 4

@@ -152,7 +152,7 @@ def _store_model(family):
 def test_chunk_store_exact_on_family(family, positions, zero_copy):
     """Cached chunks + re-rotation + the final block through the paged cache == one eager forward
     of the whole prompt under the Block-Attention mask (test_methods_exactness's rule)."""
-    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.store import ChunkStore
     from tests.test_methods_exactness import _cached_logits, _reference_logits
 
     model = _store_model(family)
@@ -169,8 +169,8 @@ def test_chunk_store_exact_on_family(family, positions, zero_copy):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunk_store_methods_run_on_family(family):
     from ragattn.methods import block_attention, fusionrag, turborag
-    from ragattn.methods.chunk_store import ChunkStore
-    from ragattn.methods.common import full_prefill
+    from ragattn.store import ChunkStore
+    from ragattn.methods.baseline import full_prefill
 
     model, tok = _store_model(family), _tokenizer()
     store = ChunkStore(model)
@@ -193,7 +193,7 @@ def test_chunk_store_methods_run_on_family(family):
 
 
 def test_gemma3_with_two_ropes_refuses_the_chunk_store_by_name():
-    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.store import ChunkStore
 
     with pytest.raises(NotImplementedError, match="different RoPE frequencies"):
         ChunkStore(_build("gemma3"))

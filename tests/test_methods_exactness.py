@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from ragattn.methods.block_attention import block_ids
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
-from ragattn.methods.common import paged_forward, prompt_parts
+from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.methods.generate import paged_forward
+from ragattn.methods.prompt import prompt_parts
 
 CHUNKS = ["The Eiffel Tower is in Paris. It was completed in 1889 for the World's Fair.",
           "Mount Fuji is the highest mountain in Japan.",
@@ -102,7 +103,7 @@ def test_methods_answer_and_baseline(smollm2, store):
 
 def _greedy_reference(model, tok, store, chunks, question, n):
     """The hand-written greedy loop the methods used before generate(): paged_forward per token."""
-    from ragattn.methods.common import _eos_ids
+    from ragattn.methods.generate import _eos_ids
 
     head, chunk_ids, tail = prompt_parts(tok, chunks, question)
     req = store.assemble(store.add([head] + chunk_ids), positions="reordered", extra_slots=len(tail) + n)

@@ -185,6 +185,27 @@ def test_prefill_tiles_with_whole_key_tiles(backend, monkeypatch, device, seed, 
             check_against_reference(args, out, lse, window_left, nan_at=nan_at)
 
 
+@pytest.mark.parametrize("pipeline_v", [False, True])
+def test_prefill_tiles_either_v_load(triton_backend, monkeypatch, tmp_path, device, seed, pipeline_v):
+    """The prefill loop's two forms (config ``pipeline_v``: V used outside the per-tile whole/masked
+    test, so it can be pipelined, or inside it, a plain register load) on the whole-key-tiles case:
+    the same rule, whichever the table picks (the interpreter's entry holds one of them)."""
+    import json
+
+    from ragattn.triton_kernels import gpu_configs
+
+    table = json.load(open(gpu_configs.table_path("paged_attention", gpu_configs.CONFIG_DIR)))
+    table["devices"]["interpreter"]["configs"]["*"]["pipeline_v"] = pipeline_v
+    (tmp_path / "paged_attention.json").write_text(json.dumps(table))
+    monkeypatch.setenv("RAGATTN_CONFIG_DIR", str(tmp_path))
+    gpu_configs.clear_cache()
+    try:
+        test_prefill_tiles_with_whole_key_tiles("triton", monkeypatch, device, seed, 16)
+    finally:
+        monkeypatch.delenv("RAGATTN_CONFIG_DIR")
+        gpu_configs.clear_cache()
+
+
 def test_rows_that_see_no_key(backend, device, seed):
     """Query rows against an empty cache: out 0, lse -inf, never NaN."""
     args = make_case([[3, 4], [2]], [0, 9], num_heads=4, num_kv_heads=2, head_dim=64,
@@ -814,7 +835,8 @@ for elt, head_dim in SM90_CASES:
                       POS_TABLE=False, HAS_ENTRY_LEN=False, ROPE=False, ROPE_INTERLEAVED=False, KV_FP8=False,
                       # page ids once per page (16-slot pages) for decode/verify, once per tile (128) for prefill
                       EVEN_D=block_d == head_dim, PAGE_MODE=1 if split else 2, PAGE_SIZE=16 if split else 128,
-                      SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile))  # as the launcher
+                      SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile),  # as the launcher
+                      PIPELINE_V=bool(cfg.get("pipeline_v", False)))
         types = {n: "*i32" for n in ints}
         types.update(Q="*" + elt, K_CACHE="*" + elt, V_CACHE="*" + elt, OUT="*fp32" if split else "*" + elt,
                      LSE="*fp32", qk_scale="fp32", INV_FREQ="*fp32", softcap_log2="fp32")

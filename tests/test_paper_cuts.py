@@ -144,7 +144,7 @@ def _fake_hub_cache(root: Path, repo_id: str) -> Path:
 
 
 def test_demo_and_eval_take_a_model_id_from_the_local_hf_cache(tmp_path, monkeypatch):
-    from ragattn import demo
+    from ragattn.apps import demo
 
     snap = _fake_hub_cache(tmp_path / "hub", "someorg/tiny-llama")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -164,7 +164,7 @@ def test_demo_and_eval_take_a_model_id_from_the_local_hf_cache(tmp_path, monkeyp
 
 # ----- the demo's table: each method's own figure of merit (issue 26.9) ----------------------------
 def _row(method, speedup, **kw):
-    from ragattn.demo import Row
+    from ragattn.apps.demo import Row
 
     return Row(question_id="q1", question="?", method=method, context_tokens=300, ttft_ms=10.0, speedup=speedup,
                answer="a", first_token_match=True, kl=0.0, em=True, **kw)
@@ -173,7 +173,7 @@ def _row(method, speedup, **kw):
 def test_demo_table_shows_each_methods_figure_of_merit():
     from types import SimpleNamespace
 
-    from ragattn import demo
+    from ragattn.apps import demo
 
     rows = [_row("full-prefill", 1.0, decode_tps=20.0), _row("turborag-composite", 2.5, decode_tps=21.0),
             _row("rapid", 1.6, decode_tps=32.0, acceptance=0.625)]
@@ -196,7 +196,7 @@ def test_demo_table_shows_each_methods_figure_of_merit():
 def test_refrag_note_says_why_and_how_to_train(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from ragattn import demo
+    from ragattn.apps import demo
 
     runner = demo._RefragRunner(None, None)
     runner._rm = SimpleNamespace(trained=False, k=16)

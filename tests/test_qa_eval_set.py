@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ragattn.corpus import EVAL_CORPUS, CorpusError, load_corpus, normalize_answer
+from ragattn.apps.corpus import EVAL_CORPUS, CorpusError, load_corpus, normalize_answer
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,7 @@ def test_split_text_covers_and_bounds(smollm2):
 
 @pytest.fixture(scope="module")
 def short_qa():
-    from ragattn.corpus import load_corpus
+    from ragattn.apps.corpus import load_corpus
 
     corpus = load_corpus()
     docs = [p.render() for p in corpus.passages[:4]]   # ~330 tokens: short enough for CI

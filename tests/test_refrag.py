@@ -246,7 +246,7 @@ def test_batch_rows_match_single_rows(refrag):
 def test_generate_first_logits_equal_forward(refrag):
     """HF generate(inputs_embeds=...) runs the compact positions: its first-step logits equal
     RefragModel.logits at the last prompt slot, compressed and mixed."""
-    from ragattn.methods.common import prompt_parts
+    from ragattn.methods.prompt import prompt_parts
 
     tok = refrag.tokenizer
     q = "Who built the Eiffel Tower?"

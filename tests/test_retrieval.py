@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ragattn.corpus import load_corpus
+from ragattn.apps.corpus import load_corpus
 from ragattn.methods.retrieval import Retriever, SentenceEncoder
 
 

@@ -265,7 +265,7 @@ def test_kernel_small_tiles(device, mask, causal):
 
 def test_tile_metadata_skips(device):
     """Metadata of independent chunks: the tile pairs of different chunks cannot meet."""
-    from ragattn.triton_kernels.varlen_attention import tile_metadata, tile_pairs
+    from ragattn.triton_kernels.varlen_plan import tile_metadata, tile_pairs
 
     cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
     pos = torch.arange(64, dtype=torch.int32, device=device)
@@ -814,7 +814,7 @@ def _tile_visibility(args, bm, bn):
 def test_plan_lists_every_visible_tile_once_longest_first(mask, causal, pos, window):
     """The plan's work items cover exactly the visible tile pairs, fully visible ones in the
     mask-free range, split rows in consecutive pieces, and launch in descending order of work."""
-    from ragattn.triton_kernels.varlen_attention import build_plan
+    from ragattn.triton_kernels.varlen_plan import build_plan
 
     lens_k = [70, 0, 33, 1, 40]
     lens_q = [30, 0, 33, 1, 40] if pos == "offset" else lens_k
@@ -1123,3 +1123,27 @@ def test_wrapper_dispatches_where_the_op_must_be_seen():
     with torch.no_grad():
         assert plain_cpu_call(q, *args[1:9])
     assert not plain_cpu_call(torch.nn.Parameter(args[0]), *args[1:9])
+
+
+@pytest.mark.parametrize("kind", ["causal", "blocks", "window"])
+def test_masked_tiles_in_slices(device, monkeypatch, tmp_path, kind):
+    """The forward's masked loop taking each key tile in slices (config ``masked_sub``: what keeps
+    a 128 x 64 tile spill-free on sm_90) keeps every rule: against the float64 reference with
+    chunk blocks and a global tail, and no masked non-finite value reaching a query."""
+    import json
+
+    from ragattn.triton_kernels import gpu_configs
+
+    table = json.load(open(gpu_configs.table_path("varlen_attention", gpu_configs.CONFIG_DIR)))
+    table["devices"]["interpreter"]["configs"]["*"]["masked_sub"] = 2
+    (tmp_path / "varlen_attention.json").write_text(json.dumps(table))
+    monkeypatch.setenv("RAGATTN_CONFIG_DIR", str(tmp_path))
+    gpu_configs.clear_cache()
+    try:
+        test_masked_nonfinite_never_reaches_a_query(device, "triton", monkeypatch, kind, float("nan"))
+        if kind == "blocks":
+            args = _case([70, 45], [70, 45], 4, 2, 64, torch.float16, device, blocks="chunks")
+            _check_forward_backward(args, 5)
+    finally:
+        monkeypatch.delenv("RAGATTN_CONFIG_DIR")
+        gpu_configs.clear_cache()

@@ -703,7 +703,7 @@ def test_benchmark_bytes_are_what_a_call_touches(monkeypatch):
             return torch.zeros(x.shape[0], x.shape[1] + 1, dtype=torch.int64), n
 
         monkeypatch.setattr(ragattn, "verify_draft", fake_verify)
-        for case in bench.cases(torch.device("cpu"), "cpu"):
+        for case in (c for spec in bench.cases(torch.device("cpu"), "cpu") for c in spec.build_all()):
             b, g, v = (int(t[1:]) for t in case.name.split("_")[:3])
             small = b * 1024   # drafts, uniforms, outputs: a few hundred bytes per row
             if case.params["eta"] > 0:  # every drafted row's draft probs (max q, p_hat), accepted or not

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from ragattn.methods.chunk_store import model_fingerprint, weight_checksums  # noqa: E402
+from ragattn.store import model_fingerprint, weight_checksums  # noqa: E402
 from ragattn.vllm.fingerprint import FingerprintUnavailable, StreamedChecksum, checkpoint_fingerprint  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
@@ -75,7 +75,8 @@ def test_store_over_the_empty_model_serves_chunk_files(tmp_path):
     """The vLLM worker's chunk store (the empty model from the files, fingerprint and device given)
     accepts the chunk files the HF path wrote and writes them into pages bit for bit like the HF
     store; no parameter is materialised."""
-    from ragattn.methods.chunk_store import ChunkStore
+    import ragattn.hf  # noqa: F401  (ChunkStore(hf_model): ragattn.hf describes HF models to the store)
+    from ragattn.store import ChunkStore
 
     model = tiny_causal_lm("llama3", seed=6)
     model.save_pretrained(tmp_path / "m")

@@ -6,8 +6,8 @@ import torch
 
 from ragattn.methods.block_attention import block_ids
 from ragattn.reference import kv_cache as ref_kv
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
-from ragattn.methods.common import paged_forward
+from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.methods.generate import paged_forward
 from ragattn.vllm.pages import CacheLayoutError, PageWriter, slot_rows
 from ragattn.vllm.spans import (SpanError, check_spans, layer_index, plan_claim, span_salt,
                                 spans_from_params, spans_from_separator)

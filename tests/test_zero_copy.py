@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ragattn.hf.models import random_llama
-from ragattn.methods.chunk_store import ChunkStore
+from ragattn.store import ChunkStore
 from ragattn.reference.kv_cache import rope_rotate
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -76,7 +76,7 @@ def test_request_equals_copy_path_and_float64_pass(model, scheme, backend, monke
     """The final block prefilled on a zero-copy request (pages shared with the store, keys
     rotated in the kernel) gives the copy path's logits within fp32 rounding and the float64
     masked single pass's; pages out of order, partial last pages (lengths not multiples of 4)."""
-    from ragattn.methods.common import paged_forward
+    from ragattn.methods.generate import paged_forward
 
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     chunks = _chunks(3, [6, 11, 1, 9])
@@ -110,7 +110,7 @@ def test_request_equals_copy_path_and_float64_pass(model, scheme, backend, monke
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_request_over_several_slabs_merges_exactly(model, backend, monkeypatch):
     """Chunks spread over several pool slabs: one kernel call per slab, merged by LSE."""
-    from ragattn.methods.common import paged_forward
+    from ragattn.methods.generate import paged_forward
 
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
     row_bytes = ChunkStore(model).row_bytes
@@ -132,7 +132,7 @@ def test_request_over_several_slabs_merges_exactly(model, backend, monkeypatch):
 def test_generate_on_a_request_equals_the_copy_path(model, backend, monkeypatch):
     """Greedy decoding over a PagedCache of a zero-copy request gives the copy path's tokens, and
     every decode step's keys go un-rotated into the private pages (several of them)."""
-    from ragattn.methods.common import generate_paged
+    from ragattn.methods.generate import generate_paged
 
     class Tok:
         pad_token_id, eos_token_id = 0, None
@@ -311,7 +311,7 @@ def test_cpu_kernel_rotation_against_float64(interleaved, rotary_dim):
 def test_private_page_positions_must_be_consecutive(model):
     """A private page has one first position: tokens appended at non-consecutive positions within
     a page are refused (they would be rotated by the wrong positions), at a page start they are not."""
-    from ragattn.methods.common import paged_forward
+    from ragattn.methods.generate import paged_forward
 
     store = ChunkStore(model, page_size=4)
     keys = store.add(_chunks(11, [5, 6]))
@@ -328,7 +328,7 @@ def test_private_page_positions_must_be_consecutive(model):
 def test_sliding_window_and_soft_cap_layers(family):
     """Sliding layers (window 5, by position) and Gemma 2's soft cap (run_paged_attention's path)
     on a zero-copy request: the copy path's logits (reordered: slot order is position order)."""
-    from ragattn.methods.common import paged_forward
+    from ragattn.methods.generate import paged_forward
     from tests.test_hf_families import _build
 
     model = _build(family)
@@ -359,9 +359,9 @@ def test_copy_on_write_without_room_changes_nothing(model):
     """A recompute whose copies do not fit in the budget raises and leaves the request as it was
     (no entry points at an unfilled page); it answers as before."""
     from ragattn.hf.attention import use_ragattn
-    from ragattn.methods.common import paged_forward
+    from ragattn.methods.generate import paged_forward
     from ragattn.methods.fusionrag import recompute
-    from ragattn.methods.store.errors import ChunkStoreError
+    from ragattn.store.errors import ChunkStoreError
 
     row = ChunkStore(model).row_bytes
     store = ChunkStore(model, page_size=4, memory_budget=7 * 4 * row)

@@ -8,7 +8,7 @@ import torch
 
 from ragattn.hf.attention import use_ragattn
 from ragattn.hf.models import random_llama
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+from ragattn.store import ChunkStore, ChunkStoreError
 
 hyp = pytest.importorskip("hypothesis")
 st = hyp.strategies
@@ -126,7 +126,7 @@ def test_pinned_pages_are_never_evicted(ops):
             except ChunkStoreError as exc:    # no page left for the copy: nothing written
                 assert "too small" in str(exc)
         elif op[0] == "decode" and live:
-            from ragattn.methods.common import paged_forward
+            from ragattn.methods.generate import paged_forward
 
             req = live[op[1] % len(live)][0]
             c = req.cache

@@ -1,5 +1,7 @@
 """Q-indexed attention over a paged KV cache: sparse prefill, speculative tails and decode.
 
+(Over 600 lines: one kernel family, its jit helpers and the launcher that plans it belong together.)
+
 One kernel serves every case. A program owns one *query tile* of one sequence (up to BLOCK_M
 consecutive query rows of that sequence) for one KV head, and stacks the rows x the GQA group of
 query heads that read that KV head into the rows of its tile, so ``tl.dot`` sees
@@ -47,6 +49,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .merge_attention_states import merge_split_states
 from .soft_cap import soft_cap_log2
@@ -96,22 +99,50 @@ def _pv_masked(acc, p, v, visible, IEEE_FP32: tl.constexpr):
 
 
 @triton.jit
+def _rope_angle(pos, turn_hi, turn_lo):
+    """``[N, D]`` fp32 angles ``pos * freq`` reduced to ``[0, 2 pi)``, from int64 positions ``pos [N]``
+    and each frequency in turns as a 64-bit fixed-point fraction ``turn_hi [D]``, ``turn_lo [D]``
+    (uint32 halves): the fraction of ``pos * turns`` is bits 32..63 of that product mod 2^64, which
+    32-bit multiplies give exactly (``umulhi`` for the low half, ``pos >> 32`` for positions past
+    2^32). An fp64 angle reduced by floor(ang / 2 pi) was as accurate but held 64-bit values per
+    key element: 255 registers and 1.3 KB of spills per thread at decode's 64 x 128 key tile, 17x
+    the time of keys rotated beforehand on an H100; this holds 32-bit ones."""
+    p_lo = pos.to(tl.uint32)  # pos mod 2^32
+    p_hi = (pos >> 32).to(tl.uint32)
+    frac = p_lo[:, None] * turn_hi[None, :] + tl.umulhi(p_lo[:, None], turn_lo[None, :]) + p_hi[:, None] * turn_lo[None, :]
+    return frac.to(tl.float32) * 1.4629180792671596e-09  # 2 pi / 2^32
+
+
+@triton.jit
+def _nan_where_seen(acc, visible, v_bad, IEEE_FP32: tl.constexpr):
+    """``acc`` with NaN wherever a row sees a non-finite V value (``v_bad``, zeroed for the P @ V dot)."""
+    if IEEE_FP32:
+        hits = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee")
+    else:
+        hits = tl.dot(visible.to(tl.float16), v_bad.to(tl.float16))
+    return tl.where(hits > 0, float("nan"), acc)
+
+
+@triton.jit
 def _attend_key_tiles(
     m_i, l_i, acc, bad_row, lo, hi,
     q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row, ENTRY_POS, ENTRY_LEN, entry0,
     kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, page_size,
-    k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
+    k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
     TILES: tl.constexpr,  # 0: every row sees every slot of [lo, hi); 1: masked tiles; 2: decided per tile
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     IEEE_FP32: tl.constexpr, POS_TABLE: tl.constexpr, HAS_ENTRY_LEN: tl.constexpr, ROPE: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, FAST_TRIG: tl.constexpr,
+    PIPELINE_V: tl.constexpr,
 ):
     """The online softmax over the key tiles ``[lo, hi)`` (steps of BLOCK_N) of one query tile;
     returns the updated ``(m_i, l_i, acc, bad_row)``. ``TILES=0`` is the lean loop of key tiles that
     every row sees whole: no visibility masks and V used by the P @ V product alone, so Triton
     pipelines its loads as it does K's (the static sm_90 report showed V as a plain register load
     while the masked code shared the loop). ``TILES=2`` (prefill's 128-row tiles, where three loops
-    would spill) tests each tile for being whole (``[full_lo, full_hi]``) at run time."""
+    would spill) tests each tile for being whole (``[full_lo, full_hi]``) at run time; with
+    ``PIPELINE_V`` its V load is used outside that test (the NaN fix-up masked by it), so Triton
+    pipelines V as K (the static sm_90 report showed V as a plain load in this loop)."""
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
@@ -141,15 +172,19 @@ def _attend_key_tiles(
                 k = k.to(Q.dtype.element_ty)  # not round-to-nearest (twice its error): it stays in fp32
                 v = v.to(Q.dtype.element_ty)
         if ROPE:
-            # angle in fp64, reduced to [0, 2 pi) before the fp32 cos/sin: positions up to 2^31 stay
-            # within float rounding of the exact rotation; the rotated key is rounded once
+            # the angle reduced to [0, 2 pi) in 32-bit fixed point (_rope_angle) before the fp32
+            # cos/sin: within float rounding of the exact rotation; the rotated key is rounded once
             k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
             if KV_FP8:
                 k2 = k2 * k_scale
-            ang = slot_pos.to(tl.float64)[:, None] * freq[None, :]
-            ang = (ang - tl.floor(ang * 0.15915494309189535) * 6.283185307179586).to(tl.float32)
-            k_rot = tl.where(rot[None, :], k.to(tl.float32) * tl.cos(ang) + sgn[None, :] * k2 * tl.sin(ang),
-                             k.to(tl.float32))
+            ang = _rope_angle(slot_pos, turn_hi, turn_lo)
+            if FAST_TRIG:
+                cos_a = libdevice.fast_cosf(ang)
+                sin_a = libdevice.fast_sinf(ang)
+            else:
+                cos_a = tl.cos(ang)
+                sin_a = tl.sin(ang)
+            k_rot = tl.where(rot[None, :], k.to(tl.float32) * cos_a + sgn[None, :] * k2 * sin_a, k.to(tl.float32))
             if UPCAST and Q.dtype.element_ty == tl.bfloat16:
                 k = k_rot  # the interpreter's bf16 rounding is not round-to-nearest: stay in fp32
             else:
@@ -188,8 +223,17 @@ def _attend_key_tiles(
             acc = _pv_whole(acc, p, v, IEEE_FP32)
         elif TILES == 1:
             acc = _pv_masked(acc, p, v, visible, IEEE_FP32)
+        elif PIPELINE_V:
+            # decided per tile with V used outside the branch, which lets Triton pipeline its load
+            # (cp.async, as K's): a masked tile's non-finite V values are zeroed for the dot and put
+            # back as NaN where a row sees them; a whole tile's pass through unchanged
+            whole = (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi)
+            v_bad = ((v != v) | (tl.abs(v) == float("inf"))) & ~whole
+            acc = _pv_whole(acc, p, tl.where(v_bad, 0.0, v), IEEE_FP32)
+            if not whole:
+                acc = _nan_where_seen(acc, visible, v_bad, IEEE_FP32)
         elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi):
-            acc = _pv_whole(acc, p, v, IEEE_FP32)
+            acc = _pv_whole(acc, p, v, IEEE_FP32)  # V in both branches: a plain register load
         else:
             acc = _pv_masked(acc, p, v, visible, IEEE_FP32)
         m_i = m_new
@@ -229,6 +273,10 @@ def _paged_attention_kernel(
     # size); 1 one per page (PAGE_SIZE divides BLOCK_N); 2 one per tile (BLOCK_N divides PAGE_SIZE)
     PAGE_SIZE: tl.constexpr = 1,  # the page size when PAGE_MODE > 0 (a power of two)
     SPLIT_WHOLE_TILES: tl.constexpr = False,  # whole key tiles in a loop of their own (decode, verify)
+    FAST_TRIG: tl.constexpr = False,  # ROPE into a 16-bit dot: the hardware's cos/sin (abs error ~4e-7 on
+    # [0, 2 pi), far below the 16-bit rounding of the rotated key) instead of libdevice's precise
+    # ones, whose large-argument path kept a stack frame and registers the tile needed
+    PIPELINE_V: tl.constexpr = False,  # prefill's per-tile loop: V used outside the whole/masked test
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -315,16 +363,26 @@ def _paged_attention_kernel(
             partner = tl.where(d < half, d + half, d - half)
             freq = tl.load(INV_FREQ + tl.where(d < half, d, d - half), mask=rot, other=0.0).to(tl.float64)
             sgn = tl.where(d < half, -1.0, 1.0)
+    # each frequency in turns per position (freq / 2 pi, fp64) as a 64-bit fixed-point fraction
+    # (turn_hi * 2^-32 + turn_lo * 2^-64), exact to the fp64 value: see _rope_angle
+    turns = freq * 0.15915494309189535
+    turn_hi = tl.floor(turns * 4294967296.0)
+    turn_lo = ((turns * 4294967296.0 - turn_hi) * 4294967296.0).to(tl.uint32)
+    turn_hi = turn_hi.to(tl.uint32)
     # the key range in segments, one loop of one kind (TILES) each: a position-tagged table is one
     # masked segment, prefill's 128-row tiles one segment tested tile by tile (three loops would
     # spill), decode and verify tiles three: [lo, f0) and [f1, hi) hold the tiles some row sees
     # only in part (the window's edge, the causal diagonal, the last tile), [f0, f1) the tiles
     # every row sees whole (the bulk of a decode)
     TAGGED: tl.constexpr = POS_TABLE or HAS_ENTRY_LEN
-    SEGMENTS: tl.constexpr = 3 if (SPLIT_WHOLE_TILES and not TAGGED) else 1
+    SEGMENTS: tl.constexpr = (3 if HAS_WINDOW else 2) if (SPLIT_WHOLE_TILES and not TAGGED) else 1
     f0 = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
     f1 = f0 + tl.maximum(tl.minimum(full_hi + 1, hi) - f0, 0) // BLOCK_N * BLOCK_N
-    for seg in tl.static_range(SEGMENTS):
+    # without a window no row's range starts past 0 (full_lo = 0, f0 = lo): the leading masked
+    # segment is empty and left out (SEGMENTS 2: one loop less, what keeps 128-row tiles spill-free)
+    SEG_FIRST: tl.constexpr = 1 if SEGMENTS == 2 else 0
+    SEG_END: tl.constexpr = 1 if SEGMENTS == 1 else 3
+    for seg in tl.static_range(SEG_FIRST, SEG_END):
         if SEGMENTS == 1:
             seg_lo = lo
             seg_hi = hi
@@ -340,11 +398,11 @@ def _paged_attention_kernel(
         m_i, l_i, acc, bad_row = _attend_key_tiles(
             m_i, l_i, acc, bad_row, seg_lo, seg_hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE,
             page_row, ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
-            stride_vh, page_size, k_scale, v_scale, rot, partner, freq, sgn, qk_scale, softcap_log2, window_left,
+            stride_vh, page_size, k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left,
             full_lo, full_hi,
             (1 if TAGGED else 2) if SEGMENTS == 1 else (0 if seg == 1 else 1),  # TILES (a constexpr: no variable)
             BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
-            PAGE_SIZE)
+            PAGE_SIZE, FAST_TRIG, PIPELINE_V)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -375,7 +433,27 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-SMEM_BUDGET = 160 * 1024  # the Q tile and the pipelined K/V tiles (Triton's layout scratch takes the rest)
+SMEM_BUDGET = 160 * 1024  # of ``smem_bytes``: fits sm_90 (227 KB a CTA) and sm_80 (163 KB)
+
+
+def kv_buffers(m_tile: int, num_stages: int) -> int:
+    """Shared-memory copies of each of K and V that Triton's software pipeliner (3.x, sm_90) allocates
+    for a loop of ``num_stages`` stages, as the compiled kernels show (``bench.sm90``): tiles of
+    at least 64 stacked rows (warpgroup MMAs) take ``max(2, stages - 2)``, smaller ones (decode)
+    ``max(1, stages - 3)``: a 16-row decode tile keeps one K and one V tile in flight up to 4
+    stages and double-buffers them at 5."""
+    return max(2, num_stages - 2) if m_tile >= 64 else max(1, num_stages - 3)
+
+
+def smem_bytes(m_tile: int, block_n: int, block_d: int, elt: int, num_stages: int) -> int:
+    """Shared memory of the kernel for one config, modelled on what the compiler reports for sm_90
+    (checked against it by tests/test_sm90_report.py): the pipelined K and V buffers of the busiest
+    loop (the loops reuse one another's), the Q tile, an fp32 P tile of layout scratch and 1 KB of
+    small buffers (page ids). Decode at 64-key tiles, 5 stages: 74.8 KB modelled, 71.7 KB compiled
+    (the model before it, ``elt * block_d * (m_tile + 2 * block_n * stages)``, said 164 KB and cut
+    that config back to 4 stages)."""
+    return (2 * kv_buffers(m_tile, num_stages) * block_n * block_d * elt + m_tile * block_d * elt
+            + 4 * m_tile * block_n + 1024)
 
 
 def shape_key(m_tile: int, block_d: int, elt: int) -> str:
@@ -394,8 +472,8 @@ def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
     From ``configs/paged_attention.json``: the GPU's entry (``device_name``; keys as ``shape_key``,
     measured by ``python -m ragattn.bench.tune paged_attention``), else its "default" heuristic, or
     the "interpreter" entry. ``m_tile`` is capped at the entry's ``BLOCK_M``; then the tiles are
-    shrunk to fit ~160 KB of shared memory for the Q tile plus ``num_stages`` K and V tiles (stages
-    first, then the key tile, then the query tile).
+    shrunk until ``smem_bytes`` (the compiler's shared memory, modelled) fits ``SMEM_BUDGET``
+    (stages first, then the key tile, then the query tile).
     """
     from .gpu_configs import DEFAULT, get_config
 
@@ -405,10 +483,7 @@ def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
     if interp:
         return cfg
 
-    def smem(m, n, st):
-        return elt * block_d * (m + 2 * n * st)
-
-    while smem(cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"]) > SMEM_BUDGET:
+    while smem_bytes(cfg["m_tile"], cfg["BLOCK_N"], block_d, elt, cfg["num_stages"]) > SMEM_BUDGET:
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
         elif cfg["BLOCK_N"] > 32:
@@ -476,11 +551,12 @@ class PagedPlan:
     split_len: int
     num_stages: int
     num_warps: int
+    pipeline_v: int = 0  # the config's ``pipeline_v`` (0/1): prefill tiles' V load pipelined
 
     def launch(self) -> list:
         """The host integers of the plan, in ``from_launch``'s order (the custom op's ``int[]``)."""
         return [self.block_m, self.block_n, self.block_d, self.group, self.group_pad, self.num_splits,
-                self.split_len, self.num_stages, self.num_warps]
+                self.split_len, self.num_stages, self.num_warps, self.pipeline_v]
 
     @classmethod
     def from_launch(cls, tile_seq: torch.Tensor, tile_row0: torch.Tensor, launch) -> "PagedPlan":
@@ -488,7 +564,7 @@ class PagedPlan:
         return cls(tile_seq, tile_row0, tile_seq.shape[0], *(int(x) for x in launch))
 
 
-LAUNCH_FIELDS = 9  # len(PagedPlan.launch())
+LAUNCH_FIELDS = 10  # len(PagedPlan.launch())
 
 
 def plan_paged_attention(
@@ -573,7 +649,7 @@ def plan_paged_attention(
         tile_seq=tile_seq, tile_row0=tile_row0,
         num_tiles=num_tiles, block_m=block_m, block_n=block_n, block_d=block_d, group=group,
         group_pad=group_pad, num_splits=num_splits, split_len=split_len, num_stages=num_stages,
-        num_warps=num_warps,
+        num_warps=num_warps, pipeline_v=int(bool(cfg.get("pipeline_v", False))),
     )
 
 
@@ -687,8 +763,11 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
-        SPLIT_WHOLE_TILES=split_whole_tiles(plan.block_m * plan.group_pad),
-        num_warps=plan.num_warps,
+        SPLIT_WHOLE_TILES=split_whole_tiles(plan.block_m * plan.group_pad), PIPELINE_V=bool(plan.pipeline_v),
+        FAST_TRIG=inv_freq is not None and not interp and q.element_size() == 2,
+        # keys rotated in the kernel hold more per key element: 4 warps spilled at decode's 64 x 128
+        # key tile (sm_90 ptxas: 892 bytes), 8 do not
+        num_warps=plan.num_warps if inv_freq is None else max(plan.num_warps, 8),
         num_stages=plan.num_stages,
     )
     if o_buf is not out:

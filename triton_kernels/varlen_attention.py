@@ -11,8 +11,8 @@ puts NaN back where a visible value was non-finite (``_dot_visible``: issue 14's
 rule; gradients are specified for finite visible inputs only). Fully visible tile pairs take the
 fast path without any mask.
 
-The mask is never materialised. A plan (``VarlenPlan``, built once per index tensors on the
-host, cached) summarises each query and key tile by five numbers (min/max position, min/max
+The mask is never materialised. A plan (``VarlenPlan``, planned on the host by ``varlen_plan.py``
+once per index tensors, cached) summarises each query and key tile by five numbers (min/max position, min/max
 non-global block id, "has a global token") and lists, per query tile, the key tiles that can be
 visible to it (a CSR): first the ones visible in full, then the partially visible ones. The
 kernels run two plain ``for`` loops over that list (the mask-free one, then the masked one), so
@@ -35,7 +35,6 @@ split rows).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from typing import Optional
@@ -48,207 +47,12 @@ from ragattn.triton_kernels.merge_attention_states import merge_split_states
 from ragattn.triton_kernels.gpu_configs import DEFAULT, device_name as _device_name, dtype_class, get_config
 from ragattn.triton_kernels.plan_cache import IndexPlanCache
 from ragattn.triton_kernels.soft_cap import soft_cap_grad, soft_cap_log2
+from ragattn.triton_kernels.varlen_plan import Csr, VarlenPlan, build_plan
 
 # The interpreter's tl.dot on bf16 is wrong: upcast the operands to fp32 there (and only there).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_INT_MAX = 2**31 - 1
-_INT_MIN = -(2**31)
 _LOG2E = 1.4426950408889634
-_META = 5  # min_pos, max_pos, min_block (non-global), max_block (non-global), has_global
-_WORK = 8  # a work item: row start, row end (sequence), other side's end, e_start, e_mid, e_end, dest, 0
-_PAIR_CHUNK = 1 << 22  # tile pairs examined at once while planning (bounds the plan's memory)
-
-
-# ----------------------------------------------------------------------------------------------
-# The plan (plain torch on the inputs' device; syncs with the host, built once per index tensors)
-# ----------------------------------------------------------------------------------------------
-def tile_metadata(cu: torch.Tensor, pos: torch.Tensor, blk: torch.Tensor, total: int, block: int):
-    """Split each sequence of ``cu`` into tiles of ``block`` rows and summarise each tile.
-
-    Returns ``tile_off`` int64 ``[B + 1]`` (sequence ``b`` owns tiles ``tile_off[b]:tile_off[b+1]``),
-    ``tile_seq`` int64 ``[T]``, ``tile_start`` int64 ``[T]`` (first row) and ``meta`` int64 ``[T, 5]``:
-    min/max position, min/max non-global block id (INT_MAX/INT_MIN if none) and "has a global
-    token" (0/1). ``T`` is the exact tile count (one host sync).
-    """
-    dev = cu.device
-    cu64 = cu.long()
-    ntiles = (cu64[1:] - cu64[:-1] + block - 1) // block
-    tile_off = torch.cat([ntiles.new_zeros(1), torch.cumsum(ntiles, 0)])
-    num_tiles = int(tile_off[-1])
-    t = torch.arange(num_tiles, device=dev)
-    tile_seq = torch.searchsorted(tile_off[1:], t, right=True)
-    tile_start = cu64[tile_seq] + (t - tile_off[tile_seq]) * block
-
-    tok = torch.arange(total, device=dev)
-    tok_seq = torch.searchsorted(cu64[1:], tok, right=True)
-    tok_tile = tile_off[tok_seq] + (tok - cu64[tok_seq]) // block
-    glob = blk == -1
-    meta = torch.empty(num_tiles, _META, dtype=torch.long, device=dev)
-    fill = (_INT_MAX, _INT_MIN, _INT_MAX, _INT_MIN, 0)
-    vals = (
-        (pos, "amin"),
-        (pos, "amax"),
-        (torch.where(glob, _INT_MAX, blk), "amin"),
-        (torch.where(glob, _INT_MIN, blk), "amax"),
-        (glob.long(), "amax"),
-    )
-    for i, ((src, how), f) in enumerate(zip(vals, fill)):
-        col = torch.full((num_tiles,), f, dtype=torch.long, device=dev)
-        meta[:, i] = col.scatter_reduce(0, tok_tile, src.long(), how, include_self=True)
-    return tile_off, tile_seq, tile_start, meta
-
-
-def tile_pairs(q_meta, k_meta, q_tiles, k_tiles, causal: bool, window_left: int):
-    """(any visible, all visible) bool for tile pairs ``q_tiles[i]``, ``k_tiles[i]`` from their metadata."""
-    q_min, q_max, q_bmin, q_bmax, q_glob = q_meta[q_tiles].unbind(1)
-    k_min, k_max, k_bmin, k_bmax, k_glob = k_meta[k_tiles].unbind(1)
-    # Some pair shares a block (or one side is global): the block ranges overlap.
-    any_vis = (q_glob != 0) | (k_glob != 0) | ((k_bmin <= q_bmax) & (q_bmin <= k_bmax))
-    # Every pair shares a block: one side is all global, or both sides are one and the same block.
-    all_vis = (q_bmin > q_bmax) | (k_bmin > k_bmax) | ((q_bmin == q_bmax) & (k_bmin == k_bmax) & (q_bmin == k_bmin))
-    if causal:
-        any_vis &= k_min <= q_max  # not entirely in the causal future
-        all_vis &= k_max <= q_min  # entirely in the causal past
-    if window_left >= 0:
-        any_vis &= k_max >= q_min - window_left
-        all_vis &= k_min >= q_max - window_left
-    return any_vis, all_vis
-
-
-@dataclasses.dataclass
-class Csr:
-    """Per row tile of one side, the visible tiles of the other side, as work items.
-
-    ``work`` int32 ``[items, 8]``: (first row, end row of its sequence, end row of the other side's
-    sequence, e_start, e_mid, e_end, dest, 0); entries ``[e_start, e_mid)`` of ``rows`` are tiles
-    visible in full and ``[e_mid, e_end)`` partially visible ones; ``dest`` is -1 (write the
-    output) or the first row of this item's slot in the split partials. Items are sorted by
-    descending ``e_end - e_start`` (longest first). ``rows`` int32 ``[nnz]``: first row of each
-    listed tile. ``split_rows`` / ``split_local`` int64: output rows of split tiles and their row in
-    the merged partials; ``split_tiles``, ``max_splits``: the partials' shape.
-    """
-
-    work: torch.Tensor
-    rows: torch.Tensor
-    split_rows: torch.Tensor
-    split_local: torch.Tensor
-    split_tiles: int
-    max_splits: int
-
-    @property
-    def items(self) -> int:
-        return self.work.shape[0]
-
-
-def _csr(row_start, row_end, other_end, other_start, row_of_pair, other_of_pair, masked, num_rows, block,
-         split_len: Optional[int]) -> Csr:
-    """Build a ``Csr`` from the visible pairs (row tile, other tile, masked) of ``num_rows`` row tiles."""
-    dev = row_start.device
-    order = torch.argsort(row_of_pair * 2 + masked.long(), stable=True)  # by row tile, full ones first
-    rows = other_start[other_of_pair[order]].int()
-    n = torch.bincount(row_of_pair, minlength=num_rows)
-    n_full = torch.bincount(row_of_pair[~masked], minlength=num_rows)
-    ptr = torch.cat([n.new_zeros(1), torch.cumsum(n, 0)])
-    if split_len:
-        splits = torch.clamp((n + split_len - 1) // split_len, min=1)
-    else:
-        splits = torch.ones_like(n)
-    chunk = torch.clamp((n + splits - 1) // splits, min=1)
-    item_row = torch.repeat_interleave(torch.arange(num_rows, device=dev), splits)
-    first_item = torch.cumsum(splits, 0) - splits
-    part = torch.arange(item_row.numel(), device=dev) - first_item[item_row]
-    e_start = torch.minimum(ptr[item_row] + part * chunk[item_row], ptr[item_row + 1])
-    e_end = torch.minimum(e_start + chunk[item_row], ptr[item_row + 1])
-    e_mid = torch.clamp(ptr[item_row] + n_full[item_row], e_start, e_end)
-    is_split = splits > 1
-    split_tiles = int(is_split.sum())
-    max_splits = int(splits.max()) if num_rows else 1
-    split_idx = torch.cumsum(is_split.long(), 0) - 1  # rank of a split row tile among them
-    dest = torch.where(is_split[item_row], part * (split_tiles * block) + split_idx[item_row] * block, -1)
-    work = torch.stack([row_start[item_row], row_end[item_row], other_end[item_row], e_start, e_mid, e_end, dest,
-                        torch.zeros_like(dest)], 1)
-    work = work[torch.argsort(e_end - e_start, descending=True, stable=True)].int().contiguous()
-    # output rows of the split tiles (valid rows only) and their rows in the merged partials
-    tiles = is_split.nonzero().flatten()
-    local = torch.arange(block, device=dev)
-    grid_rows = row_start[tiles][:, None] + local[None, :]
-    valid = grid_rows < row_end[tiles][:, None]
-    split_local = (torch.arange(split_tiles, device=dev)[:, None] * block + local[None, :])[valid]
-    return Csr(work, rows.contiguous(), grid_rows[valid], split_local, split_tiles, max_splits)
-
-
-def _visible_pairs(q_side, k_side, causal: bool, window_left: int, bn: int):
-    """(q tile, k tile, masked) of every tile pair that can be visible, sequence by sequence."""
-    q_off, q_seq, _, q_meta = q_side
-    k_off, _, k_start, k_meta, k_end = k_side
-    dev = q_meta.device
-    nk = (k_off[1:] - k_off[:-1])[q_seq]  # key tiles of each query tile's sequence
-    bounds = torch.cumsum(nk, 0)
-    qs, ks, ms = [], [], []
-    lo, num_q = 0, q_seq.numel()
-    cum = bounds.tolist()
-    while lo < num_q:  # chunks of query tiles with at most _PAIR_CHUNK pairs (at least one tile)
-        base = cum[lo - 1] if lo else 0
-        hi = lo + 1
-        while hi < num_q and cum[hi] - base <= _PAIR_CHUNK:
-            hi += 1
-        qt = torch.arange(lo, hi, device=dev)
-        cnt = nk[lo:hi]
-        pq = torch.repeat_interleave(qt, cnt)
-        first = torch.cumsum(cnt, 0) - cnt
-        pk = k_off[q_seq[pq]] + torch.arange(pq.numel(), device=dev) - first[pq - lo]
-        any_vis, all_vis = tile_pairs(q_meta, k_meta, pq, pk, causal, window_left)
-        full = all_vis & (k_start[pk] + bn <= k_end[pk])  # a partial key tile needs the row mask
-        qs.append(pq[any_vis])
-        ks.append(pk[any_vis])
-        ms.append(~full[any_vis])
-        lo = hi
-    if not qs:
-        e = torch.zeros(0, dtype=torch.long, device=dev)
-        return e, e, e.bool()
-    return torch.cat(qs), torch.cat(ks), torch.cat(ms)
-
-
-@dataclasses.dataclass
-class VarlenPlan:
-    """Everything the kernels need besides q, k, v for one (cu, pos, blk) pair of sides, tile sizes,
-    causality and window: int32 index tensors with defaults filled, the forward's ``Csr`` by query
-    tile (``by_q``) and, for the backward, the same pairs by key tile (``by_k``)."""
-
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    q_pos: torch.Tensor
-    kv_pos: torch.Tensor
-    q_block: torch.Tensor
-    kv_block: torch.Tensor
-    by_q: Csr
-    by_k: Optional[Csr]
-
-
-def build_plan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, total_q: int, total_k: int, *, block_m: int,
-               block_n: int, causal: bool, window_left: int, backward: bool, split_len: Optional[int] = None,
-               split_slots: Optional[float] = None) -> VarlenPlan:
-    """The launch plan (see ``VarlenPlan``). The forward splits a query tile that sees more than
-    ``split_len`` key tiles over several programs; without ``split_len``, ``split_slots`` (parallel
-    programs per head) sets it so that no program has more than 1/slots of the work (at least
-    ``_MIN_SPLIT`` tiles); with neither, nothing is split."""
-    cu_q, q_pos, q_block = _defaults(cu_q, q_pos, q_block, total_q)
-    cu_k, kv_pos, kv_block = _defaults(cu_k, kv_pos, kv_block, total_k)
-    q_off, q_seq, q_start, q_meta = tile_metadata(cu_q, q_pos, q_block, total_q, block_m)
-    k_off, k_seq, k_start, k_meta = tile_metadata(cu_k, kv_pos, kv_block, total_k, block_n)
-    cq, ck = cu_q.long(), cu_k.long()
-    q_end, k_end = cq[1:][q_seq], ck[1:][k_seq]
-    window_left = int(window_left) if window_left is not None and window_left >= 0 else -1
-    pq, pk, masked = _visible_pairs((q_off, q_seq, q_start, q_meta), (k_off, k_seq, k_start, k_meta, k_end),
-                                    causal, window_left, block_n)
-    if split_len is None and split_slots:
-        split_len = max(_MIN_SPLIT, math.ceil(pq.numel() / split_slots))
-    by_q = _csr(q_start, q_end, ck[1:][q_seq], k_start, pq, pk, masked, q_seq.numel(), block_m, split_len)
-    by_k = None
-    if backward:
-        by_k = _csr(k_start, k_end, cq[1:][k_seq], q_start, pk, pq, masked, k_seq.numel(), block_n, None)
-    return VarlenPlan(cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, by_q, by_k)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,6 +149,42 @@ def _item():
 
 
 @triton.jit
+def _head_dims(num_heads, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(offs_d, d_ok, q_stride, kv_stride): the head dims (padded to BLOCK_D, the padding masked) and
+    the row strides of q/out ``[rows, num_heads, HEAD_DIM]`` and k/v ``[rows, num_heads // GROUP, HEAD_DIM]``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return offs_d, offs_d < HEAD_DIM, num_heads * HEAD_DIM, (num_heads // GROUP) * HEAD_DIM
+
+
+@triton.jit
+def _tile_rows(start, end, BLOCK: tl.constexpr):
+    """(rows, valid) of the tile of BLOCK rows from ``start`` in a sequence ending at ``end``."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < end
+
+
+@triton.jit
+def _scores(a, b, qk_scale, softcap_log2, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    """``a @ b^T`` scaled to the log2 domain (and soft-capped): the scores of a tile pair."""
+    x = tl.dot(a, tl.trans(b), input_precision=PREC) * qk_scale
+    if SOFTCAP:
+        x = soft_cap_log2(x, softcap_log2)
+    return x
+
+
+@triton.jit
+def _probs_grads(x, lse, d_p, delta, softcap_log2, SOFTCAP: tl.constexpr):
+    """The backward's (P, dS) of a tile from its scores ``x`` (log2 domain), the rows' base-2
+    ``lse`` and ``delta`` broadcast to ``x``'s shape, and ``d_p`` = dO @ V^T: P = 2^(x - lse),
+    dS = P * (dP - delta), times the soft cap's derivative."""
+    p = tl.math.exp2(x - lse)
+    ds = p * (d_p - delta)
+    if SOFTCAP:
+        ds = ds * soft_cap_grad(x, softcap_log2)
+    return p, ds
+
+
+@triton.jit
 def _load_rows(Ptr, offs, row_ok, col_off, offs_d, d_ok, stride, UPCAST: tl.constexpr):
     """Rows ``offs`` [R] of a [rows, heads, HEAD_DIM] tensor at column ``col_off`` (int64 offsets)."""
     x = tl.load(Ptr + offs.to(tl.int64)[:, None] * stride + col_off + offs_d[None, :],
@@ -384,18 +224,14 @@ def _fwd_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    MASKED_SUB: tl.constexpr = 1,  # the masked loop takes a key tile in this many slices
 ):
     h = tl.program_id(0)  # heads vary fastest: the longest work item's heads launch first
     item = _item()
     q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
-
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < q_end
-    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two, masked
-    d_ok = offs_d < HEAD_DIM
-    q_stride = num_heads * HEAD_DIM
-    kv_stride = (num_heads // GROUP) * HEAD_DIM
+    offs_d, d_ok, q_stride, kv_stride = _head_dims(num_heads, GROUP, HEAD_DIM, BLOCK_D)
+    offs_m, m_valid = _tile_rows(q_start, q_end, BLOCK_M)
     q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -415,9 +251,7 @@ def _fwd_kernel(
             offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
             k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
             v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
-        if SOFTCAP:
-            s = soft_cap_log2(s, softcap_log2)
+        s = _scores(q, k, qk_scale, softcap_log2, SOFTCAP, PREC)
         p, alpha, l_i, m_i = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(_low(p, V, UPCAST), v, input_precision=PREC)
 
@@ -425,17 +259,20 @@ def _fwd_kernel(
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
     q_lo = _window_start(q_pos, window_left)
     q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
+    # A masked tile in MASKED_SUB slices of its keys, one after another: the NaN guards hold registers
+    # per key, so a wide tile (the mask-free loop's) stays spill-free here.
+    SUB_N: tl.constexpr = BLOCK_N // MASKED_SUB
     for e in range(e_mid, e_end):
-        offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < k_end
-        k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
-                                       UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if SOFTCAP:
-            s = soft_cap_log2(s, softcap_log2)
-        vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
-        p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
-        acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
+        row0 = tl.load(KvRows + e)
+        for sub in tl.static_range(MASKED_SUB):
+            offs_n = row0 + sub * SUB_N + tl.arange(0, SUB_N)
+            n_valid = offs_n < k_end
+            k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
+                                           UPCAST)
+            s = _scores(q, k, qk_scale, softcap_log2, SOFTCAP, PREC)
+            vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
+            p, alpha, l_i, m_i = _softmax_step(tl.where(vis, s, float("-inf")), m_i, l_i)
+            acc = _dot_visible(acc * alpha[:, None], _low(p, V, UPCAST), vis, v, PREC)
 
     empty = l_i == 0.0  # no visible key: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -478,6 +315,17 @@ def _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads):
 
 
 @triton.jit
+def _query_tile(Q, DOut, Lse, Delta, start, end, h, offs_d, d_ok, q_stride, num_heads, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+    """What the backward reads of a query tile for head ``h``: (rows, valid, q, dO, base-2 lse, delta)."""
+    offs_m, m_valid = _tile_rows(start, end, BLOCK_M)
+    q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+    do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
+    lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+    return offs_m, m_valid, q, do, lse, delta
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, QPos, KPos, QBlk, KBlk, Work, KvRows,
     qk_scale, sm_scale, num_heads, window_left, softcap_log2,
@@ -488,16 +336,9 @@ def _bwd_dq_kernel(
     item = _item()
     q_start, q_end, k_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
     kvh = h // GROUP
-
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < q_end
-    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two, masked
-    d_ok = offs_d < HEAD_DIM
-    q_stride = num_heads * HEAD_DIM
-    kv_stride = (num_heads // GROUP) * HEAD_DIM
-    q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
-    do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
-    lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+    offs_d, d_ok, q_stride, kv_stride = _head_dims(num_heads, GROUP, HEAD_DIM, BLOCK_D)
+    offs_m, m_valid, q, do, lse, delta = _query_tile(Q, DOut, Lse, Delta, q_start, q_end, h, offs_d, d_ok, q_stride,
+                                                     num_heads, HEAD_DIM, BLOCK_M, UPCAST)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     all_rows = tl.full([BLOCK_N], 1, tl.int1)
 
@@ -505,13 +346,9 @@ def _bwd_dq_kernel(
         offs_n = tl.load(KvRows + e) + tl.arange(0, BLOCK_N)
         k = _load_rows(K, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
         v = _load_rows(V, offs_n, all_rows, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
-        x = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if SOFTCAP:
-            x = soft_cap_log2(x, softcap_log2)
-        p = tl.math.exp2(x - lse[:, None])
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-        if SOFTCAP:
-            ds = ds * soft_cap_grad(x, softcap_log2)
+        x = _scores(q, k, qk_scale, softcap_log2, SOFTCAP, PREC)
+        p, ds = _probs_grads(x, lse[:, None], tl.dot(do, tl.trans(v), input_precision=PREC), delta[:, None],
+                             softcap_log2, SOFTCAP)
         dq += tl.dot(_low(ds, K, UPCAST), k, input_precision=PREC)
 
     q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
@@ -522,13 +359,9 @@ def _bwd_dq_kernel(
         n_valid = offs_n < k_end
         k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride,
                                        UPCAST)
-        x = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if SOFTCAP:
-            x = soft_cap_log2(x, softcap_log2)
-        p = tl.math.exp2(x - lse[:, None])
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-        if SOFTCAP:
-            ds = ds * soft_cap_grad(x, softcap_log2)
+        x = _scores(q, k, qk_scale, softcap_log2, SOFTCAP, PREC)
+        p, ds = _probs_grads(x, lse[:, None], tl.dot(do, tl.trans(v), input_precision=PREC), delta[:, None],
+                             softcap_log2, SOFTCAP)
         vis = _pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW)
         dq = _dot_finite(dq, _low(tl.where(vis, ds, 0.0), K, UPCAST), k, PREC)
     tl.store(DQ + offs_m.to(tl.int64)[:, None] * q_stride + h * HEAD_DIM + offs_d[None, :],
@@ -546,12 +379,8 @@ def _bwd_dkdv_kernel(
     item = _item()
     k_start, k_end, q_end, e_start, e_mid, e_end, dest = _work_item(Work, item)
 
-    offs_n = k_start + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < k_end
-    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two, masked
-    d_ok = offs_d < HEAD_DIM
-    q_stride = num_heads * HEAD_DIM
-    kv_stride = (num_heads // GROUP) * HEAD_DIM
+    offs_d, d_ok, q_stride, kv_stride = _head_dims(num_heads, GROUP, HEAD_DIM, BLOCK_D)
+    offs_n, n_valid = _tile_rows(k_start, k_end, BLOCK_N)
     k, v, k_pos, k_blk = _key_tile(K, V, KPos, KBlk, offs_n, n_valid, kvh * HEAD_DIM, offs_d, d_ok, kv_stride, UPCAST)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -559,37 +388,23 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):  # the query heads sharing this kv head
         h = kvh * GROUP + g
         for e in range(e_start, e_mid):  # query tiles that see this (full-length) key tile in full
-            offs_m = tl.load(QRows + e) + tl.arange(0, BLOCK_M)
-            m_valid = offs_m < q_end
-            q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
-            do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
-            lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+            offs_m, m_valid, q, do, lse, delta = _query_tile(Q, DOut, Lse, Delta, tl.load(QRows + e), q_end, h, offs_d,
+                                                             d_ok, q_stride, num_heads, HEAD_DIM, BLOCK_M, UPCAST)
             # Transposed scores [BLOCK_N, BLOCK_M] so that dk, dv come out of plain dots.
-            x_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            if SOFTCAP:
-                x_t = soft_cap_log2(x_t, softcap_log2)
-            p_t = tl.math.exp2(x_t - lse[None, :])
-            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
-            if SOFTCAP:
-                ds_t = ds_t * soft_cap_grad(x_t, softcap_log2)
+            x_t = _scores(k, q, qk_scale, softcap_log2, SOFTCAP, PREC)
+            p_t, ds_t = _probs_grads(x_t, lse[None, :], tl.dot(v, tl.trans(do), input_precision=PREC), delta[None, :],
+                                     softcap_log2, SOFTCAP)
             dv += tl.dot(_low(p_t, Q, UPCAST), do, input_precision=PREC)
             dk += tl.dot(_low(ds_t, Q, UPCAST), q, input_precision=PREC)
         for e in range(e_mid, e_end):  # partially: nothing of a query that cannot see a key reaches it
-            offs_m = tl.load(QRows + e) + tl.arange(0, BLOCK_M)
-            m_valid = offs_m < q_end
-            q = _load_rows(Q, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
-            do = _load_rows(DOut, offs_m, m_valid, h * HEAD_DIM, offs_d, d_ok, q_stride, UPCAST)
-            lse, delta = _row_stats(Lse, Delta, offs_m, m_valid, h, num_heads)
+            offs_m, m_valid, q, do, lse, delta = _query_tile(Q, DOut, Lse, Delta, tl.load(QRows + e), q_end, h, offs_d,
+                                                             d_ok, q_stride, num_heads, HEAD_DIM, BLOCK_M, UPCAST)
             q_pos = tl.load(QPos + offs_m, mask=m_valid, other=0)
             q_lo = _window_start(q_pos, window_left)
             q_blk = tl.load(QBlk + offs_m, mask=m_valid, other=-1)
-            x_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            if SOFTCAP:
-                x_t = soft_cap_log2(x_t, softcap_log2)
-            p_t = tl.math.exp2(x_t - lse[None, :])
-            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
-            if SOFTCAP:
-                ds_t = ds_t * soft_cap_grad(x_t, softcap_log2)
+            x_t = _scores(k, q, qk_scale, softcap_log2, SOFTCAP, PREC)
+            p_t, ds_t = _probs_grads(x_t, lse[None, :], tl.dot(v, tl.trans(do), input_precision=PREC), delta[None, :],
+                                     softcap_log2, SOFTCAP)
             vis = tl.trans(_pair_mask(q_pos, q_lo, q_blk, k_pos, k_blk, n_valid, CAUSAL, WINDOW))
             dv = _dot_finite(dv, _low(tl.where(vis, p_t, 0.0), Q, UPCAST), do, PREC)
             dk = _dot_finite(dk, _low(tl.where(vis, ds_t, 0.0), Q, UPCAST), q, PREC)
@@ -602,20 +417,6 @@ def _bwd_dkdv_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launch helpers
 # ----------------------------------------------------------------------------------------------
-def _defaults(cu, pos, blk, total):
-    """int32 offsets, positions (default: arange per sequence) and blocks (default: -1), owned by
-    the plan (copies: a cached plan must not change when the caller edits its tensors).
-
-    Engines pass int64 as often as int32; the kernels read int32 (values fit: validated)."""
-    if pos is None:
-        idx = torch.arange(total, device=cu.device)
-        seq = torch.searchsorted(cu[1:].long(), idx, right=True)
-        pos = (idx - cu.long()[seq]).int()
-    if blk is None:
-        blk = torch.full((total,), -1, dtype=torch.int32, device=cu.device)
-    return tuple(t.to(torch.int32, copy=True) for t in (cu, pos, blk))
-
-
 # A model calls the op once per layer with the same index tensors: keep the last few plans (the
 # hit rules are those of ragattn.triton_kernels.plan_cache: same objects and versions, or equal contents).
 _PLAN_CACHE = IndexPlanCache(8)
@@ -628,7 +429,6 @@ def _cached_plan(index, total_q, total_k, **params) -> VarlenPlan:
 
 
 MAX_HEAD_DIM = 256
-_MIN_SPLIT = 16  # key tiles per split at least: a split costs a partial write and a merge
 
 
 def block_d(head_dim: int) -> int:
@@ -645,16 +445,22 @@ def config_key(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, 
 
 def _config(head_dim: int, kernel: str, dtype: torch.dtype = torch.bfloat16, window: bool = False,
             device_name: Optional[str] = None):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") for the padded
-    head dim and dtype on ``device_name`` (``torch.cuda.get_device_name``; None: the table's
-    heuristic default), from ``configs/varlen_attention.json`` (``gpu_configs``). The default
-    entries are spill-free for sm_90 (``python -m ragattn.bench.sm90``); the partially visible
-    loops' NaN guards (operands through registers) are what bounds the tiles, and a sliding
-    window's compare costs the 16-bit forward half its key tile at d > 64. The interpreter wants
-    few, big tiles."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dq" or "dkdv") on ``device_name``
+    (None: the heuristic default) from ``configs/varlen_attention.json``. The defaults are spill-free
+    for sm_90 (``python -m ragattn.bench.sm90``): the masked loops' NaN guards bound the tiles, a window's
+    compare halves the 16-bit forward's key tile at d > 64. The interpreter wants few, big tiles."""
     c = get_config("varlen_attention", None if _INTERPRET else (device_name or DEFAULT),
                    config_key(head_dim, kernel, dtype, window))
     return c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c["num_stages"]
+
+
+def masked_slices(block_n: int, wanted: int) -> int:
+    """The forward's MASKED_SUB: the config's ``masked_sub`` (a power of two; default 1) cut so that
+    each slice keeps at least 16 keys (tl.dot's minimum)."""
+    wanted = max(1, int(wanted))
+    if wanted & (wanted - 1):
+        raise ValueError(f"varlen_attention config: masked_sub must be a power of two, got {wanted}")
+    return max(1, min(wanted, block_n // 16))
 
 
 def _tma_descriptors(k, v, head_dim: int, block_n: int, wanted: bool):
@@ -698,20 +504,29 @@ def _split_slots(q, num_heads: int) -> Optional[float]:
     return 2 * sms / num_heads
 
 
+def _problem(q, k, scale, window_left):
+    """(total_q, total_k, num_heads, num_kv_heads, head_dim, scale, window) of a launch: the softmax
+    scale defaults to 1/sqrt(head_dim), ``window`` is -1 without a sliding window."""
+    total_q, num_heads, head_dim = q.shape
+    total_k, num_kv_heads, _ = k.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    window = int(window_left) if window_left is not None and window_left >= 0 else -1
+    return total_q, total_k, num_heads, num_kv_heads, head_dim, scale, window
+
+
 def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left=-1, *,
                          block_m=None, block_n=None, split_len=None, out=None, lse=None, logits_soft_cap=0.0):
     """Forward launcher: ``(out [total_q, H, D] like q, lse float32 [total_q, H])``. Inputs contiguous;
     ``out``/``lse`` (optional) are contiguous preallocated outputs, written in place. ``split_len``
     (tests): split query tiles that see more than that many key tiles (default: by SM count)."""
-    total_q, num_heads, head_dim = q.shape
-    total_k, num_kv_heads, _ = k.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    window = int(window_left) if window_left is not None and window_left >= 0 else -1
+    total_q, total_k, num_heads, num_kv_heads, head_dim, scale, window = _problem(q, k, scale, window_left)
     dev_name = _device_name(q.device)
     bm, bn, warps, stages = _config(head_dim, "fwd", q.dtype, window >= 0, dev_name)
-    tma = bool(get_config("varlen_attention", dev_name or DEFAULT, config_key(head_dim, "fwd", q.dtype, window >= 0))
-               .get("tma", False)) and not _INTERPRET
+    opts = get_config("varlen_attention", None if _INTERPRET else (dev_name or DEFAULT),
+                      config_key(head_dim, "fwd", q.dtype, window >= 0))
+    tma = bool(opts.get("tma", False)) and not _INTERPRET
     bm, bn = block_m or bm, block_n or bn
+    masked_sub = masked_slices(bn, opts.get("masked_sub", 1))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device) if lse is None else lse
     if total_q == 0 or cu_q.numel() <= 1:
@@ -733,6 +548,7 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=bool(causal), WINDOW=window >= 0, UPCAST=_INTERPRET, PREC=_prec(q), SOFTCAP=logits_soft_cap > 0,
             num_warps=warps, num_stages=stages, KDesc=k_desc, VDesc=v_desc, USE_TMA=k_desc is not None,
+            MASKED_SUB=masked_sub,
         )
     if parts_rows:  # merge the splits of long rows, then put their valid rows in place
         merged = torch.empty(parts_rows, num_heads, head_dim, dtype=out.dtype, device=q.device)
@@ -746,13 +562,10 @@ def varlen_attention_fwd(q, k, v, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, 
 def varlen_attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, q_pos, kv_pos, q_block, kv_block, causal, scale,
                          window_left=-1, *, block_m=None, block_n=None, logits_soft_cap=0.0):
     """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. Inputs contiguous."""
-    total_q, num_heads, head_dim = q.shape
-    total_k, num_kv_heads, _ = k.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    total_q, total_k, num_heads, num_kv_heads, head_dim, scale, window = _problem(q, k, scale, window_left)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if cu_q.numel() <= 1 or (total_q == 0 and total_k == 0):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    window = int(window_left) if window_left is not None and window_left >= 0 else -1
     delta = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
     rows = total_q * num_heads
     if rows:

@@ -21,6 +21,7 @@ except ModuleNotFoundError as _exc:
     raise ModuleNotFoundError(INSTALL_HINT, name="transformers") from None
 
 from ragattn.hf import attention as _attention  # noqa: E402  (registers "ragattn" on import)
+from ragattn.hf import store_model as _store_model  # noqa: E402,F401  (ChunkStore(hf_model): describes HF models)
 
 
 def enable() -> None:

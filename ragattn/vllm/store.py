@@ -1,13 +1,15 @@
-"""The served model's chunk-store identity, for the vLLM connector (free of vLLM).
+"""The served model as the worker's chunk store sees it, for the vLLM connector (free of vLLM).
 
 The connector keys chunks with the same fingerprint as the HF path
-(:func:`ragattn.methods.chunk_store.model_fingerprint`: config and an exact checksum of every
-weight). It computes it from the served checkpoint's files (:mod:`ragattn.vllm.fingerprint`: the
-model built with empty parameters, each weight's checksum streamed from its safetensors file), so
-no process holds a copy of the weights; the worker's chunk store keeps that empty model for its
-config and RoPE parameters. Checkpoints whose files do not hold the parameters under the model's
-names (renamed, quantised, not safetensors) fall back to loading the model on the CPU, with a
-warning. A chunk directory built for another model is refused at start-up.
+(:func:`ragattn.store.model_fingerprint`: config and an exact checksum of every weight). It computes
+it from the served checkpoint's files (:mod:`ragattn.vllm.fingerprint`: the model built with empty
+parameters, each weight's checksum streamed from its safetensors file), so no process holds a copy
+of the weights, and describes the model to the store (:class:`ragattn.store.ChunkModel`: dimensions
+from the config, RoPE from the empty model's real buffers, no prefill: the worker's store serves
+chunk files only); neither the empty model nor a loaded one is kept. Checkpoints whose files do not
+hold the parameters under the model's names (renamed, quantised, not safetensors) fall back to
+loading the model on the CPU, with a warning, for the fingerprint and the description. A chunk
+directory built for another model is refused at start-up.
 """
 from __future__ import annotations
 
@@ -17,25 +19,26 @@ from pathlib import Path
 
 import torch
 
-from ragattn.methods.chunk_store import FORMAT, ChunkStoreError, model_fingerprint
+from ragattn.hf.store_model import describe
+from ragattn.store import FORMAT, ChunkModel, ChunkStoreError, model_fingerprint
 
 log = logging.getLogger(__name__)
-_MODELS: dict[tuple[str, torch.dtype], tuple[object, str]] = {}
+_DESCRIPTIONS: dict[tuple[str, torch.dtype], ChunkModel] = {}
 _SAMPLE = 64   # chunk files whose header is read at start-up
 
 
-def served_model(path: str | os.PathLike, dtype: torch.dtype):
-    """``(model, fingerprint)`` of the HF checkpoint at ``path`` served in ``dtype`` (once per process
-    and path). The model has empty (meta) parameters when the fingerprint came from the files
-    (the usual case), real CPU weights after the fallback."""
+def served_chunk_model(path: str | os.PathLike, dtype: torch.dtype) -> ChunkModel:
+    """The HF checkpoint at ``path`` served in ``dtype`` as a chunk-store description (once per
+    process and path): its fingerprint, dimensions and RoPE; the pool on the CPU (chunk K/V in host
+    memory, staged to the caches' device); no prefill and no reference to a model."""
     key = (str(path), dtype)
-    if key not in _MODELS:
+    if key not in _DESCRIPTIONS:
         from ragattn.vllm.fingerprint import FingerprintUnavailable, checkpoint_fingerprint
 
         try:
             fp, model = checkpoint_fingerprint(path, dtype, return_model=True)
-            _MODELS[key] = (model, fp)
-            return _MODELS[key]
+            _DESCRIPTIONS[key] = describe(model, fp, "cpu", keep_model=False)
+            return _DESCRIPTIONS[key]
         except FingerprintUnavailable as exc:
             log.warning("ragattn.vllm: %s; loading the model on the CPU to fingerprint it", exc)
         except (OSError, ValueError) as exc:
@@ -50,8 +53,8 @@ def served_model(path: str | os.PathLike, dtype: torch.dtype):
             raise ChunkStoreError(f"ragattn.vllm: cannot load the served model from {path} with transformers to "
                                   f"fingerprint it ({exc}); set kv_connector_extra_config 'hf_model' to the HF "
                                   "folder the chunk store was built from") from exc
-        _MODELS[key] = (model, model_fingerprint(model, cached=False))
-    return _MODELS[key]
+        _DESCRIPTIONS[key] = describe(model, model_fingerprint(model, cached=False), "cpu", keep_model=False)
+    return _DESCRIPTIONS[key]
 
 
 def directory_fingerprints(directory: str | os.PathLike, limit: int = _SAMPLE) -> set[str]:

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from ragattn.methods.chunk_store import ChunkStore, ChunkStoreError  # noqa: E402
+from ragattn.store import ChunkStore, ChunkStoreError  # noqa: E402
 from ragattn.vllm.connector import RagattnConnector, RagattnConnectorMetadata  # noqa: E402
 from ragattn.vllm.pages import CacheLayoutError, slot_rows  # noqa: E402
 from ragattn.vllm.spans import separator_salt, span_salt  # noqa: E402

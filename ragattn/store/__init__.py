@@ -1,0 +1,34 @@
+"""The chunk KV store: precomputed per-chunk KV caches for one model, in a bounded memory pool and
+on disk, served to requests by copy (``assemble``, ``gather_into_``) or in place (``request``).
+
+    from ragattn.store import ChunkStore
+    store = ChunkStore(model, "kv/")      # model: a ChunkModel, or a HF model once ragattn.hf is imported
+
+One module per part:
+
+* :mod:`.model`: :class:`ChunkModel`, what the store needs of a model (fingerprint, dimensions,
+  RoPE, a prefill function); the HF side (:mod:`ragattn.hf.store_model`) and the vLLM side
+  (:mod:`ragattn.vllm.store`) each provide one;
+* :mod:`.fingerprint`: the model fingerprint and the chunk keys derived from it;
+* :mod:`.page_pool`: the in-memory pool (byte budget, slabs of pages) and its allocator;
+* :mod:`.disk_tier`: the safetensors files of a store directory (atomic writes, verified reads);
+* :mod:`.chunk_store`: :class:`ChunkStore` (model following, lookups; the module docstring is the
+  store's documentation), assembled from :mod:`.entries`, :mod:`.chunk_files`, :mod:`.add`,
+  :mod:`.export`, :mod:`.copy_out` and :mod:`.zero_copy`.
+
+The store imports the op layer, never the model patches, the methods, the engines or the apps
+(tests/test_kernel_layering.py), but for the two request caches it fills (``PagedKV``,
+``TaggedPagedKV``: the request KV layer's, in ``ragattn.hf`` until that layer has a package).
+"""
+from ragattn.store.chunk_store import ChunkStore
+from ragattn.store.copy_out import AssembledRequest
+from ragattn.store.disk_tier import FORMAT
+from ragattn.store.errors import ChunkStoreError
+from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key, weight_checksums
+from ragattn.store.model import ChunkModel, Rope, describe_model, register_describer
+from ragattn.store.page_pool import DEFAULT_BUDGET_FRACTION, default_budget
+from ragattn.store.zero_copy import ZeroCopyRequest
+
+__all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "ChunkModel", "Rope", "FORMAT",
+           "DEFAULT_BUDGET_FRACTION", "chunk_key", "default_budget", "describe_model", "model_fingerprint",
+           "register_describer", "variant_key", "weight_checksums"]

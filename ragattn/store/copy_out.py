@@ -1,0 +1,223 @@
+"""Copy-out requests: the chunks' rows copied into a caller's cache (:meth:`ChunkStore.gather_into_`,
+e.g. vLLM's paged caches) or into a fresh batch-1 paged request cache (:meth:`ChunkStore.assemble`
+-> :class:`AssembledRequest`), keys rotated to their request positions in the same
+``ragattn.copy_kv_`` pass (see :mod:`ragattn.store.chunk_store`, "Memory": copy-out semantics).
+
+Part of :class:`~ragattn.store.ChunkStore` (a mixin over its pool, entries and RoPE).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ragattn import ops as _ops
+from ragattn.store.errors import ChunkStoreError
+
+_MAX_POSITION = (1 << 31) - 1   # rotation deltas are int32
+
+
+def _check_chunks_and_extra(method: str, keys, extra_slots) -> None:
+    """The arguments ``ChunkStore.request`` and ``ChunkStore.assemble`` share: at least one chunk,
+    and ``extra_slots`` an int >= 0."""
+    if len(keys) == 0:
+        raise ChunkStoreError(f"ragattn.ChunkStore.{method}: no chunks given (empty retrieval)")
+    if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
+        raise ChunkStoreError(f"ragattn.ChunkStore.{method}: extra_slots must be an integer >= 0, "
+                              f"got {extra_slots!r}")
+
+
+def _chunk_starts(lens: Sequence[int]) -> list[int]:
+    """Each chunk's first logical slot: chunk after chunk."""
+    return [0, *itertools.accumulate(lens[:-1])]
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_LONE_REFS = _storage_refs(torch.empty(1))   # a tensor whose storage nothing else shares
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether no other tensor (a view kept by a caller) shares ``t``'s memory."""
+    return _storage_refs(t) == _LONE_REFS
+
+
+def _keep_spare(spare: list, buf: torch.Tensor) -> None:
+    """Finalizer of an assembled request cache: its buffer becomes the store's one spare."""
+    spare.clear()
+    spare.append(buf)
+
+
+@dataclass
+class AssembledRequest:
+    """A request cache filled with chunks. ``cache`` holds ``num_slots`` slots (row 0 of a batch-1
+    ``ragattn.kv.PagedKV``); ``chunk_starts[i]``/``chunk_lens[i]`` are chunk i's slots,
+    ``positions`` int32 ``[num_slots]`` the RoPE position of each slot, ``next_position`` where the
+    final block starts. The cache is the request's own copy (see the module docstring: copy-out
+    semantics)."""
+    cache: object
+    chunk_starts: list[int]
+    chunk_lens: list[int]
+    positions: torch.Tensor
+    next_position: int
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.cache.lengths[0])
+
+
+class _CopyOut:
+    """Copy-out assembly: gathers into any cache, and fresh request caches with buffer recycling."""
+
+    @torch.no_grad()
+    def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
+                     dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
+                     split_heads: bool = False, rotate: bool = True) -> None:
+        """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
+
+        ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
+        ``[rows, Hkv, D]`` (contiguous, e.g. ``[num_pages, page_size, Hkv, D]``); with
+        ``split_heads=True``, ``L * Hkv`` single-head caches instead (layer ``l``, head ``h`` at
+        index ``l * Hkv + h``), each viewed as ``[rows, 1, D]``: for caches whose heads are not
+        contiguous within a row, such as vLLM's ``[blocks, Hkv, block_size, 2 * D]`` pages.
+        ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
+        caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
+        token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
+        RoPE position each key is rotated to (None: its local position ``j`` within its chunk; the
+        pool holds keys position-free, so every gathered key is rotated once, by its position);
+        ``rotate=False``: keys are written position-free (no RoPE; ``positions`` must be None), for
+        a caller that rotates them itself (one rotation, by the target position).
+        Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
+        unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
+        involved."""
+        self._sync()
+        entries, pinned = self._pin(keys)
+        try:
+            lens = [e.length for e in entries]
+            total = sum(lens)
+            if not 0 <= skip <= total:
+                raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: skip={skip} is outside [0, {total}]")
+            n = total - skip
+            if tuple(dst_rows.shape) != (n,):
+                raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: dst_rows has shape "
+                                      f"{tuple(dst_rows.shape)}, expected ({n},) (the chunks' tokens)")
+            want = self.num_layers * (self.num_kv_heads if split_heads else 1)
+            if len(dst_k) != want or len(dst_v) != want:
+                raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
+                                      f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
+                                      f"{len(dst_k)} and {len(dst_v)}")
+            delta = self._local_positions(lens)[skip:] if rotate else None
+            if positions is not None and not rotate:
+                raise ChunkStoreError("ragattn.ChunkStore.gather_into_: positions with rotate=False (the keys "
+                                      "stay position-free)")
+            if positions is not None:
+                if tuple(positions.shape) != (n,):
+                    raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
+                                          f"{tuple(positions.shape)}, expected ({n},)")
+                if positions.dtype not in (torch.int32, torch.int64):
+                    raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be int32 or int64, "
+                                          f"got {positions.dtype}")
+                if n and (int(positions.min()) < 0 or int(positions.max()) > _MAX_POSITION):
+                    # the rotation deltas are int32: a larger position would wrap around
+                    raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be in [0, "
+                                          f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
+                delta = positions.to(self.device, torch.int64)
+            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta, skip, split_heads)
+        finally:
+            self._unpin(pinned)
+
+    def _local_positions(self, lens) -> torch.Tensor:
+        """int64 ``[sum(lens)]``: ``0..n_i-1`` for each chunk."""
+        total = sum(lens)
+        starts = torch.tensor([0] + lens[:-1], dtype=torch.int64).cumsum(0)
+        offs = torch.repeat_interleave(starts, torch.tensor(lens), output_size=total)
+        return torch.arange(total, dtype=torch.int64).sub_(offs).to(self.device)
+
+    def _copy(self, entries, lens, dst_k, dst_v, dst, delta, skip: int = 0, split_heads: bool = False):
+        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from position-free
+        to ``delta`` (int64, each token's target position; None: left position-free)."""
+        slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
+        rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved) if delta is not None else (None, 0, False)
+        if len(slabs) == 1:
+            src = torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows
+            _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(slabs[0], split_heads), src[skip:], dst, delta, *rot)
+            return
+        slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
+                             for e in entries for s, _, r in e.parts])[skip:].to(self.device)
+        src_all = torch.cat([e.rows for e in entries])[skip:]
+        for i, s in enumerate(slabs):
+            sel = (slab_of == i).nonzero()[:, 0]
+            if sel.numel() == 0:
+                continue
+            _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(s, split_heads), src_all[sel], dst[sel],
+                          delta[sel] if delta is not None else None, *rot)
+
+    def _request_cache(self, capacity: int, page_size: int):
+        """A fresh batch-1 ``PagedKV``. On the CPU its memory is the buffer of a request cache
+        that has died (when no view of it is left anywhere), so that assembling does not
+        page-fault a new 30+ MB allocation in on every request (about as long as the copy
+        itself); the buffer comes back when the returned cache is garbage-collected."""
+        # the copy path's request cache (the request KV layer's, engine-neutral; in ragattn.hf until
+        # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
+        from ragattn.kv import PagedKV
+
+        dims = (self.num_layers, 1, capacity, self.num_kv_heads, self.head_dim, page_size)
+        if self.device.type != "cpu":   # the CUDA caching allocator already recycles
+            return PagedKV(*dims, self.dtype, self.device)
+        need = PagedKV.buffer_numel(*dims)
+        spare = self._spare
+        buf = spare.pop() if spare and spare[-1].numel() >= need and _sole_owner(spare[-1]) else None
+        spare.clear()   # a buffer still viewed elsewhere, or too small: let it go
+        if buf is None:
+            buf = torch.empty(need, dtype=self.dtype, device=self.device)
+        cache = PagedKV(*dims, self.dtype, self.device, buffer=buf)
+        weakref.finalize(cache, _keep_spare, spare, buf)
+        return cache
+
+    @torch.no_grad()
+    def assemble(self, keys: Sequence[str], positions: str = "reordered", extra_slots: int = 0,
+                 rerotate: bool = True, page_size: int | None = None) -> AssembledRequest:
+        """Gather chunks (in this order) into a fresh paged request cache.
+
+        ``positions``: "reordered" (chunk i at consecutive positions ``o_i + j``, keys re-rotated
+        by ``o_i`` in the same ``copy_kv_`` pass) or "composite" (every chunk keeps ``0..n_i-1``;
+        the final block starts at ``max n_i``). ``extra_slots``: room for the final block and the
+        generated tokens. ``rerotate=False`` skips the rotation (wrong on purpose; for tests).
+        """
+        self._sync()
+        if positions not in ("reordered", "composite"):
+            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: positions must be 'reordered' or "
+                                  f"'composite', got {positions!r}")
+        _check_chunks_and_extra("assemble", keys, extra_slots)
+        if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
+            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: page_size must be an integer >= 1 or None, "
+                                  f"got {page_size!r}")
+        entries, pinned = self._pin(keys)
+        try:
+            lens = [e.length for e in entries]
+            starts = _chunk_starts(lens)
+            total = sum(lens)
+            next_pos = total if positions == "reordered" else max(lens)
+            if next_pos + extra_slots > self.max_positions:
+                raise ChunkStoreError(
+                    f"ragattn.ChunkStore.assemble: {total} chunk tokens + {extra_slots} extra slots exceed "
+                    f"the model's window (max_position_embeddings={self.max_positions})")
+            cache = self._request_cache(total + extra_slots, page_size or self.page_size)
+            slots = torch.arange(total, device=self.device)
+            dst = cache.slot_rows(0, slots)
+            if positions == "reordered":
+                pos = slots.to(torch.int32)
+            else:
+                pos = self._local_positions(lens).to(torch.int32)
+            # position-free keys are rotated to their slot's position (rerotate=False: to the
+            # chunk-local ones, as if the chunks had not moved)
+            self._copy(entries, lens, cache.k, cache.v, dst, pos.long() if rerotate else self._local_positions(lens))
+        finally:
+            self._unpin(pinned)
+        cache.lengths[0] = total
+        return AssembledRequest(cache, starts, lens, pos, next_pos)

@@ -1,0 +1,162 @@
+"""The store's resident chunks: entries in the page pool, their LRU order and pins, and the
+position-free form of their keys (see :mod:`ragattn.store.chunk_store`, "Memory").
+
+Part of :class:`~ragattn.store.ChunkStore` (a mixin over its state: ``_pool``, ``_entries``,
+``_recomputable``, ``_stale``, ``_layout``, ``stats``, ``rope``/``_inv_freq``); loading and
+recomputing a chunk that left memory is :mod:`.chunk_files`' and :mod:`.add`'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ragattn import ops as _ops
+from ragattn.store.errors import ChunkStoreError
+from ragattn.store.page_pool import _Slab
+
+
+@dataclass(eq=False)
+class _Entry:
+    tokens: torch.Tensor          # int64 [n], CPU
+    parts: list[tuple[_Slab, list[int], int]]   # (slab, pages, rows) in token order; usually one
+    rows: torch.Tensor            # int64 [n]: each token's row in its part's slab, on the store's device
+    on_disk: bool                 # a verified file of it is in the store's directory
+    variant: tuple[str, str] | None = None   # (chunk key, variant name) of a derived entry
+    pins: int = field(default=0)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+
+class _Entries:
+    """The pool's entries: LRU eviction, insertion (keys made position-free), pinning."""
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of K/V the pool has allocated (all slabs); never above ``memory_budget``."""
+        return self._pool.pool_bytes
+
+    @property
+    def num_rows(self) -> int:
+        """Tokens of every chunk in memory."""
+        return sum(e.length for e in self._entries.values())
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows the pool has allocated (``pool_bytes / row_bytes``), the rows of :meth:`pooled_kv`."""
+        return self._pool.pool_rows
+
+    def _evict_one(self) -> bool:
+        for key, e in self._entries.items():
+            if e.pins == 0:
+                self._evict(key)
+                return True
+        return False
+
+    def _evict(self, key: str) -> None:
+        e = self._entries.pop(key)
+        self._pool.free(e.parts)
+        self.stats["evicted"] += 1
+        if not e.on_disk and e.variant is None:
+            self._recomputable[key] = e.tokens
+        self._layout += 1
+
+    def _insert(self, key, tokens, k_layers, v_layers, on_disk: bool, variant=None) -> _Entry:
+        """Copy per-layer ``[n, Hkv, D]`` K/V (any device/dtype-compatible) into fresh pages."""
+        n = int(tokens.numel())
+        parts = self._pool.alloc(n, self._evict_one)
+        rows = self._pool.rows_of(parts)
+        self._pool.write(parts, rows, k_layers, v_layers)
+        self._rotate_parts_(parts, rows, -1)   # position-free: un-rotated from 0..n-1, in fp32
+        e = _Entry(tokens.to("cpu", torch.int64), parts, rows, on_disk, variant)
+        self._entries[key] = e
+        self._recomputable.pop(key, None)
+        self._layout += 1
+        return e
+
+    def _rotate_parts_(self, parts, rows: torch.Tensor, sign: int) -> None:
+        """Rotate the keys of a chunk (``parts``/``rows`` of its pages, token order) in place by
+        ``sign * j`` for its token ``j``: -1 makes keys computed at ``0..n-1`` position-free
+        (the pool's form), +1 the reverse. One ``rerotate_keys_`` per slab (fp32 rotation)."""
+        at = 0
+        for slab, _, r in parts:
+            delta = torch.arange(at, at + r, dtype=torch.int64, device=self.device)
+            _ops.rerotate_keys_(slab.k, rows[at: at + r], delta if sign > 0 else delta.neg_(), self._inv_freq,
+                                self.rope.rotary_dim, self.rope.interleaved)
+            at += r
+
+
+    def _tokens_of(self, key: str) -> torch.Tensor:
+        e = self._entries.get(key)
+        if e is not None:
+            return e.tokens
+        if key in self._recomputable:
+            return self._recomputable[key]
+        return self._get(key).tokens
+
+    def _get(self, key: str) -> _Entry:
+        """The entry of ``key``, loaded or recomputed into the pool if needed (marked used)."""
+        e = self._entries.get(key)
+        if e is None:
+            if self._on_disk(key):
+                try:
+                    self._load(self._path(key))
+                except ChunkStoreError as exc:
+                    self._bad_file(key)
+                    if key not in self._recomputable:
+                        raise ChunkStoreError(f"{exc} (removed from the store: it cannot be recomputed "
+                                              "here, build it again)") from None
+            if key not in self._entries and key in self._recomputable:
+                self._prefill([(key, self._recomputable[key])])
+            e = self._entries.get(key)
+            if e is None:
+                if key in self._stale:
+                    raise ChunkStoreError(
+                        f"ragattn.ChunkStore: chunk {key!r} was computed with the model's earlier weights "
+                        "(they changed since): add() its tokens again for its key under the current weights")
+                raise ChunkStoreError(f"ragattn.ChunkStore: no chunk with key {key!r} in the store")
+        else:
+            self._entries.move_to_end(key)
+        return e
+
+
+    def _pin(self, keys: Sequence[str]) -> tuple[list[_Entry], list[_Entry]]:
+        """``(entries of keys in order, pinned)``: every entry in the pool and pinned, the resident
+        ones first, so that loading or recomputing the others never evicts one of them. Release
+        with :meth:`_unpin` (``pinned``: each distinct entry once)."""
+        pinned: list[_Entry] = []
+        try:
+            unique = list(dict.fromkeys(keys))
+            for k in unique:
+                e = self._entries.get(k)
+                if e is not None:
+                    e.pins += 1
+                    pinned.append(e)
+            recompute = []
+            for k in unique:
+                if k in self._entries:
+                    continue
+                if k in self._recomputable and not self._on_disk(k):
+                    recompute.append((k, self._recomputable[k]))
+                    continue
+                e = self._get(k)
+                e.pins += 1
+                pinned.append(e)
+            self._prefill(recompute, pinned)
+            out = []
+            for k in keys:
+                self._entries.move_to_end(k)
+                out.append(self._entries[k])
+            return out, pinned
+        except BaseException:
+            self._unpin(pinned)
+            raise
+
+    @staticmethod
+    def _unpin(pinned):
+        for e in pinned:
+            e.pins -= 1
+

