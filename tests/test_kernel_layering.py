@@ -143,8 +143,8 @@ LIBRARY_FILES = sorted(p for p in PKG.rglob("*.py")
                        if PKG / "apps" not in p.parents and p != PKG / "__main__.py")
 STORE_MAY_NOT_IMPORT = ("ragattn.hf", "ragattn.methods", "ragattn.apps", "ragattn.vllm", "ragattn.bench")
 # The request caches the store fills (the copy path's PagedKV, the zero-copy TaggedPagedKV) are the
-# request KV layer's; they live in ragattn.hf until that layer has a package of its own, and these two
-# names are the only ones the store may take from there.
+# request KV layer's (ragattn.kv, where the store imports them from); their former paths in ragattn.hf
+# stay importable, and these two names are the only ones the store may take from there.
 STORE_PENDING_KV = {("ragattn.hf.attention", "PagedKV"), ("ragattn.hf.tagged", "TaggedPagedKV")}
 
 
