@@ -33,17 +33,14 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
 #endif
 
 // ---- attention CPU paths (csrc/attention/): called by the Python ops after their validation ----
-// paged_attention's CPU impls (checks in C++, like the Python _validate)
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_table, const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-    double logits_soft_cap);
-void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                             const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-                             double logits_soft_cap, const at::Tensor& out, const at::Tensor& lse_out);
+// paged_attention's CPU kernel over a padded block table (private: called by
+// ragattn/ops/paged_attention.py after its checks; writes out and lse_out)
+void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                         const at::Tensor& kv_lens, double scale, int64_t window_left, double logits_soft_cap,
+                         const at::Tensor& out, const at::Tensor& lse_out);
 // paged_attention_run's CPU kernel for position-tagged page lists and un-rotated keys (private:
-// called by ragattn/ops/paged_attention.py after its checks, and by ragattn/hf/tagged.py)
+// called by ragattn/ops/paged_attention_run.py after its checks)
 std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(const at::Tensor& q, const at::Tensor& q_pos,
     const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& pages,
     const at::Tensor& row_start, const at::Tensor& kv_lens, const std::optional<at::Tensor>& entry_pos,
@@ -74,10 +71,12 @@ void check_verify_draft_args(const at::Tensor& draft_tokens, const std::optional
                              const at::Tensor& target_logits, const at::Tensor& uniforms, double temperature,
                              double eta, double alpha, const std::optional<at::Tensor>& num_draft,
                              const std::optional<at::Tensor>& cu_num_draft, bool check_values);
+// verify_draft's CPU kernels (private: ragattn/ops/verify_draft.py chooses; twin: the CUDA kernel's
+// bit-faithful twin, else the fast path)
 std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const at::Tensor& target_logits, const at::Tensor& uniforms,
     double temperature, double eta, double alpha, bool greedy, const std::optional<at::Tensor>& num_draft,
-    const std::optional<at::Tensor>& cu_num_draft);
+    const std::optional<at::Tensor>& cu_num_draft, bool twin);
 #ifdef RAGATTN_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens,
     const std::optional<at::Tensor>& draft_probs, const at::Tensor& target_logits, const at::Tensor& uniforms,

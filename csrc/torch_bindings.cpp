@@ -3,7 +3,8 @@
 // C++ ops register their CPU twin and (when built with CUDA) their CUDA launcher here.
 // Triton-backed ops (varlen_attention, paged_attention, merge_attention_states,
 // key_attention_scores, refrag_assemble) register their CPU/CUDA kernels and fake impls from Python
-// (ragattn/ops/), against the schemas declared below; paged_attention's CPU impl is C++ (here).
+// (ragattn/ops/), against the schemas declared below; their CPU kernels in C++ are the private
+// _*_cpu ops below, called by the Python op after its checks (no C++ op calls into Python).
 #include <torch/library.h>
 
 #include "ops.h"
@@ -96,12 +97,11 @@ TORCH_LIBRARY(ragattn, m) {
   // CPU paths of the Triton-backed attention ops (csrc/attention/), private: the public ops'
   // CPU impls validate (ragattn/ops/) and call these with preallocated outputs (unit last-dim
   // stride); RAGATTN_CPU_BACKEND=reference/triton bypasses them.
-  //    paged_attention's CPU impl is C++ (below); with RAGATTN_CPU_BACKEND=reference|triton it
-  //    calls this one (Python, ragattn/ops/paged_attention.py) after its checks.
+  //    paged_attention's default CPU kernel over a padded block table (into out, lse_out).
   m.def(
-      "_paged_attention_cpu_backend(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, "
-      "Tensor v_cache, Tensor block_table, Tensor kv_lens, float? scale, int window_left, float logits_soft_cap=0.0) "
-      "-> (Tensor out, Tensor lse)");
+      "_paged_attention_cpu(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor kv_lens, float scale, int window_left, float logits_soft_cap, *, "
+      "Tensor(a!) out, Tensor(b!) lse_out) -> ()");
   //    paged_attention_run's CPU kernel for position-tagged page lists (C++): rope_cos/rope_sin
   //    float32 [positions, rotary_dim / 2] (None: keys stored rotated) rotate each key by its slot's position.
   m.def(
@@ -134,6 +134,12 @@ TORCH_LIBRARY(ragattn, m) {
       "verify_draft(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
       "float temperature=1.0, float eta=0.0, float alpha=0.1, bool greedy=False, "
       "Tensor? num_draft=None, Tensor? cu_num_draft=None) -> (Tensor out_tokens, Tensor num_accepted)");
+  //    Its CPU kernels (C++, with every check of the op): the fast path, or with twin=True the CUDA
+  //    kernel's bit-faithful twin; the op's CPU impl (ragattn/ops/verify_draft.py) chooses.
+  m.def(
+      "_verify_draft_cpu(Tensor draft_tokens, Tensor? draft_probs, Tensor target_logits, Tensor uniforms, "
+      "float temperature, float eta, float alpha, bool greedy, Tensor? num_draft, Tensor? cu_num_draft, "
+      "bool twin) -> (Tensor out_tokens, Tensor num_accepted)");
 
   // 8. REFRAG's decoder input: token embeddings and projected chunk embeddings interleaved in one
   //    pass (Triton; plain torch on CPU), with autograd (registered from Python).
@@ -145,11 +151,10 @@ TORCH_LIBRARY_IMPL(ragattn, CPU, m) {
   // kv_cache: rerotate_keys_, copy_kv_
   m.impl("rerotate_keys_", &ragattn::rerotate_keys_cpu);
   m.impl("copy_kv_", &ragattn::copy_kv_cpu);
-  // speculative: verify_draft
-  m.impl("verify_draft", &ragattn::verify_draft_cpu);
+  // speculative: verify_draft's CPU kernels
+  m.impl("_verify_draft_cpu", &ragattn::verify_draft_cpu);
   // attention CPU paths
-  m.impl("paged_attention", &ragattn::paged_attention_cpu);
-  m.impl("paged_attention.out", &ragattn::paged_attention_out_cpu);
+  m.impl("_paged_attention_cpu", &ragattn::paged_attention_cpu);
   m.impl("_paged_attention_tagged_cpu", &ragattn::paged_attention_tagged_cpu);
   m.impl("_merge_attention_states_cpu", &ragattn::merge_attention_states_cpu);
   m.impl("_merge_attention_states_n_cpu", &ragattn::merge_attention_states_n_cpu);

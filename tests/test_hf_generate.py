@@ -7,6 +7,8 @@ import torch
 
 import ragattn.hf
 from ragattn.hf import attention as hfattn
+from ragattn.hf import masks as hfmasks
+from ragattn.ops import paged_attention_run
 from ragattn.hf.attention import PagedKV, use_ragattn
 from ragattn.hf.models import random_llama
 from tests.helpers import cuda_usable, require_triton_on
@@ -370,7 +372,7 @@ def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
     ids, mask = _inputs(2, True, n=13, seed=4)
     plans, index_args = [], []
 
-    class CountedPlan(hfattn._Plan):
+    class CountedPlan(hfmasks._Plan):
         __slots__ = ()
 
         def __init__(self):
@@ -380,7 +382,7 @@ def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
         index_args.append(a[3:7])  # cu_q, cu_k, q_pos, kv_pos
         return _f(*a, **kw)
 
-    monkeypatch.setattr(hfattn, "_Plan", CountedPlan)
+    monkeypatch.setattr(hfmasks, "_Plan", CountedPlan)
     monkeypatch.setattr(hfattn._ops, "varlen_attention", recorded_varlen)
     monkeypatch.delenv("RAGATTN_CPU_BACKEND", raising=False)
     with use_ragattn(model), torch.no_grad():
@@ -407,13 +409,13 @@ def test_decode_reads_the_cache_in_place(monkeypatch, padded):
         mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
         mask[1, ..., :4] = False
     seen = []
-    real = hfattn._ops.paged_attention
+    real = paged_attention_run.paged_attention   # (the decode step's call on the CPU kernel)
 
     def spy(q, q_pos, cu, k_cache, v_cache, *rest):
         seen.append((k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()))
         return real(q, q_pos, cu, k_cache, v_cache, *rest)
 
-    monkeypatch.setattr(hfattn._ops, "paged_attention", spy)
+    monkeypatch.setattr(paged_attention_run, "paged_attention", spy)
     with torch.no_grad():
         out = hfattn.ragattn_attention_forward(m1, q, k, v, mask, scaling=0.25)[0]
     assert seen == [(k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())]

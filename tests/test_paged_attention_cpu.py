@@ -1,5 +1,6 @@
-"""paged_attention's CPU impl in C++ (csrc/attention/paged_attention_cpu.cpp): its checks against
-the fake impl's (Python), the backend switch, and the kernel across its chunk and tile boundaries."""
+"""paged_attention's CPU kernel in C++ (csrc/attention/paged_attention_cpu.cpp): the op's checks on
+the CPU against the fake impl's, the backend switch, and the kernel across its chunk and tile
+boundaries."""
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,15 @@ I32 = torch.int32
 CHUNK = 128  # the kernel's kChunk: slots per online-softmax step, aligned to absolute slot multiples
 
 
-def test_cpu_impl_is_cpp():
-    """The CPU kernel of both overloads is the C++ one (no Python impl in the call)."""
+def test_cpu_kernel_is_cpp():
+    """The op's CPU and CUDA impls are its one dispatch point in Python (ragattn/ops/paged_attention.py:
+    checks, then the backend); its default CPU kernel is the private C++ op, registered unboxed in
+    torch_bindings.cpp, which calls nothing in Python."""
     for name in ("ragattn::paged_attention", "ragattn::paged_attention.out"):
         cpu = [ln for ln in torch._C._dispatch_dump(name).splitlines() if ln.startswith("CPU:")]
-        assert len(cpu) == 1 and "torch_bindings.cpp" in cpu[0] and "unboxed" in cpu[0], cpu
+        assert len(cpu) == 1 and "torch/library.py" in cpu[0], cpu
+    cpu = [ln for ln in torch._C._dispatch_dump("ragattn::_paged_attention_cpu").splitlines() if ln.startswith("CPU:")]
+    assert len(cpu) == 1 and "torch_bindings.cpp" in cpu[0] and "unboxed" in cpu[0], cpu
 
 
 def _error(fn):

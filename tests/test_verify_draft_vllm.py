@@ -1,12 +1,12 @@
 """Issue 25.4: verify_draft on vLLM's rejection-sampler layout (flat [T, V] target logits, bonus
 logits apart, [B] cumulative ends, per-request generators) through
-ragattn.ops.speculative.verify_draft_vllm, against the padded native layout on random ragged batches."""
+ragattn.ops.verify_draft_vllm, against the padded native layout on random ragged batches."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ragattn.ops.speculative import verify_draft, verify_draft_vllm
+from ragattn.ops.verify_draft import verify_draft, verify_draft_vllm
 from tests.helpers import use_kernel_backend
 
 

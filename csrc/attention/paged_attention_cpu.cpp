@@ -1,7 +1,8 @@
-// CPU impl of ragattn::paged_attention and paged_attention.out (registered in torch_bindings.cpp,
-// no Python in the call): the checks of ragattn/ops/paged_attention.py's _validate in the same
-// order with the same messages (the fake impl keeps the Python ones; tests compare the two), then
-// the kernel below, or the Python backends when RAGATTN_CPU_BACKEND=reference|triton.
+// paged_attention's CPU kernels, private ops called by ragattn/ops/paged_attention.py (the op's
+// one dispatch point, which validates every argument first): ragattn::_paged_attention_cpu reads a
+// padded block table, ragattn::_paged_attention_tagged_cpu a flat, position-tagged page list with
+// RoPE applied in the kernel (schemas in torch_bindings.cpp). Their own checks are the layout and
+// the index values they follow (memory safety on a direct call); nothing here calls into Python.
 //
 // Kernel: one task per (query row, kv head). Only the row's visible slots are read, in place
 // through the page table (no gather, no mask), in chunks of kChunk slots aligned to absolute slot
@@ -20,10 +21,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -42,46 +41,14 @@
 namespace ragattn {
 namespace {
 
-constexpr const char* kOp = "ragattn.paged_attention";
-
 // ------------------------------------------------------------------------------------ checks
+// The public ops validate every argument in Python (ragattn/ops/paged_attention.py: named
+// messages, the same on every backend, the fake impl included) before they call these private
+// kernels. What stays here is what the kernels need to read memory safely when called on their
+// own: the layout in one check each, and every index value they follow (one pass each, with the
+// messages the public op documents: these are the CPU's value checks).
 
-// Python's spelling of a dtype and of a shape tuple, so the messages equal _validate's.
-std::string dtype_name(at::ScalarType t) { return std::string(c10::getDtypeNames(t).first); }
-
-// want[d] < 0 prints as '*' (any size), like the repr of _validate's pretty tuple
-std::string shape_str(at::IntArrayRef shape, bool any_marks = false) {
-  std::string o = "(";
-  for (size_t d = 0; d < shape.size(); ++d) {
-    if (d) o += ", ";
-    o += any_marks && shape[d] < 0 ? std::string("'*'") : std::to_string(shape[d]);
-  }
-  o += shape.size() == 1 ? ",)" : ")";
-  return o;
-}
-
-void check_dtype(const char* name, const at::Tensor& t, std::initializer_list<at::ScalarType> dtypes) {
-  if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end()) return;
-  std::string want;
-  for (auto d : dtypes) want += (want.empty() ? "" : " or ") + dtype_name(d);
-  RAGATTN_CHECK_TYPE(false, kOp, ": ", name, " must be ", want, ", got ", dtype_name(t.scalar_type()));
-}
-
-void check_ndim(const char* name, const at::Tensor& t, int64_t ndim) {
-  RAGATTN_CHECK_VALUE(t.dim() == ndim, kOp, ": ", name, " must have ", ndim, " dims, got shape ", shape_str(t.sizes()));
-}
-
-void check_shape(const char* name, const at::Tensor& t, std::vector<int64_t> want) {
-  bool ok = t.dim() == static_cast<int64_t>(want.size());
-  for (size_t d = 0; ok && d < want.size(); ++d) ok = want[d] < 0 || want[d] == t.size(d);
-  RAGATTN_CHECK_VALUE(ok, kOp, ": ", name, " must have shape ", shape_str(want, true), ", got ", shape_str(t.sizes()));
-}
-
-void check_device(const char* name, const at::Tensor& t, const at::Device& dev) {
-  RAGATTN_CHECK_VALUE(t.device() == dev, kOp, ": ", name, " must be on ", dev.str(), ", got ", t.device().str());
-}
-
-constexpr std::initializer_list<at::ScalarType> kIndexTypes = {at::kInt, at::kLong};
+constexpr const char* kTaggedOp = "ragattn._paged_attention_tagged_cpu";
 
 // A 1-D or 2-D int32/int64 index tensor read element by element (metadata is tiny: no copies).
 struct IndexView {
@@ -97,36 +64,37 @@ struct IndexView {
   }
 };
 
-// [first, last] byte of t in its storage (_validate's _byte_span); false for an empty tensor
-bool byte_span(const at::Tensor& t, int64_t* first, int64_t* last) {
-  if (t.numel() == 0) return false;
-  int64_t extent = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  *first = t.storage_offset() * t.element_size();
-  *last = *first + (extent + 1) * t.element_size() - 1;
-  return true;
+// An index tensor: int32/int64, CPU, [n] (n < 0: any length).
+void check_index(const char* op, const char* name, const at::Tensor& x, int64_t n) {
+  RAGATTN_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, op, ": ", name,
+                     " must be int32 or int64");
+  RAGATTN_CHECK_VALUE(x.dim() == 1 && (n < 0 || x.size(0) == n) && x.device().is_cpu(), op, ": ", name,
+                      " must be a CPU [", n < 0 ? std::string("n") : std::to_string(n), "] tensor");
 }
 
-// _validate's check_no_overlap: an output sharing bytes with an input or the other output
-void check_no_overlap(const at::Tensor& out, const at::Tensor& lse_out,
-                      std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
-  std::vector<std::pair<const char*, const at::Tensor*>> outs = {{"out", &out}, {"lse_out", &lse_out}};
-  std::vector<std::pair<const char*, const at::Tensor*>> others = outs;
-  others.insert(others.end(), inputs.begin(), inputs.end());
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const at::Tensor& o = *outs[i].second;
-    int64_t of, ol;
-    if (!byte_span(o, &of, &ol)) continue;
-    for (size_t j = i + 1; j < others.size(); ++j) {
-      const at::Tensor& t = *others[j].second;
-      if (t.device() != o.device() || !t.has_storage() || !o.has_storage() ||
-          t.storage().unsafeGetStorageImpl() != o.storage().unsafeGetStorageImpl())
-        continue;
-      int64_t tf, tl;
-      RAGATTN_CHECK_VALUE(!(byte_span(t, &tf, &tl) && of <= tl && tf <= ol), kOp, ": ", outs[i].first,
-                          " must not share memory with ", others[j].first);
-    }
-  }
+// The layout both kernels read: q [N, H, D], k/v_cache [pages, page_size, H_kv, D] in q's dtype,
+// q_pos [N], cu_seqlens_q [B + 1], kv_lens [B]; outputs (when given) like q and float32 [N, H].
+void check_layout(const char* op, const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& kv_lens,
+                  const at::Tensor* out, const at::Tensor* lse_out) {
+  RAGATTN_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                          k_cache.size(3) == q.size(2) && k_cache.size(2) >= 1 && q.size(1) % k_cache.size(2) == 0 &&
+                          k_cache.size(1) >= 1,
+                      op, ": q [N, H, D] and k_cache, v_cache [pages, page_size, H_kv, D] with H_kv dividing H");
+  RAGATTN_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), op,
+                     ": q, k_cache and v_cache must share a dtype");
+  RAGATTN_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
+                      ": CPU tensors only");
+  RAGATTN_CHECK_VALUE(kv_lens.dim() == 1, op, ": kv_lens must be a CPU [B] tensor");
+  const int64_t batch = kv_lens.size(0);
+  check_index(op, "q_pos", q_pos, q.size(0));
+  check_index(op, "cu_seqlens_q", cu_seqlens_q, batch + 1);
+  check_index(op, "kv_lens", kv_lens, batch);
+  if (out != nullptr)
+    RAGATTN_CHECK_VALUE(out->sizes() == q.sizes() && out->scalar_type() == q.scalar_type() && out->device().is_cpu() &&
+                            lse_out->dim() == 2 && lse_out->size(0) == q.size(0) && lse_out->size(1) == q.size(1) &&
+                            lse_out->scalar_type() == at::kFloat && lse_out->device().is_cpu(),
+                        op, ": out must be like q and lse_out float32 [N, H], on the CPU");
 }
 
 // cu_seqlens_q [batch + 1]'s values: from 0 to the packed length total_q, non-decreasing.
@@ -137,109 +105,32 @@ void check_cu_seqlens_values(const char* op, const IndexView& cu, int64_t batch,
     RAGATTN_CHECK_VALUE(cu(b + 1) >= cu(b), op, ": cu_seqlens_q must be non-decreasing");
 }
 
-// Every check of _validate (read_values=True: this path owns host data), in its order.
-void check_paged_args(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
-                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                      const at::Tensor& kv_lens, std::optional<double> scale, const at::Tensor* out,
-                      const at::Tensor* lse_out) {
-  check_dtype("q", q, {at::kHalf, at::kBFloat16, at::kFloat});
-  check_ndim("q", q, 3);
-  const at::Device dev = q.device();
-  const int64_t total_q = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  RAGATTN_CHECK_VALUE(head_dim >= 1, kOp, ": q's head_dim (dim 2) must be >= 1, got ", head_dim);
-  check_dtype("k_cache", k_cache, {q.scalar_type()});
-  check_ndim("k_cache", k_cache, 4);
-  check_device("k_cache", k_cache, dev);
-  check_shape("k_cache", k_cache, {-1, -1, -1, head_dim});
-  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  check_dtype("v_cache", v_cache, {q.scalar_type()});
-  check_shape("v_cache", v_cache, k_cache.sizes().vec());
-  check_device("v_cache", v_cache, dev);
-  RAGATTN_CHECK_VALUE(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, kOp, ": q's num_heads (", num_heads,
-                      ") must be a multiple of k_cache's num_kv_heads (", num_kv_heads, ")");
-  RAGATTN_CHECK_VALUE(page_size >= 1, kOp, ": k_cache's page_size (dim 1) must be >= 1, got ", page_size);
-  check_dtype("q_pos", q_pos, kIndexTypes);
-  check_shape("q_pos", q_pos, {total_q});
-  check_device("q_pos", q_pos, dev);
-  // check_cu_seqlens
-  check_dtype("cu_seqlens_q", cu_seqlens_q, kIndexTypes);
-  check_ndim("cu_seqlens_q", cu_seqlens_q, 1);
-  check_device("cu_seqlens_q", cu_seqlens_q, dev);
-  RAGATTN_CHECK_VALUE(cu_seqlens_q.numel() >= 1, kOp, ": cu_seqlens_q must have at least one entry (batch + 1)");
-  const int64_t batch = cu_seqlens_q.numel() - 1;
-  check_cu_seqlens_values(kOp, IndexView(cu_seqlens_q), batch, total_q);
-  check_dtype("block_table", block_table, kIndexTypes);
-  check_ndim("block_table", block_table, 2);
-  check_device("block_table", block_table, dev);
-  check_shape("block_table", block_table, {batch, -1});
-  check_dtype("kv_lens", kv_lens, kIndexTypes);
-  check_shape("kv_lens", kv_lens, {batch});
-  check_device("kv_lens", kv_lens, dev);
-  RAGATTN_CHECK_VALUE(!scale || std::isfinite(*scale), kOp, ": scale must be finite, got ", scale ? *scale : 0.0);
-  if (out) {
-    check_dtype("out", *out, {q.scalar_type()});
-    check_shape("out", *out, q.sizes().vec());
-    check_device("out", *out, dev);
-    check_dtype("lse_out", *lse_out, {at::kFloat});
-    check_shape("lse_out", *lse_out, {total_q, num_heads});
-    check_device("lse_out", *lse_out, dev);
-    check_no_overlap(*out, *lse_out,
-                     {{"q", &q}, {"q_pos", &q_pos}, {"cu_seqlens_q", &cu_seqlens_q}, {"k_cache", &k_cache},
-                      {"v_cache", &v_cache}, {"block_table", &block_table}, {"kv_lens", &kv_lens}});
-  }
-  // the value checks (one pass each; the Python side reads the same values with reductions)
+// The padded-table kernel's index values: cu_seqlens_q, kv_lens, q_pos and the block_table
+// entries kv_lens uses (the public op's CPU value checks, ragattn.paged_attention's messages).
+void check_padded_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& block_table,
+                         const at::Tensor& kv_lens, int64_t num_pages, int64_t page_size) {
+  constexpr const char* op = "ragattn.paged_attention";
+  const int64_t batch = kv_lens.size(0), total_q = q_pos.size(0), max_pages = block_table.size(1);
+  check_cu_seqlens_values(op, IndexView(cu_seqlens_q), batch, total_q);
   const IndexView pos(q_pos), bt(block_table), lens(kv_lens);
-  const int64_t max_pages = block_table.size(1);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = lens(b);
-    RAGATTN_CHECK_VALUE(len >= 0 && len <= max_pages * page_size, kOp,
+    RAGATTN_CHECK_VALUE(len >= 0 && len <= max_pages * page_size, op,
                         ": kv_lens must lie in [0, max_pages * page_size = ", max_pages * page_size, "], got ", len,
                         " for sequence ", b);
   }
   for (int64_t r = 0; r < total_q; ++r)
-    RAGATTN_CHECK_VALUE(pos(r) >= 0, kOp, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
+    RAGATTN_CHECK_VALUE(pos(r) >= 0, op, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
   for (int64_t b = 0; b < batch; ++b) {
     // pages used by kv_lens: the first ceil(kv_lens / page_size) of each row; others may be anything
     for (int64_t j = 0; j * page_size < lens(b); ++j) {
       const int64_t page = bt(b, j);
-      RAGATTN_CHECK_VALUE(page >= 0 && page < num_pages, kOp,
+      RAGATTN_CHECK_VALUE(page >= 0 && page < num_pages, op,
                           ": block_table entries used by kv_lens must lie in [0, num_pages = ", num_pages, "), got ",
                           page, " at [", b, ", ", j, "]");
     }
   }
 }
-
-// logits_soft_cap: finite and >= 0 (0 = off), as the Python _validate says it.
-void check_soft_cap(double cap) {
-  RAGATTN_CHECK_VALUE(std::isfinite(cap) && cap >= 0, kOp, ": logits_soft_cap must be finite and >= 0 (0 = off), got ", cap);
-}
-
-// RAGATTN_CPU_BACKEND (read on every call, like ragattn._extension.cpu_backend): the kernel for
-// unset/"default"/"twin"; anything else goes to the Python backends, which also reject bad values.
-bool use_python_backend() {
-  const char* env = std::getenv("RAGATTN_CPU_BACKEND");
-  if (env == nullptr) return false;
-  std::string v;
-  for (const char* c = env; *c; ++c) v += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
-  const size_t a = v.find_first_not_of(" \t\n\r\f\v"), e = v.find_last_not_of(" \t\n\r\f\v");
-  v = a == std::string::npos ? "" : v.substr(a, e - a + 1);
-  return !(v.empty() || v == "default" || v == "twin");
-}
-
-std::tuple<at::Tensor, at::Tensor> python_backend(const at::Tensor& q, const at::Tensor& q_pos,
-                                                  const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
-                                                  const at::Tensor& v_cache, const at::Tensor& block_table,
-                                                  const at::Tensor& kv_lens, std::optional<double> scale,
-                                                  int64_t window_left, double logits_soft_cap) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("ragattn::_paged_attention_cpu_backend", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, std::optional<double>, int64_t, double)>();
-  return op.call(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left, logits_soft_cap);
-}
-
 // ------------------------------------------------------------------------------------ kernel
 
 constexpr int64_t kChunk = 128;      // slots per online-softmax step (a multiple of 8)
@@ -645,7 +536,7 @@ int64_t scratch_budget() {
 // valid counts and positions, q_pos, and a RoPE table that covers every position a row sees.
 void check_tagged_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, int64_t num_pages, int64_t S,
                          const TaggedArgs& t, const at::Tensor& pages, const at::Tensor& kv_lens, int64_t table_rows) {
-  constexpr const char* op = "ragattn._paged_attention_tagged_cpu";
+  constexpr const char* op = kTaggedOp;
   const IndexView pos(q_pos), lens(kv_lens);
   const int64_t batch = kv_lens.size(0), num_entries = pages.size(0);
   check_cu_seqlens_values(op, IndexView(cu_seqlens_q), batch, q_pos.size(0));  // (its shape: checked by the caller)
@@ -747,41 +638,21 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos,
-                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
-                                                       const at::Tensor& v_cache, const at::Tensor& block_table,
-                                                       const at::Tensor& kv_lens, std::optional<double> scale,
-                                                       int64_t window_left, double logits_soft_cap) {
-  check_paged_args(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, nullptr, nullptr);
-  check_soft_cap(logits_soft_cap);
-  if (use_python_backend())
-    return python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left,
-                          logits_soft_cap);
-  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like the fake impl
-  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
-  run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
-             block_table, kv_lens, static_cast<float>(s), window_left, static_cast<float>(logits_soft_cap), out, lse);
-  return {out, lse};
-}
-
-void paged_attention_out_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                             const at::Tensor& kv_lens, std::optional<double> scale, int64_t window_left,
-                             double logits_soft_cap, const at::Tensor& out, const at::Tensor& lse_out) {
-  check_paged_args(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, &out, &lse_out);
-  check_soft_cap(logits_soft_cap);
-  if (use_python_backend()) {
-    auto [o, lse] = python_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale,
-                                   window_left, logits_soft_cap);
-    out.copy_(o);
-    lse_out.copy_(lse);
-    return;
-  }
+void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                         const at::Tensor& kv_lens, double scale, int64_t window_left, double logits_soft_cap,
+                         const at::Tensor& out, const at::Tensor& lse_out) {
+  constexpr const char* op = "ragattn._paged_attention_cpu";
+  check_layout(op, q, q_pos, cu_seqlens_q, k_cache, v_cache, kv_lens, &out, &lse_out);
+  RAGATTN_CHECK_TYPE(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong, op,
+                     ": block_table must be int32 or int64");
+  RAGATTN_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) == kv_lens.size(0) && block_table.device().is_cpu(),
+                      op, ": block_table must be a CPU [B, max_pages] tensor");
+  check_padded_values(q_pos, cu_seqlens_q, block_table, kv_lens, k_cache.size(0), k_cache.size(1));
   const at::Tensor o = out.stride(-1) == 1 ? out : at::empty(q.sizes(), q.options());  // copied in below
-  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   run_kernel(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache),
-             block_table, kv_lens, static_cast<float>(s), window_left, static_cast<float>(logits_soft_cap), o, lse_out);
+             block_table, kv_lens, static_cast<float>(scale), window_left, static_cast<float>(logits_soft_cap), o,
+             lse_out);
   if (!o.is_same(out)) out.copy_(o);
 }
 
@@ -791,31 +662,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
     const std::optional<at::Tensor>& entry_pos, const std::optional<at::Tensor>& entry_len,
     const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim,
     bool interleaved, double scale, int64_t window_left, double logits_soft_cap) {
-  constexpr const char* op = "ragattn._paged_attention_tagged_cpu";
-  // shapes and dtypes (the public op's Python checks are the user-facing ones)
-  RAGATTN_CHECK_VALUE(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-                          k_cache.size(3) == q.size(2) && k_cache.size(2) >= 1 && q.size(1) % k_cache.size(2) == 0 &&
-                          k_cache.size(1) >= 1,
-                      op, ": q [N, H, D] and k_cache, v_cache [pages, page_size, H_kv, D] with H_kv dividing H");
-  RAGATTN_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), op,
-                     ": q, k_cache and v_cache must share a dtype");
-  RAGATTN_CHECK_VALUE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), op,
-                      ": CPU tensors only");
-  const int64_t batch = kv_lens.numel();
-  auto index = [&](const char* name, const at::Tensor& x, int64_t n) {
-    RAGATTN_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, op, ": ", name,
-                       " must be int32 or int64");
-    RAGATTN_CHECK_VALUE(x.dim() == 1 && x.size(0) == n && x.device().is_cpu(), op, ": ", name, " must be a CPU [",
-                        n, "] tensor");
-  };
-  index("q_pos", q_pos, q.size(0));
-  index("cu_seqlens_q", cu_seqlens_q, batch + 1);
-  index("kv_lens", kv_lens, batch);
-  index("row_start", row_start, batch);
+  constexpr const char* op = kTaggedOp;
+  check_layout(op, q, q_pos, cu_seqlens_q, k_cache, v_cache, kv_lens, nullptr, nullptr);
+  check_index(op, "row_start", row_start, kv_lens.size(0));
   RAGATTN_CHECK_VALUE(pages.dim() == 1, op, ": pages must be a flat page list");
-  index("pages", pages, pages.size(0));
-  if (entry_pos) index("entry_pos", *entry_pos, pages.size(0));
-  if (entry_len) index("entry_len", *entry_len, pages.size(0));
+  check_index(op, "pages", pages, -1);
+  if (entry_pos) check_index(op, "entry_pos", *entry_pos, pages.size(0));
+  if (entry_len) check_index(op, "entry_len", *entry_len, pages.size(0));
   RAGATTN_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(), op, ": rope_cos and rope_sin go together");
   int64_t table_rows = -1;
   if (rope_cos) {

@@ -169,15 +169,10 @@ struct RowPlan {
   int64_t u_last;  // index of the final draw's uniform (padded: column g; flat: the request's last row)
 };
 
-// RAGATTN_CPU_BACKEND=twin selects the bit-faithful twin (read on every call, like the Python side).
-bool use_twin() {
-  const char* env = std::getenv("RAGATTN_CPU_BACKEND");
-  return env != nullptr && std::strcmp(env, "twin") == 0;
-}
-
 void verify_rows(const at::Tensor& draft_tokens, const float* q_base, const at::Tensor& target_logits,
                  const at::Tensor& uniforms, const VerifyParams& params, int64_t B,
-                 const std::function<RowPlan(int64_t)>& plan, at::Tensor& out_tokens, at::Tensor& num_accepted) {
+                 const std::function<RowPlan(int64_t)>& plan, bool twin, at::Tensor& out_tokens,
+                 at::Tensor& num_accepted) {
   const int V = params.vocab;
   const size_t row_bytes = static_cast<size_t>(V) * target_logits.element_size();
   const char* z_base = static_cast<const char*>(target_logits.const_data_ptr());
@@ -185,7 +180,6 @@ void verify_rows(const at::Tensor& draft_tokens, const float* q_base, const at::
   const float* uni = uniforms.const_data_ptr<float>();
   int64_t* out = out_tokens.data_ptr<int64_t>();
   int32_t* nacc = num_accepted.data_ptr<int32_t>();
-  const bool twin = use_twin();
 
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     const std::unique_ptr<PositionVerifier> verifier = twin ? make_twin_verifier(params) : make_fast_verifier(params);
@@ -224,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_toke
                                                     const at::Tensor& target_logits, const at::Tensor& uniforms,
                                                     double temperature, double eta, double alpha, bool greedy,
                                                     const std::optional<at::Tensor>& num_draft,
-                                                    const std::optional<at::Tensor>& cu_num_draft) {
+                                                    const std::optional<at::Tensor>& cu_num_draft, bool twin) {
   check_verify_draft_args(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
                           cu_num_draft, /*check_values=*/true);
   RAGATTN_CHECK_VALUE(target_logits.device().is_cpu(), kOp, ": the CPU implementation got tensors on ",
@@ -256,14 +250,14 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_toke
     const int64_t* c = cu.const_data_ptr<int64_t>();
     verify_rows(tok, q_base, logits, uni, params, B,
                 [c](int64_t b) { return RowPlan{c[b], c[b] + b, c[b + 1] - c[b], c[b + 1] - c[b] + 1, c[b + 1] + b}; },
-                out_tokens, num_accepted);
+                twin, out_tokens, num_accepted);
   } else {
     at::Tensor nd;
     if (num_draft.has_value()) nd = num_draft->to(at::kLong).contiguous();
     const int64_t* ndp = nd.defined() ? nd.const_data_ptr<int64_t>() : nullptr;
     verify_rows(tok, q_base, logits, uni, params, B,
                 [ndp, g](int64_t b) { return RowPlan{b * g, b * (g + 1), ndp ? ndp[b] : g, g + 1, b * (g + 1) + g}; },
-                out_tokens, num_accepted);
+                twin, out_tokens, num_accepted);
   }
   return {out_tokens, num_accepted};
 }

@@ -25,7 +25,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ragattn.hf.attention import PagedKV
+from ragattn.kv import PagedKV
 
 
 def _query_length(arg) -> int:
@@ -89,7 +89,7 @@ class PagedCache(Cache):
     """A transformers ``Cache`` over a :class:`PagedKV` (see the module docstring).
 
     ``paged``: the request pages, a :class:`PagedKV` or a zero-copy
-    :class:`~ragattn.hf.tagged.TaggedPagedKV` (``lengths[b]`` slots already filled in row ``b``); ``seen``: the
+    :class:`~ragattn.kv.TaggedPagedKV` (``lengths[b]`` slots already filled in row ``b``); ``seen``: the
     number of leading ``input_ids`` tokens the cache stands for (default ``max(lengths)``).
     After each forward, ``paged.lengths[b]`` has grown by row ``b``'s non-padding new tokens and
     ``seen`` by the number of new tokens.

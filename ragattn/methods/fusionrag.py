@@ -244,7 +244,7 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
     cache is already in the store (or, read whole and verified, in its directory) are skipped:
     resumable (a truncated or corrupt file is built again). ``progress(n)`` is
     called after each batch. Returns (built, skipped)."""
-    from ragattn.hf.attention import PagedKV
+    from ragattn.kv import PagedKV
 
     if batch < 1:
         raise ValueError(f"ragattn.methods.fusionrag.fuse_chunks: batch must be >= 1, got {batch}")
@@ -315,7 +315,7 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
         recompute(model, req.cache, tail_ids, tail_pos, capture_query=cap)
         req.cache.lengths[0] = ctx
     else:  # the final block alone (own small cache), at its true positions
-        from ragattn.hf.attention import PagedKV
+        from ragattn.kv import PagedKV
 
         c = req.cache
         k0 = c.read_kv(0, torch.zeros(1, dtype=torch.long, device=dev))[0]

@@ -104,7 +104,7 @@ def generate_paged(model, tokenizer, cache, final_ids, start_pos: int, max_new_t
                    method: str, prompt_len: int, cached_ids=None, cached_positions=None,
                    **generate_kwargs) -> Answer:
     """Prefill the final block ``final_ids`` at RoPE positions ``start_pos..`` against the paged
-    request ``cache`` (a batch-1 :class:`~ragattn.hf.attention.PagedKV` holding ``lengths[0]``
+    request ``cache`` (a batch-1 :class:`~ragattn.kv.PagedKV` holding ``lengths[0]``
     slots), then generate with ``model.generate()`` over a :class:`~ragattn.hf.cache.PagedCache`
     (greedy by default; ``generate_kwargs`` go to ``generate()``: sampling, logits processors,
     ``stop_strings``...). ``cached_ids`` / ``cached_positions``: the tokens and positions the

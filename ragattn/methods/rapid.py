@@ -23,7 +23,7 @@ Pieces (the authors' code is the reference where it and the paper differ, notes 
   or ``budget_tokens``), those below ``threshold`` dropped (the best one always kept), and the rest
   re-sorted by document position and joined with "\\n\\n". The drafter's prompt is the target's
   prompt (:func:`ragattn.methods.prompt.prompt_parts`) with this retrieval context as its document.
-* **Caches**: one :class:`~ragattn.hf.attention.PagedKV` per model; slot ``j`` holds absolute
+* **Caches**: one :class:`~ragattn.kv.PagedKV` per model; slot ``j`` holds absolute
   position ``j``. The target holds every committed token but the last (fed next round, as in the
   authors' code); the drafter holds the committed tokens it has seen. Rollback after a rejection
   is a length update (``lengths``): O(1), stale slots are overwritten by the next round.
@@ -58,7 +58,8 @@ from typing import Optional, Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.hf.attention import PagedKV, use_ragattn
+from ragattn.hf.attention import use_ragattn
+from ragattn.kv import PagedKV
 from ragattn.methods.generate import Answer, _eos_ids, _sync
 from ragattn.methods.prompt import prompt_parts
 from ragattn.methods.rapid_retrieval import (  # noqa: F401  (split_text, SEPARATORS: part of rapid's API)

@@ -9,14 +9,15 @@ from ragattn.ops.key_attention_scores import key_attention_scores
 from ragattn.ops.kv_cache import copy_kv_, rerotate_keys_
 from ragattn.ops.merge_attention_states import merge_attention_states, merge_attention_states_, merge_attention_states_n
 from ragattn.ops.page_table import PageTable
-from ragattn.ops.paged_attention import (
+from ragattn.ops.paged_attention import paged_attention
+from ragattn.ops.paged_attention_run import (
     PagedAttentionPlan,
-    paged_attention,
+    PagedAttentionStep,
     plan_paged_attention,
     run_paged_attention,
 )
 from ragattn.ops.refrag_assemble import refrag_assemble
-from ragattn.ops.speculative import verify_draft
+from ragattn.ops.verify_draft import verify_draft, verify_draft_vllm  # noqa: F401  (ragattn.ops.verify_draft_vllm)
 from ragattn.ops.varlen_attention import varlen_attention
 from ragattn.ops import _cuda_fallback  # noqa: F401,E402  (CUDA impls where ragattn._C has no CUDA kernels)
 
@@ -35,3 +36,4 @@ __all__ = [
 ]
 # The engine-facing plan/run pair of paged_attention (torch.ops.ragattn.paged_attention_run).
 __all__ += ["PageTable", "PagedAttentionPlan", "plan_paged_attention", "run_paged_attention"]
+# (PagedAttentionStep, the per-forward call of request caches, is ragattn.ops.PagedAttentionStep.)

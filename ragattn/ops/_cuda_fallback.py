@@ -16,7 +16,7 @@ import torch
 
 from ragattn import _extension
 from ragattn.ops import kv_cache as _kv
-from ragattn.ops import speculative as _spec
+from ragattn.ops.verify_draft import _validate as _validate_verify_draft
 from ragattn.reference import kv_cache as _ref_kv
 from ragattn.reference.speculative import verify_draft as _ref_verify_draft
 
@@ -57,7 +57,7 @@ def copy_kv_cuda(dst_k, dst_v, src_k, src_v, src_rows, dst_rows, delta=None, inv
 def verify_draft_cuda(draft_tokens, draft_probs, target_logits, uniforms, temperature=1.0, eta=0.0, alpha=0.1,
                       greedy=False, num_draft=None, cu_num_draft=None):
     _warn_once("verify_draft")
-    _spec._validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
+    _validate_verify_draft(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft,
                     cu_num_draft)
     return _ref_verify_draft(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy,
                              num_draft, cu_num_draft=cu_num_draft)

@@ -4,7 +4,7 @@
     store = ChunkStore(model, directory="kv/")          # directory optional (memory only)
     keys = store.add([tok_ids_a, tok_ids_b, ...])       # one batched independent prefill of the misses
     req = store.assemble(keys, positions="reordered", extra_slots=64)
-    # req.cache: ragattn.hf.attention.PagedKV holding the chunks' K/V at their request slots,
+    # req.cache: ragattn.kv.PagedKV holding the chunks' K/V at their request slots,
     # keys re-rotated to their request positions; req.next_position: RoPE position after the chunks.
 
 ``model``: a :class:`~ragattn.store.model.ChunkModel` (what the store needs of a model:
@@ -59,7 +59,7 @@ Public API (for the methods, FusionRAG's offline fusion and serving-engine conne
 * ``store.assemble(keys, ...)``: :meth:`gather_into_` into a fresh batch-1 ``PagedKV``.
 * ``store.request(keys, positions, extra_slots)`` -> :class:`ZeroCopyRequest`: no copy; a
   position-tagged page table over the chunks' own (shared) pool pages plus private pool pages
-  (``ragattn.hf.tagged.TaggedPagedKV``), keys rotated in the attention kernel, pages a recompute
+  (``ragattn.kv.TaggedPagedKV``), keys rotated in the attention kernel, pages a recompute
   writes copied on write; the chunks stay pinned until ``req.release()`` (docs/chunk-store.md).
 
 Memory: a byte budget, LRU eviction, no 2x growth

@@ -56,7 +56,7 @@ def _keep_spare(spare: list, buf: torch.Tensor) -> None:
 @dataclass
 class AssembledRequest:
     """A request cache filled with chunks. ``cache`` holds ``num_slots`` slots (row 0 of a batch-1
-    ``ragattn.hf.attention.PagedKV``); ``chunk_starts[i]``/``chunk_lens[i]`` are chunk i's slots,
+    ``ragattn.kv.PagedKV``); ``chunk_starts[i]``/``chunk_lens[i]`` are chunk i's slots,
     ``positions`` int32 ``[num_slots]`` the RoPE position of each slot, ``next_position`` where the
     final block starts. The cache is the request's own copy (see the module docstring: copy-out
     semantics)."""
@@ -164,7 +164,7 @@ class _CopyOut:
         itself); the buffer comes back when the returned cache is garbage-collected."""
         # the copy path's request cache (the request KV layer's, engine-neutral; in ragattn.hf until
         # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
-        from ragattn.hf.attention import PagedKV
+        from ragattn.kv import PagedKV
 
         dims = (self.num_layers, 1, capacity, self.num_kv_heads, self.head_dim, page_size)
         if self.device.type != "cpu":   # the CUDA caching allocator already recycles

@@ -30,7 +30,7 @@ def _release_request(pool: PagePool, pinned: list, private: list, cache_ref) -> 
 
 class ZeroCopyRequest:
     """A request over the store's own pages (:meth:`ChunkStore.request`): ``cache`` is a
-    :class:`~ragattn.hf.tagged.TaggedPagedKV` whose page table lists the chunks' shared pool pages
+    :class:`~ragattn.kv.TaggedPagedKV` whose page table lists the chunks' shared pool pages
     (with their positions) and the request's private pages. ``chunk_starts``/``chunk_lens``,
     ``positions`` (int32 ``[num_slots]``, each chunk slot's RoPE position), ``next_position``
     and ``num_slots`` mean what they mean on :class:`AssembledRequest`.
@@ -101,7 +101,7 @@ class _ZeroCopy:
                                       f"per chunk ({len(keys)}), got {list(positions)}")
         # the zero-copy request cache (the request KV layer's, engine-neutral; in ragattn.hf until
         # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
-        from ragattn.hf.tagged import TaggedPagedKV
+        from ragattn.kv import TaggedPagedKV
 
         entries, pinned = self._pin(keys)
         private: list = []
