@@ -68,7 +68,7 @@ def _openmp_flags():
     ATen's ``at::parallel_for`` is an inline OpenMP region: without ``-fopenmp`` every C++ CPU
     kernel runs on one thread. The flag is only safe when it links the same runtime: GCC links
     ``libgomp.so.1``, the SONAME of the ``libgomp`` torch ships and loads first, so the loader
-    reuses torch's (tests/test_cpu_threads.py checks one runtime in the process). Elsewhere
+    reuses torch's (tests/tooling/test_cpu_threads.py checks one runtime in the process). Elsewhere
     (clang/macOS with LLVM's libomp, a torch on another runtime, ``RAGATTN_OPENMP=0``) the build
     stays serial rather than load a second runtime.
     """

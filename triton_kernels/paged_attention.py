@@ -447,7 +447,7 @@ def kv_buffers(m_tile: int, num_stages: int) -> int:
 
 def smem_bytes(m_tile: int, block_n: int, block_d: int, elt: int, num_stages: int) -> int:
     """Shared memory of the kernel for one config, modelled on what the compiler reports for sm_90
-    (checked against it by tests/test_sm90_report.py): the pipelined K and V buffers of the busiest
+    (checked against it by tests/tooling/test_sm90_report.py): the pipelined K and V buffers of the busiest
     loop (the loops reuse one another's), the Q tile, an fp32 P tile of layout scratch and 1 KB of
     small buffers (page ids). Decode at 64-key tiles, 5 stages: 74.8 KB modelled, 71.7 KB compiled
     (the model before it, ``elt * block_d * (m_tile + 2 * block_n * stages)``, said 164 KB and cut

@@ -11,7 +11,7 @@
 // extension's stream is constructed by torch's copy and written and destroyed by the system
 // libstdc++ (LD_DEBUG=bindings shows it). Messages made of std::string appends and snprintf never
 // touch that machinery. The condition is tested first and the message built only when it fails,
-// as with TORCH_CHECK. tests/test_cpp_error_messages.py checks every family's message.
+// as with TORCH_CHECK. tests/ops/test_cpp_error_messages.py checks every family's message.
 #pragma once
 
 #include <c10/core/Device.h>

@@ -5,7 +5,7 @@
 // depend on the thread count), exp is the branch-free 8-lane polynomial of common/vec8.h, and the
 // inverse-CDF prefix sums are float64. It follows the same rule, including the edge rule for
 // non-finite logits; its tokens agree with the float64 reference wherever the reference's decision
-// is not within float32 rounding of a threshold (tests/test_verify_draft.py).
+// is not within float32 rounding of a threshold (tests/ops/test_verify_draft.py).
 //
 // Hot loops are compiled twice (baseline x86-64 and x86-64-v3, AVX2 + FMA) and picked at load time
 // (RAGATTN_CPU_CLONES of common/cpu_isa.h).

@@ -8,5 +8,5 @@
   (a long-context QA set built from them), the data the commands run on.
 
 The library (ops, store, hf, methods, engines) never imports this package
-(tests/test_kernel_layering.py); ``ragattn/__main__.py`` dispatches the commands here.
+(tests/tooling/test_kernel_layering.py); ``ragattn/__main__.py`` dispatches the commands here.
 """

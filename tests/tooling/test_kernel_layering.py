@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_FILES = sorted((ROOT / "triton_kernels").rglob("*.py"))
 
 
@@ -143,30 +143,26 @@ LIBRARY_FILES = sorted(p for p in PKG.rglob("*.py")
                        if PKG / "apps" not in p.parents and p != PKG / "__main__.py")
 STORE_MAY_NOT_IMPORT = ("ragattn.hf", "ragattn.methods", "ragattn.apps", "ragattn.vllm", "ragattn.bench")
 # The request caches the store fills (the copy path's PagedKV, the zero-copy TaggedPagedKV) are the
-# request KV layer's (ragattn.kv, where the store imports them from); their former paths in ragattn.hf
-# stay importable, and these two names are the only ones the store may take from there.
-STORE_PENDING_KV = {("ragattn.hf.attention", "PagedKV"), ("ragattn.hf.tagged", "TaggedPagedKV")}
+# request KV layer's: the store imports them from ragattn.kv, never from their former ragattn.hf paths.
 
 
 def _import_targets(path: pathlib.Path, package: str):
-    """``(target, allowed_pending)`` for every import of ``path`` (a module of ``package``): the dotted
-    module or ``module.name`` it reaches (``from ragattn import apps`` reaches ``ragattn.apps``;
-    relative imports are resolved)."""
+    """Every dotted module or ``module.name`` an import of ``path`` (a module of ``package``) reaches
+    (``from ragattn import apps`` reaches ``ragattn.apps``; relative imports are resolved)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, False
+                yield alias.name
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            pending = all((module, a.name) in STORE_PENDING_KV for a in node.names)
-            yield module, pending
+            yield module
             for alias in node.names:
-                yield f"{module}.{alias.name}", pending
+                yield f"{module}.{alias.name}"
 
 
 def _module_package(path: pathlib.Path) -> str:
@@ -179,12 +175,12 @@ def _reaches(target: str, part: str) -> bool:
 
 
 def _store_violations(path: pathlib.Path):
-    return sorted({t for t, pending in _import_targets(path, _module_package(path))
-                   if not pending and any(_reaches(t, p) for p in STORE_MAY_NOT_IMPORT)})
+    return sorted({t for t in _import_targets(path, _module_package(path))
+                   if any(_reaches(t, p) for p in STORE_MAY_NOT_IMPORT)})
 
 
 def _app_imports(path: pathlib.Path):
-    return sorted({t for t, _ in _import_targets(path, _module_package(path)) if _reaches(t, "ragattn.apps")})
+    return sorted({t for t in _import_targets(path, _module_package(path)) if _reaches(t, "ragattn.apps")})
 
 
 @pytest.mark.parametrize("path", STORE_FILES, ids=[p.name for p in STORE_FILES])
@@ -202,16 +198,16 @@ def test_no_library_module_imports_an_app(path):
 
 def test_the_store_and_app_checks_see_what_they_forbid(tmp_path):
     """The walks see nested, relative and ``from ragattn import`` forms (the tests above can fail),
-    and the two pending request caches are the only names let through."""
+    the request caches' former ragattn.hf paths included (the store takes them from ragattn.kv)."""
     src = ("def f():\n    from ragattn.hf.rope import rope_params\n    from ragattn.hf.attention import PagedKV\n"
            "    from ..hf.tagged import TaggedPagedKV\n    from .. import apps\n    import ragattn.methods.prompt\n")
     tree_file = tmp_path / "m.py"
     tree_file.write_text(src)
-    targets = {t for t, pending in _import_targets(tree_file, "ragattn.store") if not pending}
+    targets = set(_import_targets(tree_file, "ragattn.store"))
     assert "ragattn.hf.rope.rope_params" in targets and "ragattn.apps" in targets
     assert "ragattn.methods.prompt" in targets
-    assert not any(t.startswith(("ragattn.hf.attention", "ragattn.hf.tagged")) for t in targets)
+    assert {"ragattn.hf.attention.PagedKV", "ragattn.hf.tagged.TaggedPagedKV"} <= targets
     assert _module_package(PKG / "store" / "model.py") == "ragattn.store"
-    bad = sorted({t for t, pending in _import_targets(tree_file, "ragattn.store")
-                  if not pending and any(_reaches(t, p) for p in STORE_MAY_NOT_IMPORT)})
-    assert bad == ["ragattn.apps", "ragattn.hf.rope", "ragattn.hf.rope.rope_params", "ragattn.methods.prompt"]
+    assert sorted({t for t in targets if any(_reaches(t, p) for p in STORE_MAY_NOT_IMPORT)}) == [
+        "ragattn.apps", "ragattn.hf.attention", "ragattn.hf.attention.PagedKV", "ragattn.hf.rope",
+        "ragattn.hf.rope.rope_params", "ragattn.hf.tagged", "ragattn.hf.tagged.TaggedPagedKV", "ragattn.methods.prompt"]

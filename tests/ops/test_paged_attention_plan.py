@@ -13,7 +13,7 @@ import torch
 import ragattn
 from ragattn import PageTable, plan_paged_attention, run_paged_attention
 from tests.helpers import randn_nonzero, use_kernel_backend
-from tests.test_paged_attention import check_against_reference
+from tests.ops.test_paged_attention import check_against_reference
 
 I32 = torch.int32
 

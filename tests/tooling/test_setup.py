@@ -14,7 +14,7 @@ import ragattn
 from ragattn import _extension
 from ragattn.ops import _cuda_fallback
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _build_kind():

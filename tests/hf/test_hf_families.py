@@ -153,7 +153,7 @@ def test_chunk_store_exact_on_family(family, positions, zero_copy):
     """Cached chunks + re-rotation + the final block through the paged cache == one eager forward
     of the whole prompt under the Block-Attention mask (test_methods_exactness's rule)."""
     from ragattn.store import ChunkStore
-    from tests.test_methods_exactness import _cached_logits, _reference_logits
+    from tests.methods.test_methods_exactness import _cached_logits, _reference_logits
 
     model = _store_model(family)
     g = torch.Generator().manual_seed(3)

@@ -144,7 +144,7 @@ def test_refused_features_are_named():
     model = _model()
     ids = torch.randint(1, 97, (1, 5))
     with use_ragattn(model), torch.no_grad():
-        # (soft-capping runs in the kernels: tests/test_hf_families.py; unsupported families are
+        # (soft-capping runs in the kernels: tests/hf/test_hf_families.py; unsupported families are
         # refused when loading, and by this runtime guard for a config changed afterwards)
         model.config.model_type = "gpt_neox"
         try:

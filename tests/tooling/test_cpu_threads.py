@@ -16,9 +16,9 @@ import torch
 
 import ragattn
 from tests.helpers import randn_nonzero
-from tests.test_kv_cache import inv_freq_for, rand_delta
-from tests.test_paged_attention import make_case as paged_case
-from tests.test_verify_draft import make_case as verify_case
+from tests.ops.test_kv_cache import inv_freq_for, rand_delta
+from tests.ops.test_paged_attention import make_case as paged_case
+from tests.ops.test_verify_draft import make_case as verify_case
 
 THREADS = (1, 2, 3)  # 3 threads on a 2-core machine too: uneven splits
 

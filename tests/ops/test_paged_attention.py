@@ -517,7 +517,7 @@ def test_fake_validates_like_the_real_op():
 
 _HUGE_OFFSETS = r"""
 import torch
-from tests.test_paged_attention import make_case
+from tests.ops.test_paged_attention import make_case
 from ragattn.reference.paged_attention import paged_attention as ref_paged
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
 from ragattn.triton_kernels.paged_attention import paged_attention_fwd
@@ -864,7 +864,7 @@ def test_docs_examples_run():
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "ops.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "ops.md").read_text()
     section = text[text.index("## paged_attention"): text.index("## rerotate_keys_")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 3

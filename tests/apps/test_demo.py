@@ -6,6 +6,8 @@ import pytest
 from ragattn.apps import demo
 from ragattn.__main__ import main as cli_main
 
+pytestmark = pytest.mark.slow  # minutes: `pytest -m "not slow"` skips it for a quick run
+
 
 @pytest.fixture(scope="module")
 def model_tok(request):

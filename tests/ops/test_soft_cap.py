@@ -11,7 +11,7 @@ import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
 from ragattn.reference import varlen_attention as ref_varlen
 from tests.helpers import assert_precision, poison_like, randn_nonzero, use_kernel_backend
-from tests.test_varlen_attention import _case, _float64
+from tests.ops.test_varlen_attention import _case, _float64
 
 CAP = 2.5
 SCALE = 0.35   # scores ~ N(0, (0.35 sqrt(D))^2): far past the cap, the tanh's curved part matters

@@ -545,7 +545,7 @@ def test_layer_pointers_travel_in_the_kernel_parameters(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     ptx = tmp_path / "kv_cache_kernels.ptx"
     subprocess.run([nvcc, "-gencode=arch=compute_90a,code=compute_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
                     f"-I{root / 'csrc'}", "-ptx", str(root / "csrc/kv_cache/kv_cache_kernels.cu"), "-o", str(ptx)],

@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import run_compile_check
 
+pytestmark = pytest.mark.slow  # minutes: `pytest -m "not slow"` skips it for a quick run
+
 # (kernel label substring, defect) pairs that the report shows today; keep in sync with the report.
 # The prefill loop with V inside its per-tile whole/masked test (config pipeline_v false, the loop
 # before the table's default changed) is compiled to show the V check sees what it checks; at the
@@ -142,7 +144,7 @@ def test_verify_draft_slice_rule():
     assert verify_draft_grid(2, 3, 5000)["rapid"] == 2 * 4 * 2  # clusters of min(8, slices) CTAs
     from pathlib import Path
 
-    math_h = (Path(__file__).resolve().parent.parent / "csrc" / "speculative" / "verify_draft_math.h").read_text()
+    math_h = (Path(__file__).resolve().parents[2] / "csrc" / "speculative" / "verify_draft_math.h").read_text()
     # the constants the mirror copies: kSliceLen = kSliceTiles x kThreads x kChunk
     for line in ("constexpr int kThreads = 256;", "constexpr int kChunk = 8;", "constexpr int kSliceTiles = 2;",
                  "constexpr int kSliceLen = kSliceTiles * kTile;", "constexpr int kTile = kThreads * kChunk;"):

@@ -329,7 +329,7 @@ def test_baseline_and_stores_in_several_threads(model):
     from ragattn.hf.attention import use_ragattn
     from ragattn.hf.attn_switch import attention_implementation
     from ragattn.methods.baseline import full_prefill
-    from tests.test_fusionrag import CharTokenizer
+    from tests.methods.test_fusionrag import CharTokenizer
 
     torch.set_num_threads(1)
     tok = CharTokenizer(SHAPE["vocab_size"])
@@ -360,7 +360,7 @@ def test_methods_follow_a_data_edit_of_the_weights():
     """The issue's method-level repro: after ``p.data.mul_`` the wrappers answered from stale KV
     (first logits 0.67 off, no error); a store now follows its model into every method."""
     from ragattn.methods import block_attention, fusionrag
-    from tests.test_fusionrag import QUESTION, CharTokenizer
+    from tests.methods.test_fusionrag import QUESTION, CharTokenizer
 
     model = random_llama(SHAPE, dtype=torch.float32, seed=2).eval()
     tok = CharTokenizer(SHAPE["vocab_size"])

@@ -15,7 +15,7 @@ import torch
 
 import ragattn  # noqa: F401  (registers torch.ops.ragattn)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_csrc_builds_no_message_with_iostreams():
@@ -105,7 +105,7 @@ def _verify_cases():
 
 
 def _paged_cases():
-    from tests.test_paged_attention import make_case
+    from tests.ops.test_paged_attention import make_case
 
     q, q_pos, cu, k, v, bt, kvl = make_case([[3, 4], [0]], [5, 1], num_heads=4, num_kv_heads=2, head_dim=16,
                                             page_size=4, dtype=torch.float32, device="cpu")

@@ -159,7 +159,7 @@ def test_generate_on_a_request_equals_the_copy_path(model, backend, monkeypatch)
 
 # ----- copy on write under selective recompute (FusionRAG, CacheBlend) ---------------------------
 def _fusion_setup(family="llama"):
-    from tests.test_fusionrag import CHUNKS, QUESTION, _tiny
+    from tests.methods.test_fusionrag import CHUNKS, QUESTION, _tiny
 
     model, tok = _tiny(family)
     return model, tok, [c[:40] for c in CHUNKS], QUESTION
@@ -329,7 +329,7 @@ def test_sliding_window_and_soft_cap_layers(family):
     """Sliding layers (window 5, by position) and Gemma 2's soft cap (run_paged_attention's path)
     on a zero-copy request: the copy path's logits (reordered: slot order is position order)."""
     from ragattn.methods.generate import paged_forward
-    from tests.test_hf_families import _build
+    from tests.hf.test_hf_families import _build
 
     model = _build(family)
     if family == "gemma3":   # one RoPE for every layer (the chunk store's requirement)
