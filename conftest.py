@@ -16,7 +16,7 @@ import torch
 # is True, so TRITON_INTERPRET stays unset and the Triton kernels are compiled, not interpreted)
 # without a GPU: a test that hands a Triton kernel CPU tensors then fails here as it does there.
 # Tests that need real CUDA tensors skip (tests.helpers.cuda_usable); tests/tooling/test_gpu_check.py runs
-# issue 23's tests this way.
+# a set of them this way.
 if os.environ.get("RAGATTN_TEST_FAKE_CUDA") == "1":
     os.environ.pop("TRITON_INTERPRET", None)
     _cuda_is_available = torch.cuda.is_available

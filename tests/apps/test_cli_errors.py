@@ -1,4 +1,4 @@
-"""Every `python -m ragattn` sub-command fails the same way (issue 24.8): a bad input gives one
+"""Every `python -m ragattn` sub-command fails the same way: a bad input gives one
 `error: ...` line on stderr and exit status 2, found before the work starts where it can be; an
 output that cannot be written never loses what was computed (24.6); refrag-train never replaces a
 checkpoint without --overwrite (24.5)."""

@@ -162,7 +162,7 @@ def test_demo_and_eval_take_a_model_id_from_the_local_hf_cache(tmp_path, monkeyp
         demo.load_model("someorg/not-cached", torch.device("cpu"))
 
 
-# ----- the demo's table: each method's own figure of merit (issue 26.9) ----------------------------
+# ----- the demo's table: each method's own figure of merit ----------------------------
 def _row(method, speedup, **kw):
     from ragattn.apps.demo import Row
 

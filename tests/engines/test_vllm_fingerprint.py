@@ -1,4 +1,4 @@
-"""Issue 25.7: the vLLM connector's model fingerprint from the checkpoint files (headers + streamed
+"""The vLLM connector's model fingerprint from the checkpoint files (headers + streamed
 bytes, no CPU copy of the weights) equals the HF path's model_fingerprint of the loaded model, for
 llama / llama3-scaled / qwen2 checkpoints, tied embeddings, sharded files and a dtype conversion;
 a changed weight changes it. Runs without vLLM (ragattn.vllm.fingerprint needs none)."""

@@ -201,7 +201,7 @@ def test_nhd_memory_layout_channel_split(store):
         assert torch.equal(pv, req.cache.v[l].reshape(-1, H, D)[ref_rows])
 
 
-# ----- issue 25.8: FlashInfer's layout (NHD and HND in memory) and KV cache groups -------------
+# ----- FlashInfer's layout (NHD and HND in memory) and KV cache groups -------------
 def _planes_caches(num_blocks, hnd):
     """Two layers of vLLM's FlashInfer cache, logical [B, 2, N, Hkv, D], NaN-poisoned; HND: the
     memory order [B, 2, Hkv, N, D] (vLLM's FlashInfer stride order), viewed in the logical order."""
@@ -269,7 +269,7 @@ def test_kv_cache_groups_with_a_sliding_window_group(store, split):
         w.write(keys, spans, full_ids)
 
 
-# ----- issue 25: fp8 caches (vLLM's kv_cache_dtype="fp8") and allocator blocks over kernel blocks ------
+# ----- fp8 caches (vLLM's kv_cache_dtype="fp8") and allocator blocks over kernel blocks ------
 POISON = 0x7F   # an e4m3fn NaN byte
 
 

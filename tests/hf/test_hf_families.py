@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 and Phi-3 under the "ragattn" attention (issue 26.5): attention soft-capping
+"""Gemma 2, Gemma 3 and Phi-3 under the "ragattn" attention: attention soft-capping
 (``logits_soft_cap``), alternating sliding-window layers, head_dim 256, query_pre_attn_scalar,
 partial rotary (Phi-3) against the models' eager attention on tiny random configs (prefill,
 padded batches, generate with a dynamic cache), the chunk store's exactness and the cached-chunk

@@ -201,7 +201,7 @@ def test_unpadded_forward_compiles_without_graph_breaks():
 
 @pytest.mark.parametrize("cpu_sdpa", ["1", "0"])
 def test_decode_step_compiles_fullgraph(monkeypatch, cpu_sdpa):
-    """Issue 15.5's proof on the HF side: a decode step's attention traces under
+    """The proof on the HF side: a decode step's attention traces under
     ``torch.compile(fullgraph=True)`` (a host sync such as ``.item()`` or ``bool(tensor)`` is a
     graph break, an error under fullgraph): the transformers-cache step (no mask, and a padding
     mask: plan built from tensors only) and the paged request cache's step at a layer after the
@@ -364,7 +364,7 @@ def test_paged_cache_sliding_window_equals_sdpa(monkeypatch, cpu_sdpa):
 
 # ----- issue 15.5 / 15.6 audit: per-forward work and in-place cache reads --------------------------
 def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
-    """Issue 15.6: a padded prefill packs its rows once per forward (layer 0) and every later layer
+    """A padded prefill packs its rows once per forward (layer 0) and every later layer
     reuses that plan; the varlen op then sees the very same index tensors, so its tile-plan cache
     hits instead of re-planning per layer (the old path built new cu/pos tensors per layer; the
     default CPU forward, C++, plans nothing: every layer's call gets the same index objects)."""
@@ -396,7 +396,7 @@ def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_decode_reads_the_cache_in_place(monkeypatch, padded):
-    """Issue 15.5: a decode step hands paged_attention the transformers cache's own storage
+    """A decode step hands paged_attention the transformers cache's own storage
     (page views by strides), never a copy of K/V (the old path copied the whole cache with
     ``kt.contiguous()`` in every layer, every token)."""
     model = _model()
@@ -428,7 +428,7 @@ def test_decode_reads_the_cache_in_place(monkeypatch, padded):
 
 @pytest.mark.parametrize("route", ["transformers-cache", "paged"])
 def test_decode_step_plans_the_paged_launch_once(monkeypatch, route):
-    """Issue 15.5: a decode step plans the paged launch once (its one host sync: cu_seqlens and
+    """A decode step plans the paged launch once (its one host sync: cu_seqlens and
     kv_lens to the host) and runs every layer without a sync, so the step is CUDA-graph
     capturable. Seen on the CPU through the Triton backend, which takes the CUDA code path; both
     routes: a transformers cache (mask-planned decode) and ``ragattn_paged`` (the PagedKV step).

@@ -1,4 +1,4 @@
-"""``output_attentions=True`` under the "ragattn" attention (issue 26.4): the call runs the model's
+"""``output_attentions=True`` under the "ragattn" attention: the call runs the model's
 eager attention, so code written for SDPA/eager runs unchanged. transformers' own model tests
 (tests/models/*/test_modeling_*.py) are not shipped in its wheel, so these are ours, after the
 three that failed there: test_capture_outputs_decorator (attentions captured per layer),

@@ -1,4 +1,4 @@
-"""Zero-copy chunk assembly (issue 27): position-free chunk pages in the store, request page
+"""Zero-copy chunk assembly: position-free chunk pages in the store, request page
 tables over the store's own pages with RoPE in the kernel, copy-on-write for recompute, pinning."""
 import pytest
 import torch

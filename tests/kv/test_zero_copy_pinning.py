@@ -1,4 +1,4 @@
-"""Pinning and eviction with zero-copy requests (issue 27.4), a property test: random sequences of
+"""Pinning and eviction with zero-copy requests, a property test: random sequences of
 adding chunks (churn through a small budget), opening requests (any scheme), recomputing into them
 (copy on write), decoding into their private pages and releasing them. After every step: no page
 of a live request (its chunks' shared pages, its private pages) was evicted, freed or written by

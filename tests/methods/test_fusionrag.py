@@ -187,7 +187,7 @@ def test_clear_errors(smollm2):
 
 
 def test_meaningless_options_are_refused():
-    """Issue 24.2: a check layer the model does not have, no new tokens."""
+    """A check layer the model does not have, no new tokens."""
     model, tok = _tiny("llama")                                  # 5 layers
     chunks = _chunks(tok)
     for layers in ((1, 5), (2, 7)):

@@ -1,4 +1,4 @@
-"""Issue 23: every C++ check family raises its documented error with its exact message, and the
+"""Every C++ check family raises its documented error with its exact message, and the
 messages are built without iostreams (csrc/common/check_message.h says why: on the GPU image,
 torch 2.11.0+cu130 with g++ 13.3, a TORCH_CHECK message that streamed an integer crashed the
 process before the error was raised).
@@ -140,7 +140,7 @@ def _varlen_cases():
     cu = torch.tensor([0, 5], dtype=torch.int32)
     va = torch.ops.ragattn._varlen_attention_cpu
     return {
-        # the call that crashed on the GPU image (issue 23's backtrace: check_int32, name="q_pos")
+        # the call that crashed on the GPU image (the backtrace: check_int32, name="q_pos")
         "int32 range (int64 values past 2^31)": (
             lambda: va(q, k, k, cu, cu, torch.arange(5) + 2**31, None, None, None, True, None, -1), ValueError,
             "ragattn.varlen_attention: q_pos values must fit in int32, got 2147483648 .. 2147483652"),

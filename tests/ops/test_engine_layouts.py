@@ -1,4 +1,4 @@
-"""Issue 25.5: every engine KV-cache layout of docs/ops.md's table ("Engine KV-cache layouts"), each
+"""Every engine KV-cache layout of docs/ops.md's table ("Engine KV-cache layouts"), each
 run through views (no copy of the cache) by the ops that touch caches: copy_kv_ writes chunk rows
 into the engine's slots (keys re-rotated), rerotate_keys_ moves them, paged_attention reads them.
 Each must equal the same calls on ragattn's native contiguous caches, bit for bit."""
@@ -134,7 +134,7 @@ def test_head_major_whole_rows_refused():
 
 @pytest.mark.parametrize("backend", ["default", "triton"])
 def test_varlen_lse_out_transposed_view(monkeypatch, backend):
-    """Issue 25.4: varlen_attention's lse_out takes an engine's [H, total_q] buffer as .t() (a strided
+    """varlen_attention's lse_out takes an engine's [H, total_q] buffer as .t() (a strided
     [total_q, H] view), as paged_attention's does, on the default and the Triton path."""
     use_kernel_backend(monkeypatch, torch.device("cpu"), backend)
     gen = torch.Generator().manual_seed(70)

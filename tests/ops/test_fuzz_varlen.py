@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of varlen_attention and key_attention_scores (issue 14,
+"""Property-based tests (hypothesis) of varlen_attention and key_attention_scores (
 "Keep it that way"): every backend that runs here against the float64 reference, on drawn
 shapes, GQA ratios, lengths (0 and 1 included), positions up to 2^31 - 1, blocks, windows and
 NaN/inf-poisoned inputs that the output must not see.

@@ -49,7 +49,7 @@ def test_matches_reference(device, seed, monkeypatch, backend, dtype, head_dim, 
 @pytest.mark.parametrize("head_dim, dtype, heads", [(80, torch.bfloat16, (8, 1)), (96, torch.float16, (4, 4)),
                                                     (256, torch.float32, (8, 2))])
 def test_other_head_dims_and_key_splits(device, seed, monkeypatch, backend, head_dim, dtype, heads):
-    """Issue 22: head dims 80 and 96 (padded, masked tiles) and 256 at GQA 8, 1 and 4; key ranges off
+    """Head dims 80 and 96 (padded, masked tiles) and 256 at GQA 8, 1 and 4; key ranges off
     the 64-key tile, a sequence without queries, a length-1 one; on the Triton path also pass 1's
     key splits (3, uneven) merged by the LSE merge kernel."""
     use_kernel_backend(monkeypatch, device, backend)
@@ -96,7 +96,7 @@ def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
     (2, [1], [129], (4, 4)),  # GQA 1, one row, one key past two tiles
 ])
 def test_pass2_merges_uneven_and_empty_splits(device, seed, num_splits, q_lens, k_lens, heads):
-    """Issue 22.4: one kernel merges the splits' partial LSEs (was torch's logsumexp, ~5 launches); empty
+    """One kernel merges the splits' partial LSEs (was torch's logsumexp, ~5 launches); empty
     splits, short sequences and every GQA ratio give the reference's scores."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 
@@ -234,8 +234,8 @@ def test_kernels_compile_for_sm90():
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 14.7: one rule for non-finite inputs on every backend; issue 15.10: batch > 65535;
-# issue 16: int64 offsets; inference mode; the fake impl validates
+# One rule for non-finite inputs on every backend; batch > 65535;
+# Int64 offsets; inference mode; the fake impl validates
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["default", "reference", "triton"])
 @pytest.mark.parametrize("where, value", [("k", float("nan")), ("k", float("inf")), ("q", float("nan"))])
@@ -311,7 +311,7 @@ def test_fake_validates_and_meta_mix_raises():
 
 @pytest.mark.parametrize("lens", [([8], [256]), ([3, 0, 5], [40, 7, 0]), ([0], [9])])
 def test_direct_cpu_call_matches_the_dispatched_op(lens):
-    """The wrapper calls the CPU impl without torch.ops dispatch for plain CPU tensors (issue 15.3):
+    """The wrapper calls the CPU impl without torch.ops dispatch for plain CPU tensors:
     bit for bit the dispatched op's result, with a one-sequence fast path; a dispatch mode still
     sees the op, and a bad offset is still the named error."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -355,7 +355,7 @@ print("compiled")  # run_compile_check's success marker
 
 
 def test_offsets_past_2_31_elements(device):
-    """Issue 15.10: q and k rows past 2^31 elements (views with a row stride of 2^30 over virtual
+    """q and k rows past 2^31 elements (views with a row stride of 2^30 over virtual
     storage), in the interpreter on the CPU and compiled on CUDA; int32 row * stride products
     would wrap. A subprocess, so a crash is a failure."""
     run_offsets_check(_HUGE_OFFSETS, device, cuda_gib=14)

@@ -350,7 +350,7 @@ def test_copy_kv_reference_backend_matches_cpp(device, monkeypatch, seed):
         ragattn.copy_kv_(dst_ref[0], dst_ref[1], src_k, src_v, src_rows, torch.zeros(11, dtype=torch.int64))
 
 
-# ---- engine layouts (issue 16), aliasing (issue 14.3 / 14.7), inference mode (issue 15.1) ----
+# ---- engine layouts, aliasing, inference mode ----
 
 BACKENDS = ["default", "reference"]
 
@@ -453,7 +453,7 @@ def test_unaddressable_layouts_refused(device, monkeypatch, backend, entry):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_kv_aliased_views_gather_then_scatter(device, seed, monkeypatch, backend):
     """Source and destination are different views of one storage with overlapping rows: every
-    backend reads all sources before writing (issue 14.3: the C++ twin returned wrong rows)."""
+    backend reads all sources before writing (the C++ twin returned wrong rows)."""
     use_kernel_backend(monkeypatch, device, backend)
     cache = randn_nonzero(12, 2, 32, device=device)
     keys = randn_nonzero(12, 2, 32, device=device)
@@ -480,7 +480,7 @@ def test_copy_kv_aliased_views_gather_then_scatter(device, seed, monkeypatch, ba
 @pytest.mark.parametrize("entry", ["wrapper", "torch.ops", "meta"])
 def test_overlapping_written_layers_refused(device, monkeypatch, backend, entry):
     """Written layers that share memory are refused by name on every backend and in the fake impl
-    (issue 14.3: rerotate_keys_ rotated the shared rows twice); nothing is written."""
+    (rerotate_keys_ rotated the shared rows twice); nothing is written."""
     use_kernel_backend(monkeypatch, device, backend)
     dev = torch.device("meta") if entry == "meta" else device
     fn_r = ragattn.rerotate_keys_ if entry == "wrapper" else torch.ops.ragattn.rerotate_keys_
@@ -518,7 +518,7 @@ def test_engine_layouts_opcheck(device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inference_mode(device, seed, monkeypatch, backend):
-    """Serving code runs under torch.inference_mode() (issue 15.1): both ops, every path."""
+    """Serving code runs under torch.inference_mode(): both ops, every path."""
     use_kernel_backend(monkeypatch, device, backend)
     with torch.inference_mode():
         layers = make_layers(2, (20, 2, 64), torch.float32, device)
@@ -532,7 +532,7 @@ def test_inference_mode(device, seed, monkeypatch, backend):
 
 
 def test_layer_pointers_travel_in_the_kernel_parameters(tmp_path):
-    """Issue 15.9: the layer base pointers are a ``__grid_constant__`` kernel parameter (captured by
+    """The layer base pointers are a ``__grid_constant__`` kernel parameter (captured by
     value in a CUDA graph), not a device table filled per call from a recycled pinned host buffer
     (a graph replay would copy whatever that buffer held by then). Static check for sm_90a with
     nvcc alone: every kernel takes one parameter block that holds the whole pointer table, and the
@@ -590,7 +590,7 @@ print("compiled")  # run_compile_check's success marker
 
 
 def test_rows_past_2_31_elements():
-    """Issue 15.10: cache rows past 2^31 elements (a row stride of 2^30 over virtual storage) on
+    """Cache rows past 2^31 elements (a row stride of 2^30 over virtual storage) on
     the C++ path, whose row offsets (csrc/kv_cache/row_layout.h, shared with the CUDA kernels) are
     int64. A subprocess, so a crash is a failure."""
     from tests.helpers import run_compile_check
@@ -598,7 +598,7 @@ def test_rows_past_2_31_elements():
     run_compile_check(_HUGE_ROWS, timeout=300)
 
 
-# ---- issue 25.4: engine conventions (int64 deltas, num_kv_heads against head-major pages) ----
+# ---- Engine conventions (int64 deltas, num_kv_heads against head-major pages) ----
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,4 +1,4 @@
-"""Issue 25.3: float8_e4m3fn KV caches (vLLM's kv_cache_dtype="fp8", per-tensor k/v scales) in
+"""Float8_e4m3fn KV caches (vLLM's kv_cache_dtype="fp8", per-tensor k/v scales) in
 rerotate_keys_ and copy_kv_, against the dequantised float64 reference: the kernel may differ from
 the exact rotation of the dequantised keys by the fp8 rounding of the result (half a unit in the
 last place of e4m3, 2^-4 relative) and fp32 noise, never more; unrotated copies are exact."""

@@ -141,7 +141,7 @@ def test_preallocated_outputs_and_inference_mode(backend, device, seed):
 
 
 def test_fake_validates_like_the_real_op():
-    """Issue 14.4: a meta tensor among CPU tensors raises instead of returning garbage."""
+    """A meta tensor among CPU tensors raises instead of returning garbage."""
     args = list(_states(5, 2, 64, torch.float16, "cpu"))
     for i in range(4):
         mixed = list(args)
@@ -195,12 +195,12 @@ for elt, head_dim in SM90_CASES:
     for block_s in (2, 64):  # paged_attention's split counts: 2 .. 64
         jobs.append((mas._merge_split_kernel, dict(BLOCK_S=block_s, BLOCK_H=32, BLOCK_D=block_d),
                      {"parts_out": "*fp32", "parts_lse": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
-    for log2 in (False, True):  # issue 25: the N-way kernel, both lse bases
+    for log2 in (False, True):  # the N-way kernel, both lse bases
         jobs.append((mas._merge_n_kernel, dict(BLOCK_H=32, BLOCK_D=block_d, LOG2=log2),
                      {"outs": "*" + elt, "lses": "*fp32", "out": "*" + elt, "lse": "*fp32"}, {}))
 compile_many_sm90(jobs)
 
-# issue 15.8: vector loads and stores. With the integer specialisation a real launch gets (head_dim
+# Vector loads and stores. With the integer specialisation a real launch gets (head_dim
 # and strides divisible by 16, unit head strides of the lse), each thread moves 16 bytes at a time;
 # the old one-(row, head)-per-program kernel masked by a runtime length and moved 2 bytes per load.
 import re
@@ -217,7 +217,7 @@ print("compiled")
 
 
 def test_one_program_per_row_over_all_heads(monkeypatch):
-    """Issue 15.8: both merge kernels run one program per row covering every head (was one per
+    """Both merge kernels run one program per row covering every head (was one per
     (row, head), one element per thread): the launch grids recorded, nothing runs."""
     import ragattn.triton_kernels.merge_attention_states as mas
 
@@ -242,7 +242,7 @@ def test_kernels_compile_for_sm90():
     run_compile_check(_COMPILE_CHECK)
 
 
-# ---- issue 25.4: in-place and N-way forms, base-2 lses (FlashInfer's convention) ----
+# ---- In-place and N-way forms, base-2 lses (FlashInfer's convention) ----
 
 from ragattn.reference.merge_attention_states import merge_attention_states_n as ref_merge_n  # noqa: E402
 
@@ -402,7 +402,7 @@ def test_new_forms_under_inference_mode_and_compile(device):
 @pytest.mark.parametrize("head_dim, dtype, heads", [(80, torch.bfloat16, 8), (96, torch.float16, 1),
                                                     (256, torch.float32, 4)])
 def test_other_head_dims(backend, device, head_dim, dtype, heads):
-    """Issue 22: head dims 80 and 96 (padded, masked tiles) and 256, one to eight heads: the pair
+    """Head dims 80 and 96 (padded, masked tiles) and 256, one to eight heads: the pair
     merge into poisoned outputs, the N-way merge (3 states with empty ones) and, on the Triton path,
     the split-KV merge kernel over float32 partials, against the float64 reference."""
     from ragattn.reference.merge_attention_states import merge_attention_states as ref_pair

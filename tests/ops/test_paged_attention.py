@@ -141,7 +141,7 @@ def poison_unseen(args, q_positions, window_left=-1):
 )
 def test_decode_tiles_across_gqa_and_head_dims(backend, monkeypatch, device, seed, num_heads, num_kv_heads, head_dim,
                                                dtype, page_size):
-    """Issue 22: decode and verify tiles (<= 64 stacked rows) at GQA 1/4/8 and head dims 96/128/256:
+    """Decode and verify tiles (<= 64 stacked rows) at GQA 1/4/8 and head dims 96/128/256:
     the whole key tiles of a 150-slot context in their own loop, the masked tiles before them (a
     window starting inside a tile) and after them (the partial last tile), split-KV pieces of one
     tile each, an empty and a length-1 sequence; shuffled pages, NaN in every slot no row sees (a
@@ -161,7 +161,7 @@ def test_decode_tiles_across_gqa_and_head_dims(backend, monkeypatch, device, see
 
 @pytest.mark.parametrize("page_size", [7, 16, 64])
 def test_prefill_tiles_with_whole_key_tiles(backend, monkeypatch, device, seed, page_size):
-    """Issue 22: prefill's 128-row query tiles decide per key tile whether every row sees it whole
+    """Prefill's 128-row query tiles decide per key tile whether every row sees it whole
     (one loop): the first query tile (rows at 66, 70, 100-129; 32 rows x GQA 4) sees [0, 64) whole
     and [64, 128) in part though it is not its last tile; the second (130-139) sees both whole.
     Without a window and with one that cuts into the first key tile; page ids once per slot, page
@@ -321,7 +321,7 @@ def check_nonfinite_rule(args, out, lse, window_left=-1):
 @pytest.mark.parametrize("window_left", [-1, 9])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_nonfinite_v_reaches_only_the_rows_that_see_it(backend, monkeypatch, device, seed, window_left, poison):
-    """Issue 14.1: non-finite V in slots some rows of a tile see and others do not (after a row's
+    """Non-finite V in slots some rows of a tile see and others do not (after a row's
     q_pos, left of its window, past kv_lens in the last page): only the rows that see the slot get
     NaN, in that element; fully visible tiles and split-KV follow the same rule."""
     ps = 8
@@ -404,7 +404,7 @@ def test_minus_inf_score_has_weight_zero_as_in_varlen(backend, monkeypatch, devi
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_largest_positions_see_every_slot(backend, device, seed, index_dtype):
-    """Issue 14.5: q_pos = 2^31 - 1 (int32 max; and beyond, in int64) sees every slot, with and
+    """q_pos = 2^31 - 1 (int32 max; and beyond, in int64) sees every slot, with and
     without a window wide enough to reach slot 0; the Triton kernel used to wrap max(q_pos) + 1."""
     args = list(make_case([[0, 1], [0]], [37, 20], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                           dtype=torch.float32, device=device))
@@ -475,7 +475,7 @@ def test_preallocated_outputs(backend, device, seed):
 
 
 def test_inference_mode(backend, device, seed):
-    """Issue 15.1: every path runs on inference tensors (plain, windowed, split, out=)."""
+    """Every path runs on inference tensors (plain, windowed, split, out=)."""
     with torch.inference_mode():
         args = make_case([[36], scattered_rows(50, 0.3, 4)], [37, 50], num_heads=4, num_kv_heads=2, head_dim=64,
                          page_size=16, dtype=torch.float32, device=device)
@@ -486,7 +486,7 @@ def test_inference_mode(backend, device, seed):
 
 
 def test_fake_validates_like_the_real_op():
-    """Issue 14.4: a meta tensor among CPU tensors raises (it used to return an uninitialised
+    """A meta tensor among CPU tensors raises (it used to return an uninitialised
     tensor); meta and fake inputs get the shape/dtype/device checks of the real op."""
     args = _good()
     for i in (0, 1, 3, 5):
@@ -555,7 +555,7 @@ print("compiled")  # run_compile_check's success marker
 
 
 def test_offsets_past_2_31_elements(device):
-    """Issue 15.10: q, out, K/V cache pages and merge inputs whose rows lie past 2^31 elements
+    """Q, out, K/V cache pages and merge inputs whose rows lie past 2^31 elements
     (views with a row or page stride of 2^30 over virtual storage), in the interpreter on the CPU
     and compiled on CUDA: int32 row * stride products wrapped (the old kernels read a negative
     offset and crashed). A subprocess, so a crash is a failure."""
@@ -563,7 +563,7 @@ def test_offsets_past_2_31_elements(device):
 
 
 def test_plan_once_run_per_layer(triton_backend, device, seed):
-    """Issue 15.5: one plan (the only host sync) serves every layer's run; results match the reference."""
+    """One plan (the only host sync) serves every layer's run; results match the reference."""
     from ragattn.triton_kernels.paged_attention import plan_paged_attention, run_paged_attention
 
     q_positions, kv_lens = [[80], [10, 11, 12], [0]], [81, 13, 1]
@@ -580,7 +580,7 @@ def test_plan_once_run_per_layer(triton_backend, device, seed):
 
 
 def test_run_has_no_host_sync(monkeypatch):
-    """Issue 15.5: the run path reads no tensor value and copies nothing to the host, so it is
+    """The run path reads no tensor value and copies nothing to the host, so it is
     CUDA-graph capturable given a plan. Proven on the CPU by running it on meta tensors (any
     .item(), .tolist(), bool(), .cpu() or data-dependent op on them raises) with the kernel
     launches recorded instead of executed."""
@@ -613,7 +613,7 @@ def test_run_has_no_host_sync(monkeypatch):
 
 
 def test_run_compiles_fullgraph(monkeypatch):
-    """Issue 15.5's proof: ``run_paged_attention`` with a ready plan traces under
+    """The proof: ``run_paged_attention`` with a ready plan traces under
     ``torch.compile(fullgraph=True)``, so it holds no host sync (``.item()``, ``bool(tensor)``,
     ``.tolist()`` are graph breaks, and fullgraph turns a break into an error). The Triton launches
     are replaced by traceable stand-ins (dynamo would trace into the CPU interpreter itself; on
@@ -698,7 +698,7 @@ def test_window_decode_split_kv(triton_backend, monkeypatch, device, seed):
                          [(2, 2, 96, torch.bfloat16, 64), (8, 1, 256, torch.float16, 16)])
 def test_window_decode_split_kv_across_gqa_and_head_dims(triton_backend, monkeypatch, device, seed, num_heads,
                                                          num_kv_heads, head_dim, dtype, page_size):
-    """Issue 22: one-row decode tiles under a window size their splits from the window, not the
+    """One-row decode tiles under a window size their splits from the window, not the
     context, at GQA 1 and 8 and head dims 96 and 256, page ids read per tile and per page: a window
     that starts inside a key tile and a page, a context shorter than the window, a length-1 and an
     empty sequence; NaN in every slot no row sees, outputs poisoned."""

@@ -1,4 +1,4 @@
-"""The engine-facing plan/run pair of paged_attention (issue 25.1-2): ``ragattn.PageTable`` from a
+"""The engine-facing plan/run pair of paged_attention: ``ragattn.PageTable`` from a
 padded block table or FlashInfer's CSR page lists, ``plan_paged_attention`` once per step (exact,
 or for a maximum with no host read), ``run_paged_attention`` per layer
 (``torch.ops.ragattn.paged_attention_run``: no host sync, traceable, opcheck'd), against the
@@ -637,7 +637,7 @@ def test_every_page_mode_of_the_kernel(triton_backend, device, seed, page_size, 
 @pytest.mark.parametrize("kernel", ["default", "triton"])
 def test_tagged_pages_across_gqa_and_head_dims(kernel, monkeypatch, device, seed, num_heads, num_kv_heads, head_dim,
                                               dtype, rotary_dim, interleaved, page_size, fp8):
-    """Issue 22: position-tagged pages with in-kernel RoPE at GQA 1/4/8 and head dims 80/96/128/256
+    """Position-tagged pages with in-kernel RoPE at GQA 1/4/8 and head dims 80/96/128/256
     (rotation partners inside a padded head-dim tile, partial rotary dims), a chunk spanning several
     key tiles, gapped positions, an fp8 cache, a 19-token question (several of the C++ kernel's
     16-vector row blocks); Triton: page ids read per slot, page or tile, split-KV; with a window;

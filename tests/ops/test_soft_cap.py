@@ -90,7 +90,7 @@ def test_varlen_gradients_match_reference(device, backend, monkeypatch, dtype, D
 
 
 def test_varlen_kernels_small_tiles_with_cap(device):
-    """Issue 22: 16-row tiles and no mask, so the forward, dq and dk/dv kernels run capped scores
+    """16-row tiles and no mask, so the forward, dq and dk/dv kernels run capped scores
     through their loops of whole tiles (the soft-cap backward there ran in no other test) as well as
     the masked ones of the partial last tiles; GQA 3, an empty and a length-1 sequence; vs the
     float64 reference."""

@@ -117,7 +117,7 @@ def test_forward_matches_reference(device, seed, backend, monkeypatch, mask, cau
     ("random", True, 3, 80, torch.bfloat16),  # padded head dim: no descriptors, the pointer path
 ])
 def test_tma_forward_matches_reference(device, monkeypatch, mask, causal, ratio, dim, dtype):
-    """Issue 22.2: the forward's mask-free loop loading K/V through tensor descriptors (TMA on
+    """The forward's mask-free loop loading K/V through tensor descriptors (TMA on
     Hopper, emulated by the interpreter; forced by RAGATTN_VARLEN_TMA=1) gives the reference's
     output, GQA 1/3/4/8, a sequence of several full tiles, an empty and a length-1 sequence;
     descriptors are made exactly when the head dim is its own tile."""
@@ -143,7 +143,7 @@ def test_tma_forward_matches_reference(device, monkeypatch, mask, causal, ratio,
 
 @pytest.mark.parametrize("ratio, dim, dtype, window", [(8, 256, torch.float16, 40), (4, 128, torch.bfloat16, -1)])
 def test_tma_forward_with_windows_and_split_rows(device, monkeypatch, ratio, dim, dtype, window):
-    """Issue 22: the TMA loads (emulated by the interpreter) at head dims 256 and 128, GQA 8 and 4,
+    """The TMA loads (emulated by the interpreter) at head dims 256 and 128, GQA 8 and 4,
     under a window, in long rows split over several programs and merged (split_len=2 tiles), with
     16-row tiles (several whole key tiles per row tile); an empty and a length-1 sequence; into
     poisoned outputs."""
@@ -371,7 +371,7 @@ from tests.helpers import SM90_CASES, compile_many_sm90
 assert not va._INTERPRET
 ints = ("QPos", "KPos", "QBlk", "KBlk", "Work", "KvRows", "QRows")
 jobs, seen = [], set()
-# every config the table can pick on an sm_90 GPU (issue 22.5): the default and the H100/H200 entries
+# every config the table can pick on an sm_90 GPU: the default and the H100/H200 entries
 for device in ("default", "NVIDIA H100 80GB HBM3", "NVIDIA H200"):
   for elt, head_dim in SM90_CASES + (("bf16", 96),):  # 96: BLOCK_D padded to 128, masked (forward only)
     types = {n: "*i32" for n in ints}
@@ -393,7 +393,7 @@ for device in ("default", "NVIDIA H100 80GB HBM3", "NVIDIA H200"):
                 jobs.append((fn, dict(consts, SOFTCAP=True), types, dict(num_warps=warps, num_stages=stages)))
     if head_dim == 256 and device == "default":  # the tiny delta kernel: its largest rows only
         jobs.append((va._bwd_preprocess, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK=64), types, {}))
-# issue 15.3: the launcher's configs do not spill for sm_90, forward or backward, in any dtype/head dim
+# The launcher's configs do not spill for sm_90, forward or backward, in any dtype/head dim
 spills = [(job[0].__name__, job[1].get("HEAD_DIM"), job[1].get("WINDOW"), job[2]["Q"], r["spill_stores"], r["spill_loads"])
           for job, r in zip(jobs, compile_many_sm90(jobs, ptxas=True)) if r["spill_stores"] or r["spill_loads"]]
 assert not spills, spills
@@ -500,7 +500,7 @@ def test_window_left_validated():
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 14.1: a non-finite value of a key a query cannot see never reaches that query
+# A non-finite value of a key a query cannot see never reaches that query
 # ----------------------------------------------------------------------------------------------
 def _poisoned_case(device, dtype, kind):
     """4 causal tokens with v[3] (or k[3]) poisoned; or Block-Attention blocks / a window."""
@@ -616,7 +616,7 @@ def test_inference_mode(device, backend, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 16: engine-style inputs (int64 indices, out= / lse_out=)
+# Engine-style inputs (int64 indices, out= / lse_out=)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["default", "triton"])
 def test_int64_indices(device, backend, monkeypatch):
@@ -692,7 +692,7 @@ def test_out_variant_under_compile():
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 15.4: head dims that are not powers of two run in Triton (BLOCK_D padded and masked)
+# Head dims that are not powers of two run in Triton (BLOCK_D padded and masked)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dim, dtype", [(80, torch.bfloat16), (96, torch.float32), (112, torch.float16)])
 def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
@@ -724,7 +724,7 @@ def test_padded_head_dims_run_in_triton(device, monkeypatch, dim, dtype):
 ])
 def test_head_dims_gqa_and_windows_forward_backward(device, seed, backend, monkeypatch, ratio, dim, dtype, mask, causal,
                                                     window):
-    """Issue 22: forward and backward at head dims 256 and 80 without a soft cap (test_soft_cap
+    """Forward and backward at head dims 256 and 80 without a soft cap (test_soft_cap
     runs them with one), GQA 8 and 4 under a window, blocks; lengths off the tiles, an empty and a
     length-1 sequence; the forward into poisoned out=/lse_out= buffers."""
     use_kernel_backend(monkeypatch, device, backend)
@@ -744,7 +744,7 @@ def test_head_dims_gqa_and_windows_forward_backward(device, seed, backend, monke
 
 
 def test_more_work_items_than_a_cuda_grid_axis_holds(monkeypatch):
-    """Issue 15.10: CUDA's grid axes y and z stop at 65535 programs, and a long packed batch has
+    """CUDA's grid axes y and z stop at 65535 programs, and a long packed batch has
     more work items than that (1M query rows are 16K-64K tiles). Every launch keeps axes 1 and 2
     within the limit (recorded with a plan that claims 70,000 items per side; nothing runs)."""
     import dataclasses
@@ -783,7 +783,7 @@ def test_more_work_items_than_a_cuda_grid_axis_holds(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 15.2: the launch plan (visible key tiles per query tile, longest first, split long rows)
+# The launch plan (visible key tiles per query tile, longest first, split long rows)
 # ----------------------------------------------------------------------------------------------
 def _tile_visibility(args, bm, bn):
     """Dense [q tiles, k tiles] any/all visibility (all: every pair visible and the key tile full)."""
@@ -914,7 +914,7 @@ def test_split_rows_are_merged(device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 15.3: the default CPU path's Block-Attention split (chunk blocks as short sequences of
+# The default CPU path's Block-Attention split (chunk blocks as short sequences of
 # their own, global rows over everything) and REFRAG's encoder layout, forward and backward
 # ----------------------------------------------------------------------------------------------
 def _block_layout(kind, n_seq_tokens, gen):
@@ -1010,7 +1010,7 @@ def test_equal_length_sequences_read_as_views(causal):
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 15.3: the default CPU path's fixed cost (direct call, checks once per cached plan)
+# The default CPU path's fixed cost (direct call, checks once per cached plan)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("causal, window, pos", [(True, -1, "default"), (True, 9, "default"), (False, 11, "shuffled")])
 def test_block_split_trims_unseen_global_keys(causal, window, pos):

@@ -515,7 +515,7 @@ def test_draft_forbidden_by_target(device, seed):
 
 
 # ---------------------------------------------------------------------------------------------
-# non-finite logits (issue 14.7), engine layouts (issue 16), fake impl and inference mode
+# non-finite logits, engine layouts, fake impl and inference mode
 
 
 BACKENDS = ["default", "reference", "twin"]
@@ -676,7 +676,7 @@ def test_opcheck_engine_layouts(device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inference_mode(device, monkeypatch, backend):
-    """Serving code runs under torch.inference_mode() (issue 15.1): every layout, every backend."""
+    """Serving code runs under torch.inference_mode(): every layout, every backend."""
     use_kernel_backend(monkeypatch, device, backend)
     x, q, z, u = make_case(4, 3, 64)
     nd = torch.tensor([3, 0, 1, 2])

@@ -1,4 +1,4 @@
-"""verify_draft's vocabulary slices (issue 22.4): the CUDA kernels reduce each position in slices of
+"""verify_draft's vocabulary slices: the CUDA kernels reduce each position in slices of
 ``kSliceLen`` tokens, one CTA each, fold the slices in order, and draw the final token by per-slice
 totals, per-slice prefix scans from the slice's base and the first slice's crossing. The C++ twin
 (``RAGATTN_CPU_BACKEND=twin``) replays that structure with the same fold functions, so these tests

@@ -1,4 +1,4 @@
-"""Issue 25.4: verify_draft on vLLM's rejection-sampler layout (flat [T, V] target logits, bonus
+"""Verify_draft on vLLM's rejection-sampler layout (flat [T, V] target logits, bonus
 logits apart, [B] cumulative ends, per-request generators) through
 ragattn.ops.verify_draft_vllm, against the padded native layout on random ragged batches."""
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_pooled_kv_bad_inputs(model):
         store.load_pooled_kv_(k, v)
 
 
-# ----- fingerprint: stale KV after the weights or the config change (issue 14.2) ---------------
+# ----- fingerprint: stale KV after the weights or the config change ---------------
 def _fresh_kv(model, tokens):
     """K, V ``[L, n, Hkv, D]`` of one chunk prefilled alone by HF's own attention."""
     with torch.no_grad():
@@ -239,7 +239,7 @@ def test_weight_checksums_see_every_bit_and_every_move(dtype):
     assert weight_checksums([v])[0] != base
 
 
-# ----- errors, not tracebacks (issue 14) ------------------------------------------------------
+# ----- errors, not tracebacks ------------------------------------------------------
 def _read_only_dir(tmp_path):
     """A directory this process cannot write to, or None (root ignores chmod: try /sys)."""
     d = tmp_path / "ro"
@@ -303,7 +303,7 @@ def test_token_ids_outside_the_vocabulary(model):
     assert len(store) == 0 and store.pool_bytes == 0
 
 
-# ----- the memory budget (issue 14) --------------------------------------------------------------
+# ----- the memory budget --------------------------------------------------------------
 def _page_bytes(store):
     return store.page_size * store.row_bytes
 

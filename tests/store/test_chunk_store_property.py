@@ -1,4 +1,4 @@
-"""A property test of the chunk store (issue 24, "Done when"): random sequences of add, assemble,
+"""A property test of the chunk store ("Done when"): random sequences of add, assemble,
 put, eviction churn, reopening the directory in a new store, and weight changes (in place through
 the tensor API or through ``.data``, and back). After every step, every KV the store serves equals
 a fresh prefill with the model's current weights (a derived entry: what was put), and every key

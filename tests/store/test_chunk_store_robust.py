@@ -1,4 +1,4 @@
-"""The chunk store under an adversarial user (issue 24): it follows the weights of the model it
+"""The chunk store under an adversarial user: it follows the weights of the model it
 serves, keeps every file loadable (crashes, truncation, wrong dtypes), serves every request that
 fits its budget, and refuses meaningless inputs with a clear error."""
 import copy

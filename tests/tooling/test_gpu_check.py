@@ -260,9 +260,9 @@ def test_triton_kernel_on_cpu_tensors():
     merge_two_states(o, lse, o, lse, torch.empty_like(o))
 '''
 
-# Issue 23's cause 2 (tests that failed on the GPU image because they ran Triton kernels on CPU
+# The cause 2 (tests that failed on the GPU image because they ran Triton kernels on CPU
 # tensors in a process where CUDA is up) and its neighbours found by the same run
-ISSUE_23_TESTS = [
+GPU_IMAGE_TESTS = [
     "tests/ops/test_varlen_attention.py::test_more_work_items_than_a_cuda_grid_axis_holds",
     "tests/ops/test_varlen_attention.py::test_split_rows_are_merged",
     "tests/ops/test_varlen_attention.py::test_kernel_small_tiles",
@@ -291,14 +291,14 @@ def _pytest(args, cwd, fake: bool, extra_path=""):
 def test_no_test_assumes_the_interpreter_with_cuda_up(tmp_path):
     """RAGATTN_TEST_FAKE_CUDA=1 (conftest.py) runs tests as a GPU machine's process sees itself: the
     Triton kernels compiled, not interpreted. The control, a test that hands a Triton kernel CPU
-    tensors, passes in the interpreter and fails there (what issue 23 saw on the GPU image); issue
-    23's tests pass or skip with a reason there."""
+    tensors, passes in the interpreter and fails there (what the GPU image once showed); the tests
+    that failed there then (GPU_IMAGE_TESTS) pass or skip with a reason."""
     (tmp_path / "test_control.py").write_text(_CONTROL)
     control = ["-p", "conftest", str(tmp_path / "test_control.py")]
     normal, faked = _pytest(control, tmp_path, False), _pytest(control, tmp_path, True)
     assert normal.returncode == 0, normal.stdout[-3000:]
     assert faked.returncode == 1 and "1 failed" in faked.stdout, faked.stdout[-3000:]
-    proc = _pytest(ISSUE_23_TESTS, ROOT, True)
+    proc = _pytest(GPU_IMAGE_TESTS, ROOT, True)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0 and not re.search(r"\d+ (failed|errors?)\b", proc.stdout), tail
     assert "CUDA is up" in proc.stdout, tail   # the interpreter-only cases said why they skipped

@@ -1,4 +1,4 @@
-"""The per-GPU config tables (issue 22.5): lookup by device name and shape class, the heuristic
+"""The per-GPU config tables: lookup by device name and shape class, the heuristic
 default for unknown GPUs and the interpreter, and the committed tables' own consistency."""
 import glob
 import json

@@ -1,4 +1,4 @@
-"""Set-up off this machine (issue 26.1): the extension's build decision in setup.py, the CUDA
+"""Set-up off this machine: the extension's build decision in setup.py, the CUDA
 impls that stand in for the C++ ops' CUDA kernels when the build had no nvcc, and
 scripts/setup.sh's choice of torch build. Nothing here downloads or builds anything."""
 import ast

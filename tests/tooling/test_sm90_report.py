@@ -118,7 +118,7 @@ def test_cuda_kernels_at_launch_bounds():
     # draw find) + fold + finish
     assert len(rows) == 6 * 6 + 2
     for r in rows:
-        # issue 22.4: the phase-1 and draw kernels run many small CTAs: __launch_bounds__(256, 4) leaves 64
+        # The phase-1 and draw kernels run many small CTAs: __launch_bounds__(256, 4) leaves 64
         # registers, four CTAs (half the SM's threads) per SM (the one-pass eta > 0 kernel: 64 registers,
         # its dynamic shared memory, ~97 KB at V 128256, bounds it at 2 CTAs per SM: not in this model)
         assert r["threads"] == 256 and 0 < r["regs"] <= 64 and r["ctas_per_sm"] >= 4, r
@@ -163,7 +163,7 @@ def test_occupancy_model():
 
 
 def test_bandwidth_saturation_at_benchmark_configs(triton_rows):
-    """Issue 15: paged decode (split-KV kernel + merge) and rerotate_keys_ / copy_kv_ at the benchmarks'
+    """Paged decode (split-KV kernel + merge) and rerotate_keys_ / copy_kv_ at the benchmarks'
     GPU shapes predict >= 85% of 3.35 TB/s by the Little's-law model (bench.sm90.bandwidth_cases)."""
     from ragattn.bench.sm90 import (ROOT, TARGET_PCT, _file_constant, analyse_cuda, bandwidth_cases, kv_cache_row_loops,
                                     nvcc_version)
