@@ -1,4 +1,4 @@
-"""Issue 26 items 2, 3, 6 and 8: what a newcomer meets first. A missing transformers is one line
+"""What a newcomer meets first. A missing transformers is one line
 saying what to install; the SmolLM2 hint is the working pip command; "ragattn" is registered by
 `import ragattn.hf` and an untested transformers warns; `ragattn bench --help` names the command
 that was run; the wheel is typed and carries Project-URLs; the demo/eval take a model id already

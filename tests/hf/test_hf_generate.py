@@ -362,7 +362,7 @@ def test_paged_cache_sliding_window_equals_sdpa(monkeypatch, cpu_sdpa):
     assert torch.equal(got, ref)
 
 
-# ----- issue 15.5 / 15.6 audit: per-forward work and in-place cache reads --------------------------
+# ----- Per-forward work and in-place cache reads --------------------------
 def test_prefill_plan_and_tile_plan_are_built_once_per_forward(monkeypatch):
     """A padded prefill packs its rows once per forward (layer 0) and every later layer
     reuses that plan; the varlen op then sees the very same index tensors, so its tile-plan cache
@@ -462,7 +462,7 @@ def test_decode_step_plans_the_paged_launch_once(monkeypatch, route):
 
 
 def test_serving_prefill_compares_index_tensors_once_per_forward(monkeypatch):
-    """Issue 15.6 under serving conditions (``torch.inference_mode()``, the Triton path CUDA takes):
+    """The per-forward packing under serving conditions (``torch.inference_mode()``, the Triton path CUDA takes):
     the layers after the first reuse the forward's tile plan without reading the index tensors
     again (each ``torch.equal`` on CUDA is a host sync)."""
     import ragattn.triton_kernels.plan_cache as plan_cache

@@ -363,7 +363,7 @@ def test_nonfinite_k_poisons_only_the_rows_that_see_it(backend, monkeypatch, dev
 
 
 def test_minus_inf_score_has_weight_zero_as_in_varlen(backend, monkeypatch, device, seed):
-    """Issue 24.3, one -inf rule: a visible key whose score is -inf has weight 0 (not NaN) in the
+    """One -inf rule: a visible key whose score is -inf has weight 0 (not NaN) in the
     decode/sparse-prefill op, exactly as in varlen_attention (prefill), so the HF prefill and the
     decode of one cache agree; a row whose visible scores are all -inf gets out 0 and lse -inf;
     NaN and +inf still poison their row."""

@@ -562,7 +562,7 @@ def test_masked_nonfinite_never_reaches_a_query(device, backend, monkeypatch, ki
 
 
 # ----------------------------------------------------------------------------------------------
-# Issue 14.4 / 14 head_dim 0 / 15.1: fake impl validates, named errors, inference mode
+# Fake impl validates, named errors, inference mode
 # ----------------------------------------------------------------------------------------------
 def test_meta_tensor_mixed_with_cpu_raises():
     q, k, v, cu_q, cu_k, *_ = _case([5, 6], [5, 7], 4, 2, 64, torch.float32, "cpu")

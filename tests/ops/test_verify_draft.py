@@ -690,7 +690,7 @@ def test_inference_mode(device, monkeypatch, backend):
 
 
 def test_benchmark_bytes_are_what_a_call_touches(monkeypatch):
-    """Issue 15.7 / 22.4: the benchmark counts the bytes the kernel must read and write, from the
+    """The benchmark counts the bytes the kernel must read and write, from the
     call's own num_accepted: the CUDA kernel reads every position's target-logits row whatever the
     acceptance (its first phase covers all g + 1 positions at once), the draft-probs rows of every
     drafted position with eta > 0 and only the rejected position's row with eta = 0 (never every row

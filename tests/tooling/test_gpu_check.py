@@ -1,4 +1,4 @@
-"""Issues 15.11 and 23: ``scripts/gpu_check.sh`` can pass on a GPU image in one command. Checked
+"""``scripts/gpu_check.sh`` can pass on a GPU image in one command. Checked
 here without a GPU: every step runs under its share of the run's deadline (a hung step is cut and
 the steps before it keep their results), the plan fits the deadline most important first, a
 failed build stops the run, the commit is found without .git, the build check refuses an

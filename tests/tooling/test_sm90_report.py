@@ -124,7 +124,7 @@ def test_cuda_kernels_at_launch_bounds():
         assert r["threads"] == 256 and 0 < r["regs"] <= 64 and r["ctas_per_sm"] >= 4, r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
     assert_known_defects(rows, {r["kernel"] for r in rows})
-    # issue 15.7 / 22.4: one CTA per row used 64 of the 132 SMs at B = 64, a cluster of 4 per row one wave of
+    # one CTA per row used 64 of the 132 SMs at B = 64, a cluster of 4 per row one wave of
     # 256 CTAs walking the positions in turn; every (position, slice) in its own CTA fills the SMs many times
     from ragattn.bench.sm90 import verify_draft_coverage
 
