@@ -11,7 +11,8 @@ import torch
 
 import ragattn
 from ragattn.reference import speculative as ref
-from tests.ops.test_verify_draft import _flatten, assert_same, check_structure, make_case, robust_uniforms
+from tests.ops.test_verify_draft import assert_same, check_structure, make_case, robust_uniforms
+from tests.ops.test_verify_draft_engine import _flatten
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, given  # noqa: E402

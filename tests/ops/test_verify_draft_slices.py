@@ -13,7 +13,8 @@ import torch
 from ragattn.bench.sm90 import VERIFY_DRAFT_SLICE_LEN as S
 from ragattn.reference import speculative as ref
 from tests.helpers import randn_nonzero, use_kernel_backend
-from tests.ops.test_verify_draft import assert_same, check_structure, make_case, robust_greedy_logits, robust_uniforms, run
+from tests.ops.test_verify_draft import (assert_same, check_structure, make_case, robust_greedy_logits,
+                                         robust_uniforms, run)
 
 BACKENDS = ["twin", "default"]
 

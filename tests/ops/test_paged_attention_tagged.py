@@ -1,0 +1,246 @@
+"""Position-tagged pages (PageTable.from_entries) and RoPE in the kernel against the float64 reference."""
+from __future__ import annotations
+import math
+import pytest
+import torch
+from ragattn import PageTable, run_paged_attention
+from tests.helpers import randn_nonzero
+
+from tests.ops.test_paged_attention_plan import I32, _plan, backend  # noqa: F401 (fixtures)
+
+
+# ------------------------------------------------- position-tagged pages and in-kernel RoPE
+
+def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, head_dim, dtype, device,
+                     question_len=3, gen=None):
+    """One request over chunk pages whose K is stored *without* RoPE: entries (page, first
+    position, valid slots) with the chunks positioned by ``scheme`` ("composite": every chunk from
+    0; "reordered": consecutive; "gapped": consecutive with random gaps), then a private question
+    entry. Rows: the question's tokens and one scattered row inside each chunk (selective
+    recompute). A second request shares the first chunk's pages at another position."""
+    counts = [math.ceil(n / page_size) for n in chunk_lens] + [math.ceil(question_len / page_size)]
+    num_pages = sum(counts) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    pages, first, valid, at, pos = [], [], [], 0, 0
+    rows = []
+    for c, n in enumerate(chunk_lens + [question_len]):
+        start = 0 if (scheme == "composite" and c < len(chunk_lens)) else pos
+        if scheme == "gapped":
+            start += int(torch.randint(0, 9, (1,), generator=gen))
+        for e in range(counts[c]):
+            pages.append(int(perm[at + e]))
+            first.append(start + e * page_size)
+            valid.append(min(page_size, n - e * page_size))
+        at += counts[c]
+        if c < len(chunk_lens):
+            rows.append(start + int(torch.randint(0, n, (1,), generator=gen)))
+        pos = max(pos, start + n)
+    question = [first[-counts[-1]] + i for i in range(question_len)]
+    # request 2: chunk 0's pages at position 100 (a shared chunk, another position), then its question
+    pages2 = pages[: counts[0]] + pages[-counts[-1]:]
+    first2 = [100 + e * page_size for e in range(counts[0])] + [100 + chunk_lens[0] + e * page_size
+                                                               for e in range(counts[-1])]
+    valid2 = valid[: counts[0]] + valid[-counts[-1]:]
+    t = lambda x: torch.tensor(x, dtype=I32, device=device)  # noqa: E731
+    indptr = t([0, len(pages), len(pages) + len(pages2)])
+    table = PageTable.from_entries(indptr, t(pages + pages2), t(first + first2), t(valid + valid2), page_size)
+    q_pos = rows + question + [100 + chunk_lens[0]]
+    cu = t([0, len(rows) + question_len, len(q_pos)])
+    q = randn_nonzero(len(q_pos), num_heads, head_dim, dtype=dtype, device=device)
+    k = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = randn_nonzero(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return q, t(q_pos), cu, k, v, table
+
+
+def _table_refs(q, q_pos, cu, k, v, table, window_left, rope):
+    from ragattn.reference.paged_attention_table import paged_attention_table
+
+    a = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len,
+         *rope, None, window_left)
+    return paged_attention_table(*a), paged_attention_table(*a, upcast=False)
+
+
+@pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped"])
+@pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
+def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme, rope):
+    """Zero-copy requests: keys stored without RoPE in shared chunk pages, positions and valid
+    slots from the page list, rotated in the kernel; vs the float64 reference (rotate each key by
+    its position, then varlen attention by position), with the precision rule."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = 64
+    dtype = {"composite": torch.bfloat16, "reordered": torch.float16, "gapped": torch.float32}[scheme]
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], scheme, page_size=8, num_heads=6, num_kv_heads=2,
+                                                 head_dim=head_dim, dtype=dtype, device=device, gen=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ropes = {"none": (None, 0, False), "neox": (inv_freq.to(device), head_dim, False),
+             "gptj-partial": (inv_freq[:16].to(device), 32, True)}
+    rp = ropes[rope]
+    for window_left in (-1, 10):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left, num_splits=2 if backend == "triton" else None)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"), device=device)
+        kw = dict(inv_freq=rp[0], rotary_dim=rp[1] or None, interleaved=rp[2]) if rp[0] is not None else {}
+        run_paged_attention(plan, q, q_pos, k, v, out=out, lse_out=lse, **kw)
+        (o64, l64), (olp, llp) = _table_refs(*(x.cpu() for x in (q, q_pos, cu, k, v)),
+                                             PageTable(*(None if x is None else x.cpu() for x in (
+                                                 table.pages, table.kv_lens, table.row_start, table.entry_pos,
+                                                 table.entry_len))),
+                                             window_left, tuple(x.cpu() if torch.is_tensor(x) else x for x in rp))
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_precision(out.cpu(), o64, olp)
+        assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+def _hf_inv_freq(rope_type):
+    """inv_freq of a Llama RoPE with each scaling ragattn supports (those that only change the
+    frequencies: default, linear, llama3), from transformers' own rotary embedding."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = {"default": {"rope_type": "default", "rope_theta": 10000.0},
+              "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+              "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}[rope_type]
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=1 << 17, rope_parameters=params)
+    return LlamaRotaryEmbedding(cfg).inv_freq.float()
+
+
+def _check_far_positions(case, far, inv_freq, device):
+    """``case`` (make_tagged_case's) moved ``far`` positions on (entries and rows alike: the same
+    visibility), run with in-kernel RoPE, against the float64 reference with the precision rule."""
+    from tests.helpers import assert_precision
+
+    q, q_pos, cu, k, v, table = case
+    table = PageTable(table.pages, table.kv_lens, table.row_start, table.entry_pos + far, table.entry_len)
+    q_pos = q_pos + far
+    out, lse = run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table), q, q_pos, k, v, inv_freq=inv_freq.to(device))
+    cpu = PageTable(*(None if x is None else x.cpu() for x in (table.pages, table.kv_lens, table.row_start,
+                                                             table.entry_pos, table.entry_len)))
+    (o64, l64), (olp, llp) = _table_refs(q.cpu(), q_pos.cpu(), cu.cpu(), k.cpu(), v.cpu(), cpu, -1,
+                                         (inv_freq, q.shape[-1], False))
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3"])
+def test_in_kernel_rope_scalings_at_long_positions(backend, device, seed, rope_type):
+    """The in-kernel rotation with every RoPE scaling the chunk store accepts (ragattn.hf.rope:
+    frequencies only), at positions past 40000 (chunks placed there with gaps), against the
+    float64 reference, with the precision rule."""
+    gen = torch.Generator().manual_seed(seed)
+    case = make_tagged_case([9, 14], "gapped", page_size=8, num_heads=4, num_kv_heads=2, head_dim=64,
+                            dtype=torch.float32, device=device, gen=gen)
+    _check_far_positions(case, 40000 + int(torch.randint(0, 1000, (1,), generator=gen)), _hf_inv_freq(rope_type),
+                         device)
+
+
+def test_tagged_positions_near_int32_max(backend, device, seed):
+    """Chunks and rows at positions near 2^31 - 1 (int32 tables): the same rule on every backend
+    (on the CPU, positions past the C++ kernel's 2^20-row RoPE table run the reference)."""
+    case = make_tagged_case([9, 6], "reordered", page_size=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                            dtype=torch.float32, device=device, gen=torch.Generator().manual_seed(seed))
+    far = (1 << 31) - 1 - int(case[1].max())
+    assert int(case[1].max()) + far == (1 << 31) - 1
+    _check_far_positions(case, far, _hf_inv_freq("llama3"), device)
+
+
+def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
+    """NaN in the slots past each entry's valid count (a chunk's partial last page) and in the
+    request's unused pages change nothing."""
+    q, q_pos, cu, k, v, table = make_tagged_case([11, 5], "reordered", page_size=8, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    clean = run_paged_attention(plan, q, q_pos, k, v)
+    k2, v2 = k.clone(), v.clone()
+    for e, (p, n) in enumerate(zip(table.pages.tolist(), table.entry_len.tolist())):
+        k2[p, n:] = float("nan")
+        v2[p, n:] = float("inf")
+    used = set(table.pages.tolist())
+    for p in range(k.shape[0]):
+        if p not in used:
+            k2[p], v2[p] = float("nan"), float("nan")
+    got = run_paged_attention(plan, q, q_pos, k2, v2)
+    torch.testing.assert_close(got[0], clean[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", ["many", "one per sequence"])
+def test_cpu_tagged_kernel_row_blocks_and_scratch_groups(seed, monkeypatch, rows):
+    """The C++ tagged kernel: row blocks (slots every row of a block sees, then each row's others)
+    and decode rows, keys rotated once into scratch in groups of sequences that fit its budget (a
+    1-byte budget makes each sequence a group: bit for bit the same). Against the float64
+    reference, GQA 3, page size 5, a window, bf16."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 4, 9], "reordered", page_size=5, num_heads=6, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                 gen=gen, question_len=4)
+    if rows == "one per sequence":   # each request's last row (its question's last token)
+        last = (cu[1:] - 1).long()
+        q, q_pos, cu = q[last], q_pos[last], torch.arange(3, dtype=I32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    for window_left in (-1, 7):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
+        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
+        assert_precision(got[0], o64, olp)
+        assert_precision(got[1], l64, llp, what="lse")
+        monkeypatch.setenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES", "1")
+        grouped = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        monkeypatch.delenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES")
+        assert torch.equal(grouped[0], got[0]) and torch.equal(grouped[1], got[1])
+
+
+def test_cpu_tagged_private_op_checks_like_its_fake():
+    """``ragattn::_paged_attention_tagged_cpu`` (the C++ kernel the CPU route calls directly):
+    opcheck, and out-of-range index values refused before any read."""
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "gapped", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    from ragattn.ops.paged_attention_run import rope_position_table
+
+    cos, sin = rope_position_table(torch.rand(32) * 0.5 + 0.01, int(q_pos.max()) + 1)
+    op = torch.ops.ragattn._paged_attention_tagged_cpu.default
+    args = [q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len, cos,
+            sin, 64, False, 0.125, -1, 0.0]
+    torch.library.opcheck(op, tuple(args))
+    for bad, msg, values in [({5: table.pages + k.shape[0]}, "must lie in", True),
+                             ({10: cos[:-1], 11: sin[:-1]}, "RoPE table has", True),
+                             ({9: table.entry_len + 4}, "entry_len", True), ({11: None}, "go together", False),
+                             ({12: 63}, "rotary_dim must be even", False),
+                             ({10: cos.double(), 11: sin.double()}, "contiguous float32", False),
+                             ({6: table.row_start[:1]}, "row_start must be", False)]:
+        a = list(args)
+        for i, x in bad.items():
+            a[i] = x
+        with pytest.raises(ValueError, match=msg):
+            op(*a)
+        if not values:   # the fake impl refuses what needs no index values, with the same message
+            with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match=msg):
+                op(*[mode.from_tensor(x) if torch.is_tensor(x) else x for x in a])
+
+
+def test_tagged_run_opcheck_and_errors(device):
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "composite", page_size=4, num_heads=4, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=device)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    inv_freq = torch.rand(32, device=device) * 0.5 + 0.01
+    args = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, plan.tile_seq, plan.tile_row0,
+            list(plan.launch), None, -1, table.entry_pos, table.entry_len, inv_freq, 64, False)
+    torch.library.opcheck(torch.ops.ragattn.paged_attention_run.default, args)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq[:16], rotary_dim=31)
+    with pytest.raises(ValueError, match=r"inv_freq must have shape \(16,\)"):
+        run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq, rotary_dim=32)
+    with pytest.raises(ValueError, match="needs a flat page list"):
+        bad = list(args)
+        bad[6] = None
+        bad[5] = table.pages.view(1, -1)
+        torch.ops.ragattn.paged_attention_run(*bad)
+    with pytest.raises(ValueError, match=r"valid must lie in \[0, page_size = 4\]"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), 4)
+    with pytest.raises(ValueError, match="first_pos must be >= 0"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([-1]), torch.tensor([2]), 4)
