@@ -24,7 +24,7 @@ import torch
 def prompts(tokenizer, n: int, min_tokens: int):
     """``n`` (question, chunk texts) from the shipped QA set, each prompt at least ``min_tokens``
     tokens: the question's supporting passages, then other passages in a fixed order."""
-    from ragattn.corpus import load_corpus
+    from ragattn.apps.corpus import load_corpus
     from ragattn.methods.prompt import prompt_parts
 
     corpus = load_corpus()
