@@ -71,6 +71,8 @@ class _Add:
                     continue
                 except ChunkStoreError:   # truncated or corrupt: recomputed below, the file replaced
                     self._bad_file(k)
+            else:
+                self._note_damaged(k)
             seen.add(k)
             missing.append((k, torch.from_numpy(t)))
         self._prefill(missing)
@@ -132,14 +134,15 @@ class _Add:
             raise ChunkStoreError(f"ragattn.ChunkStore.put: K/V must have the model's dtype {self.dtype}, "
                                   f"got {', '.join(sorted(bad))}")
         vkey = self.variant_key(key, variant)
+        if vkey in self._entries and self._entries[vkey].pins:   # refused before anything is written
+            raise ChunkStoreError(f"ragattn.ChunkStore.put: the entry {vkey!r} (variant {variant!r}) is "
+                                  f"{self._pinned_by(self._entries[vkey])}: release it first")
         on_disk = False
         if self._writable:
             self._write_file(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
                              (key, variant))
             on_disk = True
         if vkey in self._entries:
-            if self._entries[vkey].pins:
-                raise ChunkStoreError("ragattn.ChunkStore.put: the entry is in use by a running gather")
             self._evict(vkey)
         self._insert(vkey, tokens, k_layers, v_layers, on_disk, (key, variant))
         return vkey

@@ -40,6 +40,25 @@ class _ChunkFiles:
         if not self._disk.remove(key):
             self._bad_files.add(key)
 
+    def _note_damaged(self, key: str) -> None:
+        """Before ``key`` is computed again: a file of it that is there but not loadable by its
+        header and size (truncated, emptied) is a bad file, counted once; the computation replaces
+        it (a read-only directory: it is remembered, and the chunk stays in memory only)."""
+        if self._disk is not None and key not in self._bad_files and self._disk.exists(key) \
+                and not self._disk.has(key, self.fingerprint):
+            self.stats["bad_files"] += 1
+            if not self._writable:
+                self._bad_files.add(key)
+
+    def _refuse_damaged(self, key: str) -> None:
+        """``key`` is neither in memory nor loadable nor recomputable here: when a file of it is
+        there (truncated, emptied), raise an error naming it (not "no chunk with key")."""
+        if self._disk is not None and self._disk.exists(key) and not self._on_disk(key):
+            raise ChunkStoreError(
+                f"ragattn.ChunkStore: the file {self._path(key)} of chunk {key!r} is truncated or not a "
+                "chunk file of this model, and this store does not know the chunk's tokens to recompute "
+                "it: add() them again (the file is replaced)")
+
     def verify(self, key: str) -> bool:
         """Like :meth:`has`, but a file is read whole and checked (checksum included) first; a bad
         one is removed (``has`` turns False). For resuming an offline build: what exists is

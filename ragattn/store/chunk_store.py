@@ -73,8 +73,8 @@ grows by adding a slab (never by copying into a larger one: no transient 2x peak
 budget is reached it evicts the least recently used chunks (``add`` hits and ``assemble`` count as
 uses) and reuses their pages.
 An evicted chunk reloads bit-exact from the directory when it was saved there; a chunk computed
-without a (writable) directory is recomputed from its tokens (kept in host memory, 8 bytes a
-token) on its next use; a derived entry
+without a (writable) directory, or whose file went missing or bad, is recomputed from its tokens
+(kept in host memory for every evicted chunk, 8 bytes a token) on its next use; a derived entry
 that exists only in memory is dropped (``has`` turns False; build it again). ``pool_bytes`` is
 the pool's allocated size (never above the budget), ``num_rows`` the tokens held.
 
@@ -114,6 +114,7 @@ the lookups.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -150,9 +151,10 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
                  read_only: bool = False, fingerprint: str | None = None, device=None):
-        if page_size < 1 or max_batch_tokens < 1:
-            raise ChunkStoreError(f"ragattn.ChunkStore: page_size and max_batch_tokens must be >= 1, "
-                                  f"got {page_size} and {max_batch_tokens}")
+        for name, value in (("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ChunkStoreError(f"ragattn.ChunkStore: {name} must be an integer >= 1, got {value!r}")
+        page_size, max_batch_tokens = int(page_size), int(max_batch_tokens)
         d = describe_model(model, fingerprint, device)
         self.description: ChunkModel = d
         self.model = d.model                       # the described model, if the description keeps one
@@ -172,7 +174,9 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         self.row_bytes = self._pool.row_bytes
         self.memory_budget = budget
         self._entries: "OrderedDict[str, _Entry]" = OrderedDict()   # LRU order: oldest first
-        self._recomputable: dict[str, torch.Tensor] = {}            # evicted, not on disk: tokens
+        # evicted chunks (not derived entries): tokens, to recompute one whose file is missing or bad
+        self._recomputable: dict[str, torch.Tensor] = {}
+        self._live_requests: dict[int, tuple[list, list]] = {}   # zero-copy: (pinned entries, private parts)
         self._layout = 0     # bumped whenever pool rows change meaning (insert, evict, overwrite)
         self._pooled_layout = None
         self._inv_freq = self.rope.inv_freq.to(self.device)

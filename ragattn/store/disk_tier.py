@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 
 import torch
@@ -18,15 +19,22 @@ from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import chunk_key, variant_key
 
 FORMAT = "ragattn-chunk-kv-v1"
-# temporary files of a write (<key>.tmp<pid>) and the directory's write probe, by writer pid
-_ORPHAN = re.compile(r"^(?:[0-9a-f]{40}\.tmp|\.ragattn-write-probe-)(\d+)$")
+# temporary files of a write (<key>.tmp<pid>-<writer>) and the directory's write probe, named by
+# the writer's pid (orphans of dead processes are removed) and a token unique to each write (several
+# stores, threads, in one process never share a name); names without the token: older writers
+_ORPHAN = re.compile(r"^(?:[0-9a-f]{40}\.tmp|\.ragattn-write-probe-)(\d+)(?:-[0-9a-f]{32})?$")
+
+
+def _unique_suffix() -> str:
+    """``<pid>-<uuid4 hex>``: a temporary name no other write (any process, thread or store) uses."""
+    return f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
 def probe_writable_dir(d: Path) -> None:
     """Create folder ``d`` if needed and write (then remove) an empty probe file in it, so that an
     unwritable directory is found before any work; raises the ``OSError`` otherwise. (The command
     lines check their output folders with it too: ``ragattn.apps.cli.writable_dir``.)"""
-    probe = d / f".ragattn-write-probe-{os.getpid()}"
+    probe = d / f".ragattn-write-probe-{_unique_suffix()}"
     d.mkdir(parents=True, exist_ok=True)
     probe.write_bytes(b"")
     probe.unlink()
@@ -154,7 +162,7 @@ def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None)
     if variant is not None:
         meta["variant"] = variant[1]
     path = d / f"{key}.safetensors"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".tmp{_unique_suffix()}")
     try:
         data = save({"k": k, "v": v, "tokens": tokens}, metadata=meta)
         with open(tmp, "wb") as f:

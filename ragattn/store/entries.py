@@ -56,18 +56,45 @@ class _Entries:
                 return True
         return False
 
+    def _alloc(self, n: int):
+        """Pool pages for ``n`` rows (:meth:`PagePool.alloc`), evicting unpinned chunks as needed."""
+        return self._pool.alloc(n, self._evict_one, self._why_full)
+
+    def _why_full(self, need: int) -> str | None:
+        """Why ``need`` more pages do not fit when nothing can be evicted: live zero-copy requests
+        hold the pages (their pinned chunks and private pages), unless the pages pinned by the
+        running call alone leave no room (None: the budget is too small for one request)."""
+        live = list(self._live_requests.values())
+        held = {id(e): e for pinned, _ in live for e in pinned}
+        req_pages = sum(len(p) for e in held.values() for _, p, _ in e.parts)
+        req_pages += sum(len(p) for _, private in live for _, p, _ in private)
+        counts = [sum(x is e for pinned, _ in live for x in pinned) for e in self._entries.values()]
+        call_pages = sum(len(p) for e, c in zip(self._entries.values(), counts) if e.pins > c for _, p, _ in e.parts)
+        budget = self._pool.budget_pages
+        if req_pages == 0 or call_pages + need > budget:
+            return None
+        return (f"ragattn.ChunkStore: memory budget ({self.memory_budget} bytes) too small beside the live "
+                f"zero-copy requests, not for this call: {len(live)} live zero-copy request(s) hold {req_pages} "
+                f"of its {budget} pages (their chunks pinned, their private pages), {need} more are needed: "
+                "release them (req.release()) or raise memory_budget")
+
+    def _pinned_by(self, e: _Entry) -> str:
+        """Who pins ``e``, for an error: live zero-copy requests, or the running gather."""
+        n = sum(any(x is e for x in pinned) for pinned, _ in self._live_requests.values())
+        return f"held by {n} live zero-copy request(s)" if n else "in use by a running gather"
+
     def _evict(self, key: str) -> None:
         e = self._entries.pop(key)
         self._pool.free(e.parts)
         self.stats["evicted"] += 1
-        if not e.on_disk and e.variant is None:
+        if e.variant is None:   # on disk or not: a file may go bad or away, the tokens recompute it
             self._recomputable[key] = e.tokens
         self._layout += 1
 
     def _insert(self, key, tokens, k_layers, v_layers, on_disk: bool, variant=None) -> _Entry:
         """Copy per-layer ``[n, Hkv, D]`` K/V (any device/dtype-compatible) into fresh pages."""
         n = int(tokens.numel())
-        parts = self._pool.alloc(n, self._evict_one)
+        parts = self._alloc(n)
         rows = self._pool.rows_of(parts)
         self._pool.write(parts, rows, k_layers, v_layers)
         self._rotate_parts_(parts, rows, -1)   # position-free: un-rotated from 0..n-1, in fp32
@@ -110,6 +137,7 @@ class _Entries:
                         raise ChunkStoreError(f"{exc} (removed from the store: it cannot be recomputed "
                                               "here, build it again)") from None
             if key not in self._entries and key in self._recomputable:
+                self._note_damaged(key)
                 self._prefill([(key, self._recomputable[key])])
             e = self._entries.get(key)
             if e is None:
@@ -117,6 +145,7 @@ class _Entries:
                     raise ChunkStoreError(
                         f"ragattn.ChunkStore: chunk {key!r} was computed with the model's earlier weights "
                         "(they changed since): add() its tokens again for its key under the current weights")
+                self._refuse_damaged(key)
                 raise ChunkStoreError(f"ragattn.ChunkStore: no chunk with key {key!r} in the store")
         else:
             self._entries.move_to_end(key)
@@ -140,6 +169,7 @@ class _Entries:
                 if k in self._entries:
                     continue
                 if k in self._recomputable and not self._on_disk(k):
+                    self._note_damaged(k)
                     recompute.append((k, self._recomputable[k]))
                     continue
                 e = self._get(k)

@@ -80,13 +80,15 @@ class PagePool:
     def pool_bytes(self) -> int:
         return self.pool_rows * self.row_bytes
 
-    def alloc(self, n: int, evict_one: Callable[[], bool]) -> list[tuple[_Slab, list[int], int]]:
+    def alloc(self, n: int, evict_one: Callable[[], bool],
+              explain: Callable[[int], str | None] | None = None) -> list[tuple[_Slab, list[int], int]]:
         """Pages for ``n`` rows: ``[(slab, pages, rows)]``, the parts in row order (part ``i``
         holds ``rows`` rows on ``pages`` of ``slab``). One slab when one has the room (free pages,
         else a new slab within the budget, else after releasing empty slabs); else the free pages
         of several slabs and the budget left (pages, not slabs: pinned chunks that fragment the
         slabs never make a request that fits the budget fail); else ``evict_one()`` and again
-        (False: nothing left to evict, the request does not fit)."""
+        (False: nothing left to evict: refused with ``explain(pages needed)``, the caller's
+        account of what holds the pool, or when it has none: the request does not fit)."""
         m = -(-n // self.page_size)
         if m > self.budget_pages:
             raise ChunkStoreError(
@@ -117,7 +119,8 @@ class PagePool:
                     take.append((self.slabs[-1], need))
                 return self._take(take, n)
             if not evict_one():
-                raise ChunkStoreError(
+                why = explain(m) if explain is not None else None
+                raise ChunkStoreError(why or
                     f"ragattn.ChunkStore: memory budget ({self.memory_budget} bytes) too small: the "
                     f"chunks one request uses do not fit in it together")
 

@@ -15,9 +15,10 @@ from ragattn.store.copy_out import _check_chunks_and_extra, _chunk_starts
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.page_pool import PagePool
 
-def _release_request(pool: PagePool, pinned: list, private: list, cache_ref) -> None:
+def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, live: dict) -> None:
     """Finalizer of a zero-copy request: its private pages go back to the pool, its chunks are
-    unpinned, its cache (when still alive) refuses any later use."""
+    unpinned, it leaves the store's ``live`` requests, its cache (when still alive) refuses any later use."""
+    live.pop(id(pinned), None)
     cache = cache_ref()
     if cache is not None:
         cache.close()
@@ -105,6 +106,7 @@ class _ZeroCopy:
 
         entries, pinned = self._pin(keys)
         private: list = []
+        self._live_requests[id(pinned)] = (pinned, private)   # what holds the pool, for its refusals
         try:
             lens = [e.length for e in entries]
             starts = _chunk_starts(lens)
@@ -118,7 +120,7 @@ class _ZeroCopy:
             ps, pool = self.page_size, self._pool
 
             def alloc_page():
-                parts = pool.alloc(ps, self._evict_one)
+                parts = self._alloc(ps)
                 private.extend(parts)
                 slab, pages, _ = parts[0]
                 return slab.k_pages, slab.v_pages, pages[0]
@@ -133,15 +135,17 @@ class _ZeroCopy:
                     cache.add_entries(slab.k_pages, slab.v_pages, pages, pos, valid)
                     at += r
             if extra_slots:
-                parts = pool.alloc(extra_slots, self._evict_one)
+                parts = self._alloc(extra_slots)
                 private.extend(parts)
                 for slab, pages, _ in parts:
                     cache.add_private(slab.k_pages, slab.v_pages, pages)
         except BaseException:
+            self._live_requests.pop(id(pinned), None)
             PagePool.free(private)
             self._unpin(pinned)
             raise
-        release = weakref.finalize(cache, _release_request, pool, pinned, private, weakref.ref(cache))
+        release = weakref.finalize(cache, _release_request, pool, pinned, private, weakref.ref(cache),
+                                   self._live_requests)
         release.atexit = False
         pos = torch.cat([f + torch.arange(n, dtype=torch.int32) for f, n in zip(firsts, lens)])
         return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * self.row_bytes)

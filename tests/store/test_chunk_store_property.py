@@ -6,6 +6,8 @@ a fresh prefill with the model's current weights (a derived entry: what was put)
 other weights are reported missing."""
 import copy
 import tempfile
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +42,8 @@ OPS = st.one_of(
     st.tuples(st.just("churn"), st.integers(6, 11)),
     st.tuples(st.just("reopen"), st.just(0)),
     st.tuples(st.just("weights"), st.sampled_from(["mul_", "data", "back"])),
+    st.tuples(st.just("damage"), st.tuples(st.integers(0, 11), st.sampled_from(["truncate", "flip", "delete"]))),
+    st.tuples(st.just("threads"), st.lists(st.integers(0, 11), min_size=1, max_size=4)),
 )
 
 
@@ -49,6 +53,7 @@ class Harness:
         self.original = copy.deepcopy(self.model.state_dict())
         self.dir = tempfile.mkdtemp(prefix="ragattn-prop-")
         self.store = self._open()
+        self.seen = set()      # keys this store computed or loaded (it knows their tokens)
         self.valid = {}        # fingerprint -> {key: chunk index, or ("variant", index, k, v)}
         self.fresh = {}        # (fingerprint, index) -> fresh K, V
 
@@ -84,6 +89,7 @@ class Harness:
             idx = arg if op == "add" else [arg]
             for key, i in zip(s.add([_tokens(i) for i in idx]), idx):
                 valid[key] = i
+                self.seen.add(key)
                 self.check_kv(key, s.kv(key))
         elif op == "assemble":
             keys = s.add([_tokens(i) for i in arg])
@@ -105,6 +111,36 @@ class Harness:
             self.check_kv(vkey, s.kv(vkey))
         elif op == "reopen":
             self.store = self._open()
+            self.seen = set()
+        elif op == "damage":        # the file of a chunk this store evicted goes bad: recomputed
+            i, how = arg
+            key = s.key(_tokens(i))
+            path = Path(self.dir) / f"{key}.safetensors"
+            if key in self.seen and key not in s and path.exists():
+                data = path.read_bytes()
+                if how == "delete":
+                    path.unlink()
+                else:
+                    path.write_bytes(data[:-20] if how == "truncate" else data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+                self.check_kv(key, s.kv(key))
+        elif op == "threads":       # several stores on the directory at once, overlapping chunks
+            errors, out = [], []
+
+            def work(j):
+                try:
+                    other = self._open()
+                    out.extend(zip(other.add([_tokens(i) for i in arg[j:] + arg[:j]]), arg[j:] + arg[:j]))
+                except BaseException as exc:   # noqa: BLE001 (reported below)
+                    errors.append(exc)
+            threads = [threading.Thread(target=work, args=(j,)) for j in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            for key, i in out:
+                valid[key] = i
+            assert not [p for p in Path(self.dir).iterdir() if ".tmp" in p.name or p.name.startswith(".ragattn")]
         elif op == "weights":
             if arg == "back":
                 self.model.load_state_dict(self.original)
@@ -114,6 +150,7 @@ class Harness:
             else:
                 for p in self.model.model.layers[1].mlp.parameters():
                     p.data.mul_(0.75)
+            self.seen = set()
 
     def check_all(self):
         """has() is exactly the keys of the current weights; each loads here and in a new store."""

@@ -154,8 +154,8 @@ def test_a_corrupt_file_of_an_evicted_chunk_is_recomputed(model, tmp_path):
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x10
     path.write_bytes(bytes(data))
-    with pytest.raises(ChunkStoreError, match="checksum"):
-        store.assemble(keys[:1])             # tokens unknown to this store (loaded from disk): refused ...
+    with pytest.raises(ChunkStoreError, match="checksum"):   # a store that never saw its tokens ...
+        ChunkStore(model, directory=tmp_path).assemble(keys[:1])    # (this one recomputes it: below)
     assert not store.has(keys[0]) and not path.exists()        # ... and never reported again
     assert store.add(chunks[:1]) == keys[:1] and store.has(keys[0])
     assert_fresh(store, model, keys[0], chunks[0])
@@ -373,3 +373,109 @@ def test_methods_follow_a_data_edit_of_the_weights():
                 lambda s: fusionrag.answer(model, tok, passages, QUESTION[:20], max_new_tokens=1, store=s, ratio=0.2)):
         got, want = run(store).first_logits, run(ChunkStore(model)).first_logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----- several stores on one directory, files of evicted chunks, refusals that name their cause ----
+def test_stores_on_one_directory_in_several_threads(model, tmp_path):
+    """Stores of one process share a directory (threads): overlapping chunks written at once by
+    several writers all land whole, and every chunk reads back bit-identical in a new store."""
+    torch.set_num_threads(1)
+    chunks = _chunks(40, [3, 5, 4, 6, 2, 7])
+    barrier = threading.Barrier(4)
+    served = {}
+
+    def worker(w):
+        def run():
+            try:
+                rounds(w)
+            except BaseException:
+                barrier.abort()              # the others stop waiting
+                raise
+        return run
+
+    def rounds(w):
+            for rnd in range(6):
+                barrier.wait()
+                store = ChunkStore(model, directory=tmp_path)      # the write probe, at once
+                mine = [chunks[(w + j + rnd) % len(chunks)] for j in range(3)]
+                for key, (k, v) in zip(store.add(mine), (fresh_kv(model, c) for c in mine)):
+                    served[key] = store.kv(key)
+                    torch.testing.assert_close(served[key][0], k, rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(served[key][1], v, rtol=1e-4, atol=1e-5)
+                barrier.wait()
+                for p in tmp_path.glob("*.safetensors"):               # next round writes again
+                    if w == 0 and rnd < 5:
+                        p.unlink()
+
+    _in_threads([worker(w) for w in range(4)])
+    written = len(list(tmp_path.glob("*.safetensors")))
+    store = ChunkStore(model, directory=tmp_path)
+    keys = store.add(chunks)                           # every file of the last round loads whole
+    assert store.stats["loaded"] == written > 0 and not list(tmp_path.glob("*tmp*"))
+    for key, c in zip(keys, chunks):
+        assert_fresh(store, model, key, c)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+@pytest.mark.parametrize("use", ["assemble", "kv", "request", "put"])
+def test_a_damaged_file_of_an_evicted_chunk_is_recomputed_and_replaced(model, tmp_path, damage, use):
+    """A chunk this store computed left memory; its file was then damaged: the store still knows
+    its tokens, recomputes it, replaces the file, and counts the bad file."""
+    chunks = _chunks(41, [16, 16, 16])
+    page = ChunkStore(model).row_bytes * 16
+    store = ChunkStore(model, directory=tmp_path, memory_budget=2 * page)
+    keys = store.add(chunks)
+    assert keys[0] not in store
+    path = tmp_path / f"{keys[0]}.safetensors"
+    data = path.read_bytes()
+    if damage == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(data[: len(data) - 50] if damage == "truncate"
+                         else data[:-9] + bytes([data[-9] ^ 0x40]) + data[-8:])
+    if use == "assemble":
+        store.assemble(keys[:1]).cache
+    elif use == "kv":
+        store.kv(keys[0])
+    elif use == "request":
+        store.request(keys[:1]).release()
+    else:
+        k, v = fresh_kv(model, chunks[0])
+        store.put(keys[0], "v", list(k), list(v))
+        store.kv(keys[0])
+    assert store.stats["recomputed"] == 1 and store.stats["bad_files"] == (damage != "delete")
+    assert_fresh(store, model, keys[0], chunks[0])
+    assert ChunkStore(model, directory=tmp_path, read_only=True).load(path) == keys[0]   # replaced
+
+
+def test_a_damaged_file_unknown_to_the_store_is_named(model, tmp_path):
+    """A store that never saw the chunk's tokens cannot recompute it: its error names the file."""
+    key = ChunkStore(model, directory=tmp_path).add(_chunks(42, [9]))[0]
+    path = tmp_path / f"{key}.safetensors"
+    path.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(ChunkStoreError, match=f"{path.name}.*truncated"):
+        ChunkStore(model, directory=tmp_path).kv(key)
+
+
+def test_refusals_name_their_cause(model, tmp_path):
+    for bad in (2.5, "16", True):
+        with pytest.raises(ChunkStoreError, match=f"page_size must be an integer >= 1, got {bad!r}"):
+            ChunkStore(model, page_size=bad)
+    with pytest.raises(ChunkStoreError, match="max_batch_tokens must be an integer >= 1, got 8.0"):
+        ChunkStore(model, max_batch_tokens=8.0)
+    page = ChunkStore(model).row_bytes * 4
+    store = ChunkStore(model, directory=tmp_path, page_size=4, memory_budget=6 * page)
+    a, b = store.add(_chunks(43, [8, 8]))
+    k, v = store.get_kv(a)
+    vkey = store.put(a, "x", k, v)
+    with store.request([vkey, b]) as req:        # 4 of 6 pages pinned by a live request
+        before = (tmp_path / f"{vkey}.safetensors").read_bytes()
+        with pytest.raises(ChunkStoreError, match="put: .* held by 1 live zero-copy request"):
+            store.put(a, "x", [t * 2 for t in k], v)
+        assert (tmp_path / f"{vkey}.safetensors").read_bytes() == before      # nothing written
+        with pytest.raises(ChunkStoreError, match="1 live zero-copy request.* hold 4 of its 6 pages.*release"):
+            store.add(_chunks(44, [12]))          # 3 pages: fits the budget, not beside the request
+        assert req.cache is not None
+    store.add(_chunks(44, [12]))                  # released: it fits
+    with pytest.raises(ChunkStoreError, match="budget .* too small: the chunks one request uses"):
+        store.assemble(store.add(_chunks(45, [8, 8, 8, 8])))
