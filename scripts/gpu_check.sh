@@ -136,13 +136,10 @@ if [ -n "${RESUME_FROM:-}" ] && [ -s "$RESUME_FROM" ] && [ ! -s "$WORK/bench/res
   cp "$RESUME_FROM" "$WORK/bench/results.jsonl"
 fi
 
-OP_TESTS=(tests/ops/test_varlen_attention.py tests/ops/test_paged_attention.py tests/ops/test_paged_attention_plan.py
-          tests/ops/test_merge_attention_states.py
-          tests/ops/test_kv_cache.py tests/ops/test_key_attention_scores.py tests/ops/test_verify_draft.py tests/ops/test_verify_draft_slices.py
-          tests/hf/test_rope_vs_hf.py
-          tests/ops/test_refrag_assemble.py tests/ops/test_cpp_error_messages.py tests/ops/test_fuzz_kv_cache.py
-          tests/ops/test_fuzz_merge_attention_states.py tests/ops/test_fuzz_paged_attention.py tests/ops/test_fuzz_varlen.py
-          tests/ops/test_fuzz_verify_draft.py)
+OP_TESTS=(tests/ops/test_varlen_attention*.py tests/ops/test_paged_attention*.py
+          tests/ops/test_merge_attention_states.py tests/ops/test_kv_cache*.py tests/ops/test_key_attention_scores.py
+          tests/ops/test_verify_draft*.py tests/hf/test_rope_vs_hf.py tests/ops/test_refrag_assemble.py
+          tests/ops/test_cpp_error_messages.py tests/ops/test_fuzz_*.py)
 HF_CUDA_TESTS=(tests/hf/test_hf_generate.py::test_generate_equals_sdpa_every_cache)   # transformers' offloaded cache
 TWIN_TESTS=(tests/ops/test_verify_draft.py::test_cuda_matches_cpu_twin tests/ops/test_kv_cache_fp8.py::test_fp8_cpu_twin_matches_reference_bits)
 CORE_FAMILIES=(paged_attention varlen_attention)

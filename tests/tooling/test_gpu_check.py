@@ -263,8 +263,8 @@ def test_triton_kernel_on_cpu_tensors():
 # The cause 2 (tests that failed on the GPU image because they ran Triton kernels on CPU
 # tensors in a process where CUDA is up) and its neighbours found by the same run
 GPU_IMAGE_TESTS = [
-    "tests/ops/test_varlen_attention.py::test_more_work_items_than_a_cuda_grid_axis_holds",
-    "tests/ops/test_varlen_attention.py::test_split_rows_are_merged",
+    "tests/ops/test_varlen_attention_engine.py::test_more_work_items_than_a_cuda_grid_axis_holds",
+    "tests/ops/test_varlen_attention_plan.py::test_split_rows_are_merged",
     "tests/ops/test_varlen_attention.py::test_kernel_small_tiles",
     "tests/ops/test_key_attention_scores.py::test_pass1_key_splits_agree",
     "tests/ops/test_key_attention_scores.py::test_offsets_past_2_31_elements",
