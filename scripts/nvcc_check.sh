@@ -15,10 +15,26 @@ if [ ${#files[@]} -eq 0 ]; then
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# Each file is one nvcc process: up to NVCC_JOBS (default: the core count) run at once, and the
+# check fails if any of them does.
+JOBS=${NVCC_JOBS:-$(nproc)}
+pids=()
+wait_all() {
+  local rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  pids=()
+  return $rc
+}
+compile() {  # compile FILE ARGS...: in the background, at most JOBS at once
+  if [ ${#pids[@]} -ge "$JOBS" ]; then wait_all; fi
+  "$NVCC" "${@:2}" -c "$1" -o "$tmp/$(basename "$1").o" &
+  pids+=($!)
+}
 for f in "${files[@]}"; do
   echo "nvcc_check: $f"
-  "$NVCC" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -c "$f" -o "$tmp/$(basename "$f").o"
+  compile "$f" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc
 done
+wait_all
 echo "nvcc_check: ${#files[@]} kernel file(s) compiled for sm_90a"
 
 # ATen launchers (csrc/**/*_cuda.cu) against the installed torch's headers, with torch's own nvcc
@@ -36,11 +52,12 @@ if [ ${#launchers[@]} -gt 0 ] && "$PYTHON" -c "import torch" 2>/dev/null; then
   printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$tmp/shim/c10/cuda/impl/cuda_cmake_macros.h"
   for f in "${launchers[@]}"; do
     echo "nvcc_check: $f (against torch headers)"
-    "$NVCC" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
+    compile "$f" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
       -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
       -D__CUDA_NO_HALF2_OPERATORS__ -DRAGATTN_WITH_CUDA=1 -Icsrc "${inc_flags[@]}" -I"$tmp/shim" \
-      -diag-suppress=20012,20014 -Xcompiler -Wno-c++20-extensions -c "$f" -o "$tmp/$(basename "$f").o"
+      -diag-suppress=20012,20014 -Xcompiler -Wno-c++20-extensions
   done
+  wait_all
   echo "nvcc_check: ${#launchers[@]} launcher file(s) compiled against torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
 else
   echo "nvcc_check: torch not importable with $PYTHON (or no *_cuda.cu): launcher check skipped"

@@ -7,6 +7,12 @@ import os
 import pytest
 import torch
 
+# Under pytest-xdist (`-n auto`) every worker would start one intra-op thread per core: split the
+# cores between the workers instead (OpenMP threads oversubscribed spin against each other).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 try:
     from hypothesis import HealthCheck, settings
 except ImportError:  # the property tests importorskip hypothesis themselves
