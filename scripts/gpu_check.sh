@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A lent GPU's 15 minutes in two prepared calls of the device tool (each one command of <= 10 min):
 #   bash scripts/gpu_check.sh --call 1 OUT_DIR     build (background) + peaks, the GPU rows, twin tests, e2e 32K
-#   bash scripts/gpu_check.sh --call 2 OUT_DIR     the op tests on CUDA, then whatever call 1 cut
+#   bash scripts/gpu_check.sh --call 2 OUT_DIR     the A/B if call 1 cut it, the op tests on CUDA, then whatever call 1 cut
 #   bash scripts/gpu_check.sh OUT_DIR STAGE ...    chosen stages (below), in the order given
 #   bash scripts/gpu_check.sh --plan [--call N | STAGE ...]   print each step and its cap; run nothing
 #   bash scripts/gpu_check.sh --stamp              write .gpu_check_commit (see "commit" below)
@@ -23,6 +23,8 @@
 #   bench-targets  key_attention_scores q64 x k32K and verify_draft B64 g10 V128256 (eta 0 and 10)
 #   twin        the CUDA-vs-CPU-twin tests (verify_draft, fp8 copy/rotate)
 #   e2e         end-to-end TTFT on a Llama-3-8B-shaped random bf16 model at 32K tokens
+#   ab          the kernel variants' A/B (bench/ab_kernels.py: tagged RoPE decode, window-decode splits,
+#               varlen tiles and TMA) and the tagged-table op tests on CUDA (WORK_DIR/ab/ab.jsonl)
 #   bench-rest  every benchmark not measured yet (--resume over results.jsonl)
 #   test-ops    the op tests on CUDA tensors (pytest-xdist where it imports)
 #   tune        bench.tune for paged_attention and varlen_attention (tables written to WORK_DIR/tune)
@@ -40,7 +42,7 @@ cd "$(dirname "$0")/.."
 
 usage() {
   echo "usage: gpu_check.sh [--plan] --call 1|2 OUT_DIR | gpu_check.sh [--plan] OUT_DIR STAGE ... | gpu_check.sh --stamp" >&2
-  echo "stages: build bench-core bench-targets twin e2e bench-rest test-ops tune test-rest" >&2
+  echo "stages: build bench-core bench-targets twin e2e ab bench-rest test-ops tune test-rest" >&2
   exit 2
 }
 
@@ -103,8 +105,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$CALL" in
-  1) STAGES=(build bench-core bench-targets twin e2e bench-rest); DEADLINE=${DEADLINE_S:-450} ;;
-  2) STAGES=(build test-ops bench-rest); DEADLINE=${DEADLINE_S:-240} ;;
+  1) STAGES=(build bench-core bench-targets twin e2e ab bench-rest); DEADLINE=${DEADLINE_S:-450} ;;
+  2) STAGES=(build ab test-ops bench-rest); DEADLINE=${DEADLINE_S:-240} ;;
   "") STAGES=(); DEADLINE=${DEADLINE_S:-300} ;;
   *) echo "gpu_check: --call takes 1 or 2, got $CALL" >&2; usage ;;
 esac
@@ -118,7 +120,7 @@ if [ -n "$CALL" ] && [ $# -gt 0 ]; then echo "gpu_check: --call $CALL takes no s
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && { echo "gpu_check: name --call 1, --call 2 or the stages to run" >&2; usage; }
 for s in "${STAGES[@]}"; do
-  case "$s" in build|bench-core|bench-targets|twin|e2e|bench-rest|test-ops|tune|test-rest) ;;
+  case "$s" in build|bench-core|bench-targets|twin|e2e|ab|bench-rest|test-ops|tune|test-rest) ;;
     *) echo "gpu_check: unknown stage $s" >&2; usage ;; esac
 done
 if [ "$PLAN" = 0 ] && ! { command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; }; then
@@ -142,14 +144,15 @@ OP_TESTS=(tests/ops/test_varlen_attention*.py tests/ops/test_paged_attention*.py
           tests/ops/test_cpp_error_messages.py tests/ops/test_fuzz_*.py)
 HF_CUDA_TESTS=(tests/hf/test_hf_generate.py::test_generate_equals_sdpa_every_cache)   # transformers' offloaded cache
 TWIN_TESTS=(tests/ops/test_verify_draft.py::test_cuda_matches_cpu_twin tests/ops/test_kv_cache_fp8.py::test_fp8_cpu_twin_matches_reference_bits)
+TAGGED_TESTS=(tests/ops/test_paged_attention_tagged.py tests/ops/test_fuzz_paged_attention_tagged.py)
 CORE_FAMILIES=(paged_attention varlen_attention)
 TARGETS=q64_k32768,B64_g10_V128256
 # Seconds: the most a step may take (CAP) and what is kept free for each step still to come (FLOOR).
 # Measured: the H100 at d2a4706 built in 50-59 s and ran the op suite in ~190 s (14 workers); a
 # compiled FlexAttention baseline takes ~30 s to compile (three in bench-core, plus its backward).
-declare -A CAP=([build]=100 [bench-core]=260 [bench-targets]=70 [twin]=50 [e2e]=120 [bench-rest]=240
+declare -A CAP=([build]=100 [bench-core]=260 [bench-targets]=70 [twin]=50 [e2e]=120 [ab]=110 [bench-rest]=240
                 [test-ops]=200 [tune]=150 [test-rest]=560)
-declare -A FLOOR=([build]=60 [bench-core]=90 [bench-targets]=30 [twin]=20 [e2e]=60 [bench-rest]=20
+declare -A FLOOR=([build]=60 [bench-core]=90 [bench-targets]=30 [twin]=20 [e2e]=60 [ab]=30 [bench-rest]=20
                   [test-ops]=90 [tune]=30 [test-rest]=60)
 FAMILY_FLOOR=60   # bench-core: kept for the second family while the first runs
 
@@ -273,6 +276,14 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
       run_step e2e "$(share "${CAP[e2e]}" "$reserve")" \
         $PY -m bench.e2e --device cuda --model llama3-8b-random --sizes gpu-32k --repeats 3 --answer-tokens 16 \
           --memory-requests 0 --out "$WORK/e2e" ;;
+    ab)
+      mkdir -p "$WORK/ab"
+      if [ -f "$WORK/ab/done" ]; then echo "== ab: done by an earlier call (kept)"; continue; fi
+      run_step ab "$(share "${CAP[ab]}" "$reserve")" bash -c \
+        "AB_PARTS=paged $PY -m bench.ab_kernels '$WORK/ab/ab.jsonl'; r1=\$?; \
+         $PY -m pytest -q -rfE --device cuda -p no:cacheprovider $(xdist_args) ${TAGGED_TESTS[*]}; r2=\$?; \
+         AB_PARTS=varlen $PY -m bench.ab_kernels '$WORK/ab/ab.jsonl'; r3=\$?; \
+         [ \$(( r1 | r2 | r3 )) = 0 ] && touch '$WORK/ab/done'; exit \$(( r1 | r2 | r3 ))" ;;
     bench-rest)
       run_step bench-rest "$(share "${CAP[bench-rest]}" "$reserve")" \
         $PY -m bench --device cuda --sizes gpu --out "$WORK/bench" --peaks "$WORK/peaks.json" --resume ;;

@@ -54,8 +54,8 @@ def _steps(summary):
     return [line.split(":")[0].removeprefix("== ") for line in summary]
 
 
-CALL_1 = ["build", "bench-paged_attention", "bench-varlen_attention", "bench-targets", "twin", "e2e", "bench-rest"]
-CALL_2 = ["build", "test-ops", "bench-rest"]
+CALL_1 = ["build", "bench-paged_attention", "bench-varlen_attention", "bench-targets", "twin", "e2e", "ab", "bench-rest"]
+CALL_2 = ["build", "ab", "test-ops", "bench-rest"]
 
 
 def test_every_stage_is_capped(tmp_path):
@@ -138,7 +138,7 @@ def test_deadline_cuts_a_hung_step_and_keeps_the_rest(tmp_path):
     proc, summary = _run_script(tmp_path, [], "--call", "1", hang="bench.e2e", DEADLINE_S="40")
     assert _steps(summary) == ["peaks", *CALL_1], summary
     codes = [line.split("exit ")[1].split()[0] for line in summary]
-    assert codes == ["0", "0", "0", "0", "0", "0", "124", "0"], summary
+    assert codes == ["0", "0", "0", "0", "0", "0", "124", "0", "0"], summary   # e2e cut; ab and bench-rest run
     table = (tmp_path / "out" / "summary.md").read_text()
     assert "| e2e | cut at" in table and "| build | ok |" in table and "| bench-rest | ok |" in table, table
     assert proc.returncode != 0 and "failed steps: e2e" in proc.stdout
@@ -302,3 +302,16 @@ def test_no_test_assumes_the_interpreter_with_cuda_up(tmp_path):
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0 and not re.search(r"\d+ (failed|errors?)\b", proc.stdout), tail
     assert "CUDA is up" in proc.stdout, tail   # the interpreter-only cases said why they skipped
+
+
+def test_ab_runs_once_per_machine(tmp_path):
+    """The A/B stage leaves a mark in WORK_DIR when it passed: call 2 on the same warm machine
+    skips it, and a failed A/B is tried again."""
+    proc, summary = _run_script(tmp_path, ["ab"], hang="(nothing hangs)")
+    assert proc.returncode == 0 and _steps(summary) == ["ab"], proc.stdout + proc.stderr
+    assert (tmp_path / "work" / "ab" / "done").exists()
+    proc, summary = _run_script(tmp_path, ["ab"], hang="(nothing hangs)")
+    assert "ab: done by an earlier call" in proc.stdout and _steps(summary) == [], proc.stdout
+    (tmp_path / "work" / "ab" / "done").unlink()
+    proc, summary = _run_script(tmp_path, ["ab"], hang="bench.ab_kernels", STAGE_TIMEOUT="3")
+    assert proc.returncode == 1 and not (tmp_path / "work" / "ab" / "done").exists(), proc.stdout

@@ -7,13 +7,14 @@
 3. varlen_attention's forward (8 x 4096 + 50 Block-Attention, and a 4096 window over 16K) at the
    table's tile (128 x 32, 8 warps, 3 stages) and wider ones, and with TMA loads.
 
-    python3 docs/perf/h100/ab_kernels.py OUT.jsonl
+    python -m bench.ab_kernels OUT.jsonl        # scripts/gpu_check.sh's stage `ab` runs it
 
 ``AB_DRY=1`` runs the same steps at tiny sizes on the CPU (a check of the script, no timing).
 ``AB_PARTS=paged`` or ``varlen`` runs one part (default both).
 Every result is appended to OUT.jsonl as it is measured (a run cut short keeps them) and printed.
 Times: triton.testing.do_bench medians (L2 flushed between calls). Run from the repository root
-with the extension built (scripts/gpu_check.sh --build-only).
+with the extension built (scripts/gpu_check.sh --build-only). Results of the 2026-11-28 H100 run
+that motivated it: docs/perf/h100/2026-11-28/.
 """
 import json
 import os
