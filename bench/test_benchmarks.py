@@ -88,3 +88,23 @@ def test_small_cases_take_the_gpu_dtype_on_a_gpu(monkeypatch):
     # the fp8 cases' dtype is their cache format (float8 on every device), named in the case
     assert len(dtypes) >= 8 and all(d == "bfloat16" or (" fp8 " in n and d.startswith("float8"))
                                     for n, d in dtypes.items()), dtypes
+
+
+def test_kernel_ab_dry_run(tmp_path):
+    """``AB_DRY=1 python -m bench.ab_kernels OUT``: every variant of the GPU A/B runs at tiny sizes
+    in the interpreter and leaves one row without an error (the script a lent GPU runs first)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "ab.jsonl"
+    env = dict(os.environ, AB_DRY="1", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "bench.ab_kernels", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 22 and not [r for r in rows if "error" in r], rows
+    assert {r["case"] for r in rows} == {"decode_b32_ctx32768", "decode_window4096", "varlen_chunks8x4096+50",
+                                         "varlen_window4096_L16384"}
