@@ -113,11 +113,30 @@ def _byte_span(t: torch.Tensor):
     return first, first + (last + 1) * t.element_size() - 1
 
 
-def check_no_overlap(op: str, outputs: dict, inputs: dict) -> None:
-    """Raise ValueError if an output tensor shares memory with an input or another output.
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """True unless every element of ``t`` is its own memory, by strides alone (fake/meta tensors too).
 
-    Compares storages and byte spans (conservative for interleaved strided views), so it works on
-    fake and meta tensors too. ``outputs``/``inputs`` map argument names to tensors (None skipped).
+    The sufficient rule: with the dims of size > 1 sorted by stride, each stride exceeds the largest
+    offset the smaller dims reach. An expanded (stride-0) view fails it, and so does any layout
+    where two indices could meet; a few exotic non-overlapping interleavings fail it too, and are
+    refused as well (an output buffer is never one in practice)."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 0
+    for st, n in dims:
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
+
+
+def check_no_overlap(op: str, outputs: dict, inputs: dict) -> None:
+    """Raise ValueError if an output tensor overlaps itself (e.g. an ``expand``ed view, which a
+    kernel would write several times and read back wrong) or shares memory with an input or
+    another output.
+
+    Compares strides, storages and byte spans (conservative for interleaved strided views), so it
+    works on fake and meta tensors too. ``outputs``/``inputs`` map argument names to tensors (None
+    skipped). Empty outputs are never refused (nothing is written).
     """
     outs = [(n, t) for n, t in outputs.items() if t is not None]
     others = outs + [(n, t) for n, t in inputs.items() if t is not None]
@@ -125,6 +144,9 @@ def check_no_overlap(op: str, outputs: dict, inputs: dict) -> None:
         span_o = _byte_span(o)
         if span_o is None:
             continue
+        if overlaps_itself(o):
+            raise ValueError(f"ragattn.{op}: {name} overlaps itself in memory (an expanded or stride-0 view?): "
+                             f"shape {tuple(o.shape)}, strides {tuple(o.stride())}; give it its own memory per element")
         for other, t in others[i + 1 :]:
             if t.device != o.device or t.untyped_storage()._cdata != o.untyped_storage()._cdata:
                 continue

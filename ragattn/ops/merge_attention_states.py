@@ -42,6 +42,25 @@ def _validate(out_a, lse_a, out_b, lse_b, out=None, lse_out=None, op: str = _OP)
         check_no_overlap(op, {"out": out, "lse_out": lse_out}, dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b))
 
 
+def _stack_states(name: str, states, ndim: int) -> torch.Tensor:
+    """``states`` as one ``[S, ...]`` tensor: a list of S tensors of one shape, dtype and device is
+    stacked (checked here, so a bad list is named rather than failing inside ``torch.stack``)."""
+    if not isinstance(states, (list, tuple)):
+        return states
+    if not states:
+        raise ValueError(f"ragattn.{_OPN}: {name} is an empty list; for S = 0 pass a tensor of shape "
+                         f"[0, {'N, num_heads, head_dim' if ndim == 3 else 'N, num_heads'}] (a list has no shape)")
+    first = states[0]
+    for i, t in enumerate(states):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ragattn.{_OPN}: {name}[{i}] must be a tensor, got {type(t).__name__}")
+        if t.dim() != ndim or t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"ragattn.{_OPN}: {name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but {name}[0] "
+                             f"is {tuple(first.shape)} {first.dtype} on {first.device}; every state needs the same "
+                             f"{ndim}-d shape, dtype and device")
+    return torch.stack(list(states))
+
+
 def _validate_n(outs, lses) -> None:
     check_tensor(_OPN, "outs", outs, dtypes=FLOAT_DTYPES, ndim=4)
     check_tensor(_OPN, "lses", lses, dtypes=(torch.float32,), shape=tuple(outs.shape[:3]))
@@ -154,15 +173,15 @@ def merge_attention_states_n(
         a C++ loop on CPU, the reference with ``RAGATTN_CPU_BACKEND=reference``.
     """
     _check_log2(_OPN, log2)
-    if isinstance(outs, (list, tuple)):
-        outs = torch.stack(list(outs))
-    if isinstance(lses, (list, tuple)):
-        lses = torch.stack(list(lses))
+    outs = _stack_states("outs", outs, 3)
+    lses = _stack_states("lses", lses, 2)
     return torch.ops.ragattn.merge_attention_states_n(outs, lses, log2)
 
 
 def _run(out_a, lse_a, out_b, lse_b, out=None, lse_out=None, log2=False, op=_OP):
     _validate(out_a, lse_a, out_b, lse_b, out, lse_out, op=op)
+    if lse_a.numel() == 0:  # no (row, head): nothing to read or write, whatever the strides
+        return (out, lse_out) if out is not None else (out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape))
     use_triton = out_a.device.type == "cuda" or _extension.cpu_backend() == "triton"
     if use_triton:
         from ragattn.triton_kernels.merge_attention_states import merge_two_states
