@@ -265,7 +265,9 @@ def verify_draft_vllm(
             emitted as they are). Exactly one of the two.
         temperature: a float for the batch, or float32 ``[B]`` (vLLM's per-request
             ``sampling_metadata.temperature``); a request at temperature ``<= 1e-5`` (vLLM's
-            greedy threshold) is verified greedily, the others are sampled.
+            greedy threshold; vLLM writes 0.0) is verified greedily, the others are sampled. Either
+            form must be finite and ``>= 0`` (ValueError naming the request); the division by the
+            temperature is done in float32 whatever the logits' dtype, as :func:`verify_draft` does.
         generators: vLLM's ``sampling_metadata.generators``, ``{request index: torch.Generator}``:
             the uniforms of request ``b`` (its ``g_b`` acceptance draws, then the final draw) come from
             its generator when it has one, else from torch's default generator on the device.
@@ -305,6 +307,10 @@ def verify_draft_vllm(
     else:
         ids = bonus_token_ids.reshape(-1)
         check_tensor(op, "bonus_token_ids", ids, dtypes=(torch.int64,), shape=(bsz,), device=dev)
+        if bsz:  # (a host read, as counts above; on CUDA scatter_ would hit a device-side assert)
+            lo, hi = (int(x) for x in ids.aminmax())
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"ragattn.{op}: bonus_token_ids must be token ids in [0, V = {vocab}), got {lo} .. {hi}")
         # one-hot logits: p puts all its mass on the given token, which the final draw then emits
         bonus = torch.full((bsz, vocab), float("-inf"), dtype=target_logits.dtype, device=dev)
         bonus.scatter_(1, ids[:, None], 0.0)
@@ -322,17 +328,30 @@ def verify_draft_vllm(
         lo, n = int(cu[b]) + b, counts[b] + 1
         gen = gens.get(b)
         uniforms[lo:lo + n] = torch.rand(n, generator=gen, device=dev) if gen is not None else torch.rand(n, device=dev)
+    # One rule for a float and a per-request tensor: finite and >= 0 (NaN, inf, negative refused),
+    # <= 1e-5 greedy (vLLM's 0.0), and the division by T done in float32 whatever the logits' dtype
+    # (z / T in fp16 overflows to inf for a small T and would accept any draft).
     if isinstance(temperature, torch.Tensor):
         check_tensor(op, "temperature", temperature, dtypes=(torch.float32,), shape=(bsz,))
         t = temperature.to(dev)
+        bad = ~torch.isfinite(t) | (t < 0)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0])
+            raise ValueError(f"ragattn.{op}: temperature must be finite and >= 0 (<= 1e-5: greedy), got {float(t[b])} "
+                             f"for request {b}")
         greedy_req = t <= 1e-5
         t_row = torch.where(greedy_req, torch.ones_like(t), t)[row_req]
-        args = (draft_token_ids, draft_probs, logits / t_row[:, None].to(logits.dtype), uniforms, 1.0, eta, alpha)
+        args = (draft_token_ids, draft_probs, logits.float() / t_row[:, None], uniforms, 1.0, eta, alpha)
         flat, _ = verify_draft(*args, greedy=False, cu_num_draft=cu)
         if bool(greedy_req.any()):
             greedy_flat, _ = verify_draft(*args, greedy=True, cu_num_draft=cu)
             flat = torch.where(greedy_req[row_req], greedy_flat, flat)
     else:
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"ragattn.{op}: temperature must be a float or a float32 [B] tensor, "
+                            f"got {type(temperature).__name__}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"ragattn.{op}: temperature must be finite and >= 0 (<= 1e-5: greedy), got {temperature}")
         greedy = float(temperature) <= 1e-5
         flat, _ = verify_draft(draft_token_ids, draft_probs, logits, uniforms, 1.0 if greedy else float(temperature),
                                eta, alpha, greedy=greedy, cu_num_draft=cu)

@@ -103,3 +103,44 @@ def test_vllm_layout_errors():
         verify_draft_vllm(drafts, ends, logits[:2], probs, bonus_logits=bonus)
     with pytest.raises(ValueError, match="max_spec_len = 1 is below"):
         verify_draft_vllm(drafts, ends, logits, probs, bonus_logits=bonus, max_spec_len=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_vllm_layout_temperature_tensor_follows_the_float_rule(dtype):
+    """A per-request temperature divides in float32 like the float form: with fp16 logits and
+    T = 1e-4, z / T overflowed fp16 to inf and a draft of probability ~e^-100 was accepted about
+    half the time; now the tensor form gives exactly the float form's tokens."""
+    vocab, n = 37, 64
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(n, vocab, generator=g) * 8).to(dtype)   # |z| / 1e-4 far past fp16's 65504
+    best = logits.float().argmax(-1)
+    drafts = (best + 1) % vocab   # never the argmax: ~e^-(gap / T) at T = 1e-4
+    ends = torch.arange(1, n + 1)
+    bonus = torch.zeros(n, dtype=torch.int64) + 3
+    for t in (1e-4, 0.3, 2.0):
+        seeds = {b: torch.Generator().manual_seed(b) for b in range(n)}
+        got = verify_draft_vllm(drafts, ends, logits, bonus_token_ids=bonus, temperature=torch.full((n,), t),
+                                generators=seeds)
+        seeds = {b: torch.Generator().manual_seed(b) for b in range(n)}
+        want = verify_draft_vllm(drafts, ends, logits, bonus_token_ids=bonus, temperature=t, generators=seeds)
+        assert torch.equal(got, want), (t, got[:, 0], want[:, 0])
+        if t == 1e-4:
+            gap = (logits.float().max(-1).values - logits.float().gather(1, drafts[:, None])[:, 0]) / t
+            sure = gap > 50   # acceptance probability below e^-50
+            assert not (got[sure, 0] == drafts[sure]).any()
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5], ids=str)
+@pytest.mark.parametrize("form", ["float", "tensor"])
+def test_vllm_layout_refuses_a_bad_temperature_in_either_form(temperature, form):
+    drafts, ends, logits, probs, bonus = _batch([2, 1], 11, 3)
+    t = temperature if form == "float" else torch.tensor([1.0, temperature])
+    with pytest.raises(ValueError, match="verify_draft_vllm: temperature must be finite and >= 0"):
+        verify_draft_vllm(drafts, ends, logits, probs, bonus_logits=bonus, temperature=t)
+
+
+@pytest.mark.parametrize("bad", [-1, 11, 2**40])
+def test_vllm_layout_refuses_a_bonus_token_out_of_the_vocabulary(bad):
+    drafts, ends, logits, probs, _ = _batch([2, 1], 11, 3)
+    with pytest.raises(ValueError, match=r"verify_draft_vllm: bonus_token_ids must be token ids in \[0, V = 11\)"):
+        verify_draft_vllm(drafts, ends, logits, probs, bonus_token_ids=torch.tensor([4, bad]))
