@@ -58,6 +58,11 @@ class PagedAttentionPlan:
     dtype: torch.dtype
 
 
+def _is_int(value) -> bool:
+    """A Python int (bool excluded: ``True`` is not a split count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def plan_paged_attention(
     cu_seqlens_q: torch.Tensor,
     table: PageTable,
@@ -98,7 +103,7 @@ def plan_paged_attention(
     check_tensor(_RUN_OP, "cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, shape=(table.batch + 1,),
                  device=table.kv_lens.device)
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(value, int) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ValueError(f"ragattn.plan_paged_attention: {name} must be a positive int, got {value!r}")
     if num_heads % num_kv_heads:
         raise ValueError(f"ragattn.plan_paged_attention: num_heads ({num_heads}) must be a multiple of "
@@ -106,8 +111,15 @@ def plan_paged_attention(
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"ragattn.plan_paged_attention: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
     for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
-        if value is not None and (not isinstance(value, int) or value < 0):
+        if value is not None and (not _is_int(value) or value < 0):
             raise ValueError(f"ragattn.plan_paged_attention: {name} must be a non-negative int, got {value!r}")
+    # checked here, not at run time: a plan is made once and run per layer
+    if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
+        raise ValueError(f"ragattn.plan_paged_attention: num_splits must be None (automatic) or a positive int, "
+                         f"got {num_splits!r}")
+    if not _is_int(window_left) or window_left > 2**31 - 1:
+        raise ValueError(f"ragattn.plan_paged_attention: window_left must be an int (negative: no window) up to "
+                         f"2^31 - 1, got {window_left!r}")
     p = plan_tiles(cu_seqlens_q, table.kv_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    dtype=dtype, window_left=window_left, num_splits=num_splits, max_q_len=max_q_len,
                    max_kv_len=max_kv_len)

@@ -237,3 +237,18 @@ def test_bad_run_inputs_are_refused_like_the_fake():
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in broken]
             assert _errors(lambda: torch.ops.ragattn.paged_attention_run(*fake)) == real
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_splits=0), "num_splits must be None"), (dict(num_splits=-3), "num_splits must be None"),
+    (dict(num_splits=2.0), "num_splits must be None"), (dict(num_splits=True), "num_splits must be None"),
+    (dict(window_left=4.0), "window_left must be an int"), (dict(window_left=2**31), "window_left must be an int"),
+    (dict(max_q_len=1.5), "max_q_len must be a non-negative int")])
+def test_plan_refuses_bad_scalars_when_planning(kw, match):
+    """A plan is made once and run per layer: its scalars are checked when planning (num_splits 0
+    divided by zero; a float num_splits or window_left failed later, in the first run)."""
+    c = make_csr_case([[5]], [6], num_heads=2, num_kv_heads=1, head_dim=64, page_size=4, dtype=torch.float32,
+                      device="cpu")
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 4)
+    with pytest.raises(ValueError, match=f"plan_paged_attention: {match}"):
+        _plan(c, table, **kw)
