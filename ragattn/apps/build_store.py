@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
     device = parse_device(args.device)                  # before any work: the device and --out
     writable_dir(args.out, "--out")
     corpus = load_corpus(args.corpus)
-    model, tok = model_and_tokenizer or load_model(args.model, device)
+    model, tok = model_and_tokenizer or load_model(args.model, device, "build-store")
     head, chunks, _ = prompt_parts(tok, [p.render() for p in corpus.passages], "")
     emb = SentenceEncoder().encode([f"{p.title}. {p.text}" for p in corpus.passages])  # as the retriever
     nbrs = fusionrag.neighbours(emb, args.neighbours)

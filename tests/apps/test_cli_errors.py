@@ -56,6 +56,10 @@ def _cases(tmp_path):
         (["refrag-train", "--checkpoint", str(tmp_path / "k.pt"), "--out", f], "--out"),
         (["refrag-train", "--checkpoint", str(ckpt), "--resume"], "is not a readable checkpoint"),
         (["refrag-train", "--rl-expand", "0"], "rl_expand"),
+        # a bad --model is named by the command that was run (build-store and finetune said "ragattn demo")
+        (["build-store", "--out", out, "--model", "gpt-17"], "ragattn build-store: unsupported model 'gpt-17'"),
+        (["finetune", "--device", "cpu", "--model", "gpt-17"], "ragattn finetune: unsupported model 'gpt-17'"),
+        (["eval", "--no-progress", "--out", out, "--model", "gpt-17"], "unsupported model 'gpt-17'"),
     ]
     if not torch.cuda.is_available():
         cases += [([cmd, *pre, "--device", "cuda"], "no CUDA device is available")
