@@ -283,7 +283,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(TILE_SEQ + tile)
-    row0 = tl.load(TILE_ROW0 + tile)
+    # the tile's first row counted from its sequence's start, which is read now: a plan stays
+    # right when the engine rewrites cu_seqlens_q in place (rows within the plan's coverage)
+    row0 = (tl.load(CU_SEQLENS_Q + seq) + tl.load(TILE_ROW0 + tile)).to(tl.int32)
     row_end = tl.load(CU_SEQLENS_Q + seq + 1)
     kv_len = tl.load(KV_LENS + seq).to(tl.int32)  # <= max_pages * page_size (validated)
 
@@ -533,8 +535,9 @@ class PagedPlan:
     any host sync or CPU tensor, so a plan built once per decode step (or once for a captured batch
     shape, from maxima) makes the run CUDA-graph safe.
 
-    ``tile_seq``/``tile_row0`` int32 ``[num_tiles]`` on the device: the sequence and first query
-    row of each query tile (a tile past its sequence's rows has nothing to do). ``split_len``
+    ``tile_seq``/``tile_row0`` int32 ``[num_tiles]`` on the device: the sequence of each query
+    tile and its first query row *counted from the sequence's start* (the kernel adds
+    ``cu_seqlens_q[seq]``, read at run time; a tile past its sequence's rows has nothing to do). ``split_len``
     slots per split-KV partition (``num_splits`` of them, counted from each tile's first visible
     slot; the last one runs to the end of the visible range, whatever its length).
     """
@@ -625,7 +628,7 @@ def plan_paged_attention(
         tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), tiles_per_seq)
         first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
         tile_idx = torch.arange(tile_seq.numel(), dtype=torch.int64) - first_tile[tile_seq]
-        tile_row0 = cu[:-1][tile_seq] + tile_idx * block_m
+        tile_row0 = tile_idx * block_m
         tile_seq = tile_seq.to(torch.int32).to(device, non_blocking=True)
         tile_row0 = tile_row0.to(torch.int32).to(device, non_blocking=True)
     else:
@@ -633,7 +636,7 @@ def plan_paged_attention(
         tps = triton.cdiv(max(max_q_len, 1), block_m) if max_q_len > 0 else 0
         t = torch.arange(batch * tps, dtype=torch.int64, device=device)
         tile_seq = torch.div(t, max(tps, 1), rounding_mode="floor")
-        tile_row0 = (cu_seqlens_q.long()[tile_seq] + (t - tile_seq * tps) * block_m).to(torch.int32)
+        tile_row0 = ((t - tile_seq * tps) * block_m).to(torch.int32)
         tile_seq = tile_seq.to(torch.int32)
     num_tiles = tile_seq.shape[0]
 

@@ -40,7 +40,7 @@ class PagedAttentionPlan:
         table: the ``PageTable`` (pages, row starts, ``kv_lens``) the runs read.
         cu_seqlens_q: int32/int64 ``[B + 1]``, the query rows' offsets the plan was made for.
         tile_seq, tile_row0: int32 ``[num_tiles]`` on the device, the query tiles' sequence and
-            first row.
+            first row counted from that sequence's start (``cu_seqlens_q[seq]`` is read at run time).
         launch: the kernel's host integers (tile sizes, GQA group, split-KV, warps, stages).
         window_left: the sliding window the plan was made for (-1: none).
         num_heads, num_kv_heads, head_dim, dtype: the attention shape it was made for.
@@ -91,10 +91,13 @@ def plan_paged_attention(
             ``plan`` for a maximum). A missing one is read from the tensors (one host sync on CUDA).
         num_splits: forces the split-KV factor (default: from the SM count and the context).
 
-    A plan stays valid while ``cu_seqlens_q`` and the table's tensors keep their shapes: engines
-    update their contents in place between replays (longer contexts stay exact, the last split-KV
-    partition runs to the end; a sequence with more than ``max_q_len`` rows is an error, checked on
-    CPU and with ``RAGATTN_DEBUG=1``).
+    What a plan captures: the shapes of ``cu_seqlens_q`` and the table's tensors, and how many
+    query tiles each sequence gets (``ceil(rows / block_m)`` of the rows at planning time, or of
+    ``max_q_len`` for every sequence). Their contents are read at every run, so engines may update
+    them in place between replays: sequence boundaries may move and contexts grow (exact: the last
+    split-KV partition runs to the end) as long as no sequence has more query rows than its tiles
+    cover; more is an error (ValueError "plan again"), checked on every CPU backend and, on CUDA,
+    with ``RAGATTN_DEBUG=1`` (a check there would cost a host sync per layer).
     """
     from ragattn.triton_kernels.paged_attention import plan_paged_attention as plan_tiles
 

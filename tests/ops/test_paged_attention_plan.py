@@ -252,3 +252,37 @@ def test_plan_refuses_bad_scalars_when_planning(kw, match):
     table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 4)
     with pytest.raises(ValueError, match=f"plan_paged_attention: {match}"):
         _plan(c, table, **kw)
+
+
+@pytest.mark.parametrize("maxima", [False, True], ids=["exact", "for-maxima"])
+def test_cu_seqlens_rewritten_in_place_after_planning(backend, device, maxima, seed):
+    """A plan captures each sequence's tile count, not its row offsets: an engine that rewrites
+    cu_seqlens_q (and q, q_pos) in place between plan and run, moving the sequence boundaries
+    within that coverage, gets the new batch's exact result on every backend (the Triton path
+    kept the planning-time offsets and left rows unwritten); past the coverage it is told to plan
+    again, on every CPU backend alike."""
+    kv = [40, 23, 57]
+    rows0 = [5, 2, 9]
+    c = make_csr_case([list(range(n - r, n)) for n, r in zip(kv, rows0)], kv, num_heads=4, num_kv_heads=2,
+                      head_dim=64, page_size=8, dtype=torch.float32, device=device)
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8)
+    plan = _plan(c, table, **(dict(max_q_len=9, max_kv_len=57) if maxima else {}))
+    block_m = plan.launch[0]
+    covered = torch.zeros(3, dtype=torch.int64).index_add_(0, plan.tile_seq.cpu().long(),
+                                                           torch.full((plan.tile_seq.numel(),), block_m))
+    rows = [2, 4, 10]   # the same 16 rows split anew: both boundaries move, each within its tiles
+    assert all(r <= int(cv) for r, cv in zip(rows, covered)), (rows, covered)
+    cu_new = torch.tensor([0, rows[0], rows[0] + rows[1], 16], dtype=c["cu"].dtype)
+    c["cu"].copy_(cu_new.to(device))
+    c["q_pos"].copy_(torch.tensor([p for n, r in zip(kv, rows) for p in range(n - r, n)], dtype=c["q_pos"].dtype)
+                     .to(device))
+    c["q"].copy_(randn_nonzero(*c["q"].shape, dtype=c["q"].dtype, device=device))
+    out, lse = run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"])
+    check_against_reference((c["q"], c["q_pos"], c["cu"], c["k"], c["v"], c["bt"], c["kv_lens"]), out, lse)
+    # one sequence past its tiles' coverage: plan again
+    over = int(covered[0]) + 1
+    if over <= 16:
+        c["cu"].copy_(torch.tensor([0, over, over, 16], dtype=c["cu"].dtype).to(device))
+        if device.type == "cpu":
+            with pytest.raises(ValueError, match="plan again"):
+                run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"])
