@@ -44,6 +44,7 @@ class PagedAttentionPlan:
         launch: the kernel's host integers (tile sizes, GQA group, split-KV, warps, stages).
         window_left: the sliding window the plan was made for (-1: none).
         num_heads, num_kv_heads, head_dim, dtype: the attention shape it was made for.
+        max_q_len: the bound it was planned for, if given (a sequence with more rows is an error).
     """
 
     table: PageTable
@@ -56,6 +57,7 @@ class PagedAttentionPlan:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    max_q_len: Optional[int] = None  # given to plan_paged_attention (None: the exact rows at planning)
 
 
 def _is_int(value) -> bool:
@@ -127,7 +129,7 @@ def plan_paged_attention(
                    dtype=dtype, window_left=window_left, num_splits=num_splits, max_q_len=max_q_len,
                    max_kv_len=max_kv_len)
     return PagedAttentionPlan(table, cu_seqlens_q, p.tile_seq, p.tile_row0, tuple(p.launch()), window_left,
-                              num_heads, num_kv_heads, head_dim, dtype)
+                              num_heads, num_kv_heads, head_dim, dtype, max_q_len)
 
 
 def run_paged_attention(
@@ -185,8 +187,8 @@ def run_paged_attention(
         raise ValueError(f"ragattn.run_paged_attention: k_cache must have {plan.num_kv_heads} kv heads as "
                          f"planned, got {k_cache.shape[2]}")
     t = plan.table
-    if inv_freq is not None and rotary_dim is None:
-        rotary_dim = q.shape[-1]
+    rotary_dim = _rotary_dim(q, inv_freq, rotary_dim)
+    _check_rows_within(plan.cu_seqlens_q, plan.max_q_len, q.device)
     args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
             plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, inv_freq,
             rotary_dim or 0, bool(interleaved), k_scale, v_scale, float(logits_soft_cap))
@@ -263,6 +265,29 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         if bool((rows > covered).any()):
             raise ValueError(f"ragattn.{_RUN_OP}: the plan covers {covered.tolist()} query rows per sequence, "
                              f"the batch has {rows.tolist()}: plan again (a larger max_q_len)")
+
+
+def _rotary_dim(q: torch.Tensor, inv_freq, rotary_dim) -> Optional[int]:
+    """``rotary_dim``, defaulting to head_dim with ``inv_freq``; without ``inv_freq`` (keys already
+    rotated) a ``rotary_dim`` would be silently ignored: refused."""
+    if inv_freq is None:
+        if rotary_dim is not None:
+            raise ValueError(f"ragattn.{_RUN_OP}: rotary_dim = {rotary_dim!r} is given without inv_freq: keys are "
+                             "rotated in the kernel only with inv_freq (pass both, or neither for rotated keys)")
+        return None
+    return q.shape[-1] if rotary_dim is None else rotary_dim
+
+
+def _check_rows_within(cu_seqlens_q: torch.Tensor, max_q_len: Optional[int], device: torch.device) -> None:
+    """A sequence with more query rows than the plan's ``max_q_len``: an error on every backend
+    where values may be read (CPU, ``RAGATTN_DEBUG=1``), whatever its tiles happen to cover."""
+    if max_q_len is None or device.type == "meta" or cu_seqlens_q.numel() < 2:
+        return
+    if device.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
+        rows = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if rows > max_q_len:
+            raise ValueError(f"ragattn.{_RUN_OP}: a sequence has {rows} query rows, more than the max_q_len = "
+                             f"{max_q_len} planned for: plan again (a larger max_q_len)")
 
 
 def _check_entries(pages, entry_pos, entry_len, page_size) -> None:
@@ -511,11 +536,11 @@ class PagedAttentionStep:
             return run_paged_attention(plan, q, q_pos, k_cache, v_cache, scale, inv_freq=inv_freq,
                                        rotary_dim=rotary_dim, interleaved=interleaved,
                                        logits_soft_cap=logits_soft_cap)
+        _check_rows_within(self.cu_seqlens_q, self.max_q_len, q.device)   # the rule the plan path follows
         if not tagged and t.row_start is None:
             return paged_attention(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale,
                                    window_left, logits_soft_cap)
-        if inv_freq is not None and rotary_dim is None:
-            rotary_dim = q.shape[-1]
+        rotary_dim = _rotary_dim(q, inv_freq, rotary_dim)
         args = (q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, None, None, (),
                 scale, window_left, t.entry_pos, t.entry_len, inv_freq, rotary_dim or 0, bool(interleaved), None,
                 None, float(logits_soft_cap))

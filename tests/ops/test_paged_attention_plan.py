@@ -286,3 +286,33 @@ def test_cu_seqlens_rewritten_in_place_after_planning(backend, device, maxima, s
         if device.type == "cpu":
             with pytest.raises(ValueError, match="plan again"):
                 run_paged_attention(plan, c["q"], c["q_pos"], c["k"], c["v"])
+
+
+def test_rotary_dim_without_inv_freq_is_refused(backend, device):
+    """rotary_dim only means something with inv_freq (keys rotated in the kernel); alone it was
+    ignored silently. Refused by name on the plan path and the step alike."""
+    from ragattn.ops import PagedAttentionStep
+
+    c = make_csr_case([[12], [2, 3]], [13, 4], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.float32, device=device)
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8)
+    with pytest.raises(ValueError, match="rotary_dim = 32 is given without inv_freq"):
+        run_paged_attention(_plan(c, table), c["q"], c["q_pos"], c["k"], c["v"], rotary_dim=32)
+    with pytest.raises(ValueError, match="rotary_dim = 32 is given without inv_freq"):
+        PagedAttentionStep(c["cu"], table).run(c["q"], c["q_pos"], c["k"], c["v"], rotary_dim=32)
+
+
+def test_more_rows_than_max_q_len_is_refused_on_every_backend(backend, device):
+    """A sequence with more query rows than the plan's max_q_len: 'plan again' on the plan path and
+    on the step's CPU kernels alike (the CPU step computed it silently, the Triton plan refused it)."""
+    from ragattn.ops import PagedAttentionStep
+
+    if device.type != "cpu":
+        pytest.skip("a precondition on CUDA (RAGATTN_DEBUG=1 checks it)")
+    c = make_csr_case([[12], [1, 2, 3]], [13, 4], num_heads=4, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.float32, device=device)
+    table = PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8)
+    with pytest.raises(ValueError, match="more than the max_q_len = 2 planned for: plan again"):
+        run_paged_attention(_plan(c, table, max_q_len=2, max_kv_len=16), c["q"], c["q_pos"], c["k"], c["v"])
+    with pytest.raises(ValueError, match="more than the max_q_len = 2 planned for: plan again"):
+        PagedAttentionStep(c["cu"], table, max_q_len=2, max_kv_len=16).run(c["q"], c["q_pos"], c["k"], c["v"])
