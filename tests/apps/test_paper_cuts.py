@@ -98,6 +98,9 @@ def test_bench_help_names_the_command_that_ran(argv0, expect):
     code = f"import sys; sys.argv = [{argv0!r}]\nfrom ragattn.bench.e2e import main\nmain(['--help'])"
     sub = "usage: python -m bench.e2e" if expect.endswith("python -m bench") else expect + " e2e"
     assert _run(code).stdout.startswith(sub + " [-h]")
+    code = f"import sys; sys.argv = [{argv0!r}]\nfrom ragattn.bench.sm90 import main\nmain(['--help'])"
+    sub = "usage: python -m bench.sm90" if expect.endswith("python -m bench") else expect + " sm90"
+    assert _run(code).stdout.startswith(sub + " [-h]")
 
 
 def _setup_function(name):
