@@ -207,3 +207,26 @@ def test_refrag_note_says_why_and_how_to_train(monkeypatch, tmp_path):
     label = runner.label()
     assert "UNTRAINED PROJECTOR" in label and "mean nothing" in label
     assert "python -m ragattn refrag-train --k 16" in label and "min" in label
+
+
+@pytest.mark.parametrize("command", ["demo", "eval", "build-store", "finetune", "refrag-train"])
+def test_every_option_has_help_text(command, monkeypatch, capsys):
+    """`--help` explains every flag a newcomer may pass (argparse's own -h aside)."""
+    import argparse
+
+    from ragattn.__main__ import main as cli_main
+
+    parsers = []
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def recording_parse(self, *a, **kw):
+        parsers.append(self)
+        return real_parse(self, *a, **kw)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", recording_parse)
+    assert cli_main([command, "--help"]) == 0
+    capsys.readouterr()
+    assert parsers, command
+    bare = [a.option_strings[0] for p in parsers for a in p._actions
+            if a.option_strings and a.help in (None, "") and a.dest != "help"]
+    assert bare == [], f"{command}: options without help text: {bare}"
