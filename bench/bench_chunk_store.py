@@ -1,4 +1,4 @@
-"""Benchmarks of the chunk store's request path (issue 14): what every cached method pays before
+"""Benchmarks of the chunk store's request path: what every cached method pays before
 its final-block prefill, with every chunk already in memory.
 
   add_hit          ``store.add(chunks)`` of chunks already stored (token checks and key hashes)

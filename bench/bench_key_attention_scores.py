@@ -1,4 +1,4 @@
-"""Benchmark of ``key_attention_scores`` (issue 3): FusionRAG's query-guided scoring.
+"""Benchmark of ``key_attention_scores``: FusionRAG's query-guided scoring.
 
 gpu: a 64-token question against 32K context keys, bf16, 32 query heads, 8 kv heads, d 128.
 Target: at most 10% of one full-prefill attention layer at 32K, i.e. a ragattn speedup of at

@@ -1,4 +1,4 @@
-"""Benchmarks of ``rerotate_keys_`` and ``copy_kv_`` (issue 2).
+"""Benchmarks of ``rerotate_keys_`` and ``copy_kv_``.
 
 gpu: 32 layers x 8 KV heads x 128 dims, bf16, 8192 rows (512 MB of K rows across layers),
 plus one 512-token chunk over all layers (latency). Targets (H100): >= 85% of the measured

@@ -1,4 +1,4 @@
-"""Benchmarks of ``paged_attention`` and ``merge_attention_states`` (issue 3).
+"""Benchmarks of ``paged_attention`` and ``merge_attention_states``.
 
 gpu (bf16, 32 query heads, 8 kv heads, head dim 128, page size 16, shuffled page table):
 * ``sparse_prefill``: a 32K-token cached context, 15% of its rows chosen uniformly at random plus
@@ -173,7 +173,7 @@ def _decode(device, size, rnd):
 
 
 def _decode_tagged(device, size, rnd):
-    """Decode on a zero-copy request's table (issue 27): every page an entry with its first
+    """Decode on a zero-copy request's table: every page an entry with its first
     position (``PageTable.from_entries``), keys stored without RoPE and rotated in the kernel.
     Baseline: the same decode over keys rotated beforehand (the copy path's cache)."""
     import ragattn

@@ -1,4 +1,4 @@
-"""Benchmark of ``refrag_assemble`` (issue 12): REFRAG's decoder input, token embeddings and
+"""Benchmark of ``refrag_assemble``: REFRAG's decoder input, token embeddings and
 projected chunk embeddings interleaved in one pass.
 
 gpu: LLaMA-2-7B shape (V 32000, d 4096, bf16), 16 rows of a 64-token question + 2048 context

@@ -1,4 +1,4 @@
-"""Benchmarks of ``varlen_attention`` (issue 3).
+"""Benchmarks of ``varlen_attention``.
 
 gpu (bf16, 32 query heads, 8 kv heads, head dim 128, causal), Block-Attention's mask (chunks
 independent, final block global):

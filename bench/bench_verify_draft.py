@@ -1,4 +1,4 @@
-"""Benchmark of ``verify_draft`` (issue 4): chain speculative verification, standard (eta 0) and
+"""Benchmark of ``verify_draft``: chain speculative verification, standard (eta 0) and
 RAPID's modified target (eta 10).
 
 gpu: B in {1, 8, 64} x gamma in {4, 10} x V in {32000 (LLaMA-2), 128256 (LLaMA-3.1),

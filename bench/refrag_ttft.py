@@ -1,5 +1,5 @@
 """REFRAG time to first token against context length, next to the paper's analytic model, and
-answer quality (exact match) on the shipped QA set (issue 12; a benchmark, not a test).
+answer quality (exact match) on the shipped QA set (a benchmark, not a test).
 
     python -m ragattn.bench.refrag_ttft [--contexts 512,1024,2048,4096] [--ks 8,16,32] [--repeats 2]
                                         [--qa-limit 20] [--fractions 0,0.25] [--out docs/perf/cpu-refrag]

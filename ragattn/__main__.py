@@ -1,7 +1,7 @@
 """``python -m ragattn <command>``.
 
     python -m ragattn demo [--method M ...] [--question TEXT] [--corpus DIR] [--model NAME]
-                           [--top-k K] [--max-new-tokens N] [--limit N] [--device cpu|cuda]
+                           [--top-k K] [--repeats N] [--max-new-tokens N] [--limit N] [--device cpu|cuda]
     python -m ragattn build-store --corpus DIR --out DIR [--neighbours N] [--shard i/n] [--batch B]
     python -m ragattn eval [--corpus DIR] [--model NAME] [--methods M,M] [--top-k 8,16]
                            [--ratios 0,5,15,30,100] [--limit N] [--device cpu|cuda] [--out DIR]

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh --call 1 OUT_DIR     build (background) + peaks, the GPU rows, twin tests, e2e 32K
 #   bash scripts/gpu_check.sh --call 2 OUT_DIR     the A/B if call 1 cut it, the op tests on CUDA, then whatever call 1 cut
 #   bash scripts/gpu_check.sh OUT_DIR STAGE ...    chosen stages (below), in the order given
-#   bash scripts/gpu_check.sh --plan [--call N | STAGE ...]   print each step and its cap; run nothing
+#   bash scripts/gpu_check.sh --plan [--call N | STAGE ...]   print each step and its cap; run nothing (--plan alone: both calls)
 #   bash scripts/gpu_check.sh --stamp              write .gpu_check_commit (see "commit" below)
 # OUT_DIR is required (what the device tool brings back is what the script leaves there). The device
 # tool returns at most 8 files, so OUT_DIR holds only: summary.md (one row a step), env.txt,
@@ -104,6 +104,10 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
+if [ "$PLAN" = 1 ] && [ -z "$CALL" ] && [ $# -eq 0 ]; then   # --plan alone: both calls' plans
+  for c in 1 2; do echo "gpu_check: plan of --call $c"; bash "$SELF" --plan --call "$c" || exit $?; done
+  exit 0
+fi
 case "$CALL" in
   1) STAGES=(build bench-core bench-targets twin e2e ab bench-rest); DEADLINE=${DEADLINE_S:-450} ;;
   2) STAGES=(build ab test-ops bench-rest); DEADLINE=${DEADLINE_S:-240} ;;

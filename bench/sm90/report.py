@@ -141,9 +141,11 @@ def bandwidth_markdown(cases: List[dict], latency_ns: float) -> List[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ragattn.bench.sm90", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--workers", type=int, default=2)
+    from ..__main__ import command_name   # usage: names the command that ran (python -m ragattn bench sm90, ...)
+
+    p = argparse.ArgumentParser(prog=command_name("sm90"), description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"folder for report.md and report.json (default {DEFAULT_OUT})")
+    p.add_argument("--workers", type=int, default=2, help="parallel compiles (default 2)")
     p.add_argument("--select", action="append", help="(with --triton-json) only kernels whose label contains this")
     p.add_argument("--triton-json", action="store_true", help="internal: print the Triton rows as JSON")
     a = p.parse_args(argv)

@@ -23,10 +23,15 @@ block), then answer it with
 
 and print one table: time to first token (TTFT), the speedup over full prefill in each method's own
 figure of merit (TTFT for the prefill methods; decode tokens/s and draft acceptance for RAPID,
-against full prefill's own decoding at the same context), the answer, and its
-agreement with the baseline (argmax of the first token, KL(baseline || method) of the
-first-token distribution, exact match of the answer to the gold answers), plus an aggregate per
-method. Greedy decoding throughout.
+against full prefill's own decoding at the same context), FusionRAG's and CacheBlend's selection and
+recompute times, the answer, and its agreement with the baseline (argmax of the first token,
+KL(baseline || method) of the first-token distribution, exact match of the answer to the gold
+answers), plus an aggregate per method and a line on how to read them. Greedy decoding throughout.
+
+By default 2 questions with the top 20 of the shipped corpus's 36 passages (~1.6K-token prompts,
+where reusing the passages' KV pays off; at the ~270 tokens of --top-k 3 a prefill is short and
+the methods' fixed costs weigh as much as what they save); every timing is the median of
+--repeats runs (3), taken round after round over the methods.
 
 Every row, the baseline included, is answered by ``ragattn.methods`` (``full_prefill``,
 ``turborag.answer``, ``block_attention.answer``), with the prompt layout of
@@ -39,6 +44,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -59,7 +65,12 @@ from ragattn.methods.baseline import full_prefill
 from ragattn.methods.prompt import prompt_parts
 
 DEFAULT_MODEL = "smollm2"
-DEFAULT_LIMIT = 6  # questions in the default run (it runs in CI's setup script on 2 cores)
+# The default run (scripts/setup.sh runs it on 2 cores): 2 questions, the top 20 of the shipped
+# corpus's 36 passages each (~1.6K-token prompts: long enough for the reuse methods to matter),
+# every timing the median of 3 runs.
+DEFAULT_LIMIT = 2
+DEFAULT_TOP_K = 20
+DEFAULT_REPEATS = 3
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
 
 
@@ -134,16 +145,34 @@ class Result:
     tokens: List[int]  # generated ids (greedy), first token included
     decode_tps: float = float("nan")  # tokens per second after the first one (decode speed)
     acceptance: Optional[float] = None  # speculative decoding: accepted / drafted
+    select_s: float = float("nan")  # recompute methods: choosing the rows to recompute
+    recompute_s: float = float("nan")  # recompute methods: the chosen rows and the final block's forward
 
 
 def _from_answer(ans) -> Result:
-    stats = ans.extra.get("stats") if isinstance(getattr(ans, "extra", None), dict) else None
+    extra = ans.extra if isinstance(getattr(ans, "extra", None), dict) else {}
+    stats = extra.get("stats")
     if stats is not None and hasattr(stats, "decode_tokens_per_s"):   # RAPID: its own decode counters
         return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens), stats.decode_tokens_per_s,
                       stats.acceptance_rate)
     decode_s = ans.total_s - ans.ttft_s
     tps = (len(ans.tokens) - 1) / decode_s if len(ans.tokens) > 1 and decode_s > 0 else float("nan")
-    return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens), tps)
+    return Result(ans.ttft_s, ans.first_logits.float().cpu(), list(ans.tokens), tps,
+                  select_s=extra.get("select_s", float("nan")), recompute_s=extra.get("recompute_s", float("nan")))
+
+
+def _median(xs) -> float:
+    """The median of the finite values of ``xs`` (NaN when there are none)."""
+    xs = [x for x in xs if x is not None and x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def median_result(runs: List[Result]) -> Result:
+    """One result of repeated runs of a method: the first run's answer (greedy: the same every
+    run), the median of every timing."""
+    return dataclasses.replace(
+        runs[0], ttft_s=_median(r.ttft_s for r in runs), decode_tps=_median(r.decode_tps for r in runs),
+        select_s=_median(r.select_s for r in runs), recompute_s=_median(r.recompute_s for r in runs))
 
 
 # What each method speeds up (its figure of merit, the "speedup" column): prefill methods the time
@@ -237,6 +266,9 @@ class Row:
     em: bool
     decode_tps: float = float("nan")
     acceptance: Optional[float] = None
+    select_ms: float = float("nan")  # recompute methods (FusionRAG, CacheBlend): choosing the rows
+    recompute_ms: float = float("nan")  # ... and recomputing them with the final block
+    repeats: int = 1  # runs whose median the timings are
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
@@ -258,7 +290,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (passages.jsonl, questions.jsonl)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (default), a local HF checkpoint folder, "
                    "or a model id already in the local HF cache")
-    p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question (default 3)")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                   help=f"passages retrieved per question (default {DEFAULT_TOP_K}: ~1.6K-token prompts from the "
+                   "shipped corpus)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"runs of every method per question; timings are their median (default {DEFAULT_REPEATS}; "
+                   "the answer and decode come from full runs, the extra runs of a prefill method stop at the "
+                   "first token)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="answer length cap (default 16)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help=f"questions from the corpus (default {DEFAULT_LIMIT}; 0 = all)")
@@ -269,6 +307,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--top-k must be >= 1")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -342,9 +382,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     runners: Dict[str, Callable] = {"full-prefill": all_runners["full-prefill"]}
     runners.update((name, all_runners[name]) for name in methods)
 
+    t_offline = time.perf_counter()
     prompts, retrieved = [], set()
     for qid, text, answers in questions:
-        idx, _ = retriever.top_k(text, args.top_k)
+        idx, _ = retriever.top_k(text, min(args.top_k, len(corpus.passages)))
         retrieved.update(idx)
         passages = [corpus.passages[i].render() for i in reversed(idx)]  # most relevant last
         head, chunk_ids, tail = prompt_parts(tokenizer, passages, text)
@@ -361,20 +402,32 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     if "refrag" in runners:  # offline too: the passages' chunk embeddings
         for _, text, _, passages, _ in prompts:
             runners["refrag"].prepare(passages, text)
+    if progress:
+        print(f"offline (chunk KV, fused caches, chunk embeddings; not timed): {time.perf_counter() - t_offline:.0f} s",
+              file=sys.stderr)
 
-    # warm-up (allocator, first-call overheads), not reported
+    # warm-up (allocator, first-call overheads), not reported: the first question's three most
+    # relevant passages (cached above), so that it costs little at any --top-k
     for name, runner in runners.items():
-        runner(prompts[0][3], prompts[0][1], 2)
+        runner(prompts[0][3][-3:], prompts[0][1], 2)
 
     rows: List[Row] = []
-    bar = tqdm(total=len(prompts) * len(runners), desc="demo", unit="run", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(prompts) * len(runners) * args.repeats, desc="demo", unit="run", file=sys.stderr,
+               disable=not progress)
     for qid, text, answers, passages, ctx in prompts:
-        base: Optional[Result] = None
-        for name, runner in runners.items():
-            bar.set_postfix_str(f"{qid} {name}")
-            res = runner(passages, text, args.max_new_tokens)
-            if name == "full-prefill":
-                base = res
+        runs: Dict[str, List[Result]] = {name: [] for name in runners}
+        # full decodes every run: the methods that speed up decoding, and the baseline they are compared with
+        decoders = set(DECODE_METHODS) | ({"full-prefill"} if set(DECODE_METHODS) & set(runners) else set())
+        for rep in range(args.repeats):   # round after round, so that a load change hits every method alike
+            for name, runner in runners.items():
+                bar.set_postfix_str(f"{qid} {name} run {rep + 1}")
+                # the first run answers; later runs of a prefill method only time the first token
+                n = args.max_new_tokens if rep == 0 or name in decoders else 1
+                runs[name].append(runner(passages, text, n))
+                bar.update(1)
+        base = median_result(runs["full-prefill"])
+        for name in runners:
+            res = median_result(runs[name])
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True).strip()
             rows.append(Row(
                 question_id=qid, question=text, method=name, context_tokens=ctx,
@@ -384,8 +437,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
                 answer=answer, first_token_match=res.tokens[0] == base.tokens[0],
                 kl=kl_divergence(base.first_logits, res.first_logits),
                 em=bool(answers) and exact_match(answer, answers),
+                select_ms=res.select_s * 1e3, recompute_ms=res.recompute_s * 1e3, repeats=len(runs[name]),
             ))
-            bar.update(1)
     bar.close()
     notes = [runners["refrag"].label()] if "refrag" in runners else []
     print(format_report(rows, list(runners), has_gold=not args.question, model_name=args.model,
@@ -406,21 +459,42 @@ def _merit(r: Row) -> str:
     return f"{r.speedup:.2f}x TTFT"
 
 
+def _ms(x: float) -> str:
+    return "-" if x != x else f"{x:.1f}"
+
+
+# under the tables: how to read them
+READING = ("reading: TTFT = time to first token, the median of the runs; speedup = full prefill's TTFT / the "
+           "method's (RAPID: its decode tokens/s / full prefill's: speculative decoding speeds up decoding, "
+           "not the first token, which it delays by prefilling its drafter too); select / recompute ms = "
+           "FusionRAG's and CacheBlend's choice of the rows to recompute and their recompute with the question "
+           "(CacheBlend chooses inside the recompute, by K/V deviation at its first layers: its select is ~0; the "
+           "rest of their TTFT is assembling the cached passages); 1st tok = the first generated token "
+           "equals full prefill's (=) or not (x); KL = KL(full prefill || method) of the first-token "
+           "distributions in nats (0 = the same prediction); EM = a gold answer occurs in the answer; REFRAG "
+           "needs a trained encoder/projector (see its note): untrained, only its TTFT means something")
+
+
 def format_report(rows: List[Row], methods: List[str], *, has_gold: bool,
                   model_name: str, device, top_k: int, notes: Optional[List[str]] = None) -> str:
-    head = ["question", "method", "ctx tok", "TTFT ms", "speedup", "answer", "1st tok", "KL", "EM"]
-    lines = [f"ragattn demo: model {model_name}, retriever all-MiniLM-L6-v2 (top-{top_k}), device {device}", "",
+    head = ["question", "method", "ctx tok", "TTFT ms", "speedup", "select ms", "recompute ms", "answer",
+            "1st tok", "KL", "EM"]
+    repeats = max((r.repeats for r in rows), default=1)
+    lines = [f"ragattn demo: model {model_name}, retriever all-MiniLM-L6-v2 (top-{top_k}), device {device}, "
+             f"torch threads {torch.get_num_threads()}, timings: median of {repeats} run(s)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r.question_id, r.method, str(r.context_tokens), f"{r.ttft_ms:.1f}", _merit(r),
+            _ms(r.select_ms), _ms(r.recompute_ms),
             _short(r.answer), "=" if r.first_token_match else "x", f"{r.kl:.2e}",
             ("yes" if r.em else "no") if has_gold else "-",
         ]) + " |")
-    lines += ["", "aggregate per method (TTFT: median; speedup: median of per-question ratios of the method's own "
-              "figure of merit: time to first token for the prefill methods, decode tokens/s for RAPID, "
-              "against full prefill's own decoding at the same context)", ""]
-    head = ["method", "questions", "TTFT ms", "speedup", "1st-token match", "mean KL", "max KL", "EM"]
+    lines += ["", "aggregate per method (TTFT, select, recompute: median over the questions; speedup: median of "
+              "per-question ratios of the method's own figure of merit: time to first token for the prefill "
+              "methods, decode tokens/s for RAPID, against full prefill's own decoding at the same context)", ""]
+    head = ["method", "questions", "TTFT ms", "speedup", "select ms", "recompute ms", "1st-token match", "mean KL",
+            "max KL", "EM"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in methods:
         rs = [r for r in rows if r.method == m]
@@ -431,10 +505,12 @@ def format_report(rows: List[Row], methods: List[str], *, has_gold: bool,
             _merit(dataclasses.replace(rs[0], speedup=statistics.median(r.speedup for r in rs),
                                        decode_tps=statistics.median(r.decode_tps for r in rs),
                                        acceptance=_mean_or_none([r.acceptance for r in rs]))),
+            _ms(_median(r.select_ms for r in rs)), _ms(_median(r.recompute_ms for r in rs)),
             f"{sum(r.first_token_match for r in rs)}/{len(rs)}",
             f"{statistics.fmean(r.kl for r in rs):.2e}", f"{max(r.kl for r in rs):.2e}",
             f"{sum(r.em for r in rs)}/{len(rs)}" if has_gold else "-",
         ]) + " |")
+    lines += ["", READING]
     if notes:
         lines += [""] + [f"note: {n}" for n in notes]
     return "\n".join(lines)

@@ -355,7 +355,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
         config=dict(command="python -m ragattn eval " + " ".join(getattr(args, "argv", []) or []),
                     commit=commit, date=started.strftime("%Y-%m-%d %H:%M UTC"),
                     model=args.model, device=str(device), torch_threads=torch.get_num_threads(),
-                    corpus=str(corpus.root), questions=len(questions),
+                    corpus=shown_path(corpus.root), questions=len(questions),
                     multi_hop=sum(q.multi_hop for q in questions), passages=len(corpus.passages),
                     top_k=args.top_k, ratios=args.ratios, methods=args.methods,
                     max_new_tokens=args.max_new_tokens, fusion=fusion),
@@ -374,6 +374,19 @@ def _mean(xs) -> Optional[float]:
     xs = list(xs)
     return statistics.fmean(xs) if xs else None
 
+
+
+def shown_path(path) -> str:
+    """``path`` as a report shows it: relative to the package's parent (``ragattn/data/qa_eval``)
+    or to the working directory when under either, so that a committed report names no machine's
+    folders; else as given."""
+    path = Path(path).resolve()
+    for base in (Path(__file__).resolve().parents[2], Path.cwd().resolve()):
+        try:
+            return str(path.relative_to(base))
+        except ValueError:
+            continue
+    return str(path)
 
 def aggregate(rows: Sequence[Row]) -> List[dict]:
     """One dict per (top_k, method, ratio), in run order."""

@@ -123,18 +123,19 @@ def _main(argv=None) -> int:
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
     p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (default: the shipped one)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="optimiser steps (default %(default)s)")
     p.add_argument("--batch", type=int, default=2, help="samples packed per step")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default %(default)s)")
     p.add_argument("--top-k", type=int, default=3, help="passages per sample (gold + distractors)")
     p.add_argument("--train", choices=("all", "attention"), default="attention",
                    help="parameters to train: all, or only the attention projections (default; less memory)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="default float32 on the CPU, bfloat16 on CUDA")
     p.add_argument("--eval-questions", type=int, default=6,
                    help="questions in the before/after evaluation (0: no evaluation)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (sample order, torch; default %(default)s)")
     p.add_argument("--save", default=None, metavar="DIR", help="save the fine-tuned model here")
     args = p.parse_args(argv)
     for name in ("steps", "eval_questions"):

@@ -178,36 +178,58 @@ def _main(argv=None) -> int:
     d = TrainConfig()
     p = OneLineParser(prog="python -m ragattn refrag-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", default=",".join(d.stages), help="comma list of recon,cpt,rl (in that order)")
-    p.add_argument("--k", type=int, default=d.k)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--max-chunks", type=int, default=d.max_chunks)
-    p.add_argument("--target-tokens", type=int, default=d.target_tokens)
-    p.add_argument("--curriculum-stages", type=int, default=d.curriculum_stages, help="1 = no curriculum")
-    p.add_argument("--eval-examples", type=int, default=d.eval_examples)
-    p.add_argument("--recon-steps", type=int, default=d.recon_steps)
-    p.add_argument("--recon-lr", type=float, default=d.recon_lr)
-    p.add_argument("--cpt-steps", type=int, default=d.cpt_steps)
-    p.add_argument("--cpt-lr", type=float, default=d.cpt_lr)
-    p.add_argument("--expand-p", type=float, default=d.expand_p)
+    p.add_argument("--k", type=int, default=d.k,
+                   help="tokens per chunk: each k-token chunk becomes one embedding (the compression rate; default %(default)s)")
+    p.add_argument("--device", default=d.device,
+                   help="cpu (default) or cuda")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="random seed (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help="examples per optimiser step, every stage (default %(default)s)")
+    p.add_argument("--max-chunks", type=int, default=d.max_chunks,
+                   help="chunks of context at the end of the curriculum and in the held-out evaluation (default %(default)s)")
+    p.add_argument("--target-tokens", type=int, default=d.target_tokens,
+                   help="next-paragraph tokens predicted in cpt and rl (default %(default)s)")
+    p.add_argument("--curriculum-stages", type=int, default=d.curriculum_stages,
+                   help="steps of the chunk-count curriculum up to --max-chunks (1 = no curriculum; default %(default)s)")
+    p.add_argument("--eval-examples", type=int, default=d.eval_examples,
+                   help="held-out examples for the before/after losses (default %(default)s)")
+    p.add_argument("--recon-steps", type=int, default=d.recon_steps,
+                   help="reconstruction steps: encoder + projector learn to reproduce the chunk (default %(default)s)")
+    p.add_argument("--recon-lr", type=float, default=d.recon_lr,
+                   help="reconstruction learning rate (default %(default)s)")
+    p.add_argument("--cpt-steps", type=int, default=d.cpt_steps,
+                   help="continual pre-training steps: predict the next paragraph from chunk embeddings (default %(default)s)")
+    p.add_argument("--cpt-lr", type=float, default=d.cpt_lr,
+                   help="continual pre-training learning rate (default %(default)s)")
+    p.add_argument("--expand-p", type=float, default=d.expand_p,
+                   help="fraction of chunks left as tokens at random in cpt (mixed input; default %(default)s)")
     p.add_argument("--train-decoder", action="store_true", help="unfreeze the decoder in cpt")
-    p.add_argument("--rl-steps", type=int, default=d.rl_steps)
-    p.add_argument("--rl-lr", type=float, default=d.rl_lr)
-    p.add_argument("--rl-chunks", type=int, default=d.rl_chunks)
-    p.add_argument("--rl-expand", type=int, default=d.rl_expand)
-    p.add_argument("--rl-group", type=int, default=d.rl_group)
-    p.add_argument("--ppo-epochs", type=int, default=d.ppo_epochs)
-    p.add_argument("--clip-eps", type=float, default=d.clip_eps)
+    p.add_argument("--rl-steps", type=int, default=d.rl_steps,
+                   help="RL steps of the expansion policy (which chunks stay tokens; default %(default)s)")
+    p.add_argument("--rl-lr", type=float, default=d.rl_lr,
+                   help="RL policy learning rate (default %(default)s)")
+    p.add_argument("--rl-chunks", type=int, default=d.rl_chunks,
+                   help="chunks per RL example (L; default %(default)s)")
+    p.add_argument("--rl-expand", type=int, default=d.rl_expand,
+                   help="chunks the policy expands to tokens per example (T'; default %(default)s)")
+    p.add_argument("--rl-group", type=int, default=d.rl_group,
+                   help="selections sampled per example for the group baseline (G >= 2; default %(default)s)")
+    p.add_argument("--ppo-epochs", type=int, default=d.ppo_epochs,
+                   help="PPO epochs per RL step (default %(default)s)")
+    p.add_argument("--clip-eps", type=float, default=d.clip_eps,
+                   help="PPO clip range (default %(default)s)")
     p.add_argument("--encoder-layers", type=int, default=None,
                    help="train only the projector and the encoder's last N layers (default: all)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice)")
     p.add_argument("--checkpoint", default=None, help="default: RefragModel's default path for k")
     p.add_argument("--resume", action="store_true", help="start from --checkpoint (and its policy) if present")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing checkpoint (default: write a new one beside it, <name>.runN.pt)")
     p.add_argument("--out", default=None, help="write curves.json / curves.png here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar")
     a = p.parse_args(argv)
     cfg = TrainConfig(k=a.k, stages=tuple(s for s in a.stages.split(",") if s), device=a.device, seed=a.seed,
                       batch=a.batch, max_chunks=a.max_chunks, target_tokens=a.target_tokens,

@@ -2,6 +2,7 @@
 import io
 
 import pytest
+import torch
 
 from ragattn.apps import demo
 from ragattn.__main__ import main as cli_main
@@ -18,7 +19,7 @@ def model_tok(request):
 
 
 def test_demo_runs_and_agrees_with_baseline(model_tok):
-    args = demo.parse_args(["--limit", "2", "--max-new-tokens", "8", "--no-progress"])
+    args = demo.parse_args(["--limit", "2", "--max-new-tokens", "8", "--no-progress", "--top-k", "3", "--repeats", "1"])
     out = io.StringIO()
     rows = demo.run(args, model_and_tokenizer=model_tok, out=out)
     text = out.getvalue()
@@ -43,7 +44,7 @@ def test_demo_runs_and_agrees_with_baseline(model_tok):
 
 def test_demo_user_question(model_tok):
     args = demo.parse_args(["--question", "Which planet has rings of ice and rock?", "--method", "full-prefill",
-                            "--max-new-tokens", "4", "--no-progress", "--top-k", "2"])
+                            "--max-new-tokens", "4", "--no-progress", "--top-k", "2", "--repeats", "2"])
     out = io.StringIO()
     rows = demo.run(args, model_and_tokenizer=model_tok, out=out)
     assert [r.method for r in rows] == ["full-prefill"] and "| user1 |" in out.getvalue()
@@ -85,3 +86,29 @@ def test_demo_passage_longer_than_the_window(model_tok, tmp_path, capsys, monkey
     monkeypatch.setattr(demo, "load_model", lambda name, device: model_tok)
     assert cli_main(["demo", "--corpus", str(tmp_path), "--top-k", "2", "--no-progress"]) == 2
     _one_line_error(capsys, "question q1", "exceeds the model's window (8192 tokens)")
+
+
+def test_report_columns_and_reading():
+    """Selection and recompute times are columns (a dash where a method has none), timings say how
+    many runs they are the median of, and a line under the tables says how to read them."""
+    def row(method, **kw):
+        return demo.Row(question_id="q1", question="?", method=method, context_tokens=1600, ttft_ms=100.0,
+                        speedup=2.0, answer="a", first_token_match=True, kl=0.0, em=True, repeats=3, **kw)
+
+    text = demo.format_report([row("full-prefill"), row("fusionrag", select_ms=12.5, recompute_ms=40.0)],
+                              ["full-prefill", "fusionrag"], has_gold=True, model_name="m", device="cpu", top_k=20)
+    assert "| select ms | recompute ms |" in text and "median of 3 run(s)" in text
+    assert "| 2.00x TTFT | - | - |" in text and "| 2.00x TTFT | 12.5 | 40.0 |" in text
+    reading = [ln for ln in text.splitlines() if ln.startswith("reading: ")]
+    assert len(reading) == 1
+    for needle in ("1st tok", "KL", "EM", "decode", "REFRAG needs a trained"):
+        assert needle in reading[0], needle
+
+
+def test_median_result_keeps_the_first_answer():
+    t = torch.zeros(3)
+    runs = [demo.Result(0.3, t, [1, 2], 10.0, select_s=0.1), demo.Result(0.1, t, [1], float("nan"), select_s=0.3),
+            demo.Result(0.2, t, [1], float("nan"), select_s=0.2)]
+    res = demo.median_result(runs)
+    assert res.tokens == [1, 2] and res.ttft_s == 0.2 and res.decode_tps == 10.0 and res.select_s == 0.2
+    assert res.recompute_s != res.recompute_s   # none measured: NaN, shown as "-"

@@ -90,3 +90,13 @@ def test_eval_end_to_end_tiny(model_tok, tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## top-2" in md and "| full-prefill | - |" in md
     assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+def test_report_names_the_corpus_without_a_machines_folders(tmp_path, monkeypatch):
+    from ragattn.apps.corpus import EVAL_CORPUS
+    from ragattn.apps.eval import shown_path
+
+    assert shown_path(EVAL_CORPUS) == "ragattn/data/qa_eval"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    assert shown_path(tmp_path / "mine") == "mine"

@@ -131,6 +131,13 @@ def test_plan_of_each_call_fits_its_deadline(tmp_path, call, steps, deadline):
     assert bare.returncode == 0 and "plan only" in bare.stdout, bare.stderr
 
 
+def test_plan_alone_prints_both_calls():
+    """``--plan`` with nothing else: the plan of call 1, then of call 2 (no usage error)."""
+    proc = subprocess.run(["bash", str(SCRIPT), "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.index("plan of --call 1") < out.index("plan of --call 2") and out.count("plan only, nothing ran") >= 2, out
+
 def test_deadline_cuts_a_hung_step_and_keeps_the_rest(tmp_path):
     """With a 40 s deadline, a hung end-to-end run is cut at its share, every step before it keeps
     its result, and the benchmarks after it still run; the summary table says which step was cut

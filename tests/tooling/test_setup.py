@@ -181,3 +181,18 @@ def test_setup_sh_index_override(tmp_path):
     assert _torch_installs(calls) == [] and not any("--dry-run" in c for c in calls)
     calls = _run_setup(tmp_path / "b", "2.13.0", RAGATTN_TORCH_INDEX="https://example.invalid/cu130")
     assert "--index-url https://example.invalid/cu130" in _torch_installs(calls)[0]
+
+
+def test_setup_sh_prints_the_time_of_each_phase(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(_FAKE_PY)
+    (venv / "bin" / "python").chmod(0o755)
+    path = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
+    env = {k: v for k, v in os.environ.items() if k != "RAGATTN_TORCH_INDEX"}
+    env.update(VENV=str(venv), LOG=str(tmp_path / "log"), TORCH_VERSION="2.13.0+cpu", PATH=path)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--no-demo"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("setup.sh: done in ") and ": installs " in last and ", extension build " in last, last
