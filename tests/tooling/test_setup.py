@@ -123,8 +123,8 @@ def test_cuda_fallback_validates_like_the_kernels(monkeypatch):
 
 # ----- scripts/setup.sh's torch choice ------------------------------------------------------------
 _FAKE_PY = r'''#!/usr/bin/env bash
-# a venv python: logs pip calls; `import torch` fails; pip's dry run reports TORCH_VERSION
-echo "$*" >> "$LOG"
+# a venv python: logs its calls (RAGATTN_REUSE_EXT=... first); `import torch` fails; pip's dry run reports TORCH_VERSION
+echo "REUSE=${RAGATTN_REUSE_EXT:-} $*" >> "$LOG"
 if [ "$1" = "-c" ]; then
   case "$2" in "import torch") exit 1 ;; esac
   exit 0
@@ -196,3 +196,12 @@ def test_setup_sh_prints_the_time_of_each_phase(tmp_path):
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("setup.sh: done in ") and ": installs " in last and ", extension build " in last, last
+
+
+def test_setup_sh_builds_the_extension_once_for_the_wheel_too(tmp_path):
+    """The extension is compiled in the tree (objects kept in build/, so scripts/wheel_check.sh's
+    wheel build only links), then installed editable without compiling again."""
+    calls = _run_setup(tmp_path, "2.13.0+cpu")
+    build = next(i for i, c in enumerate(calls) if "setup.py -q build_ext --inplace" in c)
+    install = next(i for i, c in enumerate(calls) if "install" in c and "-e ." in c)
+    assert build < install and calls[install].startswith("REUSE=1 "), calls
