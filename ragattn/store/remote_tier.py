@@ -108,6 +108,18 @@ class RemoteTier:
         return hmac.new(self.secret, self.manifest_key(key).encode() + b"\0" + value, hashlib.sha256).hexdigest()
 
     # ----- fetch and publish --------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        """Whether the server holds a manifest of ``key`` (nothing verified; False when it is down)."""
+        if not self._available():
+            return False
+        try:
+            found = bool(self.client.exists(self.manifest_key(key)))
+            self._ok()
+            return found
+        except _client_errors() as exc:
+            self._failed(exc)
+            return False
+
     def fetch(self, key: str, fingerprint: str, layout: tuple):
         """``(key, tokens, k, v, variant)`` of ``key`` from the server, verified; None on a miss,
         a bad value (counted) or an unavailable server."""

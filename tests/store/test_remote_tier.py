@@ -2,8 +2,6 @@
 port, no persistence, stopped after): fleet sharing, concurrent writers, outages, corruption,
 forged values, eviction and chunks larger than one value."""
 import json
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,57 +13,19 @@ import pytest
 import torch
 
 pytest.importorskip("redis", reason="the remote tier needs the redis client (pip install 'ragattn[remote]')")
-import redis  # noqa: E402
 
 from ragattn.hf.models import random_llama  # noqa: E402
 from ragattn.store import ChunkStore  # noqa: E402
+from tests.redis_server import redis_server_or_skip  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=1000.0)
 SECRET = b"fleet-secret"
-SERVER = shutil.which("redis-server")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """One redis-server process on 127.0.0.1:port without persistence; stop/start keep the port."""
-
-    def __init__(self):
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-        self.start()
-
-    def start(self):
-        self.proc = subprocess.Popen([SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
-
-    def client(self):
-        return redis.Redis(port=self.port)
 
 
 @pytest.fixture(scope="session")
 def server():
-    if SERVER is None:
-        pytest.skip("redis-server is not installed (scripts/setup.sh installs it from the system packages)")
-    s = RedisServer()
+    s = redis_server_or_skip()
     yield s
     s.stop()
 
