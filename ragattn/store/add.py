@@ -160,6 +160,9 @@ class _Add:
             self._write_file(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
                              (key, variant))
             on_disk = True
+        if self._remote is not None:    # published once: an existing copy of the variant stays
+            self._remote.publish(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
+                                 self.fingerprint, (key, variant))
         if vkey in self._entries:
             self._evict(vkey)
         self._insert(vkey, tokens, k_layers, v_layers, on_disk, (key, variant))

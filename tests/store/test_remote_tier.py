@@ -232,3 +232,32 @@ def test_remote_needs_a_secret(model, remote, monkeypatch):
     monkeypatch.delenv("RAGATTN_REMOTE_SECRET", raising=False)
     with pytest.raises(ChunkStoreError, match="remote_secret"):
         ChunkStore(model, remote=remote.url)
+
+
+def test_offline_build_fills_and_resumes_from_the_remote_tier(model, remote, tmp_path):
+    """What ``build-store --remote`` runs: fused caches published; a second machine (empty
+    directory) resumes from the server and computes nothing."""
+    from ragattn.methods import fusionrag
+
+    chunks = _chunks(11, [6, 8, 5])
+    head, nbrs = [1, 2, 3], [[1, 2], [0, 2], [0, 1]]
+    first = _store(model, remote, directory=tmp_path / "a")
+    assert fusionrag.fuse_chunks(model, first, head, chunks, nbrs) == (3, 0)
+    assert first.stats["remote_published"] == 1 + 3 + 3       # head, raw chunks, fused variants
+    second = _store(model, remote, directory=tmp_path / "b")
+    assert fusionrag.fuse_chunks(model, second, head, chunks, nbrs) == (0, 3)
+    assert second.stats["computed"] == 0
+    for k in second.add(chunks):
+        vkey = second.variant_key(k, fusionrag.fused_variant(head))
+        _same(first, second, vkey)
+        assert (tmp_path / "b" / f"{vkey}.safetensors").is_file()
+
+
+def test_build_store_remote_needs_the_key(monkeypatch, tmp_path):
+    from ragattn.apps import build_store
+
+    monkeypatch.delenv("RAGATTN_REMOTE_SECRET", raising=False)
+    args = build_store.parse_args(["--out", str(tmp_path), "--remote", "redis://127.0.0.1:1/0"])
+    assert args.remote == "redis://127.0.0.1:1/0"
+    with pytest.raises(Exception, match="RAGATTN_REMOTE_SECRET"):
+        build_store.run(args, model_and_tokenizer=(None, None))
