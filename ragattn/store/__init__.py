@@ -12,6 +12,8 @@ One module per part:
 * :mod:`.fingerprint`: the model fingerprint and the chunk keys derived from it;
 * :mod:`.page_pool`: the in-memory pool (byte budget, slabs of pages) and its allocator;
 * :mod:`.disk_tier`: the safetensors files of a store directory (atomic writes, verified reads);
+* :mod:`.remote_tier`: :class:`RemoteTier`, the same chunk files shared by a fleet on a Redis/Valkey
+  server (split values, atomic publication, HMAC-authenticated);
 * :mod:`.chunk_store`: :class:`ChunkStore` (model following, lookups; the module docstring is the
   store's documentation), assembled from :mod:`.entries`, :mod:`.chunk_files`, :mod:`.add`,
   :mod:`.export`, :mod:`.copy_out` and :mod:`.zero_copy`.
@@ -27,8 +29,9 @@ from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key, weight_checksums
 from ragattn.store.model import ChunkModel, Rope, describe_model, register_describer
 from ragattn.store.page_pool import DEFAULT_BUDGET_FRACTION, default_budget
+from ragattn.store.remote_tier import RemoteTier
 from ragattn.store.zero_copy import ZeroCopyRequest
 
 __all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "ChunkModel", "Rope", "FORMAT",
            "DEFAULT_BUDGET_FRACTION", "chunk_key", "default_budget", "describe_model", "model_fingerprint",
-           "register_describer", "variant_key", "weight_checksums"]
+           "register_describer", "RemoteTier", "variant_key", "weight_checksums"]

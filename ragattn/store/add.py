@@ -73,10 +73,26 @@ class _Add:
                     self._bad_file(k)
             else:
                 self._note_damaged(k)
+            if self._fetch_remote(k):
+                continue
             seen.add(k)
             missing.append((k, torch.from_numpy(t)))
         self._prefill(missing)
         return keys
+
+    def _fetch_remote(self, key: str) -> bool:
+        """Load ``key`` from the remote tier (verified; written to the disk tier too) if it is there."""
+        if self._remote is None:
+            return False
+        got = self._remote.fetch(key, self.fingerprint, self._layout_dims)
+        if got is None:
+            return False
+        _, tokens, k, v, variant = got
+        if self._writable:
+            self._write_file(key, tokens, k, v, variant)
+            self._bad_files.discard(key)
+        self._insert(key, tokens, list(k), list(v), self._writable, variant)
+        return True
 
     def _prefill(self, items, pinned: list | None = None):
         """Prefill ``(key, tokens)`` items in packed batches; with ``pinned``, pin each new entry
@@ -109,6 +125,8 @@ class _Add:
             if self._writable:  # on disk first: a failed write leaves nothing half-added
                 self._write_file(key, t, torch.stack(k_layers), torch.stack(v_layers))
                 self._bad_files.discard(key)
+            if self._remote is not None:
+                self._remote.publish(key, t, torch.stack(k_layers), torch.stack(v_layers), self.fingerprint)
             self.stats["recomputed" if key in self._recomputable else "computed"] += 1
             e = self._insert(key, t, k_layers, v_layers, on_disk=self._writable)
             if pinned is not None:
@@ -142,6 +160,9 @@ class _Add:
             self._write_file(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
                              (key, variant))
             on_disk = True
+        if self._remote is not None:    # published once: an existing copy of the variant stays
+            self._remote.publish(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
+                                 self.fingerprint, (key, variant))
         if vkey in self._entries:
             self._evict(vkey)
         self._insert(vkey, tokens, k_layers, v_layers, on_disk, (key, variant))

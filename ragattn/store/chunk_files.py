@@ -62,12 +62,13 @@ class _ChunkFiles:
     def verify(self, key: str) -> bool:
         """Like :meth:`has`, but a file is read whole and checked (checksum included) first; a bad
         one is removed (``has`` turns False). For resuming an offline build: what exists is
-        checked, not trusted. Nothing is loaded into the pool."""
+        checked, not trusted. Nothing is loaded into the pool, except a chunk found only on the
+        remote tier (fetched, verified and kept, so that a resumed build never computes it again)."""
         self._sync()
         if key in self._entries:
             return True
         if not self._on_disk(key):
-            return False
+            return self._fetch_remote(key)
         try:
             read_chunk_file(self._path(key), self.fingerprint, self._layout_dims)
         except ChunkStoreError:

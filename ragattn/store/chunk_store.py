@@ -132,6 +132,7 @@ from ragattn.store.export import _Export
 from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key
 from ragattn.store.model import ChunkModel, describe_model
 from ragattn.store.page_pool import PagePool, default_budget
+from ragattn.store.remote_tier import RemoteTier
 from ragattn.store.zero_copy import _ZeroCopy
 
 
@@ -146,11 +147,16 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
     ``memory_budget``: bytes of K/V the in-memory pool may hold (default :func:`default_budget`).
     ``read_only``: never write to ``directory`` (chunks computed here stay in memory only).
     ``fingerprint=``, ``device=`` (with a model, not a description): computed elsewhere, for a model
-    whose parameters are not materialised; such a store does not follow the model's weights."""
+    whose parameters are not materialised; such a store does not follow the model's weights.
+    ``remote``: the remote tier shared by a fleet: a ``redis://``/``rediss://`` URL or a
+    :class:`~ragattn.store.remote_tier.RemoteTier`; ``remote_secret``: its HMAC key (default: the
+    ``RAGATTN_REMOTE_SECRET`` environment variable); ``remote_options``: keyword arguments of
+    :class:`RemoteTier` (``timeout``, ``max_value_bytes``, ``prefix``, ``client_options``)."""
 
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
-                 read_only: bool = False, fingerprint: str | None = None, device=None):
+                 read_only: bool = False, fingerprint: str | None = None, device=None,
+                 remote=None, remote_secret=None, remote_options: dict | None = None):
         for name, value in (("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ChunkStoreError(f"ragattn.ChunkStore: {name} must be an integer >= 1, got {value!r}")
@@ -187,6 +193,14 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         # weight changes followed; bad files (truncated, corrupt) replaced or dropped
         self.stats = {"computed": 0, "recomputed": 0, "loaded": 0, "evicted": 0, "weight_changes": 0,
                       "bad_files": 0}
+        self._remote = None
+        if remote is not None:
+            if not isinstance(remote, RemoteTier):
+                secret = remote_secret if remote_secret is not None else os.environ.get("RAGATTN_REMOTE_SECRET")
+                remote = RemoteTier(str(remote), secret, **(remote_options or {}))
+            self._remote = remote
+            self.stats.update(remote.stats)     # one counter dict: remote_hits, _published, _bad, _errors
+            remote.stats = self.stats
 
     # ----- the model's weights ------------------------------------------------------------
     def _sync(self) -> None:

@@ -148,11 +148,10 @@ class DiskTier:
         return read_chunk_file(p, fingerprint, (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype))
 
 
-def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None) -> Path:
-    """Write ``k``, ``v`` ``[L, n, Hkv, D]`` and ``tokens`` to ``<d>/<key>.safetensors``
-    atomically and durably: a temporary file, flushed to the device (fsync), renamed over the
-    target, and the directory entry synced; a crash leaves the old file or the new one whole
-    (and at worst a temporary file, removed by the next writer that opens the directory)."""
+def encode_chunk(key, tokens, k, v, fingerprint: str, variant=None) -> bytes:
+    """The bytes of a chunk file (safetensors: ``k``, ``v`` ``[L, n, Hkv, D]``, ``tokens`` int64
+    ``[n]``, metadata: format, fingerprint, key, sha256 of the tensors, variant name): what the disk
+    tier writes to ``<key>.safetensors`` and the remote tier (:mod:`.remote_tier`) stores."""
     from safetensors.torch import save
 
     k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
@@ -161,10 +160,18 @@ def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None)
             "num_tokens": str(tokens.numel()), "sha256": _tensor_digest(k, v, tokens)}
     if variant is not None:
         meta["variant"] = variant[1]
+    return save({"k": k, "v": v, "tokens": tokens}, metadata=meta)
+
+
+def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None) -> Path:
+    """Write ``k``, ``v`` ``[L, n, Hkv, D]`` and ``tokens`` to ``<d>/<key>.safetensors``
+    atomically and durably: a temporary file, flushed to the device (fsync), renamed over the
+    target, and the directory entry synced; a crash leaves the old file or the new one whole
+    (and at worst a temporary file, removed by the next writer that opens the directory)."""
+    data = encode_chunk(key, tokens, k, v, fingerprint, variant)
     path = d / f"{key}.safetensors"
     tmp = path.with_suffix(f".tmp{_unique_suffix()}")
     try:
-        data = save({"k": k, "v": v, "tokens": tokens}, metadata=meta)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -189,7 +196,6 @@ def read_chunk_file(p: Path, fingerprint: str, layout: tuple):
     a derived entry, else None. A truncated, corrupt or foreign file raises ChunkStoreError."""
     from safetensors import safe_open
 
-    num_layers, num_kv_heads, head_dim, dtype = layout
     try:
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
@@ -197,6 +203,28 @@ def read_chunk_file(p: Path, fingerprint: str, layout: tuple):
     except Exception as exc:  # truncated / not safetensors / missing tensor
         raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} is not a complete chunk file "
                               f"({type(exc).__name__}: {exc})") from exc
+    return verify_chunk(meta, tensors, fingerprint, layout, p)
+
+
+def decode_chunk(data: bytes, fingerprint: str, layout: tuple, where: str):
+    """:func:`read_chunk_file` of the bytes of a chunk file (``where`` names them in errors)."""
+    from safetensors.torch import load
+
+    try:
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        tensors = load(data)
+        tensors = {name: tensors[name] for name in ("k", "v", "tokens")}
+    except Exception as exc:  # truncated / not safetensors / missing tensor
+        raise ChunkStoreError(f"ragattn.ChunkStore.load: {where} is not a complete chunk file "
+                              f"({type(exc).__name__}: {exc})") from exc
+    return verify_chunk(meta, tensors, fingerprint, layout, where)
+
+
+def verify_chunk(meta: dict, tensors: dict, fingerprint: str, layout: tuple, p):
+    """Check a chunk file's metadata and tensors (format, fingerprint, shape and dtype, checksum,
+    key); returns ``(key, tokens, k, v, variant)`` or raises ChunkStoreError naming ``p``."""
+    num_layers, num_kv_heads, head_dim, dtype = layout
     if meta.get("format") != FORMAT:
         raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} has format {meta.get('format')!r}, "
                               f"expected {FORMAT!r}")

@@ -136,6 +136,8 @@ class _Entries:
                     if key not in self._recomputable:
                         raise ChunkStoreError(f"{exc} (removed from the store: it cannot be recomputed "
                                               "here, build it again)") from None
+            if key not in self._entries and key not in self._recomputable:
+                self._fetch_remote(key)     # a fleet's shared tier (no-op without one)
             if key not in self._entries and key in self._recomputable:
                 self._note_damaged(key)
                 self._prefill([(key, self._recomputable[key])])

@@ -20,6 +20,7 @@ null blocks, outside the window, never). Options (``kv_connector_extra_config``)
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ragattn.store import ChunkStore, ChunkStoreError, chunk_key
+from ragattn.store import ChunkStore, ChunkStoreError, RemoteTier, chunk_key
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter)
 from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
@@ -57,6 +58,8 @@ OPTIONS = {
     "spans_param": f"kv_transfer_params key holding [[start, end], ...] (default {SPANS_PARAM!r})",
     "hf_model": "HF model folder the store was built from (default: the served model's folder)",
     "memory_budget": "bytes of chunk K/V the worker keeps in host memory (default: ChunkStore's)",
+    "remote": "redis:// or rediss:// URL of the fleet's shared chunk tier (ragattn.store.remote_tier); optional",
+    "remote_secret": "its HMAC key (default: the RAGATTN_REMOTE_SECRET environment variable)",
     "kv_split": f"one of {KV_SPLITS}: where K and V sit in a cache block (default: from the attention backend)",
 }
 
@@ -148,6 +151,12 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._chunk_model = served_chunk_model(hf_path, mc.dtype)
         self.fingerprint = self._chunk_model.fingerprint
         check_directory_fingerprint(self._dir, self.fingerprint)
+        # the fleet's shared tier: the scheduler claims chunks it holds, the worker's store reads them
+        self._remote = None
+        remote_url = cfg.get_from_extra_config("remote", None)
+        if remote_url:
+            secret = cfg.get_from_extra_config("remote_secret", None) or os.environ.get("RAGATTN_REMOTE_SECRET")
+            self._remote = RemoteTier(str(remote_url), secret)
         # scheduler side
         self._claims: dict[str, tuple[Claim, int]] = {}   # claim, vLLM's own hit
         self._pending: dict[str, tuple[Claim, int]] = {}
@@ -160,7 +169,7 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             # the store lives on the CPU (chunk K/V in host memory, staged to the caches' device) and
             # only serves chunk files (ragattn.vllm.store)
             self._store = ChunkStore(self._chunk_model, self._dir, page_size=self._block_size, read_only=True,
-                                     memory_budget=None if budget is None else int(budget))
+                                     memory_budget=None if budget is None else int(budget), remote=self._remote)
 
     # ----- scheduler side ---------------------------------------------------------------
     def _spans(self, request: "Request"):
@@ -189,7 +198,10 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             return NO_CLAIM
         fp = self.fingerprint
         return plan_claim(tokens, spans, lambda t: chunk_key(fp, t),
-                          lambda k: (self._dir / f"{k}.safetensors").is_file())
+                          self._has_chunk)
+
+    def _has_chunk(self, key: str) -> bool:
+        return (self._dir / f"{key}.safetensors").is_file() or (self._remote is not None and self._remote.contains(key))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         claim = self._claim(request)
