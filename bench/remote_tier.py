@@ -3,6 +3,12 @@ tier, from the remote tier (a redis-server started here on 127.0.0.1, loopback) 
 it, and its bytes; plus the Llama-3-8B KV shape's modelled figures.
 
     python -m ragattn.bench.remote_tier [--model tiny|smollm2] [--chunks 8] [--tokens 256]
+    python -m ragattn.bench.remote_tier --ttft [--passages 16] [--repeats 3]
+
+``--ttft``: SmolLM2's time to first token of a cached Block-Attention answer (the demo's corpus,
+the first question's prompt with ``--passages`` passages) whose chunks come from each tier: a
+warm store's memory, a fresh store over the disk tier, a fresh store over the remote tier, and
+no store (every chunk prefilled), medians of ``--repeats`` (each from a fresh store).
 
 ``tiny``: a random 2-layer model (seconds); ``smollm2``: SmolLM2-135M (the demo's model) on the
 CPU. Llama-3-8B (32 layers x 8 KV heads x 128, bf16: 128 KiB a token) is modelled: its bytes per
@@ -100,13 +106,66 @@ def run(model_name="tiny", n_chunks=8, tokens=256) -> list[tuple]:
     return rows
 
 
+def ttft(n_passages=16, repeats=3) -> list[tuple]:
+    """(source, median TTFT ms, prompt tokens) of a cached Block-Attention answer per chunk source."""
+    import statistics
+
+    from ragattn.apps.corpus import load_corpus
+    from ragattn.methods.cached_answer import cached_answer
+    from ragattn.store import ChunkStore
+
+    from ragattn.hf.models import load_smollm2
+
+    model, tok = load_smollm2(dtype=torch.float32)
+    corpus = load_corpus()
+    texts = [p.render() for p in corpus.passages[:n_passages]]
+    question = corpus.questions[0].question
+
+    def answer(store):
+        return cached_answer(model, tok, texts, question, positions="reordered", method="block_attention",
+                             max_new_tokens=1, store=store)
+
+    proc, url = _server()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            warm = ChunkStore(model, d, remote=url, remote_secret="bench")
+            first = answer(warm)                       # computes, writes and publishes every chunk
+            sources = [("memory (warm store)", lambda: warm), ("disk tier (fresh store)",
+                                                               lambda: ChunkStore(model, d, read_only=True)),
+                       ("remote tier (fresh store)", lambda: ChunkStore(model, remote=url, remote_secret="bench")),
+                       ("recompute (no store)", lambda: ChunkStore(model))]
+            for name, make in sources:
+                times = []
+                for _ in range(repeats):
+                    store = make()
+                    a = answer(store)
+                    assert a.tokens == first.tokens, (name, a.tokens, first.tokens)
+                    times.append(a.ttft_s * 1e3)
+                rows.append((name, statistics.median(times), first.prompt_len))
+    finally:
+        proc.kill()
+        proc.wait()
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ragattn.bench.remote_tier", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--ttft", action="store_true", help="SmolLM2's TTFT of a cached answer per chunk source")
+    p.add_argument("--passages", type=int, default=16, help="--ttft: retrieved passages in the prompt")
+    p.add_argument("--repeats", type=int, default=3, help="--ttft: runs per source (median)")
     a = p.parse_args(argv)
+    if a.ttft:
+        rows = ttft(a.passages, a.repeats)
+        print(f"| chunks from (SmolLM2, Block-Attention, {rows[0][2]}-token prompt) | TTFT ms (median of {a.repeats}) |")
+        print("|---|---:|")
+        for name, ms, _ in rows:
+            print(f"| {name} | {ms:.0f} |")
+        return
     rows = run(a.model, a.chunks, a.tokens)
     print(f"| {a.model}, {a.chunks} chunks of {a.tokens} tokens | ms per chunk | bytes per chunk |")
     print("|---|---:|---:|")
