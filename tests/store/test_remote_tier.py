@@ -134,16 +134,16 @@ def test_server_killed_and_restarted(model, remote):
 
 def test_slow_server_answers_within_timeout(model, remote):
     s = _store(model, remote, remote_options={"timeout": 0.3, "retry_after": 5.0})
-    remote.client().execute_command("CLIENT", "PAUSE", 3000, "ALL")
+    remote.client().execute_command("CLIENT", "PAUSE", 8000, "ALL")   # paused far longer than the 0.3 s timeout
     try:
         t0 = time.monotonic()
         with pytest.warns(RuntimeWarning, match="remote tier"):
             s.add(_chunks(5, [10]))
-        assert time.monotonic() - t0 < 2.5 and s.stats["computed"] == 1
-        t0 = time.monotonic()
-        for i in range(4):                  # skipped while it backs off: no second wait
+        # answered by local compute long before the server would answer (not a speed bound: a hang)
+        assert time.monotonic() - t0 < 6 and s.stats["computed"] == 1
+        for i in range(4):                  # skipped while it backs off: no second wait, no second error
             s.add(_chunks(20 + i, [10]))
-        assert time.monotonic() - t0 < 0.6 and s.stats["remote_errors"] == 1
+        assert s.stats["remote_errors"] == 1 and s.stats["computed"] == 5
     finally:
         remote.client().execute_command("CLIENT", "UNPAUSE")
 
