@@ -29,6 +29,14 @@ def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, liv
     pinned.clear()
 
 
+def _whole_number(p) -> bool:
+    """An int, an integral float or an integer tensor element; not a bool, 1.5 or a string."""
+    try:
+        return not isinstance(p, bool) and float(p).is_integer()
+    except (TypeError, ValueError):
+        return False
+
+
 class ZeroCopyRequest:
     """A request over the store's own pages (:meth:`ChunkStore.request`): ``cache`` is a
     :class:`~ragattn.kv.TaggedPagedKV` whose page table lists the chunks' shared pool pages
@@ -96,6 +104,10 @@ class _ZeroCopy:
                                       f"or each chunk's first position, got {positions!r}")
             firsts = None
         else:
+            # whole numbers only: int() would truncate 1.5 to 1 silently (a bool is no position either)
+            if not all(_whole_number(p) for p in positions):
+                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be whole numbers, got "
+                                      f"{list(positions)}")
             firsts = [int(p) for p in positions]
             if len(firsts) != len(keys) or any(p < 0 for p in firsts):
                 raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "

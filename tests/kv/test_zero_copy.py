@@ -403,3 +403,16 @@ def test_a_row_that_sees_nothing_gets_zeros_not_nan(backend, monkeypatch):
                                     v[0].double(), torch.tensor([3, 1, 2]), torch.tensor([0]), torch.tensor([12]),
                                     torch.tensor([10, 14, 20]), torch.tensor([4, 3, 1]), inv, D, False, 0.25)
     torch.testing.assert_close(out[1].double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [[1.5, 7], [0, True], [0, "x"]])
+def test_request_positions_must_be_whole_numbers(model, bad):
+    """Explicit first positions are whole numbers: 1.5 was truncated to 1 silently."""
+    from ragattn.store.errors import ChunkStoreError
+
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(_chunks(12, [5, 6]))
+    with pytest.raises(ChunkStoreError, match="positions must be whole numbers"):
+        store.request(keys, bad)
+    with store.request(keys, [0.0, 7]) as req:   # a float that is a whole number is that position
+        assert req.positions[5:].tolist()[0] == 7
