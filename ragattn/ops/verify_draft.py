@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Optional, Tuple
 
@@ -347,7 +348,7 @@ def verify_draft_vllm(
             greedy_flat, _ = verify_draft(*args, greedy=True, cu_num_draft=cu)
             flat = torch.where(greedy_req[row_req], greedy_flat, flat)
     else:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
             raise TypeError(f"ragattn.{op}: temperature must be a float or a float32 [B] tensor, "
                             f"got {type(temperature).__name__}")
         if not (math.isfinite(temperature) and temperature >= 0):
