@@ -309,6 +309,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-new-tokens must be >= 1")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.limit < 0:   # (as eval: 0 means every question, a negative count means nothing)
+        p.error(f"--limit must be >= 0, got {args.limit}")
     return args
 
 

@@ -33,6 +33,7 @@ def _cases(tmp_path):
     cases = [
         (["demo", "--top-k", "0"], "--top-k must be >= 1"),
         (["demo", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
+        (["demo", "--limit", "-1"], "--limit must be >= 0"),   # as eval (the demo ran every question)
         (["build-store", "--out", out, "--device", "xyz"], "unknown device 'xyz'"),
         (["build-store", "--out", f], "exists and is not a folder"),
         (["build-store", "--out", out, "--batch", "0"], "--batch must be >= 1"),
