@@ -49,6 +49,9 @@ PYEOF
     reuse=1
   fi
   RAGATTN_REUSE_EXT=$reuse MAX_JOBS=${MAX_JOBS:-2} $PY -m pip install -q --no-build-isolation --no-deps -e .
+  # a ragattn.egg-info left in the checkout by an in-tree build shadows the editable install's entry
+  # points (vllm.platform_plugins: ragattn's attention backend) for processes started here
+  rm -rf ragattn.egg-info
   rm -f $VENV/.ragattn-setup-*
   touch "$stamp"
 fi

@@ -14,6 +14,9 @@ trap 'rm -rf "$tmp"' EXIT
 echo "wheel_check: building the wheel"
 MAX_JOBS=${MAX_JOBS:-2} "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$tmp/dist" . 2>&1 \
   | grep -v "^WARNING: Location" || true
+# the in-tree build leaves ragattn.egg-info in the checkout: a process started there would read its
+# entry points instead of the installed ones (e.g. vLLM's platform plugin), stale after any edit
+rm -rf ragattn.egg-info
 whl=$(ls "$tmp"/dist/ragattn-*.whl)
 echo "wheel_check: $(basename "$whl")"
 
