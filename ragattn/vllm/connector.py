@@ -1,4 +1,5 @@
-"""``RagattnConnector``: Block-Attention / TurboRAG chunk reuse inside vLLM 0.33 (a KV connector).
+"""``RagattnConnector``: cached-chunk KV reuse inside vLLM (a KV connector): Block-Attention,
+TurboRAG and, on ragattn's attention backend, CacheBlend and FusionRAG, chosen per request.
 
     vllm serve <model> --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "RagattnConnector",
         "kv_connector_module_path": "ragattn.vllm.connector", "kv_role": "kv_consumer",
@@ -12,7 +13,9 @@ ids (every KV cache group's) go to the worker in the step's metadata. Worker sid
 :class:`~ragattn.vllm.pages.PageWriter` writes those chunks' K/V into vLLM's own cache tensors at
 the request's slots, keys re-rotated to their real positions (and quantised with the layers'
 ``_k_scale``/``_v_scale`` for fp8 caches), with one ``copy_kv_`` per KV cache group before the
-forward; saves are no-ops. A ``SupportsHMA`` connector: under vLLM's hybrid KV cache manager
+forward; for CacheBlend and FusionRAG the chosen chunk tokens are then recomputed by the served
+model (:mod:`ragattn.vllm.recompute`) and their positions returned with the answer; saves are
+no-ops. A ``SupportsHMA`` connector: under vLLM's hybrid KV cache manager
 each full-attention or sliding-window group is written with its own blocks (a sliding group's
 null blocks, outside the window, never). Options (``kv_connector_extra_config``) are listed in
 :data:`OPTIONS`; see docs/vllm.md.

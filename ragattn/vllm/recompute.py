@@ -185,6 +185,9 @@ class Recomputer:
         dev = self.caches[0].device
         chunk_pos = torch.arange(head_end, ctx, dtype=torch.int64, device=dev)
         if req.method == "cacheblend":
+            if max(CACHEBLEND_CHECK_LAYERS) >= len(self.names):
+                raise RecomputeError(f"ragattn.vllm: CacheBlend checks layers {CACHEBLEND_CHECK_LAYERS}; the model "
+                                     f"has {len(self.names)}")
             checks = cacheblend_schedule(req.ratio, n_chunk, CACHEBLEND_CHECK_LAYERS)
             return self._run_rows(req, chunk_pos, checks=checks).tolist() if n_chunk else []
         if req.method != "fusionrag":
