@@ -236,12 +236,15 @@ def format_table(rows: List[dict]) -> str:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
-    lines = ["| prompt tokens (chunks) | method | backend | TTFT ms (median) | TTFT speedup vs full/cpu_attn | "
-             "decode tok/s (median) | decode vs full/cpu_attn | load avg (1 min) |",
+    lines = ["| prompt tokens (chunks) | method | backend | TTFT ms, median (range) | TTFT speedup vs full/cpu_attn | "
+             "decode tok/s, median (range) | decode vs full/cpu_attn | load avg (1 min) |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['prompt_tokens']} ({r['chunks']}) | {r['method']} | {r['backend']} | {r['ttft_ms']:.0f} | "
-                     f"{f(r['ttft_speedup'], '.2f')}x | {f(r['decode_tok_s'], '.1f')} | "
+        dec = [x for x in r["decode_tok_s_all"] if x is not None]
+        dec_range = f" ({min(dec):.1f}-{max(dec):.1f})" if dec else ""
+        lines.append(f"| {r['prompt_tokens']} ({r['chunks']}) | {r['method']} | {r['backend']} | {r['ttft_ms']:.0f} "
+                     f"({min(r['ttft_ms_all']):.0f}-{max(r['ttft_ms_all']):.0f}) | "
+                     f"{f(r['ttft_speedup'], '.2f')}x | {f(r['decode_tok_s'], '.1f')}{dec_range} | "
                      f"{f(r['decode_ratio'], '.2f')}x | {r['loadavg']:.2f} |")
     return "\n".join(lines)
 
