@@ -128,6 +128,30 @@ def load_corpus(root: Union[str, Path, None] = None) -> Corpus:
     return Corpus(root, passages, questions)
 
 
+def rag_prompts(tokenizer, n: int, min_tokens: int, corpus: Optional[Corpus] = None) -> List[tuple]:
+    """``n`` (question, chunk texts) of ``corpus`` (default: the shipped QA set), each prompt
+    (``ragattn.methods.prompt.prompt_parts``: head, chunks, tail) at least ``min_tokens`` tokens
+    when the corpus has enough passages: the question's supporting passages, then other passages
+    in a fixed order (rotated per question), each inserted mid-list so the gold passage is not
+    always first. Deterministic: the live vLLM tests and ``bench.served`` build the same prompts."""
+    from ragattn.methods.prompt import prompt_parts
+
+    corpus = load_corpus() if corpus is None else corpus
+    out = []
+    for i, q in enumerate(corpus.questions[:n]):
+        gold = [corpus.passage(p) for p in (q.passage_ids or (q.passage_id,)) if p]
+        others = [p for p in corpus.passages if p not in gold]
+        others = others[(5 * i) % len(others):] + others[:(5 * i) % len(others)]
+        chunks = [p.render() for p in gold]
+        for p in others:
+            head, ids, tail = prompt_parts(tokenizer, chunks, q.question)
+            if len(head) + sum(map(len, ids)) + len(tail) >= min_tokens:
+                break
+            chunks.insert(len(chunks) // 2, p.render())     # the gold passage not always first
+        out.append((q.question, chunks))
+    return out
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD normalisation: lower-case, drop punctuation and articles, collapse whitespace."""
     text = text.lower()

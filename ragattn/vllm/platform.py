@@ -17,6 +17,7 @@ import os
 ENV_FLAG = "RAGATTN_VLLM_ATTENTION"
 BACKEND_PATH = "ragattn.vllm.backend.RagattnAttentionBackend"
 WORKER_PATH = "ragattn.vllm.platform.RagattnCPUWorker"
+ACTIVE_LINE = "Using ragattn's attention backend"    # logged once per process that picks it
 
 
 def enabled() -> bool:
@@ -43,10 +44,13 @@ def cpu_platform() -> str | None:
 
 
 def _platform_class():
+    from vllm.logger import init_logger
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    # vLLM configures only its own logger tree ("vllm"): a "ragattn.*" logger's INFO line is dropped
+    logger = init_logger(f"vllm.{__name__}")
 
     class RagattnCpuPlatform(CpuPlatform):
         """vLLM's CPU platform with ragattn's attention backend for decoder attention, and vLLM's
@@ -62,6 +66,7 @@ def _platform_class():
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
             if attn_selector_config.use_mla or attn_selector_config.use_sparse:
                 return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+            logger.info_once(f"{ACTIVE_LINE} ({BACKEND_PATH}, vLLM's CUSTOM slot) for decoder attention")
             return AttentionBackendEnum.CUSTOM.get_path()
 
     RagattnCpuPlatform.__module__, RagattnCpuPlatform.__qualname__ = __name__, "RagattnCpuPlatform"

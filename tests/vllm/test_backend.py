@@ -107,3 +107,18 @@ def test_platform_plugin_only_with_the_flag(monkeypatch):
     cls = plugin.RagattnCpuPlatform
     config = SimpleNamespace(use_mla=False, use_sparse=False)
     assert cls.get_attn_backend_cls(None, config) == plugin.BACKEND_PATH
+
+
+def test_cache_write_in_any_memory_order():
+    """``do_kv_cache_update`` stores the same K/V whether the cache's memory is the LBNHC order
+    the backend asks for (one flat row per slot) or another (vLLM's default LBHNC: indexing)."""
+    impl = RagattnAttentionImpl(H, D, 1.0, HKV, None, None, "auto")
+    slots = torch.tensor([N + 2, 3, -1, 2 * N - 1, 0])                # one padding row
+    key, value = torch.randn(5, HKV, D), torch.randn(5, HKV, D)
+    for kv in (lbnhc_cache(3), torch.zeros(3, HKV, N, 2 * D)):
+        impl.do_kv_cache_update(None, key, value, kv, slots)
+        k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)
+        keep = slots >= 0
+        s = slots[keep]
+        assert torch.equal(k[s // N, s % N], key[keep]) and torch.equal(v[s // N, s % N], value[keep])
+        assert int((k != 0).any(-1).any(-1).sum()) == 4                   # nothing else written

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.live.server import LiveServer, free_port, serve_command
+from ragattn.vllm.serve import LiveServer, free_port, serve_command
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = float(os.environ.get("RAGATTN_VLLM_START_TIMEOUT", "600"))

@@ -22,28 +22,6 @@ from pathlib import Path
 import torch
 
 
-def prompts(tokenizer, n: int, min_tokens: int):
-    """``n`` (question, chunk texts) from the shipped QA set, each prompt at least ``min_tokens``
-    tokens: the question's supporting passages, then other passages in a fixed order."""
-    from ragattn.apps.corpus import load_corpus
-    from ragattn.methods.prompt import prompt_parts
-
-    corpus = load_corpus()
-    out = []
-    for i, q in enumerate(corpus.questions[:n]):
-        gold = [corpus.passage(p) for p in (q.passage_ids or (q.passage_id,)) if p]
-        others = [p for p in corpus.passages if p not in gold]
-        others = others[(5 * i) % len(others):] + others[:(5 * i) % len(others)]
-        chunks = [p.render() for p in gold]
-        for p in others:
-            head, ids, tail = prompt_parts(tokenizer, chunks, q.question)
-            if len(head) + sum(map(len, ids)) + len(tail) >= min_tokens:
-                break
-            chunks.insert(len(chunks) // 2, p.render())     # the gold passage not always first
-        out.append((q.question, chunks))
-    return out
-
-
 RATIO = 0.15   # the recompute methods' ratio in the served tests
 
 
@@ -73,6 +51,7 @@ def main(argv=None):
     import transformers
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ragattn.apps.corpus import rag_prompts
     from ragattn.methods import block_attention
     from ragattn.methods import ChunkStore
     from ragattn.methods import full_prefill
@@ -91,8 +70,8 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     store = ChunkStore(model, out / "kv")
     rows = []
-    todo = prompts(tok, a.prompts, a.min_tokens)
-    spares = prompts(tok, a.spares, 256)
+    todo = rag_prompts(tok, a.prompts, a.min_tokens)
+    spares = rag_prompts(tok, a.spares, 256)
     # chunks of their own (their files are deleted or corrupted by the tests)
     todo += [(q, [f"{c}(spare copy {i})\n" for c in chunks]) for i, (q, chunks) in enumerate(spares)]
     for question, chunks in todo:

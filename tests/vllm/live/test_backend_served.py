@@ -1,5 +1,5 @@
 """Through a live vLLM server whose attention is ragattn's backend (``RAGATTN_VLLM_ATTENTION=1``:
-the platform plugin, ragattn.vllm.platform), over HTTP: full prefill and decode answer token for
+the platform plugin, ragattn.vllm.platform, which logs that it is active), over HTTP: full prefill and decode answer token for
 token like vLLM's own CPU_ATTN server and the HF path's full attention, and the connector's
 Block-Attention, written into the backend's pages, answers like the HF path's ``block_attention``."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from ragattn.vllm.platform import ACTIVE_LINE  # noqa: E402
 from tests.vllm.live.test_served import _eos, _upto_eos, complete  # noqa: E402
 
 
@@ -18,6 +19,9 @@ def test_served_by_ragattns_backend(live, live_ragattn):
     Hkv, D] views); the CPU_ATTN server keeps its own (LBHNC)."""
     assert "Using LBNHC KV cache layout" in live_ragattn[0].log.read_text(errors="replace")
     assert "Using LBHNC KV cache layout" in live[0].log.read_text(errors="replace")
+    # and the server says so itself (a line of vLLM's own log, from the platform plugin)
+    assert ACTIVE_LINE in live_ragattn[0].log.read_text(errors="replace")
+    assert ACTIVE_LINE not in live[0].log.read_text(errors="replace")
 
 
 def test_ragattn_backend_equals_cpu_attn_and_hf(live, live_ragattn):

