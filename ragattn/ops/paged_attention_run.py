@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from ragattn.ops._direct_call import plain_cpu_call
-from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, device_guard
+from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_fp8_scale_values, check_tensor, device_guard
 from ragattn.ops.page_table import PageTable
 from ragattn.ops.paged_attention import (
     FP8_DTYPES,
@@ -220,6 +220,9 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
                                  f"got shape {tuple(s.shape)}")
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"ragattn.{_RUN_OP}: q must be float16 or bfloat16 with float8 caches, got {q.dtype}")
+        if read_values:   # finite and > 0 (kv_cache.py's rule; the kernel reads NaN for another)
+            check_fp8_scale_values(_RUN_OP, "k_scale", k_scale)
+            check_fp8_scale_values(_RUN_OP, "v_scale", v_scale)
     elif isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES:
         raise ValueError(f"ragattn.{_RUN_OP}: a {k_cache.dtype} cache needs k_scale and v_scale")
     for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len)):
