@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_fp8_scale_values, check_tensor, device_guard
@@ -284,8 +285,9 @@ def _rotary_dim(q: torch.Tensor, inv_freq, rotary_dim) -> Optional[int]:
 def _check_rows_within(cu_seqlens_q: torch.Tensor, max_q_len: Optional[int], device: torch.device) -> None:
     """A sequence with more query rows than the plan's ``max_q_len``: an error on every backend
     where values may be read (CPU, ``RAGATTN_DEBUG=1``), whatever its tiles happen to cover."""
-    if max_q_len is None or device.type == "meta" or cu_seqlens_q.numel() < 2 or torch.compiler.is_compiling():
-        return   # (traced: the op's own impl still checks its tiles' coverage)
+    if (max_q_len is None or device.type == "meta" or cu_seqlens_q.numel() < 2 or torch.compiler.is_compiling()
+            or is_fake(cu_seqlens_q)):
+        return   # (traced, or fake tensors without values: the op's own impl still checks its tiles' coverage)
     if device.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
         rows = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         if rows > max_q_len:
