@@ -164,6 +164,8 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = self._groups[0][2] if self._groups else vllm_config.cache_config.block_size
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         mc = vllm_config.model_config
+        window = mc.get_sliding_window()   # (Qwen2 carries one it does not use)
+        self._window = int(window) if window and getattr(mc.hf_text_config, "use_sliding_window", True) else None
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
         self._chunk_model = served_chunk_model(hf_path, mc.dtype)
         self.fingerprint = self._chunk_model.fingerprint
@@ -213,6 +215,12 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("request %s: %s; computing it without cached chunks", request.request_id, exc)
             return NO_CLAIM, MethodChoice()
         if not spans:
+            return NO_CLAIM, method
+        if method.name == "turborag-composite" and self._window is not None and self._window < len(tokens):
+            # composite positions overlap (every chunk from 0); a window is by position (ragattn.kv.window), vLLM's by slot
+            log.warning("request %s: turborag-composite on a model with a %d-token sliding window shorter than the "
+                        "prompt: the window would cut by slot, not by position; computing it without cached chunks",
+                        request.request_id, self._window)
             return NO_CLAIM, method
         if method.recomputes and not self._can_recompute:
             log.warning("request %s: %s recomputes with ragattn's attention backend, which this server does not "

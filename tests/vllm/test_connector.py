@@ -179,6 +179,23 @@ def test_prefix_caching_salts_per_method(served, monkeypatch):
     assert loads[comp.request_id].method == composite and loads[comp.request_id].prompt == ()
 
 
+def test_composite_is_refused_under_a_sliding_window(served, monkeypatch):
+    """TurboRAG composite's positions overlap: a window is by position (the HF path's rule) and vLLM
+    windows by slot, so on a model whose window is shorter than the prompt the request is computed
+    without cached chunks; Block-Attention's (positions = slots) is claimed as before."""
+    from vllm.config import ModelConfig
+
+    _, _, _, chunks = served
+    monkeypatch.setattr(ModelConfig, "get_sliding_window", lambda self: 8)
+    sched = _scheduler(_config(served))
+    prompt, spans = _prompt(chunks, (0, 1))
+    comp = _request(prompt, spans, method=MethodChoice("turborag-composite"))
+    block = _request(prompt, spans)
+    out, loads = _schedule(sched, comp, block)
+    assert comp.request_id not in loads and out.num_scheduled_tokens[comp.request_id] == len(prompt)
+    assert loads[block.request_id].spans[-1][1] == 30
+
+
 def _worker(served, caches=None, **extra):
     cfg = _config(served, **extra)
     conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, _kv_cache_config())
