@@ -142,7 +142,9 @@ def test_dry_run_builds_the_prompts_and_the_server_commands(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     reqs = [json.loads(line) for line in lines if line.startswith("{")]
     assert [(r["size"], r["method"], r["backend"]) for r in reqs] == [
-        (n, m, b) for n in (1536, 3072) for m in ("full", "block_attention") for b in ("cpu_attn", "ragattn")]
+        (n, m, b) for n in (1536, 3072) for m in served.METHODS for b in ("cpu_attn", "ragattn")
+        if b == "ragattn" or m not in served.RAGATTN_ONLY]   # the recompute runs on ragattn's backend only
+    assert {r["method"] for r in reqs} == set(served.METHODS)
     assert all(r["size"] <= r["prompt_tokens"] <= 4096 - 32 for r in reqs)
     assert all((r["kv_transfer_params"] is None) == (r["method"] == "full") for r in reqs)
     cmds = [line for line in lines if line.startswith(("cpu_attn:", "ragattn:"))]

@@ -278,3 +278,18 @@ def tiny_causal_lm(family: str = "llama", folder=None, seed: int = 0, **override
     if folder is not None:
         model.save_pretrained(folder)
     return model
+
+
+def run_in_threads(fns) -> list:
+    """Run every callable of ``fns`` in a thread of its own, all at once (a ``threading.Barrier``
+    of ``len(fns)`` inside them is safe), wait for all of them, and return their results in
+    order; a worker's exception is raised here (the first one's, in the order of ``fns``), never
+    lost with its thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fns = list(fns)
+    if not fns:
+        return []
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+    return [f.result() for f in futures]

@@ -350,6 +350,9 @@ def _paged_attention_kernel(
     if KV_FP8:
         k_scale = tl.load(K_SCALE)
         v_scale = tl.load(V_SCALE)
+        # a scale must be finite and > 0 (a precondition on the GPU): another reads NaN, never 0
+        k_scale = tl.where((k_scale > 0) & (k_scale < float("inf")), k_scale, float("nan"))
+        v_scale = tl.where((v_scale > 0) & (v_scale < float("inf")), v_scale, float("nan"))
     rot = d < 0  # (no rotation unless ROPE)
     partner = d
     freq = tl.zeros([BLOCK_D], tl.float64)

@@ -1,12 +1,14 @@
 // float8_e4m3fn KV-cache elements (vLLM's kv_cache_dtype="fp8"), shared by the CUDA kernels and
 // the CPU twin. A stored element x of a cache with per-tensor scale s means the value x * s; a
 // value v is stored as round_to_nearest_even(clamp(v / s, -448, 448)) (saturating, as vLLM
-// quantises). The conversions are CUDA's cuda_fp8.h intrinsics under nvcc and c10's (the same
+// quantises). A scale must be finite and > 0 (checked on the host where that is free: CPU, or
+// RAGATTN_DEBUG=1); a kernel that meets another reads and writes NaN, never a finite value. The conversions are CUDA's cuda_fp8.h intrinsics under nvcc and c10's (the same
 // bits as torch's .to(torch.float8_e4m3fn)) on the host. Framework-free apart from that host
 // include.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "common/host_device.h"
 #include "kv_cache/rope_math.h"
@@ -46,6 +48,17 @@ RAGATTN_HD uint8_t f32_to_fp8_e4m3(float v) {
 #endif
 }
 
+// Whether a per-tensor scale is usable: finite and > 0 (false for NaN).
+RAGATTN_HD bool fp8_scale_ok(float scale) { return scale > 0.f && scale <= 3.402823466e38f; }
+
+RAGATTN_HD float fp8_nan() {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(0x7fc00000);
+#else
+  return std::numeric_limits<float>::quiet_NaN();
+#endif
+}
+
 template <typename T>
 struct IsFp8 {
   static constexpr bool value = false;
@@ -62,7 +75,7 @@ RAGATTN_HD float load_elem(T x, float scale) {
 }
 template <>
 RAGATTN_HD float load_elem<Fp8E4M3>(Fp8E4M3 x, float scale) {
-  return fp8_e4m3_to_f32(x.bits) * scale;
+  return fp8_scale_ok(scale) ? fp8_e4m3_to_f32(x.bits) * scale : fp8_nan();
 }
 
 // An fp32 value stored as T: v / scale, saturated, for fp8; rounded to T otherwise.
@@ -72,7 +85,7 @@ RAGATTN_HD T store_elem(float v, float scale) {
 }
 template <>
 RAGATTN_HD Fp8E4M3 store_elem<Fp8E4M3>(float v, float scale) {
-  return Fp8E4M3{f32_to_fp8_e4m3(v / scale)};
+  return Fp8E4M3{f32_to_fp8_e4m3(fp8_scale_ok(scale) ? v / scale : fp8_nan())};
 }
 
 }  // namespace kv_cache

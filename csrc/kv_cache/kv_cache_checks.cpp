@@ -136,6 +136,18 @@ int64_t check_scale(const char* op, const char* name, const c10::optional<at::Te
                     " must have shape [], [1] or [num_layers] = [", num_layers, "], got ", s.sizes());
   RAGATTN_CHECK_VALUE(s.device() == device, "ragattn.", op, ": ", name, " must be on ", device,
                     " (the caches' device), got ", s.device());
+  // the values: finite and > 0 (0 would store +-inf or NaN). Read where that costs no device sync
+  // (CPU; CUDA under RAGATTN_DEBUG=1); elsewhere a precondition, and the kernels write NaN
+  // (fp8_math.h) rather than a finite value
+  if (s.device().is_cpu() || debug_mode()) {
+    const at::Tensor v = s.detach().to(at::kCPU).reshape({-1});
+    const at::Tensor bad = v.isfinite().logical_not().logical_or(v.le(0));
+    if (bad.any().item<bool>()) {
+      const int64_t i = bad.nonzero()[0][0].item<int64_t>();
+      RAGATTN_CHECK_VALUE(false, "ragattn.", op, ": ", name, " must be finite and > 0 (a stored x means x * scale), got ",
+                        v[i].item<float>(), " at index ", i);
+    }
+  }
   return one ? 0 : s.stride(0);
 }
 

@@ -12,7 +12,8 @@ Two caches, one interface for a forward of ``q`` new tokens (every layer)::
   its private ones, keys stored without RoPE and rotated in the kernel by ``positions`` (a
   position-tagged table); batch 1.
 
-The per-forward state (where the new tokens go, the tables, the attention plans) is the
+A sliding window is by position on both, refused where positions overlap unless it hides nothing
+(:mod:`ragattn.kv.window`). The per-forward state (where the new tokens go, the tables, the attention plans) is the
 ``plan``'s, made at the first layer and reused by the others. ``positions`` is the one name of a
 token's RoPE position from the store to the kernel. Engines (transformers' attention in
 ``ragattn.hf``, vLLM's) route onto this layer; it imports only ``ragattn.ops``.

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ragattn.kv.cpu_sdpa import cpu_sdpa_enabled, head_rows, row_masks, rows_sdpa
+from ragattn.kv.window import check_window
 from ragattn.ops import PagedAttentionStep, PageTable
 
 
@@ -28,9 +29,10 @@ class CopyForward:
     the ``B * q`` new tokens are real), ``positions`` int32 ``[B * q]`` (each query row's position:
     its slot), ``kv_lens`` int32 ``[B]``, ``counts`` (real new tokens per sequence, or None),
     ``spans`` (per sequence ``(first flat row, kv length)`` when its pages are consecutive CPU
-    rows, else None), the attention ``step`` over the table, the SDPA route's masks."""
+    rows, else None), the attention ``step`` over the table, the SDPA route's masks, the last
+    query slot (read once, for the window rule of :mod:`ragattn.kv.window`)."""
     __slots__ = ("key", "q", "batch", "rows", "src", "positions", "kv_lens", "counts", "spans", "in_place",
-                 "cpu_sdpa", "step", "masks")
+                 "cpu_sdpa", "step", "masks", "last_slot")
 
 
 class PagedKV:
@@ -43,6 +45,10 @@ class PagedKV:
     ``buffer``: optional flat tensor (``dtype``, ``device``) of at least :meth:`buffer_numel`
     elements whose leading part holds every layer's K then V (views, no copy; e.g. a recycled
     request cache of the chunk store); by default one tensor per layer is allocated.
+
+    ``overlapping_positions``: False unless whoever filled the slots rotated their keys at
+    positions that several slots share (``ChunkStore.assemble(positions="composite")`` sets it):
+    then a sliding window narrower than the request is refused (:mod:`ragattn.kv.window`).
     """
 
     def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16,
@@ -68,6 +74,7 @@ class PagedKV:
         self._plan_key = self._scatter_key = None
         self._head_views = {}
         self._fwd: Optional[CopyForward] = None   # the current forward (plan)
+        self.overlapping_positions = False
 
     @property
     def num_layers(self) -> int:
@@ -192,7 +199,7 @@ class PagedKV:
         if not first_layer and f is not None and f.key == key:
             return f
         f = CopyForward()
-        f.key, f.q, f.batch, f.src, f.counts, f.masks = key, q, b, None, None, {}
+        f.key, f.q, f.batch, f.src, f.counts, f.masks, f.last_slot = key, q, b, None, None, {}, None
         if valid is not None:
             f.rows, f.src, f.positions, f.kv_lens, f.counts = self.masked_append_plan(valid, True)
         elif slots is None:
@@ -238,7 +245,12 @@ class PagedKV:
                logits_soft_cap: float = 0.0) -> torch.Tensor:
         """``q_rows`` ``[B * q, Hq, D]`` (rotated) against each sequence's slots ``<=`` its row's
         position: ``out [B * q, Hq, D]`` (SDPA over the rows in place on the CPU route that takes
-        it, which cannot soft-cap; else ``paged_attention`` through the forward's step)."""
+        it, which cannot soft-cap; else ``paged_attention`` through the forward's step). A window
+        over overlapping positions follows :mod:`ragattn.kv.window` (refused unless it hides nothing)."""
+        if window_left >= 0 and self.overlapping_positions:
+            if f.last_slot is None:   # one host read per forward, only for such a request
+                f.last_slot = int(f.positions.max()) if f.positions.numel() else -1
+            check_window(window_left, True, f.last_slot)
         if f.cpu_sdpa and f.spans is not None and not logits_soft_cap:
             k4, v4 = self.head_views(layer)
             if k4 is not None:

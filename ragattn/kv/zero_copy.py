@@ -21,7 +21,9 @@ entries (its last one partial), the private area ``capacity - chunk tokens`` slo
 
 Visibility is by position: a query row at position ``p`` sees every valid slot at a position
 ``<= p`` (and within a sliding window). For the schemes the methods use (reordered, composite,
-Block-Attention) this is exactly the slot-causal rule of :class:`PagedKV`.
+Block-Attention) this is exactly the slot-causal rule of :class:`PagedKV`. A sliding window is by
+position too, and refused where positions overlap unless it hides nothing (:mod:`ragattn.kv.window`,
+the rule of both caches).
 
 The pages may live in several tensors (the pool's slabs and a request's private pages come from
 one allocator, but a pool may have several slabs): one ``run_paged_attention`` per tensor
@@ -48,14 +50,18 @@ from typing import Callable, Optional
 import torch
 
 from ragattn import ops as _ops
+from ragattn.kv.window import check_window
 from ragattn.ops import PagedAttentionStep
 
 
 class ZeroCopyForward:
     """What every layer of one forward shares: where the new tokens go (``writes``: per segment
     the new tokens, their rows and the ``-positions`` that un-rotate their keys), the query rows'
-    ``positions`` and one attention step per segment holding entries (``steps``)."""
-    __slots__ = ("key", "q", "src", "writes", "positions", "cu_q", "steps")
+    ``positions`` and one attention step per segment holding entries (``steps``); for the
+    window rule (:mod:`ragattn.kv.window`) the filled slots' positions, the last query slot and
+    whether positions overlap (computed at the first windowed layer)."""
+    __slots__ = ("key", "q", "src", "writes", "positions", "cu_q", "steps", "filled_positions", "last_slot",
+                 "overlapping")
 
 
 class TaggedPagedKV:
@@ -325,6 +331,8 @@ class TaggedPagedKV:
         committed.copy_(slot_positions)
         f = ZeroCopyForward()
         f.q, f.src = q, None if src is None else src.to(self.device)
+        f.filled_positions, f.overlapping = slot_positions[:filled], None
+        f.last_slot = int(w.max()) if w.numel() else -1
         rows = page_of[we] * self.page_size + off[w]
         segs = seg_of[we]
         f.writes = []
@@ -379,7 +387,13 @@ class TaggedPagedKV:
                logits_soft_cap: float = 0.0) -> torch.Tensor:
         """``q_rows`` ``[q, Hq, D]`` (rotated) against every valid slot at a position ``<=`` its row's:
         one paged attention step per segment (keys rotated in the kernel by their positions),
-        merged by LSE. Returns ``[q, Hq, D]``."""
+        merged by LSE. Returns ``[q, Hq, D]``. A window over overlapping positions follows
+        :mod:`ragattn.kv.window` (refused unless it hides nothing)."""
+        if window_left >= 0:
+            if f.overlapping is None:   # once per forward: does a position hold two filled slots?
+                p = f.filled_positions[f.filled_positions >= 0]
+                f.overlapping = torch.unique(p).numel() != p.numel()
+            check_window(window_left, f.overlapping, f.last_slot)
         q_rows = q_rows.contiguous()
         out = lse = None
         for s, step in f.steps:

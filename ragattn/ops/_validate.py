@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -153,6 +154,27 @@ def check_no_overlap(op: str, outputs: dict, inputs: dict) -> None:
             span_t = _byte_span(t)
             if span_t is not None and span_o[0] <= span_t[1] and span_t[0] <= span_o[1]:
                 raise ValueError(f"ragattn.{op}: {name} must not share memory with {other}")
+
+
+def values_readable(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values: on the CPU always, on a GPU only under
+    ``RAGATTN_DEBUG=1`` (the read syncs); never for meta tensors."""
+    return t.device.type == "cpu" or (t.device.type != "meta" and os.environ.get("RAGATTN_DEBUG", "0") == "1")
+
+
+def check_fp8_scale_values(op: str, name: str, scale: Optional[torch.Tensor]) -> None:
+    """An fp8 cache's per-tensor scale must be finite and > 0 (a stored ``x`` means ``x * scale``:
+    0 would store +-inf or NaN, read every key as 0). The values are read only where
+    :func:`values_readable` (no device sync); elsewhere a precondition, and the kernels read and
+    write NaN with such a scale, never a finite value. Call it from real impls, not fake ones."""
+    if scale is None or not values_readable(scale):
+        return
+    v = scale.detach().reshape(-1).to("cpu", torch.float32)
+    bad = ~torch.isfinite(v) | (v <= 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"ragattn.{op}: {name} must be finite and > 0 (a stored x means x * scale), got "
+                         f"{float(v[i])} at index {i}")
 
 
 def device_guard(t: torch.Tensor):

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from ragattn import _extension
-from ragattn.ops._validate import FLOAT_DTYPES, check_tensor
+from ragattn.ops._validate import FLOAT_DTYPES, check_fp8_scale_values, check_tensor
 from ragattn.reference import kv_cache as _ref
 
 
@@ -231,6 +231,8 @@ def rerotate_keys_(
             for, float8_e4m3fn layers (vLLM's ``kv_cache_dtype="fp8"``, its layers' ``_k_scale``). A
             stored ``x`` means ``x * k_scale``; rotated rows are dequantised, rotated in fp32 and
             stored as ``clamp(y / k_scale, -448, 448)`` rounded to nearest even, in one pass.
+            Finite and > 0 (ValueError on CPU; on CUDA a precondition, checked when
+            ``RAGATTN_DEBUG=1``, the kernel writing NaN for another).
 
     Rotation is exact composition of RoPE: a key rotated at position p becomes the key at
     p + delta (no attention scaling factor is applied). Angles ``delta * inv_freq`` are reduced
@@ -242,6 +244,7 @@ def rerotate_keys_(
         # (the C++ ops check row ranges themselves; the reference path needs it here)
         if g is not None:
             _check_rows_cpu(_RR, "rows", rows, g.num_rows, distinct=True)
+            check_fp8_scale_values(_RR, "k_scale", k_scale)
         _ref.rerotate_keys_(list(k_layers), rows, delta, inv_freq, int(rotary_dim), bool(interleaved),
                             compute_dtype=torch.float32, k_scale=k_scale)
         return None
@@ -306,7 +309,8 @@ def copy_kv_(
             fp8 element ``x`` means ``x * scale``; values are written as ``clamp(v / scale, -448,
             448)`` rounded to nearest even. K is dequantised, rotated in fp32 and requantised in
             one pass; without rotation (or for V) an fp8 -> fp8 copy with equal scales is a plain
-            copy of the bytes (requantising with the same scale is the identity).
+            copy of the bytes (requantising with the same scale is the identity). Finite and > 0,
+            as ``rerotate_keys_``'s ``k_scale``.
 
     Returns None.
     """
@@ -318,6 +322,8 @@ def copy_kv_(
         if gk is not None:
             _check_rows_cpu(_CP, "src_rows", src_rows, gsk.num_rows, distinct=False)
             _check_rows_cpu(_CP, "dst_rows", dst_rows, gk.num_rows, distinct=True)
+            for name, s in scales.items():
+                check_fp8_scale_values(_CP, name, s)
         _ref.copy_kv_(*args, compute_dtype=torch.float32, **scales)
         return None
     # The C++ op validates everything (before any write); meta tensors reach the fake, which does too.

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ragattn.ops._direct_call import plain_cpu_call
-from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, device_guard
+from ragattn.ops._validate import FLOAT_DTYPES, INDEX_DTYPES, check_fp8_scale_values, check_tensor, device_guard
 from ragattn.ops.page_table import PageTable
 from ragattn.ops.paged_attention import (
     FP8_DTYPES,
@@ -220,6 +221,9 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
                                  f"got shape {tuple(s.shape)}")
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"ragattn.{_RUN_OP}: q must be float16 or bfloat16 with float8 caches, got {q.dtype}")
+        if read_values:   # finite and > 0 (kv_cache.py's rule; the kernel reads NaN for another)
+            check_fp8_scale_values(_RUN_OP, "k_scale", k_scale)
+            check_fp8_scale_values(_RUN_OP, "v_scale", v_scale)
     elif isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES:
         raise ValueError(f"ragattn.{_RUN_OP}: a {k_cache.dtype} cache needs k_scale and v_scale")
     for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len)):
@@ -281,8 +285,9 @@ def _rotary_dim(q: torch.Tensor, inv_freq, rotary_dim) -> Optional[int]:
 def _check_rows_within(cu_seqlens_q: torch.Tensor, max_q_len: Optional[int], device: torch.device) -> None:
     """A sequence with more query rows than the plan's ``max_q_len``: an error on every backend
     where values may be read (CPU, ``RAGATTN_DEBUG=1``), whatever its tiles happen to cover."""
-    if max_q_len is None or device.type == "meta" or cu_seqlens_q.numel() < 2 or torch.compiler.is_compiling():
-        return   # (traced: the op's own impl still checks its tiles' coverage)
+    if (max_q_len is None or device.type == "meta" or cu_seqlens_q.numel() < 2 or torch.compiler.is_compiling()
+            or is_fake(cu_seqlens_q)):
+        return   # (traced, or fake tensors without values: the op's own impl still checks its tiles' coverage)
     if device.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
         rows = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
         if rows > max_q_len:

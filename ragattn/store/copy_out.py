@@ -220,4 +220,6 @@ class _CopyOut:
         finally:
             self._unpin(pinned)
         cache.lengths[0] = total
+        # composite: the chunks share positions 0.. (a sliding window follows ragattn.kv.window)
+        cache.overlapping_positions = positions == "composite" and sum(n > 0 for n in lens) > 1
         return AssembledRequest(cache, starts, lens, pos, next_pos)

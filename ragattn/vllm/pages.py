@@ -203,11 +203,12 @@ class PageWriter:
         return torch.cat(ks), torch.cat(vs)
 
     def write(self, keys: Sequence[str], spans: Sequence[tuple[int, int]], block_ids, skip: int = 0,
-              stage: bool | None = None) -> None:
+              stage: bool | None = None, rotate_to: torch.Tensor | None = None) -> None:
         """Write the chunks ``keys`` (prompt token ranges ``spans``, contiguous from token 0) into
         the request's pages ``block_ids`` (a list; with several groups, one list per group), keys
-        re-rotated to their prompt positions; tokens below ``skip`` (vLLM's own prefix-cache hit)
-        are left alone. Every chunk is loaded and checked before the first write: an unknown,
+        re-rotated to their prompt positions (or to ``rotate_to``, int64 ``[spans[-1][1]]``: each
+        token's RoPE position, e.g. TurboRAG's composite layout); tokens below ``skip`` (vLLM's own
+        prefix-cache hit) are left alone. Every chunk is loaded and checked before the first write: an unknown,
         foreign or corrupt chunk raises ChunkStoreError with the caches untouched. ``stage``: go
         through a staging copy (default: only when the store is on another device than the
         caches, or with several groups or fp8 caches)."""
@@ -219,7 +220,13 @@ class PageWriter:
         per_group = [list(b) for b in block_ids] if block_ids and not isinstance(block_ids[0], int) else [list(block_ids)]
         if len(per_group) != len(self.groups):
             raise ChunkStoreError(f"ragattn.vllm: {len(per_group)} block lists for {len(self.groups)} KV cache groups")
-        positions = torch.arange(skip, end, dtype=torch.int64)
+        if rotate_to is None:
+            positions = torch.arange(skip, end, dtype=torch.int64)
+        else:
+            if rotate_to.shape != (end,) or rotate_to.dtype != torch.int64:
+                raise ChunkStoreError(f"ragattn.vllm: rotate_to must be int64 [{end}], got {rotate_to.dtype} "
+                                      f"{list(rotate_to.shape)}")
+            positions = rotate_to[skip:]
         if self.split == "rows_kt":   # keys dim-major: no copy_kv_ destination, an indexed store
             self._write_indexed(keys, per_group, positions, skip, end)
             return

@@ -16,6 +16,7 @@ import os
 
 ENV_FLAG = "RAGATTN_VLLM_ATTENTION"
 BACKEND_PATH = "ragattn.vllm.backend.RagattnAttentionBackend"
+WORKER_PATH = "ragattn.vllm.platform.RagattnCPUWorker"
 ACTIVE_LINE = "Using ragattn's attention backend"    # logged once per process that picks it
 
 
@@ -52,7 +53,14 @@ def _platform_class():
     logger = init_logger(f"vllm.{__name__}")
 
     class RagattnCpuPlatform(CpuPlatform):
-        """vLLM's CPU platform with ragattn's attention backend for decoder attention."""
+        """vLLM's CPU platform with ragattn's attention backend for decoder attention, and vLLM's
+        CPU worker that hands its model to ragattn.vllm.recompute (CacheBlend, FusionRAG)."""
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            if vllm_config.parallel_config.worker_cls == "auto":
+                vllm_config.parallel_config.worker_cls = WORKER_PATH
+            super().check_and_update_config(vllm_config)
 
         @classmethod
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -61,12 +69,32 @@ def _platform_class():
             logger.info_once(f"{ACTIVE_LINE} ({BACKEND_PATH}, vLLM's CUSTOM slot) for decoder attention")
             return AttentionBackendEnum.CUSTOM.get_path()
 
-    RagattnCpuPlatform.__module__ = __name__
+    RagattnCpuPlatform.__module__, RagattnCpuPlatform.__qualname__ = __name__, "RagattnCpuPlatform"
     return RagattnCpuPlatform
 
 
-def __getattr__(name):   # the class is built on first use: importing this module needs no vLLM
-    if name == "RagattnCpuPlatform":
-        cls = globals()["RagattnCpuPlatform"] = _platform_class()
+def _worker_class():
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from ragattn.vllm.recompute import bind_model
+
+    class RagattnCPUWorker(CPUWorker):
+        """vLLM's CPU worker; once the model is loaded it is bound for the connector's selective
+        recompute (ragattn.vllm.recompute: CacheBlend and FusionRAG run the served model)."""
+
+        def load_model(self, *args, **kwargs) -> None:
+            super().load_model(*args, **kwargs)
+            bind_model(self.model_runner.model)
+
+    RagattnCPUWorker.__module__, RagattnCPUWorker.__qualname__ = __name__, "RagattnCPUWorker"
+    return RagattnCPUWorker
+
+
+_BUILDERS = {"RagattnCpuPlatform": _platform_class, "RagattnCPUWorker": _worker_class}
+
+
+def __getattr__(name):   # the classes are built on first use: importing this module needs no vLLM
+    if name in _BUILDERS:
+        cls = globals()[name] = _BUILDERS[name]()
         return cls
     raise AttributeError(name)

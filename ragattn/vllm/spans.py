@@ -18,7 +18,15 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-SPANS_PARAM = "ragattn_spans"   # key in a request's kv_transfer_params
+SPANS_PARAM = "ragattn_spans"   # keys in a request's kv_transfer_params
+METHOD_PARAM = "ragattn_method"
+RATIO_PARAM = "ragattn_ratio"
+RECOMPUTED_PARAM = "ragattn_recomputed"   # in the response: the prompt positions the server recomputed
+
+# the methods a request may ask for: how its chunks' keys are placed, and what is recomputed
+METHODS = ("block-attention", "turborag-reordered", "turborag-composite", "cacheblend", "fusionrag")
+RECOMPUTE_METHODS = ("cacheblend", "fusionrag")
+DEFAULT_RATIO = 0.15   # ragattn.methods.fusionrag.DEFAULT_RATIO (kept free of the HF path's imports)
 
 
 class SpanError(ValueError):
@@ -38,6 +46,54 @@ class Claim:
 
 
 NO_CLAIM = Claim((), ())
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """A request's method (one of :data:`METHODS`) and, for CacheBlend and FusionRAG, the
+    fraction ``ratio`` of the chunk tokens (every span but the first, the prompt head) recomputed.
+
+    * ``block-attention``, ``turborag-reordered``: chunk keys rotated to their prompt positions
+      (one computation; the methods differ in the model: Block-Attention's is fine-tuned for it);
+    * ``turborag-composite``: every span's keys at ``0..n-1`` as it was prefilled, the final block
+      after the longest span (served as the same relative distances: see the connector);
+    * ``cacheblend``, ``fusionrag``: the reordered layout, then ``ratio`` of the chunk tokens
+      recomputed through every layer by the server's model (ragattn.vllm.recompute)."""
+    name: str = "block-attention"
+    ratio: float = 0.0
+
+    @property
+    def recomputes(self) -> bool:
+        return self.name in RECOMPUTE_METHODS
+
+
+class ParamError(ValueError):
+    """A ``kv_transfer_params`` value the connector cannot use; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"ragattn.vllm: {message}")
+        self.field = field
+
+
+def method_from_params(params: dict | None) -> MethodChoice:
+    """The method a request's ``kv_transfer_params`` asks for (default Block-Attention), checked:
+    ParamError naming the field for an unknown method, a ratio outside [0, 1] or not a number, or
+    a ratio given to a method that recomputes nothing."""
+    params = params or {}
+    name = params.get(METHOD_PARAM, "block-attention")
+    if name not in METHODS:
+        raise ParamError(f"kv_transfer_params.{METHOD_PARAM}",
+                         f"kv_transfer_params.{METHOD_PARAM} must be one of {list(METHODS)}, got {name!r}")
+    if RATIO_PARAM not in params:
+        return MethodChoice(name, DEFAULT_RATIO if name in RECOMPUTE_METHODS else 0.0)
+    ratio = params[RATIO_PARAM]
+    field = f"kv_transfer_params.{RATIO_PARAM}"
+    if name not in RECOMPUTE_METHODS:
+        raise ParamError(field, f"{field} is for {' / '.join(RECOMPUTE_METHODS)}; {name} recomputes nothing")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+        raise ParamError(field, f"{field} must be a number in [0, 1] (the fraction of chunk tokens "
+                                f"recomputed), got {ratio!r}")
+    return MethodChoice(name, float(ratio))
 
 
 def check_spans(spans: Sequence[Sequence[int]], prompt_len: int) -> tuple[tuple[int, int], ...]:
@@ -99,19 +155,49 @@ def plan_claim(tokens: Sequence[int], spans: Sequence[tuple[int, int]], key: Cal
     return Claim(tuple(got), tuple(keys))
 
 
-def span_salt(spans: Sequence[tuple[int, int]]) -> str:
+def _method_salt(method: "MethodChoice | None", prompt: Sequence[int] | None) -> str:
+    """The part of a salt that tells methods apart: "" for Block-Attention and TurboRAG-reordered
+    (one computation, so their pages may be shared), the method and ratio for the others, and for
+    FusionRAG the whole prompt too (its rows are chosen by the question)."""
+    if method is None or method.name in ("block-attention", "turborag-reordered"):
+        return ""
+    part = f"{method.name}:{method.ratio!r}"
+    if method.name == "fusionrag":
+        if prompt is None:
+            raise ValueError("ragattn.vllm: a FusionRAG salt needs the prompt (its recomputed rows follow the question)")
+        part += ":" + hashlib.sha256(json.dumps(list(prompt)).encode()).hexdigest()
+    return part
+
+
+def span_salt(spans: Sequence[tuple[int, int]], method: "MethodChoice | None" = None,
+              prompt: Sequence[int] | None = None) -> str:
     """The ``cache_salt`` a request whose spans come in its ``kv_transfer_params`` must carry
-    when vLLM's prefix cache is on: its approximate (Block-Attention) pages are then hashed apart
-    from every exact prefix and from requests that split the same tokens into other blocks."""
-    digest = hashlib.sha256(json.dumps([list(s) for s in spans]).encode()).hexdigest()[:24]
-    return f"ragattn-{digest}"
+    when vLLM's prefix cache is on: its approximate pages are then hashed apart from every exact
+    prefix, from requests that split the same tokens into other blocks, and from other methods
+    (``method``; FusionRAG's also from other prompts: pass ``prompt``, its token ids)."""
+    text = json.dumps([list(s) for s in spans]) + _method_salt(method, prompt)
+    return f"ragattn-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
 
 
-def separator_salt(separator: int) -> str:
+def separator_salt(separator: int, method: "MethodChoice | None" = None, prompt: Sequence[int] | None = None) -> str:
     """The ``cache_salt`` of requests split by a separator token: their spans follow from their
     tokens, so equal token prefixes are equal Block-Attention computations and may share pages
-    (one salt for all such requests)."""
-    return f"ragattn-sep-{int(separator)}"
+    (one salt for all such requests; per method, and per prompt for FusionRAG, as
+    :func:`span_salt`)."""
+    extra = _method_salt(method, prompt)
+    suffix = f"-{hashlib.sha256(extra.encode()).hexdigest()[:24]}" if extra else ""
+    return f"ragattn-sep-{int(separator)}{suffix}"
+
+
+def composite_positions(spans: Sequence[tuple[int, int]]) -> list[int]:
+    """TurboRAG's composite layout served at prompt positions: each span's keys at ``s + 0..n-1``
+    with ``s = end - max n`` (``end``: the last span's end), so that the final block, which vLLM
+    computes at positions ``end, end + 1, ...``, sees every chunk at the relative distances of the
+    composite layout (each chunk from 0, the final block from ``max n``); RoPE attention depends
+    on those distances only."""
+    end = spans[-1][1]
+    shift = end - max(b - a for a, b in spans)
+    return [shift + j for a, b in spans for j in range(b - a)]
 
 
 def layer_index(name: str) -> int:

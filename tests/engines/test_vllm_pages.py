@@ -9,7 +9,8 @@ from ragattn.reference import kv_cache as ref_kv
 from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.methods.generate import paged_forward
 from ragattn.vllm.pages import CacheLayoutError, PageWriter, slot_rows
-from ragattn.vllm.spans import (SpanError, check_spans, layer_index, plan_claim, span_salt,
+from ragattn.vllm.spans import (MethodChoice, ParamError, SpanError, check_spans, composite_positions, layer_index,
+                                method_from_params, plan_claim, separator_salt, span_salt,
                                 spans_from_params, spans_from_separator)
 from tests.helpers import tiny_causal_lm
 
@@ -56,6 +57,59 @@ def test_spans_from_params_and_separator():
     assert check_spans([], 0) == ()
     assert span_salt([(0, 3), (3, 5)]) != span_salt([(0, 2), (2, 5)])
     assert layer_index("model.layers.11.self_attn.attn") == 11
+
+
+def test_method_from_params():
+    """A request's method and ratio: defaults, the HF path's default ratio, and every bad value
+    refused with the field it names."""
+    from ragattn.methods.fusionrag import DEFAULT_RATIO
+
+    assert method_from_params(None) == MethodChoice("block-attention", 0.0)
+    assert method_from_params({"ragattn_spans": []}) == MethodChoice("block-attention", 0.0)
+    assert method_from_params({"ragattn_method": "fusionrag"}) == MethodChoice("fusionrag", DEFAULT_RATIO)
+    assert method_from_params({"ragattn_method": "cacheblend", "ragattn_ratio": 1}) == MethodChoice("cacheblend", 1.0)
+    assert MethodChoice("cacheblend", 0.2).recomputes and not MethodChoice("turborag-composite").recomputes
+    for bad, field in [({"ragattn_method": "cache-blend"}, "ragattn_method"),
+                       ({"ragattn_method": None}, "ragattn_method"),
+                       ({"ragattn_method": "fusionrag", "ragattn_ratio": -0.1}, "ragattn_ratio"),
+                       ({"ragattn_method": "fusionrag", "ragattn_ratio": float("nan")}, "ragattn_ratio"),
+                       ({"ragattn_method": "fusionrag", "ragattn_ratio": True}, "ragattn_ratio"),
+                       ({"ragattn_method": "turborag-reordered", "ragattn_ratio": 0.0}, "ragattn_ratio"),
+                       ({"ragattn_ratio": 0.2}, "ragattn_ratio")]:
+        with pytest.raises(ParamError, match="ragattn.vllm") as exc:
+            method_from_params(bad)
+        assert exc.value.field == f"kv_transfer_params.{field}"
+
+
+def test_salts_tell_methods_apart():
+    """Block-Attention's salt is unchanged and shared with TurboRAG-reordered (one computation);
+    the other methods, ratios and (for FusionRAG, whose rows follow the question) prompts differ."""
+    spans, prompt = [(0, 3), (3, 5)], [1, 2, 3, 4, 5, 6]
+    base = span_salt(spans)
+    assert span_salt(spans, MethodChoice("block-attention"), prompt) == base
+    assert span_salt(spans, MethodChoice("turborag-reordered"), prompt) == base
+    salts = {span_salt(spans, m, prompt) for m in (MethodChoice("turborag-composite"), MethodChoice("cacheblend", 0.1),
+                                                    MethodChoice("cacheblend", 0.2), MethodChoice("fusionrag", 0.1))}
+    assert len(salts) == 4 and base not in salts
+    assert span_salt(spans, MethodChoice("cacheblend", 0.1), prompt) == span_salt(spans, MethodChoice("cacheblend", 0.1),
+                                                                                 prompt[:-1] + [9])
+    assert span_salt(spans, MethodChoice("fusionrag", 0.1), prompt) != span_salt(spans, MethodChoice("fusionrag", 0.1),
+                                                                                prompt[:-1] + [9])
+    with pytest.raises(ValueError, match="needs the prompt"):
+        span_salt(spans, MethodChoice("fusionrag", 0.1))
+    assert separator_salt(7) == "ragattn-sep-7"
+    assert separator_salt(7, MethodChoice("cacheblend", 0.1)) != separator_salt(7)
+
+
+def test_composite_positions_keep_the_composite_distances():
+    """Each span from ``end - max n``: the final block (from ``end``) sees every chunk at the
+    distances of TurboRAG's composite layout (every chunk from 0, the final block from max n)."""
+    spans = [(0, 2), (2, 7), (7, 10)]
+    pos = composite_positions(spans)
+    assert pos == [5, 6, 5, 6, 7, 8, 9, 5, 6, 7]
+    longest = max(b - a for a, b in spans)
+    for (a, b) in spans:     # final block row t at 10 + t against chunk token j: distance longest + t - j
+        assert [10 - pos[a + j] for j in range(b - a)] == [longest - j for j in range(b - a)]
 
 
 # ----- pages ----------------------------------------------------------------------------------

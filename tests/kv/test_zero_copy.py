@@ -43,9 +43,10 @@ def test_pool_keys_are_position_free(model):
             torch.testing.assert_close(raw_v[l], past.layers[l].values[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
-def _masked_full_logits(model, blocks, final, firsts, dtype=torch.float64):
+def _masked_full_logits(model, blocks, final, firsts, dtype=torch.float64, window_left=-1):
     """One forward of blocks + final in ``dtype``, each block alone at positions ``firsts[i] + j``
-    (Block-Attention mask), the final block after the furthest block end, seeing everything."""
+    (Block-Attention mask), the final block after the furthest block end, seeing everything
+    (``window_left >= 0``: within that many positions)."""
     import copy
 
     m = copy.deepcopy(model).to(dtype)
@@ -57,6 +58,8 @@ def _masked_full_logits(model, blocks, final, firsts, dtype=torch.float64):
     n = ids.shape[1]
     allow = (pos[None, :] <= pos[:, None]) & ((blk[:, None] == blk[None, :]) | (blk[:, None] == -1))
     allow &= torch.ones(n, n, dtype=torch.bool).tril()
+    if window_left >= 0:
+        allow &= pos[None, :] >= pos[:, None] - window_left
     mask = torch.zeros(n, n, dtype=dtype).masked_fill(~allow, float("-inf"))[None, None]
     with torch.no_grad():
         out = m(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=False)
@@ -105,6 +108,49 @@ def test_request_equals_copy_path_and_float64_pass(model, scheme, backend, monke
     # positions matter: the same request read as composite is another computation
     wrong = _masked_full_logits(model, chunks, final, [0, 0, 0, 0] if scheme != "composite" else [0, 6, 17, 18])
     assert _rel(wrong, ref) > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_is_by_position_on_both_paths(backend, monkeypatch):
+    """A sliding window is by position (ragattn.kv.window): gapped first positions on a zero-copy
+    request give the float64 masked pass with the window by position; composite positions (every
+    chunk from 0) give the same answer on both paths while the window hides nothing, and are
+    refused by both once it would (the copy path windowed by slot and disagreed by ~80%)."""
+    from ragattn.methods.generate import paged_forward
+
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)
+    W = 8                                          # transformers' sliding_window: window_left = W - 1
+    model = random_llama(dict(SHAPE, sliding_window=W), dtype=torch.float32, family="mistral", seed=3)
+    chunks = _chunks(13, [6, 11, 1, 9])
+    lens = [len(c) for c in chunks]
+    final = [5, 17, 3, 41, 8]
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(chunks)
+    firsts = [40, 3, 70, 20]                       # gaps, no position held twice
+    with store.request(keys, firsts, extra_slots=len(final)) as req:
+        pos = req.next_position + torch.arange(len(final))
+        got = paged_forward(model, torch.tensor([final]), pos, req.cache)
+    ref = _masked_full_logits(model, chunks, final, firsts, window_left=W - 1)
+    assert _rel(got, ref) <= 2e-5, _rel(got, ref)
+    assert _rel(_masked_full_logits(model, chunks, final, firsts), ref) > 1e-3   # the window matters
+    pos = max(lens) + torch.arange(len(final))
+    for path in ("copy", "zero-copy"):             # composite, the window narrower than the request
+        req = store.assemble(keys, "composite", extra_slots=len(final)) if path == "copy" else \
+            store.request(keys, "composite", extra_slots=len(final))
+        with pytest.raises(ValueError, match=r"sliding window \(window_left=7\).*share positions"):
+            paged_forward(model, torch.tensor([final]), pos, req.cache)
+        if path == "zero-copy":
+            req.release()
+    wide = sum(lens) + len(final) + 1              # a window wider than the request hides nothing
+    model = random_llama(dict(SHAPE, sliding_window=wide), dtype=torch.float32, family="mistral", seed=3)
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(chunks)
+    areq = store.assemble(keys, "composite", extra_slots=len(final))
+    copy = paged_forward(model, torch.tensor([final]), pos, areq.cache)
+    with store.request(keys, "composite", extra_slots=len(final)) as req:
+        got = paged_forward(model, torch.tensor([final]), pos, req.cache)
+    assert _rel(got, copy) <= 2e-5
+    assert _rel(got, _masked_full_logits(model, chunks, final, [0] * 4)) <= 2e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

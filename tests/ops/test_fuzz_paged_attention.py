@@ -16,7 +16,7 @@ from ragattn.reference.paged_attention import visible_slots
 from tests.helpers import FACTOR, max_abs_err, triton_backend_device
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
@@ -123,3 +123,39 @@ def test_paged_attention_property(c):
             out2 = out2.cpu()
             assert torch.equal(torch.isnan(out2), torch.isnan(out)) and torch.equal(out2.nan_to_num(), out.nan_to_num())
 
+
+
+@settings(max_examples=min(12, settings.default.max_examples))   # the interpreter: ~1 s an example
+@given(paged_cases(), st.integers(0, 2**16))
+def test_plan_then_rewrite_in_place_then_run_property(c, seed):
+    """plan_paged_attention over stale contents (another split of the query rows, another page
+    table and other kv_lens, maxima covering both), the real ones copied into the same tensors in
+    place, then run_paged_attention on every backend: the float64 reference of the real inputs
+    (docs/ops.md: a plan captures shapes and tile counts, never contents)."""
+    q, q_pos, cu, k, v, bt, kv_lens = args = build(c)
+    w = c["window_left"]
+    gen = torch.Generator().manual_seed(seed)
+    total, batch = q.shape[0], cu.shape[0] - 1
+    cuts = torch.randint(0, total + 1, (batch - 1,), generator=gen).sort().values.tolist()
+    stale_cu = torch.tensor([0] + cuts + [total], dtype=cu.dtype)
+    rows = (cu[1:] - cu[:-1]).tolist() + (stale_cu[1:] - stale_cu[:-1]).tolist()
+    max_kv = max(1, bt.shape[1] * c["page_size"])
+    for backend, splits in [("default", None), ("reference", None), ("triton", "1"), ("triton", "3")]:
+        dev = torch.device("cpu") if backend != "triton" else triton_backend_device()
+        if dev is None:
+            continue
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAGATTN_CPU_BACKEND", backend)
+            if splits:
+                mp.setenv("RAGATTN_PAGED_NUM_SPLITS", splits)
+            cu_t = stale_cu.to(dev)
+            table = ragattn.PageTable.from_block_table(bt[torch.randperm(batch, generator=gen)].to(dev),
+                                                       torch.randint(0, max_kv + 1, (batch,), generator=gen).to(dev))
+            plan = ragattn.plan_paged_attention(cu_t, table, num_heads=q.shape[1], num_kv_heads=k.shape[2],
+                                                head_dim=q.shape[2], dtype=q.dtype, window_left=w,
+                                                max_q_len=max(1, max(rows)), max_kv_len=max_kv)
+            cu_t.copy_(cu)
+            table.pages.copy_(bt)
+            table.kv_lens.copy_(kv_lens)
+            out, lse = ragattn.run_paged_attention(plan, q.to(dev), q_pos.to(dev), k.to(dev), v.to(dev))
+            check(args, out.cpu(), lse.cpu(), w)

@@ -3,7 +3,9 @@
 random sequences of entries (any first positions, partial and empty-looking valid counts, pages
 in any order, shared between sequences), random query rows (scattered, repeated positions, rows
 before every slot), windows, GQA 1-4, head dims 8-72 with partial rotary and both pair layouts,
-NaN in every slot no row may read; against the float64 reference with the precision rule."""
+NaN in every slot no row may read; against the float64 reference with the precision rule. The
+plan is made (from maxima) over stale contents of the table and ``cu_seqlens_q``, rewritten in
+place before the run, as an engine does between steps."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +40,10 @@ def cases(draw):
         rows += [max(0, entries[e % len(entries)][0] + d) for e, d in near] if entries else []
         seqs.append((entries, draw(st.permutations(rows))))
     seed = draw(st.integers(0, 2 ** 16))
-    return page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, seqs, seed
+    # the plan is made over other contents of the same tensors, rewritten in place before the run
+    # (docs/ops.md, what a plan captures): another split of the query rows, other entries
+    splits = draw(st.lists(st.integers(0, 20), min_size=len(seqs) - 1, max_size=len(seqs) - 1))
+    return page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, seqs, seed, splits
 
 
 @settings(max_examples=max(150, settings.default.max_examples))   # C++: ~15 ms an example
@@ -48,7 +53,7 @@ def test_tagged_cpu_kernel_matches_float64(case):
 
     if _extension.cpu_backend() != "default":
         pytest.skip("the C++ kernel is the default CPU backend's")
-    page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, seqs, seed = case
+    page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, seqs, seed, splits = case
     gen = torch.Generator().manual_seed(seed)
     n_entries = sum(len(e) for e, _ in seqs)
     num_pages = n_entries + 2
@@ -77,8 +82,20 @@ def test_tagged_cpu_kernel_matches_float64(case):
         k[p], v[p] = float("nan"), float("nan")
     q = torch.randn(len(q_pos), kv_heads * group, head_dim, generator=gen)
     inv_freq = 1.0 / (500.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    plan = plan_paged_attention(i32(cu), table, num_heads=q.shape[1], num_kv_heads=kv_heads, head_dim=head_dim,
-                                dtype=q.dtype, window_left=window)
+    # planned over stale contents (the same shapes: entries per sequence, rows in all), with maxima
+    # covering both, then the real ones copied in place: the run must read the tensors, not the plan
+    stale_cu = [0] + sorted(min(x, len(q_pos)) for x in splits) + [len(q_pos)]
+    rows = [b - a for a, b in zip(cu, cu[1:])] + [b - a for a, b in zip(stale_cu, stale_cu[1:])]
+    real = (i32(cu), i32(pages), i32(first), i32(valid))
+    cu_t = i32(stale_cu)
+    table.pages.copy_(torch.randint(0, num_pages, (len(pages),), generator=gen))
+    table.entry_pos.copy_(torch.randint(0, 300, (len(pages),), generator=gen))
+    table.entry_len.copy_(torch.randint(0, page_size + 1, (len(pages),), generator=gen))
+    plan = plan_paged_attention(cu_t, table, num_heads=q.shape[1], num_kv_heads=kv_heads, head_dim=head_dim,
+                                dtype=q.dtype, window_left=window, max_q_len=max(rows), max_kv_len=max(1, max(
+                                    [len(e) * page_size for e, _ in seqs])))
+    for t, want in zip((cu_t, table.pages, table.entry_pos, table.entry_len), real):
+        t.copy_(want)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"))
     run_paged_attention(plan, q, i32(q_pos), k, v, inv_freq=inv_freq, rotary_dim=rotary_dim,

@@ -250,3 +250,44 @@ def test_fp8_inference_mode(device):
         layers = fp8_layers(1, (12, 2, 32), s, device, gen)
         ragattn.rerotate_keys_(layers, torch.tensor([1, 2], device=device), torch.tensor([5, 6], device=device),
                                inv_freq_for(32).to(device), 32, False, k_scale=s)
+
+
+BAD_SCALES = [0.0, -1.0, float("nan"), float("inf")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", ["wrapper", "op"])
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_fp8_scale_must_be_finite_and_positive(device, monkeypatch, backend, entry, bad):
+    """A scale of 0, a negative, NaN or inf is refused before any write (rerotate_keys_ wrote NaN
+    into the cache, copy_kv_ +-448), per layer too; on CUDA it is a precondition checked under
+    RAGATTN_DEBUG=1 (reading it elsewhere would sync), so this runs where values are read."""
+    if device != "cpu":
+        monkeypatch.setenv("RAGATTN_DEBUG", "1")
+    use_kernel_backend(monkeypatch, device, backend)
+    fn_r = ragattn.rerotate_keys_ if entry == "wrapper" else torch.ops.ragattn.rerotate_keys_
+    fn_c = ragattn.copy_kv_ if entry == "wrapper" else torch.ops.ragattn.copy_kv_
+    gen = torch.Generator().manual_seed(12)
+    good = torch.tensor([0.5, 0.7], device=device)
+    s = torch.tensor([0.5, bad], device=device)                  # the second layer's scale is bad
+    layers = fp8_layers(2, (8, 2, 32), good, device, gen)
+    before = [t.clone() for t in layers]
+    rows, d = torch.tensor([1, 2], device=device), torch.tensor([3, 4], device=device)
+    f = inv_freq_for(32).to(device)
+    with pytest.raises(ValueError, match=r"rerotate_keys_: k_scale must be finite and > 0 .* at index 1"):
+        fn_r(layers, rows, d, f, 32, False, k_scale=s)
+    bf = [torch.randn(8, 2, 32, generator=gen).to(device, torch.bfloat16) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"copy_kv_: dst_k_scale must be finite and > 0"):
+        fn_c(layers, [], bf, [], rows, rows, dst_k_scale=s)
+    with pytest.raises(ValueError, match=r"copy_kv_: src_k_scale must be finite and > 0"):
+        fn_c(bf, [], layers, [], rows, rows, src_k_scale=s)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(layers, before))
+
+
+def test_fp8_scale_values_are_not_read_by_the_fake():
+    """Meta tensors have no values: the fake checks what it can (shape, dtype, device) and lets
+    the value rule to the real impl, as it does for row ranges."""
+    layer = torch.zeros(8, 2, 32, dtype=FP8, device="meta")
+    rows = torch.tensor([1, 2], device="meta")
+    torch.ops.ragattn.rerotate_keys_([layer], rows, rows, inv_freq_for(32).to("meta"), 32, False,
+                                     k_scale=torch.zeros(1, device="meta"))

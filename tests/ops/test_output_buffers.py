@@ -44,8 +44,10 @@ def paged_attention(rows, device, dtype):
 
 def run_paged_attention(rows, device, dtype):
     q, q_pos, cu, k, v, bt, kvl = _paged(rows, device, dtype)
+    # from maxima: a plan that reads nothing, so that fake tensors (torch.compile) can make it too
     plan = ragattn.plan_paged_attention(cu, ragattn.PageTable.from_block_table(bt, kvl), num_heads=H,
-                                        num_kv_heads=HKV, head_dim=D, dtype=dtype)
+                                        num_kv_heads=HKV, head_dim=D, dtype=dtype, max_q_len=max(rows, 1),
+                                        max_kv_len=37)
     return (lambda **o: ragattn.run_paged_attention(plan, q, q_pos, k, v, **o)), q
 
 
@@ -155,4 +157,62 @@ def test_fake_impl_refuses_an_expanded_output_too(op):
         call, q = op(7, torch.device("cpu"), torch.float32)
         out, lse = _buffers(q, "expanded lse_out")
         with pytest.raises(ValueError, match="overlaps itself"):
+            call(out=out, lse_out=lse)
+
+
+def _overlapping(shape, dtype, device):
+    """A buffer of ``shape`` whose last two dims share memory (no stride 0: strides that meet)."""
+    *lead, h, d = shape if len(shape) == 3 else (*shape, 1)
+    base = torch.empty(max(1, lead[0]) * d + h + d, dtype=dtype, device=device)
+    if len(shape) == 3:
+        return base.as_strided(shape, (d, 1, 1))
+    return base.as_strided(shape, (1, 1))
+
+
+# the sweep: every rule of the table above over every op, each buffer alone or both at once
+SWEEP = {
+    "overlapping out": ("overlaps itself", lambda q: (_overlapping(q.shape, q.dtype, q.device),
+                                                      torch.empty(q.shape[:2], device=q.device))),
+    "overlapping lse_out": ("overlaps itself", lambda q: (torch.empty_like(q),
+                                                          _overlapping(q.shape[:2], torch.float32, q.device))),
+    "lse_out inside out": ("share memory", lambda q: (lambda o: (o, o.view(-1)[: q.shape[0] * q.shape[1]]
+                                                                 .view(q.shape[:2])))(torch.empty_like(q))),
+    "expanded, empty": (None, lambda q: (torch.empty(1, *q.shape[1:], dtype=q.dtype, device=q.device)
+                                         .expand(q.shape), torch.empty(1, q.shape[1], device=q.device)
+                                         .expand(q.shape[:2]))),
+}
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("rule", SWEEP)
+def test_output_rule_sweep(op, rule, backend, device):
+    """Self-overlap without a stride 0, an lse_out inside out, and an expanded buffer of no row
+    (nothing to write: accepted, as any empty buffer)."""
+    refusal, buffers = SWEEP[rule]
+    call, q = op(0 if refusal is None else 7, device, torch.float32)
+    out, lse = buffers(q)
+    if op in CONTIGUOUS_OUT and rule == "overlapping out":
+        refusal = "overlaps itself|must be contiguous"
+    if refusal is None:
+        got_o, got_l = call(out=out, lse_out=lse)
+        assert got_o.shape == q.shape and got_l.shape == q.shape[:2]
+        return
+    with pytest.raises(ValueError, match=refusal):
+        call(out=out, lse_out=lse)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("how", ["expanded out", "expanded lse_out", "overlapping out"])
+def test_every_fake_impl_refuses_an_overlapping_output(op, how):
+    """The fake impls (torch.compile's tracing) of every op with out= run the same checks, on
+    strides alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        call, q = op(7, torch.device("cpu"), torch.float32)
+        if how == "overlapping out":
+            out, lse = SWEEP[how][1](q)
+        else:
+            out, lse = _buffers(q, how)
+        with pytest.raises(ValueError, match="overlaps itself|must be contiguous"):
             call(out=out, lse_out=lse)

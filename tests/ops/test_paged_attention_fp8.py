@@ -212,3 +212,21 @@ def test_tagged_pages_across_gqa_and_head_dims(kernel, monkeypatch, device, seed
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
         assert_precision(out.cpu(), o64, olp)
         assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_fp8_scale_must_be_finite_and_positive(backend, device, monkeypatch, bad):
+    """run_paged_attention refuses a k_scale or v_scale that is not finite and > 0 on every backend
+    (a 0 read every key as 0: a uniform softmax, silently); CUDA checks under RAGATTN_DEBUG=1."""
+    if device != "cpu":
+        monkeypatch.setenv("RAGATTN_DEBUG", "1")
+    c = make_csr_case([[9], [4, 7]], [10, 8], num_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
+                      dtype=torch.bfloat16, device=device)
+    good = torch.tensor([0.05], device=device)
+    k8, v8 = (c["k"].float() / good).to(torch.float8_e4m3fn), (c["v"].float() / good).to(torch.float8_e4m3fn)
+    plan = _plan(c, PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8))
+    s = torch.tensor([bad], device=device)
+    with pytest.raises(ValueError, match=r"paged_attention_run: k_scale must be finite and > 0"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=s, v_scale=good)
+    with pytest.raises(ValueError, match=r"paged_attention_run: v_scale must be finite and > 0"):
+        run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=good, v_scale=s)

@@ -322,3 +322,25 @@ def test_dense_float32_calls_take_the_fused_path():
     o_buf, l_buf = poison_like(out), poison_like(lse)
     ragattn.varlen_attention(*args, out=o_buf, lse_out=l_buf)
     assert torch.equal(o_buf, out) and torch.equal(l_buf, lse)
+
+
+@pytest.mark.parametrize("backend", ["default", "reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("lens_k", [[0], [0, 0], [5], [3, 0, 4]])
+def test_backward_with_no_query_rows_gives_zero_grads(monkeypatch, backend, dtype, lens_k):
+    """No query row (with or without keys): every input that needs a gradient gets zeros of its
+    own shape and dtype, never None, through backward() and autograd.grad alike."""
+    use_kernel_backend(monkeypatch, torch.device("cpu"), backend)
+    g = torch.Generator().manual_seed(11)
+    q = torch.zeros(0, 4, 16, dtype=dtype, requires_grad=True)
+    k, v = (randn_nonzero(sum(lens_k), 2, 16, dtype=dtype, generator=g).requires_grad_() for _ in range(2))
+    cu_q = torch.zeros(len(lens_k) + 1, dtype=I32)
+    for causal in (True, False):
+        out, lse = ragattn.varlen_attention(q, k, v, cu_q, _offsets(lens_k), causal=causal)
+        assert out.shape == q.shape and lse.shape == (0, 4)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for grad, t in zip(grads, (q, k, v)):
+            assert grad is not None and grad.shape == t.shape and grad.dtype == t.dtype and not grad.any()
+    q.grad = k.grad = v.grad = None
+    ragattn.varlen_attention(q, k, v, cu_q, _offsets(lens_k))[0].float().sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape and not t.grad.any() for t in (q, k, v))

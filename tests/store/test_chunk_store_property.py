@@ -6,7 +6,6 @@ a fresh prefill with the model's current weights (a derived entry: what was put)
 other weights are reported missing."""
 import copy
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 from ragattn.hf.models import random_llama
 from ragattn.store import ChunkStore, ChunkStoreError, model_fingerprint
+from tests.helpers import run_in_threads
 
 hyp = pytest.importorskip("hypothesis")
 st = hyp.strategies
@@ -124,22 +124,12 @@ class Harness:
                     path.write_bytes(data[:-20] if how == "truncate" else data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
                 self.check_kv(key, s.kv(key))
         elif op == "threads":       # several stores on the directory at once, overlapping chunks
-            errors, out = [], []
-
             def work(j):
-                try:
-                    other = self._open()
-                    out.extend(zip(other.add([_tokens(i) for i in arg[j:] + arg[:j]]), arg[j:] + arg[:j]))
-                except BaseException as exc:   # noqa: BLE001 (reported below)
-                    errors.append(exc)
-            threads = [threading.Thread(target=work, args=(j,)) for j in range(3)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert not errors, errors
-            for key, i in out:
-                valid[key] = i
+                order = arg[j:] + arg[:j]
+                return list(zip(self._open().add([_tokens(i) for i in order]), order))
+            for done in run_in_threads([lambda j=j: work(j) for j in range(3)]):
+                for key, i in done:
+                    valid[key] = i
             assert not [p for p in Path(self.dir).iterdir() if ".tmp" in p.name or p.name.startswith(".ragattn")]
         elif op == "weights":
             if arg == "back":

@@ -12,6 +12,7 @@ import torch
 
 from ragattn.hf.models import random_llama
 from ragattn.store import ChunkStore, ChunkStoreError
+from tests.helpers import run_in_threads
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=1000.0)
@@ -289,23 +290,6 @@ def test_pool_serves_every_request_that_fits():
 
 
 # ----- 24.10: one model used from several threads ----------------------------------------------
-def _in_threads(fns):
-    errors = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as exc:   # noqa: BLE001 (reported below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-
-
 def test_stores_on_one_model_in_several_threads(model):
     """Each thread has its own store on the same model: every chunk each computes is right."""
     torch.set_num_threads(1)
@@ -319,7 +303,7 @@ def test_stores_on_one_model_in_several_threads(model):
                 assert_fresh(store, model, key, c)
         return run
 
-    _in_threads([worker(s) for s in range(3)])
+    run_in_threads([worker(s) for s in range(3)])
     assert model.config._attn_implementation == "sdpa"          # restored when the last one left
 
 
@@ -347,7 +331,7 @@ def test_baseline_and_stores_in_several_threads(model):
             c = _chunks(500 + i, [4 + i % 3])[0]
             assert_fresh(store, model, store.add([c])[0], c)
 
-    _in_threads([baseline, stores, stores])
+    run_in_threads([baseline, stores, stores])
     assert model.config._attn_implementation == "sdpa"
     with use_ragattn(model):
         with pytest.raises(RuntimeError, match="nested switch"):
@@ -407,7 +391,7 @@ def test_stores_on_one_directory_in_several_threads(model, tmp_path):
                     if w == 0 and rnd < 5:
                         p.unlink()
 
-    _in_threads([worker(w) for w in range(4)])
+    run_in_threads([worker(w) for w in range(4)])
     written = len(list(tmp_path.glob("*.safetensors")))
     store = ChunkStore(model, directory=tmp_path)
     keys = store.add(chunks)                           # every file of the last round loads whole

@@ -16,6 +16,7 @@ pytest.importorskip("redis", reason="the remote tier needs the redis client (pip
 
 from ragattn.hf.models import random_llama  # noqa: E402
 from ragattn.store import ChunkStore  # noqa: E402
+from tests.helpers import run_in_threads  # noqa: E402
 from tests.redis_server import redis_server_or_skip  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -89,11 +90,7 @@ def test_concurrent_writers_publish_one_copy(model, remote):
     def run(s):
         barrier.wait()
         s.add(chunk)
-    threads = [threading.Thread(target=run, args=(s,)) for s in stores]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads([lambda s=s: run(s) for s in stores])   # a worker's error fails the test
     key = stores[0].key(chunk[0])
     assert sum(s.stats["remote_published"] for s in stores) == 1      # one copy, whoever computed
     assert all(s.stats["computed"] + s.stats["remote_hits"] == 1 for s in stores)

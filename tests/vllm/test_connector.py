@@ -23,7 +23,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from ragattn.store import ChunkStore, ChunkStoreError  # noqa: E402
 from ragattn.vllm.connector import RagattnConnector, RagattnConnectorMetadata  # noqa: E402
 from ragattn.vllm.pages import CacheLayoutError, slot_rows  # noqa: E402
-from ragattn.vllm.spans import separator_salt, span_salt  # noqa: E402
+from ragattn.vllm.spans import MethodChoice, separator_salt, span_salt  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
 BS, H, D, L, NUM_BLOCKS = 16, 2, 16, 2, 24
@@ -72,8 +72,11 @@ def _scheduler(cfg):
 _ids = iter(range(10 ** 6))
 
 
-def _request(prompt, spans=None, salt=None, prefix_caching=False):
+def _request(prompt, spans=None, salt=None, prefix_caching=False, method=None):
     extra = {"kv_transfer_params": {"ragattn_spans": [list(s) for s in spans]}} if spans is not None else None
+    if method is not None:
+        extra["kv_transfer_params"].update({"ragattn_method": method.name} |
+                                           ({"ragattn_ratio": method.ratio} if method.recomputes else {}))
     hasher = None
     if prefix_caching:
         init_none_hash(sha256)
@@ -150,6 +153,30 @@ def test_prefix_caching_needs_the_span_salt(served):
     out, loads = _schedule(sched, plain, salted)
     assert plain.request_id not in loads and out.num_scheduled_tokens[plain.request_id] == len(prompt)
     assert loads[salted.request_id].spans[-1][1] == 30
+
+
+def test_prefix_caching_salts_per_method(served, monkeypatch):
+    """Under prefix caching each method needs its own salt (``span_salt(spans, method, prompt)``):
+    a recompute request carrying Block-Attention's salt is not claimed (its pages would be shared
+    with requests that recomputed nothing), with its own salt it is, and carries its method to the
+    worker; one that recomputes is refused where ragattn's backend is off."""
+    _, _, _, chunks = served
+    prompt, spans = _prompt(chunks, (0, 1))
+    fusion = MethodChoice("fusionrag", 0.2)
+    monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "0")
+    off = _scheduler(_config(served, prefix_caching=True))
+    r = _request(prompt, spans, salt=span_salt(spans, fusion, prompt), prefix_caching=True, method=fusion)
+    assert r.request_id not in _schedule(off, r)[1]
+    monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
+    sched = _scheduler(_config(served, prefix_caching=True))
+    wrong = _request(prompt, spans, salt=span_salt(spans), prefix_caching=True, method=fusion)
+    right = _request(prompt, spans, salt=span_salt(spans, fusion, prompt), prefix_caching=True, method=fusion)
+    composite = MethodChoice("turborag-composite")
+    comp = _request(prompt, spans, salt=span_salt(spans, composite, prompt), prefix_caching=True, method=composite)
+    out, loads = _schedule(sched, wrong, right, comp)
+    assert wrong.request_id not in loads and out.num_scheduled_tokens[wrong.request_id] == len(prompt)
+    assert loads[right.request_id].method == fusion and loads[right.request_id].prompt == tuple(prompt)
+    assert loads[comp.request_id].method == composite and loads[comp.request_id].prompt == ()
 
 
 def _worker(served, caches=None, **extra):

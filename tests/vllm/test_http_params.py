@@ -19,6 +19,9 @@ PROMPT = list(range(100))
     ({"ragattn_spans": {"0": 10}}, "kv_transfer_params.ragattn_spans"),
     ({"spans": [[0, 10]]}, "kv_transfer_params.spans"),
     ("[[0, 10]]", "kv_transfer_params"),
+    ({"ragattn_spans": [[0, 10]], "ragattn_method": "blend"}, "kv_transfer_params.ragattn_method"),
+    ({"ragattn_method": "cacheblend", "ragattn_ratio": 2}, "kv_transfer_params.ragattn_ratio"),
+    ({"ragattn_method": "turborag-composite", "ragattn_ratio": 0.5}, "kv_transfer_params.ragattn_ratio"),
 ])
 def test_bad_params_name_the_field(params, field):
     got = check_request({"prompt": PROMPT, "kv_transfer_params": params})
@@ -30,6 +33,9 @@ def test_bad_params_name_the_field(params, field):
     {"prompt": PROMPT, "kv_transfer_params": None},
     {"prompt": PROMPT, "kv_transfer_params": {"ragattn_spans": [[0, 10], [10, 99]]}},
     {"prompt": "text", "kv_transfer_params": {"ragattn_spans": [[0, 10 ** 6]]}},   # range: the connector's
+    {"prompt": PROMPT, "kv_transfer_params": {"ragattn_spans": [[0, 10]], "ragattn_method": "fusionrag",
+                                              "ragattn_ratio": 0.2}},
+    {"prompt": PROMPT, "kv_transfer_params": {"ragattn_method": "turborag-composite"}},   # spans from a separator
 ])
 def test_good_params_pass(body):
     assert check_request(body) is None

