@@ -4,6 +4,7 @@
         [--methods full,block_attention,...] [--backends cpu_attn,ragattn] [--repeats 3]
         [--max-tokens 32] [--threads 1] [--out docs/perf/cpu/served]
     python -m bench.served --dry-run      # prompts, request bodies and server commands; no server
+    python -m bench.served --profile --methods block_attention --sizes 3072   # operator tables
 
 Run it in the project's HF environment (``.venv``: it exports SmolLM2 and builds the chunk store
 with the HF path, as tests/vllm/live/reference.py does, and draws the plot with matplotlib); the
@@ -25,7 +26,9 @@ chunks from disk into the worker's memory), then ``--repeats`` rounds, each roun
 load average is read at each request. Reported: median TTFT (send to the first streamed token),
 median decode tokens/s (``(tokens - 1) / (last token - first token)``), both against the
 ``full``/``cpu_attn`` row of the same size, and the targets of the served benchmark (met or not).
-Writes ``served.json``, ``served.md`` and ``served.png`` to ``--out``.
+Writes ``served.json``, ``served.md`` and ``served.png`` to ``--out``. ``--profile`` instead
+profiles one answer per row (vLLM's torch profiler in the server's worker) and writes its operator
+table; ``python -m bench.vllm_attention_step`` times the two backends' attention calls alone.
 """
 from __future__ import annotations
 
@@ -340,13 +343,17 @@ def build_store(model_dir: Path, prompts: Sequence[Prompt], chunk_dir: Path) -> 
 
 
 def start_servers(python: str, model_dir: Path, chunk_dir: Path, backends: Sequence[str], workdir: Path,
-                  threads: int, timeout_s: float) -> dict:
+                  threads: int, timeout_s: float, profile_dir: Optional[Path] = None) -> dict:
     """``{backend: LiveServer}``, started side by side (each waited for); on a failure the others
-    are stopped and the error raised."""
+    are stopped and the error raised. ``profile_dir``: vLLM's torch profiler on, each server's
+    output under ``profile_dir/<backend>``."""
     from ragattn.vllm.serve import LiveServer, free_port, serve_command
 
     def start(backend):
         cmd = serve_command(model_dir, free_port(), chunk_dir=chunk_dir, python=python, max_model_len=MAX_MODEL_LEN)
+        if profile_dir is not None:
+            cmd += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_with_stack": False,
+                                                     "torch_profiler_dir": str(profile_dir / backend)})]
         return LiveServer(cmd, workdir / f"server-{backend}.log", env={**server_env(threads), **BACKENDS[backend]},
                           timeout_s=timeout_s)
 
@@ -363,6 +370,41 @@ def start_servers(python: str, model_dir: Path, chunk_dir: Path, backends: Seque
             s.stop()
         raise errors[0]
     return servers
+
+
+def profile(servers: dict, model: str, prompt: Prompt, rows: Sequence[tuple], max_tokens: int,
+            profile_dir: Path, out: str, log: Callable[[str], None] = print) -> List[str]:
+    """Per (method, backend) row: a warm-up answer, then one answer between vLLM's
+    ``/start_profile`` and ``/stop_profile``; the worker's operator table (vLLM writes
+    ``rank0.profiler_out.txt``) is copied to ``out/profile_<method>_<backend>.txt`` under a line
+    giving the answer's timing. Returns the files written."""
+    written = []
+    for method, backend in rows:
+        s = servers[backend]
+        body = completion_body(model, prompt.tokens, max_tokens, METHODS[method](prompt.spans))
+        stream_completion(s.url, body)
+        table = profile_dir / backend / "rank0.profiler_out.txt"
+        before = table.stat().st_mtime if table.exists() else 0.0
+        for path in ("/start_profile", None, "/stop_profile"):
+            if path is None:
+                got = stream_completion(s.url, body)
+                continue
+            with urllib.request.urlopen(urllib.request.Request(s.url + path, data=b"", method="POST"),
+                                        timeout=600) as r:
+                r.read()
+        deadline = time.monotonic() + 300
+        while not (table.exists() and table.stat().st_mtime > before) and time.monotonic() < deadline:
+            time.sleep(2)
+        time.sleep(2)                         # (the table is written in one go; let it finish)
+        dest = os.path.join(out, f"profile_{method}_{backend}.txt")
+        head = (f"{method}/{backend}: one {got['tokens']}-token answer to a {len(prompt.tokens)}-token prompt, "
+                f"TTFT {got['ttft_s'] * 1e3:.0f} ms, decode {got['decode_tok_s'] or 0:.1f} tok/s, load average "
+                f"{os.getloadavg()[0]:.2f}; vLLM's torch profiler (worker), operators by self CPU time\n\n")
+        with open(dest, "w") as f:
+            f.write(head + "\n".join(table.read_text().splitlines()[:45]) + "\n")
+        written.append(dest)
+        log(f"profiled {method}/{backend}: {dest}")
+    return written
 
 
 def _parse(argv):
@@ -382,6 +424,9 @@ def _parse(argv):
     p.add_argument("--workdir", default=None, help="model folder, chunk store and server logs (default: a "
                    "temporary folder, removed at the end); an exported model found there is reused")
     p.add_argument("--out", default="bench_results/served")
+    p.add_argument("--profile", action="store_true", help="instead of the timed rounds: one answer per row "
+                   "at the largest size under vLLM's torch profiler, its operator table written to "
+                   "OUT/profile_<method>_<backend>.txt")
     p.add_argument("--dry-run", action="store_true", help="build the prompts and print the requests and the "
                    "server commands; start nothing")
     a = p.parse_args(argv)
@@ -406,7 +451,7 @@ def run(a, argv_text: str) -> int:
     from ragattn.vllm.checkpoint import export_smollm2
 
     rows = [(m, b) for m in a.methods for b in a.backends if b == "ragattn" or m not in RAGATTN_ONLY]
-    if BASELINE not in rows:       # every row is compared with vLLM's own full prefill
+    if BASELINE not in rows and not a.profile:     # every timed row is compared with vLLM's full prefill
         rows.insert(0, BASELINE)
     backends = list(dict.fromkeys(b for _, b in rows))
     tmp = None if a.workdir else tempfile.TemporaryDirectory(prefix="ragattn-served-")
@@ -432,12 +477,23 @@ def run(a, argv_text: str) -> int:
                 env = {**server_env(a.threads), **BACKENDS[b]}
                 print(f"{b}: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd))
             return 0
+        commit = project_commit()     # the code that runs (read before the minutes of measuring)
         t0 = time.perf_counter()
         stats = build_store(model_dir, prompts, workdir / "kv")
         print(f"bench.served: chunk store built in {time.perf_counter() - t0:.0f} s ({stats})", file=sys.stderr)
         load_before = os.getloadavg()
+        profile_dir = workdir / "profile" if a.profile else None
         servers = start_servers(a.vllm_python, model_dir, workdir / "kv", backends, workdir, a.threads,
-                                a.start_timeout)
+                                a.start_timeout, profile_dir)
+        if a.profile:
+            try:
+                os.makedirs(a.out, exist_ok=True)
+                profile(servers, str(model_dir), prompts[-1], rows, a.max_tokens, profile_dir, a.out,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+            finally:
+                for s in servers.values():
+                    s.stop()
+            return 0
         try:
             urls = {b: s.url for b, s in servers.items()}
             results = measure(urls, str(model_dir), prompts, rows, a.repeats, a.max_tokens,
@@ -448,7 +504,7 @@ def run(a, argv_text: str) -> int:
         vllm_version = subprocess.run([a.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                       capture_output=True, text=True, timeout=300).stdout.strip() or "unknown"
         write_report(a, argv_text, results, dict(
-            commit=project_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+            commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             vllm=vllm_version, cpu=_cpu_name(), load_before=load_before, load_after=os.getloadavg(),
             store=stats, start_s={b: round(s.start_s, 1) for b, s in servers.items()}))
         return 0

@@ -67,3 +67,24 @@ def test_exact_match():
     assert exact_match("The capital is Paris.", ["paris"])
     assert exact_match("It was the Wright brothers", ["Wright brothers"])
     assert not exact_match("London", ["Paris"])
+
+
+def test_rag_prompts_reach_the_length_with_the_gold_passages():
+    """``rag_prompts``: each prompt (head + chunks + tail) at least ``min_tokens`` long where the
+    corpus allows, every supporting passage among its chunks, the same prompts on every call."""
+    from ragattn.apps.corpus import EVAL_CORPUS, load_corpus, rag_prompts
+    from ragattn.methods.prompt import prompt_parts
+
+    class WordTokenizer:             # one token per word, no chat template
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [hash(w) % 1000 for w in text.split()]}
+
+    tok, corpus = WordTokenizer(), load_corpus(EVAL_CORPUS)
+    got = rag_prompts(tok, 3, 1000, corpus)
+    assert got == rag_prompts(tok, 3, 1000, corpus) and len(got) == 3
+    for q, (question, chunks) in zip(corpus.questions, got):
+        head, ids, tail = prompt_parts(tok, chunks, question)
+        assert question == q.question and len(head) + sum(map(len, ids)) + len(tail) >= 1000
+        assert all(corpus.passage(p).render() in chunks for p in q.passage_ids or (q.passage_id,) if p)
