@@ -292,9 +292,10 @@ def plot(rows: List[dict], path: str, title: str) -> bool:
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].set_yscale("log")
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()   # below the plots: over the bars it hid them
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(names)), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
