@@ -195,6 +195,54 @@ def test_cpu_tagged_kernel_row_blocks_and_scratch_groups(seed, monkeypatch, rows
         assert torch.equal(grouped[0], got[0]) and torch.equal(grouped[1], got[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_tagged_kernel_many_rows_per_sequence(seed, dtype):
+    """The C++ tagged kernel's route for sequences with many query rows (a recompute pass: rows
+    scattered over the chunks, then a 40-token question; GEMMs over tiles of rows): the float64
+    reference's precision with and without RoPE, a window and GQA 3; a NaN key that some rows see
+    poisons exactly their heads of its kv head; an inf value some rows see makes their outputs NaN
+    and leaves the rest near the reference."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([70, 45, 90, 33], "gapped", page_size=8, num_heads=6,
+                                                 num_kv_heads=2, head_dim=64, dtype=dtype,
+                                                 device=torch.device("cpu"), gen=gen, question_len=40)
+    assert int(cu[1]) >= 40
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    for rope in ((None, 0, False), (inv_freq, 64, False)):
+        kw = dict(inv_freq=rope[0]) if rope[0] is not None else {}
+        for window_left in (-1, 30):
+            plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
+            got = run_paged_attention(plan, q, q_pos, k, v, **kw)
+            (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, rope)
+            assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+            assert_precision(got[0], o64, olp)
+            assert_precision(got[1], l64, llp, what="lse")
+    # the question's first token sees the slot below; rows before it do not (positions ascend)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    clean = run_paged_attention(plan, q, q_pos, k, v)
+    first_q = int(cu[1]) - 40
+    e = int(table.row_start[0]) + (int(table.kv_lens[0]) - 40) // 8  # the question's first page
+    page, pos = int(table.pages[e]), int(table.entry_pos[e])
+    sees = (q_pos[: int(cu[1])] >= pos)
+    assert sees[first_q:].all() and not sees[:first_q].any()
+    k2 = k.clone()
+    k2[page, 0, 1] = float("nan")
+    out, lse = run_paged_attention(plan, q, q_pos, k2, v)
+    n = int(cu[1])
+    assert torch.isnan(out[:n][sees][:, 3:]).all() and torch.isnan(lse[:n][sees][:, 3:]).all()
+    assert torch.equal(out[:n][sees][:, :3], clean[0][:n][sees][:, :3])
+    assert torch.equal(out[:n][~sees], clean[0][:n][~sees]) and torch.equal(lse[:n][~sees], clean[1][:n][~sees])
+    v2 = v.clone()
+    v2[page, 0, 0, 5] = float("inf")
+    out, lse = run_paged_attention(plan, q, q_pos, k, v2)
+    assert torch.isnan(out[:n][sees][:, :3, 5]).all() and torch.isfinite(lse[:n]).all()
+    rest = torch.ones_like(out[:n], dtype=torch.bool)  # (request 2 shares the question's pages)
+    rest[sees.nonzero()[:, 0], :3, 5] = False
+    torch.testing.assert_close(out[:n][rest], clean[0][:n][rest], atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
 def test_cpu_tagged_private_op_checks_like_its_fake():
     """``ragattn::_paged_attention_tagged_cpu`` (the C++ kernel the CPU route calls directly):
     opcheck, and out-of-range index values refused before any read."""
