@@ -511,15 +511,18 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, int64_t b, int64_
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   std::vector<int64_t> key_pos(n);
+  bool finite = true;
   for (int64_t j = 0; j < n; ++j) {
     key_pos[j] = slots[j].pos;
     for (int64_t g = 0; g < H; ++g)
       for (int64_t d = 0; d < D; ++d) {
         kp[(g * n + j) * D + d] = static_cast<float>(slots[j].k[g * k_head + d]);
-        vp[(g * n + j) * D + d] = static_cast<float>(slots[j].v[g * a.v_s2 + d]);
+        const float x = static_cast<float>(slots[j].v[g * a.v_s2 + d]);
+        finite &= std::isfinite(x);
+        vp[(g * n + j) * D + d] = x;
       }
   }
-  if (!at::isfinite(v).all().item<bool>()) return false;
+  if (!finite) return false;
   std::vector<int64_t> rows(nr), row_pos(nr);
   for (int64_t r = 0; r < nr; ++r) rows[r] = r_begin + r;
   std::stable_sort(rows.begin(), rows.end(), [&](int64_t x, int64_t y) { return a.q_pos(x) < a.q_pos(y); });

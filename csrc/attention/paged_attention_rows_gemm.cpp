@@ -42,20 +42,23 @@ RAGATTN_CPU_CLONES void softmax_rows(float* s, int64_t nvec, int64_t G, int64_t 
     const int64_t c0 = lo[x / G], c1 = std::max(c0, hi[x / G]);
     std::fill(p, p + c0, 0.f);
     std::fill(p + c1, p + ld, 0.f);
+    float sc = scale;
     if (softcap > 0.f) {  // score -> cap * tanh(score / cap)
       for (int64_t j = c0; j < c1; ++j) p[j] = softcap * std::tanh(p[j] * scale / softcap);
-    } else {
-      for (int64_t j = c0; j < c1; ++j) p[j] *= scale;
+      sc = 1.f;
     }
     v8f vmax = v8f{} - inf;
     v8i nonfinite = {};
     int64_t j = c0;
-    for (; j + 8 <= c1; j += 8) {
+    for (; j + 8 <= c1; j += 8) {  // the scale, the max and the NaN/+inf test in one pass
       v8f y;
       std::memcpy(&y, p + j, sizeof(y));
+      y *= sc;
+      std::memcpy(p + j, &y, sizeof(y));
       nonfinite |= ~(y <= big);  // NaN compares false; -inf is a valid score (weight 0)
       vmax = y > vmax ? y : vmax;
     }
+    for (int64_t u = j; u < c1; ++u) p[u] *= sc;
     if (j < c1) {
       const v8f y = load_tail(p + j, c1 - j);
       nonfinite |= ~(y <= big);
@@ -114,6 +117,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
   std::vector<int64_t> tlo(tile), thi(tile);
   std::vector<float> m(H * tile * G), l(H * tile * G);
   std::vector<unsigned char> bad(H * tile * G);
+  // one score and one output buffer for every tile (a fresh MiB-sized tensor per tile cost page
+  // faults)
+  at::Tensor scores_buf = at::empty({H * tile * G * n}, q.options());
+  at::Tensor acc_buf = at::empty({H * tile * G * D}, q.options());
   for (int64_t r0 = 0; r0 < nr; r0 += tile) {
     const int64_t t = std::min(tile, nr - r0);
     int64_t c0 = n, c1 = 0;
@@ -130,12 +137,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
     if (nk > 0) {
       // [t, H, G, D] -> [H, t * G, D]: kv head g's query vectors, row-major (r, h)
       const at::Tensor qt = q.narrow(0, r0, t).view({t, H, G, D}).permute({1, 0, 2, 3}).reshape({H, t * G, D});
-      at::Tensor scores = at::bmm(qt, k.narrow(1, c0, nk).transpose(1, 2)).contiguous();
+      at::Tensor scores = scores_buf.narrow(0, 0, H * t * G * nk).view({H, t * G, nk});
+      at::bmm_out(scores, qt, k.narrow(1, c0, nk).transpose(1, 2));
       float* sp = scores.data_ptr<float>();
       for (int64_t g = 0; g < H; ++g)
         softmax_rows(sp + g * t * G * nk, t * G, G, nk, tlo.data(), thi.data(), scale, softcap, m.data() + g * t * G,
                      l.data() + g * t * G, bad.data() + g * t * G);
-      acc = at::bmm(scores, v.narrow(1, c0, nk)).contiguous();  // [H, t * G, D]
+      acc = acc_buf.narrow(0, 0, H * t * G * D).view({H, t * G, D});
+      at::bmm_out(acc, scores, v.narrow(1, c0, nk));
     }
     const float* ap = nk > 0 ? acc.data_ptr<float>() : nullptr;
     for (int64_t g = 0; g < H; ++g) {
