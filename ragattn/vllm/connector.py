@@ -45,7 +45,8 @@ from ragattn.vllm.spans import (METHOD_PARAM, RATIO_PARAM, RECOMPUTED_PARAM, SPA
                                 MethodChoice, ParamError, SpanError, composite_positions, layer_index,
                                 method_from_params, plan_claim, separator_salt, span_salt, spans_from_params,
                                 spans_from_separator)
-from ragattn.vllm.recompute import RecomputeError, RecomputeRequest
+from ragattn.vllm.platform import enabled as ragattn_attention
+from ragattn.vllm.recompute import Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
 if TYPE_CHECKING:
@@ -180,7 +181,6 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._claims: dict[str, tuple[Claim, int, MethodChoice]] = {}   # claim, vLLM's own hit, method
         self._pending: dict[str, tuple[Claim, int, MethodChoice]] = {}
         self._recomputed: dict[str, list[int]] = {}   # reported by the worker, returned with the answer
-        from ragattn.vllm.platform import enabled as ragattn_attention
         self._can_recompute = ragattn_attention()   # the recompute runs on ragattn's backend and worker
         # worker side
         self._store: ChunkStore | None = None
@@ -399,8 +399,6 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         impls = [getattr(layers.get(n), "impl", None) for n in names]
         if len(self._groups) > 1 or not all(isinstance(i, RagattnAttentionImpl) for i in impls):
             return None
-        from ragattn.vllm.recompute import Recomputer
-
         return Recomputer(self._vllm_config, names, [kv_caches[n] for n in names], impls[0].head_size,
                           impls[0].scale)
 
