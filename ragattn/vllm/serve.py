@@ -51,22 +51,37 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """``url``, ``log`` (path), ``start_s`` (seconds to ready); :meth:`post` JSON requests."""
+    """``url``, ``log`` (path), ``start_s`` (seconds to ready); :meth:`post` JSON requests.
 
-    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = 600):
+    The constructor returns once the server answers ``/health`` (or raises, the server stopped);
+    with ``wait=False`` it returns at once and :meth:`wait_ready` waits (servers started side by
+    side)."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = 600,
+                 wait: bool = True):
         self.cmd, self.log, self.port = cmd, Path(log), int(cmd[cmd.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, **SERVE_ENV, **(env or {})}
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
+        self._deadline = self._t0 + timeout_s
+        self.start_s: float | None = None
         self._log_file = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=full_env, start_new_session=True)   # its own process group
-        try:
-            self._wait_ready(t0 + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = time.monotonic() - t0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "LiveServer":
+        """Blocks until ``/health`` answers 200 (stops the server and raises if it exits first or
+        the start-up bound passes); sets ``start_s``."""
+        if self.start_s is None:
+            try:
+                self._wait_ready(self._deadline)
+            except BaseException:
+                self.stop()
+                raise
+            self.start_s = time.monotonic() - self._t0
+        return self
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
