@@ -93,6 +93,7 @@ def _platform_class():
 def _worker_class():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
+    from ragattn.vllm import shared_pages
     from ragattn.vllm.recompute import bind_model
 
     class RagattnCPUWorker(CPUWorker):
@@ -102,6 +103,9 @@ def _worker_class():
         def load_model(self, *args, **kwargs) -> None:
             super().load_model(*args, **kwargs)
             bind_model(self.model_runner.model)
+            # the batch order of the step being built: ragattn's backend finds the requests that
+            # read shared chunk pages by id (ragattn.vllm.shared_pages)
+            shared_pages.BATCH_REQ_IDS[:] = [lambda: self.model_runner.input_batch.req_ids]
 
     RagattnCPUWorker.__module__, RagattnCPUWorker.__qualname__ = __name__, "RagattnCPUWorker"
     return RagattnCPUWorker
