@@ -38,9 +38,9 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _server(model, chunk_dir, log, extra_env=None) -> LiveServer:
+def _server(model, chunk_dir, log, extra_env=None, shared_pages=False) -> LiveServer:
     """A server on ``model`` with the connector over ``chunk_dir``, started without waiting."""
-    return LiveServer(serve_command(model, free_port(), chunk_dir=chunk_dir), log,
+    return LiveServer(serve_command(model, free_port(), chunk_dir=chunk_dir, shared_pages=shared_pages), log,
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})},
                       timeout_s=START_TIMEOUT_S, wait=False)
 
@@ -61,7 +61,8 @@ def _servers(tmp_path_factory):
     servers: list[LiveServer] = []
     try:
         servers.append(_server(out / "model", out / "kv", out / "server.log"))
-        servers.append(_server(out / "model", out / "kv", out / "server_ragattn.log", {"RAGATTN_VLLM_ATTENTION": "1"}))
+        servers.append(_server(out / "model", out / "kv", out / "server_ragattn.log", {"RAGATTN_VLLM_ATTENTION": "1"},
+                               shared_pages=True))
         for name, server in zip(("vLLM server start (ready)", "vLLM server start, ragattn backend (ready)"), servers):
             TIMINGS.append((name, server.wait_ready().start_s))
         rc = ref_proc.wait(timeout=900)
@@ -88,7 +89,8 @@ def live(_servers):
 @pytest.fixture(scope="session")
 def live_ragattn(_servers):
     """``(server, reference dict)``: the same model and chunk store, attention by ragattn's
-    backend (the platform plugin under ``RAGATTN_VLLM_ATTENTION=1``)."""
+    backend (the platform plugin under ``RAGATTN_VLLM_ATTENTION=1``), chunk pages shared by every
+    Block-Attention and TurboRAG request (``shared_pages``)."""
     return _servers[1], _servers[2]
 
 
