@@ -23,7 +23,8 @@ def block_bytes(model_dir: Path, block_size: int, dtype_bytes: int = 4) -> int:
 def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prompt, counts: Sequence[int],
                    log=print) -> List[dict]:
     """One row per (backend, count): ``count`` identical Block-Attention requests of ``prompt`` (a
-    ``bench.served.Prompt``) at once; KV blocks in use while all decode, less those in use before."""
+    ``bench.served.Prompt``) at once; KV blocks in use while all of them decode (on the shared-pages
+    server this includes idle chunk pages other prompts left, if any: an upper bound), and before."""
     rows = []
     end = prompt.spans[-1][1]
     for backend, server in servers.items():
@@ -38,10 +39,9 @@ def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prom
             pages = sum(-(-(e - s) // bs) for s, e in prompt.spans)
             copies = n * -(-(len(prompt.tokens) + NEW_TOKENS) // bs)
             mib = block_bytes(model_dir, bs) / 2 ** 20
-            row = dict(backend=backend, requests=n, prompt_tokens=len(prompt.tokens), blocks=used - before,
-                       mib=round((used - before) * mib, 1), shared_bound_blocks=pages + own, copies_blocks=copies,
-                       vs_shared_bound=round((used - before) / (pages + own), 2),
-                       vs_copies=round((used - before) / copies, 2))
+            row = dict(backend=backend, requests=n, prompt_tokens=len(prompt.tokens), blocks=used, blocks_before=before,
+                       block_tokens=bs, mib=round(used * mib, 1), shared_bound_blocks=pages + own, copies_blocks=copies,
+                       vs_shared_bound=round(used / (pages + own), 2), vs_copies=round(used / copies, 2))
             log(f"bench.served: memory {backend} x{n}: {row['blocks']} blocks ({row['mib']} MiB), "
                 f"{row['vs_shared_bound']}x chunks once + own pages, {row['vs_copies']}x a copy each")
             rows.append(row)
@@ -49,10 +49,11 @@ def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prom
 
 
 def format_memory(rows: List[dict]) -> str:
-    head = ("| backend | concurrent requests | prompt tokens | KV blocks in use | MiB | vs chunk pages once + own "
-            "pages | vs a copy per request |\n|---|---:|---:|---:|---:|---:|---:|\n")
-    return head + "".join(f"| {r['backend']} | {r['requests']} | {r['prompt_tokens']} | {r['blocks']} | {r['mib']} | "
-                          f"{r['vs_shared_bound']}x | {r['vs_copies']}x |\n" for r in rows)
+    head = ("| backend | concurrent requests | prompt tokens | KV blocks in use (before) | MiB | vs chunk pages once + "
+            "own pages | vs a copy per request |\n|---|---:|---:|---:|---:|---:|---:|\n")
+    return head + "".join(f"| {r['backend']} | {r['requests']} | {r['prompt_tokens']} | {r['blocks']} "
+                          f"({r.get('blocks_before', '-')}) | {r['mib']} | {r['vs_shared_bound']}x | {r['vs_copies']}x |\n"
+                          for r in rows)
 
 
 def memory_target(rows: List[dict]) -> tuple:

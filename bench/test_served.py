@@ -165,4 +165,4 @@ def test_memory_rows_and_target(tmp_path):
     assert met is True and evidence == "16 requests: 1.15x"
     rows[-1].update(blocks=260, vs_shared_bound=1.3)
     assert memory_target(rows)[1] is False and memory_target(rows[:1])[1] is None
-    assert format_memory(rows).count("\n") == 2 + len(rows) and "| ragattn | 16 | 1600 | 260 |" in format_memory(rows)
+    assert format_memory(rows).count("\n") == 2 + len(rows) and "| ragattn | 16 | 1600 | 260 (-) |" in format_memory(rows)
