@@ -7,9 +7,10 @@
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cstdint>
@@ -17,6 +18,7 @@
 
 #include "attention/paged_attention_cpu_common.h"
 #include "common/check_message.h"
+#include "common/dispatch.h"
 #include "ops.h"
 
 namespace ragattn {
@@ -115,7 +117,7 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
   const int64_t per_item = std::max<int64_t>(1, (kv_total / std::max<int64_t>(1, batch)) * a.head_dim *
                                                     (a.num_heads / a.num_kv_heads));
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_cpu", [&] {
+  RAGATTN_DISPATCH_ATTENTION_TYPES(q.scalar_type(), "paged_attention_cpu", [&] {
     void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_run<scalar_t>;
     if (items <= grain) {
       run(a, 0, items);  // one task: no parallel region

@@ -8,9 +8,10 @@
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +26,7 @@
 #include "attention/paged_attention_rows_gemm.h"
 #include "kv_cache/rope_math.h"
 #include "common/check_message.h"
+#include "common/dispatch.h"
 #include "common/cpu_isa.h"
 #include "common/vec8.h"
 #include "ops.h"
@@ -335,7 +337,7 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
   const int64_t budget = scratch_budget();
   // rows per block: about kBlockVectors query vectors (rows x the GQA group) share each K/V load
   const int64_t max_rows = std::max<int64_t>(1, kBlockVectors / (a.num_heads / H));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_tagged_cpu", [&] {
+  RAGATTN_DISPATCH_ATTENTION_TYPES(q.scalar_type(), "paged_attention_tagged_cpu", [&] {
     for (int64_t b0 = 0, b1; b0 < batch; b0 = b1) {
       int64_t slots = 0;
       for (b1 = b0; b1 < batch; ++b1) {
