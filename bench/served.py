@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .provenance import project_commit, source_root
+from .served_memory import format_memory, measure_memory, memory_target
 
 BASELINE = ("full", "cpu_attn")
 MAX_MODEL_LEN = 4096
@@ -223,8 +224,9 @@ def add_ratios(rows: List[dict]) -> None:
                              if b and r["decode_tok_s"] and b["decode_tok_s"] else None)
 
 
-def targets(rows: List[dict]) -> List[tuple]:
-    """``(target, met: bool or None when its rows were not measured, evidence)`` per :data:`TARGETS`."""
+def targets(rows: List[dict], memory: Sequence[dict] = ()) -> List[tuple]:
+    """``(target, met: bool or None when its rows were not measured, evidence)`` per :data:`TARGETS`,
+    and the memory target (:func:`bench.served_memory.memory_target`)."""
     def pick(method, backend):
         return [r for r in rows if r["method"] == method and r["backend"] == backend and r["ttft_speedup"]]
 
@@ -244,6 +246,7 @@ def targets(rows: List[dict]) -> List[tuple]:
         ev = ", ".join(f"{r['method']}/{r['backend']}: {r['ttft_speedup']:.1f}x" for r in got)
         out.append((target, all(r["ttft_speedup"] >= bound for r in got) if got else None,
                     f"speedup at {got[0]['prompt_tokens'] if got else '-'} tokens: {ev}"))
+    out.append(memory_target(list(memory)))
     return out
 
 
@@ -264,9 +267,9 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_targets(rows: List[dict]) -> str:
+def format_targets(rows: List[dict], memory: Sequence[dict] = ()) -> str:
     word = {True: "**met**", False: "**not met**", None: "not measured"}
-    return "\n".join(f"- {t}: {word[met]} ({ev})" for t, met, ev in targets(rows))
+    return "\n".join(f"- {t}: {word[met]} ({ev})" for t, met, ev in targets(rows, memory))
 
 
 def plot(rows: List[dict], path: str, title: str) -> bool:
@@ -325,7 +328,8 @@ def _main_checkout() -> Optional[str]:
 def server_env(threads: int) -> Dict[str, str]:
     """Every server's environment: ``threads`` OpenMP threads, vLLM's core binding off (``auto``
     binds every server to all cores and sets its own thread count), this tree on the path."""
-    return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONPATH": source_root()}
+    return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONPATH": source_root(),
+            "VLLM_CPU_KVCACHE_SPACE": "3"}   # GiB: 16 copies of a 1.5K-token prompt fit (the memory rows)
 
 
 def build_store(model_dir: Path, prompts: Sequence[Prompt], chunk_dir: Path) -> dict:
@@ -351,7 +355,8 @@ def start_servers(python: str, model_dir: Path, chunk_dir: Path, backends: Seque
     from ragattn.vllm.serve import LiveServer, free_port, serve_command
 
     def start(backend):
-        cmd = serve_command(model_dir, free_port(), chunk_dir=chunk_dir, python=python, max_model_len=MAX_MODEL_LEN)
+        cmd = serve_command(model_dir, free_port(), chunk_dir=chunk_dir, python=python, max_model_len=MAX_MODEL_LEN,
+                            shared_pages=backend == "ragattn")
         if profile_dir is not None:
             cmd += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_with_stack": False,
                                                      "torch_profiler_dir": str(profile_dir / backend)})]
@@ -421,6 +426,9 @@ def _parse(argv):
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (medians reported)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (decode speed over them)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every server")
+    p.add_argument("--memory-requests", default="1,16", help="after the timed rounds: KV memory of this many "
+                   "concurrent Block-Attention requests over the same chunks, at the smallest size (bench."
+                   "served_memory), comma-separated; empty: skipped")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to be ready")
     p.add_argument("--workdir", default=None, help="model folder, chunk store and server logs (default: a "
                    "temporary folder, removed at the end); an exported model found there is reused")
@@ -434,12 +442,14 @@ def _parse(argv):
     a.sizes = [int(s) for s in a.sizes.split(",") if s.strip()]
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     a.backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    a.memory_requests = [int(n) for n in a.memory_requests.split(",") if n.strip()]
     for what, got, known in (("--methods", a.methods, METHODS), ("--backends", a.backends, BACKENDS)):
         bad = [x for x in got if x not in known]
         if bad or not got:
             p.error(f"{what}: unknown or empty {bad or got}; choose from {', '.join(known)}")
-    if not a.sizes or min(a.sizes) < 1 or a.repeats < 1 or a.max_tokens < 1 or a.threads < 1:
-        p.error("--sizes, --repeats, --max-tokens and --threads must be positive")
+    if not a.sizes or min(a.sizes) < 1 or a.repeats < 1 or a.max_tokens < 1 or a.threads < 1 or \
+            min(a.memory_requests, default=1) < 1:
+        p.error("--sizes, --repeats, --max-tokens, --threads and --memory-requests must be positive")
     a.vllm_python = a.vllm_python or default_vllm_python()
     if a.vllm_python is None and not a.dry_run:
         p.error("no vLLM environment: give --vllm-python (or set RAGATTN_VLLM_PYTHON)")
@@ -474,7 +484,7 @@ def run(a, argv_text: str) -> int:
                                       "backend": backend, "kv_transfer_params": body.get("kv_transfer_params")}))
             for b in backends:
                 cmd = serve_command(model_dir, 0, chunk_dir=workdir / "kv", python=a.vllm_python or "PYTHON",
-                                    max_model_len=MAX_MODEL_LEN)
+                                    max_model_len=MAX_MODEL_LEN, shared_pages=b == "ragattn")
                 env = {**server_env(a.threads), **BACKENDS[b]}
                 print(f"{b}: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd))
             return 0
@@ -499,12 +509,14 @@ def run(a, argv_text: str) -> int:
             urls = {b: s.url for b, s in servers.items()}
             results = measure(urls, str(model_dir), prompts, rows, a.repeats, a.max_tokens,
                               log=lambda s: print(s, file=sys.stderr, flush=True))
+            memory = measure_memory(servers, str(model_dir), model_dir, prompts[0], a.memory_requests,
+                                    log=lambda s: print(s, file=sys.stderr, flush=True))
         finally:
             for s in servers.values():
                 s.stop()
         vllm_version = subprocess.run([a.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                       capture_output=True, text=True, timeout=300).stdout.strip() or "unknown"
-        write_report(a, argv_text, results, dict(
+        write_report(a, argv_text, results, memory=memory, meta=dict(
             commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             vllm=vllm_version, cpu=_cpu_name(), load_before=load_before, load_after=os.getloadavg(),
             store=stats, start_s={b: round(s.start_s, 1) for b, s in servers.items()}))
@@ -522,7 +534,7 @@ def _cpu_name() -> str:
     return device_name(torch.device("cpu"))
 
 
-def write_report(a, argv_text: str, rows: List[dict], meta: dict) -> None:
+def write_report(a, argv_text: str, rows: List[dict], meta: dict, memory: Sequence[dict] = ()) -> None:
     os.makedirs(a.out, exist_ok=True)
     load = lambda x: " / ".join(f"{v:.2f}" for v in x)   # noqa: E731
     header = (
@@ -537,7 +549,11 @@ def write_report(a, argv_text: str, rows: List[dict], meta: dict) -> None:
         f"- load average (1 / 5 / 15 min): {load(meta['load_before'])} before the servers started, "
         f"{load(meta['load_after'])} after the last request; the table's column is the mean of the 1-minute "
         "figure at the row's requests\n\n")
-    body = format_table(rows) + "\n\nTargets:\n\n" + format_targets(rows) + "\n"
+    body = format_table(rows) + "\n\nTargets:\n\n" + format_targets(rows, memory) + "\n"
+    if memory:
+        body += ("\nKV memory of concurrent Block-Attention requests over the same chunks (vLLM's `/metrics` while "
+                 "all of them decode; ragattn's server holds shared chunk pages, vLLM's backend copies them):\n\n"
+                 + format_memory(memory))
     title = f"SmolLM2 float32 served by vLLM {meta['vllm']} on the CPU, OMP_NUM_THREADS={a.threads}"
     drawn = plot(rows, os.path.join(a.out, "served.png"), title)
     body += "\n![TTFT and decode speed](served.png)\n" if drawn else \
@@ -547,7 +563,8 @@ def write_report(a, argv_text: str, rows: List[dict], meta: dict) -> None:
     with open(os.path.join(a.out, "served.json"), "w") as f:
         json.dump({"meta": {**meta, "command": argv_text, "threads": a.threads, "max_tokens": a.max_tokens,
                             "repeats": a.repeats}, "rows": rows,
-                   "targets": [dict(target=t, met=m, evidence=e) for t, m, e in targets(rows)]}, f, indent=1)
+                   "memory": list(memory),
+                   "targets": [dict(target=t, met=m, evidence=e) for t, m, e in targets(rows, memory)]}, f, indent=1)
     print(header + body)
     print(f"saved {a.out}/served.md, served.json" + (", served.png" if drawn else ""), file=sys.stderr)
 

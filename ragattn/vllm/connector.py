@@ -47,6 +47,8 @@ from ragattn.vllm.spans import (METHOD_PARAM, RATIO_PARAM, RECOMPUTED_PARAM, SPA
                                 spans_from_separator)
 from ragattn.vllm.platform import enabled as ragattn_attention
 from ragattn.vllm.recompute import Recomputer, RecomputeError, RecomputeRequest
+from ragattn.vllm import shared_pages
+from ragattn.vllm.shared_pages import ChunkPagePool, SharedEntries
 from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
 if TYPE_CHECKING:
@@ -68,6 +70,8 @@ OPTIONS = {
     "remote": "redis:// or rediss:// URL of the fleet's shared chunk tier (ragattn.store.remote_tier); optional",
     "remote_secret": "its HMAC key (default: the RAGATTN_REMOTE_SECRET environment variable)",
     "kv_split": f"one of {KV_SPLITS}: where K and V sit in a cache block (default: from the attention backend)",
+    "shared_pages": "true: each chunk's K/V held once in vLLM's KV cache and read by every request using it "
+                    "(ragattn.vllm.shared_pages; ragattn's backend, Block-Attention and TurboRAG); default false",
 }
 
 
@@ -88,20 +92,27 @@ class RequestLoad:
     skip: int
     method: MethodChoice = MethodChoice()
     prompt: tuple[int, ...] = ()
+    chunk_blocks: tuple[list[int], ...] | None = None   # shared chunk pages (one list per chunk), or None
 
 
 @dataclass
 class RagattnConnectorMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)     # chunks whose shared pages were freed
 
 
 @dataclass
 class RagattnWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: the prompt positions each request recomputed."""
+    """Worker -> scheduler, once per step: the prompt positions each request recomputed; the
+    requests now read from shared chunk pages (their leading blocks to give back); the chunks
+    whose shared pages could not be written."""
     recomputed: dict[str, list[int]] = field(default_factory=dict)
+    shared: dict[str, list[int]] = field(default_factory=dict)
+    failed_chunks: list[str] = field(default_factory=list)
 
     def aggregate(self, other: "RagattnWorkerMetadata") -> "RagattnWorkerMetadata":
-        return RagattnWorkerMetadata({**self.recomputed, **other.recomputed})
+        return RagattnWorkerMetadata({**self.recomputed, **other.recomputed}, {**self.shared, **other.shared},
+                                     self.failed_chunks + other.failed_chunks)
 
 
 def cache_groups(kv_cache_config: "KVCacheConfig") -> list[tuple[list[str], bool, int]]:
@@ -167,6 +178,18 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         mc = vllm_config.model_config
         window = mc.get_sliding_window()   # (Qwen2 carries one it does not use)
         self._window = int(window) if window and getattr(mc.hf_text_config, "use_sliding_window", True) else None
+        self._shared = _flag(cfg.get_from_extra_config("shared_pages", False), "shared_pages")
+        if self._shared:
+            why = ("ragattn's attention backend is not on (RAGATTN_VLLM_ATTENTION=1)" if not ragattn_attention() else
+                   "vLLM's prefix cache is on" if self._prefix_caching else
+                   f"kv_cache_dtype is {cache_dtype}" if cache_dtype in FP8_CACHE_DTYPES else
+                   "the model has several KV cache groups or a sliding window"
+                   if len(self._groups) > 1 or any(sl for _, sl, _ in self._groups) or self._window else None)
+            if why:
+                raise ValueError(f"ragattn.vllm: shared_pages needs ragattn's attention backend, one full-attention KV "
+                                 f"cache group of unquantised caches and vLLM's prefix cache off: {why}")
+        self._pool: ChunkPagePool | None = None     # scheduler side, at bind_kv_cache_manager
+        self._kv_manager = None
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
         self._chunk_model = served_chunk_model(hf_path, mc.dtype)
         self.fingerprint = self._chunk_model.fingerprint
@@ -188,6 +211,9 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._recomputer = None
         self._failed_blocks: set[int] = set()
         self._done: dict[str, list[int]] = {}
+        self._written: dict[str, tuple[int, ...]] = {}   # chunk -> the shared pages holding it
+        self._shared_done: dict[str, list[int]] = {}
+        self._failed_chunks: list[str] = []
         if role == KVConnectorRole.WORKER:
             budget = cfg.get_from_extra_config("memory_budget", None)
             # the store lives on the CPU (chunk K/V in host memory, staged to the caches' device) and
@@ -253,7 +279,18 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
     def _has_chunk(self, key: str) -> bool:
         return (self._dir / f"{key}.safetensors").is_file() or (self._remote is not None and self._remote.contains(key))
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._shared:
+            self._kv_manager = kv_cache_manager
+            self._pool = ChunkPagePool(kv_cache_manager.block_pool, self._block_size)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._pool is not None:   # idle chunk pages make room for the request's own blocks first
+            need = -(-len(request.prompt_token_ids or ()) // self._block_size)
+            short = need - self._pool.block_pool.get_num_free_blocks()
+            if short > 0:
+                self._pool.evict(short)
         claim, method = self._claim(request, num_computed_tokens)
         self._claims[request.request_id] = (claim, num_computed_tokens, method)
         return max(0, claim.num_tokens - num_computed_tokens), False
@@ -269,33 +306,43 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError(f"ragattn.vllm: request {request.request_id}: vLLM took {num_external_tokens} of "
                                f"the {claim.num_tokens - local} claimed tokens; partial claims are not supported")
         prompt = tuple(request.prompt_token_ids or ()) if method.recomputes else ()
-        self._pending[request.request_id] = (claim, local, method, prompt)
+        chunk_blocks = None
+        if self._pool is not None and not method.recomputes and local == 0:
+            chunk_blocks = self._pool.acquire(request.request_id, claim.keys, [e - s for s, e in claim.spans])
+        self._pending[request.request_id] = (claim, local, method, prompt, chunk_blocks)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = RagattnConnectorMetadata()
+        meta = RagattnConnectorMetadata(evicted=self._pool.take_evicted() if self._pool is not None else [])
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
-                claim, skip, method, prompt = self._pending.pop(req.req_id)
+                claim, skip, method, prompt, chunks = self._pending.pop(req.req_id)
                 meta.loads.append(RequestLoad(req.req_id, claim.keys, claim.spans, _lists(req.block_ids), skip,
-                                              method, prompt))
+                                              method, prompt, chunks))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._pending and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
-                claim, skip, method, prompt = self._pending.pop(req_id)
+                claim, skip, method, prompt, chunks = self._pending.pop(req_id)
                 meta.loads.append(RequestLoad(req_id, claim.keys, claim.spans, _lists(cached.new_block_ids[i]), skip,
-                                              method, prompt))
+                                              method, prompt, chunks))
         return meta
 
     def update_connector_output(self, connector_output) -> None:
         worker = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker, RagattnWorkerMetadata):
             self._recomputed.update(worker.recomputed)
+            if self._pool is not None:
+                for key in worker.failed_chunks:
+                    self._pool.drop(key)
+                for req_id, block_ids in worker.shared.items():
+                    self._pool.give_back(self._kv_manager, req_id, block_ids)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Nothing is saved (the blocks are freed at once); a request the worker recomputed rows
         of gets them in its output's ``kv_transfer_params`` (``ragattn_recomputed``: prompt positions)."""
         self._claims.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        if self._pool is not None:
+            self._pool.release(request.request_id)
         rows = self._recomputed.pop(request.request_id, None)
         if rows is None:
             return False, None
@@ -389,6 +436,8 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._check_layout(names[0], kv_caches[names[0]], split)
         self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self._block_size, split,
                                   groups=groups, scales=self._fp8_scales(names, kv_caches))
+        if self._shared:   # ragattn's backend reads the chunk pages with the model's RoPE
+            shared_pages.ROPE[:] = [self._store.rope]
         self._recomputer = self._make_recomputer(names, kv_caches)
 
     def _make_recomputer(self, names: list[str], kv_caches: dict[str, torch.Tensor]):
@@ -454,10 +503,15 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, RagattnConnectorMetadata)
         if meta.loads and self._writer is None:
             raise RuntimeError("ragattn.vllm: start_load_kv before register_kv_caches")
+        for key in meta.evicted:
+            self._written.pop(key, None)
         for load in meta.loads:
+            shared_pages.REQUESTS.pop(load.req_id, None)
             try:
                 rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
                              if load.method.name == "turborag-composite" else None)
+                if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
+                    continue
                 with torch.inference_mode():
                     self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
                 if load.method.recomputes:
@@ -467,6 +521,38 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                 log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
                           "as failed loads", load.req_id, exc, sorted(failed))
                 self._failed_blocks |= failed
+
+    def _load_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
+        """Serves the request from shared chunk pages: writes the chunks not in their pages yet
+        (keys position-free), copies the claim's last partial block into the request's own block
+        and registers its entries for ragattn's backend. False (the copy path follows) if a chunk
+        cannot be loaded: that chunk's pages are reported and never read."""
+        bs = self._block_size
+        try:
+            with torch.inference_mode():
+                for key, blocks, (s, e) in zip(load.keys, load.chunk_blocks, load.spans):
+                    if self._written.get(key) != tuple(blocks):
+                        self._written.pop(key, None)
+                        self._writer.write_chunk_pages(key, blocks, e - s)
+                        self._written[key] = tuple(blocks)
+                end = load.spans[-1][1]
+                tail = end // bs * bs
+                if tail < end:
+                    self._writer.write(load.keys, load.spans, load.block_ids, tail, rotate_to=rotate_to)
+        except (ChunkStoreError, OSError) as exc:
+            failed = [k for k in load.keys if k not in self._written]
+            log.warning("ragattn.vllm: request %s: chunk pages of %s not written (%s); copying its chunks instead",
+                        load.req_id, failed, exc)
+            self._failed_chunks += failed
+            return False
+        shared_pages.REQUESTS[load.req_id] = SharedEntries.build(load.spans, load.chunk_blocks, bs, rotate_to)
+        self._shared_done[load.req_id] = list(load.block_ids[0][:tail // bs])
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            shared_pages.REQUESTS.pop(req_id, None)
+        return None, None
 
     def _recompute(self, load: RequestLoad) -> list[int]:
         """CacheBlend / FusionRAG on the request's pages (ragattn.vllm.recompute); the recomputed
@@ -479,10 +565,11 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                                                      else self._block_size))
 
     def build_connector_worker_meta(self) -> RagattnWorkerMetadata | None:
-        if not self._done:
+        if not (self._done or self._shared_done or self._failed_chunks):
             return None
-        done, self._done = self._done, {}
-        return RagattnWorkerMetadata(done)
+        meta = RagattnWorkerMetadata(self._done, self._shared_done, self._failed_chunks)
+        self._done, self._shared_done, self._failed_chunks = {}, {}, []
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -496,6 +583,13 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self):
         return
+
+
+def _flag(value, name: str) -> bool:
+    """A boolean option (JSON true/false)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"ragattn.vllm: kv_connector_extra_config {name!r} must be true or false, got {value!r}")
+    return value
 
 
 def _lists(block_ids) -> tuple[list[int], ...]:

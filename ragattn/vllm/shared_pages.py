@@ -1,0 +1,199 @@
+"""Shared chunk pages inside vLLM: each chunk's K/V lives once in vLLM's own KV cache and every
+request that uses it reads that copy (``kv_connector_extra_config: {"shared_pages": true}`` on a
+server with ragattn's attention backend; Block-Attention and TurboRAG requests).
+
+::
+
+    request A: | chunk 1 | chunk 2 |  question A ...      chunk pages, one copy (keys without RoPE):
+    request B: | chunk 2 | chunk 1 |  question B ...        chunk 1: blocks 7 8   chunk 2: blocks 3 9
+                                                          private blocks (keys rotated by vLLM):
+    A's blocks: | null | null | 12 | 13 |                   A: 12 13 (chunk 2's tail, then question A)
+    B's blocks: | null | null | 14 | 15 |                   B: 14 15
+
+* Scheduler side, :class:`ChunkPagePool`: a chunk's pages come from vLLM's ``BlockPool`` once
+  (``get_new_blocks``), are held while any request uses them and freed least recently used when
+  the scheduler runs short, so vLLM's usage counts them. A request first gets blocks for its whole
+  prompt as usual (vLLM's admission counts them); once its worker has written or found its chunk
+  pages, :meth:`ChunkPagePool.give_back` replaces the request's blocks that hold only claimed
+  tokens by the null block and frees them, as vLLM does for tokens outside a sliding window.
+  Until then (and for good if the chunks cannot be loaded) the request is a plain copy request.
+* Worker side, :class:`SharedEntries` per request (:data:`REQUESTS`): the claimed tokens below the
+  last block boundary are read from the chunk pages as position-tagged entries; the claim's last
+  partial block (under ``block_size`` tokens) is copied into the request's own block.
+* Backend side, :func:`step_tables`: a step that holds such a request attends in two passes, its
+  private pages by position (keys rotated) and its chunk pages as entries (keys rotated in the
+  kernel, ``inv_freq``), merged exactly (``merge_attention_states``).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ragattn.ops import PageTable
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Pages:
+    blocks: list          # vLLM KVCacheBlocks, one reference held by the pool
+    users: set = field(default_factory=set)
+
+
+class ChunkPagePool:
+    """Chunk pages in vLLM's ``BlockPool`` (scheduler side). ``acquire`` before a request's load,
+    ``release`` when it finishes; idle pages stay until :meth:`evict` needs their blocks."""
+
+    def __init__(self, block_pool, block_size: int):
+        self.block_pool, self.block_size = block_pool, int(block_size)
+        self._pages: OrderedDict[str, _Pages] = OrderedDict()     # least recently used first
+        self._by_request: dict[str, tuple[str, ...]] = {}
+        self._evicted: list[str] = []
+
+    def blocks_held(self) -> int:
+        """Blocks the pool holds (in use or idle)."""
+        return sum(len(p.blocks) for p in self._pages.values())
+
+    def acquire(self, req_id: str, keys: Sequence[str], lengths: Sequence[int]) -> list[list[int]] | None:
+        """Block ids of each chunk's pages (``ceil(length / block_size)`` each), taken from the pool
+        where not held yet (idle pages evicted for room); None, holding nothing, if they do not fit."""
+        self.release(req_id)
+        fresh = {k: _cdiv(n, self.block_size) for k, n in zip(keys, lengths) if k not in self._pages}
+        need = sum(fresh.values())
+        if need > self.block_pool.get_num_free_blocks():
+            self.evict(need - self.block_pool.get_num_free_blocks(), keep=set(keys))
+            if need > self.block_pool.get_num_free_blocks():
+                return None
+        out = []
+        for key in keys:
+            pages = self._pages.get(key)
+            if pages is None:
+                pages = self._pages[key] = _Pages(self.block_pool.get_new_blocks(fresh[key]))
+            pages.users.add(req_id)
+            self._pages.move_to_end(key)
+            out.append([b.block_id for b in pages.blocks])
+        self._by_request[req_id] = tuple(keys)
+        return out
+
+    def release(self, req_id: str) -> None:
+        for key in self._by_request.pop(req_id, ()):
+            pages = self._pages.get(key)
+            if pages is not None:
+                pages.users.discard(req_id)
+
+    def evict(self, num_blocks: int, keep: set | None = None) -> int:
+        """Frees idle pages, least recently used first, until ``num_blocks`` are freed; returns how
+        many were."""
+        freed = 0
+        for key in [k for k, p in self._pages.items() if not p.users and k not in (keep or ())]:
+            if freed >= num_blocks:
+                break
+            freed += self._free(key)
+        return freed
+
+    def drop(self, key: str) -> None:
+        """A chunk whose pages could not be written: freed now (its requests fell back to copies)."""
+        if key in self._pages:
+            self._free(key)
+
+    def _free(self, key: str) -> int:
+        pages = self._pages.pop(key)
+        self.block_pool.free_blocks(pages.blocks)
+        self._evicted.append(key)
+        return len(pages.blocks)
+
+    def take_evicted(self) -> list[str]:
+        """Keys whose pages were freed since the last call (the worker forgets it wrote them)."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def give_back(self, kv_cache_manager, req_id: str, block_ids: Sequence[int]) -> int:
+        """Replaces the request's leading blocks ``block_ids`` (those holding claimed tokens only)
+        by the null block and frees them; nothing if the request no longer holds exactly those
+        (finished, or preempted and allocated again). Returns the number of blocks freed."""
+        (manager,) = kv_cache_manager.coordinator.single_type_managers
+        blocks = manager.req_to_blocks.get(req_id)
+        n = len(block_ids)
+        if not blocks or n == 0 or [b.block_id for b in blocks[:n]] != list(block_ids):
+            return 0
+        freed = [b for b in blocks[:n] if not b.is_null]
+        blocks[:n] = [self.block_pool.null_block] * n
+        self.block_pool.free_blocks(freed)
+        return len(freed)
+
+
+@dataclass(frozen=True)
+class SharedEntries:
+    """One request's chunk pages as position-tagged entries (worker side): ``private_from``
+    (slots below it are read from the entries, the rest from the request's own blocks), and
+    int32 ``[E]`` ``pages`` / ``first_pos`` / ``valid``."""
+    private_from: int
+    pages: torch.Tensor
+    first_pos: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def build(cls, spans: Sequence[tuple[int, int]], chunk_blocks: Sequence[Sequence[int]], block_size: int,
+              positions: torch.Tensor | None = None) -> "SharedEntries":
+        """``spans``: the chunks' prompt ranges (tiling ``[0, end)``), ``chunk_blocks`` their pages,
+        ``positions`` int64 ``[end]`` each token's RoPE position (None: its index)."""
+        end = spans[-1][1]
+        private_from = end // block_size * block_size
+        pages, first, valid = [], [], []
+        for (s, e), blocks in zip(spans, chunk_blocks):
+            for i, blk in enumerate(blocks):
+                a = s + i * block_size
+                n = min(block_size, e - a, private_from - a)
+                if n <= 0:
+                    break
+                pages.append(blk)
+                first.append(a if positions is None else int(positions[a]))
+                valid.append(n)
+        as_t = lambda x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
+        return cls(private_from, as_t(pages), as_t(first), as_t(valid))
+
+
+# Worker process state: the requests served from chunk pages, the batch order of the step being
+# built (set by ragattn's worker: the model runner's input batch) and the model's RoPE.
+REQUESTS: dict[str, SharedEntries] = {}
+BATCH_REQ_IDS: list[Callable[[], Sequence[str]]] = []
+ROPE: list = []   # [ragattn.store.model.Rope] of the served model, set by the connector's worker
+
+
+def step_tables(req_ids: Sequence[str], block_table: torch.Tensor, seq_lens: torch.Tensor,
+                block_size: int) -> tuple[PageTable, PageTable] | None:
+    """``(private, shared)`` position-tagged tables of a step whose batch rows are ``req_ids``
+    (block_table int32 ``[B, max_blocks]``, seq_lens ``[B]``), or None when no row reads chunk
+    pages. Private: each row's own blocks from its ``private_from`` on (by position); shared: its
+    chunk entries (none for the other rows)."""
+    found = [REQUESTS.get(r) for r in req_ids]
+    if not any(found):
+        return None
+    dev = block_table.device
+    b = len(req_ids)
+    start = torch.tensor([0 if e is None else e.private_from // block_size for e in found], dtype=torch.int64)
+    lens = seq_lens[:b].to(torch.int64).cpu()
+    n_pages = (lens + block_size - 1) // block_size - start
+    rows = torch.repeat_interleave(torch.arange(b), n_pages)
+    offset = torch.cumsum(n_pages, 0) - n_pages
+    idx = torch.arange(int(n_pages.sum())) - offset[rows] + start[rows]
+    pos = idx * block_size
+    private = PageTable.from_entries(
+        torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(n_pages, 0)]).to(dev),
+        block_table[:b].cpu()[rows, idx].to(dev), pos.to(torch.int32).to(dev),
+        torch.clamp(lens[rows] - pos, max=block_size).to(torch.int32).to(dev), block_size)
+    empty = torch.zeros(0, dtype=torch.int32)
+    parts = [(e.pages, e.first_pos, e.valid) if e is not None else (empty, empty, empty) for e in found]
+    counts = torch.tensor([p[0].numel() for p in parts], dtype=torch.int64)
+    shared = PageTable.from_entries(
+        torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]).to(dev),
+        *(torch.cat([p[i] for p in parts]).to(dev) for i in range(3)), block_size)
+    return private, shared
+
+
+__all__ = ["ChunkPagePool", "SharedEntries", "REQUESTS", "BATCH_REQ_IDS", "ROPE", "step_tables"]

@@ -1,0 +1,44 @@
+"""Shared chunk pages through the live server on ragattn's backend (``live_ragattn`` runs with
+``shared_pages``): 8 concurrent Block-Attention requests over the same chunks hold those chunks'
+pages once plus their own pages (vLLM's own KV cache usage, from ``/metrics``, while all of them
+decode, less what idle chunk pages held before) and answer as one at a time; the Block-Attention
+and TurboRAG answers of the other live tests on this server come from shared pages too."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm.live.test_served import _eos, _upto_eos  # noqa: E402
+
+NEW = 16            # tokens each request decodes (ignore_eos: all of them decode in lockstep)
+
+
+def _body(ref, prompt, spans):
+    return {"model": ref["model"], "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": {"ragattn_spans": spans, "ragattn_method": "block-attention"}}
+
+
+def test_concurrent_requests_hold_each_chunk_once(live_ragattn):
+    server, ref = live_ragattn
+    base = ref["prompts"][0]
+    end = base["spans"][-1][1]
+    # prompt 0's chunks, each request with another question (every prompt's tail)
+    tails = [p["prompt"][p["spans"][-1][1]:] for p in ref["prompts"] + ref["spares"]][:8]
+    assert len(tails) == 8
+    prompts = [base["prompt"][:end] + t for t in tails]
+    used0, _, bs = server.kv_cache_blocks()    # (idle chunk pages of earlier requests stay held)
+    used, together = server.kv_blocks_while_decoding([_body(ref, p, base["spans"]) for p in prompts])
+
+    chunk_pages = sum(-(-(e - s) // bs) for s, e in base["spans"])
+    own = sum(-(-(len(p) + NEW) // bs) - end // bs for p in prompts)
+    copies = sum(-(-(len(p) + NEW) // bs) for p in prompts)
+    assert used - used0 <= 1.2 * (chunk_pages + own), (used, used0, chunk_pages, own, copies)
+    for p, got in zip(prompts, together):   # the same answers as one at a time
+        assert len(got) == NEW
+        status, out = server.post("/v1/completions", _body(ref, p, base["spans"]))
+        assert status == 200, out
+        assert got == out["choices"][0]["token_ids"]
+    eos = _eos(ref)
+    assert _upto_eos(together[0][:ref["new_tokens"]], eos) == _upto_eos(base["block_attention"], eos)
