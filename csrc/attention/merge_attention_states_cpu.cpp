@@ -5,9 +5,10 @@
 // itself (the in-place form): each element is read before it is written. Its N-way form
 // (_merge_attention_states_n_cpu) follows the Triton kernel's two passes (max lse, weighted sum).
 // log2: the lses are base 2 (FlashInfer's), taken to natural log on load and written back in base 2.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cmath>

@@ -4,7 +4,9 @@
 // when hundreds of rows (a recompute pass, a prefill) share one sequence's keys.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 

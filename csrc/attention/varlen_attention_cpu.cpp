@@ -8,8 +8,10 @@
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cmath>

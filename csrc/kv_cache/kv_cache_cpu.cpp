@@ -4,9 +4,11 @@
 // results are bit-identical at any thread count; each delta's cos/sin are computed once per block
 // of rows and reused across every layer and head. float8_e4m3fn caches (fp8_math.h) are read as
 // stored * scale and written as saturate(value / scale), per layer, in the same pass.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cstring>

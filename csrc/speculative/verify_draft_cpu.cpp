@@ -2,8 +2,13 @@
 // over the batch rows (in parallel; each row sequential, stopping at the first rejection), running
 // the fast default path or, with RAGATTN_CPU_BACKEND=twin, the bit-faithful twin of the CUDA kernel
 // (verify_draft_cpu.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 
 #include <algorithm>
 #include <array>
