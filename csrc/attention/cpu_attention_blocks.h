@@ -1,4 +1,4 @@
-// The 8-lane building blocks the CPU attention kernels share (paged_attention_cpu.cpp,
+// The 8-lane building blocks the CPU attention kernels share (paged_attention_cpu_common.h,
 // varlen_attention_cpu_kernel.h), framework-free: widening loads, eight dot products per
 // horizontal reduction, the exponentiation half of an online-softmax step, and the V accumulation
 // into register-resident outputs. The element type T is a template parameter;

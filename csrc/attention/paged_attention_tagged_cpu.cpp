@@ -1,0 +1,432 @@
+// paged_attention_run's CPU kernel for position-tagged page lists, the private op
+// ragattn::_paged_attention_tagged_cpu called by ragattn/ops/paged_attention_run.py after its
+// checks (schema in torch_bindings.cpp): a flat page list with RoPE applied in the kernel. Its own
+// checks are the layout and the index values it follows (memory safety on a direct call); nothing
+// here calls into Python. The row-block kernel and its rules: paged_attention_cpu_common.h
+// (shared with the padded-table kernel, paged_attention_cpu.cpp); sequences with many query rows
+// take the GEMM route of paged_attention_rows_gemm.cpp.
+// GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "attention/paged_attention_cpu_common.h"
+#include "attention/paged_attention_rows_gemm.h"
+#include "kv_cache/rope_math.h"
+#include "common/check_message.h"
+#include "common/cpu_isa.h"
+#include "common/vec8.h"
+#include "ops.h"
+
+namespace ragattn {
+namespace {
+using namespace paged_cpu;
+
+constexpr const char* kTaggedOp = "ragattn._paged_attention_tagged_cpu";
+
+// --------------------------------------------------------------- position-tagged page lists
+// paged_attention_run over a flat page list whose entries carry the position of their slot 0
+// and their count of valid slots, with keys optionally stored without RoPE (zero-copy chunk pages:
+// ragattn/hf/tagged.py, ragattn/reference/paged_attention_table.py). Slot j < kv_lens[b] lies in
+// entry e = row_start[b] + j / page_size at offset o = j % page_size; it is valid iff
+// o < entry_len[e] and holds position entry_pos[e] + o (without entry_pos: j). A row sees the valid
+// slots at positions <= q_pos (and >= q_pos - window_left). Positions need not grow with j, so
+// each entry's visible offsets are found from its first position, and only those slots enter a
+// chunk (compacted: no masks). Keys are rotated once per call, in fp32 and rounded once to the
+// cache's dtype (the Triton kernel's computation), into a scratch copy of the slots some row can
+// see, with cos/sin from a per-position table (rope_cos/sin [P, rotary_dim / 2]) read once per
+// slot for every kv head. (Rotating in each (row, kv head) task instead cost a decode step 1.12x
+// the copy path's here, against 1.05x: the table reads and rotations were repeated per head.)
+
+struct TaggedArgs {
+  IndexView pages, row_start, entry_pos, entry_len;
+  bool has_pos, has_len;
+  const void* krot;          // [slots, num_kv_heads, head_dim] rotated keys, or nullptr: keys read in place
+  const int64_t* slot_base;  // each sequence's first scratch slot
+};
+
+// The offsets [*o_lo, *o_hi) of an entry (first position p0, cnt valid slots) that a row at
+// position pos sees; empty when *o_lo >= *o_hi. No int64 overflow for any pos, p0 >= 0.
+RAGATTN_ALWAYS_INLINE void visible_offsets(int64_t pos, int64_t window_left, int64_t p0, int64_t cnt, int64_t* o_lo,
+                                           int64_t* o_hi) {
+  *o_hi = pos < p0 ? 0 : (pos - p0 < cnt ? pos - p0 + 1 : cnt);
+  const int64_t first = window_left >= 0 ? pos - window_left : 0;  // >= -INT64_MAX
+  *o_lo = first > p0 ? first - p0 : 0;
+}
+
+// Slot count of entry pi of a sequence of kv_len slots (page_size S), and its first position.
+RAGATTN_ALWAYS_INLINE void entry_extent(const TaggedArgs& t, int64_t e, int64_t pi, int64_t S, int64_t kv_len,
+                                        int64_t* cnt, int64_t* p0) {
+  *cnt = std::min(S, kv_len - pi * S);
+  if (t.has_len) *cnt = std::min(*cnt, t.entry_len(e));
+  *p0 = t.has_pos ? t.entry_pos(e) : pi * S;
+}
+
+// dst = src rotated by the angles of (c, s) [half], pairs (f, f + half) or (2f, 2f + 1), in fp32,
+// rounded once to T; dims past 2 * half copied. Two plain loops (one per layout) so that the
+// compiler vectorises them.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void rotate_row(const T* src, T* dst, const float* c, const float* s, int64_t half, int64_t D,
+                                      bool interleaved) {
+  float y1, y2;
+  if (interleaved) {
+    for (int64_t f = 0; f < half; ++f) {
+      rope::rotate_pair(static_cast<float>(src[2 * f]), static_cast<float>(src[2 * f + 1]), c[f], s[f], &y1, &y2);
+      dst[2 * f] = static_cast<T>(y1);
+      dst[2 * f + 1] = static_cast<T>(y2);
+    }
+  } else {
+    for (int64_t f = 0; f < half; ++f) {
+      rope::rotate_pair(static_cast<float>(src[f]), static_cast<float>(src[f + half]), c[f], s[f], &y1, &y2);
+      dst[f] = static_cast<T>(y1);
+      dst[f + half] = static_cast<T>(y2);
+    }
+  }
+  for (int64_t d = 2 * half; d < D; ++d) dst[d] = src[d];
+}
+
+// Items [begin, end) = row blocks x kv heads: item = block * num_kv_heads + kv_head, block k the
+// rows [blocks[2k], blocks[2k] + blocks[2k + 1]) of one sequence. The slots every row of the block
+// sees are attended by all their query vectors at once (each K/V row loaded once for the block);
+// the rest (the causal diagonal, window edges) row by row, so no row ever reads a slot it does
+// not see (no masks: 0 * NaN cannot happen).
+template <typename T>
+RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, const int64_t* blocks,
+                                        int64_t max_rows, int64_t begin, int64_t end) {
+  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size, H = a.num_kv_heads;
+  RowStateBuffer buf(D, max_rows * G);
+  const T* kslot[kChunk + 8];
+  const T* vslot[kChunk];
+  std::vector<int64_t> lo(max_rows), hi(max_rows), pos(max_rows);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t k = item / H, g = item % H, i0 = blocks[2 * k], nr = blocks[2 * k + 1];
+    const int64_t b = a.row_seq[i0];
+    const int64_t kv_len = a.kv_lens(b), r0 = t.row_start(b);
+    for (int64_t r = 0; r < nr; ++r) {
+      pos[r] = a.q_pos(i0 + r);
+      buf.st.part(r * G, G).start<T>(a, i0 + r, g);
+    }
+    const T* k_base = static_cast<const T*>(a.k) + g * a.k_s2;
+    const T* v_base = static_cast<const T*>(a.v) + g * a.v_s2;
+    const T* krot = t.krot ? static_cast<const T*>(t.krot) + (t.slot_base[b] * H + g) * D : nullptr;
+    // pass -1: the slots all nr rows see, attended by all of them; pass r: row r's others
+    for (int64_t pass = -1; pass < (nr > 1 ? nr : 0); ++pass) {
+      const RowState st = pass < 0 ? buf.st.part(0, nr * G) : buf.st.part(pass * G, G);
+      int64_t n = 0;
+      for (int64_t pi = 0; pi * S < kv_len; ++pi) {
+        int64_t cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
+        entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
+        for (int64_t r = 0; r < nr; ++r) {
+          visible_offsets(pos[r], a.window_left, p0, cnt, &lo[r], &hi[r]);
+          all_lo = std::max(all_lo, lo[r]);
+          all_hi = std::min(all_hi, hi[r]);
+        }
+        if (all_lo >= all_hi) all_lo = all_hi = 0;  // no slot of the entry seen by every row
+        // the offsets of this pass: [all_lo, all_hi), or row `pass`'s range without it (which it
+        // contains when not empty): two pieces
+        int64_t ranges[2][2] = {{all_lo, all_hi}, {0, 0}};
+        if (pass >= 0 && all_lo < all_hi) {
+          ranges[0][0] = lo[pass], ranges[0][1] = all_lo;
+          ranges[1][0] = all_hi, ranges[1][1] = hi[pass];
+        } else if (pass >= 0) {
+          ranges[0][0] = lo[pass], ranges[0][1] = hi[pass];
+        }
+        const int64_t page = t.pages(r0 + pi);
+        const T* kp = krot ? krot + pi * S * H * D : k_base + page * a.k_s0;
+        const int64_t k_step = krot ? H * D : a.k_s1;
+        const T* vp = v_base + page * a.v_s0;
+        for (const auto& rg : ranges) {
+          for (int64_t o = rg[0]; o < rg[1]; ++o) {
+            kslot[n] = kp + o * k_step;
+            vslot[n] = vp + o * a.v_s1;
+            if (++n == kChunk) {
+              attend_chunk<T>(st, a, kslot, vslot, 0, n);
+              n = 0;
+            }
+          }
+        }
+      }
+      if (n) attend_chunk<T>(st, a, kslot, vslot, 0, n);
+    }
+    for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, g);
+  }
+}
+
+template <typename T>
+RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, const int64_t* blocks,
+                                         int64_t max_rows, int64_t begin, int64_t end) {
+  tagged_items<T>(a, t, blocks, max_rows, begin, end);
+}
+
+// The rotated keys of sequences [b0, b1)'s entries [e0, e1) (flattened over the sequences: entry
+// list `ents` of (sequence, page index)) whose slots lie in [pos_lo[b], pos_hi[b]], the positions
+// some row of the sequence can see, into krot[slot_base[b] + slot].
+template <typename T>
+RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs& t, const int64_t* ents, int64_t e0,
+                                           int64_t e1, const int64_t* pos_lo, const int64_t* pos_hi,
+                                           const float* cos_t, const float* sin_t, int64_t rotary_dim,
+                                           bool interleaved, T* krot) {
+  const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, half = rotary_dim / 2;
+  for (int64_t x = e0; x < e1; ++x) {
+    const int64_t b = ents[2 * x], pi = ents[2 * x + 1], e = t.row_start(b) + pi;
+    int64_t cnt, p0, o_lo, o_hi;
+    entry_extent(t, e, pi, S, a.kv_lens(b), &cnt, &p0);
+    // [pos_lo, pos_hi] as visible_offsets' window: pos_hi is the last position, window pos_hi - pos_lo
+    visible_offsets(pos_hi[b], pos_hi[b] - pos_lo[b], p0, cnt, &o_lo, &o_hi);
+    const int64_t page = t.pages(e);
+    for (int64_t o = o_lo; o < o_hi; ++o) {
+      const float* c = cos_t + (p0 + o) * half;  // position p0 + o's row, read once for every kv head
+      const float* s = sin_t + (p0 + o) * half;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* src = static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1 + h * a.k_s2;
+        T* dst = krot + ((t.slot_base[b] + pi * S + o) * H + h) * D;
+        rotate_row(src, dst, c, s, half, D, interleaved);
+      }
+    }
+  }
+}
+
+// Sequences with at least this many query rows take paged_attention_rows_gemm's route (at 290
+// rows x 1.6K slots it ran about 2x faster than the row blocks below); decode rows never do.
+constexpr int64_t kGemmMinRows = 16;
+
+// Sequence b's rows [r_begin, r_end) by paged_attention_rows_gemm: its slots at positions
+// [pos_lo, pos_hi] (the ones some row sees) gathered in position order, widened to float, keys
+// rotated when t.krot holds them. Returns false (writing nothing) when one of those v rows holds
+// a non-finite value: the GEMM would spread it to the rows that do not see it, so the row
+// blocks handle that sequence.
+template <typename T>
+bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, int64_t b, int64_t r_begin, int64_t r_end,
+                      int64_t pos_lo, int64_t pos_hi) {
+  const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, Hq = a.num_heads, kv_len = a.kv_lens(b);
+  const int64_t r0 = t.row_start(b), nr = r_end - r_begin;
+  struct Slot {
+    int64_t pos;
+    const T* k;
+    const T* v;
+  };
+  std::vector<Slot> slots;
+  const T* krot = t.krot ? static_cast<const T*>(t.krot) + t.slot_base[b] * H * D : nullptr;
+  const int64_t k_head = krot ? D : a.k_s2;
+  for (int64_t pi = 0; pi * S < kv_len; ++pi) {
+    int64_t cnt, p0, o_lo, o_hi;
+    entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
+    visible_offsets(pos_hi, pos_hi - pos_lo, p0, cnt, &o_lo, &o_hi);
+    const int64_t page = t.pages(r0 + pi);
+    for (int64_t o = o_lo; o < o_hi; ++o)
+      slots.push_back({p0 + o, krot ? krot + (pi * S + o) * H * D : static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1,
+                       static_cast<const T*>(a.v) + page * a.v_s0 + o * a.v_s1});
+  }
+  std::stable_sort(slots.begin(), slots.end(), [](const Slot& x, const Slot& y) { return x.pos < y.pos; });
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor k = at::empty({H, n, D}, f32), v = at::empty({H, n, D}, f32);
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  std::vector<int64_t> key_pos(n);
+  bool finite = true;
+  for (int64_t j = 0; j < n; ++j) {
+    key_pos[j] = slots[j].pos;
+    for (int64_t g = 0; g < H; ++g)
+      for (int64_t d = 0; d < D; ++d) {
+        kp[(g * n + j) * D + d] = static_cast<float>(slots[j].k[g * k_head + d]);
+        const float x = static_cast<float>(slots[j].v[g * a.v_s2 + d]);
+        finite &= std::isfinite(x);
+        vp[(g * n + j) * D + d] = x;
+      }
+  }
+  if (!finite) return false;
+  std::vector<int64_t> rows(nr), row_pos(nr);
+  for (int64_t r = 0; r < nr; ++r) rows[r] = r_begin + r;
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t x, int64_t y) { return a.q_pos(x) < a.q_pos(y); });
+  at::Tensor q = at::empty({nr, Hq, D}, f32);
+  float* qp = q.data_ptr<float>();
+  for (int64_t r = 0; r < nr; ++r) {
+    row_pos[r] = a.q_pos(rows[r]);
+    const T* src = static_cast<const T*>(a.q) + rows[r] * a.q_s0;
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t d = 0; d < D; ++d) qp[(r * Hq + h) * D + d] = static_cast<float>(src[h * a.q_s1 + d]);
+  }
+  const auto res = paged_attention_rows_gemm(q, row_pos.data(), k, v, key_pos.data(), a.scale, a.window_left, a.softcap);
+  const float* op = std::get<0>(res).data_ptr<float>();
+  const float* lp = std::get<1>(res).data_ptr<float>();
+  for (int64_t r = 0; r < nr; ++r) {
+    T* dst = static_cast<T*>(a.out) + rows[r] * a.o_s0;
+    for (int64_t h = 0; h < Hq; ++h) {
+      for (int64_t d = 0; d < D; ++d) dst[h * a.o_s1 + d] = static_cast<T>(op[(r * Hq + h) * D + d]);
+      a.lse[rows[r] * a.l_s0 + h * a.l_s1] = lp[r * Hq + h];
+    }
+  }
+  return true;
+}
+constexpr int64_t kBlockVectors = 16;
+
+// Rotated keys held at once (sequences in groups): 256 MiB, or RAGATTN_TEST_TAGGED_SCRATCH_BYTES
+// (the tests' way to make every sequence a group of its own).
+int64_t scratch_budget() {
+  const char* env = std::getenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES");
+  return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(256) << 20;
+}
+
+// Every index value the tagged kernel reads, checked (the public op's Python checks ran before;
+// this keeps the private op memory-safe on its own): entries of the used slots, their pages,
+// valid counts and positions, q_pos, and a RoPE table that covers every position a row sees.
+void check_tagged_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, int64_t num_pages, int64_t S,
+                         const TaggedArgs& t, const at::Tensor& pages, const at::Tensor& kv_lens, int64_t table_rows) {
+  constexpr const char* op = kTaggedOp;
+  const IndexView pos(q_pos), lens(kv_lens);
+  const int64_t batch = kv_lens.size(0), num_entries = pages.size(0);
+  check_cu_seqlens_values(op, IndexView(cu_seqlens_q), batch, q_pos.size(0));  // (its shape: checked by the caller)
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens(b), r0 = t.row_start(b);
+    const int64_t used = (len + S - 1) / S;
+    RAGATTN_CHECK_VALUE(len >= 0 && r0 >= 0 && r0 + used <= num_entries, op, ": sequence ", b, "'s ", len,
+                        " slots need entries [", r0, ", ", r0 + used, ") of ", num_entries);
+    for (int64_t e = r0; e < r0 + used; ++e) {
+      RAGATTN_CHECK_VALUE(t.pages(e) >= 0 && t.pages(e) < num_pages, op, ": pages[", e, "] = ", t.pages(e),
+                          " must lie in [0, ", num_pages, ")");
+      RAGATTN_CHECK_VALUE(!t.has_len || (t.entry_len(e) >= 0 && t.entry_len(e) <= S), op, ": entry_len[", e,
+                          "] must lie in [0, ", S, "]");
+      RAGATTN_CHECK_VALUE(!t.has_pos || t.entry_pos(e) >= 0, op, ": entry_pos[", e, "] must be >= 0");
+    }
+  }
+  for (int64_t r = 0; r < q_pos.size(0); ++r) {
+    RAGATTN_CHECK_VALUE(pos(r) >= 0, op, ": q_pos must be >= 0, got ", pos(r), " at row ", r);
+    RAGATTN_CHECK_VALUE(table_rows < 0 || pos(r) < table_rows, op, ": the RoPE table has ", table_rows,
+                        " positions, row ", r, " is at ", pos(r));
+  }
+}
+
+// The tagged kernel on checked arguments (unit last-dim strides), sequences in groups whose
+// rotated keys fit scratch_budget().
+void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& kv_lens, const TaggedArgs& t0,
+                const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
+                int64_t rotary_dim, bool interleaved, float scale, int64_t window_left, float softcap,
+                const at::Tensor& out, const at::Tensor& lse_out) {
+  const int64_t total_q = q.size(0), batch = kv_lens.size(0);
+  if (total_q == 0) return;
+  const std::vector<int64_t> row_seq = row_sequences(cu_seqlens_q, total_q, batch);
+  const IndexView cu(cu_seqlens_q), qp(q_pos);
+  const PagedArgs a = paged_args(q, q_pos, k_cache, v_cache, pages, kv_lens, row_seq, scale, window_left, softcap,
+                                 out, lse_out);
+  const int64_t H = a.num_kv_heads, D = a.head_dim, S = a.page_size;
+  const bool rope = rope_cos.has_value();
+  // per sequence, the positions its rows see: [pos_lo, pos_hi] (pos_hi -1: no rows)
+  std::vector<int64_t> pos_lo(batch, 0), pos_hi(batch, -1);
+  for (int64_t r = 0; r < total_q; ++r) {
+    const int64_t b = row_seq[r], p = qp(r);
+    const int64_t lo = window_left >= 0 && p > window_left ? p - window_left : 0;
+    pos_lo[b] = pos_hi[b] < 0 ? lo : std::min(pos_lo[b], lo);
+    pos_hi[b] = std::max(pos_hi[b], p);
+  }
+  std::vector<int64_t> slot_base(batch, 0), ents, blocks;
+  const int64_t budget = scratch_budget();
+  // rows per block: about kBlockVectors query vectors (rows x the GQA group) share each K/V load
+  const int64_t max_rows = std::max<int64_t>(1, kBlockVectors / (a.num_heads / H));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_attention_tagged_cpu", [&] {
+    for (int64_t b0 = 0, b1; b0 < batch; b0 = b1) {
+      int64_t slots = 0;
+      for (b1 = b0; b1 < batch; ++b1) {
+        const int64_t more = rope && pos_hi[b1] >= 0 ? a.kv_lens(b1) : 0;
+        if (b1 > b0 && (slots + more) * H * D * int64_t(sizeof(scalar_t)) > budget) break;
+        slot_base[b1] = slots;
+        slots += more;
+      }
+      TaggedArgs t = t0;
+      at::Tensor scratch;
+      if (rope && slots > 0) {
+        scratch = at::empty({slots, H, D}, k_cache.options());
+        ents.clear();
+        for (int64_t b = b0; b < b1; ++b)
+          for (int64_t pi = 0; pos_hi[b] >= 0 && pi * S < a.kv_lens(b); ++pi) ents.insert(ents.end(), {b, pi});
+        t.krot = scratch.data_ptr();
+        t.slot_base = slot_base.data();
+        const int64_t n_ents = static_cast<int64_t>(ents.size()) / 2;
+        const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, S * H * D));
+        const float* c = rope_cos->data_ptr<float>();
+        const float* s = rope_sin->data_ptr<float>();
+        scalar_t* k = scratch.data_ptr<scalar_t>();
+        at::parallel_for(0, n_ents, grain, [&](int64_t e0, int64_t e1) {
+          rotate_tagged_keys<scalar_t>(a, t, ents.data(), e0, e1, pos_lo.data(), pos_hi.data(), c, s, rotary_dim,
+                                       interleaved, k);
+        });
+      }
+      // items: blocks of up to max_rows rows of one sequence x kv heads (sequences with many rows:
+      // the GEMM route first)
+      blocks.clear();
+      for (int64_t b = b0; b < b1; ++b) {
+        if (cu(b + 1) - cu(b) >= kGemmMinRows &&
+            tagged_rows_gemm<scalar_t>(a, t, b, cu(b), cu(b + 1), pos_lo[b], pos_hi[b]))
+          continue;
+        for (int64_t r = cu(b); r < cu(b + 1); r += max_rows) blocks.insert(blocks.end(), {r, std::min(max_rows, cu(b + 1) - r)});
+      }
+      const int64_t items = static_cast<int64_t>(blocks.size()) / 2 * H;
+      int64_t kv_total = 0;
+      for (int64_t b = b0; b < b1; ++b) kv_total += a.kv_lens(b);
+      const int64_t per_item = std::max<int64_t>(1, kv_total / std::max<int64_t>(1, b1 - b0) * D * (a.num_heads / H));
+      const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
+      auto run = [&](int64_t begin, int64_t end) {
+        tagged_items_run<scalar_t>(a, t, blocks.data(), max_rows, begin, end);
+      };
+      if (items <= grain) {
+        run(0, items);
+      } else {
+        at::parallel_for(0, items, grain, run);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
+    const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& row_start, const at::Tensor& kv_lens,
+    const std::optional<at::Tensor>& entry_pos, const std::optional<at::Tensor>& entry_len,
+    const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim,
+    bool interleaved, double scale, int64_t window_left, double logits_soft_cap) {
+  constexpr const char* op = kTaggedOp;
+  check_layout(op, q, q_pos, cu_seqlens_q, k_cache, v_cache, kv_lens, nullptr, nullptr);
+  check_index(op, "row_start", row_start, kv_lens.size(0));
+  RAGATTN_CHECK_VALUE(pages.dim() == 1, op, ": pages must be a flat page list");
+  check_index(op, "pages", pages, -1);
+  if (entry_pos) check_index(op, "entry_pos", *entry_pos, pages.size(0));
+  if (entry_len) check_index(op, "entry_len", *entry_len, pages.size(0));
+  RAGATTN_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(), op, ": rope_cos and rope_sin go together");
+  int64_t table_rows = -1;
+  if (rope_cos) {
+    RAGATTN_CHECK_VALUE(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= q.size(2), op,
+                        ": rotary_dim must be even and in [2, head_dim]");
+    for (const at::Tensor* x : {&*rope_cos, &*rope_sin})
+      RAGATTN_CHECK_VALUE(x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(1) == rotary_dim / 2 &&
+                              x->is_contiguous() && x->device().is_cpu() && x->sizes() == rope_cos->sizes(),
+                          op, ": rope_cos and rope_sin must be contiguous float32 [positions, rotary_dim / 2]");
+    table_rows = rope_cos->size(0);
+  }
+  RAGATTN_CHECK_VALUE(std::isfinite(scale) && std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
+                      ": scale finite, logits_soft_cap finite and >= 0");
+  const TaggedArgs t{IndexView(pages), IndexView(row_start), IndexView(entry_pos ? *entry_pos : pages),
+                     IndexView(entry_len ? *entry_len : pages), entry_pos.has_value(), entry_len.has_value(),
+                     nullptr, nullptr};
+  check_tagged_values(q_pos, cu_seqlens_q, k_cache.size(0), k_cache.size(1), t, pages, kv_lens, table_rows);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  run_tagged(unit_last_stride(q), q_pos, cu_seqlens_q, unit_last_stride(k_cache), unit_last_stride(v_cache), pages,
+             kv_lens, t, rope_cos, rope_sin, rotary_dim, interleaved, static_cast<float>(scale), window_left,
+             static_cast<float>(logits_soft_cap), out, lse);
+  return {out, lse};
+}
+
+}  // namespace ragattn
