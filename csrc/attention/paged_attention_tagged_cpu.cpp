@@ -50,6 +50,16 @@ constexpr const char* kTaggedOp = "ragattn._paged_attention_tagged_cpu";
 // see, with cos/sin from a per-position table (rope_cos/sin [P, rotary_dim / 2]) read once per
 // slot for every kv head. (Rotating in each (row, kv head) task instead cost a decode step 1.12x
 // the copy path's here, against 1.05x: the table reads and rotations were repeated per head.)
+// A sequence that takes the rows-GEMM route gets no scratch: its keys are rotated (same rounding)
+// as they are gathered for the GEMM, which copies them anyway.
+
+// The RoPE table of a call (cos_t null: keys already rotated, read as stored).
+struct RopeTable {
+  const float* cos_t;
+  const float* sin_t;
+  int64_t half;  // rotary_dim / 2
+  bool interleaved;
+};
 
 struct TaggedArgs {
   IndexView pages, row_start, entry_pos, entry_len;
@@ -205,12 +215,13 @@ constexpr int64_t kGemmMinRows = 16;
 
 // Sequence b's rows [r_begin, r_end) by paged_attention_rows_gemm: its slots at positions
 // [pos_lo, pos_hi] (the ones some row sees) gathered in position order, widened to float, keys
-// rotated when t.krot holds them. Returns false (writing nothing) when one of those v rows holds
-// a non-finite value: the GEMM would spread it to the rows that do not see it, so the row
-// blocks handle that sequence.
+// rotated by `rope` as they are gathered (in fp32, rounded once to T, as rotate_tagged_keys does)
+// or read from t.krot when that holds them. Returns false (writing nothing) when one of those v
+// rows holds a non-finite value: the GEMM would spread it to the rows that do not see it, so the
+// row blocks handle that sequence.
 template <typename T>
-bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, int64_t b, int64_t r_begin, int64_t r_end,
-                      int64_t pos_lo, int64_t pos_hi) {
+bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope, int64_t b, int64_t r_begin,
+                      int64_t r_end, int64_t pos_lo, int64_t pos_hi) {
   const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, Hq = a.num_heads, kv_len = a.kv_lens(b);
   const int64_t r0 = t.row_start(b), nr = r_end - r_begin;
   struct Slot {
@@ -238,15 +249,24 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, int64_t b, int64_
   float* vp = v.data_ptr<float>();
   std::vector<int64_t> key_pos(n);
   bool finite = true;
+  const bool rotate = krot == nullptr && rope.cos_t != nullptr;
+  std::vector<T> krow(rotate ? D : 0);  // a key rotated (and rounded to T) before widening
   for (int64_t j = 0; j < n; ++j) {
     key_pos[j] = slots[j].pos;
-    for (int64_t g = 0; g < H; ++g)
+    for (int64_t g = 0; g < H; ++g) {
+      const T* ks = slots[j].k + g * k_head;
+      if (rotate) {
+        rotate_row(ks, krow.data(), rope.cos_t + slots[j].pos * rope.half, rope.sin_t + slots[j].pos * rope.half,
+                   rope.half, D, rope.interleaved);
+        ks = krow.data();
+      }
       for (int64_t d = 0; d < D; ++d) {
-        kp[(g * n + j) * D + d] = static_cast<float>(slots[j].k[g * k_head + d]);
+        kp[(g * n + j) * D + d] = static_cast<float>(ks[d]);
         const float x = static_cast<float>(slots[j].v[g * a.v_s2 + d]);
         finite &= std::isfinite(x);
         vp[(g * n + j) * D + d] = x;
       }
+    }
   }
   if (!finite) return false;
   std::vector<int64_t> rows(nr), row_pos(nr);
@@ -337,11 +357,19 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
   const int64_t budget = scratch_budget();
   // rows per block: about kBlockVectors query vectors (rows x the GQA group) share each K/V load
   const int64_t max_rows = std::max<int64_t>(1, kBlockVectors / (a.num_heads / H));
+  const RopeTable table{rope ? rope_cos->data_ptr<float>() : nullptr, rope ? rope_sin->data_ptr<float>() : nullptr,
+                        rotary_dim / 2, interleaved};
   RAGATTN_DISPATCH_ATTENTION_TYPES(q.scalar_type(), "paged_attention_tagged_cpu", [&] {
+    // sequences with many rows: the GEMM route first, rotating their keys as it gathers them (no
+    // scratch); done[b] marks those it answered
+    std::vector<char> done(batch, 0);
+    for (int64_t b = 0; b < batch; ++b)
+      done[b] = cu(b + 1) - cu(b) >= kGemmMinRows &&
+                tagged_rows_gemm<scalar_t>(a, t0, table, b, cu(b), cu(b + 1), pos_lo[b], pos_hi[b]);
     for (int64_t b0 = 0, b1; b0 < batch; b0 = b1) {
       int64_t slots = 0;
       for (b1 = b0; b1 < batch; ++b1) {
-        const int64_t more = rope && pos_hi[b1] >= 0 ? a.kv_lens(b1) : 0;
+        const int64_t more = rope && pos_hi[b1] >= 0 && !done[b1] ? a.kv_lens(b1) : 0;
         if (b1 > b0 && (slots + more) * H * D * int64_t(sizeof(scalar_t)) > budget) break;
         slot_base[b1] = slots;
         slots += more;
@@ -352,7 +380,7 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
         scratch = at::empty({slots, H, D}, k_cache.options());
         ents.clear();
         for (int64_t b = b0; b < b1; ++b)
-          for (int64_t pi = 0; pos_hi[b] >= 0 && pi * S < a.kv_lens(b); ++pi) ents.insert(ents.end(), {b, pi});
+          for (int64_t pi = 0; pos_hi[b] >= 0 && !done[b] && pi * S < a.kv_lens(b); ++pi) ents.insert(ents.end(), {b, pi});
         t.krot = scratch.data_ptr();
         t.slot_base = slot_base.data();
         const int64_t n_ents = static_cast<int64_t>(ents.size()) / 2;
@@ -365,13 +393,11 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
                                        interleaved, k);
         });
       }
-      // items: blocks of up to max_rows rows of one sequence x kv heads (sequences with many rows:
-      // the GEMM route first)
+      // items: blocks of up to max_rows rows of one sequence x kv heads (the sequences the GEMM
+      // route did not answer)
       blocks.clear();
       for (int64_t b = b0; b < b1; ++b) {
-        if (cu(b + 1) - cu(b) >= kGemmMinRows &&
-            tagged_rows_gemm<scalar_t>(a, t, b, cu(b), cu(b + 1), pos_lo[b], pos_hi[b]))
-          continue;
+        if (done[b]) continue;
         for (int64_t r = cu(b); r < cu(b + 1); r += max_rows) blocks.insert(blocks.end(), {r, std::min(max_rows, cu(b + 1) - r)});
       }
       const int64_t items = static_cast<int64_t>(blocks.size()) / 2 * H;

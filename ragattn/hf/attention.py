@@ -52,6 +52,9 @@ Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``mo
   (block fine-tuning: ``ragattn.apps.finetune``); differentiable through ``varlen_attention``'s autograd.
 * ``ragattn_capture`` list: each layer appends its ``(key, value)`` ``[B, Hkv, T, D]`` (keys after RoPE).
 * ``ragattn_capture_query`` list: each layer appends its ``query`` ``[B, Hq, T, D]`` (after RoPE).
+  With ``ragattn_query_only=True`` as well, the layer then raises :class:`QueryCaptured` instead of
+  attending (nothing of the forward past that query is computed, no K/V is written): for a caller
+  that needs one layer's query alone (FusionRAG's selection pass, ``fusionrag.recompute``).
 * ``ragattn_paged`` a :class:`ragattn.kv.PagedKV`: the current tokens' K/V are written into the paged request
   cache at slots ``lengths[b] + i`` and attention runs through ``ragattn.paged_attention`` (causal by
   slot; RoPE positions come from ``position_ids`` and may differ from slots). The caller advances
@@ -83,6 +86,11 @@ from ragattn.hf.registration import (  # noqa: F401  (their import path since th
     use_ragattn,
 )
 from ragattn.kv import PagedKV, TaggedPagedKV, cpu_sdpa_enabled  # noqa: F401  (likewise)
+
+
+class QueryCaptured(Exception):
+    """Raised by the attention after it appended the layer's query to ``ragattn_capture_query``
+    when ``ragattn_query_only=True``: the forward stops there (its caller catches it)."""
 
 
 def _token_rows(t: torch.Tensor, q: int) -> torch.Tensor:
@@ -151,6 +159,8 @@ def ragattn_attention_forward(module, query, key, value, attention_mask, dropout
         capture.append((key, value))
     if kwargs.get("ragattn_capture_query") is not None:
         kwargs["ragattn_capture_query"].append(query)
+        if kwargs.get("ragattn_query_only"):
+            raise QueryCaptured()
     owner = getattr(key, "_ragattn_cache", None)       # set by PagedCache.update
     if owner is not None:
         return _paged_cache_forward(module, query, key, value, attention_mask, scaling, owner,

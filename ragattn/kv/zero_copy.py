@@ -92,10 +92,11 @@ class TaggedPagedKV:
         self.e_fixed: list[bool] = []
         self.e_shared: list[bool] = []
         self.e_slot0: list[int] = []          # logical slot of the entry's offset 0
-        self._slot_entry: list[torch.Tensor] = []
-        self._slot_off: list[torch.Tensor] = []
-        self._slot_positions: list[torch.Tensor] = []
+        self.e_span: list[int] = []           # logical slots the entry spans (its valid count, or a whole page)
+        # per logical slot: entry, offset in it, position (-1: private, not written); built from the
+        # entries by _slots() (the entries appended since: one vectorised extension, not tensors per entry)
         self.slot_entry = self.slot_off = self.slot_positions = None
+        self._slots_built = 0                 # entries the slot tensors cover
         self.capacity = 0
         self.cow_pages = 0                    # shared pages copied on write so far
         self._entries = None                  # _entry_tensors' cache
@@ -128,7 +129,6 @@ class TaggedPagedKV:
                 raise ValueError(f"ragattn TaggedPagedKV: an entry needs 1..{self.page_size} valid slots and a "
                                  f"first position >= 0, got {n} and {f}")
             self._append(s, int(p), int(f), int(n), fixed=True, shared=shared)
-            self._slot_positions.append(int(f) + torch.arange(int(n), dtype=torch.int64))
         self.lengths += int(sum(valid))
 
     def add_private(self, k_layers, v_layers, pages) -> None:
@@ -136,7 +136,6 @@ class TaggedPagedKV:
         s = self.segment(k_layers, v_layers)
         for p in pages:
             self._append(s, int(p), 0, self.page_size, fixed=False, shared=False)
-            self._slot_positions.append(torch.full((self.page_size,), -1, dtype=torch.int64))
 
     def _append(self, s, page, pos, n, fixed, shared):
         e = len(self.e_seg)
@@ -147,10 +146,8 @@ class TaggedPagedKV:
         self.e_fixed.append(fixed)
         self.e_shared.append(shared)
         self.e_slot0.append(self.capacity)
-        self._slot_entry.append(torch.full((n,), e, dtype=torch.int64))
-        self._slot_off.append(torch.arange(n, dtype=torch.int64))
+        self.e_span.append(n)
         self.capacity += n
-        self.slot_entry = None
         self._entries = None
 
     def _entry_tensors(self) -> dict:
@@ -168,12 +165,24 @@ class TaggedPagedKV:
         return self._entries
 
     def _slots(self):
-        if self.slot_entry is None:
-            cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-            self.slot_entry, self.slot_off = cat(self._slot_entry), cat(self._slot_off)
-            self.slot_positions = cat(self._slot_positions)
-            self._slot_entry, self._slot_off, self._slot_positions = ([self.slot_entry], [self.slot_off],
-                                                                      [self.slot_positions])
+        """``(slot_entry, slot_off, slot_positions)`` int64 ``[capacity]``, extended by the entries
+        appended since the last call (the positions written into private slots so far are kept)."""
+        e0, e1 = self._slots_built, len(self.e_seg)
+        if self.slot_entry is None or e0 < e1:
+            t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+            span, slot0 = t(self.e_span[e0:e1]), t(self.e_slot0[e0:e1])
+            entry = torch.repeat_interleave(torch.arange(e1 - e0), span)      # new entries, 0-based
+            first = slot0[0] if e1 > e0 else 0
+            off = torch.arange(int(span.sum())) - (slot0 - first)[entry]
+            fixed = torch.tensor(self.e_fixed[e0:e1], dtype=torch.bool)[entry]
+            pos = torch.where(fixed, t(self.e_positions[e0:e1])[entry] + off, -1)
+            if self.slot_entry is None:
+                self.slot_entry, self.slot_off, self.slot_positions = entry + e0, off, pos
+            else:
+                self.slot_entry = torch.cat([self.slot_entry, entry + e0])
+                self.slot_off = torch.cat([self.slot_off, off])
+                self.slot_positions = torch.cat([self.slot_positions, pos])
+            self._slots_built = e1
         return self.slot_entry, self.slot_off, self.slot_positions
 
     def close(self) -> None:

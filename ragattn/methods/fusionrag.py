@@ -18,7 +18,8 @@ positions as a variant of the chunk). Then:
 * **Full Reuse** (the ratio-0 case): only the final block (question + assistant header) is computed.
 * **FusionRAG**, query-guided selection (paper §3.2): the final block runs once against the reused
   context to get its last-layer queries (``question="context"``; ``"standalone"``: the final block
-  alone at its true positions, the authors' code); ``ragattn.key_attention_scores`` gives each chunk
+  alone at its true positions, the authors' code; the pass stops at the last layer's query, whose
+  attention and MLP nothing reads); ``ragattn.key_attention_scores`` gives each chunk
   token the attention mass those queries put on its cached last-layer key (softmax per chunk by
   default, as in the paper, or over all chunk tokens); the top ``ratio`` of the chunk tokens are
   recomputed.
@@ -49,7 +50,7 @@ from typing import Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.attention import QueryCaptured, use_ragattn
 from ragattn.methods.generate import Answer, _eos_ids, _sync, generate_paged
 from ragattn.methods.prompt import prompt_parts
 
@@ -147,7 +148,7 @@ def _layers(model):
 @torch.no_grad()
 def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions=None,
               check_layers: dict | None = None, num_candidates: int = 0, capture_query: list | None = None,
-              group=None, logits: bool = False):
+              group=None, logits: bool = False, query_only: bool = False):
     """Run the tokens ``ids`` (int64 ``[n]``) through every layer, each writing its K/V at its slot
     ``slots`` (int ``[n]``, distinct, ``< cache.lengths[0]``) of the paged request ``cache`` and
     attending causally by slot (a row never sees a later slot). RoPE positions are ``positions``
@@ -157,8 +158,13 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
     first ``num_candidates`` rows still running (the chunk tokens; the rows after them are always
     kept), the ``keep`` whose K/V deviate most from the cache's previous K/V at their slots go on,
     the others stop (their K/V written so far stay). ``capture_query``: a list that receives the
-    last layer's query ``[1, Hq, rows, D]``. Returns (the slots that ran through the last layer,
-    float32 logits ``[vocab]`` of the last row if ``logits`` else None)."""
+    last layer's query ``[1, Hq, rows, D]``; with ``query_only`` the pass stops once it has that
+    query (the last layer's attention, K/V write and MLP are never run: its K/V at ``slots`` stay as
+    they were), for a caller that needs the query alone (the selection pass). Returns (the slots
+    that ran through the last layer, float32 logits ``[vocab]`` of the last row if ``logits`` else
+    None)."""
+    if query_only and (capture_query is None or logits):
+        raise ValueError("ragattn.methods.fusionrag.recompute: query_only needs capture_query and no logits")
     base = _layers(model)
     slots = slots.to(torch.long)
     pos = (slots if positions is None else positions.to(torch.long))[None]
@@ -170,11 +176,16 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
         kw = {}
         if l == last and capture_query is not None:
             kw["ragattn_capture_query"] = capture_query
+            if query_only:
+                kw["ragattn_query_only"] = True
         if l in checks:   # the cache's K/V at the candidates' slots before this layer writes them
             old = tuple(t.clone() for t in cache.read_kv(l, slots[:num_candidates]))
             kw["ragattn_capture"] = captured = []
-        h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin),
-                  ragattn_paged=cache, ragattn_slots=slots, **kw)
+        try:
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin),
+                      ragattn_paged=cache, ragattn_slots=slots, **kw)
+        except QueryCaptured:   # (query_only: the last layer's query is all the caller needs)
+            return slots, None
         if l in checks:
             k, v = captured[0]
             dev = kv_deviation(k[0, :, :num_candidates].transpose(0, 1),
@@ -312,7 +323,7 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
     cap: list = []
     if question == "context":  # the final block against the reused context (Eq. 6)
         req.cache.lengths[0] = ctx + len(tail)
-        recompute(model, req.cache, tail_ids, tail_pos, capture_query=cap)
+        recompute(model, req.cache, tail_ids, tail_pos, capture_query=cap, query_only=True)
         req.cache.lengths[0] = ctx
     else:  # the final block alone (own small cache), at its true positions
         from ragattn.kv import PagedKV
@@ -322,7 +333,7 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
         small = PagedKV(c.num_layers, 1, len(tail), k0.shape[1], k0.shape[2], c.page_size, k0.dtype, dev)
         small.lengths[0] = len(tail)
         recompute(model, small, tail_ids, torch.arange(len(tail), device=dev), positions=tail_pos,
-                  capture_query=cap)
+                  capture_query=cap, query_only=True)
     q_last = cap[0][0].transpose(0, 1)                                   # [T, Hq, D]
     chunk_slots = torch.arange(head_len, ctx, device=dev)
     k_last = req.cache.read_kv(req.cache.num_layers - 1, chunk_slots)[0]   # [N, Hkv, D], rotated

@@ -136,6 +136,32 @@ def test_recomputed_token_never_sees_a_later_slot(model_tok):
         assert _rel(got_v, v[0, :, : m + 1].transpose(0, 1)) <= 1e-5, l
 
 
+
+def test_selection_pass_stops_at_the_last_layers_query(model_tok):
+    """FusionRAG's selection pass (``recompute(..., query_only=True)``) captures bit for bit the
+    last-layer query of the whole pass over the final block, and stops there (no logits); without a
+    capture list (or with logits) query_only is refused."""
+    model, tok = model_tok
+    store = ChunkStore(model)
+    head, chunk_ids, tail = prompt_parts(tok, _chunks(tok), QUESTION)
+    keys = store.add([head] + chunk_ids)
+    caps = []
+    for query_only in (False, True):
+        with store.request(keys, extra_slots=len(tail) + 1) as req, use_ragattn(model):
+            ctx = req.num_slots
+            req.cache.lengths[0] = ctx + len(tail)
+            cap = []
+            slots, out = fusionrag.recompute(model, req.cache, torch.tensor(tail), ctx + torch.arange(len(tail)),
+                                             capture_query=cap, query_only=query_only)
+            assert len(cap) == 1 and out is None and torch.equal(slots, ctx + torch.arange(len(tail)))
+            caps.append(cap[0])
+    assert torch.equal(caps[0], caps[1])
+    with store.request(keys, extra_slots=len(tail) + 1) as req, use_ragattn(model):
+        for kw in (dict(), dict(capture_query=[], logits=True)):
+            with pytest.raises(ValueError, match="query_only"):
+                fusionrag.recompute(model, req.cache, torch.tensor(tail), req.num_slots + torch.arange(len(tail)),
+                                    query_only=True, **kw)
+
 def test_scores_match_float64_reference():
     g = torch.Generator().manual_seed(0)
     lens = [5, 1, 9]

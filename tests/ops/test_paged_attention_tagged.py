@@ -243,6 +243,44 @@ def test_cpu_tagged_kernel_many_rows_per_sequence(seed, dtype):
     torch.testing.assert_close(out[:n][rest], clean[0][:n][rest], atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
+
+@pytest.mark.parametrize("rope", [(64, False), (32, True)], ids=["neox", "gptj-partial"])
+def test_cpu_tagged_kernel_many_rows_rotated_as_gathered(seed, monkeypatch, rope):
+    """The route for many rows per sequence rotates the keys as it gathers them (no scratch);
+    the other sequences' keys go to the scratch. Both at the float64 reference's precision, bit for
+    bit the same with every sequence a scratch group of its own; an inf value that some rows of
+    the many-row sequence see sends that sequence to the row blocks, whose keys then need the
+    scratch: those rows NaN in that dim, the rest near the clean result."""
+    from tests.helpers import assert_precision
+
+    rotary_dim, interleaved = rope
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([70, 45, 90, 33], "gapped", page_size=8, num_heads=6,
+                                                 num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                                                 device=torch.device("cpu"), gen=gen, question_len=40)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    kw = dict(inv_freq=inv_freq, rotary_dim=rotary_dim, interleaved=interleaved)
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    got = run_paged_attention(plan, q, q_pos, k, v, **kw)
+    (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, -1, (inv_freq, rotary_dim, interleaved))
+    assert_precision(got[0], o64, olp)
+    assert_precision(got[1], l64, llp, what="lse")
+    monkeypatch.setenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES", "1")
+    grouped = run_paged_attention(plan, q, q_pos, k, v, **kw)
+    monkeypatch.delenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES")
+    assert torch.equal(grouped[0], got[0]) and torch.equal(grouped[1], got[1])
+    n = int(cu[1])
+    e = int(table.row_start[0]) + (int(table.kv_lens[0]) - 40) // 8  # the question's first page
+    page, pos = int(table.pages[e]), int(table.entry_pos[e])
+    sees = q_pos[:n] >= pos
+    v2 = v.clone()
+    v2[page, 0, 0, 5] = float("inf")
+    out, lse = run_paged_attention(plan, q, q_pos, k, v2, **kw)
+    assert torch.isnan(out[:n][sees][:, :3, 5]).all() and torch.isfinite(lse[:n]).all()
+    rest = torch.ones_like(out[:n], dtype=torch.bool)   # (request 2 shares the question's pages)
+    rest[sees.nonzero()[:, 0], :3, 5] = False
+    torch.testing.assert_close(out[:n][rest], got[0][:n][rest], atol=1e-5, rtol=0)
+
 def test_cpu_tagged_private_op_checks_like_its_fake():
     """``ragattn::_paged_attention_tagged_cpu`` (the C++ kernel the CPU route calls directly):
     opcheck, and out-of-range index values refused before any read."""
