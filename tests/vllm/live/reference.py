@@ -44,7 +44,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--min-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--spares", type=int, default=2, help="short prompts of chunks no other prompt has "
+    ap.add_argument("--spares", type=int, default=4, help="short prompts of chunks no other prompt has "
                     "(one file each to delete or corrupt)")
     ap.add_argument("--export-only", action="store_true", help="write OUT/model and stop")
     a = ap.parse_args(argv)

@@ -42,3 +42,26 @@ def test_concurrent_requests_hold_each_chunk_once(live_ragattn):
         assert got == out["choices"][0]["token_ids"]
     eos = _eos(ref)
     assert _upto_eos(together[0][:ref["new_tokens"]], eos) == _upto_eos(base["block_attention"], eos)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_chunk_then_restored(live_ragattn, damage):
+    """A Block-Attention request whose chunk 1 is deleted (the claim stops before it) or truncated
+    (its shared pages cannot be written: the request falls back to the copy path, whose load fails
+    too, and vLLM computes the claimed blocks) is answered exactly as full attention; the file
+    restored, the next request is answered from shared pages again, as the HF path's Block-Attention."""
+    from tests.vllm.live.test_served import _chunk_file, damaged_chunk
+
+    server, ref = live_ragattn
+    eos = _eos(ref)
+    # spares no other test on this server reads (the worker's store would serve a chunk it holds in memory)
+    p = ref["spares"][2 if damage == "missing" else 3]
+    body = {"model": ref["model"], "prompt": p["prompt"], "max_tokens": ref["new_tokens"], "temperature": 0,
+            "return_token_ids": True, "kv_transfer_params": {"ragattn_spans": p["spans"]}}
+    with damaged_chunk(_chunk_file(ref, p, 1), damage):
+        status, out = server.post("/v1/completions", body)
+        assert status == 200, out
+        assert _upto_eos(out["choices"][0]["token_ids"], eos) == _upto_eos(p["full"], eos), p["question"]
+    status, out = server.post("/v1/completions", body)
+    assert status == 200, out
+    assert _upto_eos(out["choices"][0]["token_ids"], eos) == _upto_eos(p["block_attention"], eos), p["question"]
