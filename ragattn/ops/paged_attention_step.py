@@ -38,10 +38,10 @@ class PagedAttentionStep:
       step and window (at the first run that needs it; no host read when ``max_q_len`` and
       ``max_kv_len`` are given), ``run_paged_attention`` per layer (no host sync);
     * the CPU's C++ kernels and the reference, which read no plan: a padded table through
-      the C++ kernel directly (O(1) checks per layer; ``paged_attention``, its public op, under
-      ``torch.compile`` and every mode that observes ops), a position-tagged one through the run
-      op's checks and its CPU kernel (index values checked by the kernel as it reads them; the
-      RoPE table of ``inv_freq`` kept across calls).
+      the C++ kernel directly (O(1) checks per layer; a profiler sees that kernel's op;
+      ``paged_attention``, the public op, under ``torch.compile``, fake and other dispatch modes),
+      a position-tagged one through the run op's checks and its CPU kernel (index values checked
+      by the kernel as it reads them; the RoPE table of ``inv_freq`` kept across calls).
 
     Checked when the step is made (once, not per layer): the table's type, ``cu_seqlens_q``'s
     dtype, shape and device, the bounds, and where values may be read (CPU, ``RAGATTN_DEBUG=1``)
@@ -89,7 +89,7 @@ class PagedAttentionStep:
         t = self.table
         backend = self._backend_of(q)
         if (self._direct and backend == "cpu" and inv_freq is None and rotary_dim is None
-                and plain_cpu_call(q, q_pos, k_cache, v_cache, out, lse_out)
+                and plain_cpu_call(q, q_pos, k_cache, v_cache, out, lse_out, under_profiler=True)
                 and _cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, None, scale,
                                      window_left, logits_soft_cap, False)
                 and _outputs_well_formed(q, out, lse_out)):
