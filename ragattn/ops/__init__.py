@@ -12,10 +12,10 @@ from ragattn.ops.page_table import PageTable
 from ragattn.ops.paged_attention import paged_attention
 from ragattn.ops.paged_attention_run import (
     PagedAttentionPlan,
-    PagedAttentionStep,
     plan_paged_attention,
     run_paged_attention,
 )
+from ragattn.ops.paged_attention_step import PagedAttentionStep
 from ragattn.ops.refrag_assemble import refrag_assemble
 from ragattn.ops.verify_draft import verify_draft, verify_draft_vllm  # noqa: F401  (ragattn.ops.verify_draft_vllm)
 from ragattn.ops.varlen_attention import varlen_attention

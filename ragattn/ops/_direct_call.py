@@ -14,18 +14,21 @@ import torch
 _FUNCTIONALIZE = torch._C.DispatchKey.Functionalize
 
 
-def plain_cpu_call(first: torch.Tensor, *tensors) -> bool:
+def plain_cpu_call(first: torch.Tensor, *tensors, under_profiler: bool = False) -> bool:
     """True when ``first`` is a CPU tensor, ``first`` and ``tensors`` (None entries ignored) are
     plain ``torch.Tensor`` objects of which none needs a gradient here, and nothing would see the
     dispatched op: not compiling or tracing (dynamo, torch.jit.trace), no torch function or dispatch mode (FakeTensorMode,
     opcheck's modes, FlopCounterMode), no functorch transform (vmap, grad, functionalize), no
-    profiler (its trace names the op). The other tensors' devices are the op's own check (the
-    impl raises the same error for a mixed-device call either way)."""
+    profiler (its trace names the op; ``under_profiler=True``: the caller's direct path calls a
+    dispatched C++ op, which the profiler names, so a profile shows the path that runs). The
+    other tensors' devices are the op's own check (the impl raises the same error for a
+    mixed-device call either way)."""
     C = torch._C
     if torch.compiler.is_compiling():
         return False
     if (C._is_torch_function_mode_enabled() or C._len_torch_dispatch_stack() or C._are_functorch_transforms_active()
-            or C._autograd._profiler_enabled() or C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
+            or (not under_profiler and C._autograd._profiler_enabled())
+            or C._dispatch_tls_is_dispatch_key_included(_FUNCTIONALIZE)
             or C._get_tracing_state() is not None):
         return False
     if type(first) is not torch.Tensor or not first.is_cpu:

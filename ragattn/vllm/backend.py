@@ -54,11 +54,14 @@ class RagattnAttentionMetadata:
     """One scheduler step: ``num_actual_tokens`` real query rows (the rest padding), ``step``
     (the ``PagedAttentionStep`` every layer runs), ``q_pos`` int32 ``[num_actual_tokens]``;
     ``capture_query``: a list that receives the layer's query ``[num_actual_tokens, Hq, D]``
-    (ragattn.vllm.recompute's FusionRAG selection), None in vLLM's steps."""
+    (ragattn.vllm.recompute's FusionRAG selection), None in vLLM's steps; ``lse``: float32
+    ``[num_actual_tokens, Hq]``, the step's one LSE buffer (made by the first layer, written by
+    every layer: vLLM reads no LSE)."""
     num_actual_tokens: int
     step: PagedAttentionStep
     q_pos: torch.Tensor
     capture_query: list | None = None
+    lse: torch.Tensor | None = None
     shared: "SharedStep | None" = None
 
 
@@ -97,13 +100,16 @@ class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionM
         kv_lens = m.seq_lens[:b]
         table = PageTable.from_block_table(m.block_table_tensor[:b], kv_lens)
         step = PagedAttentionStep(cu, table, max_q_len=m.max_query_len, max_kv_len=m.max_seq_len)
+        if n == b and m.max_query_len == 1:   # a decode step: one row per request, at its last position
+            q_pos = (kv_lens - 1).to(torch.int32)
+        else:
+            q_pos = query_positions(cu, kv_lens, n)
         shared = None
         if shared_pages.BATCH_REQ_IDS and shared_pages.ROPE:   # a server with shared chunk pages
             req_ids = shared_pages.BATCH_REQ_IDS[0]()[:b]
             shared = SharedStep(req_ids, m.block_table_tensor[:b], kv_lens, self.kv_cache_spec.block_size, cu,
                                 m.max_query_len)
-        return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=query_positions(cu, kv_lens, n),
-                                        shared=shared)
+        return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=q_pos, shared=shared)
 
 
 class RagattnAttentionImpl(AttentionImpl):
@@ -127,29 +133,42 @@ class RagattnAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._cache_views: tuple | None = None   # (kv_cache, k, v, k rows, v rows) of the layer's cache
+
+    def _views(self, kv_cache: torch.Tensor) -> tuple:
+        """``(kv_cache, k, v, k_rows, v_rows)``: ``kv_views`` of the layer's cache and, where slots
+        are evenly strided (the LBNHC memory this backend asks for), its ``[num_blocks * block_size,
+        Hkv, D]`` row views (else None); made once per cache tensor, not per layer call."""
+        views = self._cache_views
+        if views is None or views[0] is not kv_cache:
+            k, v = kv_views(kv_cache, self.head_size)
+            rows = k.stride(0) == k.shape[1] * k.stride(1)
+            views = self._cache_views = (kv_cache, k, v, k.flatten(0, 1) if rows else None,
+                                         v.flatten(0, 1) if rows else None)
+        return views
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[n, Hkv, D]`` at vLLM's slots ``slot_mapping`` int64 ``[n]``
         (``block * block_size + offset``; negative: padding, not written)."""
-        k, v = kv_views(kv_cache, self.head_size)
+        _, k, v, k_rows, v_rows = self._views(kv_cache)
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
-        else:
+        if key.shape[0] != n:
             key, value = key[:n], value[:n]
-        if k.stride(0) == k.shape[1] * k.stride(1):
-            # slots evenly strided (the LBNHC memory this backend asks for): one row per slot,
-            # [num_blocks * block_size, Hkv, D] views, written by index_copy_ (half the time of
-            # the indexing below per layer at decode, no div/mod)
-            k.flatten(0, 1).index_copy_(0, slots, key.to(k.dtype))
-            v.flatten(0, 1).index_copy_(0, slots, value.to(v.dtype))
+        if n and int(slots.min()) < 0:   # padding rows: one reduction per layer, a filter only when present
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        if key.dtype != k.dtype:
+            key, value = key.to(k.dtype), value.to(v.dtype)
+        if k_rows is not None:
+            # one row per slot, written by index_copy_ (half the time of the indexing below, no div/mod)
+            k_rows.index_copy_(0, slots, key)
+            v_rows.index_copy_(0, slots, value)
             return
         blk, off = slots // k.shape[1], slots % k.shape[1]
-        k[blk, off] = key.to(k.dtype)
-        v[blk, off] = value.to(v.dtype)
+        k[blk, off] = key
+        v[blk, off] = value
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: RagattnAttentionMetadata | None, output: torch.Tensor,
@@ -163,22 +182,32 @@ class RagattnAttentionImpl(AttentionImpl):
         if attn_metadata is None:      # vLLM's warm-up / profile run
             return output
         n = attn_metadata.num_actual_tokens
+        q = query if query.shape[0] == n else query[:n]
         if attn_metadata.capture_query is not None:
-            attn_metadata.capture_query.append(query[:n].clone())
-        k, v = kv_views(kv_cache, self.head_size)
+            attn_metadata.capture_query.append(q.clone())
+        _, k, v, _, _ = self._views(kv_cache)
+        rows = output if output.shape[0] == n else output[:n]
+        lse = attn_metadata.lse
+        if lse is None or lse.shape != (n, self.num_heads):
+            lse = attn_metadata.lse = q.new_empty((n, self.num_heads), dtype=torch.float32)
+        if rows.is_contiguous() and rows.dtype == q.dtype:   # the kernel writes vLLM's output rows in place
+            out = rows.view(n, self.num_heads, self.head_size)
+        else:
+            out = None
         steps = attn_metadata.shared.steps() if attn_metadata.shared is not None else None
         if steps is None:
-            out, _ = attn_metadata.step.run(query[:n], attn_metadata.q_pos, k, v, self.scale,
-                                            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
+            o, _ = attn_metadata.step.run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
+                                          logits_soft_cap=self.logits_soft_cap, out=out, lse_out=lse)
         else:   # own pages (keys rotated) + chunk pages (keys rotated in the kernel), merged exactly
             rope = shared_pages.ROPE[0]
-            out_a, lse_a = steps[0].run(query[:n], attn_metadata.q_pos, k, v, self.scale,
-                                        window_left=self.window_left, logits_soft_cap=self.logits_soft_cap)
-            out_b, lse_b = steps[1].run(query[:n], attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
-                                        inv_freq=rope.inv_freq.to(query.device), rotary_dim=rope.rotary_dim,
+            out_a, lse_a = steps[0].run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
+                                        logits_soft_cap=self.logits_soft_cap)
+            out_b, lse_b = steps[1].run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
+                                        inv_freq=rope.inv_freq.to(q.device), rotary_dim=rope.rotary_dim,
                                         interleaved=rope.interleaved, logits_soft_cap=self.logits_soft_cap)
-            out, _ = merge_attention_states(out_a, lse_a, out_b, lse_b)
-        output[:n].copy_(out.reshape(output[:n].shape))
+            o, _ = merge_attention_states(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse)
+        if out is None:
+            rows.copy_(o.reshape(rows.shape))
         return output
 
 

@@ -8,7 +8,7 @@ import torch
 import ragattn.hf
 from ragattn.hf import attention as hfattn
 from ragattn.hf import masks as hfmasks
-from ragattn.ops import paged_attention_run
+from ragattn.ops import paged_attention_step
 from ragattn.hf.attention import PagedKV, use_ragattn
 from ragattn.hf.models import random_llama
 from tests.helpers import cuda_usable, require_triton_on
@@ -409,13 +409,13 @@ def test_decode_reads_the_cache_in_place(monkeypatch, padded):
         mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
         mask[1, ..., :4] = False
     seen = []
-    real = paged_attention_run.paged_attention   # (the decode step's call on the CPU kernel)
+    real = paged_attention_step._cpu_kernel   # (the decode step's call of the CPU kernel)
 
     def spy(q, q_pos, cu, k_cache, v_cache, *rest):
         seen.append((k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()))
         return real(q, q_pos, cu, k_cache, v_cache, *rest)
 
-    monkeypatch.setattr(paged_attention_run, "paged_attention", spy)
+    monkeypatch.setattr(paged_attention_step, "_cpu_kernel", spy)
     with torch.no_grad():
         out = hfattn.ragattn_attention_forward(m1, q, k, v, mask, scaling=0.25)[0]
     assert seen == [(k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())]

@@ -160,3 +160,32 @@ def test_cache_write_in_any_memory_order():
         s = slots[keep]
         assert torch.equal(k[s // N, s % N], key[keep]) and torch.equal(v[s // N, s % N], value[keep])
         assert int((k != 0).any(-1).any(-1).sum()) == 4                   # nothing else written
+
+
+def test_decode_step_writes_vllms_output_in_place():
+    """A decode step (one row per request): the rows' positions are their last tokens, every
+    layer writes vLLM's output buffer itself (no copy), the step's one LSE buffer serves every
+    layer, and the result equals a mixed step's over the same rows."""
+    g = torch.Generator().manual_seed(1)
+    seq_lens = [37, 21, 50, 16]
+    block_table = torch.tensor([[7, 2, 9, 0], [4, 11, 0, 0], [1, 3, 5, 8], [6, 0, 0, 0]], dtype=torch.int32)
+    meta = build([1] * 4, seq_lens, block_table)
+    cu = torch.arange(5, dtype=torch.int32)
+    assert meta.q_pos.dtype == torch.int32
+    assert meta.q_pos.tolist() == query_positions(cu, torch.tensor(seq_lens), 4).tolist() == [36, 20, 49, 15]
+    impl = RagattnAttentionImpl(H, D, D ** -0.5, HKV, None, None, "auto")
+    layers = [lbnhc_cache(12).normal_(generator=g) for _ in range(2)]
+    query = torch.randn(4, H, D, generator=g)
+    lse = None
+    for kv in layers:
+        output = torch.full((4, H * D), 7.0)
+        ptr = output.data_ptr()
+        assert impl.forward(None, query, None, None, kv, meta, output) is output
+        assert output.data_ptr() == ptr and not torch.equal(output, torch.full_like(output, 7.0))
+        assert lse is None or meta.lse is lse
+        lse = meta.lse
+        mixed = build([1, 1, 1, 1], seq_lens, block_table)
+        mixed.q_pos = query_positions(cu, torch.tensor(seq_lens, dtype=torch.int32), 4)
+        ref = torch.zeros(4, 2 * H * D)[:, ::2]          # a strided output: written through a copy
+        impl.forward(None, query, None, None, kv, mixed, ref)
+        torch.testing.assert_close(output, ref, atol=0, rtol=0)
