@@ -54,10 +54,11 @@ class ChunkPagePool:
         self._pages: OrderedDict[str, _Pages] = OrderedDict()     # least recently used first
         self._by_request: dict[str, tuple[str, ...]] = {}
         self._evicted: list[str] = []
+        self._dropped: list[_Pages] = []    # pages no new request gets, freed when their last user finishes
 
     def blocks_held(self) -> int:
         """Blocks the pool holds (in use or idle)."""
-        return sum(len(p.blocks) for p in self._pages.values())
+        return sum(len(p.blocks) for p in (*self._pages.values(), *self._dropped))
 
     def acquire(self, req_id: str, keys: Sequence[str], lengths: Sequence[int]) -> list[list[int]] | None:
         """Block ids of each chunk's pages (``ceil(length / block_size)`` each), taken from the pool
@@ -85,6 +86,11 @@ class ChunkPagePool:
             pages = self._pages.get(key)
             if pages is not None:
                 pages.users.discard(req_id)
+        for pages in [p for p in self._dropped if req_id in p.users]:
+            pages.users.discard(req_id)
+            if not pages.users:
+                self._dropped.remove(pages)
+                self.block_pool.free_blocks(pages.blocks)
 
     def evict(self, num_blocks: int, keep: set | None = None) -> int:
         """Frees idle pages, least recently used first, until ``num_blocks`` are freed; returns how
@@ -97,9 +103,18 @@ class ChunkPagePool:
         return freed
 
     def drop(self, key: str) -> None:
-        """A chunk whose pages could not be written: freed now (its requests fell back to copies)."""
-        if key in self._pages:
+        """A chunk whose pages could not be written: no request gets them again, and they are freed
+        once no request holds them (a request scheduled before the failure was reported may have
+        written and be reading them: the file restored in between)."""
+        pages = self._pages.get(key)
+        if pages is None:
+            return
+        if not pages.users:
             self._free(key)
+            return
+        del self._pages[key]
+        self._dropped.append(pages)
+        self._evicted.append(key)
 
     def _free(self, key: str) -> int:
         pages = self._pages.pop(key)

@@ -138,6 +138,9 @@ def test_pool_evicts_idle_pages_least_recently_used():
     assert len(c[0]) == 5 and pool.get_num_free_blocks() == 1
     assert cp.acquire("r4", ["E"], [32]) is not None       # A (idle, least recent) evicted for room
     assert cp.take_evicted() == ["A"] and cp.take_evicted() == []
-    cp.release("r2")
-    cp.drop("B")                                           # pages that could not be written
-    assert cp.take_evicted() == ["B"] and cp.blocks_held() == 5 + 2
+    free = pool.get_num_free_blocks()
+    cp.drop("B")           # pages that could not be written, still held by r2: nobody new gets them
+    assert cp.take_evicted() == ["B"] and pool.get_num_free_blocks() == free
+    assert cp.acquire("r5", ["B"], [16]) != [a[1]]         # fresh pages for the next request
+    cp.release("r2")                                       # B's old pages freed with their last user
+    assert pool.get_num_free_blocks() == free and cp.blocks_held() == 5 + 2 + 1
