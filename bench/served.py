@@ -130,30 +130,22 @@ def stream_completion(url: str, body: dict, timeout: float = 900.0) -> dict:
     """POST ``body`` to ``url``/v1/completions and read the event stream: ``ttft_s`` (send to the
     first event with a token), ``decode_tok_s`` (tokens after the first over the time between the
     first and the last token event; None for a one-token answer), ``tokens``, ``total_s``, ``text``."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    from ragattn.vllm.serve import StreamError, stream_events
+
     first = last = usage = None
     events, text = 0, []
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if msg.get("error"):
-                    raise ServedBenchError(f"bench.served: the server's stream failed: {msg['error']}")
-                if msg.get("choices"):
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last, events = now, events + 1
-                    text.append(msg["choices"][0].get("text") or "")
-                if msg.get("usage"):
-                    usage = msg["usage"]
+        for msg in stream_events(url, body, timeout):
+            if msg.get("choices"):
+                now = time.perf_counter()
+                first = now if first is None else first
+                last, events = now, events + 1
+                text.append(msg["choices"][0].get("text") or "")
+            if msg.get("usage"):
+                usage = msg["usage"]
+    except StreamError as exc:
+        raise ServedBenchError(f"bench.served: {exc}") from None
     except urllib.error.HTTPError as exc:
         raise ServedBenchError(f"bench.served: HTTP {exc.code}: {exc.read().decode(errors='replace')[:2000]}") from None
     total = time.perf_counter() - t0

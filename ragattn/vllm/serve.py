@@ -46,6 +46,29 @@ def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.execut
     return cmd
 
 
+class StreamError(RuntimeError):
+    """The server reported an error inside a completion's event stream."""
+
+
+def stream_events(url: str, body: dict, timeout: float = 900.0):
+    """POST ``body`` to ``url``/v1/completions with ``stream`` set and yield each event's JSON
+    message up to ``[DONE]``; StreamError on an ``error`` event, urllib's HTTPError on a refusal."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            msg = json.loads(data)
+            if msg.get("error"):
+                raise StreamError(f"the server's stream failed: {msg['error']}")
+            yield msg
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,21 +157,15 @@ class LiveServer:
         reached, measured = threading.Barrier(len(bodies) + 1, timeout=timeout), threading.Event()
 
         def stream(body) -> list[int]:
-            req = urllib.request.Request(self.url + "/v1/completions",
-                                         data=json.dumps({**body, "stream": True, "return_token_ids": True}).encode(),
-                                         headers={"Content-Type": "application/json"})
             ids, waited = [], False
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as r:
-                    for raw in r:
-                        line = raw.decode().strip()
-                        if line.startswith("data:") and line != "data: [DONE]":
-                            for choice in json.loads(line[5:]).get("choices", []):
-                                ids += choice.get("token_ids") or []
-                        if not waited and len(ids) >= seen:
-                            waited = True
-                            reached.wait()
-                            measured.wait(timeout)
+                for msg in stream_events(self.url, {**body, "return_token_ids": True}, timeout):
+                    for choice in msg.get("choices", []):
+                        ids += choice.get("token_ids") or []
+                    if not waited and len(ids) >= seen:
+                        waited = True
+                        reached.wait()
+                        measured.wait(timeout)
             finally:
                 if not waited:       # (an answer shorter than ``seen``: the others are not held up)
                     reached.wait()
