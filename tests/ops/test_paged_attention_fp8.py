@@ -210,7 +210,12 @@ def test_tagged_pages_across_gqa_and_head_dims(kernel, monkeypatch, device, seed
         o64, l64 = paged_attention_table(*a, k_ref.cpu(), v_ref.cpu(), *t, *rope)
         olp, llp = paged_attention_table(*a, k_ref.cpu().to(dtype), v_ref.cpu().to(dtype), *t, *rope, upcast=False)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
-        assert_precision(out.cpu(), o64, olp)
+        # fp32: the torch reference in fp32 is within a few eps of float64, so the 2x rule alone
+        # measures rounding noise; the Triton kernel's online softmax (log2(e)-scaled exponents,
+        # split-KV rescales) rounds at the scores' magnitude: up to 3.7x the reference's error over
+        # 80 seeds (2 of them failed the default floor of 4 eps), hence a floor of 16 eps
+        floor = 16 * torch.finfo(dtype).eps * float(o64.abs().max()) if dtype == torch.float32 else None
+        assert_precision(out.cpu(), o64, olp, atol_floor=floor)
         assert_precision(lse.cpu(), l64, llp, what="lse")
 
 
