@@ -14,10 +14,18 @@ import torch
 from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import INDEX_DTYPES, check_no_overlap, check_tensor
 from ragattn.ops.page_table import PageTable
-from ragattn.ops.paged_attention import _cpu_kernel, _cpu_well_formed, kernel_backend, paged_attention
+from ragattn.ops.paged_attention import (
+    _cpu_kernel,
+    _cpu_well_formed,
+    _default_scale,
+    kernel_backend,
+    paged_attention,
+)
 from ragattn.ops.paged_attention_run import (
+    ROPE_TABLE_MAX_POSITIONS,
     _check_rows_within,
     _is_int,
+    _rope_table,
     _rotary_dim,
     _run,
     _validate_run,
@@ -41,7 +49,9 @@ class PagedAttentionStep:
       the C++ kernel directly (O(1) checks per layer; a profiler sees that kernel's op;
       ``paged_attention``, the public op, under ``torch.compile``, fake and other dispatch modes),
       a position-tagged one through the run op's checks and its CPU kernel (index values checked
-      by the kernel as it reads them; the RoPE table of ``inv_freq`` kept across calls).
+      by the kernel as it reads them; the RoPE table of ``inv_freq`` kept across calls), or for
+      plain CPU tensors through that kernel directly (the table's entries checked when the step is
+      made, ``inv_freq`` and the rows' highest position once per step: O(1) checks per layer).
 
     Checked when the step is made (once, not per layer): the table's type, ``cu_seqlens_q``'s
     dtype, shape and device, the bounds, and where values may be read (CPU, ``RAGATTN_DEBUG=1``)
@@ -76,6 +86,13 @@ class PagedAttentionStep:
                         and cu_seqlens_q.is_cpu and table.pages.is_cpu and table.kv_lens.is_cpu)
         self._storages = ({x.untyped_storage()._cdata for x in (cu_seqlens_q, table.pages, table.kv_lens)}
                           if self._direct else set())
+        # a flat, position-tagged page list of plain CPU tensors whose entries are well formed (the
+        # run op's checks on them, made here once): the tagged C++ kernel's direct call
+        entries = [x for x in (table.entry_pos, table.entry_len) if x is not None]
+        self._tagged_direct = (table.row_start is not None and type(cu_seqlens_q) is T and cu_seqlens_q.is_cpu
+                               and all(type(x) is T and x.is_cpu for x in (table.pages, table.row_start,
+                                                                          table.kv_lens, *entries))
+                               and all(x.dtype in INDEX_DTYPES and x.shape == table.pages.shape for x in entries))
 
     def run(self, q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: Optional[float] = None, *, window_left: int = -1, inv_freq: Optional[torch.Tensor] = None,
@@ -104,6 +121,18 @@ class PagedAttentionStep:
             return _cpu_kernel(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale, window_left,
                                logits_soft_cap, out, lse_out)
         tagged = inv_freq is not None or t.entry_pos is not None or t.entry_len is not None
+        if (tagged and self._tagged_direct and out is None and lse_out is None and backend == "cpu"
+                and plain_cpu_call(q, q_pos, k_cache, v_cache, inv_freq, under_profiler=True)
+                and _cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, t.row_start,
+                                     scale, window_left, logits_soft_cap, False)
+                and type(interleaved) is bool):
+            rope = self._tagged_rope(q, q_pos, inv_freq, rotary_dim)
+            if rope is not None:
+                # (every check of the run op's metadata passed; the kernel checks the index values)
+                return torch.ops.ragattn._paged_attention_tagged_cpu(
+                    q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, t.entry_pos,
+                    t.entry_len, rope[0], rope[1], rope[2], interleaved, _default_scale(scale, q.shape[-1]),
+                    window_left, logits_soft_cap)
         if backend == "triton" and not (torch.compiler.is_compiling() and not tagged):
             key = (window_left, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
             plan = self.plans.get(key)
@@ -127,6 +156,24 @@ class PagedAttentionStep:
         # (the C++ kernels check the index values they follow; the reference needs them checked here)
         _validate_run(*args, out, lse_out, read_values=backend != "cpu", planned=False)
         return _run(*args, out, lse_out)
+
+    def _tagged_rope(self, q: torch.Tensor, q_pos: torch.Tensor, inv_freq, rotary_dim):
+        """``(cos, sin, rotary_dim)`` for the tagged kernel's direct call (``(None, None, 0)``: keys
+        stored rotated), or None where the checked path must run (arguments it refuses, rows past
+        the kernel's RoPE table). The table is the run op's (``_rope_table``: kept across calls
+        while ``inv_freq``'s values are unchanged)."""
+        if inv_freq is None:
+            return (None, None, 0) if rotary_dim is None else None
+        D = q.shape[-1]
+        rd = D if rotary_dim is None else rotary_dim
+        if not (type(rd) is int and 2 <= rd <= D and rd % 2 == 0 and inv_freq.dtype == torch.float32
+                and inv_freq.is_cpu and inv_freq.shape == (rd // 2,)):
+            return None
+        positions = int(q_pos.max()) + 1 if q_pos.numel() else 0
+        if positions > ROPE_TABLE_MAX_POSITIONS:
+            return None
+        cos, sin = _rope_table(inv_freq, positions)
+        return cos, sin, rd
 
     def _outputs_apart(self, q, q_pos, k_cache, v_cache, out, lse_out) -> bool:
         """A fast sufficient condition for ``check_no_overlap``: each output contiguous (no element

@@ -78,7 +78,10 @@ An evicted chunk reloads bit-exact from the directory when it was saved there; a
 without a (writable) directory, or whose file went missing or bad, is recomputed from its tokens
 (kept in host memory for every evicted chunk, 8 bytes a token) on its next use; a derived entry
 that exists only in memory is dropped (``has`` turns False; build it again). ``pool_bytes`` is
-the pool's allocated size (never above the budget), ``num_rows`` the tokens held.
+the pool's allocated size (never above the budget), ``num_rows`` the tokens held. On the CPU the
+first slab is larger (up to 1 GiB or two model windows, within a quarter of the budget): its pages
+take memory only when written, and a long request then reads one slab (one attention call per
+layer).
 
 Zero-copy requests (:meth:`ChunkStore.request`) read the pool in place: their chunks are pinned
 (the LRU evicts only chunks no live request holds) and their private pages come from the same

@@ -12,6 +12,11 @@ from ragattn.store.errors import ChunkStoreError
 DEFAULT_BUDGET_FRACTION = 0.25   # of the device's available memory, when no budget is given
 _FIRST_SLAB_BYTES = 64 << 20    # first slab at most (and two model windows, and the budget's
 _FIRST_SLAB_PAGES = 16          # quarter), at least 16 pages: a typical request spans one slab
+# On the CPU a slab's pages take memory when first written (torch.empty maps them lazily), so the
+# first slab may be larger there: a request's chunks, its private pages and its copies on write
+# then share one slab, and its attention is one kernel call per layer, not one per slab merged by
+# LSE (at 64 MiB, SmolLM2-135M fp32: 1456 tokens, a 1.6K-token recompute read 3 slabs).
+_FIRST_SLAB_BYTES_CPU = 1 << 30
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -127,7 +132,8 @@ class PagePool:
     def _grow(self, m: int, cap: int, room: int) -> int:
         """Pages of a new slab for ``m`` pages: geometric growth (few slabs), at most a quarter of
         the budget at once, within ``room``."""
-        first = max(_FIRST_SLAB_PAGES, min(_FIRST_SLAB_BYTES // (self.page_size * self.row_bytes),
+        first_bytes = _FIRST_SLAB_BYTES_CPU if self.device.type == "cpu" else _FIRST_SLAB_BYTES
+        first = max(_FIRST_SLAB_PAGES, min(first_bytes // (self.page_size * self.row_bytes),
                                            -(-2 * self.max_positions // self.page_size)))
         return min(max(m, cap, first), max(m, self.budget_pages // 4), room)
 

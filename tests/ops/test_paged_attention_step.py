@@ -87,3 +87,45 @@ def test_out_of_range_pages_are_still_refused():
     step = PagedAttentionStep(c["cu"], PageTable.from_block_table(bt, c["kv_lens"]))
     with pytest.raises(ValueError, match=r"block_table entries used by kv_lens must lie in \[0, num_pages"):
         step.run(c["q"], c["q_pos"], c["k"], c["v"], out=torch.empty_like(c["q"]))
+
+
+@pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
+def test_a_tagged_step_calls_the_cpu_kernel_directly(monkeypatch, seed, rope):
+    """A position-tagged step of plain CPU tensors calls the tagged C++ kernel directly (no per-layer
+    run-op checks): the checked path's result bit for bit, within the precision rule of the
+    float64 reference; arguments the run op refuses are still refused by name."""
+    from ragattn import run_paged_attention
+    from ragattn.ops import paged_attention_step
+    from tests.helpers import assert_precision
+    from tests.ops.test_paged_attention_plan import _plan
+    from tests.ops.test_paged_attention_tagged import _table_refs, make_tagged_case
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], "gapped", page_size=8, num_heads=6, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                 gen=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    rp = {"none": (None, 0, False), "neox": (inv_freq, 64, False), "gptj-partial": (inv_freq[:16], 32, True)}[rope]
+    kw = dict(inv_freq=rp[0], rotary_dim=rp[1] or None, interleaved=rp[2]) if rp[0] is not None else {}
+    for window_left in (-1, 10):
+        want = run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table, window_left), q, q_pos, k, v, **kw)
+        step = PagedAttentionStep(cu, table)
+        calls = []
+        monkeypatch.setattr(paged_attention_step, "_validate_run", lambda *a, **k: calls.append(a))
+        for layer in range(2):
+            got = step.run(q, q_pos, k, v, window_left=window_left, **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        monkeypatch.undo()
+        assert not calls                           # the checked path never ran
+        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, rp)
+        assert_precision(got[0], o64, olp)
+        assert_precision(got[1], l64, llp, what="lse")
+    step = PagedAttentionStep(cu, table)
+    with pytest.raises(ValueError, match=r"paged_attention_run: inv_freq must have shape \(16,\)"):
+        step.run(q, q_pos, k, v, inv_freq=inv_freq, rotary_dim=32)
+    with pytest.raises(ValueError, match="paged_attention_run: rotary_dim = 32 is given without inv_freq"):
+        step.run(q, q_pos, k, v, rotary_dim=32)
+    with pytest.raises(TypeError, match="paged_attention_run: inv_freq must be float32"):
+        step.run(q, q_pos, k, v, inv_freq=inv_freq.double())
+    with pytest.raises(ValueError, match="paged_attention_run: rotary_dim must be even"):
+        step.run(q, q_pos, k, v, inv_freq=inv_freq[:15], rotary_dim=31)

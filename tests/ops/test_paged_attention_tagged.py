@@ -244,6 +244,33 @@ def test_cpu_tagged_kernel_many_rows_per_sequence(seed, dtype):
 
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_tagged_kernel_many_rows_threads_agree(seed, threads):
+    """The many-rows route (tiles of rows through ATen GEMMs, which may run on several threads):
+    the result does not depend on the thread count (bit for bit), within the float64 reference's
+    precision."""
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([70, 45, 90, 33], "gapped", page_size=8, num_heads=6,
+                                                 num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                                                 device=torch.device("cpu"), gen=gen, question_len=100)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        torch.set_num_threads(threads)
+        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, -1, (inv_freq, 64, False))
+    assert_precision(got[0], o64, olp)
+    assert_precision(got[1], l64, llp, what="lse")
+
+
 @pytest.mark.parametrize("rope", [(64, False), (32, True)], ids=["neox", "gptj-partial"])
 def test_cpu_tagged_kernel_many_rows_rotated_as_gathered(seed, monkeypatch, rope):
     """The route for many rows per sequence rotates the keys as it gathers them (no scratch);
