@@ -8,6 +8,7 @@
 #                                           # over requirements-vllm-cuda.txt) for tests/vllm's class-level tests
 #   ... --deps-only                         # the environment without the editable install of this tree (writes
 #                                           # nothing in the checkout: CI runs it beside the test suite)
+#   ... --no-check                          # no import check at the end (vLLM's import takes ~15 s; CI's tests do it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,11 +16,13 @@ PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.venv-vllm
 REQS=requirements-vllm.txt
 DEPS_ONLY=0
+CHECK=1
 for arg in "$@"; do
   case "$arg" in
     --cuda-line) VENV=.venv-vllm-cuda; REQS=requirements-vllm-cuda.txt ;;
     --deps-only) DEPS_ONLY=1 ;;
-    *) echo "usage: bash scripts/setup_vllm.sh [--cuda-line] [--deps-only]" >&2; exit 2 ;;
+    --no-check) CHECK=0 ;;
+    *) echo "usage: bash scripts/setup_vllm.sh [--cuda-line] [--deps-only] [--no-check]" >&2; exit 2 ;;
   esac
 done
 PY=$VENV/bin/python
@@ -81,4 +84,5 @@ vllm.model_executor.models.llama" >/dev/null 2>&1 || echo "setup_vllm.sh: byte-c
   rm -f $VENV/.ragattn-setup-*
   touch "$stamp"
 fi
+[ $CHECK = 0 ] && exit 0
 $PY -c "import vllm, torch, ragattn, ragattn.vllm; from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1; print('vllm', vllm.__version__, 'on torch', torch.__version__, '- ragattn', ragattn.__version__, '- ops:', len([n for n in ragattn.__all__ if hasattr(torch.ops.ragattn, n)]))"
