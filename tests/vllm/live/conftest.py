@@ -19,7 +19,7 @@ from ragattn.vllm.serve import LiveServer, free_port, serve_command
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = float(os.environ.get("RAGATTN_VLLM_START_TIMEOUT", "600"))
 # A file the session fixture creates once the servers and the HF reference are ready (or failed):
-# .ci/run starts its background jobs on it, when the live tests leave a core idle
+# .ci/run starts its background jobs on it, after the start-up that holds both cores
 READY_FILE = os.environ.get("RAGATTN_LIVE_READY_FILE")
 TIMINGS: list[tuple[str, float]] = []
 
