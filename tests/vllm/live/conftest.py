@@ -18,9 +18,6 @@ from ragattn.vllm.serve import LiveServer, free_port, serve_command
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = float(os.environ.get("RAGATTN_VLLM_START_TIMEOUT", "600"))
-# A file the session fixture creates once the servers and the HF reference are ready (or failed):
-# .ci/run starts its background jobs on it, after the start-up that holds both cores
-READY_FILE = os.environ.get("RAGATTN_LIVE_READY_FILE")
 TIMINGS: list[tuple[str, float]] = []
 
 
@@ -48,11 +45,6 @@ def _server(model, chunk_dir, log, extra_env=None, shared_pages=False) -> LiveSe
                       timeout_s=START_TIMEOUT_S, wait=False)
 
 
-def _signal_ready():
-    if READY_FILE:
-        Path(READY_FILE).touch()
-
-
 @pytest.fixture(scope="session")
 def _servers(tmp_path_factory):
     """``(cpu_attn server, ragattn server, reference dict)``. The model folder is exported first;
@@ -78,10 +70,8 @@ def _servers(tmp_path_factory):
         if rc != 0:
             raise RuntimeError(f"the HF reference failed ({rc}):\n{(out / 'reference.log').read_text()[-5000:]}")
         ref = json.loads((out / "reference.json").read_text())
-        _signal_ready()
         yield servers[0], servers[1], ref
     finally:
-        _signal_ready()
         if ref_proc.poll() is None:
             ref_proc.kill()
             ref_proc.wait()
