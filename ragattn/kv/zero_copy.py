@@ -52,7 +52,6 @@ import torch
 from ragattn import ops as _ops
 from ragattn.kv.window import check_window
 from ragattn.ops import PagedAttentionStep
-from ragattn.ops.paged_attention import kernel_backend
 
 
 class ZeroCopyForward:
@@ -62,7 +61,7 @@ class ZeroCopyForward:
     window rule (:mod:`ragattn.kv.window`) the filled slots' positions, the last query slot and
     whether positions overlap (computed at the first windowed layer)."""
     __slots__ = ("key", "q", "src", "writes", "positions", "cu_q", "steps", "filled_positions", "last_slot",
-                 "overlapping", "cpp_write")
+                 "overlapping")
 
 
 class TaggedPagedKV:
@@ -354,9 +353,6 @@ class TaggedPagedKV:
             f.writes.append((s, sel.to(self.device), rows[sel].to(self.device), (-written[sel]).to(self.device)))
         f.positions = pos.to(self.device)
         f.cu_q = torch.tensor([0, q], dtype=torch.int32, device=self.device)
-        # write calls the C++ op directly (what copy_kv_ calls off the reference backend; read once
-        # per forward, not per layer)
-        f.cpp_write = kernel_backend(f.cu_q) != "reference"
         f.steps = []
         for s in range(len(self.segments)):
             use = ((seg_of == s) & (lens > 0)).nonzero()[:, 0]
@@ -398,12 +394,8 @@ class TaggedPagedKV:
                 shape = (-1, self.num_kv_heads, self.head_dim)
                 dst = self._rows[(s, layer)] = ([ks[layer].view(shape)], [vs[layer].view(shape)])
             # one pass: K rotated back by -position (in fp32, rounded once) and V, into their rows
-            if f.cpp_write:   # (the C++ op validates every argument before it writes)
-                torch.ops.ragattn.copy_kv_(dst[0], dst[1], [k_new], [v_new], sel, rows, unrotate, self.inv_freq,
-                                           self.rotary_dim, self.interleaved, None, None, None, None, None)
-            else:
-                _ops.copy_kv_(dst[0], dst[1], [k_new], [v_new], sel, rows, unrotate, self.inv_freq, self.rotary_dim,
-                              self.interleaved)
+            _ops.copy_kv_(dst[0], dst[1], [k_new], [v_new], sel, rows, unrotate, self.inv_freq, self.rotary_dim,
+                          self.interleaved)
 
     def attend(self, f: ZeroCopyForward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int = -1,
                logits_soft_cap: float = 0.0) -> torch.Tensor:
