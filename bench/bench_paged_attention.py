@@ -11,7 +11,7 @@ gpu (bf16, 32 query heads, 8 kv heads, head dim 128, page size 16, shuffled page
 * ``decode_window``: the decode case under a 4096-token sliding window (``window_left=4095``);
   GB/s on the window's K/V bytes. Baseline: SDPA over the window's slots stored contiguously.
 * ``decode_tagged_rope``: the decode case on a zero-copy request's position-tagged table, keys
-  stored without RoPE and rotated in the kernel. Baseline: the same decode over rotated keys.
+  stored page-local and moved to their positions in the kernel. Baseline: the same decode over rotated keys.
 * ``merge``: cascade merge of two partial states for 32 x 128 rows; GB/s on bytes read + written.
 cpu: tiny shapes of the same cases.
 """
@@ -174,7 +174,8 @@ def _decode(device, size, rnd):
 
 def _decode_tagged(device, size, rnd):
     """Decode on a zero-copy request's table: every page an entry with its first
-    position (``PageTable.from_entries``), keys stored without RoPE and rotated in the kernel.
+    position (``PageTable.from_entries``), keys stored page-local and moved to their positions in
+    the kernel.
     Baseline: the same decode over keys rotated beforehand (the copy path's cache)."""
     import ragattn
 

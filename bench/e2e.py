@@ -21,7 +21,7 @@ question) it measures the time to the first token's logits of
 * ``cached (KV from CPU)`` (CUDA only): the same, with the chunks' KV first copied from pinned
   host memory (TurboRAG's deployment, its Table 4 "with h2d").
 * ``cached, zero-copy``: the same request on the store's own pages (``ChunkStore.request``: a
-  page table of the chunks' shared, position-free pages and private pages for the question; RoPE
+  page table of the chunks' shared, page-local pages and private pages for the question; RoPE
   in the attention kernel, no K/V copied).
 
 For ``full-prefill`` and ``cached (on device)`` it also times a ``--answer-tokens`` answer (32 by

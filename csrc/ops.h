@@ -39,7 +39,7 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at:
                          const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                          const at::Tensor& kv_lens, double scale, int64_t window_left, double logits_soft_cap,
                          const at::Tensor& out, const at::Tensor& lse_out);
-// paged_attention_run's CPU kernel for position-tagged page lists and un-rotated keys (private:
+// paged_attention_run's CPU kernel for position-tagged page lists and page-local keys (private:
 // called by ragattn/ops/paged_attention_run.py after its checks)
 std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(const at::Tensor& q, const at::Tensor& q_pos,
     const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& pages,

@@ -44,7 +44,7 @@ TORCH_LIBRARY(ragattn, m) {
   //    (row_start None), or a flat page list [E] with row_start [B] (FlashInfer's CSR indices and
   //    indptr[:-1]); tile_seq/tile_row0/launch: the plan's tile map and launch integers.
   //    Zero-copy chunk pages: entry_pos/entry_len [E] (flat lists) give each entry's slot-0
-  //    position and valid slots; inv_freq [rotary_dim / 2] rotates keys stored without RoPE.
+  //    position and valid slots; inv_freq [rotary_dim / 2]: keys stored page-local (slot o rotated by o), moved to their entry's position.
   //    fp8 caches (vLLM's kv_cache_dtype="fp8"): float8 k/v_cache with float32 k/v_scale [] or [1].
   m.def(
       "paged_attention_run(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "

@@ -177,7 +177,9 @@ def _attend_key_tiles(
             k2 = tl.load(k_rows + partner[None, :], mask=kv_mask & rot[None, :], other=0.0).to(tl.float32)
             if KV_FP8:
                 k2 = k2 * k_scale
-            ang = _rope_angle(slot_pos, turn_hi, turn_lo)
+            # slot `off` of a page holds its key rotated by `off` (page-local): rotated by the
+            # entry's first position slot_pos - off more
+            ang = _rope_angle(slot_pos - off, turn_hi, turn_lo)
             if FAST_TRIG:
                 cos_a = libdevice.fast_cosf(ang)
                 sin_a = libdevice.fast_sinf(ang)
@@ -245,7 +247,7 @@ def _paged_attention_kernel(
     Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, PAGES, ROW_START, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
     ENTRY_POS, ENTRY_LEN,  # POS_TABLE / ENTRY_LEN: per page-list entry, slot 0's position, valid slots
-    INV_FREQ, rotary_dim,  # ROPE: keys stored without RoPE are rotated by their position in fp32
+    INV_FREQ, rotary_dim,  # ROPE: keys stored rotated by their page offset, rotated to their position in fp32
     K_SCALE, V_SCALE,  # KV_FP8: float32 per-tensor scales of float8 caches
     qk_scale,  # softmax scale * log2(e)
     window_left,  # >= 0 when HAS_WINDOW: row i sees slots j >= q_pos[i] - window_left
@@ -692,8 +694,9 @@ def run_paged_attention(
     ``indices`` with ``row_start = indptr[:-1]``); without it, a padded ``[B, max_pages]`` table.
     ``entry_pos``/``entry_len`` (int32/int64 ``[num_entries]``, flat lists only): the position of
     each entry's slot 0 (slot ``j`` then holds ``entry_pos[e] + j % page_size``, not ``j``) and
-    its count of valid slots. ``inv_freq`` (float32 ``[rotary_dim // 2]``): the keys are stored
-    without RoPE and rotated by their slot's position in the kernel (``interleaved``: GPT-J pairs).
+    its count of valid slots. ``inv_freq`` (float32 ``[rotary_dim // 2]``): slot ``o`` of each page
+    holds its key rotated by ``o`` (page-local), rotated in the kernel by its entry's first position
+    to its own (``interleaved``: GPT-J pairs).
     ``k_scale``/``v_scale`` (float32, one element each): the caches are float8, dequantised in the kernel.
     ``out``/``lse_out``: where to write (contiguous or not), else new tensors. Returns (out, lse).
     """

@@ -205,16 +205,14 @@ struct RowStateBuffer {
   }
 };
 
-// One online-softmax step over the visible slots [first, first + n) of a chunk, whose K and V
-// rows are kslot/vslot[first ...] (kslot has 8 spare entries past the chunk for the padding).
+// The online-softmax step and the V accumulation of the slots [first, first + n) of a chunk whose
+// scores st.p[h][first, first + n) are computed (attend_chunk, or the tagged kernel's per-entry
+// query rotations); V rows are vslot[first ...].
 template <typename T>
-RAGATTN_ALWAYS_INLINE void attend_chunk(const RowState& st, const PagedArgs& a, const T** kslot, const T* const* vslot,
-                                        int64_t first, int64_t n) {
+RAGATTN_ALWAYS_INLINE void attend_scored_chunk(const RowState& st, const PagedArgs& a, const T* const* vslot,
+                                               int64_t first, int64_t n) {
   const int64_t D = st.D, G = st.G;
   float* p = st.p;
-  for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
-  // the G heads' scores (k padded with a visible slot to a multiple of 8; scores past n unused)
-  dot_rows<kPRow>(st.qf, G, D, kslot + first, n, a.scale, p + first);
   if (a.softcap > 0.f)  // score -> cap * tanh(score / cap)
     for (int64_t h = 0; h < G; ++h)
       for (int64_t s = first; s < first + n; ++s) p[h * kPRow + s] = a.softcap * std::tanh(p[h * kPRow + s] / a.softcap);
@@ -226,6 +224,17 @@ RAGATTN_ALWAYS_INLINE void attend_chunk(const RowState& st, const PagedArgs& a, 
   int64_t h = 0;
   for (; h + 2 <= G; h += 2) accumulate<2, kPRow>(st.acc + h * D, p + h * kPRow + first, st.alpha + h, vslot + first, n, D);
   for (; h < G; ++h) accumulate<1, kPRow>(st.acc + h * D, p + h * kPRow + first, st.alpha + h, vslot + first, n, D);
+}
+
+// One online-softmax step over the visible slots [first, first + n) of a chunk, whose K and V
+// rows are kslot/vslot[first ...] (kslot has 8 spare entries past the chunk for the padding).
+template <typename T>
+RAGATTN_ALWAYS_INLINE void attend_chunk(const RowState& st, const PagedArgs& a, const T** kslot, const T* const* vslot,
+                                        int64_t first, int64_t n) {
+  for (int64_t s = first + n; s < first + (n + 7) / 8 * 8; ++s) kslot[s] = kslot[first];
+  // the G heads' scores (k padded with a visible slot to a multiple of 8; scores past n unused)
+  dot_rows<kPRow>(st.qf, st.G, st.D, kslot + first, n, a.scale, st.p + first);
+  attend_scored_chunk<T>(st, a, vslot, first, n);
 }
 
 // The sequence of each query row, from cu_seqlens_q.

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -39,23 +38,25 @@ constexpr const char* kTaggedOp = "ragattn._paged_attention_tagged_cpu";
 
 // --------------------------------------------------------------- position-tagged page lists
 // paged_attention_run over a flat page list whose entries carry the position of their slot 0
-// and their count of valid slots, with keys optionally stored without RoPE (zero-copy chunk pages:
-// ragattn/hf/tagged.py, ragattn/reference/paged_attention_table.py). Slot j < kv_lens[b] lies in
-// entry e = row_start[b] + j / page_size at offset o = j % page_size; it is valid iff
-// o < entry_len[e] and holds position entry_pos[e] + o (without entry_pos: j). A row sees the valid
-// slots at positions <= q_pos (and >= q_pos - window_left). Positions need not grow with j, so
-// each entry's visible offsets are found from its first position, and only those slots enter a
-// chunk (compacted: no masks). Keys are rotated once per call, in fp32 and rounded once to the
-// cache's dtype (the Triton kernel's computation), into a scratch copy of the slots some row can
-// see, with cos/sin from a per-position table (rope_cos/sin [P, rotary_dim / 2]) read once per
-// slot for every kv head. (Rotating in each (row, kv head) task instead cost a decode step 1.12x
-// the copy path's here, against 1.05x: the table reads and rotations were repeated per head.)
-// A sequence that takes the rows-GEMM route gets no scratch: its keys are rotated (same rounding)
-// as they are gathered for the GEMM, which copies them anyway.
+// and their count of valid slots, with RoPE optionally applied in the kernel (zero-copy chunk
+// pages: ragattn/kv/zero_copy.py, ragattn/reference/paged_attention_table.py). Slot j < kv_lens[b]
+// lies in entry e = row_start[b] + j / page_size at offset o = j % page_size; it is valid iff
+// o < entry_len[e] and holds position p0 + o, p0 = entry_pos[e] (without entry_pos: the page's
+// first slot j - o). A row sees the valid slots at positions <= q_pos (and >= q_pos - window_left).
+// Positions need not grow with j, so each entry's visible offsets are found from p0, and only
+// those slots enter a chunk (compacted: no masks).
+//
+// With RoPE, slot o of a page holds its key rotated by o (page-local: a page is valid at any
+// placement). A key belongs at p0 + o, and R(q_pos) q . R(p0 + o) k = R(q_pos - p0) q . R(o) k: the
+// query (given rotated at q_pos) is rotated by -p0 once per entry, in fp32, and the stored keys are
+// read in place. (Rotating every key into a scratch copy per call instead cost a decode step
+// about 2 ms more here at 16 chunks of SmolLM2: every key, every layer, every step.)
+// A sequence that takes the rows-GEMM route rotates its keys by p0 as it gathers them (one
+// query matrix for all its slots; the gather copies the keys anyway).
 
 // The RoPE table of a call (cos_t null: keys already rotated, read as stored).
 struct RopeTable {
-  const float* cos_t;
+  const float* cos_t;  // [positions, half]: cos and sin of p * inv_freq[f]
   const float* sin_t;
   int64_t half;  // rotary_dim / 2
   bool interleaved;
@@ -64,8 +65,6 @@ struct RopeTable {
 struct TaggedArgs {
   IndexView pages, row_start, entry_pos, entry_len;
   bool has_pos, has_len;
-  const void* krot;          // [slots, num_kv_heads, head_dim] rotated keys, or nullptr: keys read in place
-  const int64_t* slot_base;  // each sequence's first scratch slot
 };
 
 // The offsets [*o_lo, *o_hi) of an entry (first position p0, cnt valid slots) that a row at
@@ -85,27 +84,49 @@ RAGATTN_ALWAYS_INLINE void entry_extent(const TaggedArgs& t, int64_t e, int64_t 
   *p0 = t.has_pos ? t.entry_pos(e) : pi * S;
 }
 
-// dst = src rotated by the angles of (c, s) [half], pairs (f, f + half) or (2f, 2f + 1), in fp32,
-// rounded once to T; dims past 2 * half copied. Two plain loops (one per layout) so that the
-// compiler vectorises them.
-template <typename T>
-RAGATTN_ALWAYS_INLINE void rotate_row(const T* src, T* dst, const float* c, const float* s, int64_t half, int64_t D,
-                                      bool interleaved) {
+// dst = src rotated by the angles of (c, sign * s) [half], pairs (f, f + half) or (2f, 2f + 1), in
+// fp32; dims past 2 * half copied. Two plain loops (one per layout) so that the compiler
+// vectorises them.
+template <typename S, typename T>
+RAGATTN_ALWAYS_INLINE void rotate_row(const S* src, T* dst, const float* c, const float* s, float sign, int64_t half,
+                                      int64_t D, bool interleaved) {
   float y1, y2;
   if (interleaved) {
     for (int64_t f = 0; f < half; ++f) {
-      rope::rotate_pair(static_cast<float>(src[2 * f]), static_cast<float>(src[2 * f + 1]), c[f], s[f], &y1, &y2);
+      rope::rotate_pair(static_cast<float>(src[2 * f]), static_cast<float>(src[2 * f + 1]), c[f], sign * s[f], &y1,
+                        &y2);
       dst[2 * f] = static_cast<T>(y1);
       dst[2 * f + 1] = static_cast<T>(y2);
     }
   } else {
     for (int64_t f = 0; f < half; ++f) {
-      rope::rotate_pair(static_cast<float>(src[f]), static_cast<float>(src[f + half]), c[f], s[f], &y1, &y2);
+      rope::rotate_pair(static_cast<float>(src[f]), static_cast<float>(src[f + half]), c[f], sign * s[f], &y1, &y2);
       dst[f] = static_cast<T>(y1);
       dst[f + half] = static_cast<T>(y2);
     }
   }
-  for (int64_t d = 2 * half; d < D; ++d) dst[d] = src[d];
+  for (int64_t d = 2 * half; d < D; ++d) dst[d] = static_cast<T>(src[d]);
+}
+
+// The chunk's slots [0, n) in segments of one entry rotation each (segment i: from at[i], its
+// entry's first position p0[i]): per segment, the query vectors rotated by -p0 (from q0, the
+// vectors as given) score its keys; then one softmax step over the whole chunk.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void attend_rotated_chunk(const RowState& st, const PagedArgs& a, const RopeTable& rope,
+                                                const float* q0, const T** kslot, const T* const* vslot, int64_t n,
+                                                const int64_t* at, const int64_t* p0, int64_t nseg) {
+  const int64_t D = st.D;
+  // dot_rows reads up to 7 slots past a segment's end: the next segment's keys, or this padding
+  for (int64_t s = n; s < n + 8; ++s) kslot[s] = kslot[0];
+  for (int64_t i = 0; i < nseg; ++i) {
+    const float* c = rope.cos_t + p0[i] * rope.half;
+    const float* sn = rope.sin_t + p0[i] * rope.half;
+    for (int64_t v = 0; v < st.G; ++v) rotate_row(q0 + v * D, st.qf + v * D, c, sn, -1.f, rope.half, D, rope.interleaved);
+    // segments in order: a segment's scores past its end (padding) are overwritten by the next
+    const int64_t end = i + 1 < nseg ? at[i + 1] : n;
+    dot_rows<kPRow>(st.qf, st.G, D, kslot + at[i], end - at[i], a.scale, st.p + at[i]);
+  }
+  attend_scored_chunk<T>(st, a, vslot, 0, n);
 }
 
 // Items [begin, end) = row blocks x kv heads: item = block * num_kv_heads + kv_head, block k the
@@ -114,12 +135,15 @@ RAGATTN_ALWAYS_INLINE void rotate_row(const T* src, T* dst, const float* c, cons
 // the rest (the causal diagonal, window edges) row by row, so no row ever reads a slot it does
 // not see (no masks: 0 * NaN cannot happen).
 template <typename T>
-RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, const int64_t* blocks,
-                                        int64_t max_rows, int64_t begin, int64_t end) {
+RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope,
+                                        const int64_t* blocks, int64_t max_rows, int64_t begin, int64_t end) {
   const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size, H = a.num_kv_heads;
+  const bool rotate = rope.cos_t != nullptr;
   RowStateBuffer buf(D, max_rows * G);
+  std::vector<float> q0(rotate ? max_rows * G * D : 0);  // the query vectors as given (rotated at q_pos)
   const T* kslot[kChunk + 8];
   const T* vslot[kChunk];
+  int64_t seg_at[kChunk], seg_p0[kChunk], nseg = 0;
   std::vector<int64_t> lo(max_rows), hi(max_rows), pos(max_rows);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t k = item / H, g = item % H, i0 = blocks[2 * k], nr = blocks[2 * k + 1];
@@ -129,12 +153,21 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
       pos[r] = a.q_pos(i0 + r);
       buf.st.part(r * G, G).start<T>(a, i0 + r, g);
     }
+    if (rotate) std::copy(buf.st.qf, buf.st.qf + nr * G * D, q0.begin());
     const T* k_base = static_cast<const T*>(a.k) + g * a.k_s2;
     const T* v_base = static_cast<const T*>(a.v) + g * a.v_s2;
-    const T* krot = t.krot ? static_cast<const T*>(t.krot) + (t.slot_base[b] * H + g) * D : nullptr;
     // pass -1: the slots all nr rows see, attended by all of them; pass r: row r's others
     for (int64_t pass = -1; pass < (nr > 1 ? nr : 0); ++pass) {
       const RowState st = pass < 0 ? buf.st.part(0, nr * G) : buf.st.part(pass * G, G);
+      const float* q0p = rotate ? q0.data() + (pass < 0 ? 0 : pass * G * D) : nullptr;
+      auto flush = [&](int64_t n) {
+        if (rotate) {
+          attend_rotated_chunk<T>(st, a, rope, q0p, kslot, vslot, n, seg_at, seg_p0, nseg);
+        } else {
+          attend_chunk<T>(st, a, kslot, vslot, 0, n);
+        }
+        nseg = 0;
+      };
       int64_t n = 0;
       for (int64_t pi = 0; pi * S < kv_len; ++pi) {
         int64_t cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
@@ -155,58 +188,30 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
           ranges[0][0] = lo[pass], ranges[0][1] = hi[pass];
         }
         const int64_t page = t.pages(r0 + pi);
-        const T* kp = krot ? krot + pi * S * H * D : k_base + page * a.k_s0;
-        const int64_t k_step = krot ? H * D : a.k_s1;
+        const T* kp = k_base + page * a.k_s0;
         const T* vp = v_base + page * a.v_s0;
         for (const auto& rg : ranges) {
           for (int64_t o = rg[0]; o < rg[1]; ++o) {
-            kslot[n] = kp + o * k_step;
+            if (rotate && (nseg == 0 || seg_p0[nseg - 1] != p0)) seg_at[nseg] = n, seg_p0[nseg++] = p0;
+            kslot[n] = kp + o * a.k_s1;
             vslot[n] = vp + o * a.v_s1;
             if (++n == kChunk) {
-              attend_chunk<T>(st, a, kslot, vslot, 0, n);
+              flush(n);
               n = 0;
             }
           }
         }
       }
-      if (n) attend_chunk<T>(st, a, kslot, vslot, 0, n);
+      if (n) flush(n);
     }
     for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, g);
   }
 }
 
 template <typename T>
-RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, const int64_t* blocks,
-                                         int64_t max_rows, int64_t begin, int64_t end) {
-  tagged_items<T>(a, t, blocks, max_rows, begin, end);
-}
-
-// The rotated keys of sequences [b0, b1)'s entries [e0, e1) (flattened over the sequences: entry
-// list `ents` of (sequence, page index)) whose slots lie in [pos_lo[b], pos_hi[b]], the positions
-// some row of the sequence can see, into krot[slot_base[b] + slot].
-template <typename T>
-RAGATTN_CPU_CLONES void rotate_tagged_keys(const PagedArgs& a, const TaggedArgs& t, const int64_t* ents, int64_t e0,
-                                           int64_t e1, const int64_t* pos_lo, const int64_t* pos_hi,
-                                           const float* cos_t, const float* sin_t, int64_t rotary_dim,
-                                           bool interleaved, T* krot) {
-  const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, half = rotary_dim / 2;
-  for (int64_t x = e0; x < e1; ++x) {
-    const int64_t b = ents[2 * x], pi = ents[2 * x + 1], e = t.row_start(b) + pi;
-    int64_t cnt, p0, o_lo, o_hi;
-    entry_extent(t, e, pi, S, a.kv_lens(b), &cnt, &p0);
-    // [pos_lo, pos_hi] as visible_offsets' window: pos_hi is the last position, window pos_hi - pos_lo
-    visible_offsets(pos_hi[b], pos_hi[b] - pos_lo[b], p0, cnt, &o_lo, &o_hi);
-    const int64_t page = t.pages(e);
-    for (int64_t o = o_lo; o < o_hi; ++o) {
-      const float* c = cos_t + (p0 + o) * half;  // position p0 + o's row, read once for every kv head
-      const float* s = sin_t + (p0 + o) * half;
-      for (int64_t h = 0; h < H; ++h) {
-        const T* src = static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1 + h * a.k_s2;
-        T* dst = krot + ((t.slot_base[b] + pi * S + o) * H + h) * D;
-        rotate_row(src, dst, c, s, half, D, interleaved);
-      }
-    }
-  }
+RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope,
+                                         const int64_t* blocks, int64_t max_rows, int64_t begin, int64_t end) {
+  tagged_items<T>(a, t, rope, blocks, max_rows, begin, end);
 }
 
 // Sequences with at least this many query rows take paged_attention_rows_gemm's route (at 290
@@ -215,8 +220,8 @@ constexpr int64_t kGemmMinRows = 16;
 
 // Sequence b's rows [r_begin, r_end) by paged_attention_rows_gemm: its slots at positions
 // [pos_lo, pos_hi] (the ones some row sees) gathered in position order, widened to float, keys
-// rotated by `rope` as they are gathered (in fp32, rounded once to T, as rotate_tagged_keys does)
-// or read from t.krot when that holds them. Returns false (writing nothing) when one of those v
+// rotated by their entry's p0 as they are gathered (with `rope`; in fp32, rounded once to T, as a
+// stored rotated key). Returns false (writing nothing) when one of those v
 // rows holds a non-finite value: the GEMM would spread it to the rows that do not see it, so the
 // row blocks handle that sequence.
 template <typename T>
@@ -225,20 +230,18 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& 
   const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, Hq = a.num_heads, kv_len = a.kv_lens(b);
   const int64_t r0 = t.row_start(b), nr = r_end - r_begin;
   struct Slot {
-    int64_t pos;
+    int64_t pos, p0;
     const T* k;
     const T* v;
   };
   std::vector<Slot> slots;
-  const T* krot = t.krot ? static_cast<const T*>(t.krot) + t.slot_base[b] * H * D : nullptr;
-  const int64_t k_head = krot ? D : a.k_s2;
   for (int64_t pi = 0; pi * S < kv_len; ++pi) {
     int64_t cnt, p0, o_lo, o_hi;
     entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
     visible_offsets(pos_hi, pos_hi - pos_lo, p0, cnt, &o_lo, &o_hi);
     const int64_t page = t.pages(r0 + pi);
     for (int64_t o = o_lo; o < o_hi; ++o)
-      slots.push_back({p0 + o, krot ? krot + (pi * S + o) * H * D : static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1,
+      slots.push_back({p0 + o, p0, static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1,
                        static_cast<const T*>(a.v) + page * a.v_s0 + o * a.v_s1});
   }
   std::stable_sort(slots.begin(), slots.end(), [](const Slot& x, const Slot& y) { return x.pos < y.pos; });
@@ -249,14 +252,14 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& 
   float* vp = v.data_ptr<float>();
   std::vector<int64_t> key_pos(n);
   bool finite = true;
-  const bool rotate = krot == nullptr && rope.cos_t != nullptr;
+  const bool rotate = rope.cos_t != nullptr;
   std::vector<T> krow(rotate ? D : 0);  // a key rotated (and rounded to T) before widening
   for (int64_t j = 0; j < n; ++j) {
     key_pos[j] = slots[j].pos;
     for (int64_t g = 0; g < H; ++g) {
-      const T* ks = slots[j].k + g * k_head;
+      const T* ks = slots[j].k + g * a.k_s2;
       if (rotate) {
-        rotate_row(ks, krow.data(), rope.cos_t + slots[j].pos * rope.half, rope.sin_t + slots[j].pos * rope.half,
+        rotate_row(ks, krow.data(), rope.cos_t + slots[j].p0 * rope.half, rope.sin_t + slots[j].p0 * rope.half, 1.f,
                    rope.half, D, rope.interleaved);
         ks = krow.data();
       }
@@ -294,13 +297,6 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& 
 }
 constexpr int64_t kBlockVectors = 16;
 
-// Rotated keys held at once (sequences in groups): 256 MiB, or RAGATTN_TEST_TAGGED_SCRATCH_BYTES
-// (the tests' way to make every sequence a group of its own).
-int64_t scratch_budget() {
-  const char* env = std::getenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES");
-  return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(256) << 20;
-}
-
 // Every index value the tagged kernel reads, checked (the public op's Python checks ran before;
 // this keeps the private op memory-safe on its own): entries of the used slots, their pages,
 // valid counts and positions, q_pos, and a RoPE table that covers every position a row sees.
@@ -330,10 +326,9 @@ void check_tagged_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q
   }
 }
 
-// The tagged kernel on checked arguments (unit last-dim strides), sequences in groups whose
-// rotated keys fit scratch_budget().
+// The tagged kernel on checked arguments (unit last-dim strides).
 void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
-                const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& kv_lens, const TaggedArgs& t0,
+                const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& kv_lens, const TaggedArgs& t,
                 const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
                 int64_t rotary_dim, bool interleaved, float scale, int64_t window_left, float softcap,
                 const at::Tensor& out, const at::Tensor& lse_out) {
@@ -343,7 +338,7 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
   const IndexView cu(cu_seqlens_q), qp(q_pos);
   const PagedArgs a = paged_args(q, q_pos, k_cache, v_cache, pages, kv_lens, row_seq, scale, window_left, softcap,
                                  out, lse_out);
-  const int64_t H = a.num_kv_heads, D = a.head_dim, S = a.page_size;
+  const int64_t H = a.num_kv_heads, D = a.head_dim;
   const bool rope = rope_cos.has_value();
   // per sequence, the positions its rows see: [pos_lo, pos_hi] (pos_hi -1: no rows)
   std::vector<int64_t> pos_lo(batch, 0), pos_hi(batch, -1);
@@ -353,66 +348,35 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
     pos_lo[b] = pos_hi[b] < 0 ? lo : std::min(pos_lo[b], lo);
     pos_hi[b] = std::max(pos_hi[b], p);
   }
-  std::vector<int64_t> slot_base(batch, 0), ents, blocks;
-  const int64_t budget = scratch_budget();
   // rows per block: about kBlockVectors query vectors (rows x the GQA group) share each K/V load
   const int64_t max_rows = std::max<int64_t>(1, kBlockVectors / (a.num_heads / H));
   const RopeTable table{rope ? rope_cos->data_ptr<float>() : nullptr, rope ? rope_sin->data_ptr<float>() : nullptr,
                         rotary_dim / 2, interleaved};
   RAGATTN_DISPATCH_ATTENTION_TYPES(q.scalar_type(), "paged_attention_tagged_cpu", [&] {
-    // sequences with many rows: the GEMM route first, rotating their keys as it gathers them (no
-    // scratch); done[b] marks those it answered
+    // sequences with many rows: the GEMM route first; done[b] marks those it answered
     std::vector<char> done(batch, 0);
     for (int64_t b = 0; b < batch; ++b)
       done[b] = cu(b + 1) - cu(b) >= kGemmMinRows &&
-                tagged_rows_gemm<scalar_t>(a, t0, table, b, cu(b), cu(b + 1), pos_lo[b], pos_hi[b]);
-    for (int64_t b0 = 0, b1; b0 < batch; b0 = b1) {
-      int64_t slots = 0;
-      for (b1 = b0; b1 < batch; ++b1) {
-        const int64_t more = rope && pos_hi[b1] >= 0 && !done[b1] ? a.kv_lens(b1) : 0;
-        if (b1 > b0 && (slots + more) * H * D * int64_t(sizeof(scalar_t)) > budget) break;
-        slot_base[b1] = slots;
-        slots += more;
-      }
-      TaggedArgs t = t0;
-      at::Tensor scratch;
-      if (rope && slots > 0) {
-        scratch = at::empty({slots, H, D}, k_cache.options());
-        ents.clear();
-        for (int64_t b = b0; b < b1; ++b)
-          for (int64_t pi = 0; pos_hi[b] >= 0 && !done[b] && pi * S < a.kv_lens(b); ++pi) ents.insert(ents.end(), {b, pi});
-        t.krot = scratch.data_ptr();
-        t.slot_base = slot_base.data();
-        const int64_t n_ents = static_cast<int64_t>(ents.size()) / 2;
-        const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, S * H * D));
-        const float* c = rope_cos->data_ptr<float>();
-        const float* s = rope_sin->data_ptr<float>();
-        scalar_t* k = scratch.data_ptr<scalar_t>();
-        at::parallel_for(0, n_ents, grain, [&](int64_t e0, int64_t e1) {
-          rotate_tagged_keys<scalar_t>(a, t, ents.data(), e0, e1, pos_lo.data(), pos_hi.data(), c, s, rotary_dim,
-                                       interleaved, k);
-        });
-      }
-      // items: blocks of up to max_rows rows of one sequence x kv heads (the sequences the GEMM
-      // route did not answer)
-      blocks.clear();
-      for (int64_t b = b0; b < b1; ++b) {
-        if (done[b]) continue;
-        for (int64_t r = cu(b); r < cu(b + 1); r += max_rows) blocks.insert(blocks.end(), {r, std::min(max_rows, cu(b + 1) - r)});
-      }
-      const int64_t items = static_cast<int64_t>(blocks.size()) / 2 * H;
-      int64_t kv_total = 0;
-      for (int64_t b = b0; b < b1; ++b) kv_total += a.kv_lens(b);
-      const int64_t per_item = std::max<int64_t>(1, kv_total / std::max<int64_t>(1, b1 - b0) * D * (a.num_heads / H));
-      const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
-      auto run = [&](int64_t begin, int64_t end) {
-        tagged_items_run<scalar_t>(a, t, blocks.data(), max_rows, begin, end);
-      };
-      if (items <= grain) {
-        run(0, items);
-      } else {
-        at::parallel_for(0, items, grain, run);
-      }
+                tagged_rows_gemm<scalar_t>(a, t, table, b, cu(b), cu(b + 1), pos_lo[b], pos_hi[b]);
+    // items: blocks of up to max_rows rows of one sequence x kv heads (the sequences the GEMM
+    // route did not answer)
+    std::vector<int64_t> blocks;
+    for (int64_t b = 0; b < batch; ++b) {
+      if (done[b]) continue;
+      for (int64_t r = cu(b); r < cu(b + 1); r += max_rows) blocks.insert(blocks.end(), {r, std::min(max_rows, cu(b + 1) - r)});
+    }
+    const int64_t items = static_cast<int64_t>(blocks.size()) / 2 * H;
+    int64_t kv_total = 0;
+    for (int64_t b = 0; b < batch; ++b) kv_total += a.kv_lens(b);
+    const int64_t per_item = std::max<int64_t>(1, kv_total / std::max<int64_t>(1, batch) * D * (a.num_heads / H));
+    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
+    auto run = [&](int64_t begin, int64_t end) {
+      tagged_items_run<scalar_t>(a, t, table, blocks.data(), max_rows, begin, end);
+    };
+    if (items <= grain) {
+      run(0, items);
+    } else {
+      at::parallel_for(0, items, grain, run);
     }
   });
 }
@@ -446,8 +410,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
   RAGATTN_CHECK_VALUE(std::isfinite(scale) && std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
                       ": scale finite, logits_soft_cap finite and >= 0");
   const TaggedArgs t{IndexView(pages), IndexView(row_start), IndexView(entry_pos ? *entry_pos : pages),
-                     IndexView(entry_len ? *entry_len : pages), entry_pos.has_value(), entry_len.has_value(),
-                     nullptr, nullptr};
+                     IndexView(entry_len ? *entry_len : pages), entry_pos.has_value(), entry_len.has_value()};
   check_tagged_values(q_pos, cu_seqlens_q, k_cache.size(0), k_cache.size(1), t, pages, kv_lens, table_rows);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));

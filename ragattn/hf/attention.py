@@ -60,7 +60,7 @@ Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``mo
   slot; RoPE positions come from ``position_ids`` and may differ from slots). The caller advances
   ``lengths`` after the forward (:class:`ragattn.hf.cache.PagedCache` does it for ``generate()``).
   ``ragattn_paged`` may also be a zero-copy request (:class:`ragattn.kv.TaggedPagedKV`,
-  ``ChunkStore.request``): keys are stored un-rotated on shared and private pages, positions come
+  ``ChunkStore.request``): keys are stored page-local on shared and private pages, positions come
   from its page table and RoPE is applied in the kernel; it needs ``position_ids`` (batch 1) and
   masks by position (the same rule as by slot for the methods' position schemes).
 * ``ragattn_slots`` int ``[q]`` with ``ragattn_paged`` (batch 1): selective recompute. The current

@@ -9,8 +9,8 @@ Two caches, one interface for a forward of ``q`` new tokens (every layer)::
 * :class:`PagedKV` (the copy path): a request's own pages, keys stored rotated, slot ``j`` at
   position ``j`` (a padded block table); batch ``B``.
 * :class:`TaggedPagedKV` (zero copy): a request's entries over the chunk store's shared pages and
-  its private ones, keys stored without RoPE and rotated in the kernel by ``positions`` (a
-  position-tagged table); batch 1.
+  its private ones, keys stored page-local (slot ``o`` of a page rotated by ``o``) and moved to
+  their ``positions`` in the kernel (a position-tagged table); batch 1.
 
 A sliding window is by position on both, refused where positions overlap unless it hides nothing
 (:mod:`ragattn.kv.window`). The per-forward state (where the new tokens go, the tables, the attention plans) is the

@@ -1,13 +1,16 @@
 """The zero-copy request cache: a request attends to shared chunk pages in place, positions in its page table.
 
-A :class:`TaggedPagedKV` is a batch-1 request cache whose keys are all stored *without RoPE* and
-whose slots live on pages it does not own: the pages of the chunk store's pool (shared with every
+A :class:`TaggedPagedKV` is a batch-1 request cache whose keys are all stored *page-local* (slot
+``o`` of a page holds its key rotated by ``o``, whatever the page's position) and whose slots live
+on pages it does not own: the pages of the chunk store's pool (shared with every
 other request that retrieved the same chunks) and private pages (the question, the answer, and
 copies of shared pages that selective recompute writes to: copy on write). Its page table is a
 list of entries (page, first position, valid slots) (``ragattn.PageTable.from_entries``), so the
-position of a slot comes from its entry, never from its index; the attention kernel rotates each
-key tile by those positions in fp32 (``run_paged_attention(..., inv_freq=...)``). One rule holds
-for every slot: shared or private, chunk or question, its key is un-rotated.
+position of a slot comes from its entry, never from its index; the attention kernel moves each
+page to its entry's first position ``p0`` in fp32 (``run_paged_attention(..., inv_freq=...)``: on
+the CPU it rotates the query by ``-p0`` once per entry, since ``R(m) q . R(p0 + o) k = R(m - p0) q .
+R(o) k``). One rule holds for every slot: shared or private, chunk or question, its key is
+rotated by its page offset.
 
 Logical slots (what the methods index, as with :class:`~ragattn.kv.PagedKV`): the
 request's tokens in prompt order, dense, ``0 .. lengths[0] - 1``; slot ``t`` lies in entry
@@ -56,7 +59,8 @@ from ragattn.ops import PagedAttentionStep
 
 class ZeroCopyForward:
     """What every layer of one forward shares: where the new tokens go (``writes``: per segment
-    the new tokens, their rows and the ``-positions`` that un-rotate their keys), the query rows'
+    the new tokens, their rows and the rotation deltas ``offset - position`` that put their keys in
+    the page-local form), the query rows'
     ``positions`` and one attention step per segment holding entries (``steps``); for the
     window rule (:mod:`ragattn.kv.window`) the filled slots' positions, the last query slot and
     whether positions overlap (computed at the first windowed layer)."""
@@ -228,7 +232,7 @@ class TaggedPagedKV:
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of layer ``layer``'s K, V at logical ``slots``: ``[n, Hkv, D]`` each, keys rotated
-        to their slots' positions (fp32 rotation, like the kernel), as a plain cache holds them."""
+        from their page offsets to their slots' positions (fp32 rotation), as a plain cache holds them."""
         self._check_open()
         seg, row, pos = self.slot_location(slots)
         n = seg.numel()
@@ -241,7 +245,8 @@ class TaggedPagedKV:
             k[sel.to(self.device)] = ks[layer].view(-1, self.num_kv_heads, self.head_dim).index_select(0, r)
             v[sel.to(self.device)] = vs[layer].view(-1, self.num_kv_heads, self.head_dim).index_select(0, r)
         if n:
-            _ops.rerotate_keys_([k], torch.arange(n, device=self.device), pos.to(self.device), self.inv_freq,
+            delta = (pos - row % self.page_size).to(self.device)
+            _ops.rerotate_keys_([k], torch.arange(n, device=self.device), delta, self.inv_freq,
                                 self.rotary_dim, self.interleaved)
         return k, v
 
@@ -349,8 +354,9 @@ class TaggedPagedKV:
         f.writes = []
         for s in segs.unique().tolist():
             sel = (segs == s).nonzero()[:, 0]
-            # a key is stored un-rotated: rotated back by -position as it is copied in
-            f.writes.append((s, sel.to(self.device), rows[sel].to(self.device), (-written[sel]).to(self.device)))
+            # a key is stored page-local: rotated from its position to its page offset as it is copied in
+            to_local = off[w][sel] - written[sel]
+            f.writes.append((s, sel.to(self.device), rows[sel].to(self.device), to_local.to(self.device)))
         f.positions = pos.to(self.device)
         f.cu_q = torch.tensor([0, q], dtype=torch.int32, device=self.device)
         f.steps = []
@@ -381,26 +387,26 @@ class TaggedPagedKV:
 
     def write(self, f: ZeroCopyForward, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write the forward's new K (rotated at its positions, as the model made it: stored
-        un-rotated) and V ``[q, Hkv, D]`` of ``layer`` into their pages."""
+        rotated by its page offset) and V ``[q, Hkv, D]`` of ``layer`` into their pages."""
         if f.src is not None:
             k_new, v_new = k_new.index_select(0, f.src), v_new.index_select(0, f.src)
         if not f.writes:
             return
         k_new, v_new = k_new.to(self.dtype).contiguous(), v_new.to(self.dtype).contiguous()
-        for s, sel, rows, unrotate in f.writes:
+        for s, sel, rows, to_local in f.writes:
             dst = self._rows.get((s, layer))
             if dst is None:
                 ks, vs = self.segments[s]
                 shape = (-1, self.num_kv_heads, self.head_dim)
                 dst = self._rows[(s, layer)] = ([ks[layer].view(shape)], [vs[layer].view(shape)])
-            # one pass: K rotated back by -position (in fp32, rounded once) and V, into their rows
-            _ops.copy_kv_(dst[0], dst[1], [k_new], [v_new], sel, rows, unrotate, self.inv_freq, self.rotary_dim,
+            # one pass: K rotated to its page offset (in fp32, rounded once) and V, into their rows
+            _ops.copy_kv_(dst[0], dst[1], [k_new], [v_new], sel, rows, to_local, self.inv_freq, self.rotary_dim,
                           self.interleaved)
 
     def attend(self, f: ZeroCopyForward, layer: int, q_rows: torch.Tensor, scale: float, window_left: int = -1,
                logits_soft_cap: float = 0.0) -> torch.Tensor:
         """``q_rows`` ``[q, Hq, D]`` (rotated) against every valid slot at a position ``<=`` its row's:
-        one paged attention step per segment (keys rotated in the kernel by their positions),
+        one paged attention step per segment (pages moved to their positions in the kernel),
         merged by LSE. Returns ``[q, Hq, D]``. A window over overlapping positions follows
         :mod:`ragattn.kv.window` (refused unless it hides nothing)."""
         if window_left >= 0:

@@ -4,7 +4,7 @@
     res = block_attention.answer(model, tokenizer, chunks, question, max_new_tokens=32, store=store)
 
 Every block but the last (the prompt head and each chunk) is computed alone at positions
-``0..n-1`` and cached in the :class:`~ragattn.store.ChunkStore` (keys position-free);
+``0..n-1`` and cached in the :class:`~ragattn.store.ChunkStore` (keys page-local);
 at request time the blocks are re-encoded to their real offsets by the request's page table (each
 page's first position; RoPE applied in the attention kernel, no copy; ``zero_copy=False``: copied
 into the request's paged cache, keys rotated on the way by one ``copy_kv_``); the final block (question + assistant header) is prefilled through

@@ -10,7 +10,7 @@
 * "composite": every chunk keeps its own 0-based positions; the question starts after the longest
   chunk (``max len``).
 
-Either scheme is just the request's page table over the store's shared, position-free chunk pages
+Either scheme is just the request's page table over the store's shared, page-local chunk pages
 (``ChunkStore.request``; keys rotated in the attention kernel); ``zero_copy=False`` copies the
 chunks into a request cache instead, keys rotated on the way (``copy_kv_``).
 Chunks attend only to themselves (Independent Attention); the final block (question + assistant

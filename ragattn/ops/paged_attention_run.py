@@ -160,9 +160,11 @@ def run_paged_attention(
             strides with a unit last-dim stride).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         inv_freq: float32 ``[rotary_dim // 2]`` (the model's RoPE frequencies, every HF scaling
-            variant included): the caches hold keys *without* RoPE and the kernel rotates each
-            key tile by its slots' positions in fp32 (angles reduced in fp64), q arriving rotated
-            as usual. ``rotary_dim`` (default head_dim, even, <= head_dim; partial rotary leaves the
+            variant included): the caches hold keys *page-local*, slot ``o`` of every page rotated
+            by ``o`` (a page is valid wherever a table places it), and the kernel moves each page to
+            its entry's first position ``p0`` in fp32 (angles reduced in fp64), q arriving rotated
+            as usual: the Triton kernel rotates each key tile by ``p0``, the CPU kernel the query by
+            ``-p0`` once per entry (``R(m) q . R(p0 + o) k = R(m - p0) q . R(o) k``). ``rotary_dim`` (default head_dim, even, <= head_dim; partial rotary leaves the
             other dims as they are), ``interleaved`` (False: NeoX/HF halves, True: GPT-J pairs).
         k_scale, v_scale: float32 ``[]`` or ``[1]`` per-tensor scales of float8 caches (vLLM's
             ``kv_cache_dtype="fp8"``: ``float8_e4m3fn``, or ``float8_e5m2``): the kernel reads
@@ -365,7 +367,7 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
          v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None):
     """The run op on validated arguments, on the backend of ``kernel_backend``: the Triton kernel
     with the plan; on the CPU the C++ kernels (the tagged one for position-tagged tables and
-    un-rotated keys) or the reference, which need no plan."""
+    page-local keys) or the reference, which need no plan."""
     backend = kernel_backend(q)
     if backend == "triton":
         from ragattn.triton_kernels.paged_attention import PagedPlan, run_paged_attention as run_tiles

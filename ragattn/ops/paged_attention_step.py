@@ -100,7 +100,7 @@ class PagedAttentionStep:
             out: Optional[torch.Tensor] = None,
             lse_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out [total_q, Hq, D], lse float32 [total_q, Hq])`` of ``run_paged_attention`` over the
-        step's table (same arguments; ``inv_freq``: keys stored without RoPE). ``out``, ``lse_out``:
+        step's table (same arguments; ``inv_freq``: keys stored page-local). ``out``, ``lse_out``:
         optional outputs (``[total_q, Hq, D]`` in q's dtype, float32 ``[total_q, Hq]``; any strides;
         no overlap with an input), written and returned; a missing one is allocated."""
         t = self.table

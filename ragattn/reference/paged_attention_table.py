@@ -1,6 +1,8 @@
 """Plain-torch reference of ``paged_attention_run`` over a position-tagged page list (zero-copy
 chunk pages): each entry of a sequence's page list carries the position of its slot 0 and its
-count of valid slots, and keys may be stored without RoPE (rotated here by their position).
+count of valid slots, and RoPE may be left to the kernel: then slot ``o`` of every page holds its key
+rotated by ``o`` (page-local), and the key of a slot at position ``p0 + o`` (``p0``: its entry's first
+position) is rotated here by ``p0`` more, to ``p0 + o``.
 
 Float64-capable; the attention itself is ``varlen_attention``'s reference (same mask semantics:
 visible iff ``kv_pos <= q_pos`` and, with a window, ``kv_pos >= q_pos - window_left``).
@@ -65,7 +67,8 @@ def paged_attention_table(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[total_q, H, D]`` (rows at ``q_pos``, already rotated) over each
     sequence's valid slots (``table_slots``); with ``inv_freq`` (float32 ``[rotary_dim // 2]``)
-    the keys are rotated by their slot's position first (``rope_rotate``: angles in float64,
+    each key, stored rotated by its page offset ``o``, is rotated by ``position - o`` first (to its
+    position; ``rope_rotate``: angles in float64,
     products in float64; with ``upcast=False`` in float32 and rounded once to the keys' dtype, as
     the kernel does). Returns out like q and lse ``[total_q, H]``."""
     slots = table_slots(pages, row_start, kv_lens, k_cache.shape[1], entry_pos, entry_len)
@@ -73,9 +76,10 @@ def paged_attention_table(
     for page, off, pos in slots:
         k = k_cache[page, off]
         if inv_freq is not None and rotary_dim > 0 and k.shape[0]:
-            # upcast=False is the kernel's own computation in the keys' dtype: rotated in fp32,
-            # rounded once to that dtype, then attention in it
-            k = rope_rotate(k.double() if upcast else k, pos, inv_freq, rotary_dim, interleaved,
+            # stored rotated by the page offset `off`: rotated by the entry's first position
+            # pos - off more. upcast=False is the same computation in the keys' dtype: rotated in
+            # fp32, rounded once to that dtype, then attention in it
+            k = rope_rotate(k.double() if upcast else k, pos - off, inv_freq, rotary_dim, interleaved,
                             compute_dtype=torch.float64 if upcast else torch.float32)
         ks.append(k)
         vs.append(v_cache[page, off])

@@ -11,9 +11,10 @@
 fingerprint, dimensions, RoPE, a prefill function), or a model that a registered describer turns
 into one: a HuggingFace model once ``ragattn.hf`` is imported (:mod:`ragattn.hf.store_model`),
 whose chunks are computed by one ``varlen_attention`` forward over all missing chunks packed (one
-sequence per chunk, positions 0..n-1 per chunk). The pool keeps each chunk's keys *position-free*
-(un-rotated once, in fp32, when the chunk enters the pool; its pages are never written again), so
-that a request may attend to them in place with RoPE applied in the kernel (:meth:`ChunkStore.request`,
+sequence per chunk, positions 0..n-1 per chunk). The pool keeps each chunk's keys *page-local*
+(a row's key rotated by its offset in its page, ``row % page_size``: rotated once, in fp32, when the
+chunk enters the pool; its pages are never written again), so that a request may attend to them
+in place at any position with RoPE applied in the kernel (:meth:`ChunkStore.request`,
 zero-copy) and a copy into a caller's cache rotates each key once, to its target position. Chunk
 files and :meth:`ChunkStore.get_kv` hold keys rotated at the chunk's local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
 fingerprint (:func:`model_fingerprint`) hashes the model's config (every value but the attention
@@ -113,7 +114,7 @@ creation, naming it, unless ``read_only=True`` (serve the chunks in it; new chun
 
 The class is assembled from one module per concern: :mod:`.entries` (pool entries, LRU, pins),
 :mod:`.chunk_files` (disk I/O), :mod:`.add` (prefill of missing chunks, derived entries),
-:mod:`.export` (un-rotated copies, the pool copied out), :mod:`.copy_out` (gather and assemble),
+:mod:`.export` (chunk copies at local positions, the pool copied out), :mod:`.copy_out` (gather and assemble),
 :mod:`.zero_copy` (requests over the pool's own pages); this module holds the model following and
 the lookups.
 """

@@ -77,7 +77,7 @@ class _CopyOut:
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
                      dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
-                     split_heads: bool = False, rotate: bool = True) -> None:
+                     split_heads: bool = False) -> None:
         """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
 
         ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
@@ -88,10 +88,10 @@ class _CopyOut:
         ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
         caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
         token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
-        RoPE position each key is rotated to (None: its local position ``j`` within its chunk; the
-        pool holds keys position-free, so every gathered key is rotated once, by its position);
-        ``rotate=False``: keys are written position-free (no RoPE; ``positions`` must be None), for
-        a caller that rotates them itself (one rotation, by the target position).
+        RoPE position each key is rotated to (None: its local position ``j`` within its chunk;
+        the pool holds each key rotated by its page offset, so every gathered key is rotated once,
+        from there to its position; 0 leaves it without RoPE, a destination page offset puts it in
+        the pool's form there, for a kernel that rotates keys itself).
         Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
         unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
         involved."""
@@ -111,10 +111,7 @@ class _CopyOut:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
                                       f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
                                       f"{len(dst_k)} and {len(dst_v)}")
-            delta = self._local_positions(lens)[skip:] if rotate else None
-            if positions is not None and not rotate:
-                raise ChunkStoreError("ragattn.ChunkStore.gather_into_: positions with rotate=False (the keys "
-                                      "stay position-free)")
+            delta = self._local_positions(lens)[skip:]
             if positions is not None:
                 if tuple(positions.shape) != (n,):
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
@@ -138,24 +135,24 @@ class _CopyOut:
         offs = torch.repeat_interleave(starts, torch.tensor(lens), output_size=total)
         return torch.arange(total, dtype=torch.int64).sub_(offs).to(self.device)
 
-    def _copy(self, entries, lens, dst_k, dst_v, dst, delta, skip: int = 0, split_heads: bool = False):
-        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from position-free
-        to ``delta`` (int64, each token's target position; None: left position-free)."""
+    def _copy(self, entries, lens, dst_k, dst_v, dst, target, skip: int = 0, split_heads: bool = False):
+        """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from the pool's form
+        (by their page offset) to ``target`` (int64, each token's RoPE position)."""
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
-        rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved) if delta is not None else (None, 0, False)
+        rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
+        src_all = (torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows)[skip:]
+        delta = target - src_all % self.page_size
         if len(slabs) == 1:
-            src = torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows
-            _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(slabs[0], split_heads), src[skip:], dst, delta, *rot)
+            _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(slabs[0], split_heads), src_all, dst, delta, *rot)
             return
         slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
                              for e in entries for s, _, r in e.parts])[skip:].to(self.device)
-        src_all = torch.cat([e.rows for e in entries])[skip:]
         for i, s in enumerate(slabs):
             sel = (slab_of == i).nonzero()[:, 0]
             if sel.numel() == 0:
                 continue
             _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(s, split_heads), src_all[sel], dst[sel],
-                          delta[sel] if delta is not None else None, *rot)
+                          delta[sel], *rot)
 
     def _request_cache(self, capacity: int, page_size: int):
         """A fresh batch-1 ``PagedKV``. On the CPU its memory is the buffer of a request cache
@@ -214,8 +211,8 @@ class _CopyOut:
                 pos = slots.to(torch.int32)
             else:
                 pos = self._local_positions(lens).to(torch.int32)
-            # position-free keys are rotated to their slot's position (rerotate=False: to the
-            # chunk-local ones, as if the chunks had not moved)
+            # keys are rotated to their slot's position (rerotate=False: to the chunk-local ones,
+            # as if the chunks had not moved)
             self._copy(entries, lens, cache.k, cache.v, dst, pos.long() if rerotate else self._local_positions(lens))
         finally:
             self._unpin(pinned)

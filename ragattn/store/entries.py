@@ -1,5 +1,5 @@
 """The store's resident chunks: entries in the page pool, their LRU order and pins, and the
-position-free form of their keys (see :mod:`ragattn.store.chunk_store`, "Memory").
+page-local form of their keys (see :mod:`ragattn.store.chunk_store`, "Memory").
 
 Part of :class:`~ragattn.store.ChunkStore` (a mixin over its state: ``_pool``, ``_entries``,
 ``_recomputable``, ``_stale``, ``_layout``, ``stats``, ``rope``/``_inv_freq``); loading and
@@ -32,7 +32,7 @@ class _Entry:
 
 
 class _Entries:
-    """The pool's entries: LRU eviction, insertion (keys made position-free), pinning."""
+    """The pool's entries: LRU eviction, insertion (keys made page-local), pinning."""
 
     @property
     def pool_bytes(self) -> int:
@@ -97,22 +97,25 @@ class _Entries:
         parts = self._alloc(n)
         rows = self._pool.rows_of(parts)
         self._pool.write(parts, rows, k_layers, v_layers)
-        self._rotate_parts_(parts, rows, -1)   # position-free: un-rotated from 0..n-1, in fp32
+        self._to_page_local_(parts, rows)   # the pool's form: rotated from 0..n-1 to page offsets
         e = _Entry(tokens.to("cpu", torch.int64), parts, rows, on_disk, variant)
         self._entries[key] = e
         self._recomputable.pop(key, None)
         self._layout += 1
         return e
 
-    def _rotate_parts_(self, parts, rows: torch.Tensor, sign: int) -> None:
-        """Rotate the keys of a chunk (``parts``/``rows`` of its pages, token order) in place by
-        ``sign * j`` for its token ``j``: -1 makes keys computed at ``0..n-1`` position-free
-        (the pool's form), +1 the reverse. One ``rerotate_keys_`` per slab (fp32 rotation)."""
+    def _to_page_local_(self, parts, rows: torch.Tensor) -> None:
+        """Rotate the keys of a chunk (``parts``/``rows`` of its pages, token order), computed at
+        ``0..n-1``, in place to the pool's form: a pool row holds its key rotated by its offset in
+        its page (``row % page_size``; a chunk's pages are whole but its last, so token ``j`` is
+        rotated by ``j % page_size``), valid wherever a request places the page (the attention
+        kernel rotates it by the page's first position more). One ``rerotate_keys_`` per slab
+        (fp32 rotation)."""
         at = 0
         for slab, _, r in parts:
-            delta = torch.arange(at, at + r, dtype=torch.int64, device=self.device)
-            _ops.rerotate_keys_(slab.k, rows[at: at + r], delta if sign > 0 else delta.neg_(), self._inv_freq,
-                                self.rope.rotary_dim, self.rope.interleaved)
+            sel = rows[at: at + r]
+            delta = sel % self.page_size - torch.arange(at, at + r, dtype=torch.int64, device=self.device)
+            _ops.rerotate_keys_(slab.k, sel, delta, self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
             at += r
 
 

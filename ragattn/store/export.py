@@ -1,5 +1,5 @@
 """What leaves the store as plain tensors: a chunk's K/V at its local positions
-(:meth:`ChunkStore.get_kv`, :meth:`ChunkStore.kv`; the pool holds keys position-free) and the whole
+(:meth:`ChunkStore.get_kv`, :meth:`ChunkStore.kv`; the pool holds keys page-local) and the whole
 pool copied out and back (:meth:`ChunkStore.pooled_kv`, :meth:`ChunkStore.load_pooled_kv_`).
 
 Part of :class:`~ragattn.store.ChunkStore` (a mixin over its pool and entries).
@@ -14,7 +14,7 @@ from ragattn.store.errors import ChunkStoreError
 
 
 class _Export:
-    """Copies of chunks (keys rotated back to 0..n-1) and of the pool."""
+    """Copies of chunks (keys rotated to 0..n-1) and of the pool."""
 
     def _read_local(self, e: _Entry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer ``[n, Hkv, D]`` copies of an entry, keys rotated to its local positions
@@ -22,8 +22,9 @@ class _Export:
         k, v = self._pool.read(e.parts, e.rows)
         n = e.length
         if n:
-            _ops.rerotate_keys_(k, torch.arange(n, device=self.device), torch.arange(n, device=self.device),
-                                self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
+            # from the pool's page offsets to 0..n-1
+            delta = torch.arange(n, device=self.device) - e.rows.to(self.device) % self.page_size
+            _ops.rerotate_keys_(k, torch.arange(n, device=self.device), delta, self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
         return k, v
 
     def pooled_kv(self, device: str | torch.device = "cpu", pin_memory: bool = False
@@ -35,7 +36,8 @@ class _Export:
         ``pin_memory=True`` (CPU ``device`` only, needs CUDA) allocates them in page-locked
         memory so that :meth:`load_pooled_kv_` can copy them to the GPU asynchronously. The copy
         is only meaningful to this store while no chunk is added, evicted or overwritten.
-        Keys are position-free (no RoPE; :meth:`get_kv` rotates them to their local positions)."""
+        Keys are in the pool's form: each rotated by its row's offset in its page (``row % page_size``;
+        :meth:`get_kv` rotates them to their local positions)."""
         self._sync()
         device = torch.device(device)
         if pin_memory and device.type != "cpu":
@@ -78,7 +80,7 @@ class _Export:
 
     def get_kv(self, key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies, keys rotated to the chunk's
-        local positions ``0..n-1`` (the pool holds them position-free: rotated here, in fp32)."""
+        local positions ``0..n-1`` (the pool holds them page-local: rotated here, in fp32)."""
         self._sync()
         e = self._get(key)
         return self._read_local(e)

@@ -86,7 +86,7 @@ class _ZeroCopy:
     @torch.no_grad()
     def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
         """A zero-copy request over the chunks ``keys`` (in this order): no K/V is copied; the
-        request's page table points at the chunks' own (shared, position-free) pool pages with
+        request's page table points at the chunks' own (shared, page-local) pool pages with
         their positions, followed by ``ceil(extra_slots / page_size)`` private pages from the pool
         for the final block and the answer. The model then runs on ``req.cache`` through the
         "ragattn" attention (``ragattn_paged=req.cache`` or a ``PagedCache``), keys rotated in the

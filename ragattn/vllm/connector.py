@@ -524,7 +524,7 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
         """Serves the request from shared chunk pages: writes the chunks not in their pages yet
-        (keys position-free), copies the claim's last partial block into the request's own block
+        (keys page-local), copies the claim's last partial block into the request's own block
         and registers its entries for ragattn's backend. False (the copy path follows) if a chunk
         cannot be loaded: that chunk's pages are reported and never read."""
         bs = self._block_size

@@ -235,7 +235,8 @@ class PageWriter:
             rows = slot_rows(per_group[0], self.groups[0][2], skip, end).to(self.device)
             self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True)
             return
-        self._write_staged(keys, per_group, positions, skip, end)
+        local = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in spans])[skip:]
+        self._write_staged(keys, per_group, positions, local, skip, end)
 
     def _group_rows(self, ids, bs, sliding, skip, end):
         """(cache rows, staging rows) of one group's tokens ``skip..end-1``; a sliding group's null
@@ -274,28 +275,35 @@ class PageWriter:
 
     def write_chunk_pages(self, key: str, block_ids: Sequence[int], length: int) -> None:
         """Chunk ``key``'s ``length`` tokens into its own pages ``block_ids`` (token ``j`` at block
-        ``block_ids[j // block_size]``), keys position-free (no RoPE): the shared chunk pages of
-        :mod:`ragattn.vllm.shared_pages`, rotated by the attention kernel. One full-attention group
+        ``block_ids[j // block_size]``), keys page-local (each rotated by its offset in its block,
+        ``j % block_size``): the shared chunk pages of :mod:`ragattn.vllm.shared_pages`, moved to
+        their positions by the attention kernel. One full-attention group
         of unquantised caches ("channel" or "rows" split); ChunkStoreError (nothing written) for a
         chunk that cannot be loaded."""
         if len(self.groups) != 1 or self.groups[0][1] or any(self.fp8) or self.split == "rows_kt":
             raise CacheLayoutError("ragattn.vllm: shared chunk pages need one full-attention KV cache group of "
                                    "unquantised caches in the 'channel' or 'rows' layout")
         if self.store.device == self.device:
-            rows = slot_rows(list(block_ids), self.groups[0][2], 0, length).to(self.device)
-            self.store.gather_into_([key], self.k, self.v, rows, None, split_heads=True, rotate=False)
+            bs = self.groups[0][2]
+            rows = slot_rows(list(block_ids), bs, 0, length).to(self.device)
+            self.store.gather_into_([key], self.k, self.v, rows, rows % bs, split_heads=True)
         else:
-            self._write_staged([key], [list(block_ids)], None, 0, length)
+            self._write_staged([key], [list(block_ids)], None, torch.arange(length, dtype=torch.int64), 0, length)
 
-    def _write_staged(self, keys, per_group, positions, skip, end):
+    def _write_staged(self, keys, per_group, positions, local, skip, end):
+        """Through a ``[n, Hkv, D]`` staging copy per layer (``local``: each token's position in its
+        chunk), keys rotated to ``positions`` (None: page-local, to their block offset)."""
         st = self.store
         n = end - skip
         shape = (n, st.num_kv_heads, st.head_dim)
         sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
         sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
-        # keys stay position-free here (as the pool holds them); the one rotation, by each key's
-        # target position, happens on the cache's device in copy_kv_
-        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), skip=skip, rotate=False)
+        # staged as the pool holds them (rotated by their pool page offset, local % page_size: a
+        # plain copy); the one rotation, to each key's target, happens on the cache's device in
+        # copy_kv_ (positions None: page-local, to its block offset)
+        pool_off = local % st.page_size
+        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), pool_off, skip=skip)
+        pool_off = pool_off.to(self.device)
         delta = None if positions is None else positions.to(self.device)  # int64 (vLLM's position dtype)
         hs = range(st.num_kv_heads)
         sk = [t.to(self.device, non_blocking=True) for t in sk]
@@ -311,8 +319,8 @@ class PageWriter:
                 if not part:
                     continue
                 scale = dict(zip(("dst_k_scale", "dst_v_scale"), self._head_scales(part))) if fp8 else {}
-                rot = ((delta[src_d], self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)
-                       if delta is not None else (None, None, 0, False))   # (None: keys stay position-free)
+                to = (delta[src_d] if delta is not None else rows_d % bs) - pool_off[src_d]
+                rot = (to, self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)
                 _ops.copy_kv_([self.k[l * H + h] for l in part for h in hs],
                               [self.v[l * H + h] for l in part for h in hs],
                               [sk[l][:, h:h + 1] for l in part for h in hs],

@@ -4,7 +4,7 @@ server with ragattn's attention backend; Block-Attention and TurboRAG requests).
 
 ::
 
-    request A: | chunk 1 | chunk 2 |  question A ...      chunk pages, one copy (keys without RoPE):
+    request A: | chunk 1 | chunk 2 |  question A ...      chunk pages, one copy (keys page-local):
     request B: | chunk 2 | chunk 1 |  question B ...        chunk 1: blocks 7 8   chunk 2: blocks 3 9
                                                           private blocks (keys rotated by vLLM):
     A's blocks: | null | null | 12 | 13 |                   A: 12 13 (chunk 2's tail, then question A)

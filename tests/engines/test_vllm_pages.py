@@ -169,7 +169,7 @@ def test_pages_equal_assembled_request(store, split, skip, stage):
     for l, (pk, pv) in enumerate(_read_pages(caches, split, rows)):
         want_k = req.cache.k[l].reshape(-1, H, D)[ref_rows]
         want_v = req.cache.v[l].reshape(-1, H, D)[ref_rows]
-        # staged or not, each key is rotated once from the pool's position-free key: bit for bit
+        # staged or not, each key is rotated once from the pool's page-local key: bit for bit
         assert torch.equal(pk[skip:], want_k[skip:])
         assert torch.equal(pv[skip:], want_v[skip:])
         assert pk[:skip].isnan().all() and pv[:skip].isnan().all()    # vLLM's own prefix hit

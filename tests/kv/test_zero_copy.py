@@ -1,4 +1,4 @@
-"""Zero-copy chunk assembly: position-free chunk pages in the store, request page
+"""Zero-copy chunk assembly: page-local chunk pages in the store, request page
 tables over the store's own pages with RoPE in the kernel, copy-on-write for recompute, pinning."""
 import pytest
 import torch
@@ -21,9 +21,10 @@ def _chunks(seed, lens):
     return [torch.randint(1, 97, (n,), generator=g).tolist() for n in lens]
 
 
-def test_pool_keys_are_position_free(model):
-    """The pool holds each chunk's keys without RoPE: rotating them by the local positions gives
-    the keys a plain forward computes; the values are stored as they are."""
+def test_pool_keys_are_page_local(model):
+    """The pool holds each chunk's keys page-local, token j rotated by its page offset j % page_size
+    (a chunk's pages are whole but its last): rotating them by j - j % page_size more gives the keys
+    a plain forward computes; the values are stored as they are."""
     chunks = _chunks(0, [9, 1, 21])
     store = ChunkStore(model, page_size=4)
     keys = store.add(chunks)
@@ -35,11 +36,15 @@ def test_pool_keys_are_position_free(model):
         n = len(c)
         for l in range(SHAPE["num_hidden_layers"]):
             want_k = past.layers[l].keys[0].transpose(0, 1)
-            got = rope_rotate(raw_k[l], torch.arange(n), store.rope.inv_freq, store.rope.rotary_dim,
+            j = torch.arange(n)
+            got = rope_rotate(raw_k[l], j - j % 4, store.rope.inv_freq, store.rope.rotary_dim,
                               store.rope.interleaved)
             torch.testing.assert_close(got, want_k, rtol=1e-5, atol=1e-5)
-            if n > 1:   # not the rotated keys themselves (position 0 is the identity)
-                assert (raw_k[l][1:] - want_k[1:]).abs().max() > 1e-3
+            if n > 4:   # not the rotated keys themselves (the first page is at position 0)
+                assert (raw_k[l][4:] - want_k[4:]).abs().max() > 1e-3
+            local = rope_rotate(want_k, j % 4 - j, store.rope.inv_freq, store.rope.rotary_dim,
+                                store.rope.interleaved)
+            torch.testing.assert_close(raw_k[l], local, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(raw_v[l], past.layers[l].values[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
@@ -177,7 +182,7 @@ def test_request_over_several_slabs_merges_exactly(model, backend, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generate_on_a_request_equals_the_copy_path(model, backend, monkeypatch):
     """Greedy decoding over a PagedCache of a zero-copy request gives the copy path's tokens, and
-    every decode step's keys go un-rotated into the private pages (several of them)."""
+    every decode step's keys go page-local into the private pages (several of them)."""
     from ragattn.methods.generate import generate_paged
 
     class Tok:

@@ -13,7 +13,8 @@ from tests.ops.test_paged_attention_plan import I32, _plan, backend  # noqa: F40
 
 def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, head_dim, dtype, device,
                      question_len=3, gen=None):
-    """One request over chunk pages whose K is stored *without* RoPE: entries (page, first
+    """One request over chunk pages whose K is stored *page-local* (random keys: any values are
+    keys rotated by their page offset): entries (page, first
     position, valid slots) with the chunks positioned by ``scheme`` ("composite": every chunk from
     0; "reordered": consecutive; "gapped": consecutive with random gaps), then a private question
     entry. Rows: the question's tokens and one scattered row inside each chunk (selective
@@ -63,9 +64,10 @@ def _table_refs(q, q_pos, cu, k, v, table, window_left, rope):
 @pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped"])
 @pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
 def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme, rope):
-    """Zero-copy requests: keys stored without RoPE in shared chunk pages, positions and valid
-    slots from the page list, rotated in the kernel; vs the float64 reference (rotate each key by
-    its position, then varlen attention by position), with the precision rule."""
+    """Zero-copy requests: keys stored page-local in shared chunk pages, positions and valid
+    slots from the page list, moved to their positions in the kernel; vs the float64 reference
+    (rotate each key by its entry's first position, then varlen attention by position), with the
+    precision rule."""
     from tests.helpers import assert_precision
 
     gen = torch.Generator().manual_seed(seed)
@@ -91,6 +93,50 @@ def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         assert_precision(out.cpu(), o64, olp)
         assert_precision(lse.cpu(), l64, llp, what="lse")
+
+
+@pytest.mark.parametrize("rope", ["neox", "gptj-partial"])
+def test_page_local_keys_attend_as_keys_rotated_at_their_positions(backend, device, seed, rope):
+    """What "page-local" means, from the definition of RoPE and not from the reference: keys
+    ``x`` of every slot rotated by their page offset (``rope_rotate(x, o)``), placed by the table
+    and moved in the kernel, attend as the same ``x`` rotated at their positions and stored
+    as a plain cache holds them (``rope_rotate(x, p0 + o)``, no ``inv_freq``): the run with RoPE in
+    the kernel against the float64 reference of the run without it."""
+    from ragattn.reference.kv_cache import rope_rotate
+    from ragattn.reference.paged_attention_table import table_slots
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, page_size = 64, 8
+    rotary_dim, interleaved = (64, False) if rope == "neox" else (32, True)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    q, q_pos, cu, x, v, table = make_tagged_case([13, 8, 21], "gapped", page_size=page_size, num_heads=6,
+                                                 num_kv_heads=2, head_dim=head_dim, dtype=torch.float32,
+                                                 device=torch.device("cpu"), gen=gen)
+    # request 2 puts chunk 0's pages at another position: one physical key, two rotations; keep
+    # request 1 only, so that each physical slot has one position
+    n1 = int(table.row_start[1])
+    keep = int(cu[1])
+    table = PageTable.from_entries(torch.tensor([0, n1], dtype=I32), table.pages[:n1], table.entry_pos[:n1],
+                                   table.entry_len[:n1], page_size)
+    q, q_pos, cu = q[:keep], q_pos[:keep], cu[:2]
+    offsets = torch.arange(page_size).repeat(x.shape[0])
+    local = rope_rotate(x.double().reshape(-1, x.shape[2], head_dim), offsets, inv_freq, rotary_dim, interleaved,
+                        compute_dtype=torch.float64).reshape(x.shape)
+    placed = local.clone()
+    (page, off, pos), = table_slots(table.pages, table.row_start, table.kv_lens, page_size, table.entry_pos,
+                                    table.entry_len)
+    placed[page, off] = rope_rotate(x.double()[page, off], pos, inv_freq, rotary_dim, interleaved,
+                                    compute_dtype=torch.float64)
+    dev = lambda t: t.to(device)  # noqa: E731
+    dtable = PageTable(*(None if t is None else dev(t) for t in (table.pages, table.kv_lens, table.row_start,
+                                                                  table.entry_pos, table.entry_len)))
+    plan = _plan(dict(cu=dev(cu), q=dev(q), k=dev(x)), dtable)
+    out, lse = run_paged_attention(plan, dev(q), dev(q_pos), dev(local.float()), dev(v), inv_freq=dev(inv_freq),
+                                   rotary_dim=rotary_dim, interleaved=interleaved)
+    (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, placed.float(), v, table, -1, (None, 0, False))
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
 
 
 def _hf_inv_freq(rope_type):
@@ -168,11 +214,11 @@ def test_slots_past_an_entrys_valid_count_are_never_read(backend, device, seed):
 
 
 @pytest.mark.parametrize("rows", ["many", "one per sequence"])
-def test_cpu_tagged_kernel_row_blocks_and_scratch_groups(seed, monkeypatch, rows):
+def test_cpu_tagged_kernel_row_blocks(seed, rows):
     """The C++ tagged kernel: row blocks (slots every row of a block sees, then each row's others)
-    and decode rows, keys rotated once into scratch in groups of sequences that fit its budget (a
-    1-byte budget makes each sequence a group: bit for bit the same). Against the float64
-    reference, GQA 3, page size 5, a window, bf16."""
+    and decode rows, the query rotated by -p0 per entry (page size 5: several entries within one
+    128-slot softmax chunk, each scored with its own rotation). Against the float64 reference,
+    GQA 3, a window, bf16."""
     from tests.helpers import assert_precision
 
     gen = torch.Generator().manual_seed(seed)
@@ -189,10 +235,6 @@ def test_cpu_tagged_kernel_row_blocks_and_scratch_groups(seed, monkeypatch, rows
         (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
         assert_precision(got[0], o64, olp)
         assert_precision(got[1], l64, llp, what="lse")
-        monkeypatch.setenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES", "1")
-        grouped = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
-        monkeypatch.delenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES")
-        assert torch.equal(grouped[0], got[0]) and torch.equal(grouped[1], got[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -272,12 +314,11 @@ def test_cpu_tagged_kernel_many_rows_threads_agree(seed, threads):
 
 
 @pytest.mark.parametrize("rope", [(64, False), (32, True)], ids=["neox", "gptj-partial"])
-def test_cpu_tagged_kernel_many_rows_rotated_as_gathered(seed, monkeypatch, rope):
-    """The route for many rows per sequence rotates the keys as it gathers them (no scratch);
-    the other sequences' keys go to the scratch. Both at the float64 reference's precision, bit for
-    bit the same with every sequence a scratch group of its own; an inf value that some rows of
-    the many-row sequence see sends that sequence to the row blocks, whose keys then need the
-    scratch: those rows NaN in that dim, the rest near the clean result."""
+def test_cpu_tagged_kernel_many_rows_rotated_as_gathered(seed, rope):
+    """The route for many rows per sequence rotates the keys by their entry's p0 as it gathers
+    them; the other sequences take the row blocks (query rotated per entry). Both at the float64
+    reference's precision; an inf value that some rows of the many-row sequence see sends that
+    sequence to the row blocks: those rows NaN in that dim, the rest near the clean result."""
     from tests.helpers import assert_precision
 
     rotary_dim, interleaved = rope
@@ -292,10 +333,6 @@ def test_cpu_tagged_kernel_many_rows_rotated_as_gathered(seed, monkeypatch, rope
     (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, -1, (inv_freq, rotary_dim, interleaved))
     assert_precision(got[0], o64, olp)
     assert_precision(got[1], l64, llp, what="lse")
-    monkeypatch.setenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES", "1")
-    grouped = run_paged_attention(plan, q, q_pos, k, v, **kw)
-    monkeypatch.delenv("RAGATTN_TEST_TAGGED_SCRATCH_BYTES")
-    assert torch.equal(grouped[0], got[0]) and torch.equal(grouped[1], got[1])
     n = int(cu[1])
     e = int(table.row_start[0]) + (int(table.kv_lens[0]) - 40) // 8  # the question's first page
     page, pos = int(table.pages[e]), int(table.entry_pos[e])
