@@ -14,8 +14,10 @@
 #include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -129,6 +131,19 @@ RAGATTN_ALWAYS_INLINE void attend_rotated_chunk(const RowState& st, const PagedA
   attend_scored_chunk<T>(st, a, vslot, 0, n);
 }
 
+// The chunk's n slots attended: with RoPE (rope.cos_t), segment by segment; segments reset.
+template <typename T>
+RAGATTN_ALWAYS_INLINE void flush_chunk(const RowState& st, const PagedArgs& a, const RopeTable& rope, const float* q0,
+                                       const T** kslot, const T* const* vslot, int64_t n, const int64_t* seg_at,
+                                       const int64_t* seg_p0, int64_t* nseg) {
+  if (rope.cos_t) {
+    attend_rotated_chunk<T>(st, a, rope, q0, kslot, vslot, n, seg_at, seg_p0, *nseg);
+  } else {
+    attend_chunk<T>(st, a, kslot, vslot, 0, n);
+  }
+  *nseg = 0;
+}
+
 // Items [begin, end) = row blocks x kv heads: item = block * num_kv_heads + kv_head, block k the
 // rows [blocks[2k], blocks[2k] + blocks[2k + 1]) of one sequence. The slots every row of the block
 // sees are attended by all their query vectors at once (each K/V row loaded once for the block);
@@ -160,14 +175,8 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
     for (int64_t pass = -1; pass < (nr > 1 ? nr : 0); ++pass) {
       const RowState st = pass < 0 ? buf.st.part(0, nr * G) : buf.st.part(pass * G, G);
       const float* q0p = rotate ? q0.data() + (pass < 0 ? 0 : pass * G * D) : nullptr;
-      auto flush = [&](int64_t n) {
-        if (rotate) {
-          attend_rotated_chunk<T>(st, a, rope, q0p, kslot, vslot, n, seg_at, seg_p0, nseg);
-        } else {
-          attend_chunk<T>(st, a, kslot, vslot, 0, n);
-        }
-        nseg = 0;
-      };
+      // (a plain function, not a lambda: a lambda's body is compiled out of line, without the
+      // enclosing function's target clone, and ran 6x slower here)
       int64_t n = 0;
       for (int64_t pi = 0; pi * S < kv_len; ++pi) {
         int64_t cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
@@ -196,13 +205,13 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
             kslot[n] = kp + o * a.k_s1;
             vslot[n] = vp + o * a.v_s1;
             if (++n == kChunk) {
-              flush(n);
+              flush_chunk<T>(st, a, rope, q0p, kslot, vslot, n, seg_at, seg_p0, &nseg);
               n = 0;
             }
           }
         }
       }
-      if (n) flush(n);
+      if (n) flush_chunk<T>(st, a, rope, q0p, kslot, vslot, n, seg_at, seg_p0, &nseg);
     }
     for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, g);
   }
@@ -212,6 +221,47 @@ template <typename T>
 RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope,
                                          const int64_t* blocks, int64_t max_rows, int64_t begin, int64_t end) {
   tagged_items<T>(a, t, rope, blocks, max_rows, begin, end);
+}
+
+// A slot the rows-GEMM route gathers: its position, its entry's first position, its K and V rows.
+template <typename T>
+struct GemmSlot {
+  int64_t pos, p0;
+  const T* k;
+  const T* v;
+};
+
+// Slots [j0, j1) of n widened to float into k, v [H, n, D], keys rotated by their entry's p0 with
+// `rope` (in fp32, rounded once to T, as a stored rotated key). Out of line per ISA (the rotation
+// and the widening vectorise). Returns false when one of the V values is not finite.
+template <typename T>
+RAGATTN_CPU_CLONES bool gather_gemm_slots(const GemmSlot<T>* slots, int64_t j0, int64_t j1, int64_t n, int64_t H,
+                                          int64_t D, int64_t k_s2, int64_t v_s2, const RopeTable& rope, float* kp,
+                                          float* vp) {
+  std::vector<T> krow(D);  // a key rotated (and rounded to T) before widening
+  uint32_t nonfinite = 0;
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t g = 0; g < H; ++g) {
+      const T* ks = slots[j].k + g * k_s2;
+      if (rope.cos_t) {
+        rotate_row(ks, krow.data(), rope.cos_t + slots[j].p0 * rope.half, rope.sin_t + slots[j].p0 * rope.half, 1.f,
+                   rope.half, D, rope.interleaved);
+        ks = krow.data();
+      }
+      const T* vs = slots[j].v + g * v_s2;
+      float* kd = kp + (g * n + j) * D;
+      float* vd = vp + (g * n + j) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kd[d] = static_cast<float>(ks[d]);
+        const float x = static_cast<float>(vs[d]);
+        vd[d] = x;
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        nonfinite |= (~bits & 0x7f800000u) == 0;  // exponent all ones: inf or NaN (an integer OR: vectorises)
+      }
+    }
+  }
+  return nonfinite == 0;
 }
 
 // Sequences with at least this many query rows take paged_attention_rows_gemm's route (at 290
@@ -229,12 +279,7 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& 
                       int64_t r_end, int64_t pos_lo, int64_t pos_hi) {
   const int64_t D = a.head_dim, S = a.page_size, H = a.num_kv_heads, Hq = a.num_heads, kv_len = a.kv_lens(b);
   const int64_t r0 = t.row_start(b), nr = r_end - r_begin;
-  struct Slot {
-    int64_t pos, p0;
-    const T* k;
-    const T* v;
-  };
-  std::vector<Slot> slots;
+  std::vector<GemmSlot<T>> slots;
   for (int64_t pi = 0; pi * S < kv_len; ++pi) {
     int64_t cnt, p0, o_lo, o_hi;
     entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
@@ -244,33 +289,19 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& 
       slots.push_back({p0 + o, p0, static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1,
                        static_cast<const T*>(a.v) + page * a.v_s0 + o * a.v_s1});
   }
-  std::stable_sort(slots.begin(), slots.end(), [](const Slot& x, const Slot& y) { return x.pos < y.pos; });
+  std::stable_sort(slots.begin(), slots.end(), [](const GemmSlot<T>& x, const GemmSlot<T>& y) { return x.pos < y.pos; });
   const int64_t n = static_cast<int64_t>(slots.size());
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor k = at::empty({H, n, D}, f32), v = at::empty({H, n, D}, f32);
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
   std::vector<int64_t> key_pos(n);
-  bool finite = true;
-  const bool rotate = rope.cos_t != nullptr;
-  std::vector<T> krow(rotate ? D : 0);  // a key rotated (and rounded to T) before widening
-  for (int64_t j = 0; j < n; ++j) {
-    key_pos[j] = slots[j].pos;
-    for (int64_t g = 0; g < H; ++g) {
-      const T* ks = slots[j].k + g * a.k_s2;
-      if (rotate) {
-        rotate_row(ks, krow.data(), rope.cos_t + slots[j].p0 * rope.half, rope.sin_t + slots[j].p0 * rope.half, 1.f,
-                   rope.half, D, rope.interleaved);
-        ks = krow.data();
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        kp[(g * n + j) * D + d] = static_cast<float>(ks[d]);
-        const float x = static_cast<float>(slots[j].v[g * a.v_s2 + d]);
-        finite &= std::isfinite(x);
-        vp[(g * n + j) * D + d] = x;
-      }
-    }
-  }
+  for (int64_t j = 0; j < n; ++j) key_pos[j] = slots[j].pos;
+  std::atomic<bool> finite{true};
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, H * D));
+  at::parallel_for(0, n, grain, [&](int64_t j0, int64_t j1) {
+    if (!gather_gemm_slots<T>(slots.data(), j0, j1, n, H, D, a.k_s2, a.v_s2, rope, k.data_ptr<float>(),
+                              v.data_ptr<float>()))
+      finite = false;
+  });
   if (!finite) return false;
   std::vector<int64_t> rows(nr), row_pos(nr);
   for (int64_t r = 0; r < nr; ++r) rows[r] = r_begin + r;
