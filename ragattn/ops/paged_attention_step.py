@@ -36,6 +36,11 @@ from ragattn.ops.paged_attention_run import (
 _OP = "PagedAttentionStep"
 
 
+def _version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter (bumped by every in-place write), None for an inference tensor."""
+    return None if t.is_inference() else t._version
+
+
 class PagedAttentionStep:
     """One step (forward) of ``paged_attention`` over a ``PageTable`` for every layer: what a
     request cache holds per forward. ``run`` per layer; the step chooses the call for the
@@ -77,6 +82,7 @@ class PagedAttentionStep:
         _check_rows_within(cu_seqlens_q, max_q_len, cu_seqlens_q.device)   # the rule the plan path follows
         self.cu_seqlens_q, self.table = cu_seqlens_q, table
         self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
+        self._rope_hit = None   # _tagged_rope's last answer, with what it was for
         self.plans: dict = {}   # (window_left, num_heads, num_kv_heads, head_dim, dtype) -> plan
         self._backend: Optional[Tuple[str, str]] = None   # (q's device type, kernel_backend) of the first run
         T = torch.Tensor
@@ -161,9 +167,24 @@ class PagedAttentionStep:
         """``(cos, sin, rotary_dim)`` for the tagged kernel's direct call (``(None, None, 0)``: keys
         stored rotated), or None where the checked path must run (arguments it refuses, rows past
         the kernel's RoPE table). The table is the run op's (``_rope_table``: kept across calls
-        while ``inv_freq``'s values are unchanged)."""
+        while ``inv_freq``'s values are unchanged); the step keeps its answer for the next layer
+        while ``inv_freq`` and ``q_pos`` are the same tensors, unchanged (their version counters:
+        an in-place write is seen), which spares each layer a host read of ``q_pos``'s maximum and
+        a comparison of ``inv_freq``'s values (about 50 us a layer on the CPU). An inference
+        tensor has no version counter: an ``inv_freq`` made under ``torch.inference_mode()`` is
+        looked up every time; ``q_pos`` only sizes the table, whose bounds the kernel checks
+        against every row's position."""
         if inv_freq is None:
             return (None, None, 0) if rotary_dim is None else None
+        key = (_version(inv_freq), _version(q_pos), rotary_dim, q.shape[-1])
+        hit = self._rope_hit
+        if key[0] is not None and hit is not None and hit[0] == key and hit[1] is inv_freq and hit[2] is q_pos:
+            return hit[3]
+        rope = self._tagged_rope_table(q, q_pos, inv_freq, rotary_dim)
+        self._rope_hit = (key, inv_freq, q_pos, rope)   # (held: their ids stay theirs)
+        return rope
+
+    def _tagged_rope_table(self, q: torch.Tensor, q_pos: torch.Tensor, inv_freq, rotary_dim):
         D = q.shape[-1]
         rd = D if rotary_dim is None else rotary_dim
         if not (type(rd) is int and 2 <= rd <= D and rd % 2 == 0 and inv_freq.dtype == torch.float32

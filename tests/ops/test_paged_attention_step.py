@@ -129,3 +129,32 @@ def test_a_tagged_step_calls_the_cpu_kernel_directly(monkeypatch, seed, rope):
         step.run(q, q_pos, k, v, inv_freq=inv_freq.double())
     with pytest.raises(ValueError, match="paged_attention_run: rotary_dim must be even"):
         step.run(q, q_pos, k, v, inv_freq=inv_freq[:15], rotary_dim=31)
+
+
+@pytest.mark.parametrize("mode", ["grad", "inference"])
+def test_a_tagged_steps_rope_table_follows_its_inputs(seed, mode):
+    """The step keeps its RoPE table from one layer to the next: an ``inv_freq`` written in place
+    between layers, or other positions, give the fresh step's result bit for bit (never the
+    previous layer's table); under ``inference_mode`` (inference tensors have no version counter)
+    too."""
+    from tests.ops.test_paged_attention_tagged import make_tagged_case
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], "gapped", page_size=8, num_heads=6, num_kv_heads=2,
+                                                 head_dim=64, dtype=torch.float32, device=torch.device("cpu"),
+                                                 gen=gen)
+    ctx = torch.inference_mode() if mode == "inference" else torch.no_grad()
+    with ctx:
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+        step = PagedAttentionStep(cu, table)
+        first = step.run(q, q_pos, k, v, inv_freq=inv_freq)
+        assert torch.equal(step.run(q, q_pos, k, v, inv_freq=inv_freq)[0], first[0])
+        inv_freq.mul_(0.5)                                   # in place, between two layers
+        want = PagedAttentionStep(cu, table).run(q, q_pos, k, v, inv_freq=inv_freq)
+        got = step.run(q, q_pos, k, v, inv_freq=inv_freq)
+        assert not torch.equal(want[0], first[0])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        moved = q_pos + 40                                   # other positions: a table that reaches them
+        want = PagedAttentionStep(cu, table).run(q, moved, k, v, inv_freq=inv_freq)
+        got = step.run(q, moved, k, v, inv_freq=inv_freq)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
