@@ -129,7 +129,8 @@ def test_hybrid_groups_written_bit_exact(served, cache_dtype):
     conn.clear_connector_metadata()
     assert conn.get_block_ids_with_load_errors() == set()
 
-    store = ChunkStore(model, kv_dir, page_size=16, read_only=True, memory_budget=1 << 24)
+    # the connector's store pages are vLLM's blocks: the same page size holds the same page-local keys
+    store = ChunkStore(model, kv_dir, page_size=bs, read_only=True, memory_budget=1 << 24)
     req = store.assemble(list(load.keys), positions="reordered")
     ref_rows = req.cache.slot_rows(0, torch.arange(n))
     written = {LAYERS[0]: torch.arange(n), LAYERS[1]: torch.arange(bs, n)}   # the sliding group skips block 0
