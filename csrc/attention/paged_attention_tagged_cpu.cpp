@@ -131,7 +131,9 @@ RAGATTN_ALWAYS_INLINE void attend_rotated_chunk(const RowState& st, const PagedA
   attend_scored_chunk<T>(st, a, vslot, 0, n);
 }
 
-// The chunk's n slots attended: with RoPE (rope.cos_t), segment by segment; segments reset.
+// The chunk's n slots attended: with RoPE (rope.cos_t), segment by segment; segments reset. (A
+// function, not a lambda in tagged_items: a lambda's body is compiled out of line without the
+// caller's target clone, and ran 6x slower here.)
 template <typename T>
 RAGATTN_ALWAYS_INLINE void flush_chunk(const RowState& st, const PagedArgs& a, const RopeTable& rope, const float* q0,
                                        const T** kslot, const T* const* vslot, int64_t n, const int64_t* seg_at,
@@ -175,8 +177,6 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
     for (int64_t pass = -1; pass < (nr > 1 ? nr : 0); ++pass) {
       const RowState st = pass < 0 ? buf.st.part(0, nr * G) : buf.st.part(pass * G, G);
       const float* q0p = rotate ? q0.data() + (pass < 0 ? 0 : pass * G * D) : nullptr;
-      // (a plain function, not a lambda: a lambda's body is compiled out of line, without the
-      // enclosing function's target clone, and ran 6x slower here)
       int64_t n = 0;
       for (int64_t pi = 0; pi * S < kv_len; ++pi) {
         int64_t cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
