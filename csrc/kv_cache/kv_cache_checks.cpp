@@ -2,9 +2,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "common/check_message.h"
 
@@ -164,16 +166,30 @@ void check_rows_host(const char* op, const char* name, const at::Tensor& rows, i
   const at::Tensor r = rows.to(at::kCPU, at::kLong).contiguous();
   const int64_t* p = r.data_ptr<int64_t>();
   const int64_t n = r.numel();
-  std::vector<uint8_t> hit(distinct ? static_cast<size_t>(num_rows) : 0, 0);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)
     RAGATTN_CHECK_VALUE(p[i] >= 0 && p[i] < num_rows, "ragattn.", op, ": ", name, "[", i, "] = ", p[i],
                       " is out of range for caches of ", num_rows, " rows");
-    if (distinct) {
-      RAGATTN_CHECK_VALUE(!hit[p[i]], "ragattn.", op, ": ", name, " may not repeat a row, but row ", p[i],
-                        " appears twice (again at index ", i, ")");
+  if (!distinct || n < 2) return;
+  // the first index whose row appeared before it, and that row (-1: none)
+  int64_t again = -1, row = -1;
+  if (n * 16 >= num_rows) {  // a bitmap of the cache's rows
+    std::vector<uint8_t> hit(static_cast<size_t>(num_rows), 0);
+    for (int64_t i = 0; i < n && again < 0; ++i) {
+      if (hit[p[i]]) again = i, row = p[i];
       hit[p[i]] = 1;
     }
+  } else {  // few rows in a large cache (a decode step's write): sorted (row, index) pairs, not a
+            // bitmap of every row of the cache zeroed on every call
+    std::vector<std::pair<int64_t, int64_t>> sorted(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) sorted[i] = {p[i], i};
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t i = 1; i < n; ++i)  // within a run of one row, the second index is its first repeat
+      if (sorted[i].first == sorted[i - 1].first && (i < 2 || sorted[i - 2].first != sorted[i].first) &&
+          (again < 0 || sorted[i].second < again))
+        again = sorted[i].second, row = sorted[i].first;
   }
+  RAGATTN_CHECK_VALUE(again < 0, "ragattn.", op, ": ", name, " may not repeat a row, but row ", row,
+                      " appears twice (again at index ", again, ")");
 }
 
 namespace {

@@ -77,6 +77,11 @@ def _kv_row_cases(dev):
         "row repeat (int64 values)": (
             lambda: rot(L, torch.tensor([6, 6], device=dev), two, f, 32, False), ValueError,
             "ragattn.rerotate_keys_: rows may not repeat a row, but row 6 appears twice (again at index 1)"),
+        # few rows in a large cache: checked by sorting, not a bitmap of the cache; the same first repeat
+        "row repeat in a large cache (int64 values)": (
+            lambda: rot([torch.randn(1000, 2, 32, device=dev)], torch.tensor([5, 900, 7, 900, 5], device=dev),
+                        torch.ones(5, dtype=torch.int32, device=dev), f, 32, False), ValueError,
+            "ragattn.rerotate_keys_: rows may not repeat a row, but row 900 appears twice (again at index 3)"),
     }
 
 
