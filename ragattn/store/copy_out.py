@@ -111,7 +111,7 @@ class _CopyOut:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
                                       f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
                                       f"{len(dst_k)} and {len(dst_v)}")
-            delta = self._local_positions(lens)[skip:]
+            target = self._local_positions(lens)[skip:]
             if positions is not None:
                 if tuple(positions.shape) != (n,):
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions has shape "
@@ -123,8 +123,8 @@ class _CopyOut:
                     # the rotation deltas are int32: a larger position would wrap around
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be in [0, "
                                           f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
-                delta = positions.to(self.device, torch.int64)
-            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), delta, skip, split_heads)
+                target = positions.to(self.device, torch.int64)
+            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), target, skip, split_heads)
         finally:
             self._unpin(pinned)
 
