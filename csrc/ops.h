@@ -44,7 +44,8 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& q_pos, const at:
 std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(const at::Tensor& q, const at::Tensor& q_pos,
     const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& pages,
     const at::Tensor& row_start, const at::Tensor& kv_lens, const std::optional<at::Tensor>& entry_pos,
-    const std::optional<at::Tensor>& entry_len, const std::optional<at::Tensor>& rope_cos,
+    const std::optional<at::Tensor>& entry_len, const std::optional<at::Tensor>& entry_start,
+    const std::optional<at::Tensor>& rope_cos,
     const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim, bool interleaved, double scale,
     int64_t window_left, double logits_soft_cap);
 // varlen_attention's default CPU forward and backward (index-value checks in C++; metadata by Python)

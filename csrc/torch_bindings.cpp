@@ -43,21 +43,22 @@ TORCH_LIBRARY(ragattn, m) {
   //    no host sync on any device, CUDA-graph capturable. pages: a padded block_table [B, max_pages]
   //    (row_start None), or a flat page list [E] with row_start [B] (FlashInfer's CSR indices and
   //    indptr[:-1]); tile_seq/tile_row0/launch: the plan's tile map and launch integers.
-  //    Zero-copy chunk pages: entry_pos/entry_len [E] (flat lists) give each entry's slot-0
-  //    position and valid slots; inv_freq [rotary_dim / 2]: keys stored page-local (slot o rotated by o), moved to their entry's position.
+  //    Zero-copy chunk pages: entry_pos/entry_len/entry_start [E] (flat lists) give each entry's
+  //    slot-0 position and its valid slots [entry_start, entry_len); inv_freq [rotary_dim / 2]:
+  //    keys stored page-local (slot o rotated by o), moved to their entry's position.
   //    fp8 caches (vLLM's kv_cache_dtype="fp8"): float8 k/v_cache with float32 k/v_scale [] or [1].
   m.def(
       "paged_attention_run(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
       "Tensor pages, Tensor? row_start, Tensor kv_lens, Tensor tile_seq, Tensor tile_row0, int[] launch, "
       "float? scale=None, int window_left=-1, Tensor? entry_pos=None, Tensor? entry_len=None, "
-      "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, float logits_soft_cap=0.0) -> (Tensor out, Tensor lse)");
+      "Tensor? entry_start=None, Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, float logits_soft_cap=0.0) -> (Tensor out, Tensor lse)");
   m.def(
       "paged_attention_run.out(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
       "Tensor pages, Tensor? row_start, Tensor kv_lens, Tensor tile_seq, Tensor tile_row0, int[] launch, "
       "float? scale=None, int window_left=-1, Tensor? entry_pos=None, Tensor? entry_len=None, "
-      "Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, float logits_soft_cap=0.0, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
+      "Tensor? entry_start=None, Tensor? inv_freq=None, int rotary_dim=0, bool interleaved=False, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, float logits_soft_cap=0.0, *, Tensor(a!) out, Tensor(b!) lse_out) -> ()");
 
   // 3. Exact merge of two partial attentions over disjoint key sets (Triton). LSEs are natural
   //    log; log2=True takes and returns base-2 LSEs (FlashInfer's convention).
@@ -106,8 +107,9 @@ TORCH_LIBRARY(ragattn, m) {
   //    float32 [positions, rotary_dim / 2] (None: keys stored rotated) rotate each key by its slot's position.
   m.def(
       "_paged_attention_tagged_cpu(Tensor q, Tensor q_pos, Tensor cu_seqlens_q, Tensor k_cache, Tensor v_cache, "
-      "Tensor pages, Tensor row_start, Tensor kv_lens, Tensor? entry_pos, Tensor? entry_len, Tensor? rope_cos, "
-      "Tensor? rope_sin, int rotary_dim, bool interleaved, float scale, int window_left, float logits_soft_cap) "
+      "Tensor pages, Tensor row_start, Tensor kv_lens, Tensor? entry_pos, Tensor? entry_len, Tensor? entry_start, "
+      "Tensor? rope_cos, Tensor? rope_sin, int rotary_dim, bool interleaved, float scale, int window_left, "
+      "float logits_soft_cap) "
       "-> (Tensor out, Tensor lse)");
   //    varlen_attention's default CPU forward and backward (C++), called by its Python impls after
   //    the metadata checks; the backward takes the forward's out and lse.

@@ -126,12 +126,14 @@ def _nan_where_seen(acc, visible, v_bad, IEEE_FP32: tl.constexpr):
 @triton.jit
 def _attend_key_tiles(
     m_i, l_i, acc, bad_row, lo, hi,
-    q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row, ENTRY_POS, ENTRY_LEN, entry0,
+    q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row, ENTRY_POS, ENTRY_LEN, ENTRY_START,
+    entry0,
     kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, page_size,
     k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left, full_lo, full_hi,
     TILES: tl.constexpr,  # 0: every row sees every slot of [lo, hi); 1: masked tiles; 2: decided per tile
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE_FP32: tl.constexpr, POS_TABLE: tl.constexpr, HAS_ENTRY_LEN: tl.constexpr, ROPE: tl.constexpr,
+    IEEE_FP32: tl.constexpr, POS_TABLE: tl.constexpr, HAS_ENTRY_LEN: tl.constexpr, HAS_ENTRY_START: tl.constexpr,
+    ROPE: tl.constexpr,
     KV_FP8: tl.constexpr, PAGE_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, FAST_TRIG: tl.constexpr,
     PIPELINE_V: tl.constexpr,
 ):
@@ -155,6 +157,9 @@ def _attend_key_tiles(
         if HAS_ENTRY_LEN:
             slot_ok = slot_ok & (off < _per_slot(ENTRY_LEN + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
                                                  BLOCK_N))
+        if HAS_ENTRY_START:   # an entry that is a run of its page: slots below its start are not its own
+            slot_ok = slot_ok & (off >= _per_slot(ENTRY_START + entry0, start, hi, j, page_size, PAGE_MODE,
+                                                  PAGE_SIZE, BLOCK_N))
         if POS_TABLE:
             slot_pos = _per_slot(ENTRY_POS + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
                                  BLOCK_N).to(tl.int64) + off
@@ -198,7 +203,7 @@ def _attend_key_tiles(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        if POS_TABLE or HAS_ENTRY_LEN:
+        if POS_TABLE or HAS_ENTRY_LEN or HAS_ENTRY_START:
             visible = (slot_pos[None, :] <= q_pos[:, None]) & slot_ok[None, :] & row_ok[:, None]
             if HAS_WINDOW:
                 visible = visible & (slot_pos[None, :] >= q_pos[:, None] - window_left)
@@ -246,7 +251,7 @@ def _attend_key_tiles(
 def _paged_attention_kernel(
     Q, Q_POS, CU_SEQLENS_Q, K_CACHE, V_CACHE, PAGES, ROW_START, KV_LENS, TILE_SEQ, TILE_ROW0,
     OUT, LSE,
-    ENTRY_POS, ENTRY_LEN,  # POS_TABLE / ENTRY_LEN: per page-list entry, slot 0's position, valid slots
+    ENTRY_POS, ENTRY_LEN, ENTRY_START,  # per page-list entry: slot 0's position, valid slots [start, len)
     INV_FREQ, rotary_dim,  # ROPE: keys stored rotated by their page offset, rotated to their position in fp32
     K_SCALE, V_SCALE,  # KV_FP8: float32 per-tensor scales of float8 caches
     qk_scale,  # softmax scale * log2(e)
@@ -268,6 +273,7 @@ def _paged_attention_kernel(
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
     POS_TABLE: tl.constexpr = False,  # slot positions from ENTRY_POS (needs ROW_STARTS), not slot indices
     HAS_ENTRY_LEN: tl.constexpr = False,  # slots at offsets >= ENTRY_LEN[entry] do not exist
+    HAS_ENTRY_START: tl.constexpr = False,  # nor those at offsets < ENTRY_START[entry]
     ROPE: tl.constexpr = False, ROPE_INTERLEAVED: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,  # float8 K/V: dequantised (x * scale, fp32) right after loading
     EVEN_D: tl.constexpr = False,  # head_dim == BLOCK_D: no head-dim mask on the loads
@@ -322,7 +328,7 @@ def _paged_attention_kernel(
     # a key tile is fully visible to every row of the tile iff it lies in [max row_lo, min row_hi]
     full_lo = tl.max(tl.where(row_ok, row_lo, 0), 0)
     full_hi = tl.min(tl.where(row_ok, row_hi, kv_len), 0)
-    if POS_TABLE or HAS_ENTRY_LEN:
+    if POS_TABLE or HAS_ENTRY_LEN or HAS_ENTRY_START:
         # a slot's position (or existence) comes from its page-list entry, not its index: every
         # slot of the sequence is a candidate and every tile takes the masked path
         lo_tile = 0
@@ -381,7 +387,7 @@ def _paged_attention_kernel(
     # spill), decode and verify tiles three: [lo, f0) and [f1, hi) hold the tiles some row sees
     # only in part (the window's edge, the causal diagonal, the last tile), [f0, f1) the tiles
     # every row sees whole (the bulk of a decode)
-    TAGGED: tl.constexpr = POS_TABLE or HAS_ENTRY_LEN
+    TAGGED: tl.constexpr = POS_TABLE or HAS_ENTRY_LEN or HAS_ENTRY_START
     SEGMENTS: tl.constexpr = (3 if HAS_WINDOW else 2) if (SPLIT_WHOLE_TILES and not TAGGED) else 1
     f0 = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
     f1 = f0 + tl.maximum(tl.minimum(full_hi + 1, hi) - f0, 0) // BLOCK_N * BLOCK_N
@@ -404,11 +410,12 @@ def _paged_attention_kernel(
             seg_hi = hi
         m_i, l_i, acc, bad_row = _attend_key_tiles(
             m_i, l_i, acc, bad_row, seg_lo, seg_hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE,
-            page_row, ENTRY_POS, ENTRY_LEN, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
+            page_row, ENTRY_POS, ENTRY_LEN, ENTRY_START, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
             stride_vh, page_size, k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left,
             full_lo, full_hi,
             (1 if TAGGED else 2) if SEGMENTS == 1 else (0 if seg == 1 else 1),  # TILES (a constexpr: no variable)
-            BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, ROPE, KV_FP8, PAGE_MODE,
+            BLOCK_N, HAS_WINDOW, SOFTCAP, UPCAST, IEEE_FP32, POS_TABLE, HAS_ENTRY_LEN, HAS_ENTRY_START, ROPE, KV_FP8,
+            PAGE_MODE,
             PAGE_SIZE, FAST_TRIG, PIPELINE_V)
 
     seen = l_i > 0
@@ -678,6 +685,7 @@ def run_paged_attention(
     row_start: Optional[torch.Tensor] = None,
     entry_pos: Optional[torch.Tensor] = None,
     entry_len: Optional[torch.Tensor] = None,
+    entry_start: Optional[torch.Tensor] = None,
     inv_freq: Optional[torch.Tensor] = None,
     rotary_dim: int = 0,
     interleaved: bool = False,
@@ -694,7 +702,8 @@ def run_paged_attention(
     ``indices`` with ``row_start = indptr[:-1]``); without it, a padded ``[B, max_pages]`` table.
     ``entry_pos``/``entry_len`` (int32/int64 ``[num_entries]``, flat lists only): the position of
     each entry's slot 0 (slot ``j`` then holds ``entry_pos[e] + j % page_size``, not ``j``) and
-    its count of valid slots. ``inv_freq`` (float32 ``[rotary_dim // 2]``): slot ``o`` of each page
+    its count of valid slots; ``entry_start`` (same shape): each entry's first valid slot (its
+    valid slots ``[entry_start, entry_len)``: a run of the page). ``inv_freq`` (float32 ``[rotary_dim // 2]``): slot ``o`` of each page
     holds its key rotated by ``o`` (page-local), rotated in the kernel by its entry's first position
     to its own (``interleaved``: GPT-J pairs).
     ``k_scale``/``v_scale`` (float32, one element each): the caches are float8, dequantised in the kernel.
@@ -709,8 +718,8 @@ def run_paged_attention(
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     q_pos, cu_seqlens_q, kv_lens = q_pos.contiguous(), cu_seqlens_q.contiguous(), kv_lens.contiguous()
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    row_start, entry_pos, entry_len, inv_freq = (
-        None if t is None else t.contiguous() for t in (row_start, entry_pos, entry_len, inv_freq))
+    row_start, entry_pos, entry_len, entry_start, inv_freq = (
+        None if t is None else t.contiguous() for t in (row_start, entry_pos, entry_len, entry_start, inv_freq))
     # outputs the kernels can store to directly (unit stride in the last dim), else a temporary
     out_k = out if out is not None and out.stride(-1) == 1 else None
     lse_k = lse_out if lse_out is not None and lse_out.stride(-1) == 1 else None
@@ -720,8 +729,8 @@ def run_paged_attention(
         lse_k = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
     if plan.num_tiles > 0:
         _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, row_start, kv_lens, scale,
-                window_left, out_k, lse_k, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
-                logits_soft_cap)
+                window_left, out_k, lse_k, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved,
+                k_scale, v_scale, logits_soft_cap)
     if out is not None and out is not out_k:
         out.copy_(out_k)
     if lse_out is not None and lse_out is not lse_k:
@@ -730,8 +739,8 @@ def run_paged_attention(
 
 
 def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, scale, window_left, out,
-            lse_out, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
-            v_scale=None, logits_soft_cap=0.0):
+            lse_out, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False,
+            k_scale=None, v_scale=None, logits_soft_cap=0.0):
     total_q, num_heads, head_dim = q.shape
     if plan.num_splits == 1:
         o_buf, l_buf = out, lse_out
@@ -752,6 +761,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         plan.tile_seq, plan.tile_row0,
         o_buf, l_buf,
         kv_lens if entry_pos is None else entry_pos, kv_lens if entry_len is None else entry_len,
+        kv_lens if entry_start is None else entry_start,
         q if inv_freq is None else inv_freq, rotary_dim if inv_freq is not None else 0,
         q if k_scale is None else k_scale, q if v_scale is None else v_scale,
         scale * LOG2E,
@@ -769,7 +779,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         HAS_WINDOW=has_window, ROW_STARTS=row_starts,
         SOFTCAP=logits_soft_cap > 0,
         UPCAST=interp, IEEE_FP32=(q.dtype == torch.float32 and not interp),
-        POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None,
+        POS_TABLE=entry_pos is not None, HAS_ENTRY_LEN=entry_len is not None, HAS_ENTRY_START=entry_start is not None,
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
         SPLIT_WHOLE_TILES=split_whole_tiles(plan.block_m * plan.group_pad), PIPELINE_V=bool(plan.pipeline_v),

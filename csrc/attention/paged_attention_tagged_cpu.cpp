@@ -43,8 +43,9 @@ constexpr const char* kTaggedOp = "ragattn._paged_attention_tagged_cpu";
 // and their count of valid slots, with RoPE optionally applied in the kernel (zero-copy chunk
 // pages: ragattn/kv/zero_copy.py, ragattn/reference/paged_attention_table.py). Slot j < kv_lens[b]
 // lies in entry e = row_start[b] + j / page_size at offset o = j % page_size; it is valid iff
-// o < entry_len[e] and holds position p0 + o, p0 = entry_pos[e] (without entry_pos: the page's
-// first slot j - o). A row sees the valid slots at positions <= q_pos (and >= q_pos - window_left).
+// entry_start[e] <= o < entry_len[e] and holds position p0 + o, p0 = entry_pos[e] (without
+// entry_pos: the page's first slot j - o; entry_start: a run of a page, e.g. around rows a request
+// holds privately). A row sees the valid slots at positions <= q_pos (and >= q_pos - window_left).
 // Positions need not grow with j, so each entry's visible offsets are found from p0, and only
 // those slots enter a chunk (compacted: no masks).
 //
@@ -65,24 +66,26 @@ struct RopeTable {
 };
 
 struct TaggedArgs {
-  IndexView pages, row_start, entry_pos, entry_len;
-  bool has_pos, has_len;
+  IndexView pages, row_start, entry_pos, entry_len, entry_start;
+  bool has_pos, has_len, has_start;
 };
 
-// The offsets [*o_lo, *o_hi) of an entry (first position p0, cnt valid slots) that a row at
-// position pos sees; empty when *o_lo >= *o_hi. No int64 overflow for any pos, p0 >= 0.
-RAGATTN_ALWAYS_INLINE void visible_offsets(int64_t pos, int64_t window_left, int64_t p0, int64_t cnt, int64_t* o_lo,
-                                           int64_t* o_hi) {
+// The offsets [*o_lo, *o_hi) of an entry (slot 0 at position p0, valid offsets [from, cnt)) that
+// a row at position pos sees; empty when *o_lo >= *o_hi. No int64 overflow for any pos, p0 >= 0.
+RAGATTN_ALWAYS_INLINE void visible_offsets(int64_t pos, int64_t window_left, int64_t p0, int64_t from, int64_t cnt,
+                                           int64_t* o_lo, int64_t* o_hi) {
   *o_hi = pos < p0 ? 0 : (pos - p0 < cnt ? pos - p0 + 1 : cnt);
   const int64_t first = window_left >= 0 ? pos - window_left : 0;  // >= -INT64_MAX
-  *o_lo = first > p0 ? first - p0 : 0;
+  *o_lo = std::max(from, first > p0 ? first - p0 : 0);
 }
 
-// Slot count of entry pi of a sequence of kv_len slots (page_size S), and its first position.
+// Entry pi of a sequence of kv_len slots (page_size S): its valid offsets [*from, *cnt) and the
+// position of its slot 0.
 RAGATTN_ALWAYS_INLINE void entry_extent(const TaggedArgs& t, int64_t e, int64_t pi, int64_t S, int64_t kv_len,
-                                        int64_t* cnt, int64_t* p0) {
+                                        int64_t* from, int64_t* cnt, int64_t* p0) {
   *cnt = std::min(S, kv_len - pi * S);
   if (t.has_len) *cnt = std::min(*cnt, t.entry_len(e));
+  *from = t.has_start ? t.entry_start(e) : 0;
   *p0 = t.has_pos ? t.entry_pos(e) : pi * S;
 }
 
@@ -179,10 +182,10 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
       const float* q0p = rotate ? q0.data() + (pass < 0 ? 0 : pass * G * D) : nullptr;
       int64_t n = 0;
       for (int64_t pi = 0; pi * S < kv_len; ++pi) {
-        int64_t cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
-        entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
+        int64_t from, cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
+        entry_extent(t, r0 + pi, pi, S, kv_len, &from, &cnt, &p0);
         for (int64_t r = 0; r < nr; ++r) {
-          visible_offsets(pos[r], a.window_left, p0, cnt, &lo[r], &hi[r]);
+          visible_offsets(pos[r], a.window_left, p0, from, cnt, &lo[r], &hi[r]);
           all_lo = std::max(all_lo, lo[r]);
           all_hi = std::min(all_hi, hi[r]);
         }
@@ -281,9 +284,9 @@ bool tagged_rows_gemm(const PagedArgs& a, const TaggedArgs& t, const RopeTable& 
   const int64_t r0 = t.row_start(b), nr = r_end - r_begin;
   std::vector<GemmSlot<T>> slots;
   for (int64_t pi = 0; pi * S < kv_len; ++pi) {
-    int64_t cnt, p0, o_lo, o_hi;
-    entry_extent(t, r0 + pi, pi, S, kv_len, &cnt, &p0);
-    visible_offsets(pos_hi, pos_hi - pos_lo, p0, cnt, &o_lo, &o_hi);
+    int64_t from, cnt, p0, o_lo, o_hi;
+    entry_extent(t, r0 + pi, pi, S, kv_len, &from, &cnt, &p0);
+    visible_offsets(pos_hi, pos_hi - pos_lo, p0, from, cnt, &o_lo, &o_hi);
     const int64_t page = t.pages(r0 + pi);
     for (int64_t o = o_lo; o < o_hi; ++o)
       slots.push_back({p0 + o, p0, static_cast<const T*>(a.k) + page * a.k_s0 + o * a.k_s1,
@@ -348,6 +351,8 @@ void check_tagged_values(const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q
       RAGATTN_CHECK_VALUE(!t.has_len || (t.entry_len(e) >= 0 && t.entry_len(e) <= S), op, ": entry_len[", e,
                           "] must lie in [0, ", S, "]");
       RAGATTN_CHECK_VALUE(!t.has_pos || t.entry_pos(e) >= 0, op, ": entry_pos[", e, "] must be >= 0");
+      RAGATTN_CHECK_VALUE(!t.has_start || (t.entry_start(e) >= 0 && t.entry_start(e) <= (t.has_len ? t.entry_len(e) : S)),
+                          op, ": entry_start[", e, "] must lie in [0, entry_len[", e, "]]");
     }
   }
   for (int64_t r = 0; r < q_pos.size(0); ++r) {
@@ -418,7 +423,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
     const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& pages, const at::Tensor& row_start, const at::Tensor& kv_lens,
     const std::optional<at::Tensor>& entry_pos, const std::optional<at::Tensor>& entry_len,
-    const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim,
+    const std::optional<at::Tensor>& entry_start, const std::optional<at::Tensor>& rope_cos,
+    const std::optional<at::Tensor>& rope_sin, int64_t rotary_dim,
     bool interleaved, double scale, int64_t window_left, double logits_soft_cap) {
   constexpr const char* op = kTaggedOp;
   check_layout(op, q, q_pos, cu_seqlens_q, k_cache, v_cache, kv_lens, nullptr, nullptr);
@@ -427,6 +433,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
   check_index(op, "pages", pages, -1);
   if (entry_pos) check_index(op, "entry_pos", *entry_pos, pages.size(0));
   if (entry_len) check_index(op, "entry_len", *entry_len, pages.size(0));
+  if (entry_start) check_index(op, "entry_start", *entry_start, pages.size(0));
   RAGATTN_CHECK_VALUE(rope_cos.has_value() == rope_sin.has_value(), op, ": rope_cos and rope_sin go together");
   int64_t table_rows = -1;
   if (rope_cos) {
@@ -440,8 +447,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_tagged_cpu(
   }
   RAGATTN_CHECK_VALUE(std::isfinite(scale) && std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
                       ": scale finite, logits_soft_cap finite and >= 0");
-  const TaggedArgs t{IndexView(pages), IndexView(row_start), IndexView(entry_pos ? *entry_pos : pages),
-                     IndexView(entry_len ? *entry_len : pages), entry_pos.has_value(), entry_len.has_value()};
+  const TaggedArgs t{IndexView(pages),
+                     IndexView(row_start),
+                     IndexView(entry_pos ? *entry_pos : pages),
+                     IndexView(entry_len ? *entry_len : pages),
+                     IndexView(entry_start ? *entry_start : pages),
+                     entry_pos.has_value(),
+                     entry_len.has_value(),
+                     entry_start.has_value()};
   check_tagged_values(q_pos, cu_seqlens_q, k_cache.size(0), k_cache.size(1), t, pages, kv_lens, table_rows);
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));

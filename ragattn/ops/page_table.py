@@ -26,6 +26,14 @@ consecutive ones, gaps), with partial pages anywhere::
     entries (page, first position, valid):  (3, 0, 16) (5, 16, 10) | (1, 0, 16) (6, 16, 10) | (2, 52, 4)
                                              chunk A, 26 tokens       chunk B, 26 tokens       question
     slot j of entry e holds position entry_pos[e] + j % page_size if j % page_size < entry_len[e]
+
+An entry may also start past slot 0 (``entry_start``): it is then a run of its page, the slots
+``[entry_start[e], entry_len[e])``. Two requests read one shared page whole, or around the rows
+one of them holds privately (recomputed rows: a private page gives their own entries)::
+
+    shared page 3, slot 0 at position 40:  | a  b  c  d  e  f  g  h |
+    request A, all of it:         (3, 40, 0, 8)                       a .. h at 40 .. 47
+    request B, d and f its own:   (3, 40, 0, 3) (3, 40, 4, 5) (3, 40, 6, 8) + its private entries
 """
 from __future__ import annotations
 
@@ -52,6 +60,8 @@ class PageTable:
             entry (its logical page 0).
         entry_pos, entry_len: None, or int32/int64 ``[num_entries]`` beside a flat ``pages``: the
             position of each entry's slot 0, and its count of valid slots (``from_entries``).
+        entry_start: None, or int32/int64 ``[num_entries]``: the first valid slot of each entry
+            (its valid slots are then ``[entry_start, entry_len)``; None: from slot 0).
 
     Build it with ``from_block_table`` or ``from_csr``; neither copies nor syncs.
     """
@@ -61,6 +71,7 @@ class PageTable:
     row_start: Optional[torch.Tensor] = None
     entry_pos: Optional[torch.Tensor] = None
     entry_len: Optional[torch.Tensor] = None
+    entry_start: Optional[torch.Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -69,6 +80,11 @@ class PageTable:
     @property
     def is_padded(self) -> bool:
         return self.row_start is None
+
+    @property
+    def is_tagged(self) -> bool:
+        """Entries carry their positions, valid counts or first slots (``from_entries``)."""
+        return self.entry_pos is not None or self.entry_len is not None or self.entry_start is not None
 
     @classmethod
     def from_block_table(cls, block_table: torch.Tensor, kv_lens: torch.Tensor) -> "PageTable":
@@ -112,18 +128,22 @@ class PageTable:
 
     @classmethod
     def from_entries(cls, indptr: torch.Tensor, pages: torch.Tensor, first_pos: torch.Tensor,
-                     valid: torch.Tensor, page_size: int) -> "PageTable":
+                     valid: torch.Tensor, page_size: int, start: Optional[torch.Tensor] = None) -> "PageTable":
         """Position-tagged page lists: sequence ``b``'s entries are ``indptr[b]:indptr[b + 1]``,
-        entry ``e`` is (page ``pages[e]``, its slot 0 at position ``first_pos[e]``, ``valid[e]``
-        slots in ``[0, page_size]``). Shared chunk pages and a request's private pages mix freely.
+        entry ``e`` is (page ``pages[e]``, its slot 0 at position ``first_pos[e]``, valid slots
+        ``[start[e], valid[e])``; slot ``o`` at position ``first_pos[e] + o``). Shared chunk pages
+        and a request's private pages mix freely; ``start`` reads a run of a page (around rows a
+        request holds elsewhere).
 
         Args:
             indptr: int32/int64 ``[B + 1]``; pages, first_pos, valid: int32/int64 ``[num_entries]``.
             page_size: slots per page (the caches' dim 1).
+            start: None (every entry from slot 0), or int32/int64 ``[num_entries]``.
 
         ``kv_lens`` (on the device, no sync) counts each sequence's slots as ``entries * page_size``;
-        slots past an entry's ``valid`` are never read. Values are checked on CPU (``first_pos >= 0``,
-        ``valid`` in ``[0, page_size]``) and by the op with ``RAGATTN_DEBUG=1``.
+        slots outside an entry's ``[start, valid)`` are never read. Values are checked on CPU
+        (``first_pos >= 0``, ``valid`` in ``[0, page_size]``, ``start`` in ``[0, valid]``) and by
+        the op with ``RAGATTN_DEBUG=1``.
         """
         check_tensor(_OP, "indptr", indptr, dtypes=INDEX_DTYPES, ndim=1)
         if indptr.shape[0] < 1:
@@ -132,6 +152,8 @@ class PageTable:
         check_tensor(_OP, "pages", pages, dtypes=INDEX_DTYPES, ndim=1, device=dev)
         for name, t in (("first_pos", first_pos), ("valid", valid)):
             check_tensor(_OP, name, t, dtypes=INDEX_DTYPES, shape=tuple(pages.shape), device=dev)
+        if start is not None:
+            check_tensor(_OP, "start", start, dtypes=INDEX_DTYPES, shape=tuple(pages.shape), device=dev)
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"ragattn.{_OP}: page_size must be a positive int, got {page_size!r}")
         if dev.type == "cpu":
@@ -140,18 +162,27 @@ class PageTable:
                 raise ValueError(
                     f"ragattn.{_OP}: indptr must start at 0, never decrease and end within pages "
                     f"({pages.shape[0]} entries), got {ptr[0]} .. {ptr[-1]}")
-            _check_entry_values(first_pos, valid, page_size)
+            _check_entry_values(first_pos, valid, page_size, start)
         kv_lens = ((indptr[1:] - indptr[:-1]) * page_size).to(torch.int32)
-        return cls(pages=pages, kv_lens=kv_lens, row_start=indptr[:-1], entry_pos=first_pos, entry_len=valid)
+        return cls(pages=pages, kv_lens=kv_lens, row_start=indptr[:-1], entry_pos=first_pos, entry_len=valid,
+                   entry_start=start)
 
 
-def _check_entry_values(first_pos, valid, page_size) -> None:
-    """Position-tagged entries: first positions >= 0, valid counts in [0, page_size]."""
+def _check_entry_values(first_pos, valid, page_size, start=None) -> None:
+    """Position-tagged entries: first positions >= 0, valid counts in [0, page_size], first valid
+    slots in [0, valid] (``valid`` None: page_size)."""
     if first_pos.numel() and int(first_pos.min()) < 0:
         raise ValueError(f"ragattn.{_OP}: first_pos must be >= 0, got min {int(first_pos.min())}")
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) > page_size):
         raise ValueError(f"ragattn.{_OP}: valid must lie in [0, page_size = {page_size}], "
                          f"got {int(valid.min())} .. {int(valid.max())}")
+    if start is not None and start.numel():
+        end = valid.long() if valid.numel() else torch.full_like(start, page_size, dtype=torch.int64)
+        bad = (start.long() < 0) | (start.long() > end)
+        if bool(bad.any()):
+            e = int(bad.nonzero()[0, 0])
+            raise ValueError(f"ragattn.{_OP}: start must lie in [0, valid] (entry {e}: start {int(start[e])}, "
+                             f"valid {int(end[e])})")
 
 
 def _check_csr_values(indptr, indices, last_page_len, page_size) -> None:

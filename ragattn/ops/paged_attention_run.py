@@ -30,7 +30,7 @@ from ragattn.ops.paged_attention import (
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _RUN_OP = "paged_attention_run"
-_TABLE_FIELDS = ("pages", "row_start", "kv_lens", "entry_pos", "entry_len")
+_TABLE_FIELDS = ("pages", "row_start", "kv_lens", "entry_pos", "entry_len", "entry_start")
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def run_paged_attention(
     rotary_dim = _rotary_dim(q, inv_freq, rotary_dim)
     _check_rows_within(plan.cu_seqlens_q, plan.max_q_len, q.device)
     args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
-            plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, inv_freq,
+            plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, t.entry_start, inv_freq,
             rotary_dim or 0, bool(interleaved), k_scale, v_scale, float(logits_soft_cap))
     if out is None and lse_out is None:
         if (scale is None or type(scale) is float) and plain_cpu_call(q, q_pos, plan.cu_seqlens_q, k_cache, v_cache,
@@ -205,7 +205,7 @@ def run_paged_attention(
 
 
 def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0,
-                  launch, scale, window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0,
+                  launch, scale, window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0,
                   interleaved=False, k_scale=None, v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None, *,
                   read_values=True, planned=True) -> None:
     """The run op's checks: ``_validate``'s on the table, the plan's tensors, the position-tagged
@@ -228,7 +228,7 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
             check_fp8_scale_values(_RUN_OP, "v_scale", v_scale)
     elif isinstance(k_cache, torch.Tensor) and k_cache.dtype in FP8_DTYPES:
         raise ValueError(f"ragattn.{_RUN_OP}: a {k_cache.dtype} cache needs k_scale and v_scale")
-    for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len)):
+    for name, t in (("entry_pos", entry_pos), ("entry_len", entry_len), ("entry_start", entry_start)):
         if t is not None:
             if row_start is None:
                 raise ValueError(f"ragattn.{_RUN_OP}: {name} needs a flat page list (row_start given)")
@@ -245,8 +245,8 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
               _OP=_RUN_OP)
     dev = q.device
     if not planned:
-        if read_values and dev.type == "cpu" and (entry_pos is not None or entry_len is not None):
-            _check_entries(pages, entry_pos, entry_len, k_cache.shape[1])
+        if read_values and dev.type == "cpu" and _has_entries(entry_pos, entry_len, entry_start):
+            _check_entries(pages, entry_pos, entry_len, entry_start, k_cache.shape[1])
         return
     from ragattn.triton_kernels.paged_attention import LAUNCH_FIELDS
 
@@ -262,8 +262,8 @@ def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
     if not read_values or dev.type == "meta":
         return
     if dev.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":
-        if entry_pos is not None or entry_len is not None:
-            _check_entries(pages, entry_pos, entry_len, k_cache.shape[1])
+        if _has_entries(entry_pos, entry_len, entry_start):
+            _check_entries(pages, entry_pos, entry_len, entry_start, k_cache.shape[1])
         block_m = int(launch[0])
         covered = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int64, device=dev)
         covered.index_add_(0, tile_seq.long(), torch.full_like(tile_seq, block_m, dtype=torch.int64))
@@ -297,11 +297,15 @@ def _check_rows_within(cu_seqlens_q: torch.Tensor, max_q_len: Optional[int], dev
                              f"{max_q_len} planned for: plan again (a larger max_q_len)")
 
 
-def _check_entries(pages, entry_pos, entry_len, page_size) -> None:
+def _has_entries(entry_pos, entry_len, entry_start) -> bool:
+    return entry_pos is not None or entry_len is not None or entry_start is not None
+
+
+def _check_entries(pages, entry_pos, entry_len, entry_start, page_size) -> None:
     from ragattn.ops.page_table import _check_entry_values
 
     _check_entry_values(entry_pos if entry_pos is not None else pages.new_zeros(0),
-                        entry_len if entry_len is not None else pages.new_zeros(0), page_size)
+                        entry_len if entry_len is not None else pages.new_zeros(0), page_size, entry_start)
 
 
 # The CPU tagged kernel's cos/sin table covers positions 0 .. max(q_pos): up to 2^20 of them (256
@@ -363,7 +367,7 @@ def _into(out, lse_out, o, lse, dtype):
 
 
 def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos=None, entry_len=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+         window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
          v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None):
     """The run op on validated arguments, on the backend of ``kernel_backend``: the Triton kernel
     with the plan; on the CPU the C++ kernels (the tagged one for position-tagged tables and
@@ -376,13 +380,14 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
         with device_guard(q):
             return run_tiles(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, kv_lens, scale, window_left, out,
                              lse_out, row_start=row_start, entry_pos=entry_pos, entry_len=entry_len,
+                             entry_start=entry_start,
                              inv_freq=inv_freq, rotary_dim=rotary_dim, interleaved=interleaved, k_scale=k_scale,
                              v_scale=v_scale, logits_soft_cap=logits_soft_cap)
     if k_scale is not None:
         # the caches dequantised as the kernel reads them (x * scale in fp32, then q's dtype)
         k_cache = (k_cache.to(torch.float32) * k_scale.reshape(())).to(q.dtype)
         v_cache = (v_cache.to(torch.float32) * v_scale.reshape(())).to(q.dtype)
-    if entry_pos is None and entry_len is None and inv_freq is None:
+    if not _has_entries(entry_pos, entry_len, entry_start) and inv_freq is None:
         bt = _run_padded_table(pages, row_start, kv_lens, k_cache.shape[1])
         if backend == "cpu":
             return _cpu_kernel(q, q_pos, cu_seqlens_q, k_cache, v_cache, bt, kv_lens, scale, window_left,
@@ -397,7 +402,7 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
 
         o, lse = paged_attention_table(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens,
                                        entry_pos, entry_len, inv_freq, rotary_dim, interleaved, scale,
-                                       window_left, logits_soft_cap)
+                                       window_left, logits_soft_cap, entry_start=entry_start)
         return _into(out, lse_out, o, lse, q.dtype)
     # the C++ tagged kernel; its RoPE table covers every position a row can see
     if row_start is None:   # a padded [B, max_pages] table as a flat list
@@ -407,28 +412,30 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
     if inv_freq is not None:
         cos, sin = _rope_table(inv_freq, positions)
     o, lse = torch.ops.ragattn._paged_attention_tagged_cpu(
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos, entry_len, cos, sin,
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos, entry_len, entry_start, cos, sin,
         rotary_dim if inv_freq is not None else 0, interleaved,
         scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), window_left, logits_soft_cap)
     return _into(out, lse_out, o, lse, q.dtype)
 
 
 def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
                               inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
                               logits_soft_cap=0.0):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale, logits_soft_cap)
+         window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+         logits_soft_cap)
     _validate_run(*a)
     return _run(*a)
 
 
 def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
                                   inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
                                   logits_soft_cap=0.0, *, out, lse_out):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale, logits_soft_cap)
+         window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+         logits_soft_cap)
     _validate_run(*a, out, lse_out)
     _run(*a, out, lse_out)
 
@@ -439,7 +446,7 @@ torch.library.impl("ragattn::paged_attention_run.out", "CompositeExplicitAutogra
 
 @torch.library.register_fake("ragattn::_paged_attention_tagged_cpu")
 def _paged_attention_tagged_cpu_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos,
-                                     entry_len, rope_cos, rope_sin, rotary_dim, interleaved, scale, window_left,
+                                     entry_len, entry_start, rope_cos, rope_sin, rotary_dim, interleaved, scale, window_left,
                                      logits_soft_cap):
     """The C++ op's checks that need no index values, in its order with its messages."""
     op = "ragattn._paged_attention_tagged_cpu"
@@ -457,7 +464,7 @@ def _paged_attention_tagged_cpu_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, p
             raise ValueError(f"{op}: {name} must be a CPU [{n}] tensor")
     if pages.dim() != 1:
         raise ValueError(f"{op}: pages must be a flat page list")
-    for name, x in (("pages", pages), ("entry_pos", entry_pos), ("entry_len", entry_len)):
+    for name, x in (("pages", pages), ("entry_pos", entry_pos), ("entry_len", entry_len), ("entry_start", entry_start)):
         if x is not None and x.dtype not in INDEX_DTYPES:
             raise TypeError(f"{op}: {name} must be int32 or int64")
         if x is not None and (x.dim() != 1 or x.shape[0] != pages.shape[0]):
@@ -478,20 +485,20 @@ def _paged_attention_tagged_cpu_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, p
 
 @torch.library.register_fake("ragattn::paged_attention_run")
 def _paged_attention_run_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
                               inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
                               logits_soft_cap=0.0):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                  scale, window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
                   logits_soft_cap, read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run.out")
 def _paged_attention_run_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
                                   inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
                                   logits_soft_cap=0.0, *, out, lse_out):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, entry_pos, entry_len, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
+                  scale, window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
                   logits_soft_cap, out, lse_out, read_values=False)

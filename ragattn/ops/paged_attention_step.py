@@ -87,14 +87,14 @@ class PagedAttentionStep:
         self._backend: Optional[Tuple[str, str]] = None   # (q's device type, kernel_backend) of the first run
         T = torch.Tensor
         # a padded, untagged table of plain CPU tensors: the C++ kernel's direct call
-        self._direct = (table.row_start is None and table.entry_pos is None and table.entry_len is None
+        self._direct = (table.row_start is None and not table.is_tagged
                         and type(cu_seqlens_q) is T and type(table.pages) is T and type(table.kv_lens) is T
                         and cu_seqlens_q.is_cpu and table.pages.is_cpu and table.kv_lens.is_cpu)
         self._storages = ({x.untyped_storage()._cdata for x in (cu_seqlens_q, table.pages, table.kv_lens)}
                           if self._direct else set())
         # a flat, position-tagged page list of plain CPU tensors whose entries are well formed (the
         # run op's checks on them, made here once): the tagged C++ kernel's direct call
-        entries = [x for x in (table.entry_pos, table.entry_len) if x is not None]
+        entries = [x for x in (table.entry_pos, table.entry_len, table.entry_start) if x is not None]
         self._tagged_direct = (table.row_start is not None and type(cu_seqlens_q) is T and cu_seqlens_q.is_cpu
                                and all(type(x) is T and x.is_cpu for x in (table.pages, table.row_start,
                                                                           table.kv_lens, *entries))
@@ -126,7 +126,7 @@ class PagedAttentionStep:
             # (every check of paged_attention's metadata passed; the kernel checks the index values)
             return _cpu_kernel(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale, window_left,
                                logits_soft_cap, out, lse_out)
-        tagged = inv_freq is not None or t.entry_pos is not None or t.entry_len is not None
+        tagged = inv_freq is not None or t.is_tagged
         if (tagged and self._tagged_direct and out is None and lse_out is None and backend == "cpu"
                 and plain_cpu_call(q, q_pos, k_cache, v_cache, inv_freq, under_profiler=True)
                 and _cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, t.row_start,
@@ -137,7 +137,8 @@ class PagedAttentionStep:
                 # (every check of the run op's metadata passed; the kernel checks the index values)
                 return torch.ops.ragattn._paged_attention_tagged_cpu(
                     q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, t.entry_pos,
-                    t.entry_len, rope[0], rope[1], rope[2], interleaved, _default_scale(scale, q.shape[-1]),
+                    t.entry_len, t.entry_start, rope[0], rope[1], rope[2], interleaved,
+                    _default_scale(scale, q.shape[-1]),
                     window_left, logits_soft_cap)
         if backend == "triton" and not (torch.compiler.is_compiling() and not tagged):
             key = (window_left, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
@@ -154,8 +155,8 @@ class PagedAttentionStep:
                                    window_left, logits_soft_cap, out=out, lse_out=lse_out)
         rotary_dim = _rotary_dim(q, inv_freq, rotary_dim)
         args = (q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, None, None, (),
-                scale, window_left, t.entry_pos, t.entry_len, inv_freq, rotary_dim or 0, bool(interleaved), None,
-                None, float(logits_soft_cap))
+                scale, window_left, t.entry_pos, t.entry_len, t.entry_start, inv_freq, rotary_dim or 0,
+                bool(interleaved), None, None, float(logits_soft_cap))
         if out is not None or lse_out is not None:
             out = q.new_empty(q.shape) if out is None else out
             lse_out = q.new_empty(q.shape[:2], dtype=torch.float32) if lse_out is None else lse_out

@@ -1,6 +1,6 @@
 """Plain-torch reference of ``paged_attention_run`` over a position-tagged page list (zero-copy
 chunk pages): each entry of a sequence's page list carries the position of its slot 0 and its
-count of valid slots, and RoPE may be left to the kernel: then slot ``o`` of every page holds its key
+valid slots (``[entry_start, entry_len)``: a run of the page), and RoPE may be left to the kernel: then slot ``o`` of every page holds its key
 rotated by ``o`` (page-local), and the key of a slot at position ``p0 + o`` (``p0``: its entry's first
 position) is rotated here by ``p0`` more, to ``p0 + o``.
 
@@ -17,12 +17,12 @@ from ragattn.reference.kv_cache import rope_rotate
 from ragattn.reference.varlen_attention import varlen_attention
 
 
-def table_slots(pages, row_start, kv_lens, page_size, entry_pos=None, entry_len=None):
+def table_slots(pages, row_start, kv_lens, page_size, entry_pos=None, entry_len=None, entry_start=None):
     """Per sequence, its valid slots as (page, offset, position) ``int64`` triples.
 
     Slot ``j < kv_lens[b]`` lies in entry ``e = row_start[b] + j // page_size`` (``row_start``
     None: row ``b`` of a padded ``pages [B, max_pages]``), at offset ``o = j % page_size``; it is
-    valid iff ``o < entry_len[e]`` and holds position ``entry_pos[e] + o`` (``entry_pos`` None:
+    valid iff ``entry_start[e] <= o < entry_len[e]`` (no ``entry_start``: from 0) and holds position ``entry_pos[e] + o`` (``entry_pos`` None:
     position ``j``). Returns a list of ``(pages [n], offsets [n], positions [n])``.
     """
     out = []
@@ -39,6 +39,8 @@ def table_slots(pages, row_start, kv_lens, page_size, entry_pos=None, entry_len=
         pos = j
         if entry_len is not None:
             valid = off < entry_len.long()[e]
+        if entry_start is not None:
+            valid = valid & (off >= entry_start.long()[e])
         if entry_pos is not None:
             pos = entry_pos.long()[e] + off
         out.append((page[valid], off[valid], pos[valid]))
@@ -63,15 +65,16 @@ def paged_attention_table(
     window_left: int = -1,
     logits_soft_cap: float = 0.0,
     *,
+    entry_start: Optional[torch.Tensor] = None,
     upcast: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[total_q, H, D]`` (rows at ``q_pos``, already rotated) over each
-    sequence's valid slots (``table_slots``); with ``inv_freq`` (float32 ``[rotary_dim // 2]``)
+    sequence's valid slots (``table_slots``; ``entry_start``: each entry's first valid slot); with ``inv_freq`` (float32 ``[rotary_dim // 2]``)
     each key, stored rotated by its page offset ``o``, is rotated by ``position - o`` first (to its
     position; ``rope_rotate``: angles in float64,
     products in float64; with ``upcast=False`` in float32 and rounded once to the keys' dtype, as
     the kernel does). Returns out like q and lse ``[total_q, H]``."""
-    slots = table_slots(pages, row_start, kv_lens, k_cache.shape[1], entry_pos, entry_len)
+    slots = table_slots(pages, row_start, kv_lens, k_cache.shape[1], entry_pos, entry_len, entry_start)
     ks, vs, ps = [], [], []
     for page, off, pos in slots:
         k = k_cache[page, off]

@@ -16,9 +16,11 @@ def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, 
     """One request over chunk pages whose K is stored *page-local* (random keys: any values are
     keys rotated by their page offset): entries (page, first
     position, valid slots) with the chunks positioned by ``scheme`` ("composite": every chunk from
-    0; "reordered": consecutive; "gapped": consecutive with random gaps), then a private question
-    entry. Rows: the question's tokens and one scattered row inside each chunk (selective
-    recompute). A second request shares the first chunk's pages at another position."""
+    0; "reordered": consecutive; "gapped": consecutive with random gaps; "runs": consecutive, each
+    chunk entry a run of its page from a random first slot, ``entry_start``, at most the offset of
+    a row in it), then a private question entry. Rows: the question's tokens and one scattered row
+    inside each chunk (selective recompute). A second request shares the first chunk's pages at
+    another position."""
     counts = [math.ceil(n / page_size) for n in chunk_lens] + [math.ceil(question_len / page_size)]
     num_pages = sum(counts) + 3
     perm = torch.randperm(num_pages, generator=gen)
@@ -37,6 +39,12 @@ def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, 
             rows.append(start + int(torch.randint(0, n, (1,), generator=gen)))
         pos = max(pos, start + n)
     question = [first[-counts[-1]] + i for i in range(question_len)]
+    starts = None
+    if scheme == "runs":
+        starts = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in valid[:-counts[-1]]] + [0] * counts[-1]
+        for r in rows:   # a row's own slot stays in its entry's run (every row sees a slot)
+            e = max(i for i, f in enumerate(first) if f <= r)
+            starts[e] = min(starts[e], r - first[e])
     # request 2: chunk 0's pages at position 100 (a shared chunk, another position), then its question
     pages2 = pages[: counts[0]] + pages[-counts[-1]:]
     first2 = [100 + e * page_size for e in range(counts[0])] + [100 + chunk_lens[0] + e * page_size
@@ -44,7 +52,9 @@ def make_tagged_case(chunk_lens, scheme, *, page_size, num_heads, num_kv_heads, 
     valid2 = valid[: counts[0]] + valid[-counts[-1]:]
     t = lambda x: torch.tensor(x, dtype=I32, device=device)  # noqa: E731
     indptr = t([0, len(pages), len(pages) + len(pages2)])
-    table = PageTable.from_entries(indptr, t(pages + pages2), t(first + first2), t(valid + valid2), page_size)
+    starts2 = None if starts is None else starts[: counts[0]] + [0] * counts[-1]
+    table = PageTable.from_entries(indptr, t(pages + pages2), t(first + first2), t(valid + valid2), page_size,
+                                   None if starts is None else t(starts + starts2))
     q_pos = rows + question + [100 + chunk_lens[0]]
     cu = t([0, len(rows) + question_len, len(q_pos)])
     q = randn_nonzero(len(q_pos), num_heads, head_dim, dtype=dtype, device=device)
@@ -58,10 +68,11 @@ def _table_refs(q, q_pos, cu, k, v, table, window_left, rope):
 
     a = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len,
          *rope, None, window_left)
-    return paged_attention_table(*a), paged_attention_table(*a, upcast=False)
+    start = table.entry_start
+    return paged_attention_table(*a, entry_start=start), paged_attention_table(*a, entry_start=start, upcast=False)
 
 
-@pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped"])
+@pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped", "runs"])
 @pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
 def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme, rope):
     """Zero-copy requests: keys stored page-local in shared chunk pages, positions and valid
@@ -72,7 +83,8 @@ def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme
 
     gen = torch.Generator().manual_seed(seed)
     head_dim = 64
-    dtype = {"composite": torch.bfloat16, "reordered": torch.float16, "gapped": torch.float32}[scheme]
+    dtype = {"composite": torch.bfloat16, "reordered": torch.float16, "gapped": torch.float32,
+             "runs": torch.bfloat16}[scheme]
     q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], scheme, page_size=8, num_heads=6, num_kv_heads=2,
                                                  head_dim=head_dim, dtype=dtype, device=device, gen=gen)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -88,7 +100,7 @@ def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme
         (o64, l64), (olp, llp) = _table_refs(*(x.cpu() for x in (q, q_pos, cu, k, v)),
                                              PageTable(*(None if x is None else x.cpu() for x in (
                                                  table.pages, table.kv_lens, table.row_start, table.entry_pos,
-                                                 table.entry_len))),
+                                                 table.entry_len, table.entry_start))),
                                              window_left, tuple(x.cpu() if torch.is_tensor(x) else x for x in rp))
         assert torch.isfinite(out).all() and torch.isfinite(lse).all()
         assert_precision(out.cpu(), o64, olp)
@@ -138,6 +150,112 @@ def test_page_local_keys_attend_as_keys_rotated_at_their_positions(backend, devi
     assert_precision(out.cpu(), o64, olp)
     assert_precision(lse.cpu(), l64, llp, what="lse")
 
+
+@pytest.mark.parametrize("rope", ["none", "neox"])
+def test_runs_of_shared_pages_around_private_rows_attend_as_a_private_copy(backend, device, seed, rope):
+    """Copy on write by rows, the form a selective-recompute request takes over shared chunk pages:
+    the chunks' pages read as runs (``entry_start``) around the rows the request recomputed, and
+    those rows from a private page of their own (one entry each, at its slot of that page), attend
+    exactly as a private copy of the chunks with the recomputed rows written in place; keys
+    page-local (RoPE in the kernel) or rotated, float64 reference of the copy."""
+    from ragattn.reference.kv_cache import rope_rotate
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    page_size, head_dim, hq, hkv = 8, 64, 6, 2
+    lens, head = [13, 8, 21], 5                                  # chunk tokens, then 4 question rows
+    pos = torch.arange(head, head + sum(lens))                   # chunk token positions
+    n = pos.numel()
+    recomputed = torch.randperm(n, generator=gen)[:7].sort().values   # chunk token indices held privately
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+    def stored(x, offsets):   # keys as a page holds them: page-local (rotated by the slot's offset)
+        if rope == "none":
+            return x
+        return rope_rotate(x, offsets, inv_freq, head_dim, False, compute_dtype=torch.float64)
+
+    x_shared = randn_nonzero(n, hkv, head_dim, dtype=torch.float64, generator=gen)   # the chunks' keys, values
+    v_shared = randn_nonzero(n, hkv, head_dim, dtype=torch.float64, generator=gen)
+    x_fresh = randn_nonzero(recomputed.numel(), hkv, head_dim, dtype=torch.float64, generator=gen)
+    v_fresh = randn_nonzero(recomputed.numel(), hkv, head_dim, dtype=torch.float64, generator=gen)
+    x_q = randn_nonzero(4, hkv, head_dim, dtype=torch.float64, generator=gen)           # the question's own
+    v_q = randn_nonzero(4, hkv, head_dim, dtype=torch.float64, generator=gen)
+    # chunk c's token j at slot j of the chunk's pages (page-local: every page starts a chunk's run)
+    tok_page, tok_off, pages_of = [], [], []
+    num = 0
+    for c, L in enumerate(lens):
+        m = math.ceil(L / page_size)
+        pages_of.append(list(range(num, num + m)))
+        tok_page += [num + j // page_size for j in range(L)]
+        tok_off += [j % page_size for j in range(L)]
+        num += m
+    tok_page, tok_off = torch.tensor(tok_page), torch.tensor(tok_off)
+    chunk_first = [0] + torch.tensor(lens).cumsum(0).tolist()
+    priv = num                          # the private page of the recomputed rows (slot i: row i)
+    qpage = num + 1                     # the question's page
+    copy0 = num + 2                     # the private copy's pages (the reference's request)
+    k = torch.full((copy0 + num, page_size, hkv, head_dim), float("nan"), dtype=torch.float64)
+    v = k.clone()
+    k[tok_page, tok_off] = stored(x_shared, tok_off)
+    v[tok_page, tok_off] = v_shared
+    slots = torch.arange(recomputed.numel())
+    k[priv, slots] = stored(x_fresh, slots)
+    v[priv, slots] = v_fresh
+    k[qpage, :4] = stored(x_q, torch.arange(4))
+    v[qpage, :4] = v_q
+    x_copy, v_copy = x_shared.clone(), v_shared.clone()
+    x_copy[recomputed], v_copy[recomputed] = x_fresh, v_fresh
+    k[copy0 + tok_page, tok_off] = stored(x_copy, tok_off)
+    v[copy0 + tok_page, tok_off] = v_copy
+    q_end = head + n
+
+    # request 1: the chunk pages as runs around the recomputed rows, the private rows, the question
+    held = torch.zeros(n, dtype=torch.bool)
+    held[recomputed] = True
+    e_page, e_first, e_start, e_len = [], [], [], []
+    for c, L in enumerate(lens):
+        for i, p in enumerate(pages_of[c]):
+            a, b = chunk_first[c] + i * page_size, chunk_first[c] + min(L, (i + 1) * page_size)
+            run_from = a
+            for t in range(a, b + 1):        # runs of shared slots between held rows
+                if t == b or held[t]:
+                    if t > run_from:
+                        e_page.append(p), e_first.append(int(pos[a])), e_start.append(run_from - a)
+                        e_len.append(t - a)
+                    run_from = t + 1
+    for i, r in enumerate(recomputed.tolist()):
+        e_page.append(priv), e_first.append(int(pos[r]) - i), e_start.append(i), e_len.append(i + 1)
+    e_page.append(qpage), e_first.append(q_end), e_start.append(0), e_len.append(4)
+    # request 2: the private copy, whole pages from slot 0
+    c_page = [copy0 + p for ps in pages_of for p in ps] + [qpage]
+    c_first = [int(pos[chunk_first[c] + i * page_size]) for c, ps in enumerate(pages_of) for i in range(len(ps))]
+    c_len = [min(page_size, L - i * page_size) for c, L in enumerate(lens) for i in range(len(pages_of[c]))]
+    c_first, c_len = c_first + [q_end], c_len + [4]
+    i32 = lambda x: torch.tensor(x, dtype=I32)  # noqa: E731
+    runs = PageTable.from_entries(i32([0, len(e_page)]), i32(e_page), i32(e_first), i32(e_len), page_size,
+                                  i32(e_start))
+    copy = PageTable.from_entries(i32([0, len(c_page)]), i32(c_page), i32(c_first), i32(c_len), page_size)
+    # rows: the question, and a few recomputed rows themselves (each sees the chunks up to it)
+    q_pos = torch.cat([pos[recomputed[::2]], torch.arange(q_end, q_end + 4)]).to(I32)
+    q = randn_nonzero(q_pos.numel(), hq, head_dim, dtype=torch.float32, generator=gen)
+    cu = i32([0, q_pos.numel()])
+    rp = (inv_freq, head_dim, False) if rope == "neox" else (None, 0, False)
+    kw = dict(inv_freq=inv_freq.to(device), rotary_dim=head_dim) if rope == "neox" else {}
+    dev = lambda t: t.to(device)  # noqa: E731
+    dtable = PageTable(*(None if t is None else dev(t) for t in (runs.pages, runs.kv_lens, runs.row_start,
+                                                                  runs.entry_pos, runs.entry_len, runs.entry_start)))
+    plan = _plan(dict(cu=dev(cu), q=dev(q), k=dev(k.float())), dtable)
+    out = torch.full_like(dev(q), float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=device)
+    run_paged_attention(plan, dev(q), dev(q_pos), dev(k.float()), dev(v.float()), out=out, lse_out=lse, **kw)
+    (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k.float(), v.float(), copy, -1, rp)
+    assert_precision(out.cpu(), o64, olp)
+    assert_precision(lse.cpu(), l64, llp, what="lse")
+    # and the runs matter: the shared pages read whole (stale rows, no private ones) differ
+    whole = PageTable.from_entries(i32([0, len(c_page)]), i32([p - copy0 for p in c_page[:-1]] + [qpage]),
+                                   i32(c_first), i32(c_len), page_size)
+    (s64, _), _ = _table_refs(q, q_pos, cu, k.float(), v.float(), whole, -1, rp)
+    assert (s64 - o64).abs().max() > 1e-3
 
 def _hf_inv_freq(rope_type):
     """inv_freq of a Llama RoPE with each scaling ragattn supports (those that only change the
@@ -348,20 +466,23 @@ def test_cpu_tagged_kernel_many_rows_rotated_as_gathered(seed, rope):
 def test_cpu_tagged_private_op_checks_like_its_fake():
     """``ragattn::_paged_attention_tagged_cpu`` (the C++ kernel the CPU route calls directly):
     opcheck, and out-of-range index values refused before any read."""
-    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "gapped", page_size=4, num_heads=4, num_kv_heads=2,
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "runs", page_size=4, num_heads=4, num_kv_heads=2,
                                                  head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
     from ragattn.ops.paged_attention_run import rope_position_table
 
     cos, sin = rope_position_table(torch.rand(32) * 0.5 + 0.01, int(q_pos.max()) + 1)
     op = torch.ops.ragattn._paged_attention_tagged_cpu.default
-    args = [q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len, cos,
-            sin, 64, False, 0.125, -1, 0.0]
+    args = [q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, table.entry_pos, table.entry_len,
+            table.entry_start, cos, sin, 64, False, 0.125, -1, 0.0]
     torch.library.opcheck(op, tuple(args))
     for bad, msg, values in [({5: table.pages + k.shape[0]}, "must lie in", True),
-                             ({10: cos[:-1], 11: sin[:-1]}, "RoPE table has", True),
-                             ({9: table.entry_len + 4}, "entry_len", True), ({11: None}, "go together", False),
-                             ({12: 63}, "rotary_dim must be even", False),
-                             ({10: cos.double(), 11: sin.double()}, "contiguous float32", False),
+                             ({11: cos[:-1], 12: sin[:-1]}, "RoPE table has", True),
+                             ({9: table.entry_len + 4}, "entry_len", True),
+                             ({10: table.entry_len + 1}, r"entry_start\[\d+\] must lie in \[0, entry_len", True),
+                             ({10: table.entry_start[:-1]}, "entry_start must be", False),
+                             ({12: None}, "go together", False),
+                             ({13: 63}, "rotary_dim must be even", False),
+                             ({11: cos.double(), 12: sin.double()}, "contiguous float32", False),
                              ({6: table.row_start[:1]}, "row_start must be", False)]:
         a = list(args)
         for i, x in bad.items():
@@ -374,12 +495,12 @@ def test_cpu_tagged_private_op_checks_like_its_fake():
 
 
 def test_tagged_run_opcheck_and_errors(device):
-    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "composite", page_size=4, num_heads=4, num_kv_heads=2,
+    q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "runs", page_size=4, num_heads=4, num_kv_heads=2,
                                                  head_dim=64, dtype=torch.float32, device=device)
     plan = _plan(dict(cu=cu, q=q, k=k), table)
     inv_freq = torch.rand(32, device=device) * 0.5 + 0.01
     args = (q, q_pos, cu, k, v, table.pages, table.row_start, table.kv_lens, plan.tile_seq, plan.tile_row0,
-            list(plan.launch), None, -1, table.entry_pos, table.entry_len, inv_freq, 64, False)
+            list(plan.launch), None, -1, table.entry_pos, table.entry_len, table.entry_start, inv_freq, 64, False)
     torch.library.opcheck(torch.ops.ragattn.paged_attention_run.default, args)
     with pytest.raises(ValueError, match="rotary_dim must be even"):
         run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq[:16], rotary_dim=31)
@@ -394,3 +515,9 @@ def test_tagged_run_opcheck_and_errors(device):
         PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), 4)
     with pytest.raises(ValueError, match="first_pos must be >= 0"):
         PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([-1]), torch.tensor([2]), 4)
+    with pytest.raises(ValueError, match=r"start must lie in \[0, valid\] \(entry 1: start 3, valid 2\)"):
+        PageTable.from_entries(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([0, 4]), torch.tensor([4, 2]),
+                               4, torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="start must have shape"):
+        PageTable.from_entries(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([2]), 4,
+                               torch.tensor([0, 0]))
