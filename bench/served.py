@@ -543,8 +543,9 @@ def write_report(a, argv_text: str, rows: List[dict], meta: dict, memory: Sequen
         "figure at the row's requests\n\n")
     body = format_table(rows) + "\n\nTargets:\n\n" + format_targets(rows, memory) + "\n"
     if memory:
-        body += ("\nKV memory of concurrent Block-Attention requests over the same chunks (vLLM's `/metrics` while "
-                 "all of them decode; ragattn's server holds shared chunk pages, vLLM's backend copies them):\n\n"
+        body += ("\nKV memory of concurrent requests over the same chunks (vLLM's `/metrics` while all of them "
+                 "decode; ragattn's server holds shared chunk pages and FusionRAG's recomputed rows in each "
+                 "request's own blocks, vLLM's backend copies the chunks):\n\n"
                  + format_memory(memory))
     title = f"SmolLM2 float32 served by vLLM {meta['vllm']} on the CPU, OMP_NUM_THREADS={a.threads}"
     drawn = plot(rows, os.path.join(a.out, "served.png"), title)

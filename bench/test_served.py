@@ -162,7 +162,11 @@ def test_memory_rows_and_target(tmp_path):
                  copies_blocks=1600, vs_shared_bound=round(k / 200, 2), vs_copies=round(k / 1600, 2))
             for b, n, k in (("cpu_attn", 16, 1600), ("ragattn", 1, 110), ("ragattn", 16, 230))]
     text, met, evidence = memory_target(rows)
-    assert met is True and evidence == "16 requests: 1.15x"
+    assert met is True and evidence == "block_attention, 16 requests: 1.15x"
     rows[-1].update(blocks=260, vs_shared_bound=1.3)
     assert memory_target(rows)[1] is False and memory_target(rows[:1])[1] is None
-    assert format_memory(rows).count("\n") == 2 + len(rows) and "| ragattn | 16 | 1600 | 260 (-) |" in format_memory(rows)
+    assert format_memory(rows).count("\n") == 2 + len(rows)
+    assert "| ragattn | block_attention | 16 | 1600 | 260 (-) |" in format_memory(rows)
+    rows[-1].update(blocks=230, vs_shared_bound=1.15)
+    rows.append(dict(rows[-1], method="fusionrag", blocks=250, vs_shared_bound=1.25))   # every method meets it
+    assert memory_target(rows)[1] is False and "fusionrag, 16 requests: 1.25x" in memory_target(rows)[2]

@@ -75,6 +75,14 @@ class SharedStep:
         self._cu, self._max_q_len = cu, max_q_len
         self._steps = False
 
+    @classmethod
+    def of_tables(cls, tables, cu, max_q_len) -> "SharedStep":
+        """A step whose ``(private, shared)`` tables are made already (ragattn.vllm.recompute's
+        passes over one request)."""
+        step = cls([], None, None, 0, cu, max_q_len)
+        step._steps = tuple(PagedAttentionStep(cu, t, max_q_len=max_q_len) for t in tables)
+        return step
+
     def steps(self):
         if self._steps is False:
             tables = shared_pages.step_tables(*self._args)

@@ -46,7 +46,7 @@ from ragattn.vllm.spans import (METHOD_PARAM, RATIO_PARAM, RECOMPUTED_PARAM, SPA
                                 method_from_params, plan_claim, separator_salt, span_salt, spans_from_params,
                                 spans_from_separator)
 from ragattn.vllm.platform import enabled as ragattn_attention
-from ragattn.vllm.recompute import Recomputer, RecomputeError, RecomputeRequest
+from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm import shared_pages
 from ragattn.vllm.shared_pages import ChunkPagePool, SharedEntries
 from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
@@ -71,7 +71,8 @@ OPTIONS = {
     "remote_secret": "its HMAC key (default: the RAGATTN_REMOTE_SECRET environment variable)",
     "kv_split": f"one of {KV_SPLITS}: where K and V sit in a cache block (default: from the attention backend)",
     "shared_pages": "true: each chunk's K/V held once in vLLM's KV cache and read by every request using it "
-                    "(ragattn.vllm.shared_pages; ragattn's backend, Block-Attention and TurboRAG); default false",
+                    "(ragattn.vllm.shared_pages; ragattn's backend; Block-Attention, TurboRAG and FusionRAG, whose "
+                    "recomputed rows each request holds in its own blocks); default false",
 }
 
 
@@ -104,10 +105,11 @@ class RagattnConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class RagattnWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, once per step: the prompt positions each request recomputed; the
-    requests now read from shared chunk pages (their leading blocks to give back); the chunks
-    whose shared pages could not be written."""
+    requests now read from shared chunk pages (``(first, block ids)``: the blocks to give back,
+    from its block ``first`` on: the ones before hold its recomputed rows); the chunks whose
+    shared pages could not be written."""
     recomputed: dict[str, list[int]] = field(default_factory=dict)
-    shared: dict[str, list[int]] = field(default_factory=dict)
+    shared: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     failed_chunks: list[str] = field(default_factory=list)
 
     def aggregate(self, other: "RagattnWorkerMetadata") -> "RagattnWorkerMetadata":
@@ -307,7 +309,7 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                                f"the {claim.num_tokens - local} claimed tokens; partial claims are not supported")
         prompt = tuple(request.prompt_token_ids or ()) if method.recomputes else ()
         chunk_blocks = None
-        if self._pool is not None and not method.recomputes and local == 0:
+        if self._pool is not None and method.name != "cacheblend" and local == 0:
             chunk_blocks = self._pool.acquire(request.request_id, claim.keys, [e - s for s, e in claim.spans])
         self._pending[request.request_id] = (claim, local, method, prompt, chunk_blocks)
 
@@ -333,8 +335,8 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             if self._pool is not None:
                 for key in worker.failed_chunks:
                     self._pool.drop(key)
-                for req_id, block_ids in worker.shared.items():
-                    self._pool.give_back(self._kv_manager, req_id, block_ids)
+                for req_id, (first, block_ids) in worker.shared.items():
+                    self._pool.give_back(self._kv_manager, req_id, block_ids, first)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Nothing is saved (the blocks are freed at once); a request the worker recomputed rows
@@ -515,7 +517,7 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                 with torch.inference_mode():
                     self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
                 if load.method.recomputes:
-                    self._done[load.req_id] = self._recompute(load)
+                    self._done[load.req_id] = self._recompute(load).positions
             except (ChunkStoreError, OSError, RecomputeError) as exc:
                 failed = self._claimed_blocks(load)
                 log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
@@ -524,9 +526,10 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
         """Serves the request from shared chunk pages: writes the chunks not in their pages yet
-        (keys page-local), copies the claim's last partial block into the request's own block
-        and registers its entries for ragattn's backend. False (the copy path follows) if a chunk
-        cannot be loaded: that chunk's pages are reported and never read."""
+        (keys page-local), copies the claim's last partial block into the request's own block,
+        recomputes FusionRAG's rows into its own blocks and registers its entries for ragattn's
+        backend. False (the copy path follows) if a chunk cannot be loaded: that chunk's pages are
+        reported and never read. RecomputeError: nothing registered (the load fails)."""
         bs = self._block_size
         try:
             with torch.inference_mode():
@@ -545,8 +548,13 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
                         load.req_id, failed, exc)
             self._failed_chunks += failed
             return False
-        shared_pages.REQUESTS[load.req_id] = SharedEntries.build(load.spans, load.chunk_blocks, bs, rotate_to)
-        self._shared_done[load.req_id] = list(load.block_ids[0][:tail // bs])
+        if load.method.recomputes:
+            done = self._recompute(load, shared=True)
+            self._done[load.req_id] = done.positions
+        else:
+            done = Recomputed([], SharedEntries.build(load.spans, load.chunk_blocks, bs, rotate_to))
+        shared_pages.REQUESTS[load.req_id] = done.entries
+        self._shared_done[load.req_id] = (done.held, list(load.block_ids[0][done.held:tail // bs]))
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -554,15 +562,16 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
             shared_pages.REQUESTS.pop(req_id, None)
         return None, None
 
-    def _recompute(self, load: RequestLoad) -> list[int]:
-        """CacheBlend / FusionRAG on the request's pages (ragattn.vllm.recompute); the recomputed
-        prompt positions."""
+    def _recompute(self, load: RequestLoad, shared: bool = False) -> Recomputed:
+        """CacheBlend / FusionRAG on the request's pages, or (``shared``) over its shared chunk
+        pages (ragattn.vllm.recompute)."""
         if self._recomputer is None:
             raise RecomputeError(f"ragattn.vllm: {load.method.name} needs ragattn's attention backend on one KV "
                                  "cache group (RAGATTN_VLLM_ATTENTION=1)")
         return self._recomputer.run(RecomputeRequest(load.method.name, load.method.ratio, load.prompt, load.spans,
                                                      load.block_ids[0], self._groups[0][2] if self._groups
-                                                     else self._block_size))
+                                                     else self._block_size,
+                                                     load.chunk_blocks if shared else None))
 
     def build_connector_worker_meta(self) -> RagattnWorkerMetadata | None:
         if not (self._done or self._shared_done or self._failed_chunks):

@@ -20,6 +20,13 @@ the reused ones in every layer; vLLM's forward of the final block then attends t
   check layer (1, 2, 3) the tokens whose fresh K/V deviate most from the cached K/V go on
   (``2r .. r``), the others stop.
 
+On shared chunk pages (:mod:`ragattn.vllm.shared_pages`, FusionRAG) the request reads its chunks
+from pages every request shares, so the recomputed rows cannot overwrite them: copy on write by
+rows. Row ``i`` of the recomputed rows below the request's first private block goes to slot ``i``
+of the request's first own blocks (packed), and every pass of the request reads the chunk pages
+as runs around those rows (``SharedEntries.build(held=...)``). Rows in the request's own blocks
+(the claim's last partial block) are recomputed in place.
+
 This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection functions,
 the same budget, the same check layers), split in two passes: the recomputed rows first, then
 vLLM's forward of the final block. It is the same arithmetic, since a row never attends to a
@@ -46,7 +53,9 @@ import torch
 
 from ragattn.methods.fusionrag import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, kv_deviation,
                                        query_guided_scores, top_rows)
-from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
+from ragattn.vllm import shared_pages
+from ragattn.vllm.shared_pages import SharedEntries
 
 _MODEL: list = []   # the worker's model, set once by the worker after load_model (bind_model)
 
@@ -87,13 +96,25 @@ def check_model(model: torch.nn.Module):
 class RecomputeRequest:
     """One request's recompute: ``method`` (``cacheblend`` / ``fusionrag``), ``ratio``, the
     ``prompt`` token ids, its claimed ``spans`` (the first is the prompt head, never recomputed)
-    and its pages ``block_ids`` (vLLM's blocks of ``block_size`` tokens)."""
+    and its pages ``block_ids`` (vLLM's blocks of ``block_size`` tokens). ``chunk_blocks``: the
+    shared chunk pages it reads (one list per span; FusionRAG), or None (its own copy)."""
     method: str
     ratio: float
     prompt: Sequence[int]
     spans: Sequence[tuple[int, int]]
     block_ids: Sequence[int]
     block_size: int
+    chunk_blocks: Sequence[Sequence[int]] | None = None
+
+
+@dataclass
+class Recomputed:
+    """What a recompute did: the recomputed prompt ``positions`` (sorted) and, on shared chunk
+    pages, the request's ``entries`` (the chunk pages as runs around its held rows) and ``held``
+    (how many of its first blocks hold them)."""
+    positions: list[int]
+    entries: SharedEntries | None = None
+    held: int = 0
 
 
 class Recomputer:
@@ -109,9 +130,17 @@ class Recomputer:
         self.head_size, self.scale = head_size, float(scale)
 
     # ----- the pages of one request -------------------------------------------------------
-    def _slots(self, req: RecomputeRequest, pos: torch.Tensor) -> torch.Tensor:
+    def _slots(self, req: RecomputeRequest, pos: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's cache slot: by position in the request's blocks, or, for the ``held`` rows
+        (sorted prompt positions below its first private block), packed into its first blocks."""
+        bs = req.block_size
         ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
-        return ids[pos // req.block_size] * req.block_size + pos % req.block_size
+        slots = ids[pos // bs] * bs + pos % bs
+        if held is not None and held.numel():
+            below = pos < req.spans[-1][1] // bs * bs
+            i = torch.searchsorted(held.to(pos.device), pos[below])
+            slots[below] = ids[i // bs] * bs + i % bs
+        return slots
 
     def _kv_at(self, layer: int, slots: torch.Tensor):
         from ragattn.vllm.backend import kv_views
@@ -120,10 +149,13 @@ class Recomputer:
         page = k.shape[1]
         return k[slots // page, slots % page], v[slots // page, slots % page]
 
-    def _metadata(self, req: RecomputeRequest, pos: torch.Tensor, capture: list | None):
+    def _metadata(self, req: RecomputeRequest, pos: torch.Tensor, capture: list | None,
+                  entries: SharedEntries | None = None):
         """Attention metadata for rows at prompt positions ``pos`` (sorted) of one request: each
-        attends to the request's positions ``<= its own`` (the step's PageTable over its blocks)."""
-        from ragattn.vllm.backend import RagattnAttentionMetadata
+        attends to the request's positions ``<= its own`` (the step's PageTable over its blocks;
+        with ``entries``, its own blocks and held rows plus its shared chunk pages, two passes as
+        in vLLM's steps)."""
+        from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep
 
         dev = pos.device
         page = self.caches[0].shape[2]            # the cache's page (kernel block) size
@@ -132,20 +164,30 @@ class Recomputer:
         pages = (ids[:, None] * per + torch.arange(per, device=dev)).reshape(1, -1).to(torch.int32)
         kv_len = int(pos[-1]) + 1
         n = pos.numel()
+        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
         table = PageTable.from_block_table(pages, torch.tensor([kv_len], dtype=torch.int32, device=dev))
-        step = PagedAttentionStep(torch.tensor([0, n], dtype=torch.int32, device=dev), table,
-                                  max_q_len=n, max_kv_len=kv_len)
+        step = PagedAttentionStep(cu, table, max_q_len=n, max_kv_len=kv_len)
+        shared = None
+        if entries is not None:
+            if per != 1:
+                raise RecomputeError(f"ragattn.vllm: shared chunk pages need the cache's page ({page}) to be vLLM's "
+                                     f"block ({req.block_size})")
+            tables = shared_pages.entry_tables([entries], pages, torch.tensor([kv_len]), req.block_size)
+            shared = SharedStep.of_tables(tables, cu, n)
         return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=pos.to(torch.int32),
-                                        capture_query=capture)
+                                        capture_query=capture, shared=shared)
 
     # ----- the layer loop ------------------------------------------------------------------
     @torch.inference_mode()
     def _run_rows(self, req: RecomputeRequest, pos: torch.Tensor, *, checks: dict | None = None,
-                  capture: list | None = None) -> torch.Tensor:
+                  capture: list | None = None, entries: SharedEntries | None = None,
+                  held: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prompt tokens at positions ``pos`` (int64, sorted) through every decoder layer,
         writing their K/V into the request's pages; ``checks`` ``{layer: keep}``: after such a
         layer only the ``keep`` rows whose K/V moved most go on. ``capture``: receives the last
-        layer's query ``[n, Hq, D]``. Returns the positions that went through the last layer."""
+        layer's query ``[n, Hq, D]``. ``entries``: the request reads shared chunk pages through
+        them, ``held`` (sorted positions) the rows it keeps packed in its first blocks. Returns the
+        positions that went through the last layer."""
         from vllm.forward_context import set_forward_context
 
         base = check_model(bound_model())
@@ -157,11 +199,11 @@ class Recomputer:
         ctx = None
         for l, layer in enumerate(base.layers):
             if ctx is None:   # (re)built when the rows change
-                slots = self._slots(req, pos)
-                meta = self._metadata(req, pos, None)
+                slots = self._slots(req, pos, held)
+                meta = self._metadata(req, pos, None, entries)
                 metas = {name: meta for name in self.names}
                 if capture is not None:
-                    metas[self.names[last]] = self._metadata(req, pos, capture)
+                    metas[self.names[last]] = self._metadata(req, pos, capture, entries)
                 ctx = (metas, {name: slots for name in self.names})
             if l in checks:   # the cached K/V before this layer overwrites them
                 old = tuple(t.clone() for t in self._kv_at(l, ctx[1][self.names[l]]))
@@ -176,33 +218,45 @@ class Recomputer:
                     break
         return pos
 
-    def run(self, req: RecomputeRequest) -> list[int]:
-        """Recompute ``req``'s chosen chunk tokens (see the module docstring); returns their
-        prompt positions (sorted). RecomputeError if the final block's pages are not all
-        allocated in this step (vLLM split its prefill: FusionRAG's selection pass needs them)."""
+    def run(self, req: RecomputeRequest) -> Recomputed:
+        """Recompute ``req``'s chosen chunk tokens (see the module docstring). RecomputeError if
+        the final block's pages are not all allocated in this step (vLLM split its prefill:
+        FusionRAG's selection pass needs them)."""
         head_end, ctx = req.spans[0][1], req.spans[-1][1]
         n_chunk = ctx - head_end
         k = budget(req.ratio, n_chunk)
         dev = self.caches[0].device
         chunk_pos = torch.arange(head_end, ctx, dtype=torch.int64, device=dev)
         if req.method == "cacheblend":
+            if req.chunk_blocks is not None:   # (its first layers recompute every chunk row: no page to share)
+                raise ValueError("ragattn.vllm: CacheBlend runs on the request's own copy of its chunks")
             if max(CACHEBLEND_CHECK_LAYERS) >= len(self.names):
                 raise RecomputeError(f"ragattn.vllm: CacheBlend checks layers {CACHEBLEND_CHECK_LAYERS}; the model "
                                      f"has {len(self.names)}")
             checks = cacheblend_schedule(req.ratio, n_chunk, CACHEBLEND_CHECK_LAYERS)
-            return self._run_rows(req, chunk_pos, checks=checks).tolist() if n_chunk else []
+            return Recomputed(self._run_rows(req, chunk_pos, checks=checks).tolist() if n_chunk else [])
         if req.method != "fusionrag":
             raise ValueError(f"ragattn.vllm: no recompute for method {req.method!r}")
+        shared = None if req.chunk_blocks is None else SharedEntries.build(req.spans, req.chunk_blocks,
+                                                                            req.block_size)
         if k == 0:
-            return []
+            return Recomputed([], shared)
         if k < n_chunk:
-            chunk_pos = chunk_pos[top_rows(self._query_guided_scores(req, head_end, ctx), k)]
-        return self._run_rows(req, chunk_pos).tolist()
+            chunk_pos = chunk_pos[top_rows(self._query_guided_scores(req, head_end, ctx, shared), k)]
+        if shared is None:
+            return Recomputed(self._run_rows(req, chunk_pos).tolist())
+        held = chunk_pos[chunk_pos < shared.private_from]
+        n_blocks = -(-held.numel() // req.block_size)
+        entries = SharedEntries.build(req.spans, req.chunk_blocks, req.block_size, held=held.tolist(),
+                                      held_blocks=list(req.block_ids[:n_blocks]))
+        return Recomputed(self._run_rows(req, chunk_pos, entries=entries, held=held).tolist(), entries, n_blocks)
 
-    def _query_guided_scores(self, req: RecomputeRequest, head_end: int, ctx: int) -> torch.Tensor:
+    def _query_guided_scores(self, req: RecomputeRequest, head_end: int, ctx: int,
+                             shared: SharedEntries | None = None) -> torch.Tensor:
         """FusionRAG's score of each chunk token: the final block run over the reused pages (its
         K/V written at its own slots, rewritten by vLLM's forward right after), its last-layer
-        queries against the chunks' cached last-layer keys."""
+        queries against the chunks' cached last-layer keys (``shared``: read from the shared
+        chunk pages, rotated to their positions)."""
         n = len(req.prompt)
         if len(req.block_ids) * req.block_size < n:
             raise RecomputeError(f"ragattn.vllm: the request's pages cover {len(req.block_ids) * req.block_size} of "
@@ -210,11 +264,39 @@ class Recomputer:
                                  "FusionRAG's selection needs the whole final block")
         dev = self.caches[0].device
         cap: list = []
-        self._run_rows(req, torch.arange(ctx, n, dtype=torch.int64, device=dev), capture=cap)
+        self._run_rows(req, torch.arange(ctx, n, dtype=torch.int64, device=dev), capture=cap, entries=shared)
         q_last = cap[0]                                                       # [T, Hq, D]
-        k_last = self._kv_at(len(self.names) - 1, self._slots(req, torch.arange(head_end, ctx, device=dev)))[0]
+        pos = torch.arange(head_end, ctx, device=dev)
+        if shared is None:
+            k_last = self._kv_at(len(self.names) - 1, self._slots(req, pos))[0]
+        else:
+            k_last = self._shared_keys(req, len(self.names) - 1, pos, shared.private_from)
         lens = [b - a for a, b in req.spans[1:]]
         return query_guided_scores(q_last, k_last.contiguous(), lens, "per_chunk", self.scale)
 
+    @torch.inference_mode()
+    def _shared_keys(self, req: RecomputeRequest, layer: int, pos: torch.Tensor, private_from: int) -> torch.Tensor:
+        """Keys ``[n, Hkv, D]`` of the prompt positions ``pos`` (sorted) at ``layer``: those below
+        ``private_from`` read from the chunk pages (page-local) and rotated to their positions, as
+        the copy path writes them (one rotation from the page offset); the rest from the
+        request's own blocks."""
+        bs, dev = req.block_size, pos.device
+        page, off = [], []
+        for (s, e), blocks in zip(req.spans, req.chunk_blocks):
+            j = torch.arange(e - s)
+            page.append(torch.tensor(list(blocks), dtype=torch.int64)[j // bs])
+            off.append(j % bs)
+        page, off = torch.cat(page).to(dev), torch.cat(off).to(dev)   # per prompt index below the claim's end
+        below = pos < private_from
+        rows = self._kv_at(layer, self._slots(req, pos))[0].clone()
+        shared = pos[below]
+        k = self._kv_at(layer, page[shared] * bs + off[shared])[0].contiguous()
+        rope = shared_pages.ROPE[0]
+        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), shared - off[shared], rope.inv_freq.to(dev),
+                       rope.rotary_dim, rope.interleaved)
+        rows[below] = k
+        return rows
 
-__all__ = ["Recomputer", "RecomputeRequest", "RecomputeError", "bind_model", "bound_model", "check_model"]
+
+__all__ = ["Recomputer", "RecomputeRequest", "Recomputed", "RecomputeError", "bind_model", "bound_model",
+           "check_model"]

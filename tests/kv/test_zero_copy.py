@@ -345,7 +345,7 @@ def test_cpu_kernel_rotation_against_float64(interleaved, rotary_dim):
     q = torch.randn(37, 1, 16, generator=g)
     idx = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     out, lse = torch.ops.ragattn._paged_attention_tagged_cpu(
-        q, pos, idx([0, 37]), k, v, torch.arange(37), idx([0]), idx([37]), pos, None, cos, sin, rotary_dim,
+        q, pos, idx([0, 37]), k, v, torch.arange(37), idx([0]), idx([37]), pos, None, None, cos, sin, rotary_dim,
         interleaved, 1.0, 0, 0.0)
     want = rope_rotate(k[:, 0].double(), pos, inv_freq, rotary_dim, interleaved)[:, 0]
     score = (q[:, 0].double() * want).sum(-1)

@@ -116,13 +116,108 @@ def test_two_requests_share_chunk_pages_and_attend_as_copies(served, flag):
         torch.testing.assert_close(o_shared, o_copy, atol=2e-5, rtol=2e-5)
 
     # the scheduler gives the requests' own chunk blocks back once the worker reports them
-    given = sum(len(ids) for ids in worker_meta.shared.values())
+    assert all(first == 0 for first, _ in worker_meta.shared.values())
+    given = sum(len(ids) for _, ids in worker_meta.shared.values())
     assert given == sa[-1][1] // BS + sb[-1][1] // BS
     before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker_meta))
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() - before == given
     held = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[ra.request_id]
     assert all(b.is_null for b in held[:sa[-1][1] // BS]) and not any(b.is_null for b in held[sa[-1][1] // BS:])
+
+
+def test_held_rows_attend_as_rows_written_into_a_copy(served, flag):
+    """Copy on write by rows (FusionRAG over shared chunk pages): the rows a request recomputed
+    below its first private block, held packed in its first own block, read with the chunk pages
+    as runs around them, attend exactly as the same K/V written at their positions into a copy
+    of the chunks: for the question's rows (vLLM's step: the metadata builder) and for the
+    recomputed rows themselves (the recompute's metadata: each sees the positions up to its own),
+    and the scheduler then gives back every claimed block but the held one."""
+    from ragattn.vllm.recompute import Recomputer, RecomputeRequest
+    from ragattn.vllm.shared_pages import SharedEntries
+
+    _, _, _, chunks = served
+    cfg = _config(served, kv_split="channel", shared_pages=True)
+    sched = _scheduler(cfg)
+    prompt, spans = _prompt(chunks, (0, 1, 2))
+    req = _request(prompt, spans)
+    out, loads = _schedule(sched, req)
+    load = loads[req.request_id]
+    end = spans[-1][1]
+    private_from = end // BS * BS
+    held = [10, 11, 17, 25, private_from - 1]            # chunk rows below the first private block
+    redo = held + [private_from + 1]                     # and one in the claim's own last block
+    shared_caches = {n: _lbnhc() for n in LAYERS}
+    copy_caches = {n: _lbnhc() for n in LAYERS}
+    copy = _worker(_config(served, kv_split="channel"), copy_caches)
+    copy.bind_connector_metadata(RagattnConnectorMetadata([SimpleNamespace(**{**vars(load), "chunk_blocks": None})]))
+    copy.start_load_kv(None)
+    conn = _worker(cfg, shared_caches)
+    conn.bind_connector_metadata(out.kv_connector_metadata)
+    conn.start_load_kv(None)
+    blocks = load.block_ids[0]
+    entries = SharedEntries.build(spans, load.chunk_blocks, BS, held=held, held_blocks=blocks[:1])
+    shared_pages.REQUESTS[req.request_id] = entries
+    # the recomputed rows' K/V (as vLLM's model writes them: keys rotated): packed slots / positions
+    g = torch.Generator().manual_seed(11)
+    pos = torch.tensor(redo)
+    at_pos = torch.tensor(blocks)[pos // BS] * BS + pos % BS
+    packed = at_pos.clone()
+    packed[:len(held)] = blocks[0] * BS + torch.arange(len(held))
+    impl = RagattnAttentionImpl(HQ, D, D ** -0.5, H, None, None, "auto")
+    for layer in LAYERS:
+        key, value = torch.randn(len(redo), H, D, generator=g), torch.randn(len(redo), H, D, generator=g)
+        impl.do_kv_cache_update(None, key, value, copy_caches[layer], at_pos)
+        impl.do_kv_cache_update(None, key, value, shared_caches[layer], packed)
+
+    def attend(meta, q, caches, rows):
+        got = []
+        for layer in LAYERS:
+            o = torch.full((rows, HQ * D), 7.0)
+            impl.forward(None, q, None, None, caches[layer], meta, o)
+            got.append(o)
+        return got
+
+    # the recompute's pass: the recomputed rows, each attending to positions <= its own
+    q = torch.randn(len(redo), HQ, D, generator=g)
+    rc = Recomputer(cfg, LAYERS, [shared_caches[n] for n in LAYERS], D, D ** -0.5)
+    rreq = RecomputeRequest("fusionrag", 0.2, prompt, spans, blocks, BS, load.chunk_blocks)
+    want = attend(rc._metadata(rreq, pos, None), q, copy_caches, len(redo))
+    got = attend(rc._metadata(rreq, pos, None, entries), q, shared_caches, len(redo))
+    for a, b in zip(got, want):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    # vLLM's step over the question (its K/V written by position in both)
+    n_q = len(prompt) - end
+    table = torch.zeros(1, 8, dtype=torch.int32)
+    table[0, :len(blocks)] = torch.tensor(blocks)
+    qpos = torch.arange(end, len(prompt))
+    slots = table[0, qpos // BS].long() * BS + qpos % BS
+    q = torch.randn(n_q, HQ, D, generator=g)
+    for layer in LAYERS:
+        key, value = torch.randn(n_q, H, D, generator=g), torch.randn(n_q, H, D, generator=g)
+        for caches in (copy_caches, shared_caches):
+            impl.do_kv_cache_update(None, key, value, caches[layer], slots)
+    m = SimpleNamespace(causal=True, num_actual_tokens=n_q, num_reqs=1,
+                        query_start_loc=torch.tensor([0, n_q], dtype=torch.int32),
+                        seq_lens=torch.tensor([len(prompt)], dtype=torch.int32), block_table_tensor=table,
+                        max_query_len=n_q, max_seq_len=len(prompt))
+    builder = RagattnAttentionMetadataBuilder(SimpleNamespace(block_size=BS), [], None, torch.device("cpu"))
+    shared_pages.BATCH_REQ_IDS[:] = [lambda: [req.request_id]]
+    got = attend(builder.build(0, m), q, shared_caches, n_q)
+    shared_pages.BATCH_REQ_IDS.clear()
+    want = attend(builder.build(0, m), q, copy_caches, n_q)
+    for a, b in zip(got, want):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    # the held block stays the request's; the other claimed blocks go back
+    before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    meta = conn.build_connector_worker_meta()
+    meta.shared[req.request_id] = (1, blocks[1:private_from // BS])
+    sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() - before == private_from // BS - 1
+    own = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[req.request_id]
+    assert own[0].block_id == blocks[0] and all(b.is_null for b in own[1:private_from // BS])
 
 
 def test_pool_evicts_idle_pages_least_recently_used():

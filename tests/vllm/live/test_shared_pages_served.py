@@ -1,8 +1,9 @@
 """Shared chunk pages through the live server on ragattn's backend (``live_ragattn`` runs with
-``shared_pages``): 8 concurrent Block-Attention requests over the same chunks hold those chunks'
-pages once plus their own pages (vLLM's own KV cache usage, from ``/metrics``, while all of them
-decode, less what idle chunk pages held before) and answer as one at a time; the Block-Attention
-and TurboRAG answers of the other live tests on this server come from shared pages too."""
+``shared_pages``): 8 concurrent Block-Attention or FusionRAG requests over the same chunks hold
+those chunks' pages once plus their own pages (FusionRAG: with the blocks of their recomputed
+rows; vLLM's own KV cache usage, from ``/metrics``, while all of them decode, less what idle
+chunk pages held before) and answer as one at a time; the Block-Attention, TurboRAG and FusionRAG
+answers of the other live tests on this server come from shared pages too."""
 from __future__ import annotations
 
 import pytest
@@ -14,13 +15,20 @@ from tests.vllm.live.test_served import _eos, _upto_eos  # noqa: E402
 NEW = 16            # tokens each request decodes (ignore_eos: all of them decode in lockstep)
 
 
-def _body(ref, prompt, spans):
+RATIO = 0.15        # FusionRAG's (the live tests' default)
+
+
+def _body(ref, prompt, spans, method):
+    params = {"ragattn_spans": spans, "ragattn_method": method} | ({"ragattn_ratio": RATIO} if method == "fusionrag"
+                                                                    else {})
     return {"model": ref["model"], "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True,
-            "kv_transfer_params": {"ragattn_spans": spans, "ragattn_method": "block-attention"}}
+            "return_token_ids": True, "kv_transfer_params": params}
 
 
-def test_concurrent_requests_hold_each_chunk_once(live_ragattn):
+@pytest.mark.parametrize("method", ["block-attention", "fusionrag"])
+def test_concurrent_requests_hold_each_chunk_once(live_ragattn, method):
+    from ragattn.methods.fusionrag import budget
+
     server, ref = live_ragattn
     base = ref["prompts"][0]
     end = base["spans"][-1][1]
@@ -29,19 +37,22 @@ def test_concurrent_requests_hold_each_chunk_once(live_ragattn):
     assert len(tails) == 8
     prompts = [base["prompt"][:end] + t for t in tails]
     used0, _, bs = server.kv_cache_blocks()    # (idle chunk pages of earlier requests stay held)
-    used, together = server.kv_blocks_while_decoding([_body(ref, p, base["spans"]) for p in prompts])
+    used, together = server.kv_blocks_while_decoding([_body(ref, p, base["spans"], method) for p in prompts])
 
     chunk_pages = sum(-(-(e - s) // bs) for s, e in base["spans"])
     own = sum(-(-(len(p) + NEW) // bs) - end // bs for p in prompts)
+    if method == "fusionrag":   # each request's recomputed rows, at most all below its first own block
+        own += len(prompts) * -(-budget(RATIO, end - base["spans"][0][1]) // bs)
     copies = sum(-(-(len(p) + NEW) // bs) for p in prompts)
-    assert used - used0 <= 1.2 * (chunk_pages + own), (used, used0, chunk_pages, own, copies)
+    assert used - used0 <= 1.2 * (chunk_pages + own) < copies, (used, used0, chunk_pages, own, copies)
     for p, got in zip(prompts, together):   # the same answers as one at a time
         assert len(got) == NEW
-        status, out = server.post("/v1/completions", _body(ref, p, base["spans"]))
+        status, out = server.post("/v1/completions", _body(ref, p, base["spans"], method))
         assert status == 200, out
         assert got == out["choices"][0]["token_ids"]
     eos = _eos(ref)
-    assert _upto_eos(together[0][:ref["new_tokens"]], eos) == _upto_eos(base["block_attention"], eos)
+    want = base["block_attention"] if method == "block-attention" else base["fusionrag"]["tokens"]
+    assert _upto_eos(together[0][:ref["new_tokens"]], eos) == _upto_eos(want, eos)
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
