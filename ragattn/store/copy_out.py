@@ -141,7 +141,7 @@ class _CopyOut:
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
         rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
         src_all = (torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows)[skip:]
-        delta = target - src_all % self.page_size
+        delta = target - self.pool_offsets(src_all)
         if len(slabs) == 1:
             _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(slabs[0], split_heads), src_all, dst, delta, *rot)
             return

@@ -49,6 +49,11 @@ class _Entries:
         """Rows the pool has allocated (``pool_bytes / row_bytes``), the rows of :meth:`pooled_kv`."""
         return self._pool.pool_rows
 
+    def pool_offsets(self, rows: torch.Tensor) -> torch.Tensor:
+        """The pool's one rule for keys: pool row ``r`` (or a chunk's token ``r``: its pages are
+        whole but its last) holds its key rotated by its offset in its page, ``r % page_size``."""
+        return rows % self.page_size
+
     def _evict_one(self) -> bool:
         for key, e in self._entries.items():
             if e.pins == 0:
@@ -114,7 +119,7 @@ class _Entries:
         at = 0
         for slab, _, r in parts:
             sel = rows[at: at + r]
-            delta = sel % self.page_size - torch.arange(at, at + r, dtype=torch.int64, device=self.device)
+            delta = self.pool_offsets(sel) - torch.arange(at, at + r, dtype=torch.int64, device=self.device)
             _ops.rerotate_keys_(slab.k, sel, delta, self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
             at += r
 

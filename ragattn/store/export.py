@@ -23,7 +23,7 @@ class _Export:
         n = e.length
         if n:
             # from the pool's page offsets to 0..n-1
-            delta = torch.arange(n, device=self.device) - e.rows.to(self.device) % self.page_size
+            delta = torch.arange(n, device=self.device) - self.pool_offsets(e.rows.to(self.device))
             _ops.rerotate_keys_(k, torch.arange(n, device=self.device), delta, self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
         return k, v
 

@@ -298,10 +298,10 @@ class PageWriter:
         shape = (n, st.num_kv_heads, st.head_dim)
         sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
         sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
-        # staged as the pool holds them (rotated by their pool page offset, local % page_size: a
-        # plain copy); the one rotation, to each key's target, happens on the cache's device in
-        # copy_kv_ (positions None: page-local, to its block offset)
-        pool_off = local % st.page_size
+        # staged as the pool holds them (rotated by their pool page offset: a plain copy); the one
+        # rotation, to each key's target, happens on the cache's device in copy_kv_ (positions
+        # None: page-local, to its block offset)
+        pool_off = st.pool_offsets(local)
         st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), pool_off, skip=skip)
         pool_off = pool_off.to(self.device)
         delta = None if positions is None else positions.to(self.device)  # int64 (vLLM's position dtype)
