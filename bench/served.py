@@ -237,7 +237,7 @@ def targets(rows: List[dict], memory: Sequence[dict] = ()) -> List[tuple]:
         got = [r for m in methods for b in BACKENDS for r in pick(m, b) if r["size"] == largest]
         ev = ", ".join(f"{r['method']}/{r['backend']}: {r['ttft_speedup']:.1f}x" for r in got)
         out.append((target, all(r["ttft_speedup"] >= bound for r in got) if got else None,
-                    f"speedup at {got[0]['prompt_tokens'] if got else '-'} tokens: {ev}"))
+                    f"speedup at {got[0]['prompt_tokens']} tokens: {ev}" if got else "no row of these methods"))
     out.append(memory_target(list(memory)))
     return out
 
