@@ -31,9 +31,11 @@ An entry may also start past slot 0 (``entry_start``): it is then a run of its p
 ``[entry_start[e], entry_len[e])``. Two requests read one shared page whole, or around the rows
 one of them holds privately (recomputed rows: a private page gives their own entries)::
 
-    shared page 3, slot 0 at position 40:  | a  b  c  d  e  f  g  h |
-    request A, all of it:         (3, 40, 0, 8)                       a .. h at 40 .. 47
-    request B, d and f its own:   (3, 40, 0, 3) (3, 40, 4, 5) (3, 40, 6, 8) + its private entries
+    entries (page, first position, start, valid); shared page 3, slot 0 at position 40:
+                                  | a  b  c  d  e  f  g  h |
+    request A, all of it:         (3, 40, 0, 8)                                a .. h at 40 .. 47
+    request B, d and f its own:   (3, 40, 0, 3) (3, 40, 4, 5) (3, 40, 6, 8)    + (9, 43, 0, 1) (9, 44, 1, 2):
+                                                                               d', f' in its page 9
 """
 from __future__ import annotations
 
