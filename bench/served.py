@@ -545,7 +545,8 @@ def write_report(a, argv_text: str, rows: List[dict], meta: dict, memory: Sequen
     if memory:
         body += ("\nKV memory of concurrent requests over the same chunks (vLLM's `/metrics` while all of them "
                  "decode; ragattn's server holds shared chunk pages and FusionRAG's recomputed rows in each "
-                 "request's own blocks, vLLM's backend copies the chunks):\n\n"
+                 "request's own blocks, vLLM's backend copies the chunks; held by the requests: the blocks in use "
+                 "less other prompts' idle chunk pages, which the pool frees on demand):\n\n"
                  + format_memory(memory))
     title = f"SmolLM2 float32 served by vLLM {meta['vllm']} on the CPU, OMP_NUM_THREADS={a.threads}"
     drawn = plot(rows, os.path.join(a.out, "served.png"), title)

@@ -23,11 +23,20 @@ def block_bytes(model_dir: Path, block_size: int, dtype_bytes: int = 4) -> int:
     return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * dtype_bytes * block_size
 
 
+def held_by_requests(used: int, before: int, pages: int) -> int:
+    """KV blocks the requests hold: ``used`` while they decode, less the idle chunk pages of other
+    prompts (those of ``before`` beyond the prompt's own ``pages``, which stay counted once)."""
+    return used - max(0, before - pages)
+
+
 def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prompt, counts: Sequence[int],
                    log=print, methods: Sequence[str] = METHODS) -> List[dict]:
     """One row per (backend, method, count): ``count`` identical requests of ``prompt`` (a
-    ``bench.served.Prompt``) at once; KV blocks in use while all of them decode (on the shared-pages
-    server this includes idle chunk pages other prompts left, if any: an upper bound), and before."""
+    ``bench.served.Prompt``) at once; KV blocks in use while all of them decode, and before. On the
+    shared-pages server the blocks in use before are chunk pages the pool keeps idle (freed on
+    demand, least recently used): those beyond ``prompt``'s own chunk pages belong to other prompts
+    and are not the requests' (``held``: the blocks in use less those), the prompt's are counted
+    once (its timed rounds left them held)."""
     from ragattn.methods.fusionrag import budget
 
     from .served import METHODS as PARAMS, RAGATTN_ONLY, RECOMPUTE_RATIO
@@ -50,24 +59,27 @@ def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prom
                     own += n * -(-budget(RECOMPUTE_RATIO, end - prompt.spans[0][1]) // bs)
                 pages = sum(-(-(e - s) // bs) for s, e in prompt.spans)
                 copies = n * -(-(len(prompt.tokens) + NEW_TOKENS) // bs)
+                held = held_by_requests(used, before, pages)
                 mib = block_bytes(model_dir, bs) / 2 ** 20
                 row = dict(backend=backend, method=method, requests=n, prompt_tokens=len(prompt.tokens), blocks=used,
-                           blocks_before=before, block_tokens=bs, mib=round(used * mib, 1),
+                           blocks_before=before, held_blocks=held, block_tokens=bs, mib=round(held * mib, 1),
                            shared_bound_blocks=pages + own, copies_blocks=copies,
-                           vs_shared_bound=round(used / (pages + own), 2), vs_copies=round(used / copies, 2))
-                log(f"bench.served: memory {backend} {method} x{n}: {row['blocks']} blocks ({row['mib']} MiB), "
-                    f"{row['vs_shared_bound']}x chunks once + own pages, {row['vs_copies']}x a copy each")
+                           vs_shared_bound=round(held / (pages + own), 2), vs_copies=round(held / copies, 2))
+                log(f"bench.served: memory {backend} {method} x{n}: {used} blocks in use, {held} held by the "
+                    f"requests ({row['mib']} MiB), {row['vs_shared_bound']}x chunks once + own pages, "
+                    f"{row['vs_copies']}x a copy each")
                 rows.append(row)
     return rows
 
 
 def format_memory(rows: List[dict]) -> str:
-    head = ("| backend | method | concurrent requests | prompt tokens | KV blocks in use (before) | MiB | vs chunk pages "
-            "once + own pages | vs a copy per request |\n|---|---|---:|---:|---:|---:|---:|---:|\n")
+    head = ("| backend | method | concurrent requests | prompt tokens | KV blocks in use (before) | held by the "
+            "requests | MiB held | vs chunk pages once + own pages | vs a copy per request |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
     return head + "".join(f"| {r['backend']} | {r.get('method', 'block_attention')} | {r['requests']} | "
-                          f"{r['prompt_tokens']} | {r['blocks']} "
-                          f"({r.get('blocks_before', '-')}) | {r['mib']} | {r['vs_shared_bound']}x | {r['vs_copies']}x |\n"
-                          for r in rows)
+                          f"{r['prompt_tokens']} | {r['blocks']} ({r.get('blocks_before', '-')}) | "
+                          f"{r.get('held_blocks', r['blocks'])} | {r['mib']} | {r['vs_shared_bound']}x | "
+                          f"{r['vs_copies']}x |\n" for r in rows)
 
 
 def memory_target(rows: List[dict]) -> tuple:

@@ -153,7 +153,10 @@ def test_dry_run_builds_the_prompts_and_the_server_commands(tmp_path, capsys):
 
 
 def test_memory_rows_and_target(tmp_path):
-    from bench.served_memory import block_bytes, format_memory, memory_target
+    from bench.served_memory import block_bytes, format_memory, held_by_requests, memory_target
+
+    assert held_by_requests(73, 57, 26) == 42      # 31 idle pages of another prompt left out
+    assert held_by_requests(41, 25, 26) == 41 and held_by_requests(13, 0, 26) == 13
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_key_value_heads": 3,
                                                       "hidden_size": 576, "num_attention_heads": 9}))
@@ -166,7 +169,7 @@ def test_memory_rows_and_target(tmp_path):
     rows[-1].update(blocks=260, vs_shared_bound=1.3)
     assert memory_target(rows)[1] is False and memory_target(rows[:1])[1] is None
     assert format_memory(rows).count("\n") == 2 + len(rows)
-    assert "| ragattn | block_attention | 16 | 1600 | 260 (-) |" in format_memory(rows)
+    assert "| ragattn | block_attention | 16 | 1600 | 260 (-) | 260 |" in format_memory(rows)
     rows[-1].update(blocks=230, vs_shared_bound=1.15)
     rows.append(dict(rows[-1], method="fusionrag", blocks=250, vs_shared_bound=1.25))   # every method meets it
     assert memory_target(rows)[1] is False and "fusionrag, 16 requests: 1.25x" in memory_target(rows)[2]
