@@ -55,6 +55,7 @@ from ragattn.methods.fusionrag import (CACHEBLEND_CHECK_LAYERS, budget, cacheble
                                        query_guided_scores, top_rows)
 from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
 from ragattn.vllm import shared_pages
+from ragattn.vllm.pages import slot_rows
 from ragattn.vllm.shared_pages import SharedEntries
 
 _MODEL: list = []   # the worker's model, set once by the worker after load_model (bind_model)
@@ -130,16 +131,17 @@ class Recomputer:
         self.head_size, self.scale = head_size, float(scale)
 
     # ----- the pages of one request -------------------------------------------------------
-    def _slots(self, req: RecomputeRequest, pos: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
-        """Each row's cache slot: by position in the request's blocks, or, for the ``held`` rows
-        (sorted prompt positions below its first private block), packed into its first blocks."""
+    def _slots(self, req: RecomputeRequest, pos: torch.Tensor, entries: SharedEntries | None = None) -> torch.Tensor:
+        """Each row's cache slot: by position in the request's blocks or, for a row ``entries``
+        holds (below its first private block), the slot of its held entry."""
         bs = req.block_size
         ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
         slots = ids[pos // bs] * bs + pos % bs
-        if held is not None and held.numel():
-            below = pos < req.spans[-1][1] // bs * bs
-            i = torch.searchsorted(held.to(pos.device), pos[below])
-            slots[below] = ids[i // bs] * bs + i % bs
+        if entries is not None and entries.held is not None:
+            page, first, start, _ = (t.to(pos.device, torch.int64) for t in entries.held)
+            below = pos < entries.private_from
+            i = torch.searchsorted(first + start, pos[below])   # (held entries: one row each, sorted)
+            slots[below] = page[i] * bs + start[i]
         return slots
 
     def _kv_at(self, layer: int, slots: torch.Tensor):
@@ -180,14 +182,13 @@ class Recomputer:
     # ----- the layer loop ------------------------------------------------------------------
     @torch.inference_mode()
     def _run_rows(self, req: RecomputeRequest, pos: torch.Tensor, *, checks: dict | None = None,
-                  capture: list | None = None, entries: SharedEntries | None = None,
-                  held: torch.Tensor | None = None) -> torch.Tensor:
+                  capture: list | None = None, entries: SharedEntries | None = None) -> torch.Tensor:
         """Run the prompt tokens at positions ``pos`` (int64, sorted) through every decoder layer,
         writing their K/V into the request's pages; ``checks`` ``{layer: keep}``: after such a
         layer only the ``keep`` rows whose K/V moved most go on. ``capture``: receives the last
         layer's query ``[n, Hq, D]``. ``entries``: the request reads shared chunk pages through
-        them, ``held`` (sorted positions) the rows it keeps packed in its first blocks. Returns the
-        positions that went through the last layer."""
+        them and writes the rows they hold at their held slots. Returns the positions that went
+        through the last layer."""
         from vllm.forward_context import set_forward_context
 
         base = check_model(bound_model())
@@ -199,7 +200,7 @@ class Recomputer:
         ctx = None
         for l, layer in enumerate(base.layers):
             if ctx is None:   # (re)built when the rows change
-                slots = self._slots(req, pos, held)
+                slots = self._slots(req, pos, entries)
                 meta = self._metadata(req, pos, None, entries)
                 metas = {name: meta for name in self.names}
                 if capture is not None:
@@ -249,7 +250,7 @@ class Recomputer:
         n_blocks = -(-held.numel() // req.block_size)
         entries = SharedEntries.build(req.spans, req.chunk_blocks, req.block_size, held=held.tolist(),
                                       held_blocks=list(req.block_ids[:n_blocks]))
-        return Recomputed(self._run_rows(req, chunk_pos, entries=entries, held=held).tolist(), entries, n_blocks)
+        return Recomputed(self._run_rows(req, chunk_pos, entries=entries).tolist(), entries, n_blocks)
 
     def _query_guided_scores(self, req: RecomputeRequest, head_end: int, ctx: int,
                              shared: SharedEntries | None = None) -> torch.Tensor:
@@ -281,20 +282,17 @@ class Recomputer:
         the copy path writes them (one rotation from the page offset); the rest from the
         request's own blocks."""
         bs, dev = req.block_size, pos.device
-        page, off = [], []
-        for (s, e), blocks in zip(req.spans, req.chunk_blocks):
-            j = torch.arange(e - s)
-            page.append(torch.tensor(list(blocks), dtype=torch.int64)[j // bs])
-            off.append(j % bs)
-        page, off = torch.cat(page).to(dev), torch.cat(off).to(dev)   # per prompt index below the claim's end
         below = pos < private_from
-        rows = self._kv_at(layer, self._slots(req, pos))[0].clone()
-        shared = pos[below]
-        k = self._kv_at(layer, page[shared] * bs + off[shared])[0].contiguous()
-        rope = shared_pages.ROPE[0]
-        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), shared - off[shared], rope.inv_freq.to(dev),
+        # each prompt token's slot in its chunk's pages (token j of a chunk at offset j % bs)
+        src = torch.cat([slot_rows(blocks, bs, 0, e - s) for (s, e), blocks in zip(req.spans, req.chunk_blocks)]
+                        ).to(dev)[pos[below]]
+        k = self._kv_at(layer, src)[0].contiguous()
+        rope = shared_pages.ROPE[0]   # page-local keys (rotated by src % bs): one rotation to their positions
+        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - src % bs, rope.inv_freq.to(dev),
                        rope.rotary_dim, rope.interleaved)
+        rows = k.new_empty((pos.numel(),) + tuple(k.shape[1:]))
         rows[below] = k
+        rows[~below] = self._kv_at(layer, self._slots(req, pos[~below]))[0]
         return rows
 
 
