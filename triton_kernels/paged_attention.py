@@ -703,9 +703,9 @@ def run_paged_attention(
     ``entry_pos``/``entry_len`` (int32/int64 ``[num_entries]``, flat lists only): the position of
     each entry's slot 0 (slot ``j`` then holds ``entry_pos[e] + j % page_size``, not ``j``) and
     its count of valid slots; ``entry_start`` (same shape): each entry's first valid slot (its
-    valid slots ``[entry_start, entry_len)``: a run of the page). ``inv_freq`` (float32 ``[rotary_dim // 2]``): slot ``o`` of each page
-    holds its key rotated by ``o`` (page-local), rotated in the kernel by its entry's first position
-    to its own (``interleaved``: GPT-J pairs).
+    valid slots ``[entry_start, entry_len)``: a run of the page). ``inv_freq`` (float32
+    ``[rotary_dim // 2]``): slot ``o`` of each page holds its key rotated by ``o`` (page-local),
+    rotated in the kernel by its entry's first position to its own (``interleaved``: GPT-J pairs).
     ``k_scale``/``v_scale`` (float32, one element each): the caches are float8, dequantised in the kernel.
     ``out``/``lse_out``: where to write (contiguous or not), else new tensors. Returns (out, lse).
     """

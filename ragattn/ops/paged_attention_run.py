@@ -193,8 +193,8 @@ def run_paged_attention(
     rotary_dim = _rotary_dim(q, inv_freq, rotary_dim)
     _check_rows_within(plan.cu_seqlens_q, plan.max_q_len, q.device)
     args = (q, q_pos, plan.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, plan.tile_seq,
-            plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, t.entry_start, inv_freq,
-            rotary_dim or 0, bool(interleaved), k_scale, v_scale, float(logits_soft_cap))
+            plan.tile_row0, list(plan.launch), scale, plan.window_left, t.entry_pos, t.entry_len, t.entry_start,
+            inv_freq, rotary_dim or 0, bool(interleaved), k_scale, v_scale, float(logits_soft_cap))
     if out is None and lse_out is None:
         if (scale is None or type(scale) is float) and plain_cpu_call(q, q_pos, plan.cu_seqlens_q, k_cache, v_cache,
                                                                        *(getattr(t, f) for f in _TABLE_FIELDS),
@@ -205,8 +205,9 @@ def run_paged_attention(
 
 
 def _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0,
-                  launch, scale, window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0,
-                  interleaved=False, k_scale=None, v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None, *,
+                  launch, scale, window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None,
+                  rotary_dim=0, interleaved=False, k_scale=None, v_scale=None, logits_soft_cap=0.0, out=None,
+                  lse_out=None, *,
                   read_values=True, planned=True) -> None:
     """The run op's checks: ``_validate``'s on the table, the plan's tensors, the position-tagged
     entries and the RoPE arguments and, where values may be read (CPU, ``RAGATTN_DEBUG=1``), that
@@ -367,8 +368,8 @@ def _into(out, lse_out, o, lse, dtype):
 
 
 def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
-         window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
-         v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None):
+         window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False,
+         k_scale=None, v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None):
     """The run op on validated arguments, on the backend of ``kernel_backend``: the Triton kernel
     with the plan; on the CPU the C++ kernels (the tagged one for position-tagged tables and
     page-local keys) or the reference, which need no plan."""
@@ -412,16 +413,16 @@ def _run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, ti
     if inv_freq is not None:
         cos, sin = _rope_table(inv_freq, positions)
     o, lse = torch.ops.ragattn._paged_attention_tagged_cpu(
-        q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos, entry_len, entry_start, cos, sin,
-        rotary_dim if inv_freq is not None else 0, interleaved,
+        q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos, entry_len, entry_start, cos,
+        sin, rotary_dim if inv_freq is not None else 0, interleaved,
         scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), window_left, logits_soft_cap)
     return _into(out, lse_out, o, lse, q.dtype)
 
 
 def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
-                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
-                              logits_soft_cap=0.0):
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+                              v_scale=None, logits_soft_cap=0.0):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
          window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
          logits_soft_cap)
@@ -430,9 +431,9 @@ def _paged_attention_run_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, r
 
 
 def _paged_attention_run_out_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
-                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
-                                  logits_soft_cap=0.0, *, out, lse_out):
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+                                  v_scale=None, logits_soft_cap=0.0, *, out, lse_out):
     a = (q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
          window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
          logits_soft_cap)
@@ -446,8 +447,8 @@ torch.library.impl("ragattn::paged_attention_run.out", "CompositeExplicitAutogra
 
 @torch.library.register_fake("ragattn::_paged_attention_tagged_cpu")
 def _paged_attention_tagged_cpu_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, entry_pos,
-                                     entry_len, entry_start, rope_cos, rope_sin, rotary_dim, interleaved, scale, window_left,
-                                     logits_soft_cap):
+                                     entry_len, entry_start, rope_cos, rope_sin, rotary_dim, interleaved, scale,
+                                     window_left, logits_soft_cap):
     """The C++ op's checks that need no index values, in its order with its messages."""
     op = "ragattn._paged_attention_tagged_cpu"
     if not (q.dim() == 3 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == q.shape[2]
@@ -485,20 +486,20 @@ def _paged_attention_tagged_cpu_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, p
 
 @torch.library.register_fake("ragattn::paged_attention_run")
 def _paged_attention_run_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
-                              inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
-                              logits_soft_cap=0.0):
+                              tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                              entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+                              v_scale=None, logits_soft_cap=0.0):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
-                  logits_soft_cap, read_values=False)
+                  scale, window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale,
+                  v_scale, logits_soft_cap, read_values=False)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("ragattn::paged_attention_run.out")
 def _paged_attention_run_out_fake(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq,
-                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None, entry_start=None,
-                                  inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None, v_scale=None,
-                                  logits_soft_cap=0.0, *, out, lse_out):
+                                  tile_row0, launch, scale=None, window_left=-1, entry_pos=None, entry_len=None,
+                                  entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False, k_scale=None,
+                                  v_scale=None, logits_soft_cap=0.0, *, out, lse_out):
     _validate_run(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch,
-                  scale, window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale, v_scale,
-                  logits_soft_cap, out, lse_out, read_values=False)
+                  scale, window_left, entry_pos, entry_len, entry_start, inv_freq, rotary_dim, interleaved, k_scale,
+                  v_scale, logits_soft_cap, out, lse_out, read_values=False)

@@ -1,8 +1,9 @@
 """Plain-torch reference of ``paged_attention_run`` over a position-tagged page list (zero-copy
 chunk pages): each entry of a sequence's page list carries the position of its slot 0 and its
-valid slots (``[entry_start, entry_len)``: a run of the page), and RoPE may be left to the kernel: then slot ``o`` of every page holds its key
-rotated by ``o`` (page-local), and the key of a slot at position ``p0 + o`` (``p0``: its entry's first
-position) is rotated here by ``p0`` more, to ``p0 + o``.
+valid slots (``[entry_start, entry_len)``: a run of the page), and RoPE may be left to the
+kernel: then slot ``o`` of every page holds its key rotated by ``o`` (page-local), and the key of
+a slot at position ``p0 + o`` (``p0``: its entry's first position) is rotated here by ``p0`` more,
+to ``p0 + o``.
 
 Float64-capable; the attention itself is ``varlen_attention``'s reference (same mask semantics:
 visible iff ``kv_pos <= q_pos`` and, with a window, ``kv_pos >= q_pos - window_left``).
@@ -22,8 +23,8 @@ def table_slots(pages, row_start, kv_lens, page_size, entry_pos=None, entry_len=
 
     Slot ``j < kv_lens[b]`` lies in entry ``e = row_start[b] + j // page_size`` (``row_start``
     None: row ``b`` of a padded ``pages [B, max_pages]``), at offset ``o = j % page_size``; it is
-    valid iff ``entry_start[e] <= o < entry_len[e]`` (no ``entry_start``: from 0) and holds position ``entry_pos[e] + o`` (``entry_pos`` None:
-    position ``j``). Returns a list of ``(pages [n], offsets [n], positions [n])``.
+    valid iff ``entry_start[e] <= o < entry_len[e]`` (no ``entry_start``: from 0) and holds
+    position ``entry_pos[e] + o`` (``entry_pos`` None: position ``j``). Returns a list of ``(pages [n], offsets [n], positions [n])``.
     """
     out = []
     for b, length in enumerate(kv_lens.tolist()):
@@ -69,8 +70,8 @@ def paged_attention_table(
     upcast: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[total_q, H, D]`` (rows at ``q_pos``, already rotated) over each
-    sequence's valid slots (``table_slots``; ``entry_start``: each entry's first valid slot); with ``inv_freq`` (float32 ``[rotary_dim // 2]``)
-    each key, stored rotated by its page offset ``o``, is rotated by ``position - o`` first (to its
+    sequence's valid slots (``table_slots``; ``entry_start``: each entry's first valid slot); with
+    ``inv_freq`` (float32 ``[rotary_dim // 2]``) each key, stored rotated by its page offset ``o``, is rotated by ``position - o`` first (to its
     position; ``rope_rotate``: angles in float64,
     products in float64; with ``upcast=False`` in float32 and rounded once to the keys' dtype, as
     the kernel does). Returns out like q and lse ``[total_q, H]``."""

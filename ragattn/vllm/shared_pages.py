@@ -239,8 +239,8 @@ def entry_tables(found: Sequence[SharedEntries | None], block_table: torch.Tenso
     offset = torch.cumsum(n_pages, 0) - n_pages
     idx = torch.arange(int(n_pages.sum())) - offset[rows] + first_block[rows]
     pos = idx * block_size
-    own = (block_table[:b].cpu()[rows, idx].to(torch.int32), pos.to(torch.int32), torch.zeros_like(pos, dtype=torch.int32),
-           torch.clamp(lens[rows] - pos, max=block_size).to(torch.int32))
+    own = (block_table[:b].cpu()[rows, idx].to(torch.int32), pos.to(torch.int32),
+           torch.zeros_like(pos, dtype=torch.int32), torch.clamp(lens[rows] - pos, max=block_size).to(torch.int32))
     held = [e.held if e is not None and e.held is not None else None for e in found]
     has_held = any(h is not None for h in held)
     if has_held:   # each row's held entries after its own blocks

@@ -1,9 +1,9 @@
 """Property test of the C++ CPU kernel for position-tagged page lists (``paged_attention_run`` with
 ``PageTable.from_entries`` and in-kernel RoPE, i.e. ``ragattn::_paged_attention_tagged_cpu``):
 random sequences of entries (any first positions, partial and empty-looking valid counts, runs
-of a page from a first slot, pages in any order, shared between sequences), random query rows (scattered, repeated positions, rows
-before every slot), windows, GQA 1-4, head dims 8-72 with partial rotary and both pair layouts,
-NaN in every slot no row may read; against the float64 reference with the precision rule. The
+of a page from a first slot, pages in any order, shared between sequences), random query rows
+(scattered, repeated positions, rows before every slot), windows, GQA 1-4, head dims 8-72 with
+partial rotary and both pair layouts, NaN in every slot no row may read; against the float64 reference with the precision rule. The
 plan is made (from maxima) over stale contents of the table and ``cu_seqlens_q``, rewritten in
 place before the run, as an engine does between steps."""
 from __future__ import annotations
