@@ -1,17 +1,22 @@
 // paged_attention_rows_gemm.h's route: rows sorted by position in tiles of about kTileVectors
 // query vectors per kv head; a tile reads the keys [min lo, max hi) of its rows (sorted keys make
-// each row's visible set one range), S = Q K^T by at::bmm over the kv heads, the masked softmax of
+// each row's visible set one range), S = Q K^T by an ATen GEMM per (tile, kv head), the masked softmax of
 // S in place (one pass for the max and the NaN/+inf rule, one for exp and the sum: only a row's
-// visible range is read, the rest of its P row is set to 0), then P V by at::bmm and the 1 / l.
+// visible range is read, the rest of its P row is set to 0), then P V and the 1 / l.
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #include "attention/paged_attention_rows_gemm.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -21,7 +26,8 @@
 namespace ragattn {
 namespace {
 
-constexpr int64_t kTileVectors = 96;  // query vectors (rows x the GQA group) per tile and kv head
+constexpr int64_t kTileVectors = 96;  // at most this many query vectors (rows x the GQA group) per tile and kv head
+constexpr int64_t kMinItems = 4;     // at least this many (tile, kv head) work items where the rows allow
 
 // Lanes [0, n) of p (n < 8) widened with -inf (neutral for the max and the NaN/+inf test).
 RAGATTN_ALWAYS_INLINE v8f load_tail(const float* p, int64_t n) {
@@ -106,6 +112,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
   at::Tensor lse = at::empty({nr, Hq}, q.options());
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
   // each row's visible keys [lo, hi) (key_pos ascending)
   std::vector<int64_t> lo(nr), hi(nr);
   for (int64_t r = 0; r < nr; ++r) {
@@ -113,44 +122,60 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
     hi[r] = std::upper_bound(key_pos, key_pos + n, p) - key_pos;
     lo[r] = window_left >= 0 && p > window_left ? std::lower_bound(key_pos, key_pos + n, p - window_left) - key_pos : 0;
   }
-  const int64_t tile = std::max<int64_t>(1, kTileVectors / G);
-  std::vector<int64_t> tlo(tile), thi(tile);
-  std::vector<float> m(H * tile * G), l(H * tile * G);
-  std::vector<unsigned char> bad(H * tile * G);
-  // one score and one output buffer for every tile (a fresh MiB-sized tensor per tile cost page
-  // faults)
-  at::Tensor scores_buf = at::empty({H * tile * G * n}, q.options());
-  at::Tensor acc_buf = at::empty({H * tile * G * D}, q.options());
-  for (int64_t r0 = 0; r0 < nr; r0 += tile) {
-    const int64_t t = std::min(tile, nr - r0);
+  // Tiles of rows: at most kTileVectors query vectors per kv head, and at least kMinItems work
+  // items (tile, kv head) where the rows allow, so that two threads get work at 1 to 3 kv heads.
+  // The tiling depends on the shape alone, never on the thread count: the answer is the same on any
+  // number of threads.
+  const int64_t min_tiles = std::max<int64_t>(1, std::min(nr, (kMinItems + H - 1) / H));
+  const int64_t tile = std::max<int64_t>(1, std::min(kTileVectors / G, (nr + min_tiles - 1) / min_tiles));
+  const int64_t tiles = (nr + tile - 1) / tile;
+  // each tile's key range [c0, c0 + nk): the union of its rows' visible ranges
+  std::vector<int64_t> tc0(tiles), tnk(tiles);
+  for (int64_t ti = 0; ti < tiles; ++ti) {
     int64_t c0 = n, c1 = 0;
-    for (int64_t r = r0; r < r0 + t; ++r) {
+    for (int64_t r = ti * tile; r < std::min(nr, (ti + 1) * tile); ++r) {
       if (lo[r] < hi[r]) c0 = std::min(c0, lo[r]), c1 = std::max(c1, hi[r]);
     }
     if (c0 >= c1) c0 = c1 = 0;
-    const int64_t nk = c1 - c0;
-    for (int64_t r = 0; r < t; ++r) {
-      tlo[r] = std::min(std::max<int64_t>(lo[r0 + r] - c0, 0), nk);
-      thi[r] = std::min(std::max<int64_t>(hi[r0 + r] - c0, tlo[r]), nk);
-    }
-    at::Tensor acc;
-    if (nk > 0) {
-      // [t, H, G, D] -> [H, t * G, D]: kv head g's query vectors, row-major (r, h)
-      const at::Tensor qt = q.narrow(0, r0, t).view({t, H, G, D}).permute({1, 0, 2, 3}).reshape({H, t * G, D});
-      at::Tensor scores = scores_buf.narrow(0, 0, H * t * G * nk).view({H, t * G, nk});
-      at::bmm_out(scores, qt, k.narrow(1, c0, nk).transpose(1, 2));
-      float* sp = scores.data_ptr<float>();
-      for (int64_t g = 0; g < H; ++g)
-        softmax_rows(sp + g * t * G * nk, t * G, G, nk, tlo.data(), thi.data(), scale, softcap, m.data() + g * t * G,
-                     l.data() + g * t * G, bad.data() + g * t * G);
-      acc = acc_buf.narrow(0, 0, H * t * G * D).view({H, t * G, D});
-      at::bmm_out(acc, scores, v.narrow(1, c0, nk));
-    }
-    const float* ap = nk > 0 ? acc.data_ptr<float>() : nullptr;
-    for (int64_t g = 0; g < H; ++g) {
+    tc0[ti] = c0;
+    tnk[ti] = c1 - c0;
+  }
+  // One work item is (tile, kv head): S = Q K^T, its masked softmax, P V and the 1 / l, all on one
+  // thread (ATen's BLAS, called directly as ATen's flash attention does: single-threaded inside
+  // parallel_for). The softmax and the output loops then run on every thread too, and S stays in
+  // that thread's cache between the two GEMMs.
+  at::parallel_for(0, tiles * H, 1, [&](int64_t i0, int64_t i1) {
+    // one query, score and output buffer per thread, for its largest item
+    // (uninitialised: every element an item reads, it has written)
+    const at::Tensor qtile = at::empty({tile * G * D}, q.options()), stile = at::empty({tile * G * n}, q.options()),
+                     atile = at::empty({tile * G * D}, q.options());
+    float* qbuf = qtile.data_ptr<float>();
+    std::vector<int64_t> tlo(tile), thi(tile);
+    std::vector<float> m(tile * G), l(tile * G);
+    std::vector<unsigned char> bad(tile * G);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t ti = item / H, g = item % H, r0 = ti * tile, t = std::min(tile, nr - r0), M = t * G;
+      const int64_t c0 = tc0[ti], nk = tnk[ti];
+      for (int64_t r = 0; r < t; ++r) {
+        tlo[r] = std::min(std::max<int64_t>(lo[r0 + r] - c0, 0), nk);
+        thi[r] = std::min(std::max<int64_t>(hi[r0 + r] - c0, tlo[r]), nk);
+      }
+      const float* ap = atile.data_ptr<float>();
+      if (nk > 0) {
+        // kv head g's query vectors [M, D], row-major (r, h)
+        for (int64_t r = 0; r < t; ++r)
+          std::memcpy(qbuf + r * G * D, qp + ((r0 + r) * Hq + g * G) * D, G * D * sizeof(float));
+        const at::Tensor qt = qtile.narrow(0, 0, M * D).view({M, D});
+        at::Tensor scores = stile.narrow(0, 0, M * nk).view({M, nk});
+        at::mm_out(scores, qt, k.select(0, g).narrow(0, c0, nk).t());
+        softmax_rows(scores.data_ptr<float>(), M, G, nk, tlo.data(), thi.data(), scale, softcap, m.data(), l.data(),
+                     bad.data());
+        at::Tensor acc = atile.narrow(0, 0, M * D).view({M, D});
+        at::mm_out(acc, scores, v.select(0, g).narrow(0, c0, nk));
+      }
       for (int64_t r = 0; r < t; ++r) {
         for (int64_t h = 0; h < G; ++h) {
-          const int64_t x = g * t * G + r * G + h;  // (kv head, row, head) in the tile
+          const int64_t x = r * G + h;  // (row, head) in the item
           float* orow = o + ((r0 + r) * Hq + g * G + h) * D;
           float* lrow = ls + (r0 + r) * Hq + g * G + h;
           if (nk > 0 && bad[x]) {
@@ -168,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
         }
       }
     }
-  }
+  });
   return {out, lse};
 }
 

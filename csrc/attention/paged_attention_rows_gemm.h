@@ -5,8 +5,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/bmm.h>
-#include <ATen/ops/empty.h>
 
 #include <cstdint>
 
