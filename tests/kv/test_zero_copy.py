@@ -375,6 +375,62 @@ def test_private_page_positions_must_be_consecutive(model):
         assert req.cache.positions()[-5:].tolist() == [6, 7, 8, 9, 20] and torch.isfinite(got).all()
 
 
+def test_decode_steps_plan_as_the_general_path(model):
+    """A decode step is planned from the last forward's tables (only the entry that takes the
+    token changes): over two pool slabs, across private page boundaries and after a rollback of
+    ``lengths``, every step's tables equal the general plan's for the same step, and its logits
+    those of a request planned the general way throughout; a position that breaks a private
+    page's run is refused there too, changing nothing."""
+    from ragattn.methods.generate import paged_forward
+
+    row_bytes = ChunkStore(model).row_bytes
+    store = ChunkStore(model, page_size=4, memory_budget=40 * 4 * row_bytes)
+    filler = store.add(_chunks(4, [60]))          # first slab mostly used: the request spans two
+    keys = store.add(_chunks(5, [7, 30, 13]))
+    final = [9, 2, 77]
+    toks = torch.randint(1, 97, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def tables(f):
+        return [(s, t.table.pages.tolist(), t.table.entry_pos.tolist(), t.table.entry_len.tolist())
+                for s, t in f.steps]
+
+    with store.request(keys, "reordered", extra_slots=len(final) + 14) as fast, \
+            store.request(keys, "reordered", extra_slots=len(final) + 14) as slow:
+        assert len(fast.cache.segments) > 1 and filler
+        for req in (fast, slow):
+            paged_forward(model, torch.tensor([final]), req.next_position + torch.arange(len(final)), req.cache)
+        p = fast.next_position + len(final)
+        for i, t in enumerate(toks):
+            if i == 9:   # a rollback (as a rejected draft's): two tokens taken back on both
+                for req in (fast, slow):
+                    req.cache.lengths -= 2
+                p -= 2
+            ids, pos = torch.tensor([[t]]), torch.tensor([p])
+            live = fast.cache._live
+            f = fast.cache._decode_forward(pos)
+            assert (f is None) == (i == 9)   # after the rollback the general path plans
+            fast.cache._live = None
+            general = tables(fast.cache.begin_forward(1, pos))
+            assert f is None or tables(f) == general
+            fast.cache._live = live          # the forward plans as a decode step again
+            got = paged_forward(model, ids, pos, fast.cache)
+            slow.cache._live = None          # the general plan throughout
+            want = paged_forward(model, ids, pos, slow.cache)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+            p += 1
+        assert fast.cache.positions().tolist() == slow.cache.positions().tolist()
+        n = int(fast.cache.lengths[0])
+        assert n % 4 != 0   # the next slot is inside a private page: its position must follow on
+        before = fast.cache.slot_pos.clone()
+        with pytest.raises(ValueError, match="consecutive"):
+            paged_forward(model, torch.tensor([[5]]), torch.tensor([p + 3]), fast.cache)
+        assert int(fast.cache.lengths[0]) == n and torch.equal(fast.cache.slot_pos, before)
+        got = paged_forward(model, torch.tensor([[5]]), torch.tensor([p]), fast.cache)
+        slow.cache._live = None
+        want = paged_forward(model, torch.tensor([[5]]), torch.tensor([p]), slow.cache)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_sliding_window_and_soft_cap_layers(family):
     """Sliding layers (window 5, by position) and Gemma 2's soft cap (run_paged_attention's path)
