@@ -1,4 +1,4 @@
-// paged_attention_rows_gemm.h's route: rows sorted by position in tiles of about kTileVectors
+// paged_attention_rows_gemm.h's route: rows sorted by position in tiles of at most kTileVectors
 // query vectors per kv head; a tile reads the keys [min lo, max hi) of its rows (sorted keys make
 // each row's visible set one range), S = Q K^T by an ATen GEMM per (tile, kv head), the masked softmax of
 // S in place (one pass for the max and the NaN/+inf rule, one for exp and the sum: only a row's
@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -141,9 +140,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
     tnk[ti] = c1 - c0;
   }
   // One work item is (tile, kv head): S = Q K^T, its masked softmax, P V and the 1 / l, all on one
-  // thread (ATen's BLAS, called directly as ATen's flash attention does: single-threaded inside
-  // parallel_for). The softmax and the output loops then run on every thread too, and S stays in
-  // that thread's cache between the two GEMMs.
+  // thread (at::mm_out runs single-threaded inside parallel_for). The softmax and the output loops
+  // then run on every thread too, and S stays in that thread's cache between the two GEMMs.
   at::parallel_for(0, tiles * H, 1, [&](int64_t i0, int64_t i1) {
     // one query, score and output buffer per thread, for its largest item
     // (uninitialised: every element an item reads, it has written)
