@@ -376,19 +376,19 @@ class TaggedPagedKV:
             if use.numel() == 0:
                 continue
             seg = live["segs"][s] = dict(use=use.tolist(), page=page_of[use], pos=e_positions[use], len=lens[use])
-            f.steps.append((s, self._segment_step(seg, q)))
+            f.steps.append((s, self._segment_step(seg, f.cu_q, q)))
         f.key = (id(slots), q)
         self._fwd, self._live = f, live
         return f
 
-    def _segment_step(self, seg: dict, q: int) -> PagedAttentionStep:
-        """The attention step of ``q`` query rows over one segment's entries in use (``seg``: their
-        pages, first positions and valid counts, int64 CPU tensors)."""
+    def _segment_step(self, seg: dict, cu_q: torch.Tensor, q: int) -> PagedAttentionStep:
+        """The attention step of the forward's ``q`` query rows (``cu_q`` int32 ``[0, q]``) over one
+        segment's entries in use (``seg``: their pages, first positions and valid counts, int64 CPU
+        tensors)."""
         ptr = torch.tensor([0, len(seg["use"])], dtype=torch.int32)
         table = _ops.PageTable.from_entries(ptr.to(self.device), seg["page"].to(self.device),
                                             seg["pos"].to(self.device), seg["len"].to(self.device), self.page_size)
         # the sizes are known here: a plan reads nothing from the device (no sync)
-        cu_q = torch.tensor([0, q], dtype=torch.int32, device=self.device)
         return PagedAttentionStep(cu_q, table, max_q_len=q, max_kv_len=len(seg["use"]) * self.page_size)
 
     def _decode_forward(self, positions: torch.Tensor) -> Optional[ZeroCopyForward]:
@@ -401,7 +401,7 @@ class TaggedPagedKV:
         plans it. (The general path costs about 0.5 ms a step at 16 chunks on the CPU, this one
         about a quarter of that.)"""
         live = self._live
-        if live is None or live["entries"] is not self._entries or self._entries is None:
+        if live is None or live["entries"] is not self._entries:
             return None
         pos = positions.detach().reshape(-1)
         if pos.numel() != 1:
@@ -426,41 +426,34 @@ class TaggedPagedKV:
             raise ValueError(
                 f"ragattn TaggedPagedKV: the positions of a private page's slots must be consecutive "
                 f"(slots {s_a}..{w} hold {held + [p]}): a zero-copy page has one first position")
+        live = dict(live, filled=w + 1, pos=list(live["pos"]), len=list(live["len"]), segs=dict(live["segs"]))
+        live["pos"][e], live["len"][e] = (p if o == 0 else first), o + 1
         s = self.e_seg[e]
         seg = live["segs"].get(s)
         if o > 0:   # the entry is in use: its valid count grows by one
-            i = seg["use"].index(e)
             n = seg["len"].clone()
-            n[i] = o + 1
+            n[seg["use"].index(e)] = o + 1
             seg = dict(seg, len=n)
         else:       # the token opens the entry: it joins its segment's entries in use
             use = sorted((seg["use"] if seg else []) + [e])
-            E = self._entry_tensors()
-            pos_all = torch.tensor(live["pos"], dtype=torch.int64)
-            pos_all[e] = p
-            len_all = torch.tensor(live["len"], dtype=torch.int64)
-            len_all[e] = 1
-            u = torch.tensor(use, dtype=torch.int64)
-            seg = dict(use=use, page=E["page"][u], pos=pos_all[u], len=len_all[u])
-        live = dict(live, filled=w + 1, pos=list(live["pos"]), len=list(live["len"]), segs=dict(live["segs"]))
-        live["pos"][e], live["len"][e] = (p if o == 0 else first), o + 1
+            of_use = lambda xs: torch.tensor([xs[i] for i in use], dtype=torch.int64)  # noqa: E731
+            seg = dict(use=use, page=of_use(self.e_page), pos=of_use(live["pos"]), len=of_use(live["len"]))
         live["segs"][s] = seg
         # the other segments' steps are the last forward's, when it too had one query row (its
         # steps and self._live were made together); segments in the general path's order
         prev = dict(self._fwd.steps) if self._fwd is not None and self._fwd.q == 1 else {}
-        steps = [(t, prev[t] if t != s and t in prev else self._segment_step(sg, 1))
-                 for t, sg in sorted(live["segs"].items())]
-        self.slot_positions[w] = p
         f = ZeroCopyForward()
         f.q, f.src, f.key = 1, None, (id(None), 1)
+        f.cu_q = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        f.steps = [(t, prev[t] if t != s and t in prev else self._segment_step(sg, f.cu_q, 1))
+                   for t, sg in sorted(live["segs"].items())]
+        self.slot_positions[w] = p
         f.filled_positions, f.overlapping, f.last_slot = self.slot_positions[: w + 1], None, w
         row = self.e_page[e] * self.page_size + o
         idx = torch.tensor([0, row, o - p], dtype=torch.int64, device=self.device)
         # a key is stored page-local: rotated from its position to its page offset as it is copied in
         f.writes = [(s, idx[0:1], idx[1:2], idx[2:3])]
         f.positions = pos.to(self.device, torch.int64)
-        f.cu_q = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
-        f.steps = steps
         self._fwd, self._live = f, live
         return f
 

@@ -24,7 +24,8 @@ def table_slots(pages, row_start, kv_lens, page_size, entry_pos=None, entry_len=
     Slot ``j < kv_lens[b]`` lies in entry ``e = row_start[b] + j // page_size`` (``row_start``
     None: row ``b`` of a padded ``pages [B, max_pages]``), at offset ``o = j % page_size``; it is
     valid iff ``entry_start[e] <= o < entry_len[e]`` (no ``entry_start``: from 0) and holds
-    position ``entry_pos[e] + o`` (``entry_pos`` None: position ``j``). Returns a list of ``(pages [n], offsets [n], positions [n])``.
+    position ``entry_pos[e] + o`` (``entry_pos`` None: position ``j``). Returns a list of
+    ``(pages [n], offsets [n], positions [n])``.
     """
     out = []
     for b, length in enumerate(kv_lens.tolist()):
@@ -71,8 +72,8 @@ def paged_attention_table(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[total_q, H, D]`` (rows at ``q_pos``, already rotated) over each
     sequence's valid slots (``table_slots``; ``entry_start``: each entry's first valid slot); with
-    ``inv_freq`` (float32 ``[rotary_dim // 2]``) each key, stored rotated by its page offset ``o``, is rotated by ``position - o`` first (to its
-    position; ``rope_rotate``: angles in float64,
+    ``inv_freq`` (float32 ``[rotary_dim // 2]``) each key, stored rotated by its page offset ``o``,
+    is rotated by ``position - o`` first (to its position; ``rope_rotate``: angles in float64,
     products in float64; with ``upcast=False`` in float32 and rounded once to the keys' dtype, as
     the kernel does). Returns out like q and lse ``[total_q, H]``."""
     slots = table_slots(pages, row_start, kv_lens, k_cache.shape[1], entry_pos, entry_len, entry_start)
