@@ -29,11 +29,13 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
-def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, atol_floor: float | None = None, what: str = "out"):
-    """Assert ``err(out, ref64) <= FACTOR * err(ref_lowp, ref64) + floor``.
+def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, atol_floor: float | None = None,
+                     what: str = "out", factor: float = FACTOR):
+    """Assert ``err(out, ref64) <= factor * err(ref_lowp, ref64) + floor``.
 
     ``ref_lowp`` is the reference computed in the kernel's input dtype; ``floor`` defaults to a
-    few units of that dtype's rounding at the reference's magnitude.
+    few units of that dtype's rounding at the reference's magnitude. ``factor`` is FACTOR for one
+    kernel; a test of a longer pipeline than its reference says why it allows more.
     """
     kernel_err = max_abs_err(out, ref64)
     base_err = max_abs_err(ref_lowp, ref64)
@@ -41,9 +43,9 @@ def assert_precision(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Ten
         finite = ref64[torch.isfinite(ref64)]
         scale = float(finite.abs().max()) if finite.numel() else 1.0
         atol_floor = 4 * torch.finfo(out.dtype).eps * max(scale, 1e-6) if out.is_floating_point() else 0.0
-    bound = FACTOR * base_err + atol_floor
+    bound = factor * base_err + atol_floor
     assert kernel_err <= bound, (
-        f"{what}: error vs float64 reference {kernel_err:.3e} exceeds {FACTOR} x low-precision "
+        f"{what}: error vs float64 reference {kernel_err:.3e} exceeds {factor} x low-precision "
         f"reference error {base_err:.3e} (+ floor {atol_floor:.1e})"
     )
 

@@ -112,8 +112,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   // each row's visible keys [lo, hi) (key_pos ascending)
   std::vector<int64_t> lo(nr), hi(nr);
   for (int64_t r = 0; r < nr; ++r) {
