@@ -266,6 +266,33 @@ bool reads_overlap_writes(std::initializer_list<NamedLayers> read, std::initiali
   return false;
 }
 
+bool overlaps_are_same_rows(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written) {
+  for (const auto& r : read)
+    for (const auto& w : written)
+      for (const auto& tr : r.layers)
+        for (const auto& tw : w.layers) {
+          if (!layers_overlap(tr, *r.geom, tw, *w.geom)) continue;
+          const LayerGeom &a = *r.geom, &b = *w.geom;
+          const bool same = tr.storage_offset() == tw.storage_offset() && a.num_rows == b.num_rows &&
+                            a.heads == b.heads && a.head_dim == b.head_dim && a.outer_rows == b.outer_rows &&
+                            a.layout.inner_rows == b.layout.inner_rows &&
+                            a.layout.inner_stride == b.layout.inner_stride &&
+                            a.layout.outer_stride == b.layout.outer_stride;
+          if (!same) return false;
+        }
+  return true;
+}
+
+bool rows_meet(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor ra = a.to(at::kLong).contiguous(), rb = b.to(at::kLong).contiguous();
+  std::vector<int64_t> sorted(rb.data_ptr<int64_t>(), rb.data_ptr<int64_t>() + rb.numel());
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t* p = ra.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ra.numel(); ++i)
+    if (std::binary_search(sorted.begin(), sorted.end(), p[i])) return true;
+  return false;
+}
+
 bool debug_mode() {
   const char* v = std::getenv("RAGATTN_DEBUG");
   return v != nullptr && std::strcmp(v, "1") == 0;
@@ -375,6 +402,7 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
   const NamedLayers r_k{"src_k", src_k, &cg.sk}, r_v{"src_v", cg.has_v ? src_v : no_layers, &cg.sv};
   check_writes_disjoint(op, {w_k, w_v});
   cg.staged = reads_overlap_writes({r_k, r_v}, {w_k, w_v});
+  cg.staged_same_rows = cg.staged && overlaps_are_same_rows({r_k, r_v}, {w_k, w_v});
   if (host_checks(dst_rows)) {
     check_rows_host(op, "src_rows", src_rows, cg.sk.num_rows, /*distinct=*/false);
     check_rows_host(op, "dst_rows", dst_rows, cg.k.num_rows, /*distinct=*/true);

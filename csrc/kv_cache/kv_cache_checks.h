@@ -74,6 +74,14 @@ void check_writes_disjoint(const char* op, std::initializer_list<NamedLayers> wr
 // rows through a temporary: every row is read before any row is written).
 bool reads_overlap_writes(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written);
 
+// Whether every read layer that shares memory with a written layer is that layer's very rows (same
+// storage, offset and layout: row i of one is row i of the other). Then a row is clobbered before
+// it is read only if it is both a source and a destination row (rows_meet).
+bool overlaps_are_same_rows(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written);
+
+// Whether an int32/int64 row vector `a` and another `b` (host tensors) share a row.
+bool rows_meet(const at::Tensor& a, const at::Tensor& b);
+
 // Whole-op validation (shared by the CPU twin and the CUDA launcher). Row-range and
 // uniqueness checks run on CPU tensors always, on CUDA tensors only when debug_mode().
 // delta: int32 or int64. k_scale: see check_scale.
@@ -90,6 +98,9 @@ struct CopyGeom {
   LayerGeom sk, sv;  // source geometry of K and V
   bool has_v = false;
   bool staged = false;  // a source shares memory with a destination: gather, then scatter
+  // staged, and every shared memory is a source layer that is its destination's very rows
+  // (overlaps_are_same_rows): the gather is needed only when src_rows and dst_rows meet
+  bool staged_same_rows = false;
   // check_scale's results for dst_k_scale, dst_v_scale, src_k_scale, src_v_scale
   int64_t dk_scale = -1, dv_scale = -1, sk_scale = -1, sv_scale = -1;
 };

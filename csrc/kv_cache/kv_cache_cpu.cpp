@@ -324,9 +324,14 @@ void copy_kv_cpu(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_
   // so that the second pass rounds once, as the one-pass copy does).
   const bool fp8 = sdt == at::kFloat8_e4m3fn || ddt == at::kFloat8_e4m3fn;
   const at::ScalarType tdt = fp8 ? at::kFloat : ddt;
+  // A move between pages of one pool (a copy on write: sources and destinations are the same
+  // layers) clobbers a source only where a row is both read and written; otherwise the one-pass
+  // copy reads every source row intact (and skips a temporary as large as the copy, fresh memory
+  // that page-faults on every call).
+  const bool staged = g.staged && !(g.staged_same_rows && !kv_cache::rows_meet(sr, dr));
   at::Tensor tk, tv;
   Side tmp;
-  if (g.staged) {
+  if (staged) {
     tk = at::empty({L, n, g.k.heads, g.k.head_dim}, dst_k[0].options().dtype(tdt));
     tv = g.has_v ? at::empty({L, n, g.v.heads, g.v.head_dim}, dst_k[0].options().dtype(tdt)) : at::Tensor();
     tmp = Side{staging_layers(tk), g.has_v ? staging_layers(tv) : std::vector<void*>{},
@@ -338,7 +343,7 @@ void copy_kv_cpu(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_
     dispatch_elem(ddt, [&](auto dtag) {
       using TD = decltype(dtag);
       if constexpr (std::is_same<TS, TD>::value || IsFp8<TS>::value || IsFp8<TD>::value) {
-        if (!g.staged) {
+        if (!staged) {
           copy_pass<TS, TD>(dst, src, sr.const_data_ptr(), s64, dr.const_data_ptr(), d64, n, g.k.heads, g.k.head_dim,
                             v_row, rot);
           return;

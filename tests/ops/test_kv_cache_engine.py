@@ -134,6 +134,18 @@ def test_copy_kv_aliased_views_gather_then_scatter(device, seed, monkeypatch, ba
     w1[[2, 3, 4]] = c1[[1, 2, 3]]
     ragattn.copy_kv_([c1], [], [c1], [], torch.tensor([1, 2, 3], device=device), torch.tensor([2, 3, 4], device=device))
     assert torch.equal(c1, w1)
+    # the same layers as source and destination (a copy on write between pages of one pool):
+    # rows permuted among themselves (each read row is also written) and disjoint row sets
+    for s_rows, d_rows in (([1, 2, 3], [3, 1, 2]), ([0, 5, 6, 9], [7, 1, 4, 2])):
+        ck, cv = randn_nonzero(10, 2, 32, device=device), randn_nonzero(10, 2, 32, device=device)
+        wk, wv = ck.clone(), cv.clone()
+        d4 = rand_delta(len(s_rows), device, max_abs=100)
+        wk[d_rows] = ref.rope_rotate(ck[s_rows], d4, f, 32, compute_dtype=torch.float32)
+        wv[d_rows] = cv[s_rows]
+        ragattn.copy_kv_([ck], [cv], [ck], [cv], torch.tensor(s_rows, device=device),
+                         torch.tensor(d_rows, device=device), d4, f, 32)
+        assert torch.equal(cv, wv), (s_rows, d_rows)
+        assert max_abs_err(ck, wk) <= 1e-5 * float(wk.abs().max()), (s_rows, d_rows)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
