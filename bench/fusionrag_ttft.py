@@ -7,9 +7,10 @@ Contexts are real passages of the shipped eval set (``ragattn/data/qa_eval``), a
 prompt reaches about ``--contexts`` tokens, with one of its questions. The passages' KV is put in a
 ``ChunkStore`` before any timing (offline, as deployed). Per method: one warm-up, then the median
 over ``--repeats`` of ``Answer.ttft_s`` (chunk lookup, assembly, selection, recompute; for
-``full-prefill`` one SDPA forward), and for the selective methods the median split into assembly /
-selection / recompute (selection = FusionRAG's final-block pass + ``key_attention_scores`` + top-k;
-CacheBlend selects inside its recompute pass, so its selection share is 0 here).
+``full-prefill`` one SDPA forward), taken round after round over the methods, and for the
+selective methods the median split into assembly / selection / recompute (selection =
+FusionRAG's final-block pass + ``key_attention_scores`` + top-k; CacheBlend selects inside its
+recompute pass, so its selection share is 0 here).
 
 It also prints a *modelled* H100 figure (:func:`modelled_h100`): FLOPs and bytes of Llama-3-8B at
 32K tokens against the H100 SXM's dense bf16 peak and HBM bandwidth, at one assumed efficiency for
@@ -103,9 +104,15 @@ def measure(model, tokenizer, targets, ratio, repeats):
         store.add([head] + ids)                                       # offline
         tokens = len(head) + sum(map(len, ids)) + len(tail)
         base = None
-        for name, run in methods.items():
+        for run in methods.values():
             run(chunks)                                               # warm-up
-            answers = [run(chunks) for _ in range(repeats)]
+        # round after round over the methods: a drift of the machine's speed moves every method
+        # alike instead of the ones measured last
+        runs = {name: [] for name in methods}
+        for _ in range(repeats):
+            for name, run in methods.items():
+                runs[name].append(run(chunks))
+        for name, answers in runs.items():
             ttft = statistics.median(a.ttft_s for a in answers)
             row = dict(tokens=tokens, chunks=len(chunks), method=name, ttft_ms=ttft * 1e3)
             for part in ("assemble_s", "select_s", "recompute_s"):
