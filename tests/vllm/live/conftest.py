@@ -49,15 +49,17 @@ def _server(model, chunk_dir, log, extra_env=None, shared_pages=False) -> LiveSe
 def _servers(tmp_path_factory):
     """``(cpu_attn server, ragattn server, reference dict)``. The model folder is exported first;
     then the HF reference and both servers start side by side (each single-threaded: three
-    processes on the CI's two cores, where one at a time left a core idle), and the fixture waits
-    for all three."""
+    processes on the CI's two cores, where one at a time left a core idle; once both servers are
+    ready, the reference takes every core), and the fixture waits for all three."""
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("live")
     subprocess.run(_reference_cmd(out, "--export-only"), cwd=ROOT, env=_env(), check=True, timeout=600)
     (out / "kv").mkdir()
     t0 = time.monotonic()
     ref_log = open(out / "reference.log", "wb")
-    ref_proc = subprocess.Popen(_reference_cmd(out), cwd=ROOT, env=_env(), stdout=ref_log, stderr=subprocess.STDOUT)
+    ready = out / "servers-ready"   # from then on the reference runs on every core (the servers idle)
+    ref_proc = subprocess.Popen(_reference_cmd(out, "--wide-after", str(ready)), cwd=ROOT, env=_env(), stdout=ref_log,
+                                stderr=subprocess.STDOUT)
     servers: list[LiveServer] = []
     try:
         servers.append(_server(out / "model", out / "kv", out / "server.log"))
@@ -65,6 +67,7 @@ def _servers(tmp_path_factory):
                                shared_pages=True))
         for name, server in zip(("vLLM server start (ready)", "vLLM server start, ragattn backend (ready)"), servers):
             TIMINGS.append((name, server.wait_ready().start_s))
+        ready.touch()
         rc = ref_proc.wait(timeout=900)
         TIMINGS.append(("HF reference (alongside the starts)", time.monotonic() - t0))
         if rc != 0:

@@ -2,6 +2,7 @@
 transformers release ragattn's HF path is tested with) as a subprocess:
 
     python -m tests.vllm.live.reference OUT [--prompts 6] [--min-tokens 1024] [--new-tokens 16]
+                                            [--wide-after FILE]
 
 writes ``OUT/model`` (the served checkpoint: :func:`ragattn.vllm.checkpoint.export_smollm2`),
 ``OUT/kv`` (a chunk store built by the HF path for that model) and ``OUT/reference.json``: per
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--spares", type=int, default=4, help="short prompts of chunks no other prompt has "
                     "(one file each to delete or corrupt)")
     ap.add_argument("--export-only", action="store_true", help="write OUT/model and stop")
+    ap.add_argument("--wide-after", type=Path, help="run on one thread until this file exists (the "
+                    "live fixture writes it once its servers are ready), then on every core")
     a = ap.parse_args(argv)
     import transformers
 
@@ -59,6 +63,11 @@ def main(argv=None):
     from ragattn.vllm.checkpoint import export_smollm2
 
     torch.set_num_threads(1)
+
+    def widen():   # between two answers; the same tokens on 1 and 2 threads (checked on this CPU)
+        if a.wide_after is not None and torch.get_num_threads() == 1 and a.wide_after.exists():
+            torch.set_num_threads(os.cpu_count() or 1)
+
     out = Path(a.out)
     t0 = time.perf_counter()
     model_dir = export_smollm2(out / "model")
@@ -80,11 +89,14 @@ def main(argv=None):
         for part in [head] + ids:
             spans.append([at, at + len(part)])
             at += len(part)
+        widen()
         full = full_prefill(model, tok, chunks, question, max_new_tokens=a.new_tokens)
+        widen()
         block = block_attention.answer(model, tok, chunks, question, max_new_tokens=a.new_tokens, store=store)
         row = {"question": question, "prompt": head + [t for c in ids for t in c] + tail, "spans": spans,
                "full": full.tokens, "full_text": full.text,
                "block_attention": block.tokens, "block_attention_text": block.text}
+        widen()
         for name, res in methods_answers(model, tok, chunks, question, a.new_tokens, store).items():
             row[name] = {"tokens": res.tokens, "text": res.text, "recomputed": res.extra.get("recomputed_slots")}
         rows.append(row)
