@@ -38,8 +38,9 @@ wait_all
 echo "nvcc_check: ${#files[@]} kernel file(s) compiled for sm_90a"
 
 # ATen launchers (csrc/**/*_cuda.cu) against the installed torch's headers, with torch's own nvcc
-# flags. A CPU-only torch wheel ships the c10/cuda headers but not the generated
-# cuda_cmake_macros.h: a one-line shim stands in for it. Skipped when torch is not importable.
+# flags (C++20, as torch's BuildExtension gives nvcc: C++17 made c10's headers warn in every file).
+# A CPU-only torch wheel ships the c10/cuda headers but not the generated cuda_cmake_macros.h: a
+# one-line shim stands in for it. Skipped when torch is not importable.
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
@@ -52,7 +53,7 @@ if [ ${#launchers[@]} -gt 0 ] && "$PYTHON" -c "import torch" 2>/dev/null; then
   printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$tmp/shim/c10/cuda/impl/cuda_cmake_macros.h"
   for f in "${launchers[@]}"; do
     echo "nvcc_check: $f (against torch headers)"
-    compile "$f" -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr \
+    compile "$f" -gencode=arch=compute_90a,code=sm_90a -std=c++20 -O3 --expt-relaxed-constexpr \
       -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
       -D__CUDA_NO_HALF2_OPERATORS__ -DRAGATTN_WITH_CUDA=1 -Icsrc "${inc_flags[@]}" -I"$tmp/shim" \
       -diag-suppress=20012,20014 -Xcompiler -Wno-c++20-extensions
