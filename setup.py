@@ -97,9 +97,9 @@ def _extension():
     # it cuts the host compile by about 40 % (merge_attention_states_cpu.cpp: 28 s -> 16 s on 2 idle
     # cores); RAGATTN_DEBUG_INFO=1 keeps -g for a debugger.
     debug = [] if os.environ.get("RAGATTN_DEBUG_INFO") == "1" else ["-g0"]
-    # No -std: torch's BuildExtension adds the standard its own headers are built for (C++20 from
-    # torch 2.13 on; C++17 under it warned in every file about C++20 bit-field initializers in
-    # c10's headers). -Wno-psabi: GCC's note that 8-float vector arguments changed ABI in GCC 4.6
+    # No -std: torch's BuildExtension adds the standard its own headers are built for (C++20 for
+    # torch 2.13, where our C++17 made every file warn about c10's C++20 bit-field initializers).
+    # -Wno-psabi: GCC's note that 8-float vector arguments changed ABI in GCC 4.6
     # (csrc/common/vec8.h's helpers are always inlined; no ABI boundary is crossed).
     cxx_flags = ["-O3", "-Wno-psabi"] + debug + openmp
     include_dirs = [os.path.join(ROOT, "csrc")]
