@@ -294,7 +294,8 @@ def copy_kv_(
             sources and the destinations may differ when one side is float8_e4m3fn (fp8 chunk
             store -> bf16 pages, or bf16 rows -> vLLM's fp8 cache). Sources may share memory with
             destinations (an in-place move): every source row is read before any destination
-            row is written (the aliased case stages the rows through a temporary).
+            row is written (the aliased case stages the rows through a temporary; on the CPU,
+            for the same layers as source and destination, only when the row sets meet).
         src_rows: int32 or int64 ``[N]`` rows read, in ``[0, num_src_rows)`` (may repeat).
         dst_rows: int32 or int64 ``[N]`` rows written, in ``[0, num_dst_rows)``, distinct.
             Ranges/uniqueness are checked on CPU, a precondition on CUDA (checked when
