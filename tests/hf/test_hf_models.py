@@ -23,7 +23,8 @@ def test_rope_params_match_hf(family):
     cos, sin = model.model.rotary_emb(x, pos[None])
     hf_mod = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["x"])
     ref, _ = hf_mod.apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
-    torch.testing.assert_close(rope_rotate(x[0], pos, p.inv_freq, p.rotary_dim, p.interleaved), ref.transpose(1, 2)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rope_rotate(x[0], pos, p.inv_freq, p.rotary_dim, p.interleaved), ref.transpose(1, 2)[0],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_rope_params_llama3_scaling_and_errors():
