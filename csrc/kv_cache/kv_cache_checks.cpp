@@ -223,6 +223,14 @@ bool same_layout_rows_meet(int64_t d, const LayerGeom& g) {
   return false;
 }
 
+// Whether two layers address their rows alike: row i of one lies where row i of the other would at
+// the same offset.
+bool same_layout(const LayerGeom& ga, const LayerGeom& gb) {
+  return ga.heads * ga.head_dim == gb.heads * gb.head_dim && ga.num_rows == gb.num_rows &&
+         ga.outer_rows == gb.outer_rows && ga.layout.inner_rows == gb.layout.inner_rows &&
+         ga.layout.inner_stride == gb.layout.inner_stride && ga.layout.outer_stride == gb.layout.outer_stride;
+}
+
 }  // namespace
 
 bool layers_overlap(const at::Tensor& a, const LayerGeom& ga, const at::Tensor& b, const LayerGeom& gb) {
@@ -231,11 +239,7 @@ bool layers_overlap(const at::Tensor& a, const LayerGeom& ga, const at::Tensor& 
   if (a.element_size() != b.element_size()) return true;  // (never: one dtype per op) conservative
   const auto sa = element_span(a, ga), sb = element_span(b, gb);
   if (sa.second < sb.first || sb.second < sa.first) return false;
-  const bool same_layout = ga.heads * ga.head_dim == gb.heads * gb.head_dim && ga.num_rows == gb.num_rows &&
-                           ga.outer_rows == gb.outer_rows && ga.layout.inner_rows == gb.layout.inner_rows &&
-                           ga.layout.inner_stride == gb.layout.inner_stride &&
-                           ga.layout.outer_stride == gb.layout.outer_stride;
-  if (!same_layout) return true;  // conservative: intersecting spans of different layouts
+  if (!same_layout(ga, gb)) return true;  // conservative: intersecting spans of different layouts
   const int64_t d = sb.first - sa.first;
   return same_layout_rows_meet(d < 0 ? -d : d, ga);
 }
@@ -257,30 +261,18 @@ void check_writes_disjoint(const char* op, std::initializer_list<NamedLayers> wr
   }
 }
 
-bool reads_overlap_writes(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written) {
-  for (const auto& r : read)
-    for (const auto& w : written)
-      for (const auto& tr : r.layers)
-        for (const auto& tw : w.layers)
-          if (layers_overlap(tr, *r.geom, tw, *w.geom)) return true;
-  return false;
-}
-
-bool overlaps_are_same_rows(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written) {
+ReadWriteOverlap read_write_overlap(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written) {
+  ReadWriteOverlap found = ReadWriteOverlap::kNone;
   for (const auto& r : read)
     for (const auto& w : written)
       for (const auto& tr : r.layers)
         for (const auto& tw : w.layers) {
           if (!layers_overlap(tr, *r.geom, tw, *w.geom)) continue;
-          const LayerGeom &a = *r.geom, &b = *w.geom;
-          const bool same = tr.storage_offset() == tw.storage_offset() && a.num_rows == b.num_rows &&
-                            a.heads == b.heads && a.head_dim == b.head_dim && a.outer_rows == b.outer_rows &&
-                            a.layout.inner_rows == b.layout.inner_rows &&
-                            a.layout.inner_stride == b.layout.inner_stride &&
-                            a.layout.outer_stride == b.layout.outer_stride;
-          if (!same) return false;
+          if (tr.storage_offset() != tw.storage_offset() || !same_layout(*r.geom, *w.geom))
+            return ReadWriteOverlap::kOther;
+          found = ReadWriteOverlap::kSameRows;
         }
-  return true;
+  return found;
 }
 
 bool rows_meet(const at::Tensor& a, const at::Tensor& b) {
@@ -401,8 +393,7 @@ CopyGeom validate_copy(at::TensorList dst_k, at::TensorList dst_v, at::TensorLis
   const NamedLayers w_k{"dst_k", dst_k, &cg.k}, w_v{"dst_v", cg.has_v ? dst_v : no_layers, &cg.v};
   const NamedLayers r_k{"src_k", src_k, &cg.sk}, r_v{"src_v", cg.has_v ? src_v : no_layers, &cg.sv};
   check_writes_disjoint(op, {w_k, w_v});
-  cg.staged = reads_overlap_writes({r_k, r_v}, {w_k, w_v});
-  cg.staged_same_rows = cg.staged && overlaps_are_same_rows({r_k, r_v}, {w_k, w_v});
+  cg.overlap = read_write_overlap({r_k, r_v}, {w_k, w_v});
   if (host_checks(dst_rows)) {
     check_rows_host(op, "src_rows", src_rows, cg.sk.num_rows, /*distinct=*/false);
     check_rows_host(op, "dst_rows", dst_rows, cg.k.num_rows, /*distinct=*/true);

@@ -70,14 +70,13 @@ bool layers_overlap(const at::Tensor& a, const LayerGeom& ga, const at::Tensor& 
 // twice, or rotated twice, would depend on the order): ValueError naming both.
 void check_writes_disjoint(const char* op, std::initializer_list<NamedLayers> written);
 
-// Whether any read layer shares memory with any written layer (copy_kv_ then stages the source
-// rows through a temporary: every row is read before any row is written).
-bool reads_overlap_writes(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written);
-
-// Whether every read layer that shares memory with a written layer is that layer's very rows (same
-// storage, offset and layout: row i of one is row i of the other). Then a row is clobbered before
-// it is read only if it is both a source and a destination row (rows_meet).
-bool overlaps_are_same_rows(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written);
+// How the read layers share memory with the written layers: not at all; only as the very same rows
+// (same storage, offset and layout: row i of a source is row i of its destination, so a row is
+// clobbered before it is read only where it is both read and written: rows_meet); or otherwise.
+// copy_kv_ stages the source rows through a temporary (every row read before any is written)
+// when they share memory (on the CPU, same rows only when the row sets meet).
+enum class ReadWriteOverlap { kNone, kSameRows, kOther };
+ReadWriteOverlap read_write_overlap(std::initializer_list<NamedLayers> read, std::initializer_list<NamedLayers> written);
 
 // Whether an int32/int64 row vector `a` and another `b` (host tensors) share a row.
 bool rows_meet(const at::Tensor& a, const at::Tensor& b);
@@ -97,10 +96,7 @@ struct CopyGeom {
   LayerGeom k, v;    // destination geometry of K and V
   LayerGeom sk, sv;  // source geometry of K and V
   bool has_v = false;
-  bool staged = false;  // a source shares memory with a destination: gather, then scatter
-  // staged, and every shared memory is a source layer that is its destination's very rows
-  // (overlaps_are_same_rows): the gather is needed only when src_rows and dst_rows meet
-  bool staged_same_rows = false;
+  ReadWriteOverlap overlap = ReadWriteOverlap::kNone;  // sources vs destinations (read_write_overlap)
   // check_scale's results for dst_k_scale, dst_v_scale, src_k_scale, src_v_scale
   int64_t dk_scale = -1, dv_scale = -1, sk_scale = -1, sv_scale = -1;
 };

@@ -328,7 +328,8 @@ void copy_kv_cpu(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src_
   // layers) clobbers a source only where a row is both read and written; otherwise the one-pass
   // copy reads every source row intact (and skips a temporary as large as the copy, fresh memory
   // that page-faults on every call).
-  const bool staged = g.staged && !(g.staged_same_rows && !kv_cache::rows_meet(sr, dr));
+  const bool staged = g.overlap == kv_cache::ReadWriteOverlap::kOther ||
+                      (g.overlap == kv_cache::ReadWriteOverlap::kSameRows && kv_cache::rows_meet(sr, dr));
   at::Tensor tk, tv;
   Side tmp;
   if (staged) {

@@ -185,7 +185,7 @@ void copy_kv_cuda(at::TensorList dst_k, at::TensorList dst_v, at::TensorList src
 
   const bool rotate = delta.has_value();
   const kv_cache::LayerScales d_sc[2] = {dks, dvs}, s_sc[2] = {sks, svs}, none[2] = {{}, {}};
-  if (!g.staged) {
+  if (g.overlap == kv_cache::ReadWriteOverlap::kNone) {
     launch(dk, dv, g.k.layout, g.v.layout, sk, sv, g.sk.layout, g.sv.layout, &sr, &dr, rotate, src_dt, dst_dt, s_sc,
            d_sc);
     return;
