@@ -8,7 +8,6 @@
 
 #include "attention/paged_attention_rows_gemm.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
+#include "common/parallel_largest_first.h"
 #include "common/vec8.h"
 
 namespace ragattn {
@@ -138,9 +138,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
     tnk[ti] = c1 - c0;
   }
   // One work item is (tile, kv head): S = Q K^T, its masked softmax, P V and the 1 / l, all on one
-  // thread (at::mm_out runs single-threaded inside parallel_for). The softmax and the output loops
-  // then run on every thread too, and S stays in that thread's cache between the two GEMMs.
-  at::parallel_for(0, tiles * H, 1, [&](int64_t i0, int64_t i1) {
+  // thread (at::mm_out runs single-threaded inside a parallel region). The softmax and the output
+  // loops then run on every thread too, and S stays in that thread's cache between the two GEMMs.
+  // Items cost about rows x keys, which grows along a causal sequence: largest first.
+  std::vector<int64_t> cost(tiles * H);
+  for (int64_t item = 0; item < tiles * H; ++item)
+    cost[item] = std::min(tile, nr - item / H * tile) * std::max<int64_t>(tnk[item / H], 1);
+  parallel_largest_first(largest_first(cost), [&](auto next_item) {
     // one query, score and output buffer per thread, for its largest item
     // (uninitialised: every element an item reads, it has written)
     const at::Tensor qtile = at::empty({tile * G * D}, q.options()), stile = at::empty({tile * G * n}, q.options()),
@@ -149,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_rows_gemm(const at::Tensor& q
     std::vector<int64_t> tlo(tile), thi(tile);
     std::vector<float> m(tile * G), l(tile * G);
     std::vector<unsigned char> bad(tile * G);
-    for (int64_t item = i0; item < i1; ++item) {
+    for (int64_t item = next_item(); item >= 0; item = next_item()) {
       const int64_t ti = item / H, g = item % H, r0 = ti * tile, t = std::min(tile, nr - r0), M = t * G;
       const int64_t c0 = tc0[ti], nk = tnk[ti];
       for (int64_t r = 0; r < t; ++r) {
