@@ -149,15 +149,79 @@ RAGATTN_ALWAYS_INLINE void flush_chunk(const RowState& st, const PagedArgs& a, c
   *nseg = 0;
 }
 
-// Items [begin, end) = row blocks x kv heads: item = block * num_kv_heads + kv_head, block k the
-// rows [blocks[2k], blocks[2k] + blocks[2k + 1]) of one sequence. The slots every row of the block
+// --------------------------------------------------------------------------------- split-KV
+// A sequence with fewer than kSplitItems items (row blocks x kv heads: a decode row has as many as
+// kv heads, 3 for SmolLM2, which 2 threads share 2:1) splits its entries into parts of at least
+// kSplitMinSlots slots, each part an item of its own; their states are merged after
+// (flash-decoding's split-KV). The split depends on the sequence's own rows and length alone: its
+// answer is the same on any number of threads and in any batch. (The padded-table kernel does not
+// split: its rows are batch-invariant, a row's bits never depend on the other rows of its call
+// either, and a split by rows would add a merge to every long row of a large batch.)
+constexpr int64_t kSplitItems = 16;
+constexpr int64_t kSplitMinSlots = 128;
+
+// The parts of a sequence of kv_len slots whose rows make `items` items.
+inline int64_t split_parts(int64_t items, int64_t kv_len) {
+  if (items >= kSplitItems) return 1;
+  return std::max<int64_t>(1, std::min((kSplitItems + items - 1) / items, kv_len / kSplitMinSlots));
+}
+
+// An item: kv head g of row block `block`, part `part` of `parts` of its sequence's entries.
+struct TaggedItem {
+  int64_t block, g, part, parts;
+};
+
+// The online-softmax state of a RowState's G vectors saved for a merge (split_state_floats(G, D)
+// floats: acc [G, D], m [G], l [G], bad [G]): the state of one part of a row's slots.
+inline int64_t split_state_floats(int64_t G, int64_t D) { return G * (D + 3); }
+
+RAGATTN_ALWAYS_INLINE void save_split_state(const RowState& st, float* dst) {
+  const int64_t G = st.G, D = st.D;
+  std::copy(st.acc, st.acc + G * D, dst);
+  std::copy(st.m, st.m + G, dst + G * D);
+  std::copy(st.l, st.l + G, dst + G * D + G);
+  std::copy(st.bad, st.bad + G, dst + G * D + 2 * G);
+}
+
+// st (its G vectors) := the merge of nsplit saved states of the same vectors over disjoint slot
+// sets (saved + s * stride, in split order), as one online softmax over their union would end:
+// m the max, l and acc rescaled to it and summed; bad in any split makes the vector bad. A split
+// with no weight (m = -inf) contributes 0 * acc: a non-finite V it read still makes acc NaN, as
+// in one pass.
+RAGATTN_ALWAYS_INLINE void merge_split_states(const RowState& st, const float* saved, int64_t stride, int64_t nsplit) {
+  const int64_t G = st.G, D = st.D;
+  for (int64_t x = 0; x < G; ++x) {
+    float m = -std::numeric_limits<float>::infinity(), l = 0.f, bad = 0.f;
+    for (int64_t s = 0; s < nsplit; ++s) {
+      const float* sp = saved + s * stride;
+      m = std::max(m, sp[G * D + x]);
+      bad = std::max(bad, sp[G * D + 2 * G + x]);
+    }
+    float* acc = st.acc + x * D;
+    std::fill(acc, acc + D, 0.f);
+    for (int64_t s = 0; s < nsplit; ++s) {
+      const float* sp = saved + s * stride;
+      const float ms = sp[G * D + x];
+      const float w = ms == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(ms - m);
+      l += w * sp[G * D + G + x];
+      const float* as = sp + x * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * as[d];
+    }
+    st.m[x] = m, st.l[x] = l, st.bad[x] = bad;
+  }
+}
+
+// Items [begin, end) of `items`: block k the rows [blocks[2k], blocks[2k] + blocks[2k + 1]) of
+// one sequence, part s of n its entries [P * s / n, P * (s + 1) / n) of P; an item of a split
+// sequence saves its state to partial + item * stride, the others write their rows. The slots every row of the block
 // sees are attended by all their query vectors at once (each K/V row loaded once for the block);
 // the rest (the causal diagonal, window edges) row by row, so no row ever reads a slot it does
 // not see (no masks: 0 * NaN cannot happen).
 template <typename T>
 RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope,
-                                        const int64_t* blocks, int64_t max_rows, int64_t begin, int64_t end) {
-  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size, H = a.num_kv_heads;
+                                        const int64_t* blocks, int64_t max_rows, const TaggedItem* items,
+                                        float* partial, int64_t stride, int64_t begin, int64_t end) {
+  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, S = a.page_size;
   const bool rotate = rope.cos_t != nullptr;
   RowStateBuffer buf(D, max_rows * G);
   std::vector<float> q0(rotate ? max_rows * G * D : 0);  // the query vectors as given (rotated at q_pos)
@@ -166,9 +230,11 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
   int64_t seg_at[kChunk], seg_p0[kChunk], nseg = 0;
   std::vector<int64_t> lo(max_rows), hi(max_rows), pos(max_rows);
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t k = item / H, g = item % H, i0 = blocks[2 * k], nr = blocks[2 * k + 1];
+    const TaggedItem& it = items[item];
+    const int64_t k = it.block, g = it.g, i0 = blocks[2 * k], nr = blocks[2 * k + 1];
     const int64_t b = a.row_seq[i0];
-    const int64_t kv_len = a.kv_lens(b), r0 = t.row_start(b);
+    const int64_t kv_len = a.kv_lens(b), r0 = t.row_start(b), P = (kv_len + S - 1) / S;
+    const int64_t p_begin = P * it.part / it.parts, p_end = P * (it.part + 1) / it.parts;
     for (int64_t r = 0; r < nr; ++r) {
       pos[r] = a.q_pos(i0 + r);
       buf.st.part(r * G, G).start<T>(a, i0 + r, g);
@@ -181,7 +247,7 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
       const RowState st = pass < 0 ? buf.st.part(0, nr * G) : buf.st.part(pass * G, G);
       const float* q0p = rotate ? q0.data() + (pass < 0 ? 0 : pass * G * D) : nullptr;
       int64_t n = 0;
-      for (int64_t pi = 0; pi * S < kv_len; ++pi) {
+      for (int64_t pi = p_begin; pi < p_end; ++pi) {
         int64_t from, cnt, p0, all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
         entry_extent(t, r0 + pi, pi, S, kv_len, &from, &cnt, &p0);
         for (int64_t r = 0; r < nr; ++r) {
@@ -216,14 +282,34 @@ RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t,
       }
       if (n) flush_chunk<T>(st, a, rope, q0p, kslot, vslot, n, seg_at, seg_p0, &nseg);
     }
-    for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, g);
+    if (it.parts > 1) {
+      save_split_state(buf.st.part(0, nr * G), partial + item * stride);
+    } else {
+      for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, g);
+    }
   }
 }
 
 template <typename T>
 RAGATTN_CPU_CLONES void tagged_items_run(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope,
-                                         const int64_t* blocks, int64_t max_rows, int64_t begin, int64_t end) {
-  tagged_items<T>(a, t, rope, blocks, max_rows, begin, end);
+                                         const int64_t* blocks, int64_t max_rows, const TaggedItem* items,
+                                         float* partial, int64_t stride, int64_t begin, int64_t end) {
+  tagged_items<T>(a, t, rope, blocks, max_rows, items, partial, stride, begin, end);
+}
+
+// The rows of the split items' blocks (each block's parts consecutive items): merged, written.
+template <typename T>
+void merge_parts(const PagedArgs& a, const int64_t* blocks, int64_t max_rows, const std::vector<TaggedItem>& items,
+                 const float* partial, int64_t stride) {
+  const int64_t G = a.num_heads / a.num_kv_heads;
+  RowStateBuffer buf(a.head_dim, max_rows * G);
+  for (size_t item = 0; item < items.size(); item += items[item].parts) {
+    const TaggedItem& it = items[item];
+    if (it.parts == 1) continue;
+    const int64_t i0 = blocks[2 * it.block], nr = blocks[2 * it.block + 1];
+    merge_split_states(buf.st.part(0, nr * G), partial + item * stride, stride, it.parts);
+    for (int64_t r = 0; r < nr; ++r) buf.st.part(r * G, G).write<T>(a, i0 + r, it.g);
+  }
 }
 
 // A slot the rows-GEMM route gathers: its position, its entry's first position, its K and V rows.
@@ -401,19 +487,36 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
       if (done[b]) continue;
       for (int64_t r = cu(b); r < cu(b + 1); r += max_rows) blocks.insert(blocks.end(), {r, std::min(max_rows, cu(b + 1) - r)});
     }
-    const int64_t items = static_cast<int64_t>(blocks.size()) / 2 * H;
+    // the items: per block, per kv head, its sequence's parts
+    std::vector<TaggedItem> items;
+    bool split = false;
     int64_t kv_total = 0;
     for (int64_t b = 0; b < batch; ++b) kv_total += a.kv_lens(b);
-    const int64_t per_item = std::max<int64_t>(1, kv_total / std::max<int64_t>(1, batch) * D * (a.num_heads / H));
+    for (int64_t k = 0; k < static_cast<int64_t>(blocks.size()) / 2; ++k) {
+      const int64_t b = a.row_seq[blocks[2 * k]];
+      const int64_t parts = split_parts((cu(b + 1) - cu(b) + max_rows - 1) / max_rows * H, a.kv_lens(b));
+      split |= parts > 1;
+      for (int64_t g = 0; g < H; ++g)
+        for (int64_t s = 0; s < parts; ++s) items.push_back({k, g, s, parts});
+    }
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    const int64_t stride = split_state_floats(max_rows * (a.num_heads / H), D);
+    std::vector<float> partial(split ? n_items * stride : 0);
+    // about GRAIN_SIZE multiply-adds per task: an item reads its sequence's slots / its parts
+    const int64_t unsplit = static_cast<int64_t>(blocks.size()) / 2 * H;
+    const int64_t per_item = std::max<int64_t>(
+        1, kv_total / std::max<int64_t>(1, batch) * D * (a.num_heads / H) * unsplit / std::max<int64_t>(1, n_items));
     const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
     auto run = [&](int64_t begin, int64_t end) {
-      tagged_items_run<scalar_t>(a, t, table, blocks.data(), max_rows, begin, end);
+      tagged_items_run<scalar_t>(a, t, table, blocks.data(), max_rows, items.data(), partial.data(), stride, begin,
+                                 end);
     };
-    if (items <= grain) {
-      run(0, items);
+    if (n_items <= grain) {
+      run(0, n_items);
     } else {
-      at::parallel_for(0, items, grain, run);
+      at::parallel_for(0, n_items, grain, run);
     }
+    if (split) merge_parts<scalar_t>(a, blocks.data(), max_rows, items, partial.data(), stride);
   });
 }
 

@@ -356,6 +356,61 @@ def test_cpu_tagged_kernel_row_blocks(seed, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_tagged_kernel_decode_rows_split_their_slots(seed, dtype):
+    """Decode rows (one per sequence) over long page lists: fewer items than the kernel wants
+    (row blocks x kv heads), so each sequence's entries are split into parts merged after
+    (split-KV). The float64 reference's precision with a window that leaves most parts empty; the
+    same bits on 1 and 3 threads and beside another sequence (the split is the sequence's own); a
+    NaN key in one part poisons exactly its kv head's heads, an inf value only its own dim."""
+    import dataclasses
+
+    from tests.helpers import assert_precision
+
+    gen = torch.Generator().manual_seed(seed)
+    q, q_pos, cu, k, v, table = make_tagged_case([130, 77, 201, 95], "gapped", page_size=13, num_heads=6,
+                                                 num_kv_heads=2, head_dim=64, dtype=dtype,
+                                                 device=torch.device("cpu"), gen=gen, question_len=5)
+    last = (cu[1:] - 1).long()
+    q, q_pos, cu = q[last], q_pos[last], torch.arange(3, dtype=I32)
+    assert int(table.kv_lens.max()) >= 2 * 128   # long enough to split
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    for window_left in (-1, 7):
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
+        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
+        assert_precision(got[0], o64, olp)
+        assert_precision(got[1], l64, llp, what="lse")
+    plan = _plan(dict(cu=cu, q=q, k=k), table)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        clean = run_paged_attention(plan, q, q_pos, k, v)
+        torch.set_num_threads(3)
+        again = run_paged_attention(plan, q, q_pos, k, v)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(clean[0], again[0]) and torch.equal(clean[1], again[1])
+    three = dataclasses.replace(table, row_start=torch.cat([table.row_start, table.row_start[1:]]),
+                                kv_lens=torch.cat([table.kv_lens, table.kv_lens[1:]]))
+    q3, q_pos3, cu3 = torch.cat([q, q[1:]]), torch.cat([q_pos, q_pos[1:]]), torch.arange(4, dtype=I32)
+    got = run_paged_attention(_plan(dict(cu=cu3, q=q3, k=k), three), q3, q_pos3, k, v)
+    assert torch.equal(got[0][:2], clean[0]) and torch.equal(got[1][:2], clean[1])
+    e = int(table.row_start[0]) + 10 + 6 + 3   # a page of chunk 2, request 0's alone (its row sees it)
+    page = int(table.pages[e])
+    k2, v2 = k.clone(), v.clone()
+    k2[page, 0, 1] = float("nan")
+    v2[page, 0, 0, 5] = float("inf")
+    out, lse = run_paged_attention(plan, q, q_pos, k2, v)
+    assert torch.isnan(out[0, 3:]).all() and torch.isnan(lse[0, 3:]).all()
+    assert torch.equal(out[0, :3], clean[0][0, :3]) and torch.equal(out[1], clean[0][1])
+    out, lse = run_paged_attention(plan, q, q_pos, k, v2)
+    assert torch.isnan(out[0, :3, 5]).all() and torch.isfinite(lse).all()
+    rest = torch.ones_like(out, dtype=torch.bool)
+    rest[0, :3, 5] = False
+    assert torch.equal(out[rest], clean[0][rest])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_tagged_kernel_many_rows_per_sequence(seed, dtype):
     """The C++ tagged kernel's route for sequences with many query rows (a recompute pass: rows
     scattered over the chunks, then a 40-token question; GEMMs over tiles of rows): the float64
