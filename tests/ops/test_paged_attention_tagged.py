@@ -72,6 +72,19 @@ def _table_refs(q, q_pos, cu, k, v, table, window_left, rope):
     return paged_attention_table(*a, entry_start=start), paged_attention_table(*a, entry_start=start, upcast=False)
 
 
+def _assert_rotated_near_reference(q, q_pos, cu, k, v, table, windows):
+    """The op with NeoX RoPE over all 64 dims, per window, at the float64 reference's precision."""
+    from tests.helpers import assert_precision
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    for window_left in windows:
+        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
+        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
+        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
+        assert_precision(got[0], o64, olp)
+        assert_precision(got[1], l64, llp, what="lse")
+
+
 @pytest.mark.parametrize("scheme", ["composite", "reordered", "gapped", "runs"])
 @pytest.mark.parametrize("rope", ["none", "neox", "gptj-partial"])
 def test_position_tagged_pages_with_in_kernel_rope(backend, device, seed, scheme, rope):
@@ -337,8 +350,6 @@ def test_cpu_tagged_kernel_row_blocks(seed, rows):
     and decode rows, the query rotated by -p0 per entry (page size 5: several entries within one
     128-slot softmax chunk, each scored with its own rotation). Against the float64 reference,
     GQA 3, a window, bf16."""
-    from tests.helpers import assert_precision
-
     gen = torch.Generator().manual_seed(seed)
     q, q_pos, cu, k, v, table = make_tagged_case([13, 4, 9], "reordered", page_size=5, num_heads=6, num_kv_heads=2,
                                                  head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"),
@@ -346,13 +357,7 @@ def test_cpu_tagged_kernel_row_blocks(seed, rows):
     if rows == "one per sequence":   # each request's last row (its question's last token)
         last = (cu[1:] - 1).long()
         q, q_pos, cu = q[last], q_pos[last], torch.arange(3, dtype=I32)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-    for window_left in (-1, 7):
-        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
-        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
-        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
-        assert_precision(got[0], o64, olp)
-        assert_precision(got[1], l64, llp, what="lse")
+    _assert_rotated_near_reference(q, q_pos, cu, k, v, table, windows=(-1, 7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -364,8 +369,6 @@ def test_cpu_tagged_kernel_decode_rows_split_their_slots(seed, dtype):
     NaN key in one part poisons exactly its kv head's heads, an inf value only its own dim."""
     import dataclasses
 
-    from tests.helpers import assert_precision
-
     gen = torch.Generator().manual_seed(seed)
     q, q_pos, cu, k, v, table = make_tagged_case([130, 77, 201, 95], "gapped", page_size=13, num_heads=6,
                                                  num_kv_heads=2, head_dim=64, dtype=dtype,
@@ -373,13 +376,7 @@ def test_cpu_tagged_kernel_decode_rows_split_their_slots(seed, dtype):
     last = (cu[1:] - 1).long()
     q, q_pos, cu = q[last], q_pos[last], torch.arange(3, dtype=I32)
     assert int(table.kv_lens.max()) >= 2 * 128   # long enough to split
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-    for window_left in (-1, 7):
-        plan = _plan(dict(cu=cu, q=q, k=k), table, window_left)
-        got = run_paged_attention(plan, q, q_pos, k, v, inv_freq=inv_freq)
-        (o64, l64), (olp, llp) = _table_refs(q, q_pos, cu, k, v, table, window_left, (inv_freq, 64, False))
-        assert_precision(got[0], o64, olp)
-        assert_precision(got[1], l64, llp, what="lse")
+    _assert_rotated_near_reference(q, q_pos, cu, k, v, table, windows=(-1, 7))
     plan = _plan(dict(cu=cu, q=q, k=k), table)
     before = torch.get_num_threads()
     try:
