@@ -9,7 +9,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 
 #include "attention/paged_attention_cpu_common.h"
 #include "common/check_message.h"
+#include "common/parallel_largest_first.h"
 #include "common/dispatch.h"
 #include "ops.h"
 
@@ -121,8 +121,13 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
     void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_run<scalar_t>;
     if (items <= grain) {
       run(a, 0, items);  // one task: no parallel region
-    } else {
-      at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) { run(a, begin, end); });
+    } else {  // a causal row's cost grows with its position: blocks of items, largest first
+      const auto visible = [&](int64_t item) {
+        const int64_t i = item / a.num_kv_heads, pos = a.q_pos(i), kv_len = a.kv_lens(a.row_seq[i]);
+        const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
+        return std::max<int64_t>(0, std::min(pos, kv_len - 1) - lo + 1);
+      };
+      parallel_blocks_largest_first(items, grain, visible, [&](int64_t begin, int64_t end) { run(a, begin, end); });
     }
   });
 }

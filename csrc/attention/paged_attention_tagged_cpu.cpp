@@ -29,6 +29,7 @@
 #include "common/check_message.h"
 #include "common/dispatch.h"
 #include "common/cpu_isa.h"
+#include "common/parallel_largest_first.h"
 #include "common/vec8.h"
 #include "ops.h"
 
@@ -513,8 +514,9 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
     };
     if (n_items <= grain) {
       run(0, n_items);
-    } else {
-      at::parallel_for(0, n_items, grain, run);
+    } else {  // sequences of unequal lengths: blocks of items, largest first
+      const auto slots = [&](int64_t i) { return a.kv_lens(a.row_seq[blocks[2 * items[i].block]]) / items[i].parts; };
+      parallel_blocks_largest_first(n_items, grain, slots, run);
     }
     if (split) merge_parts<scalar_t>(a, blocks.data(), max_rows, items, partial.data(), stride);
   });

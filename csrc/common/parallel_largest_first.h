@@ -1,9 +1,9 @@
 // Work items of unequal cost on torch's intra-op threads, largest first.
 //
 // at::parallel_for splits a range into one contiguous block per thread. Attention items ordered
-// by position (tiles of causal rows) grow in cost along the range, so the thread holding the last
-// block does most of the work: at 1,616 causal rows on 2 threads the rows-GEMM route ran only 1.35x
-// faster than on 1. Here the items are handed out one at a time from a shared counter, costliest
+// by position (causal rows, tiles of them) grow in cost along the range, so the thread holding the
+// last block does most of the work: at 1,616 causal rows on 2 threads the rows-GEMM route ran only
+// 1.35x faster than on 1, the padded-table kernel's rows 1.2-1.4x. Here the items are handed out one at a time from a shared counter, costliest
 // first (the LPT rule: no thread is left with a large item at the end), so the threads finish
 // together. Which thread runs an item never changes what the item computes.
 #pragma once
@@ -45,6 +45,19 @@ void parallel_largest_first(const std::vector<int64_t>& order, Worker&& worker) 
     return;
   }
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { worker(next); });
+}
+
+// Items [0, n) in blocks of `grain` consecutive items (a block: one call run(begin, end), its
+// cost the sum of item_cost(i) over its items), the blocks run largest first. For many small
+// items (attention rows x kv heads) whose cost grows along the range.
+template <typename Cost, typename Run>
+void parallel_blocks_largest_first(int64_t n, int64_t grain, Cost&& item_cost, Run&& run) {
+  const int64_t nb = (n + grain - 1) / grain;
+  std::vector<int64_t> cost(nb, 0);
+  for (int64_t i = 0; i < n; ++i) cost[i / grain] += item_cost(i);
+  parallel_largest_first(largest_first(cost), [&](auto next) {
+    for (int64_t b = next(); b >= 0; b = next()) run(b * grain, std::min(n, (b + 1) * grain));
+  });
 }
 
 }  // namespace ragattn
