@@ -214,10 +214,10 @@ RAGATTN_ALWAYS_INLINE void merge_split_states(const RowState& st, const float* s
 
 // Items [begin, end) of `items`: block k the rows [blocks[2k], blocks[2k] + blocks[2k + 1]) of
 // one sequence, part s of n its entries [P * s / n, P * (s + 1) / n) of P; an item of a split
-// sequence saves its state to partial + item * stride, the others write their rows. The slots every row of the block
-// sees are attended by all their query vectors at once (each K/V row loaded once for the block);
-// the rest (the causal diagonal, window edges) row by row, so no row ever reads a slot it does
-// not see (no masks: 0 * NaN cannot happen).
+// sequence saves its state to partial + item * stride, the others write their rows. The slots
+// every row of the block sees are attended by all their query vectors at once (each K/V row loaded
+// once for the block); the rest (the causal diagonal, window edges) row by row, so no row ever
+// reads a slot it does not see (no masks: 0 * NaN cannot happen).
 template <typename T>
 RAGATTN_ALWAYS_INLINE void tagged_items(const PagedArgs& a, const TaggedArgs& t, const RopeTable& rope,
                                         const int64_t* blocks, int64_t max_rows, const TaggedItem* items,
@@ -515,7 +515,9 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
     if (n_items <= grain) {
       run(0, n_items);
     } else {  // sequences of unequal lengths: blocks of items, largest first
-      const auto slots = [&](int64_t i) { return a.kv_lens(a.row_seq[blocks[2 * items[i].block]]) / items[i].parts; };
+      const auto slots = [&](int64_t i) {
+        return a.kv_lens(a.row_seq[blocks[2 * items[i].block]]) / items[i].parts;
+      };
       parallel_blocks_largest_first(n_items, grain, slots, run);
     }
     if (split) merge_parts<scalar_t>(a, blocks.data(), max_rows, items, partial.data(), stride);

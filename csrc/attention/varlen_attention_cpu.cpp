@@ -3,14 +3,13 @@
 // the public op keeps its Python registration, autograd and fake impls). Here: the checks that
 // read index values (the Python _check_index_values' order and messages), the defaults of the
 // optional index tensors, the sequence tiles, and the kernel of varlen_attention_cpu_kernel.h
-// over them with at::parallel_for (each tile computed by one thread in a fixed order: results
-// do not depend on the thread count).
+// over them, blocks of tiles handed to threads largest first (each tile computed by one thread in
+// a fixed order: results do not depend on the thread count).
 // GCC notes that 32-byte vector arguments change the ABI: the v8f helpers are always inlined
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 #include "attention/cpu_attention_blocks_c10.h"
 #include "attention/varlen_attention_cpu_kernel.h"
 #include "common/check_message.h"
+#include "common/parallel_largest_first.h"
 #include "ops.h"
 
 namespace ragattn {
@@ -162,15 +162,28 @@ struct Prepared {
   }
 };
 
-// fn(begin, end) over [0, n) items of about `per_item` multiply-adds: inline when one task would do
-template <typename F>
-void run_items(int64_t n, int64_t per_item, const F& fn) {
+// fn(begin, end) over [0, n) items of about `per_item` multiply-adds on average, item i costing
+// about cost(i): inline when one task would do, else blocks of items largest first (a causal
+// tile's cost grows with its rows' positions; contiguous halves left one thread most of the work).
+template <typename Cost, typename F>
+void run_items(int64_t n, int64_t per_item, const Cost& cost, const F& fn) {
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, per_item));
   if (n <= grain) {
     fn(0, n);  // one task: no parallel region
   } else {
-    at::parallel_for(0, n, grain, fn);
+    parallel_blocks_largest_first(n, grain, cost, fn);
   }
+}
+
+// A forward tile's cost: its rows x the keys its last row may see (under a causal mask over
+// sorted key positions: those at or before the tile's largest query position).
+inline int64_t tile_cost(const Prepared& prep, const Tile& t, bool causal) {
+  int64_t keys = t.k1 - t.k0;
+  if (causal && t.kv_sorted && t.r1 > t.r0) {
+    const int64_t last = *std::max_element(prep.qp.begin() + t.r0, prep.qp.begin() + t.r1);
+    keys = std::upper_bound(prep.kp.begin() + t.k0, prep.kp.begin() + t.k1, last) - (prep.kp.begin() + t.k0);
+  }
+  return (t.r1 - t.r0) * std::max<int64_t>(keys, 1);
 }
 
 template <typename T>
@@ -202,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_cpu(
       : q.scalar_type() == at::kHalf ? &run_tiles_isa<c10::Half>
                                      : &run_tiles_isa<c10::BFloat16>;
   run_items(n_tiles, prep.work / std::max<int64_t>(1, n_tiles) * q.size(1) * q.size(2),
+            [&](int64_t i) { return tile_cost(prep, prep.tiles[i], causal); },
             [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return {out, lse};
 }
@@ -232,7 +246,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward_cpu(
       q.scalar_type() == at::kFloat  ? &run_bwd_items_isa<float>
       : q.scalar_type() == at::kHalf ? &run_bwd_items_isa<c10::Half>
                                      : &run_bwd_items_isa<c10::BFloat16>;
-  run_items(items, 3 * prep.work / std::max<int64_t>(1, items) * q.size(1) * q.size(2),
+  const int64_t kv_heads = k.size(1);
+  const auto seq_cost = [&](int64_t item) {  // item = sequence * kv heads + kv head
+    const int64_t b = item / kv_heads;
+    return std::max<int64_t>(1, (prep.cq[b + 1] - prep.cq[b]) * (prep.ck[b + 1] - prep.ck[b]));
+  };
+  run_items(items, 3 * prep.work / std::max<int64_t>(1, items) * q.size(1) * q.size(2), seq_cost,
             [&](int64_t begin, int64_t end) { run(a, begin, end); });
   return {dq, dk, dv};
 }
