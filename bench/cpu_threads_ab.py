@@ -13,6 +13,11 @@ Cases, at SmolLM2-135M's shapes (30 layers, 9 heads, 3 KV heads, head_dim 64, fp
   rerotate_keys_     the 672 rows of the 30 K layers in place
   paged decode       ``paged_attention`` of one row at slot 691 (692 slots, pages of 16)
   paged 51 rows      51 scattered query rows against the same cache
+  paged prefill      1,638 causal rows over 1,638 slots (rows of growing cost: the threads' balance)
+  varlen prefill     ``varlen_attention``, the same 1,638 causal rows
+  tagged decode      ``run_paged_attention`` of one row over zero-copy entries (16 chunks of 42 tokens,
+                     pages of 16 holding page-local keys, RoPE in the kernel; 3 kv heads: split-KV)
+  tagged 259 rows    259 scattered rows over 1,638 tagged slots (the rows-GEMM route of a recompute)
   torch copy_        control: torch's contiguous copy of the same 31 MB. When it does not speed up
                      at 2 threads, the machine does not have two free cores and the other rows'
                      2-thread figures say nothing about the kernels.
@@ -61,6 +66,7 @@ def cases():
     qs = torch.randn(51, H, D, generator=gen)
     pos_s = torch.randperm(ctx, generator=gen)[:51].sort().values.int()
     cu_s = torch.tensor([0, 51], dtype=torch.int32)
+    long = _long_cases(gen, H, Hkv, D, page, inv_freq)
     return {
         "assemble (ms)": lambda: store.assemble(keys, positions="reordered", extra_slots=21),
         "copy_kv_+rotate (ms)": lambda: ragattn.copy_kv_(dst_k, dst_v, src_k, src_v, rows, rows, delta, inv_freq,
@@ -71,7 +77,49 @@ def cases():
                                                              kv_lens),
         "paged 51 rows (us)": lambda: ragattn.paged_attention(qs, pos_s, cu_s, dst_k[0], dst_v[0], block_table,
                                                               kv_lens),
+        **long,
         "control: torch copy_ (ms)": lambda: big_dst.copy_(big_src),
+    }
+
+
+def _long_cases(gen, H, Hkv, D, page, inv_freq):
+    """The attention kernels where the threads' balance matters: causal prefill rows (cost grows
+    with position), a decode row over zero-copy entries (3 items: split-KV), a recompute's rows."""
+    import ragattn
+    from ragattn import PageTable
+    from ragattn.ops.paged_attention_run import rope_position_table
+
+    n = 1638
+    pages = (n + page - 1) // page
+    k = torch.randn(pages, page, Hkv, D, generator=gen)
+    v = torch.randn(pages, page, Hkv, D, generator=gen)
+    q = torch.randn(n, H, D, generator=gen)
+    pos = torch.arange(n, dtype=torch.int32)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    bt, lens = torch.arange(pages, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32)
+    kf, vf = k.reshape(-1, Hkv, D)[:n], v.reshape(-1, Hkv, D)[:n]
+    # zero-copy entries: 16 chunks of 42 tokens (pages of 16: 16, 16, 10 valid slots) and a
+    # 50-token question, each entry's slot 0 at its position
+    first, valid, at = [], [], 0
+    for c in [42] * 16 + [50]:
+        for e in range(0, c, page):
+            first.append(at + e)
+            valid.append(min(page, c - e))
+        at += c
+    t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    table = PageTable.from_entries(t([0, len(first)]), t(list(range(len(first)))), t(first), t(valid), page)
+    cos, sin = rope_position_table(inv_freq, at)
+    rows = torch.randperm(at, generator=gen)[:259].sort().values.int()
+
+    def tagged(q_rows, q_pos):  # the C++ kernel itself (run_paged_attention's checks cost ~300 us a call)
+        return torch.ops.ragattn._paged_attention_tagged_cpu(
+            q_rows, q_pos, t([0, q_rows.shape[0]]), k, v, table.pages, table.row_start, table.kv_lens,
+            table.entry_pos, table.entry_len, None, cos, sin, D, False, D ** -0.5, -1, 0.0)
+    return {
+        "paged prefill (ms)": lambda: ragattn.paged_attention(q, pos, cu, k, v, bt, lens),
+        "varlen prefill (ms)": lambda: ragattn.varlen_attention(q, kf, vf, cu, cu, causal=True),
+        "tagged decode (us)": lambda: tagged(q[:1], t([at - 1])),
+        "tagged 259 rows (ms)": lambda: tagged(q[:259], rows),
     }
 
 
@@ -85,6 +133,8 @@ def main(rounds: int = 30) -> None:
             for name, f in fns.items():
                 for t in ((1, 2) if r % 2 else (2, 1)):
                     torch.set_num_threads(t)
+                    f()  # untimed: the first parallel region after a change of thread count resizes
+                    # OpenMP's team (about as long as a decode call itself)
                     t0 = time.perf_counter()
                     f()
                     if r:

@@ -203,4 +203,7 @@ def test_threads_ab_bench_runs(capsys):
 
     cpu_threads_ab.main(rounds=1)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 7 and all("speedup" in ln for ln in lines), lines
+    names = ["assemble", "copy_kv_+rotate", "copy_kv_ ", "rerotate_keys_", "paged decode", "paged 51 rows",
+             "paged prefill", "varlen prefill", "tagged decode", "tagged 259 rows", "control: torch copy_"]
+    assert len(lines) == len(names) and all("speedup" in ln for ln in lines), lines
+    assert all(ln.startswith(name) for ln, name in zip(lines, names)), lines
