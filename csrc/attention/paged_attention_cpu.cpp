@@ -119,16 +119,13 @@ void run_kernel(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / per_item);
   RAGATTN_DISPATCH_ATTENTION_TYPES(q.scalar_type(), "paged_attention_cpu", [&] {
     void (*run)(const PagedArgs&, int64_t, int64_t) = &paged_items_run<scalar_t>;
-    if (items <= grain) {
-      run(a, 0, items);  // one task: no parallel region
-    } else {  // a causal row's cost grows with its position: blocks of items, largest first
-      const auto visible = [&](int64_t item) {
-        const int64_t i = item / a.num_kv_heads, pos = a.q_pos(i), kv_len = a.kv_lens(a.row_seq[i]);
-        const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
-        return std::max<int64_t>(0, std::min(pos, kv_len - 1) - lo + 1);
-      };
-      parallel_blocks_largest_first(items, grain, visible, [&](int64_t begin, int64_t end) { run(a, begin, end); });
-    }
+    // a causal row's cost grows with its position: blocks of items, largest first
+    const auto visible = [&](int64_t item) {
+      const int64_t i = item / a.num_kv_heads, pos = a.q_pos(i), kv_len = a.kv_lens(a.row_seq[i]);
+      const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
+      return std::max<int64_t>(0, std::min(pos, kv_len - 1) - lo + 1);
+    };
+    parallel_blocks_largest_first(items, grain, visible, [&](int64_t begin, int64_t end) { run(a, begin, end); });
   });
 }
 

@@ -512,14 +512,9 @@ void run_tagged(const at::Tensor& q, const at::Tensor& q_pos, const at::Tensor& 
       tagged_items_run<scalar_t>(a, t, table, blocks.data(), max_rows, items.data(), partial.data(), stride, begin,
                                  end);
     };
-    if (n_items <= grain) {
-      run(0, n_items);
-    } else {  // sequences of unequal lengths: blocks of items, largest first
-      const auto slots = [&](int64_t i) {
-        return a.kv_lens(a.row_seq[blocks[2 * items[i].block]]) / items[i].parts;
-      };
-      parallel_blocks_largest_first(n_items, grain, slots, run);
-    }
+    // sequences of unequal lengths: blocks of items, largest first
+    const auto slots = [&](int64_t i) { return a.kv_lens(a.row_seq[blocks[2 * items[i].block]]) / items[i].parts; };
+    parallel_blocks_largest_first(n_items, grain, slots, run);
     if (split) merge_parts<scalar_t>(a, blocks.data(), max_rows, items, partial.data(), stride);
   });
 }

@@ -163,16 +163,12 @@ struct Prepared {
 };
 
 // fn(begin, end) over [0, n) items of about `per_item` multiply-adds on average, item i costing
-// about cost(i): inline when one task would do, else blocks of items largest first (a causal
-// tile's cost grows with its rows' positions; contiguous halves left one thread most of the work).
+// about cost(i): blocks of about GRAIN_SIZE multiply-adds, largest first (a causal tile's cost
+// grows with its rows' positions; contiguous halves left one thread most of the work).
 template <typename Cost, typename F>
 void run_items(int64_t n, int64_t per_item, const Cost& cost, const F& fn) {
-  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, per_item));
-  if (n <= grain) {
-    fn(0, n);  // one task: no parallel region
-  } else {
-    parallel_blocks_largest_first(n, grain, cost, fn);
-  }
+  parallel_blocks_largest_first(n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, per_item)),
+                                cost, fn);
 }
 
 // A forward tile's cost: its rows x the keys its last row may see (under a causal mask over

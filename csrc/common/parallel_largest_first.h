@@ -49,10 +49,15 @@ void parallel_largest_first(const std::vector<int64_t>& order, Worker&& worker) 
 }
 
 // Items [0, n) in blocks of `grain` consecutive items (a block: one call run(begin, end), its
-// cost the sum of item_cost(i) over its items), the blocks run largest first. For many small
-// items (attention rows x kv heads) whose cost grows along the range.
+// cost the sum of item_cost(i) over its items), the blocks run largest first; one block (n <=
+// grain) runs inline, without a parallel region or costs. For many small items (attention rows x
+// kv heads) whose cost grows along the range.
 template <typename Cost, typename Run>
 void parallel_blocks_largest_first(int64_t n, int64_t grain, Cost&& item_cost, Run&& run) {
+  if (n <= grain) {
+    run(0, n);
+    return;
+  }
   const int64_t nb = (n + grain - 1) / grain;
   std::vector<int64_t> cost(nb, 0);
   for (int64_t i = 0; i < n; ++i) cost[i / grain] += item_cost(i);
