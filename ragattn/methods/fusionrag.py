@@ -365,8 +365,8 @@ def _answer(model, tokenizer, chunks, question, *, method, ratio, max_new_tokens
         n_fused = 0
         if fused is not False:
             variant = fused_variant(head)
-            fkeys = [store.variant_key(k, variant) for k in keys[1:]]
-            have = [store.has(k) for k in fkeys]
+            fkeys = store.variant_keys(keys[1:], variant)
+            have = store.lookup(fkeys)   # one check of the model's weights, not one per chunk
             if fused and not all(have):
                 from ragattn.store import ChunkStoreError
 

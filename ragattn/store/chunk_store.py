@@ -39,7 +39,8 @@ one element, CUDA memory).
 Public API (for the methods, FusionRAG's offline fusion and serving-engine connectors)
 ---------------------------------------------------------------------------------------
 * ``store.key(tokens)`` -> key of a chunk (token ids: a list or an int tensor);
-  ``store.variant_key(key, variant)`` -> key of a derived entry of that chunk.
+  ``store.variant_key(key, variant)`` -> key of a derived entry of that chunk (``variant_keys``: of
+  several).
 * ``store.add(chunks)`` -> keys: stores every chunk (prefills the misses, loads disk hits).
 * ``store.put(key, variant, k_layers, v_layers)`` -> derived key: stores a variant of chunk ``key``
   (e.g. FusionRAG's fused cache: the same tokens prefilled after other context, keys re-rotated
@@ -270,6 +271,12 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         """Key of the derived entry ``variant`` (a name, e.g. "fused-...") of the chunk ``key``."""
         self._sync()
         return variant_key(self.fingerprint, key, variant)
+
+    def variant_keys(self, keys: Sequence[str], variant: str) -> list[str]:
+        """:meth:`variant_key` of each key, the model checked once (a method asking for every
+        chunk of a prompt pays one check, not one per chunk)."""
+        self._sync()
+        return [variant_key(self.fingerprint, k, variant) for k in keys]
 
     def has(self, key: str) -> bool:
         """Whether ``key`` is in memory, or on disk in the store's directory as a complete file of

@@ -103,6 +103,21 @@ def test_store_follows_in_place_weight_changes(model, tmp_path, edit, directory)
             assert_fresh(back, original, k, c)
 
 
+def test_variant_keys_check_the_model_once_and_follow_it(model, monkeypatch):
+    store = ChunkStore(model, page_size=4)
+    keys = store.add(_chunks(2, [3, 7, 5]))
+    calls = []
+    sync = store._sync
+    monkeypatch.setattr(store, "_sync", lambda: (calls.append(1), sync())[1])
+    got = store.variant_keys(keys, "fused-x")
+    assert len(calls) == 1 and len(set(got)) == 3
+    assert got == [store.variant_key(k, "fused-x") for k in keys]
+    assert store.variant_keys([], "fused-x") == []
+    _no_grad_mul(model)                            # new weights: new variant keys, as variant_key's
+    moved = store.variant_keys(keys, "fused-x")
+    assert set(moved).isdisjoint(got) and moved == [store.variant_key(k, "fused-x") for k in keys]
+
+
 # ----- 24.7: the disk tier after a crash ---------------------------------------------------------
 def test_orphaned_temporary_files_are_removed(model, tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
