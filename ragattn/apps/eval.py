@@ -72,13 +72,15 @@ class Method:
     store=, **options[, ratio=])`` returning a ``ragattn.methods.generate.Answer``.
 
     ``ratio``: the function takes ``ratio=`` (fraction of chunk tokens recomputed) and runs once
-    per ``--ratios`` entry. ``fused``: FusionRAG's offline fused chunk caches are built for it."""
+    per ``--ratios`` entry. ``fused``: FusionRAG's offline fused chunk caches are built for it.
+    ``ablation``: a variant of a method above, run only when ``--methods`` names it."""
     name: str
     module: str
     attr: str
     options: tuple = ()  # (key, value) pairs, fixed keyword arguments
     ratio: bool = False
     fused: bool = False
+    ablation: bool = False
 
     def resolve(self) -> Optional[Callable]:
         """The answer function, or None when its module is not part of this checkout (a module
@@ -102,6 +104,9 @@ REGISTRY = (
     Method("cacheblend", "ragattn.methods.fusionrag", "cacheblend", ratio=True),
     Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True),
     Method("rapid", "ragattn.methods.rapid", "answer"),  # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not TTFT)
+    # FusionRAG selecting with the final block alone (the authors' code) instead of over the context
+    Method("fusionrag-standalone", "ragattn.methods.fusionrag", "answer", (("question_mode", "standalone"),),
+           ratio=True, fused=True, ablation=True),
 )
 
 
@@ -177,7 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fusion-neighbours must be >= 0, got {args.fusion_neighbours}")
     avail = available_methods()
     if args.methods is None:
-        args.methods = list(avail)
+        args.methods = [name for name, m in avail.items() if not m.ablation]
     else:
         names = [m.strip() for m in args.methods.split(",") if m.strip()]
         known = {m.name for m in REGISTRY}

@@ -42,6 +42,9 @@ def test_registry_resolves_present_methods_and_skips_absent_modules():
     assert ev.BASELINE in avail and {"turborag-composite", "turborag-reordered", "block-attention"} <= set(avail)
     names = [m.name for m in ev.REGISTRY]
     assert len(names) == len(set(names))
+    # ablations run only when named
+    assert "fusionrag-standalone" in avail and "fusionrag-standalone" not in ev.parse_args([]).methods
+    assert ev.parse_args(["--methods", "fusionrag-standalone"]).methods == [ev.BASELINE, "fusionrag-standalone"]
     ghost = ev.Method("ghost", "ragattn.methods.not_written_yet", "answer")
     assert ghost.resolve() is None and "ghost" not in ev.available_methods((*ev.REGISTRY, ghost))
     assert ev.Method("m", "ragattn.methods.common", "not_there").resolve() is None  # no such function
