@@ -32,7 +32,9 @@ line per method, one column per top-k; ratio-free methods are horizontal lines).
 Methods come from :data:`REGISTRY`: one entry per method (name, module, function, fixed options,
 whether it takes ``ratio=``); every function has the signature of ``ragattn.methods.baseline.full_prefill``
 (``answer(model, tokenizer, chunks, question, max_new_tokens=..., store=..., **options) ->
-Answer``). An entry whose module is not in this checkout is absent from the run, not faked.
+Answer``). An entry whose module is not in this checkout is absent from the run, not faked. An
+ablation (a variant of a method, e.g. ``fusionrag-standalone``: FusionRAG selecting with the final
+block alone) runs only when ``--methods`` names it.
 """
 from __future__ import annotations
 
@@ -153,7 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="'smollm2' (default), a local HF checkpoint folder "
                    "(e.g. a Block-Attention fine-tune) or a model id already in the local HF cache")
     p.add_argument("--methods", default=None, metavar="M,M",
-                   help="comma-separated methods (default: every available one); full-prefill always runs")
+                   help="comma-separated methods (default: every available one but the ablations, "
+                        "e.g. fusionrag-standalone); full-prefill always runs")
     p.add_argument("--top-k", default=DEFAULT_TOP_K, metavar="K,K", help=f"passages per question (default {DEFAULT_TOP_K})")
     p.add_argument("--ratios", default=DEFAULT_RATIOS, metavar="R,R",
                    help=f"recompute ratios in percent, for the methods that take one (default {DEFAULT_RATIOS})")
