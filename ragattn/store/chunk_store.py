@@ -276,8 +276,8 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         """:meth:`variant_key` of each key, the model checked once (a method asking for every
         chunk of a prompt pays one check, not one per chunk)."""
         if isinstance(keys, str):
-            raise TypeError("ragattn.ChunkStore.variant_keys: keys must be a sequence of keys, got one key (a str); "
-                            "use variant_key for one")
+            raise ChunkStoreError("ragattn.ChunkStore.variant_keys: keys must be a sequence of keys, got one key "
+                                  "(a str); use variant_key for one")
         self._sync()
         return [variant_key(self.fingerprint, k, variant) for k in keys]
 
