@@ -1,107 +1,76 @@
-"""Block-Attention fine-tuning ("block fine-tune"): ordinary SFT under the Block-Attention mask.
+"""Block fine-tuning: a LoRA adapter that makes the model answer under the Block-Attention mask
+the way it answers under full attention (Block-Attention, TurboRAG reordered and composite).
 
-    python -m ragattn finetune [--steps N] [--batch B] [--lr LR] [--device cpu|cuda] [--top-k K]
-    python scripts/finetune_block.py ...            # the same
+    python -m ragattn finetune --out runs/block-lora --steps 300          # CPU; resumes from --out
+    python -m ragattn finetune --out runs/block-lora --steps 2000 --batch 8 --device cuda
 
-Each training sample is a RAG prompt in blocks, tokenized block by block exactly as at inference
-(``ragattn.methods.prompt.prompt_parts``, the methods' own prompt layout): the system prefix, one block per passage (the gold passage among
-``top-k - 1`` random distractors, in random order), and the final block (question + answer).
-Attention runs through ``ragattn.varlen_attention`` and its autograd, with
+Training text: FOLDOC entries from Debian's ``dict-foldoc`` as passages, with templated questions
+(:mod:`ragattn.apps.training_text`); nothing any test or eval of this repository uses. Objective:
+distillation from the same model with the adapter off, under full attention
+(:mod:`ragattn.apps.block_distill`); each sample's positions follow one of ``--schemes`` (by turns),
+so one adapter serves the reordered and the composite schemes.
 
-* positions: contiguous ``0..T-1`` per sample (what position re-encoding produces at inference);
-* blocks: prefix and every passage attend only inside themselves (block ids 0..k), the final
-  block and the answer are global (block -1) and see everything before them;
-* several samples packed into one row, separated by ``cu_seqlens`` (no padding, no dense mask);
-* loss: next-token cross-entropy on the answer tokens only.
-
-The model runs with ragattn's HF attention implementation (``ragattn.hf.attention``, "ragattn"),
-which reads the packing (``ragattn_cu_seqlens``) and the blocks (``ragattn_block_ids``) from keyword
-arguments of the model call.
+``--out`` receives ``checkpoint/`` every ``--checkpoint-every`` steps (adapter, optimiser, data
+stream and history; a rerun with the same ``--out`` resumes from it), ``history.jsonl`` (one line
+per step), ``loss.png`` (the curve), and at the end ``adapter/`` (``adapter_model.safetensors``,
+``adapter_config.json``) with ``manifest.json`` (command, commit, data, hashes, figures).
+``ragattn.hf.adapters`` loads such a folder.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
+import math
 import os
 import random
+import shlex
+import subprocess
 import sys
 import time
-from typing import List, Sequence
+from pathlib import Path
 
 import torch
 
-from ragattn.methods.block_attention import block_ids
-
-@dataclasses.dataclass
-class Sample:
-    ids: List[int]
-    labels: List[int]  # -100 outside the answer
-    blocks: List[int]  # block id per token, -1 = global
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_sample(prefix: Sequence[int], chunks: Sequence[Sequence[int]], question: Sequence[int],
-                answer: Sequence[int]) -> Sample:
-    """Token blocks -> a sample: prefix is block 0, chunk ``i`` block ``i + 1``, question+answer global."""
-    ids = list(prefix) + [t for c in chunks for t in c] + list(question) + list(answer)
-    blocks = block_ids([len(prefix)] + [len(c) for c in chunks], len(question) + len(answer)).tolist()
-    # labels[t] is the token predicted at t (HF shifts inside the loss): only answer tokens count
-    labels = [-100] * (len(ids) - len(answer)) + list(answer)
-    return Sample(ids, labels, blocks)
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
-def pack(samples: Sequence[Sample], device) -> dict:
-    """Model-call kwargs for one packed row: input_ids, position_ids, labels, cu_seqlens, blocks."""
-    ids, pos, labels, blocks, cu = [], [], [], [], [0]
-    for s in samples:
-        ids += s.ids
-        pos += list(range(len(s.ids)))
-        # the first label of each sample must not be predicted from the previous sample's last token
-        labels += [-100] + s.labels[1:]
-        blocks += s.blocks
-        cu.append(cu[-1] + len(s.ids))
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return dict(input_ids=t([ids], torch.long), position_ids=t([pos], torch.long), labels=t([labels], torch.long),
-                ragattn_cu_seqlens=t(cu, torch.int32), ragattn_block_ids=t([blocks], torch.int32))
+def plot_history(history: list, path: Path) -> None:
+    """The loss curve: training KL per step (and its running mean) and the held-out KL."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def train_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -> float:
-    """One optimizer step on a packed batch under the Block-Attention mask; returns the loss."""
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    return float(loss.detach())
-
-
-@torch.no_grad()
-def eval_loss(model, batch: dict) -> float:
-    model.eval()
-    return float(model(**batch, use_cache=False).loss)
-
-
-def use_block_attention(model) -> None:
-    """Switch a loaded HF model to ragattn's attention, which applies the packed block mask."""
-    import ragattn.hf.attention  # noqa: F401  (registers "ragattn")
-
-    model.set_attn_implementation("ragattn")
-
-
-def corpus_samples(tokenizer, corpus, top_k: int, rng: random.Random) -> List[Sample]:
-    """One sample per question: gold passage + ``top_k - 1`` random distractors in random order."""
-    from ragattn.methods.prompt import prompt_parts
-
-    out = []
-    for q in corpus.questions:
-        gold = corpus.passage(q.passage_id) if q.passage_id else None
-        others = [p for p in corpus.passages if p is not gold]
-        chosen = rng.sample(others, top_k - (1 if gold else 0)) + ([gold] if gold else [])
-        rng.shuffle(chosen)
-        head, chunk_ids, tail = prompt_parts(tokenizer, [p.render() for p in chosen], q.question)
-        answer = tokenizer(f"{q.answers[0]}.<|im_end|>", add_special_tokens=False)["input_ids"]
-        out.append(make_sample(head, chunk_ids, tail, answer))
-    return out
+    steps = [h["step"] for h in history if "loss" in h]
+    loss = [h["loss"] for h in history if "loss" in h]
+    held = [(h["step"], h["held_kl"], h["held_first_kl"]) for h in history if "held_kl" in h]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, loss, lw=0.6, alpha=0.4, label="training KL (per step)")
+    if loss:
+        w = max(1, len(loss) // 20)
+        run = [sum(loss[max(0, i - w + 1): i + 1]) / len(loss[max(0, i - w + 1): i + 1]) for i in range(len(loss))]
+        ax.plot(steps, run, lw=1.5, label=f"training KL (mean of {w})")
+    if held:
+        ax.plot([h[0] for h in held], [h[1] for h in held], "o-", label="held-out KL, all target rows")
+        ax.plot([h[0] for h in held], [h[2] for h in held], "s--", label="held-out KL, first answer token")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(full attention || block attention), nats")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Block fine-tuning (distillation)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -111,101 +80,179 @@ def main(argv=None) -> int:
     try:
         return run_command(lambda: _main(argv), "python -m ragattn finetune")
     finally:
-        # the process-wide flag is this command's alone: a caller (a test, a notebook) gets its
-        # default back, so numpy and torch see subnormals again after a fine-tune
-        torch.set_flush_denormal(False)
+        torch.set_flush_denormal(False)    # the process-wide flag is this command's alone
 
 
-def _main(argv=None) -> int:
-    from ragattn.apps.cli import OneLineParser, UsageError, check_positive, parse_device, save_or_keep, writable_dir
+def _parser():
+    from ragattn.apps.cli import OneLineParser
 
     p = OneLineParser(prog="python -m ragattn finetune", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, metavar="DIR", help="run folder (checkpoints, curve, adapter)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
-    p.add_argument("--corpus", default=None, metavar="DIR", help="corpus folder (default: the shipped one)")
-    p.add_argument("--steps", type=int, default=20, help="optimiser steps (default %(default)s)")
-    p.add_argument("--batch", type=int, default=2, help="samples packed per step")
-    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=3, help="passages per sample (gold + distractors)")
-    p.add_argument("--train", choices=("all", "attention"), default="attention",
-                   help="parameters to train: all, or only the attention projections (default; less memory)")
+    p.add_argument("--steps", type=int, default=300, help="optimiser steps in all (default %(default)s)")
+    p.add_argument("--batch", type=int, default=2, help="samples packed per step (default %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate (default %(default)s)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default %(default)s)")
+    p.add_argument("--schemes", default="reordered,composite",
+                   help="position schemes, used by turns (default %(default)s)")
+    p.add_argument("--top-k", default="3,17", metavar="LO,HI",
+                   help="passages per prompt drawn from [LO, HI) (default %(default)s)")
+    p.add_argument("--answer-tokens", type=int, default=16, help="teacher answer length cap (default %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default %(default)s)")
+    p.add_argument("--eval-every", type=int, default=40, help="steps between held-out checks (default %(default)s)")
+    p.add_argument("--held", type=int, default=8, help="held-out prompts per scheme (default %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu or cuda (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="default float32 on the CPU, bfloat16 on CUDA")
-    p.add_argument("--eval-questions", type=int, default=6,
-                   help="questions in the before/after evaluation (0: no evaluation)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (sample order, torch; default %(default)s)")
-    p.add_argument("--save", default=None, metavar="DIR", help="save the fine-tuned model here")
-    args = p.parse_args(argv)
-    for name in ("steps", "eval_questions"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.batch < 1:
-        p.error(f"--batch must be >= 1, got {args.batch}")
-    if args.top_k < 1:
-        p.error(f"--top-k must be >= 1, got {args.top_k}")
-    check_positive(args.lr, "--lr")
-    device = parse_device(args.device)                  # before any work: device, corpus, --save
-    if args.save:
-        writable_dir(args.save, "--save")
-    torch.set_flush_denormal(True)  # tiny Adam moments must not hit the slow denormal path
+                   help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    return p
 
+
+def _main(argv=None) -> int:
+    from ragattn.apps.cli import UsageError, check_at_least, check_positive, parse_device, writable_dir
+
+    args = _parser().parse_args(argv)
+    for flag in ("steps", "batch", "rank", "answer_tokens", "checkpoint_every", "eval_every", "held"):
+        check_at_least(getattr(args, flag), 1, "--" + flag.replace("_", "-"))
+    check_positive(args.lr, "--lr")
+    from ragattn.apps.block_distill import SCHEMES
+
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    if not schemes or any(s not in SCHEMES for s in schemes):
+        raise UsageError(f"--schemes: each must be one of {', '.join(SCHEMES)}, got {args.schemes!r}")
+    try:
+        top_k = tuple(int(x) for x in args.top_k.split(","))
+    except ValueError:
+        top_k = ()
+    if len(top_k) != 2 or not 1 <= top_k[0] < top_k[1]:
+        raise UsageError(f"--top-k must be LO,HI with 1 <= LO < HI, got {args.top_k!r}")
+    device = parse_device(args.device)
+    out = writable_dir(args.out, "--out")
+    torch.set_flush_denormal(True)     # tiny Adam moments must not hit the slow denormal path
+    command = "python -m ragattn finetune " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return train(args, schemes, top_k, device, out, command)
+
+
+def train(args, schemes, top_k, device, out: Path, command: str) -> int:
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
     from tqdm import tqdm
 
-    from ragattn.apps.corpus import load_corpus
+    from ragattn.apps import block_distill as bd
+    from ragattn.apps import training_text as tt
     from ragattn.apps.demo import load_model
+    from ragattn.hf.registration import use_ragattn
 
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    corpus = load_corpus(args.corpus)
-    if args.top_k > len(corpus.passages):
-        raise UsageError(f"--top-k {args.top_k} exceeds the corpus's {len(corpus.passages)} passages")
+    passages = tt.load_foldoc()
+    train_p, held_p = tt.split_passages(passages)
     model, tok = load_model(args.model, device, "finetune")
-    model = model.to(dtype)
-    use_block_attention(model)
-    rng = random.Random(args.seed)
+    model = model.float()
     torch.manual_seed(args.seed)
-    params = [pr for n, pr in model.named_parameters()
-              if args.train == "all" or any(s in n for s in ("q_proj", "k_proj", "v_proj", "o_proj"))]
-    for pr in model.parameters():
-        pr.requires_grad_(False)
-    for pr in params:
-        pr.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    cfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    pm = get_peft_model(model, cfg)
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    warmup = max(1, min(20, args.steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
+    rng = random.Random(args.seed)
+    step, history, elapsed = 0, [], 0.0
+    ckpt = out / "checkpoint"
+    if (ckpt / "state.pt").is_file():
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        set_peft_model_state_dict(pm, state["adapter"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        step, history, elapsed = state["step"], state["history"], state["elapsed_s"]
+        print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
+    stream = tt.rag_examples(train_p, rng, top_k=top_k)
+    held_rng = random.Random(args.seed + 1)
+    held_stream = tt.rag_examples(held_p, held_rng, top_k=top_k)
+    held = [bd.distill_sample(pm, tok, next(held_stream), s, args.answer_tokens)
+            for s in schemes for _ in range(args.held)]
 
-    # fixed held-out view of every question (its own distractors) to measure before/after
-    eval_samples = corpus_samples(tok, corpus, args.top_k, random.Random(args.seed + 1))[: args.eval_questions]
-    eval_batch = pack(eval_samples, device) if eval_samples else None
-    before = eval_loss(model, eval_batch) if eval_batch is not None else None
-    if before is not None:
-        print(f"block-mask answer loss on {len(eval_samples)} held-fixed prompts before: {before:.4f}")
-    t0 = time.perf_counter()
-    losses = []
-    bar = tqdm(range(args.steps), desc="block fine-tune", unit="step", file=sys.stderr)
-    for step in bar:
-        samples = corpus_samples(tok, corpus, args.top_k, rng)
-        batch = pack(rng.sample(samples, min(args.batch, len(samples))), device)
-        losses.append(train_step(model, optimizer, batch))
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        tqdm.write(f"step {step + 1:4d}  loss {losses[-1]:.4f}", file=sys.stdout)
-    summary = [f"{args.steps} steps, {time.perf_counter() - t0:.0f} s on {device}"]
-    if losses:
-        n = max(1, len(losses) // 5)
-        summary.append(f"training loss first {n} steps {sum(losses[:n]) / n:.4f} -> last {n} {sum(losses[-n:]) / n:.4f}")
-    if eval_batch is not None:
-        after = eval_loss(model, eval_batch)
-        summary.append(f"block-mask answer loss on {len(eval_samples)} held-fixed prompts {before:.4f} -> {after:.4f}")
-    print("; ".join(summary))
-    if args.save:
-        model.config._attn_implementation = "sdpa"
+    def held_check():
+        with use_ragattn(pm.get_base_model()):
+            per = {s: bd.agreement(pm, [h for h in held if h.scheme == s]) for s in schemes}
+        return dict(held_kl=sum(v["kl"] for v in per.values()) / len(per),
+                    held_first_kl=sum(v["first_kl"] for v in per.values()) / len(per),
+                    held_first_agree=sum(v["first_agree"] for v in per.values()) / len(per),
+                    per_scheme=per)
 
-        def save(path):
-            model.save_pretrained(path)
-            tok.save_pretrained(path)
+    def save_checkpoint():
+        tmp = ckpt.with_name("checkpoint.tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(adapter=get_peft_model_state_dict(pm), optimizer=opt.state_dict(),
+                        scheduler=sched.state_dict(), rng=rng.getstate(), torch_rng=torch.get_rng_state(),
+                        step=step, history=history, elapsed_s=elapsed), tmp / "state.pt")
+        if ckpt.exists():
+            (ckpt / "state.pt").unlink()
+            ckpt.rmdir()
+        tmp.rename(ckpt)
+        plot_history(history, out / "loss.png")
 
-        save_or_keep(save, args.save, "--save")   # a failed save keeps the trained model elsewhere
-        print(f"saved {args.save}")
+    if step == 0:
+        history.append(dict(step=0, **held_check()))
+        print(f"held-out before training: {json.dumps(history[-1])}", file=sys.stderr)
+    with open(out / "history.jsonl", "a") as log:
+        bar = tqdm(total=args.steps, initial=step, desc="block fine-tune", unit="step", file=sys.stderr)
+        while step < args.steps:
+            t0 = time.perf_counter()
+            samples = [bd.distill_sample(pm, tok, next(stream), schemes[(step * args.batch + i) % len(schemes)],
+                                         args.answer_tokens) for i in range(args.batch)]
+            pm.train()
+            with use_ragattn(pm.get_base_model()):
+                loss = bd.distill_loss(pm, samples)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            pm.eval()
+            step += 1
+            elapsed += time.perf_counter() - t0
+            rec = dict(step=step, loss=float(loss.detach()), lr=sched.get_last_lr()[0], elapsed_s=round(elapsed, 1),
+                       tokens=sum(len(s.ids) for s in samples))
+            if step % args.eval_every == 0 or step == args.steps:
+                rec.update(held_check())
+            history.append(rec)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(kl=f"{rec['loss']:.3f}")
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                save_checkpoint()
+        bar.close()
+    adapter_dir = out / "adapter"
+    pm.save_pretrained(adapter_dir)
+    (adapter_dir / "README.md").unlink(missing_ok=True)     # peft's empty model card
+    weights = adapter_dir / "adapter_model.safetensors"
+    final = next(h for h in reversed(history) if "held_kl" in h)
+    manifest = dict(
+        kind="block-attention LoRA (distilled from full attention)",
+        command=command,
+        commit=_commit(), base_model=args.model, schemes=schemes, steps=step, batch=args.batch,
+        lr=args.lr, rank=args.rank, top_k=list(top_k), answer_tokens=args.answer_tokens, seed=args.seed,
+        device=str(device), train_seconds=round(elapsed),
+        data=dict(package=tt.FOLDOC_PACKAGE, file=str(tt.FOLDOC), sha256=tt.file_digest(),
+                  licence=tt.FOLDOC_LICENCE, passages=len(passages), train_passages=len(train_p),
+                  held_passages=len(held_p)),
+        held_out_before=history[0].get("per_scheme"), held_out_after=final.get("per_scheme"),
+        files={weights.name: _sha256(weights)})
+    (adapter_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    plot_history(history, out / "loss.png")
+    print(f"{step} steps, {elapsed / 60:.1f} min on {device}; held-out KL {history[0]['held_kl']:.4f} -> "
+          f"{final['held_kl']:.4f} (first answer token {history[0]['held_first_kl']:.4f} -> "
+          f"{final['held_first_kl']:.4f}); adapter: {adapter_dir}")
     return 0
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 if __name__ == "__main__":
