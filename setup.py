@@ -156,7 +156,8 @@ setup(
     + [f"ragattn.{top}" + (f".{sub}" if sub else "") for top in _MOVED_IN
        for sub in [""] + find_namespace_packages(where=top, exclude=["*__pycache__*"])],
     package_dir={f"ragattn.{top}": top for top in _MOVED_IN},
-    package_data={"ragattn": ["data/*.json", "data/**/*", "py.typed"],   # py.typed: PEP 561 (inline types)
+    # py.typed: PEP 561 (inline types); weights/: the trained adapters with their manifests
+    package_data={"ragattn": ["data/*.json", "data/**/*", "weights/**/*", "py.typed"],
                   "ragattn.triton_kernels.configs": ["*.json"]},
     project_urls=project_urls(),
     # RAGATTN_REUSE_EXT=1: install without building, keeping the ragattn/_C*.so already in the tree

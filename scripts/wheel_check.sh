@@ -34,6 +34,8 @@ import pathlib
 root = pathlib.Path(sys.argv[2])
 need += [f"ragattn/triton_kernels/configs/{p.name}" for p in sorted((root / "triton_kernels/configs").glob("*.json"))]
 need += [f"ragattn/bench/sm90/{p.name}" for p in sorted((root / "bench/sm90").glob("*.py"))]
+# the trained adapters (ragattn.hf.adapters: the block methods load them by default) with their manifests
+need += [str(p.relative_to(root)) for p in sorted((root / "ragattn/weights").rglob("*")) if p.is_file()]
 assert any(n.startswith("ragattn/triton_kernels/configs/") for n in need), "no config tables in the checkout?"
 missing = [n for n in need if n not in names]
 assert not missing, f"wheel lacks {missing}"

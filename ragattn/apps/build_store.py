@@ -1,8 +1,8 @@
-"""``python -m ragattn build-store``: precompute a corpus's chunk KV store for FusionRAG, offline.
+"""``python -m ragattn build-store``: precompute a corpus's chunk KV store, offline.
 
     python -m ragattn build-store --corpus DIR --out DIR [--neighbours N] [--shard i/n] [--batch B]
                                   [--model smollm2|CHECKPOINT] [--device cpu|cuda] [--no-progress]
-                                  [--remote redis://HOST:PORT/DB]
+                                  [--remote redis://HOST:PORT/DB] [--untuned]
 
 For every passage of the corpus (rendered and tokenized as the demo and the eval prompt it): its
 raw cache (the passage alone) and its fused cache (FusionRAG's offline stage: the passage
@@ -15,6 +15,9 @@ everywhere). ``--remote URL`` also fills a fleet's shared remote tier (a Redis/V
 :mod:`ragattn.store.remote_tier`; the HMAC key from the ``RAGATTN_REMOTE_SECRET`` environment
 variable): every cache computed is published there, and a cache already on the server is fetched
 (verified) instead of computed, so a build resumes from the server as from ``--out``.
+TurboRAG and Block-Attention read the raw caches of the model with the shipped block-attention
+adapter merged (``ragattn.hf.adapters``): those are built too (keyed by that model's weights, in the
+same store), unless ``--untuned`` or the adapter does not fit ``--model``.
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, metavar="B", help="passages per forward (default 8)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--untuned", action="store_true",
+                   help="skip the raw caches of the model with the shipped block-attention adapter "
+                        "(TurboRAG / Block-Attention); by default they are built beside FusionRAG's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--remote", default=None, metavar="URL",
                    help="redis:// or rediss:// URL of the fleet's remote tier to fill too "
@@ -95,14 +101,34 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None) -> dict:
                                            progress=bar.update)
     bar.update(skipped)
     bar.close()
+    tuned = None if args.untuned else _block_tuned_store(model, args)
+    if tuned is not None:   # the same passages' raw caches under the block-attention adapter's weights
+        tuned.add([head] + [chunks[j] for j in which])
     secs = time.perf_counter() - t0
     summary = dict(passages=len(chunks), shard=f"{i}/{n}", built=built, skipped=skipped,
                    remote={k: v for k, v in store.stats.items() if k.startswith("remote_")} if args.remote else None,
-                   neighbours=min(args.neighbours, len(chunks) - 1), seconds=round(secs, 2), out=str(args.out))
+                   neighbours=min(args.neighbours, len(chunks) - 1), seconds=round(secs, 2), out=str(args.out),
+                   block_tuned=tuned is not None)
     print(f"build-store: {built} fused caches built, {skipped} already on disk, shard {i}/{n} of "
-          f"{len(chunks)} passages, {summary['neighbours']} neighbours each, {secs:.1f} s -> {args.out}",
-          file=out)
+          f"{len(chunks)} passages, {summary['neighbours']} neighbours each"
+          + (", and their raw caches for TurboRAG/Block-Attention under the block-attention adapter" if tuned else "")
+          + f", {secs:.1f} s -> {args.out}", file=out)
     return summary
+
+
+def _block_tuned_store(model, args):
+    """The store of the model with the shipped block-attention adapter merged (same directory and
+    remote tier: its chunks are keyed by its own weights), or None when the adapter does not fit the
+    model (another checkpoint: a warning)."""
+    from ragattn.hf.adapters import AdapterMismatch, tuned_model
+    from ragattn.store import ChunkStore
+
+    try:
+        tuned = tuned_model(model, "block-attention")
+    except AdapterMismatch as exc:
+        print(f"warning: build-store: {exc}; no block-attention caches built", file=sys.stderr)
+        return None
+    return ChunkStore(tuned, directory=args.out, remote=args.remote)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,8 @@ class UsageError(Exception):
 # errors of other modules that are the user's to fix (reported the same way), by module
 _USER_ERRORS = (("ragattn.apps.demo", "DemoError"), ("ragattn.apps.eval", "EvalError"),
                 ("ragattn.apps.corpus", "CorpusError"), ("ragattn.store.errors", "ChunkStoreError"),
-                ("ragattn.methods.refrag.train", "TrainError"))
+                ("ragattn.methods.refrag.train", "TrainError"), ("ragattn.apps.training_text", "TrainingTextError"),
+                ("ragattn.hf.adapters", "AdapterError"))
 
 
 def _is_user_error(exc: BaseException) -> bool:

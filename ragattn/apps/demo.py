@@ -184,13 +184,20 @@ def median_result(runs: List[Result]) -> Result:
 DECODE_METHODS = ("rapid",)
 
 
-def _runners(model, tokenizer, store) -> Dict[str, Callable]:
+BLOCK_TUNED = ("turborag-composite", "turborag-reordered", "block-attention")   # run on the adapted model
+
+
+def _runners(model, tokenizer, store, tuned=None, tuned_store=None) -> Dict[str, Callable]:
     """name -> run(chunks, question, max_new_tokens) -> Result, for every method of the demo.
 
-    The cached methods share ``store`` (None when only the baseline runs)."""
+    The cached methods share ``store`` (None when only the baseline runs); the methods of
+    :data:`BLOCK_TUNED` run on ``tuned`` (the model with the block-attention adapter merged,
+    ``ragattn.hf.adapters.tuned_model``) and its ``tuned_store`` when given."""
+    block_model, block_store = (tuned, tuned_store) if tuned is not None else (model, store)
+
     def turborag_run(positions):
         return lambda chunks, q, n: _from_answer(turborag.answer(
-            model, tokenizer, chunks, q, positions=positions, max_new_tokens=n, store=store))
+            block_model, tokenizer, chunks, q, positions=positions, max_new_tokens=n, store=block_store))
 
     return {
         "full-prefill": lambda chunks, q, n: _from_answer(full_prefill(model, tokenizer, chunks, q,
@@ -198,7 +205,7 @@ def _runners(model, tokenizer, store) -> Dict[str, Callable]:
         "turborag-composite": turborag_run("composite"),
         "turborag-reordered": turborag_run("reordered"),
         "block-attention": lambda chunks, q, n: _from_answer(block_attention.answer(
-            model, tokenizer, chunks, q, max_new_tokens=n, store=store)),
+            block_model, tokenizer, chunks, q, max_new_tokens=n, store=block_store)),
         "fusionrag": lambda chunks, q, n: _from_answer(fusionrag.answer(
             model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
         "cacheblend": lambda chunks, q, n: _from_answer(fusionrag.cacheblend(
@@ -249,6 +256,24 @@ class _RefragRunner:
 
 
 METHOD_NAMES = list(_runners(None, None, None))  # the runners are only built here, not called
+
+
+def _block_tuned(model, untuned: bool):
+    """(tuned model or None, the report's note on the weights TurboRAG and Block-Attention run on)."""
+    rows = ", ".join(BLOCK_TUNED)
+    if untuned:
+        return None, f"{rows}: the model as loaded (--untuned: no block-attention adapter)"
+    from ragattn.hf.adapters import AdapterError, AdapterMismatch, shipped_adapter, tuned_model
+
+    try:
+        manifest = shipped_adapter("block-attention")
+        tuned = tuned_model(model, "block-attention")
+    except AdapterMismatch as exc:
+        return None, f"{rows}: the model as loaded, UNTUNED ({exc})"
+    except AdapterError as exc:
+        raise DemoError(f"ragattn demo: {exc} (--untuned runs without it)") from None
+    return tuned, (f"{rows}: the block-attention LoRA adapter merged into the model ({manifest['steps']} steps "
+                   f"of distillation from full attention; docs/finetune.md)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,6 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                    help=f"questions from the corpus (default {DEFAULT_LIMIT}; 0 = all)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--untuned", action="store_true",
+                   help="run TurboRAG and Block-Attention on the model as loaded, without the shipped "
+                        "block-attention adapter")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.top_k < 1:
@@ -382,7 +410,12 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     retriever = Retriever([f"{p.title}. {p.text}" for p in corpus.passages])
 
     store = ChunkStore(model) if len(methods) > 1 else None  # shared by the cached methods
-    all_runners = _runners(model, tokenizer, store)
+    tuned, tuned_store, notes = None, None, []
+    if set(methods) & set(BLOCK_TUNED):
+        tuned, note = _block_tuned(model, args.untuned)
+        tuned_store = ChunkStore(tuned) if tuned is not None else None
+        notes.append(note)
+    all_runners = _runners(model, tokenizer, store, tuned, tuned_store)
     # the baseline runs first: every other row is compared with it
     runners: Dict[str, Callable] = {"full-prefill": all_runners["full-prefill"]}
     runners.update((name, all_runners[name]) for name in methods)
@@ -397,8 +430,9 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         ctx = len(head) + sum(len(c) for c in chunk_ids) + len(tail)
         check_window(model, qid, ctx, args.max_new_tokens, args.top_k)
         prompts.append((qid, text, answers, passages, ctx))
-        if store is not None:  # offline: chunk KV precomputed, outside the timing
-            store.add([head] + chunk_ids)
+        for st in (store, tuned_store):  # offline: chunk KV precomputed, outside the timing
+            if st is not None:
+                st.add([head] + chunk_ids)
     if "fusionrag" in methods:  # offline too: the retrieved passages' fused caches
         head, all_ids, _ = prompt_parts(tokenizer, [p.render() for p in corpus.passages], "")
         fusionrag.fuse_chunks(model, store, head, all_ids, fusionrag.neighbours(retriever.embeddings, 10),
@@ -445,7 +479,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
                 select_ms=res.select_s * 1e3, recompute_ms=res.recompute_s * 1e3, repeats=len(runs[name]),
             ))
     bar.close()
-    notes = [runners["refrag"].label()] if "refrag" in runners else []
+    notes += [runners["refrag"].label()] if "refrag" in runners else []
     print(format_report(rows, list(runners), has_gold=not args.question, model_name=args.model,
                         device=device, top_k=args.top_k, notes=notes), file=out)
     return rows

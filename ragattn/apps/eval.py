@@ -75,7 +75,9 @@ class Method:
 
     ``ratio``: the function takes ``ratio=`` (fraction of chunk tokens recomputed) and runs once
     per ``--ratios`` entry. ``fused``: FusionRAG's offline fused chunk caches are built for it.
-    ``ablation``: a variant of a method above, run only when ``--methods`` names it."""
+    ``ablation``: a variant of a method above, run only when ``--methods`` names it.
+    ``adapter``: the shipped adapter (``ragattn.hf.adapters``) whose tuned model the method runs on
+    unless ``--untuned``; None: the model as loaded."""
     name: str
     module: str
     attr: str
@@ -83,6 +85,7 @@ class Method:
     ratio: bool = False
     fused: bool = False
     ablation: bool = False
+    adapter: Optional[str] = None
 
     def resolve(self) -> Optional[Callable]:
         """The answer function, or None when its module is not part of this checkout (a module
@@ -99,9 +102,12 @@ class Method:
 # One line per method (REFRAG plugs in here when its module lands).
 REGISTRY = (
     Method(BASELINE, "ragattn.methods.baseline", "full_prefill"),
-    Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),)),
-    Method("turborag-reordered", "ragattn.methods.turborag", "answer", (("positions", "reordered"),)),
-    Method("block-attention", "ragattn.methods.block_attention", "answer"),
+    Method("no-context", "ragattn.methods.baseline", "no_context"),   # the floor: no passages at all
+    Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),),
+           adapter="block-attention"),
+    Method("turborag-reordered", "ragattn.methods.turborag", "answer", (("positions", "reordered"),),
+           adapter="block-attention"),
+    Method("block-attention", "ragattn.methods.block_attention", "answer", adapter="block-attention"),
     Method("full-reuse", "ragattn.methods.fusionrag", "full_reuse"),
     Method("cacheblend", "ragattn.methods.fusionrag", "cacheblend", ratio=True),
     Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True),
@@ -109,6 +115,9 @@ REGISTRY = (
     # FusionRAG selecting with the final block alone (the authors' code) instead of over the context
     Method("fusionrag-standalone", "ragattn.methods.fusionrag", "answer", (("question_mode", "standalone"),),
            ratio=True, fused=True, ablation=True),
+    # full attention on the block-tuned weights: does the adapter harm ordinary answers?
+    Method("full-prefill-tuned", "ragattn.methods.baseline", "full_prefill", adapter="block-attention",
+           ablation=True),
 )
 
 
@@ -169,6 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default 10, capped by the corpus; 0 = no fused caches)")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="chunk store directory to read and fill (e.g. from `python -m ragattn build-store`)")
+    p.add_argument("--untuned", action="store_true",
+                   help="run every method on the model as loaded, without the shipped block-attention "
+                        "adapter (the 'before' of the fine-tuning)")
     p.add_argument("--no-plot", action="store_true", help="skip the plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -234,14 +246,18 @@ def _runs(methods: Sequence[Method], ratios: Sequence[float]):
     return out
 
 
-def _call(run, model, tok, chunks, question, n, store):
+def _call(run, models, tok, chunks, question, n, stores):
+    """Answer with one configuration; ``models``/``stores``: adapter name (None: as loaded) -> the
+    model / its chunk store."""
     m, r, fn = run
     kw = dict(m.options)
     if r is not None:
         kw["ratio"] = r / 100.0
-    if m.name == BASELINE:
+    model = models[m.adapter if m.adapter in models else None]
+    if m.module == "ragattn.methods.baseline":
         return fn(model, tok, chunks, question, max_new_tokens=n, **kw)
-    return fn(model, tok, chunks, question, max_new_tokens=n, store=store, **kw)
+    return fn(model, tok, chunks, question, max_new_tokens=n, store=stores[m.adapter if m.adapter in models else None],
+              **kw)
 
 
 def _git_commit() -> str:
@@ -293,14 +309,34 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     rendered = [p.render() for p in corpus.passages]
     pid_index = {p.id: i for i, p in enumerate(corpus.passages)}
 
-    # offline: every retrieved chunk's KV (and FusionRAG's fused caches) in one shared store
-    cached = [m for m in methods if m.name != BASELINE]
-    store = ChunkStore(model, directory=args.store) if cached else None
+    # the tuned copies the methods run on (ragattn.hf.adapters), unless --untuned
+    models, adapters = {None: model}, {}
+    for name in sorted({m.adapter for m in methods if m.adapter} if not args.untuned else set()):
+        from ragattn.hf.adapters import AdapterError, AdapterMismatch, shipped_adapter, tuned_model
+
+        try:
+            manifest = shipped_adapter(name)
+            models[name] = tuned_model(model, name)
+        except AdapterMismatch as exc:     # another model: its methods run untuned, and the report says so
+            adapters[name] = f"not applied ({exc})"
+            print(f"warning: {exc}; the methods run on the model as loaded", file=sys.stderr)
+            continue
+        except AdapterError as exc:
+            raise EvalError(f"{exc} (--untuned runs without it)") from None
+        adapters[name] = dict(commit=manifest.get("commit"), steps=manifest.get("steps"),
+                              files=manifest.get("files"))
+
+    # offline: every retrieved chunk's KV (and FusionRAG's fused caches) in one shared store per model
+    cached = [m for m in methods if m.module != "ragattn.methods.baseline"]
+    stores = {a: ChunkStore(mdl, directory=args.store) for a, mdl in models.items()
+              if any((m.adapter if m.adapter in models else None) == a for m in cached)}
+    store = stores.get(None)
     used = sorted({i for q in questions for i in ranking[q.id]})
     fusion = dict(neighbours=0, chunks=0, seconds=0.0)
+    head, chunk_ids, _ = prompt_parts(tok, rendered, "")
+    for st in stores.values():
+        st.add([head] + [chunk_ids[i] for i in used])
     if store is not None:
-        head, chunk_ids, _ = prompt_parts(tok, rendered, "")
-        store.add([head] + [chunk_ids[i] for i in used])
         if args.fusion_neighbours and any(m.fused for m in cached):
             import time
 
@@ -326,7 +362,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     q0 = questions[0]
     warm_chunks = [rendered[i] for i in reversed(ranking[q0.id][: min(args.top_k)])]
     for r in runs:
-        _call(r, model, tok, warm_chunks, q0.question, 2, store)
+        _call(r, models, tok, warm_chunks, q0.question, 2, stores)
 
     rows: List[Row] = []
     bar = tqdm(total=len(args.top_k) * len(questions) * len(runs), desc="eval", unit="run",
@@ -340,7 +376,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
             for r in runs:
                 m, ratio, _ = r
                 bar.set_postfix_str(f"top-{k} {q.id} {m.name}" + ("" if ratio is None else f" {ratio:g}%"))
-                ans = _call(r, model, tok, chunks, q.question, args.max_new_tokens, store)
+                ans = _call(r, models, tok, chunks, q.question, args.max_new_tokens, stores)
                 if base is None:
                     base = ans  # the baseline runs first
                 text = ans.text.strip()
@@ -366,7 +402,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
                     corpus=shown_path(corpus.root), questions=len(questions),
                     multi_hop=sum(q.multi_hop for q in questions), passages=len(corpus.passages),
                     top_k=args.top_k, ratios=args.ratios, methods=args.methods,
-                    max_new_tokens=args.max_new_tokens, fusion=fusion),
+                    max_new_tokens=args.max_new_tokens, fusion=fusion, adapters=adapters,
+                    untuned=bool(args.untuned)),
         aggregates=aggregate(rows), rows=[dataclasses.asdict(r) for r in rows])
     table = format_tables(results)
     print(table, file=out)                              # first: a failed write below loses nothing
@@ -425,6 +462,14 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _weights_line(c: dict) -> str:
+    if c.get("untuned"):
+        return "every method on the model as loaded (--untuned)"
+    parts = [f"{name} adapter ({a.get('steps')} steps, trained at {str(a.get('commit'))[:10]}) for the methods "
+             "that use it" if isinstance(a, dict) else f"{name}: {a}" for name, a in (c.get("adapters") or {}).items()]
+    return "; ".join(parts) or "the model as loaded"
+
+
 def format_tables(results: dict) -> str:
     c = results["config"]
     lines = [f"# ragattn eval: {c['model']} on {c['device']}, {c['questions']} questions "
@@ -433,6 +478,7 @@ def format_tables(results: dict) -> str:
              f"- corpus: `{c['corpus']}`; retriever all-MiniLM-L6-v2; greedy, max {c['max_new_tokens']} new tokens",
              f"- FusionRAG fused caches: {c['fusion']['chunks']} chunks, {c['fusion']['neighbours']} neighbours each "
              f"(offline, {c['fusion']['seconds']} s, not in the TTFT)",
+             "- weights: " + _weights_line(c),
              "- EM: a normalised gold answer occurs in the answer; F1: SQuAD token F1; KL: KL(full || method) "
              "of the first-token distribution, nats; answer = full: normalised answers equal; TTFT: median; "
              "speedup: median of per-question full-prefill TTFT / method TTFT; select: median share of the "

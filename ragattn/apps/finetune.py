@@ -90,6 +90,9 @@ def _parser():
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, metavar="DIR", help="run folder (checkpoints, curve, adapter)")
     p.add_argument("--model", default="smollm2", help="'smollm2' (default) or a local HF checkpoint folder")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="dictd file of the training passages (default: Debian dict-foldoc's "
+                        "/usr/share/dictd/foldoc.dict.dz)")
     p.add_argument("--steps", type=int, default=300, help="optimiser steps in all (default %(default)s)")
     p.add_argument("--batch", type=int, default=2, help="samples packed per step (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate (default %(default)s)")
@@ -143,10 +146,16 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     from ragattn.apps.demo import load_model
     from ragattn.hf.registration import use_ragattn
 
-    passages = tt.load_foldoc()
+    text_file = Path(args.text) if args.text else tt.FOLDOC
+    passages = tt.load_foldoc(text_file)
     train_p, held_p = tt.split_passages(passages)
     model, tok = load_model(args.model, device, "finetune")
     model = model.float()
+    from ragattn.hf.adapters import architecture
+    from ragattn.store.fingerprint import model_fingerprint
+
+    base = dict(base_model=args.model, architecture=architecture(model),
+                base_fingerprint=model_fingerprint(model, cached=False))   # before the LoRA layers go in
     torch.manual_seed(args.seed)
     cfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
     pm = get_peft_model(model, cfg)
@@ -156,7 +165,7 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
     rng = random.Random(args.seed)
-    step, history, elapsed = 0, [], 0.0
+    step, history, elapsed, commit = 0, [], 0.0, _commit()
     ckpt = out / "checkpoint"
     if (ckpt / "state.pt").is_file():
         state = torch.load(ckpt / "state.pt", weights_only=False)
@@ -166,6 +175,7 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
         rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         step, history, elapsed = state["step"], state["history"], state["elapsed_s"]
+        commit = state.get("commit", commit)      # the code that started the run
         print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
     stream = tt.rag_examples(train_p, rng, top_k=top_k)
     held_rng = random.Random(args.seed + 1)
@@ -186,7 +196,7 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(dict(adapter=get_peft_model_state_dict(pm), optimizer=opt.state_dict(),
                         scheduler=sched.state_dict(), rng=rng.getstate(), torch_rng=torch.get_rng_state(),
-                        step=step, history=history, elapsed_s=elapsed), tmp / "state.pt")
+                        step=step, history=history, elapsed_s=elapsed, commit=commit), tmp / "state.pt")
         if ckpt.exists():
             (ckpt / "state.pt").unlink()
             ckpt.rmdir()
@@ -229,16 +239,17 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     pm.save_pretrained(adapter_dir)
     (adapter_dir / "README.md").unlink(missing_ok=True)     # peft's empty model card
     weights = adapter_dir / "adapter_model.safetensors"
+    _to_bfloat16(weights)
     final = next(h for h in reversed(history) if "held_kl" in h)
     manifest = dict(
         kind="block-attention LoRA (distilled from full attention)",
         command=command,
-        commit=_commit(), base_model=args.model, schemes=schemes, steps=step, batch=args.batch,
+        commit=commit, **base, schemes=schemes, steps=step, batch=args.batch,
         lr=args.lr, rank=args.rank, top_k=list(top_k), answer_tokens=args.answer_tokens, seed=args.seed,
         device=str(device), train_seconds=round(elapsed),
-        data=dict(package=tt.FOLDOC_PACKAGE, file=str(tt.FOLDOC), sha256=tt.file_digest(),
-                  licence=tt.FOLDOC_LICENCE, passages=len(passages), train_passages=len(train_p),
-                  held_passages=len(held_p)),
+        data=dict(package=tt.FOLDOC_PACKAGE if text_file == tt.FOLDOC else None, file=str(text_file),
+                  sha256=tt.file_digest(text_file), licence=tt.FOLDOC_LICENCE if text_file == tt.FOLDOC else None,
+                  passages=len(passages), train_passages=len(train_p), held_passages=len(held_p)),
         held_out_before=history[0].get("per_scheme"), held_out_after=final.get("per_scheme"),
         files={weights.name: _sha256(weights)})
     (adapter_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -247,6 +258,15 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
           f"{final['held_kl']:.4f} (first answer token {history[0]['held_first_kl']:.4f} -> "
           f"{final['held_first_kl']:.4f}); adapter: {adapter_dir}")
     return 0
+
+
+def _to_bfloat16(path: Path) -> None:
+    """Rewrite a safetensors file's float tensors in bfloat16 (what ships: half the bytes; the
+    adapter is merged into the model's own dtype on load)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _sha256(path: Path) -> str:

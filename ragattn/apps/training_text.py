@@ -38,6 +38,10 @@ _PRONOUNCE = re.compile(r"^/[^/]{1,40}/\s*(or\s*/[^/]{1,40}/\s*)?")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
 
 
+class TrainingTextError(RuntimeError):
+    """The training text is missing or unusable (a user-facing error of the training commands)."""
+
+
 def file_digest(path: Path = FOLDOC) -> str:
     """sha256 hex of the raw training-text file (recorded beside the trained weights)."""
     h = hashlib.sha256()
@@ -84,10 +88,12 @@ def _entries(path: Path) -> Iterator[Tuple[str, List[str]]]:
 def load_foldoc(path: Path = FOLDOC, *, min_words: int = 25, max_words: int = 60) -> List[Passage]:
     """FOLDOC entries as passages of ``min_words``-``max_words`` words (whole sentences), sorted by
     title. Entries that are only a cross-reference, dictionary front matter or too short are
-    dropped. Raises ``FileNotFoundError`` naming the Debian package when it is not installed."""
+    dropped. Raises :class:`TrainingTextError` naming the Debian package when it is not installed,
+    and when the file holds no usable entry."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"ragattn: the training text {path} is missing: install Debian's "
-                                f"{FOLDOC_PACKAGE} package (apt-get install {FOLDOC_PACKAGE})")
+        raise TrainingTextError(f"the training text {path} is missing" + (
+            f": install Debian's {FOLDOC_PACKAGE} package (apt-get install {FOLDOC_PACKAGE})"
+            if Path(path) == FOLDOC else ""))
     out, seen = [], set()
     for title, paras in _entries(Path(path)):
         if title.startswith("00-") or title.lower() in seen:
@@ -102,6 +108,8 @@ def load_foldoc(path: Path = FOLDOC, *, min_words: int = 25, max_words: int = 60
             continue
         seen.add(title.lower())
         out.append(Passage(id=f"foldoc-{len(out):05d}", title=title, text=text))
+    if not out:
+        raise TrainingTextError(f"{path}: no entry of at least {min_words} words (is it a dictd file?)")
     return sorted(out, key=lambda p: p.title.lower())
 
 

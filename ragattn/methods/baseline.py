@@ -21,10 +21,24 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
     if len(chunks) == 0:
         raise ValueError("ragattn.methods.full_prefill: no chunks given (empty retrieval)")
     head, chunk_ids, tail = prompt_parts(tokenizer, chunks, question)
-    ids_list = head + [t for c in chunk_ids for t in c] + tail
+    return _prefill_answer(model, tokenizer, head + [t for c in chunk_ids for t in c] + tail, max_new_tokens,
+                           attn_implementation, generate_kwargs, "full_prefill")
+
+
+@torch.no_grad()
+def no_context(model, tokenizer, chunks, question, max_new_tokens: int = 32, store=None,
+               attn_implementation: str | None = "sdpa", **generate_kwargs) -> Answer:
+    """The floor of every RAG method: the model answers the question from the same prompt layout
+    with no documents at all (``chunks`` and ``store`` are ignored), by :func:`full_prefill`'s path."""
+    head, _, tail = prompt_parts(tokenizer, [], question)
+    return _prefill_answer(model, tokenizer, head + tail, max_new_tokens, attn_implementation, generate_kwargs,
+                           "no_context")
+
+
+def _prefill_answer(model, tokenizer, ids_list, max_new_tokens, attn_implementation, generate_kwargs, name):
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and len(ids_list) + max_new_tokens > limit:
-        raise ValueError(f"ragattn.methods.full_prefill: prompt of {len(ids_list)} tokens + "
+        raise ValueError(f"ragattn.methods.{name}: prompt of {len(ids_list)} tokens + "
                          f"{max_new_tokens} new tokens exceeds the model's window ({limit})")
     dev = next(model.parameters()).device
     if attn_implementation == "sdpa" and not getattr(model, "_supports_sdpa", True):
@@ -34,5 +48,5 @@ def full_prefill(model, tokenizer, chunks, question, max_new_tokens: int = 32, s
     with attention_implementation(model, impl, lambda m, old, new: m.set_attn_implementation(new)):
         t0 = time.perf_counter()
         ids = torch.tensor([ids_list], device=dev)
-        return _generate(model, tokenizer, t0, "full_prefill", len(ids_list), len(ids_list), max_new_tokens,
+        return _generate(model, tokenizer, t0, name, len(ids_list), len(ids_list), max_new_tokens,
                          generate_kwargs, input_ids=ids, attention_mask=torch.ones_like(ids))

@@ -1,93 +1,186 @@
-"""Block fine-tuning: the varlen_attention training path equals a dense-mask forward, and a few
-steps on a tiny random model reduce the answer loss."""
+"""Block fine-tuning by distillation: the student's packed block-mask forward equals a dense-mask
+reference under both position schemes, the teacher is the model's own greedy full-attention answer
+with the adapter off, a few steps reduce the KL, and the command checkpoints, resumes and ships."""
+import gzip
+import hashlib
+import json
 import random
 
 import pytest
 import torch
 
+from ragattn.apps import block_distill as bd
 from ragattn.apps import finetune as ft
+from ragattn.apps.training_text import Passage, RagExample
+from ragattn.hf.registration import use_ragattn
+
+peft = pytest.importorskip("peft")
+
+V = 97
 
 
 def _tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=2)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float()
+    return LlamaForCausalLM(cfg).float().eval()
 
 
-def _samples(rng, n):
-    out = []
-    for _ in range(n):
-        r = lambda k: [rng.randrange(3, 97) for _ in range(k)]  # noqa: E731
-        out.append(ft.make_sample(r(4), [r(rng.randint(5, 9)) for _ in range(3)], r(5), r(3)))
-    return out
-
-
-def test_sample_blocks_and_labels():
-    s = ft.make_sample([1, 2], [[3, 4, 5], [6]], [7, 8], [9, 10])
-    assert s.ids == list(range(1, 11))
-    assert s.blocks == [0, 0, 1, 1, 1, 2, -1, -1, -1, -1]
-    assert s.labels == [-100] * 8 + [9, 10]
-
-
-def test_block_forward_matches_dense_mask():
-    """Packed varlen forward == per-sample SDPA with the dense Block-Attention mask."""
-    model = _tiny_llama()
-    samples = _samples(random.Random(1), 2)
-    ref = []
-    for s in samples:
-        blk = torch.tensor(s.blocks)
-        t = len(s.ids)
-        allow = torch.tril(torch.ones(t, t, dtype=torch.bool)) & (
-            (blk[:, None] == blk[None, :]) | (blk[:, None] == -1) | (blk[None, :] == -1))
-        with torch.no_grad():
-            ref.append(model(input_ids=torch.tensor([s.ids]), attention_mask=allow[None, None]).logits[0])
+def _lora(model, seed=1, scale=0.3):
+    """The tiny model with a LoRA adapter whose B is not zero (so that it changes the outputs)."""
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=list(ft.LORA_TARGETS)))
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        plain = model(input_ids=torch.tensor([samples[0].ids])).logits[0]  # full causal, for contrast
-    ft.use_block_attention(model)
-    batch = ft.pack(samples, "cpu")
-    batch.pop("labels")
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return pm
+
+
+class _WordTokenizer:
+    """Whitespace words -> ids 3..V-1 (no chat template: prompt_parts' plain layout)."""
+    chat_template = None
+    eos_token_id, unk_token_id = 2, 1
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + int(hashlib.md5(w.encode()).hexdigest(), 16) % (V - 3) for w in text.split()]}
+
+    def convert_tokens_to_ids(self, token):
+        return self.unk_token_id
+
+
+def _example(rng, k):
+    words = "alpha beta gamma delta river stone cloud engine ledger signal".split()
+    ps = tuple(Passage(id=str(i), title=f"T{i}", text=" ".join(rng.choice(words) for _ in range(rng.randint(4, 11))))
+               for i in range(k))
+    return RagExample(ps, f"What is {ps[0].title} ?")
+
+
+def test_scheme_positions():
+    assert bd.scheme_positions([2, 3], 2, "reordered") == [0, 1, 2, 3, 4, 5, 6]
+    assert bd.scheme_positions([2, 3, 1], 2, "composite") == [0, 1, 0, 1, 2, 0, 3, 4]
+    with pytest.raises(ValueError, match="scheme"):
+        bd.scheme_positions([2], 1, "sorted")
+
+
+def _dense_reference(model, s: bd.DistillSample) -> torch.Tensor:
+    """log-probs at ``s.rows``: one dense-mask forward (causal by index, same block or global)."""
+    blk = torch.tensor(s.blocks)
+    t = len(s.ids)
+    allow = torch.tril(torch.ones(t, t, dtype=torch.bool)) & (
+        (blk[:, None] == blk[None, :]) | (blk[:, None] == -1))
     with torch.no_grad():
-        got = model(**batch).logits[0]
-    torch.testing.assert_close(got, torch.cat(ref), atol=1e-4, rtol=1e-4)
-    n0 = len(samples[0].ids)
-    assert (got[:n0] - plain).abs().max() > 1e-3  # the block mask changes the logits (test has teeth)
+        logits = model(input_ids=torch.tensor([s.ids]), position_ids=torch.tensor([s.positions]),
+                       attention_mask=allow[None, None]).logits[0]
+    return logits[s.rows].float().log_softmax(-1)
 
 
-def test_training_steps_reduce_loss():
-    model = _tiny_llama(seed=3)
-    ft.use_block_attention(model)
-    batch = ft.pack(_samples(random.Random(2), 3), "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    before = ft.eval_loss(model, batch)
-    losses = [ft.train_step(model, opt, batch) for _ in range(4)]
-    after = ft.eval_loss(model, batch)
-    assert losses[0] == pytest.approx(before, rel=1e-4)
-    assert after < before - 0.1, (before, losses, after)
-    # gradients reached every layer's attention projections through varlen_attention's autograd
-    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+@pytest.mark.parametrize("scheme", bd.SCHEMES)
+def test_student_equals_dense_block_mask(scheme):
+    rng = random.Random(2)
+    pm = _lora(_tiny_llama(seed=4))
+    tok = _WordTokenizer()
+    samples = [bd.distill_sample(pm, tok, _example(rng, k), scheme, max_answer=4) for k in (3, 1, 4)]
+    merged = _lora(_tiny_llama(seed=4)).merge_and_unload()       # the same weights, adapter merged
+    ref = torch.cat([_dense_reference(merged, s) for s in samples])
+    with use_ragattn(pm.get_base_model()), torch.no_grad():
+        got = bd.student_logprobs(pm, bd.pack_samples(samples, "cpu"))
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+    # teeth: the same rows under full attention differ (the mask and positions matter)
+    full = torch.cat([s.target for s in samples])
+    assert (got - full).abs().max() > 1e-2
 
 
-def test_packed_without_blocks_is_per_sample_causal():
-    """Packing alone (no block ids) keeps the samples independent and plainly causal."""
-    model = _tiny_llama(seed=5)
-    samples = _samples(random.Random(4), 2)
+def test_teacher_is_greedy_full_attention_without_the_adapter():
+    rng = random.Random(6)
+    pm = _lora(_tiny_llama(seed=7))
+    tok = _WordTokenizer()
+    s = bd.distill_sample(pm, tok, _example(rng, 3), "composite", max_answer=5)
+    base = _tiny_llama(seed=7)                                     # no adapter at all
+    n_answer = len(s.rows) - s.first                               # rows: the tail but its first token, the answer
+    prompt = s.ids[: len(s.ids) - n_answer]
     with torch.no_grad():
-        ref = torch.cat([model(input_ids=torch.tensor([s.ids])).logits[0] for s in samples])
-    ft.use_block_attention(model)
-    batch = ft.pack(samples, "cpu")
-    batch.pop("labels")
-    batch.pop("ragattn_block_ids")
-    with torch.no_grad():
-        got = model(**batch).logits[0]
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        gen = base.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=2,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+        full = base(input_ids=torch.tensor([s.ids])).logits[0, s.rows].float().log_softmax(-1)
+    assert s.ids[len(prompt):] == gen[: n_answer]
+    torch.testing.assert_close(s.target, full, atol=1e-4, rtol=1e-4)
+    assert len(s.target) == len(s.rows) and 0 <= s.first < len(s.rows)
+    assert s.rows[s.first] == len(prompt) - 1                      # the row that predicts the answer
 
 
-def test_cli_without_evaluation_or_steps(smollm2, capsys):
-    """--eval-questions 0 used to crash packing an empty batch; negative counts are usage errors."""
-    assert ft.main(["--steps", "0", "--eval-questions", "0", "--top-k", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "0 steps" in out and "held-fixed" not in out
-    assert ft.main(["--eval-questions", "-1"]) == 2          # one error line, exit status 2
+def test_distillation_steps_reduce_kl():
+    rng = random.Random(8)
+    pm = _lora(_tiny_llama(seed=9), scale=0.0)          # B = 0: the student starts as the base model
+    tok = _WordTokenizer()
+    samples = [bd.distill_sample(pm, tok, _example(rng, k), s, max_answer=4)
+               for k, s in ((4, "reordered"), (5, "composite"), (3, "reordered"))]
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    with use_ragattn(pm.get_base_model()):
+        before = bd.agreement(pm, samples)
+        for _ in range(8):
+            loss = bd.distill_loss(pm, samples)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        after = bd.agreement(pm, samples)
+    assert before["kl"] > 0.01
+    assert after["kl"] < 0.5 * before["kl"], (before, after)
+    assert after["first_kl"] < before["first_kl"]
+
+
+def _dictd(path, n=30, seed=0):
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta river stone cloud market engine ledger signal buffer kernel".split()
+    lines = []
+    for i in range(n):
+        lines += [f"Entry{i:02d}", "", "   " + " ".join(rng.choice(words) for _ in range(30)) + ".", ""]
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--schemes", "sorted"], "--schemes"),
+    (["--top-k", "5,2"], "--top-k"),
+    (["--steps", "0"], "--steps"),
+    (["--lr", "nan"], "--lr"),
+])
+def test_cli_errors(tmp_path, capsys, argv, needle):
+    assert ft.main(["--out", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def test_cli_missing_text_is_one_line(tmp_path, capsys, smollm2):
+    assert ft.main(["--out", str(tmp_path / "run"), "--text", str(tmp_path / "none.dict.dz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing" in err[0]
+
+
+def test_cli_trains_checkpoints_resumes_and_ships(tmp_path, capsys, smollm2):
+    text = _dictd(tmp_path / "t.dict.dz", n=60)
+    out = tmp_path / "run"
+    common = ["--out", str(out), "--text", str(text), "--batch", "1", "--held", "1", "--top-k", "2,3",
+              "--answer-tokens", "3", "--checkpoint-every", "1", "--eval-every", "1", "--rank", "2"]
+    assert ft.main(common + ["--steps", "1"]) == 0
+    first = json.loads((out / "adapter" / "manifest.json").read_text())
+    assert ft.main(common + ["--steps", "2"]) == 0
+    assert "resumed from" in capsys.readouterr().err
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2]                   # step 1 not repeated on resume
+    m = json.loads((out / "adapter" / "manifest.json").read_text())
+    assert m["steps"] == 2 and first["steps"] == 1 and m["commit"] == first["commit"]
+    assert m["data"]["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest()
+    weights = out / "adapter" / "adapter_model.safetensors"
+    assert m["files"] == {weights.name: hashlib.sha256(weights.read_bytes()).hexdigest()}
+    assert m["base_fingerprint"] and m["architecture"]["model_type"] == "llama"
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(weights).values()} == {torch.bfloat16}
+    assert (out / "loss.png").stat().st_size > 1000
+    assert set(m["held_out_after"]) == {"reordered", "composite"}
