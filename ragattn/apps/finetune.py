@@ -149,6 +149,11 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     text_file = Path(args.text) if args.text else tt.FOLDOC
     passages = tt.load_foldoc(text_file)
     train_p, held_p = tt.split_passages(passages)
+    if min(len(train_p), len(held_p)) < top_k[1] - 1:
+        from ragattn.apps.cli import UsageError
+
+        raise UsageError(f"--top-k {top_k[0]},{top_k[1]} needs {top_k[1] - 1} passages in the training and in the "
+                         f"held-out split; {text_file} gives {len(train_p)} and {len(held_p)}")
     model, tok = load_model(args.model, device, "finetune")
     model = model.float()
     from ragattn.hf.adapters import architecture

@@ -156,14 +156,18 @@ def test_cli_errors(tmp_path, capsys, argv, needle):
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
 
 
-def test_cli_missing_text_is_one_line(tmp_path, capsys, smollm2):
+def test_cli_text_errors_are_one_line(tmp_path, capsys, smollm2):
     assert ft.main(["--out", str(tmp_path / "run"), "--text", str(tmp_path / "none.dict.dz")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing" in err[0]
+    small = _dictd(tmp_path / "t.dict.dz", n=20)
+    assert ft.main(["--out", str(tmp_path / "run"), "--text", str(small), "--top-k", "2,9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "held-out split" in err[0]
 
 
 def test_cli_trains_checkpoints_resumes_and_ships(tmp_path, capsys, smollm2):
-    text = _dictd(tmp_path / "t.dict.dz", n=60)
+    text = _dictd(tmp_path / "t.dict.dz", n=400)                  # ~8 held out (2%)
     out = tmp_path / "run"
     common = ["--out", str(out), "--text", str(text), "--batch", "1", "--held", "1", "--top-k", "2,3",
               "--answer-tokens", "3", "--checkpoint-every", "1", "--eval-every", "1", "--rank", "2"]
