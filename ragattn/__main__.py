@@ -5,7 +5,8 @@
     python -m ragattn build-store --corpus DIR --out DIR [--neighbours N] [--shard i/n] [--batch B]
     python -m ragattn eval [--corpus DIR] [--model NAME] [--methods M,M] [--top-k 8,16]
                            [--ratios 0,5,15,30,100] [--limit N] [--device cpu|cuda] [--out DIR]
-    python -m ragattn finetune [...]     # Block-Attention fine-tuning (see scripts/finetune_block.py)
+    python -m ragattn eval-compare BEFORE AFTER --out DIR   # two eval runs side by side
+    python -m ragattn finetune --out DIR [...]   # the block-attention adapter (docs/finetune.md)
     python -m ragattn refrag-train [--stages recon,cpt,rl] [--k 8] [--device cpu|cuda] [--out DIR] [...]
                                          # REFRAG training recipe (docs/refrag.md, "Training")
     python -m ragattn bench [...]        # micro-benchmarks (== python -m bench in a checkout)
@@ -54,6 +55,12 @@ def _eval(rest):
     return eval_main(rest)
 
 
+def _eval_compare(rest):
+    from ragattn.apps.eval_compare import main as eval_compare_main
+
+    return eval_compare_main(rest)
+
+
 def _finetune(rest):
     from ragattn.apps.finetune import main as finetune_main
 
@@ -81,7 +88,8 @@ def _bench(rest):
     return bench_main(rest)
 
 
-_COMMANDS = {"demo": _demo, "build-store": _build_store, "eval": _eval, "finetune": _finetune,
+_COMMANDS = {"demo": _demo, "build-store": _build_store, "eval": _eval, "eval-compare": _eval_compare,
+             "finetune": _finetune,
              "refrag-train": _refrag_train, "bench": _bench}
 
 

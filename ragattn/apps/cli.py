@@ -27,7 +27,7 @@ class UsageError(Exception):
 _USER_ERRORS = (("ragattn.apps.demo", "DemoError"), ("ragattn.apps.eval", "EvalError"),
                 ("ragattn.apps.corpus", "CorpusError"), ("ragattn.store.errors", "ChunkStoreError"),
                 ("ragattn.methods.refrag.train", "TrainError"), ("ragattn.apps.training_text", "TrainingTextError"),
-                ("ragattn.hf.adapters", "AdapterError"))
+                ("ragattn.hf.adapters", "AdapterError"), ("ragattn.apps.eval_compare", "CompareError"))
 
 
 def _is_user_error(exc: BaseException) -> bool:
