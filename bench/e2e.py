@@ -267,7 +267,7 @@ def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: in
     of the medians) and ``vs_full_paired`` (median of the ratios of steps run back to back).
     ``routes``: path name -> ``RAGATTN_HF_CPU_SDPA`` value (default :data:`DECODE_ROUTES` on the CPU, the one CUDA path
     elsewhere)."""
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
     from ragattn.hf.cache import PagedCache
 
     device = next(model.parameters()).device

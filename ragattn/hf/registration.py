@@ -12,6 +12,7 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ragattn.hf.attention import ragattn_attention_forward
 from ragattn.hf.rope import SUPPORTED_FAMILIES
 
 NAME = "ragattn"
@@ -122,8 +123,6 @@ def _install_family_check() -> None:
 
 def register() -> None:
     """Register "ragattn" with transformers (idempotent); warns if transformers is untested."""
-    from ragattn.hf.attention import ragattn_attention_forward
-
     check_transformers_version()
     AttentionInterface.register(NAME, ragattn_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -327,7 +327,7 @@ def test_stores_on_one_model_in_several_threads(model):
 def test_baseline_and_stores_in_several_threads(model):
     """A full-prefill baseline (sdpa) and chunk stores (ragattn) share one model: each waits for the
     other's implementation, none runs with the wrong one; a nested switch is an error, not a hang."""
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
     from ragattn.hf.attn_switch import attention_implementation
     from ragattn.methods.baseline import full_prefill
     from tests.methods.test_fusionrag import CharTokenizer
