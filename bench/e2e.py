@@ -75,7 +75,7 @@ from ragattn.methods.generate import generate_paged, paged_forward
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
-    "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (issue 15's end-to-end case)
+    "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (the end-to-end target case)
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
     "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K
     "gpu-32k": [(64, 512)],  # 32K alone: scripts/gpu_check.sh's first call

@@ -56,7 +56,7 @@ def test_only_builds_the_named_family(monkeypatch):
 
 
 def test_small_cases_take_the_gpu_dtype_on_a_gpu(monkeypatch):
-    """Issue 15.11: on CUDA the small cases (what ``pytest bench`` and the CUDA test stage run) use
+    """On CUDA the small cases (what ``pytest bench`` and the CUDA test stage run) use
     the GPU's bfloat16, not the CPU's float32: every module takes the dtype of its small cases from
     ``harness.small_dtype``, checked here by giving it the GPU's answer on the CPU (the two modules
     whose small cases take seconds to build only show that they ask it)."""

@@ -1,4 +1,4 @@
-"""The benchmark harness's own logic on the CPU (issue 22.6): impossible figures raise with the
+"""The benchmark harness's own logic on the CPU: impossible figures raise with the
 case's name, the bytes a case counts are bytes its call sees, every case binds its own inputs,
 the commit comes from ragattn's own repository only, and ``bench.tune`` refuses a CPU, enumerates
 its sweep and writes its table (with a fake timer)."""
@@ -72,7 +72,7 @@ def test_touched_bytes_sees_list_arguments_and_outputs():
 
 
 def test_kv_cache_cases_bind_their_own_inputs():
-    """Issue 22.6's cause: the lambdas built in the loop ran the last shape's inputs. Each case's
+    """Lambdas built in a loop run the last shape's inputs unless each binds its own. Each case's
     call must see at least the bytes it counts (the check raises on the pre-fix module), and the
     large shape's call must touch more than the small one's."""
     from . import bench_kv_cache

@@ -125,7 +125,7 @@ def test_paged_attention_property(c):
 
 
 
-@settings(max_examples=min(12, settings.default.max_examples))   # the interpreter: ~1 s an example
+@settings(max_examples=min(12, settings.default.max_examples))   # the interpreter: slow per example
 @given(paged_cases(), st.integers(0, 2**16))
 def test_plan_then_rewrite_in_place_then_run_property(c, seed):
     """plan_paged_attention over stale contents (another split of the query rows, another page

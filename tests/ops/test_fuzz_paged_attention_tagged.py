@@ -49,7 +49,7 @@ def cases(draw):
     return page_size, kv_heads, group, head_dim, rotary_dim, interleaved, window, runs, seqs, seed, splits
 
 
-@settings(max_examples=max(150, settings.default.max_examples))   # C++: ~15 ms an example
+@settings(max_examples=max(150, settings.default.max_examples))   # C++: cheap per example
 @given(cases())
 def test_tagged_cpu_kernel_matches_float64(case):
     from ragattn import _extension

@@ -125,8 +125,8 @@ def test_soft_cap_through_the_run(backend, device, seed):
 @pytest.mark.parametrize("page_size,mode", [(5, 0), (16, 1), (64, 2), (128, 2)])
 def test_every_page_mode_of_the_kernel(triton_backend, device, seed, page_size, mode):
     """The kernel reads the page list once per slot (page sizes that are not powers of two), once per
-    page (pages smaller than a key tile) or once per tile (pages holding whole tiles: the
-    H100-measured "page ids loaded once per page"): each mode, with windows that start inside a page, split-KV
+    page (pages smaller than a key tile) or once per tile (pages holding whole tiles: page ids
+    loaded once per page): each mode, with windows that start inside a page, split-KV
     partitions, an uneven head dim and position-tagged entries, against the reference."""
     import ragattn.triton_kernels.paged_attention as pa
 

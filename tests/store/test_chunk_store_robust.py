@@ -358,8 +358,8 @@ def test_baseline_and_stores_in_several_threads(model):
 
 
 def test_methods_follow_a_data_edit_of_the_weights():
-    """The issue's method-level repro: after ``p.data.mul_`` the wrappers answered from stale KV
-    (first logits 0.67 off, no error); a store now follows its model into every method."""
+    """After ``p.data.mul_`` no wrapper may answer from stale KV (it would be silently off): a
+    store follows its model into every method."""
     from ragattn.methods import block_attention, fusionrag
     from tests.methods.test_fusionrag import QUESTION, CharTokenizer
 
