@@ -70,7 +70,7 @@ class BytesNotTouched(RuntimeError):
 
 def small_dtype(device: torch.device) -> torch.dtype:
     """The dtype of the small (``size == "cpu"``) cases: float32 on the CPU (its fast path), the
-    GPU's bfloat16 elsewhere (``pytest bench`` runs the small cases on CUDA too, and the kernels
+    GPU's bfloat16 elsewhere (``pytest tests/bench`` runs the small cases on CUDA too, and the kernels
     are built and tuned for 16-bit data there)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 

@@ -30,5 +30,5 @@ cd "$SRC"
 RAGATTN_FORCE_CPU=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops/test_cpp_error_messages.py \
-  tests/ops/test_kv_cache.py tests/ops/test_verify_draft.py tests/ops/test_paged_attention.py tests/ops/test_varlen_attention.py \
+  tests/ops/test_kv_cache.py tests/ops/test_verify_draft.py tests/ops/paged_attention/test_paged_attention.py tests/ops/test_varlen_attention.py \
   tests/ops/test_varlen_attention_cpu.py tests/ops/test_merge_attention_states.py -k "bad or error or debug or refuses or raises"

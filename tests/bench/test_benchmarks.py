@@ -1,12 +1,12 @@
 """Every ``bench/bench_*.py`` case as a pytest-benchmark test (CPU sizes unless --device cuda).
 
-Run with ``pytest bench --benchmark-enable`` to get timings; the default run (benchmarks
+Run with ``pytest tests/bench --benchmark-enable`` to get timings; the default run (benchmarks
 disabled) executes each case once, so the suite stays runnable.
 """
 import pytest
 import torch
 
-from .harness import collect_cases, synchronize
+from bench.harness import collect_cases, synchronize
 
 _DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _CASES = collect_cases(_DEVICE, "cpu")
@@ -41,7 +41,7 @@ def test_only_builds_the_named_family(monkeypatch):
     """``--only kv_cache`` must not build (allocate, warn about) any other family's cases."""
     import importlib
 
-    from . import harness
+    from bench import harness
 
     built = []
     for name in harness.discover_modules():
@@ -56,13 +56,13 @@ def test_only_builds_the_named_family(monkeypatch):
 
 
 def test_small_cases_take_the_gpu_dtype_on_a_gpu(monkeypatch):
-    """On CUDA the small cases (what ``pytest bench`` and the CUDA test stage run) use
+    """On CUDA the small cases (what ``pytest tests/bench`` and the CUDA test stage run) use
     the GPU's bfloat16, not the CPU's float32: every module takes the dtype of its small cases from
     ``harness.small_dtype``, checked here by giving it the GPU's answer on the CPU (the two modules
     whose small cases take seconds to build only show that they ask it)."""
     import importlib
 
-    from . import harness
+    from bench import harness
 
     assert harness.small_dtype(torch.device("cuda")) == torch.bfloat16
     assert harness.small_dtype(torch.device("cpu")) == torch.float32
@@ -91,7 +91,7 @@ def test_small_cases_take_the_gpu_dtype_on_a_gpu(monkeypatch):
 
 
 def test_kernel_ab_dry_run(tmp_path):
-    """``AB_DRY=1 python -m bench.ab_kernels OUT``: every variant of the GPU A/B runs at tiny sizes
+    """``AB_DRY=1 python scripts/ab_kernels.py OUT``: every variant of the GPU A/B runs at tiny sizes
     in the interpreter and leaves one row without an error (the script a lent GPU runs first)."""
     import json
     import os
@@ -101,8 +101,8 @@ def test_kernel_ab_dry_run(tmp_path):
 
     out = tmp_path / "ab.jsonl"
     env = dict(os.environ, AB_DRY="1", TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "bench.ab_kernels", str(out)], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "scripts/ab_kernels.py", str(out)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 22 and not [r for r in rows if "error" in r], rows

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from . import harness, provenance, tune
-from .harness import BytesNotTouched, Case, PeakExceeded
+from bench import harness, provenance, tune
+from bench.harness import BytesNotTouched, Case, PeakExceeded
 
 CPU = torch.device("cpu")
 
@@ -75,7 +75,7 @@ def test_kv_cache_cases_bind_their_own_inputs():
     """Lambdas built in a loop run the last shape's inputs unless each binds its own. Each case's
     call must see at least the bytes it counts (the check raises on the pre-fix module), and the
     large shape's call must touch more than the small one's."""
-    from . import bench_kv_cache
+    from bench import bench_kv_cache
 
     cases = {c.name: c for spec in bench_kv_cache.cases(CPU, "cpu") for c in spec.build_all()}
     for c in cases.values():
@@ -274,7 +274,7 @@ def test_a_row_a_little_over_the_measured_peak_stands(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # FlexAttention baselines: compiled on CUDA (checked), the window one computes the window
 def test_the_flex_backward_baseline_requires_a_compiled_graph():
-    from .bench_varlen_attention import require_compiled_graph
+    from bench.bench_varlen_attention import require_compiled_graph
 
     x = torch.randn(4, 3, requires_grad=True)
     with pytest.raises(RuntimeError, match="did not run a compiled graph"):
@@ -285,7 +285,7 @@ def test_the_flex_backward_baseline_requires_a_compiled_graph():
 def test_flex_window_baseline_computes_the_window():
     """The sliding-window FlexAttention baseline (a window mask_mod) gives ragattn's output (on the
     CPU it runs eagerly: its time means nothing, its values do)."""
-    from . import bench_varlen_attention as bva
+    from bench import bench_varlen_attention as bva
 
     case = bva._window_case(CPU, "cpu", harness.Rand(CPU, 1))
     assert {"flex_attention_window", "sdpa_dense_band_mask"} <= set(case.baselines)
@@ -302,7 +302,7 @@ def test_the_runner_keeps_every_row_and_skips_only_the_failing_case(tmp_path, mo
     ``--resume`` skips the cases already measured."""
     import types
 
-    from . import __main__ as runner
+    from bench import __main__ as runner
 
     built = []
 

@@ -6,7 +6,7 @@ import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
 from tests.helpers import poison_like
 
-from tests.ops.test_paged_attention import (I32, backend, check_against_reference, make_case, poison_unseen,
+from tests.ops.paged_attention.test_paged_attention import (I32, backend, check_against_reference, make_case, poison_unseen,
                                             scattered_rows, triton_backend)  # noqa: F401 (fixtures)
 
 

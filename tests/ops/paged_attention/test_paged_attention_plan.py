@@ -12,7 +12,7 @@ import torch
 
 from ragattn import PageTable, plan_paged_attention, run_paged_attention
 from tests.helpers import randn_nonzero, use_kernel_backend
-from tests.ops.test_paged_attention import check_against_reference
+from tests.ops.paged_attention.test_paged_attention import check_against_reference
 
 I32 = torch.int32
 

@@ -8,7 +8,7 @@ import torch
 
 import ragattn
 from ragattn.reference.paged_attention import paged_attention as ref_paged
-from tests.ops.test_paged_attention import _good, _slot, check_against_reference, make_case
+from tests.ops.paged_attention.test_paged_attention import _good, _slot, check_against_reference, make_case
 
 I32 = torch.int32
 CHUNK = 128  # the kernel's kChunk: slots per online-softmax step, aligned to absolute slot multiples

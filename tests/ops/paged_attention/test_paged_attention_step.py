@@ -9,8 +9,8 @@ import torch
 from ragattn import PageTable
 from ragattn.ops import PagedAttentionStep
 from tests.helpers import use_kernel_backend
-from tests.ops.test_paged_attention import check_against_reference
-from tests.ops.test_paged_attention_plan import make_csr_case
+from tests.ops.paged_attention.test_paged_attention import check_against_reference
+from tests.ops.paged_attention.test_paged_attention_plan import make_csr_case
 
 
 @pytest.fixture(params=["default", "reference", "triton"])
@@ -97,8 +97,8 @@ def test_a_tagged_step_calls_the_cpu_kernel_directly(monkeypatch, seed, rope):
     from ragattn import run_paged_attention
     from ragattn.ops import paged_attention_step
     from tests.helpers import assert_precision
-    from tests.ops.test_paged_attention_plan import _plan
-    from tests.ops.test_paged_attention_tagged import _table_refs, make_tagged_case
+    from tests.ops.paged_attention.test_paged_attention_plan import _plan
+    from tests.ops.paged_attention.test_paged_attention_tagged import _table_refs, make_tagged_case
 
     gen = torch.Generator().manual_seed(seed)
     q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], "gapped", page_size=8, num_heads=6, num_kv_heads=2,
@@ -137,7 +137,7 @@ def test_a_tagged_steps_rope_table_follows_its_inputs(seed, mode):
     between layers, or other positions, give the fresh step's result bit for bit (never the
     previous layer's table); under ``inference_mode`` (inference tensors have no version counter)
     too."""
-    from tests.ops.test_paged_attention_tagged import make_tagged_case
+    from tests.ops.paged_attention.test_paged_attention_tagged import make_tagged_case
 
     gen = torch.Generator().manual_seed(seed)
     q, q_pos, cu, k, v, table = make_tagged_case([13, 8, 21], "gapped", page_size=8, num_heads=6, num_kv_heads=2,

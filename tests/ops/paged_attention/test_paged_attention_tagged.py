@@ -6,7 +6,7 @@ import torch
 from ragattn import PageTable, run_paged_attention
 from tests.helpers import randn_nonzero
 
-from tests.ops.test_paged_attention_plan import I32, _plan, backend  # noqa: F401 (fixtures)
+from tests.ops.paged_attention.test_paged_attention_plan import I32, _plan, backend  # noqa: F401 (fixtures)
 
 
 # ------------------------------------------------- position-tagged pages and in-kernel RoPE

@@ -5,7 +5,7 @@ import torch
 import ragattn
 from tests.helpers import run_compile_check
 
-from tests.ops.test_paged_attention import I32, _good, backend, make_case  # noqa: F401 (fixtures)
+from tests.ops.paged_attention.test_paged_attention import I32, _good, backend, make_case  # noqa: F401 (fixtures)
 
 
 # ------------------------------------------------------------------------- opcheck, fakes, errors

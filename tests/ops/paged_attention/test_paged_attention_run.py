@@ -5,12 +5,12 @@ import torch
 import ragattn
 from tests.helpers import run_offsets_check
 
-from tests.ops.test_paged_attention import (backend, check_against_reference, make_case, triton_backend) # noqa: F401 (fixtures)
+from tests.ops.paged_attention.test_paged_attention import (backend, check_against_reference, make_case, triton_backend) # noqa: F401 (fixtures)
 
 
 _HUGE_OFFSETS = r"""
 import torch
-from tests.ops.test_paged_attention import make_case
+from tests.ops.paged_attention.test_paged_attention import make_case
 from ragattn.reference.paged_attention import paged_attention as ref_paged
 from ragattn.reference.merge_attention_states import merge_attention_states as ref_merge
 from ragattn.triton_kernels.paged_attention import paged_attention_fwd

@@ -1,20 +1,18 @@
-"""A/B of the kernel variants that the first H100 run of 2026-11-28 pointed to, in one process:
-
-1. decode on a zero-copy request's position-tagged table, keys rotated in the kernel (the row that
-   took 25.1 ms against 1.50 ms over keys rotated beforehand), against the same table over rotated
-   keys and the padded table (batch 32 x 32K, bf16, 32/8 heads, d128, page 16);
-2. decode under a 4096 window at 2, 4, 8 and 16 splits (452 us against SDPA's 190 us);
+"""A/B of kernel variants on a GPU, in one process (scripts/gpu_check.sh's stage `ab`; not part of
+the benchmark suite):
+1. decode on a zero-copy request's position-tagged table, keys rotated in the kernel, against the
+   same table over rotated keys and the padded table (batch 32 x 32K, bf16, 32/8 heads, d128, page 16);
+2. decode under a 4096 window at 2, 4, 8 and 16 splits;
 3. varlen_attention's forward (8 x 4096 + 50 Block-Attention, and a 4096 window over 16K) at the
    table's tile (128 x 32, 8 warps, 3 stages) and wider ones, and with TMA loads.
 
-    python -m bench.ab_kernels OUT.jsonl        # scripts/gpu_check.sh's stage `ab` runs it
+    python scripts/ab_kernels.py OUT.jsonl
 
 ``AB_DRY=1`` runs the same steps at tiny sizes on the CPU (a check of the script, no timing).
 ``AB_PARTS=paged`` or ``varlen`` runs one part (default both).
 Every result is appended to OUT.jsonl as it is measured (a run cut short keeps them) and printed.
 Times: triton.testing.do_bench medians (L2 flushed between calls). Run from the repository root
-with the extension built (scripts/gpu_check.sh --build-only). Results of the 2026-11-28 H100 run
-that motivated it: docs/perf/h100/2026-11-28/.
+with the extension built (scripts/gpu_check.sh --build-only).
 """
 import json
 import os

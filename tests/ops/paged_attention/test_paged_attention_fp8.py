@@ -5,10 +5,10 @@ import torch
 import ragattn
 from ragattn import PageTable, run_paged_attention
 from tests.helpers import use_kernel_backend
-from tests.ops.test_paged_attention import check_against_reference
+from tests.ops.paged_attention.test_paged_attention import check_against_reference
 
-from tests.ops.test_paged_attention_plan import _plan, backend, make_csr_case, triton_backend  # noqa: F401 (fixtures)
-from tests.ops.test_paged_attention_tagged import _table_refs, make_tagged_case
+from tests.ops.paged_attention.test_paged_attention_plan import _plan, backend, make_csr_case, triton_backend  # noqa: F401 (fixtures)
+from tests.ops.paged_attention.test_paged_attention_tagged import _table_refs, make_tagged_case
 
 
 # ----------------------------------------------------------------------- fp8 caches
