@@ -2,7 +2,7 @@
 answer against context length, full prefill vs cached chunks.
 
     python -m bench.e2e                                   # SmolLM2 on the CPU, CPU sizes
-    python -m bench.e2e --device cuda --model llama3-8b-random --out docs/perf/h100-e2e
+    python -m bench.e2e --device cuda --model llama3-8b-random --out OUT
 
 For every context (``num_chunks x chunk_size`` tokens of random ids, plus a ``--question-len``
 question) it measures the time to the first token's logits of
