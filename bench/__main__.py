@@ -1,7 +1,7 @@
 """``python -m bench``: run ragattn's micro-benchmarks, print a table, save JSON and markdown.
 
     python -m bench                         # CPU sizes on the CPU (or GPU sizes when CUDA is up)
-    python -m bench --device cuda --sizes gpu --out docs/perf/h100
+    python -m bench --device cuda --sizes gpu --out OUT
     python -m bench --only kv_cache         # one family (substring of the family, or case-name prefix)
     python -m bench --only decode,sparse_prefill --out OUT --resume   # several; skip what OUT holds
 

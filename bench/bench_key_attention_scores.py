@@ -8,7 +8,7 @@ least 10x over the ``sdpa_causal_prefill`` baseline. ``naive_torch`` materialise
 ``bytes`` counts what the two passes read from memory: q and k once per pass (re-reads of a q
 tile by the programs of one pass hit L2) and the scores written once; the kernel's fp32 scratch
 (the splits' partial LSEs, the per-kv-head partial scores: ~1.5% at the gpu size) is not counted.
-Issue 22's target: <= 60 us at the gpu size (>= 300 TFLOP/s-equivalent of the one Q K^T).
+Target: <= 60 us at the gpu size (>= 300 TFLOP/s-equivalent of the one Q K^T).
 """
 from __future__ import annotations
 

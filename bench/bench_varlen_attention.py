@@ -110,8 +110,8 @@ def _efficient_only(device):
 def compiled_flex(device):
     """FlexAttention as the GPU runs it: ``torch.compile``d with ``fullgraph=True``, so that a graph
     break is an error instead of a silent eager fallback (eager FlexAttention materialises the whole
-    score matrix; the issue-22 H200 run's backward baseline took as long as the dense-mask backward,
-    i.e. it did not run the compiled kernels). The CPU runs it eagerly (its times say nothing)."""
+    score matrix: a backward baseline as slow as the dense-mask backward did not run the compiled
+    kernels). The CPU runs it eagerly (its times say nothing)."""
     import warnings
 
     from torch.nn.attention.flex_attention import flex_attention

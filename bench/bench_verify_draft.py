@@ -84,7 +84,7 @@ def _inputs(bsz, g, vocab, device, gen):
 
 
 def cases(device: torch.device, size: str):
-    """One case per (batch, draft length, vocabulary, eta), not built yet; the issue's target shape
+    """One case per (batch, draft length, vocabulary, eta), not built yet; the target shape
     (B64 g10 V128256) first."""
     if size == "gpu":
         grid = [(64, 10, 128256)] + [(b, g, v) for v in (32000, 128256, 152064) for g in (4, 10) for b in (1, 8, 64)

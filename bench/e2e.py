@@ -2,7 +2,7 @@
 answer against context length, full prefill vs cached chunks.
 
     python -m bench.e2e                                   # SmolLM2 on the CPU, CPU sizes
-    python -m bench.e2e --device cuda --model llama3-8b-random --out docs/perf/h100-e2e
+    python -m bench.e2e --device cuda --model llama3-8b-random --out OUT
 
 For every context (``num_chunks x chunk_size`` tokens of random ids, plus a ``--question-len``
 question) it measures the time to the first token's logits of
@@ -75,7 +75,7 @@ from ragattn.methods.generate import generate_paged, paged_forward
 SIZES = {  # (num_chunks, chunk_size) per context
     "tiny": [(2, 16), (3, 16)],  # the pytest smoke test
     "cpu": [(2, 64), (4, 64), (4, 128), (8, 128)],
-    "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (issue 15's end-to-end case)
+    "rag16": [(16, 42)],  # 16 retrieved passages, ~670 tokens (the end-to-end target case)
     "gpu": [(8, 512), (16, 512), (32, 512), (64, 512)],  # 4K .. 32K tokens
     "gpu-check": [(16, 512), (64, 512)],  # 8K and 32K
     "gpu-32k": [(64, 512)],  # 32K alone: scripts/gpu_check.sh's first call
@@ -267,7 +267,7 @@ def measure_decode_steps(model, sizes, question_len: int, rounds: int, steps: in
     of the medians) and ``vs_full_paired`` (median of the ratios of steps run back to back).
     ``routes``: path name -> ``RAGATTN_HF_CPU_SDPA`` value (default :data:`DECODE_ROUTES` on the CPU, the one CUDA path
     elsewhere)."""
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
     from ragattn.hf.cache import PagedCache
 
     device = next(model.parameters()).device

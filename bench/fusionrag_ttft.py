@@ -1,7 +1,7 @@
 """FusionRAG / CacheBlend / Full Reuse time to first token against full prefill (a benchmark).
 
     python -m ragattn.bench.fusionrag_ttft [--contexts 800,2000] [--ratio 0.15] [--repeats 3]
-                                           [--device cpu] [--out docs/perf/cpu-fusionrag]
+                                           [--device cpu] [--out OUT]
 
 Contexts are real passages of the shipped eval set (``ragattn/data/qa_eval``), added until the
 prompt reaches about ``--contexts`` tokens, with one of its questions. The passages' KV is put in a

@@ -1,19 +1,18 @@
 """Benchmark plumbing shared by every ``bench/bench_*.py`` module.
 
 A module contributes ``cases(device: torch.device, size: str) -> list[Case]`` where ``size`` is
-"cpu" (small shapes that finish in seconds on the CPU) or "gpu" (the realistic shapes the issues'
+"cpu" (small shapes that finish in seconds on the CPU) or "gpu" (the realistic shapes the
 performance targets name). The runner times ``Case.run`` and every baseline in the same process
 and reports time, throughput (GB/s from ``Case.bytes`` or TFLOP/s from ``Case.flops``), percent of
 the device's measured peak, and the speedup of ragattn over each baseline.
 
-Two checks make an impossible figure an error instead of a table row (issue 22.6):
+Two checks make an impossible figure an error instead of a table row:
 
 * before timing, ``Case.run`` is called once under a dispatch mode that records every tensor its
   ops receive and return; a case whose ``bytes`` exceed the bytes of those tensors' storages
-  counts traffic its call cannot touch (``BytesNotTouched``). This is what the kv_cache cases
-  did: their ``run`` lambdas, built in a loop, looked the loop's variables up when called, so the
-  N8192 cases ran the last iteration's 512-row inputs while counting 8192 rows' bytes (28.9 us for
-  "1.07 GB", 878% of the copy peak on an H200; on the CPU the N256 and chunk32 rows had equal times);
+  counts traffic its call cannot touch (``BytesNotTouched``): e.g. ``run`` lambdas built in a
+  loop that look the loop's variables up when called, so every case runs the last iteration's
+  inputs while counting its own shape's bytes;
 * a row above 125% of the measured peak raises ``PeakExceeded`` with the case's name (``check_peak``:
   a kernel may beat torch's own copy by a little, not by 25%). The peaks are the best (not median)
   of their timings, since a peak is what the device can do.
@@ -71,7 +70,7 @@ class BytesNotTouched(RuntimeError):
 
 def small_dtype(device: torch.device) -> torch.dtype:
     """The dtype of the small (``size == "cpu"``) cases: float32 on the CPU (its fast path), the
-    GPU's bfloat16 elsewhere (``pytest bench`` runs the small cases on CUDA too, and the kernels
+    GPU's bfloat16 elsewhere (``pytest tests/bench`` runs the small cases on CUDA too, and the kernels
     are built and tuned for 16-bit data there)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
@@ -192,7 +191,7 @@ def measured_copy_bandwidth(device: torch.device) -> float:
     """The device's memory bandwidth in GB/s, measured once per process: the best of a
     device-to-device copy (bytes read + written) and a read-only stream (a sum, bytes read), since
     a read-only kernel (decode attention) can stream faster than a copy. Neither is the hardware's
-    limit: on an H100 SDPA's decode read 3.08 TB/s, past both (issue 22), which is what
+    limit (a decode attention kernel can read faster than both), which is what
     ``check_peak``'s slack is for. CUDA: 1 GiB buffers (do_bench flushes L2
     between calls, as it does for the cases). CPU: the best of 256 KiB, 4 MiB and 64 MiB, since the
     CPU cases' working sets sit in the caches (their timings do not flush them) and a percentage of

@@ -1,8 +1,7 @@
 """Where a benchmark table comes from: ragattn's own commit and the device it ran on.
 
-The GPU tables of issue 22 said "unknown", or another repository's commit: run from a copy of the
-tree without ``.git`` that sits inside some other repository, ``git rev-parse HEAD`` walks up and
-answers for that repository. ``project_commit`` asks git only when the repository git finds is
+Run from a copy of the tree without ``.git`` that sits inside some other repository,
+``git rev-parse HEAD`` walks up and answers for that repository. ``project_commit`` asks git only when the repository git finds is
 ragattn's own (its top level is this tree's root and holds ragattn's sources); otherwise the
 ``RAGATTN_COMMIT`` environment variable, else a ``RAGATTN_COMMIT`` file at the root (write it when
 copying the tree: ``git rev-parse HEAD > RAGATTN_COMMIT``), else "unknown".

@@ -2,7 +2,7 @@
 answer quality (exact match) on the shipped QA set (a benchmark, not a test).
 
     python -m ragattn.bench.refrag_ttft [--contexts 512,1024,2048,4096] [--ks 8,16,32] [--repeats 2]
-                                        [--qa-limit 20] [--fractions 0,0.25] [--out docs/perf/cpu-refrag]
+                                        [--qa-limit 20] [--fractions 0,0.25] [--out OUT]
 
 TTFT: contexts are real passages of the shipped eval set (``ragattn/data/qa_eval``) added until
 the prompt reaches about the target size, with one of its questions; SmolLM2-135M-Instruct fp32

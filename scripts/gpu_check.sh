@@ -23,7 +23,7 @@
 #   bench-targets  key_attention_scores q64 x k32K and verify_draft B64 g10 V128256 (eta 0 and 10)
 #   twin        the CUDA-vs-CPU-twin tests (verify_draft, fp8 copy/rotate)
 #   e2e         end-to-end TTFT on a Llama-3-8B-shaped random bf16 model at 32K tokens
-#   ab          the kernel variants' A/B (bench/ab_kernels.py: tagged RoPE decode, window-decode splits,
+#   ab          the kernel variants' A/B (scripts/ab_kernels.py: tagged RoPE decode, window-decode splits,
 #               varlen tiles and TMA) and the tagged-table op tests on CUDA (WORK_DIR/ab/ab.jsonl)
 #   bench-rest  every benchmark not measured yet (--resume over results.jsonl)
 #   test-ops    the op tests on CUDA tensors (pytest-xdist where it imports)
@@ -142,13 +142,13 @@ if [ -n "${RESUME_FROM:-}" ] && [ -s "$RESUME_FROM" ] && [ ! -s "$WORK/bench/res
   cp "$RESUME_FROM" "$WORK/bench/results.jsonl"
 fi
 
-OP_TESTS=(tests/ops/test_varlen_attention*.py tests/ops/test_paged_attention*.py
+OP_TESTS=(tests/ops/test_varlen_attention*.py tests/ops/paged_attention/test_*.py
           tests/ops/test_merge_attention_states.py tests/ops/test_kv_cache*.py tests/ops/test_key_attention_scores.py
           tests/ops/test_verify_draft*.py tests/hf/test_rope_vs_hf.py tests/ops/test_refrag_assemble.py
           tests/ops/test_cpp_error_messages.py tests/ops/test_fuzz_*.py)
 HF_CUDA_TESTS=(tests/hf/test_hf_generate.py::test_generate_equals_sdpa_every_cache)   # transformers' offloaded cache
 TWIN_TESTS=(tests/ops/test_verify_draft.py::test_cuda_matches_cpu_twin tests/ops/test_kv_cache_fp8.py::test_fp8_cpu_twin_matches_reference_bits)
-TAGGED_TESTS=(tests/ops/test_paged_attention_tagged.py tests/ops/test_fuzz_paged_attention_tagged.py)
+TAGGED_TESTS=(tests/ops/paged_attention/test_paged_attention_tagged.py tests/ops/paged_attention/test_fuzz_paged_attention_tagged.py)
 CORE_FAMILIES=(paged_attention varlen_attention)
 TARGETS=q64_k32768,B64_g10_V128256
 # Seconds: the most a step may take (CAP) and what is kept free for each step still to come (FLOOR).
@@ -284,9 +284,9 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
       mkdir -p "$WORK/ab"
       if [ -f "$WORK/ab/done" ]; then echo "== ab: done by an earlier call (kept)"; continue; fi
       run_step ab "$(share "${CAP[ab]}" "$reserve")" bash -c \
-        "AB_PARTS=paged $PY -m bench.ab_kernels '$WORK/ab/ab.jsonl'; r1=\$?; \
+        "AB_PARTS=paged $PY scripts/ab_kernels.py '$WORK/ab/ab.jsonl'; r1=\$?; \
          $PY -m pytest -q -rfE --device cuda -p no:cacheprovider $(xdist_args) ${TAGGED_TESTS[*]}; r2=\$?; \
-         AB_PARTS=varlen $PY -m bench.ab_kernels '$WORK/ab/ab.jsonl'; r3=\$?; \
+         AB_PARTS=varlen $PY scripts/ab_kernels.py '$WORK/ab/ab.jsonl'; r3=\$?; \
          [ \$(( r1 | r2 | r3 )) = 0 ] && touch '$WORK/ab/done'; exit \$(( r1 | r2 | r3 ))" ;;
     bench-rest)
       run_step bench-rest "$(share "${CAP[bench-rest]}" "$reserve")" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the extension against a second torch (a CUDA wheel from PyPI, CPU-only build: it installs
 # and imports without a GPU) and run the C++ error-path tests there: every check family must raise
-# its documented error with its exact message (issue 23: on the GPU image, torch 2.11.0+cu130, the
+# its documented error with its exact message (on the GPU image, torch 2.11.0+cu130, the
 # C++ error paths crashed). Not part of CI: the download is about 3 GB and the build takes minutes.
 #   bash scripts/torch_version_check.sh [VENV_DIR] [TORCH_VERSION]    (defaults: /tmp/ragattn-torch-check 2.11.0)
 # PYTHON picks the interpreter of the venv (default python3.12 when found, as on the GPU image).
@@ -30,5 +30,5 @@ cd "$SRC"
 RAGATTN_FORCE_CPU=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops/test_cpp_error_messages.py \
-  tests/ops/test_kv_cache.py tests/ops/test_verify_draft.py tests/ops/test_paged_attention.py tests/ops/test_varlen_attention.py \
+  tests/ops/test_kv_cache.py tests/ops/test_verify_draft.py tests/ops/paged_attention/test_paged_attention.py tests/ops/test_varlen_attention.py \
   tests/ops/test_varlen_attention_cpu.py tests/ops/test_merge_attention_states.py -k "bad or error or debug or refuses or raises"

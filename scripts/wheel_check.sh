@@ -39,6 +39,8 @@ need += [str(p.relative_to(root)) for p in sorted((root / "ragattn/weights").rgl
 assert any(n.startswith("ragattn/triton_kernels/configs/") for n in need), "no config tables in the checkout?"
 missing = [n for n in need if n not in names]
 assert not missing, f"wheel lacks {missing}"
+tests_in = [n for n in names if n.rsplit("/", 1)[-1].startswith(("test_", "conftest"))]
+assert not tests_in, f"wheel ships tests: {tests_in}"
 assert any(n.startswith("ragattn/_C") and n.endswith(".so") for n in names), "wheel lacks ragattn/_C*.so"
 meta = [n for n in names if n.endswith(".dist-info/METADATA")][0]
 text = zipfile.ZipFile(sys.argv[1]).read(meta).decode()

@@ -220,7 +220,7 @@ def run_compile_check(code: str, timeout: float = 1500) -> str:
     """Run ``code`` in a fresh Python with the repository on the path and TRITON_INTERPRET unset.
 
     The timeout is a hang guard, not a speed bound: a cold Triton cache compiles every sm_90
-    config, which took over 600 s on 2 loaded cores while an xdist worker ran beside it.
+    config, which takes many minutes on a few loaded cores beside an xdist worker.
 
     This process's kernels are interpreter objects (conftest sets TRITON_INTERPRET=1 without
     CUDA), so GPU compilation happens in a subprocess; ``code`` must print ``compiled`` at the end.

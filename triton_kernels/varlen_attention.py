@@ -7,7 +7,7 @@ Query ``i`` sees key ``j`` of the same sequence iff ``(not causal or kv_pos[j] <
 Masked keys are never read into a sum: in partially visible tile pairs the scores are selected
 (``where``), not multiplied by a 0/1 mask, and the second dot of each pair (P@V, dS@K, P^T@dO,
 dS^T@Q) zeroes non-finite operands first (``_dot_finite``), because 0 * NaN is NaN; the forward
-puts NaN back where a visible value was non-finite (``_dot_visible``: issue 14's per-element
+puts NaN back where a visible value was non-finite (``_dot_visible``: the per-element
 rule; gradients are specified for finite visible inputs only). Fully visible tile pairs take the
 fast path without any mask.
 

@@ -1,7 +1,7 @@
 """Static H100 (sm_90) report: what the compiled kernels use, and a roofline model. No GPU needed.
 
     python -m ragattn.bench.sm90            # or: python -m bench.sm90, python -m ragattn bench sm90
-    python -m ragattn.bench.sm90 --out DIR  # default docs/perf/sm90-static/
+    python -m ragattn.bench.sm90 --out DIR  # default ./sm90-static/ (docs/perf/sm90-static.md is the page)
 
 For every Triton kernel at the configuration its launcher picks for the benchmark's GPU sizes
 (``bench/bench_*.py`` ``size == "gpu"``): compiled for ``GPUTarget("cuda", 90, 32)`` in a

@@ -16,7 +16,7 @@ from .roofline import roofline_cases
 # the range commonly used for the loaded figure: 700 ns is its middle. Every "needed" figure
 # scales linearly with it; the report also gives each launch's break-even latency.
 DRAM_LATENCY_NS = 700.0
-TARGET_PCT = 85.0  # issue 15: paged decode and rerotate/copy_kv must predict >= 85% of 3.35 TB/s
+TARGET_PCT = 85.0  # target: paged decode and rerotate/copy_kv must predict >= 85% of 3.35 TB/s
 # Dependent global round trips before a CTA's first main-loop load (counted from the kernel source):
 PROLOGUE_ROUND_TRIPS = {
     "paged": 4,  # tile map -> sequence bounds and kv_len -> q_pos -> page index -> first K tile

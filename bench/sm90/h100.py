@@ -24,7 +24,7 @@ SPARSE_TAIL = 64
 SPARSE_ROWS = int(0.15 * (PAGED_CTX - SPARSE_TAIL)) + SPARSE_TAIL
 KV_CACHE_SHAPES = [("N8192", 32, 8192), ("chunk512", 32, 512)]  # (tag, layers, rows); 8 KV heads, d 128, bf16
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: bench/sm90/h100.py
-DEFAULT_OUT = ROOT / "docs" / "perf" / "sm90-static"
+DEFAULT_OUT = Path("sm90-static")   # in the working folder; docs/perf/sm90-static.md is the page
 
 
 def ctas_per_sm(regs: int, smem: int, threads: int) -> Tuple[int, str]:

@@ -14,7 +14,7 @@ from .roofline import roofline_cases
 
 
 def _git_commit() -> str:
-    from ..provenance import project_commit  # ragattn's own commit only (issue 22.6)
+    from ..provenance import project_commit  # ragattn's own commit only
 
     return project_commit(str(ROOT))
 

@@ -1,6 +1,6 @@
 // The many-rows route of the CPU paged attention (paged_attention_rows_gemm.cpp): the query rows
 // of one sequence attend to its keys through two ATen GEMMs per tile of rows (scores, then P x V)
-// instead of the row-at-a-time online softmax, which runs about 2x slower per FLOP than a GEMM
+// instead of the row-at-a-time online softmax, which runs well below a GEMM's rate per FLOP
 // when hundreds of rows (a recompute pass, a prefill) share one sequence's keys.
 #pragma once
 

@@ -53,8 +53,8 @@ constexpr const char* kTaggedOp = "ragattn._paged_attention_tagged_cpu";
 // With RoPE, slot o of a page holds its key rotated by o (page-local: a page is valid at any
 // placement). A key belongs at p0 + o, and R(q_pos) q . R(p0 + o) k = R(q_pos - p0) q . R(o) k: the
 // query (given rotated at q_pos) is rotated by -p0 once per entry, in fp32, and the stored keys are
-// read in place. (Rotating every key into a scratch copy per call instead cost a decode step
-// about 2 ms more here at 16 chunks of SmolLM2: every key, every layer, every step.)
+// read in place. (Rotating every key into a scratch copy per call instead would touch every key,
+// every layer, every step.)
 // A sequence that takes the rows-GEMM route rotates its keys by p0 as it gathers them (one
 // query matrix for all its slots; the gather copies the keys anyway).
 
@@ -137,7 +137,7 @@ RAGATTN_ALWAYS_INLINE void attend_rotated_chunk(const RowState& st, const PagedA
 
 // The chunk's n slots attended: with RoPE (rope.cos_t), segment by segment; segments reset. (A
 // function, not a lambda in tagged_items: a lambda's body is compiled out of line without the
-// caller's target clone, and ran 6x slower here.)
+// caller's target clone, which makes it far slower.)
 template <typename T>
 RAGATTN_ALWAYS_INLINE void flush_chunk(const RowState& st, const PagedArgs& a, const RopeTable& rope, const float* q0,
                                        const T** kslot, const T* const* vslot, int64_t n, const int64_t* seg_at,
@@ -354,8 +354,9 @@ RAGATTN_CPU_CLONES bool gather_gemm_slots(const GemmSlot<T>* slots, int64_t j0, 
   return nonfinite == 0;
 }
 
-// Sequences with at least this many query rows take paged_attention_rows_gemm's route (at 290
-// rows x 1.6K slots it ran about 2x faster than the row blocks below); decode rows never do.
+// Sequences with at least this many query rows take paged_attention_rows_gemm's route (hundreds
+// of rows over one sequence's slots run faster as GEMMs than as the row blocks below); decode rows
+// never do.
 constexpr int64_t kGemmMinRows = 16;
 
 // Sequence b's rows [r_begin, r_end) by paged_attention_rows_gemm: its slots at positions

@@ -4,8 +4,8 @@
 // message pieces are joined here into one std::string and handed to torch as a single C string
 // (torch's one-C-string overload of its message builder uses it as it is). TORCH_CHECK's own
 // builder streams every piece into a std::ostringstream inside this extension, and on the GPU
-// image (torch 2.11.0+cu130, g++ 13.3, Ubuntu's libstdc++) that crashed on the first integer
-// (issue 23). Such a stream is half torch's: torch's wheels are built with gcc-toolset-13 over an
+// image (torch 2.11.0+cu130, g++ 13.3, Ubuntu's libstdc++) that crashed on the first integer.
+// Such a stream is half torch's: torch's wheels are built with gcc-toolset-13 over an
 // older libstdc++ and export their own copies of libstdc++ code (libc10.so: std::ostringstream's
 // constructor), and torch's libraries come before libstdc++ on an extension's link line, so the
 // extension's stream is constructed by torch's copy and written and destroyed by the system

@@ -2,8 +2,7 @@
 //
 // at::parallel_for splits a range into one contiguous block per thread. Attention items ordered
 // by position (causal rows, tiles of them) grow in cost along the range, so the thread holding the
-// last block does most of the work: at 1,616 causal rows on 2 threads the rows-GEMM route ran only
-// 1.35x faster than on 1, the padded-table kernel's rows 1.2-1.4x. Here the items are handed out
+// last block does most of the work and a second thread gains little. Here the items are handed out
 // one at a time from a shared counter, costliest first (the LPT rule: no thread is left with a
 // large item at the end), so the threads finish together. Which thread runs an item never changes
 // what the item computes. (ATen's parallel API has no dynamic schedule to ask for instead.)

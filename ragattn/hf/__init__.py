@@ -20,12 +20,15 @@ except ModuleNotFoundError as _exc:
         raise
     raise ModuleNotFoundError(INSTALL_HINT, name="transformers") from None
 
-from ragattn.hf import attention as _attention  # noqa: E402  (registers "ragattn" on import)
+from ragattn.hf import registration as _registration  # noqa: E402
 from ragattn.hf import store_model as _store_model  # noqa: E402,F401  (ChunkStore(hf_model): describes HF models)
 
 
 def enable() -> None:
     """Register the "ragattn" attention implementation with transformers (idempotent; importing
     ``ragattn.hf`` already does). Warns (RuntimeWarning) when the installed transformers is
-    outside the tested range (``ragattn.hf.attention.TESTED_TRANSFORMERS``)."""
-    _attention.register()
+    outside the tested range (``ragattn.hf.registration.TESTED_TRANSFORMERS``)."""
+    _registration.register()
+
+
+_registration.register()

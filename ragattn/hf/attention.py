@@ -1,7 +1,7 @@
-"""ragattn as a transformers attention implementation ("ragattn").
+"""ragattn as a transformers attention implementation ("ragattn"): the attention function that
+:mod:`ragattn.hf.registration` registers (importing :mod:`ragattn.hf` does).
 
-    import ragattn.hf
-    ragattn.hf.enable()                                  # registers "ragattn" (idempotent)
+    import ragattn.hf                                    # registers "ragattn" (ragattn.hf.enable(): again, idempotent)
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="ragattn")
     # or: model.set_attn_implementation("ragattn")
     model.generate(**tok(texts, return_tensors="pt", padding=True), do_sample=False)
@@ -39,8 +39,9 @@ are formed there only). Attention-logit soft-capping (Gemma 2) runs in the kerne
 (``logits_soft_cap``). Refused with a named error (rather than computed wrong): attention sinks,
 dropout in training and non-causal attention modules; model families whose attention this path
 has not been checked against (:data:`ragattn.hf.rope.SUPPORTED_FAMILIES`) are refused when the
-model is created or switched to "ragattn" (``refuse_unsupported_family``). A transformers version outside :data:`TESTED_TRANSFORMERS`
-gets a warning (``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` silences it).
+model is created or switched to "ragattn" (:func:`ragattn.hf.registration.refuse_unsupported_family`).
+A transformers version outside :data:`ragattn.hf.registration.TESTED_TRANSFORMERS` gets a warning
+(``RAGATTN_ALLOW_UNTESTED_TRANSFORMERS=1`` silences it).
 
 Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``model(...)``):
 
@@ -71,21 +72,11 @@ Keyword arguments used by ``ragattn.methods`` (all optional, passed through ``mo
 from __future__ import annotations
 
 import torch
-import transformers  # noqa: F401  (ragattn.hf.attention.transformers: the version register() checks)
 
 from ragattn import ops as _ops
 from ragattn.hf.fallbacks import _eager_forward, _refuse_unsupported, _sdpa_fallback, _soft_cap
 from ragattn.hf.masks import _FAR, _page_view, _plan, _rows_view, _visible_from_mask, _window_left
-from ragattn.hf.registration import (  # noqa: F401  (their import path since this module held them)
-    ALLOW_UNTESTED_ENV,
-    NAME,
-    TESTED_TRANSFORMERS,
-    check_transformers_version,
-    refuse_unsupported_family,
-    register,
-    use_ragattn,
-)
-from ragattn.kv import PagedKV, TaggedPagedKV, cpu_sdpa_enabled  # noqa: F401  (likewise)
+from ragattn.kv import TaggedPagedKV
 
 
 class QueryCaptured(Exception):
@@ -221,6 +212,3 @@ def _block_forward(query, key, value, attention_mask, scaling, block_ids, logits
                                  q_pos, kv_pos, blocks[:, kv - q:].reshape(-1).contiguous(),
                                  blocks.reshape(-1).contiguous(), True, scaling, -1, logits_soft_cap)
     return o.view(b, q, hq, d), None
-
-
-register()

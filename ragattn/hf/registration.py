@@ -12,6 +12,7 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ragattn.hf.attention import ragattn_attention_forward
 from ragattn.hf.rope import SUPPORTED_FAMILIES
 
 NAME = "ragattn"
@@ -70,10 +71,9 @@ def _attn_configs(model) -> list:
 
 def _switch_attn_implementation(model, old, new) -> None:
     """``model.set_attn_implementation(new)``, replayed after the first time: transformers walks
-    every submodule and re-validates the name on each call (~0.4 ms per switch on SmolLM2, twice
-    per cached prefill); the replay writes the same values into the configs it changed, when each
-    still holds the value it had then (otherwise, e.g. the user switched in between, the real
-    call runs and is recorded afresh)."""
+    every submodule and re-validates the name on each call (twice per cached prefill); the replay
+    writes the same values into the configs it changed, when each still holds the value it had
+    then (otherwise, e.g. the user switched in between, the real call runs and is recorded afresh)."""
     per_model = _SWITCHES.setdefault(model, {})
     changes = per_model.get((old, new))
     if changes is not None and all(c._attn_implementation_internal == before for c, before, _ in changes):
@@ -122,8 +122,6 @@ def _install_family_check() -> None:
 
 def register() -> None:
     """Register "ragattn" with transformers (idempotent); warns if transformers is untested."""
-    from ragattn.hf.attention import ragattn_attention_forward
-
     check_transformers_version()
     AttentionInterface.register(NAME, ragattn_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

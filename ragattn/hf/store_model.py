@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 from ragattn.hf.rope import rope_params
 from ragattn.store.fingerprint import model_fingerprint
 from ragattn.store.model import ChunkModel, register_describer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 from ragattn.methods.generate import Answer, generate_paged
 from ragattn.methods.prompt import prompt_parts
 

@@ -50,7 +50,8 @@ from typing import Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.hf.attention import QueryCaptured, use_ragattn
+from ragattn.hf.attention import QueryCaptured
+from ragattn.hf.registration import use_ragattn
 from ragattn.methods.generate import Answer, _eos_ids, _sync, generate_paged
 from ragattn.methods.prompt import prompt_parts
 

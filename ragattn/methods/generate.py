@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 
 @dataclass
 class Answer:

@@ -58,7 +58,7 @@ from typing import Optional, Sequence
 import torch
 
 from ragattn import ops as _ops
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 from ragattn.kv import PagedKV
 from ragattn.methods.generate import Answer, _eos_ids, _sync
 from ragattn.methods.prompt import prompt_parts

@@ -1,7 +1,7 @@
 """Every `python -m ragattn` sub-command fails the same way: a bad input gives one
 `error: ...` line on stderr and exit status 2, found before the work starts where it can be; an
-output that cannot be written never loses what was computed (24.6); refrag-train never replaces a
-checkpoint without --overwrite (24.5)."""
+output that cannot be written never loses what was computed; refrag-train never replaces a
+checkpoint without --overwrite."""
 import errno
 from pathlib import Path
 
@@ -124,7 +124,7 @@ def test_refrag_checkpoints_are_never_overwritten_without_asking(tmp_path):
 
 
 def test_a_zero_step_refrag_run_leaves_a_trained_checkpoint_alone(tmp_path, smollm2, minilm_dir, capsys):
-    """The issue's data loss: a 0-step run replaced the trained checkpoint at the default path."""
+    """A 0-step run must not replace the trained checkpoint at the default path."""
     from ragattn.apps import refrag_train as rt
 
     ckpt = tmp_path / "k8.pt"

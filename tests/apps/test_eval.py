@@ -47,7 +47,7 @@ def test_registry_resolves_present_methods_and_skips_absent_modules():
     assert ev.parse_args(["--methods", "fusionrag-standalone"]).methods == [ev.BASELINE, "fusionrag-standalone"]
     ghost = ev.Method("ghost", "ragattn.methods.not_written_yet", "answer")
     assert ghost.resolve() is None and "ghost" not in ev.available_methods((*ev.REGISTRY, ghost))
-    assert ev.Method("m", "ragattn.methods.common", "not_there").resolve() is None  # no such function
+    assert ev.Method("m", "ragattn.methods.generate", "not_there").resolve() is None  # no such function
     # an import failing on something other than the method's own module (a missing dependency) raises
     with pytest.raises(ModuleNotFoundError):
         ev.Method("x", "ragattn.nonexistent_pkg.mod", "f").resolve()

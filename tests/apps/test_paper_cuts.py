@@ -65,7 +65,7 @@ def test_import_registers_ragattn_with_transformers():
 
 
 def test_untested_transformers_warns_instead_of_raising(monkeypatch):
-    from ragattn.hf import attention as hfattn
+    from ragattn.hf import registration as hfattn
 
     monkeypatch.delenv(hfattn.ALLOW_UNTESTED_ENV, raising=False)
     with warnings.catch_warnings():

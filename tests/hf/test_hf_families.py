@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ragattn.hf  # noqa: F401  (registers "ragattn")
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 from ragattn.hf.rope import rope_params
 
 VOCAB = 97
@@ -222,7 +222,7 @@ def test_unsupported_family_refused_when_loading_with_a_working_hint(tmp_path):
 
 
 def test_hint_says_eager_where_transformers_refuses_sdpa():
-    from ragattn.hf.attention import refuse_unsupported_family
+    from ragattn.hf.registration import refuse_unsupported_family
 
     model = _build("gemma2")
     model.config.model_type = "gemma2-variant"   # a family without SDPA (Gemma 2's _supports_sdpa is False)

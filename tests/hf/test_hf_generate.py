@@ -9,7 +9,8 @@ import ragattn.hf
 from ragattn.hf import attention as hfattn
 from ragattn.hf import masks as hfmasks
 from ragattn.ops import paged_attention_step
-from ragattn.hf.attention import PagedKV, use_ragattn
+from ragattn.hf.registration import use_ragattn
+from ragattn.kv import PagedKV, cpu_sdpa_enabled
 from ragattn.hf.models import random_llama
 from tests.helpers import cuda_usable, require_triton_on
 
@@ -303,7 +304,7 @@ def test_paged_cpu_sdpa_path_equals_paged_op(monkeypatch):
             b = model(input_ids=ids[:, 7:8], position_ids=torch.full((2, 1), 7), use_cache=False,
                       ragattn_paged=cache).logits
         outs.append(torch.cat([a, b], 1))
-    assert hfattn.cpu_sdpa_enabled(1) is False and hfattn.cpu_sdpa_enabled(7) is False
+    assert cpu_sdpa_enabled(1) is False and cpu_sdpa_enabled(7) is False
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ragattn.hf  # noqa: F401  (registers "ragattn")
-from ragattn.hf.attention import PagedKV, use_ragattn
+from ragattn.hf.registration import use_ragattn
+from ragattn.kv import PagedKV
 from ragattn.hf.models import random_llama
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -73,7 +73,8 @@ def test_block_ids_give_block_attention_mask():
 def test_paged_batch_prefill_then_decode_equals_plain_forward():
     """ragattn_paged with B = 2: a prefill and a decode step through the paged request cache give
     the logits of one plain forward over the same tokens; a cache that would overflow is refused."""
-    from ragattn.hf.attention import PagedKV, use_ragattn
+    from ragattn.hf.registration import use_ragattn
+    from ragattn.kv import PagedKV
 
     shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=101, max_position_embeddings=256, rope_theta=1000.0)
@@ -101,7 +102,7 @@ def test_use_ragattn_replays_the_switch_and_follows_user_changes():
     over the modules); a switch made by the user in between is honoured, never undone."""
     from unittest import mock
 
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
 
     shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rope_theta=1000.0)

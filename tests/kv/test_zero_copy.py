@@ -262,7 +262,7 @@ def test_recompute_copies_only_the_pages_it_writes(method, backend, monkeypatch)
 
 
 def test_recompute_at_another_position_is_refused(model):
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
     from ragattn.methods.fusionrag import recompute
 
     store = ChunkStore(model, page_size=4)
@@ -465,7 +465,7 @@ def test_sliding_window_and_soft_cap_layers(family):
 def test_copy_on_write_without_room_changes_nothing(model):
     """A recompute whose copies do not fit in the budget raises and leaves the request as it was
     (no entry points at an unfilled page); it answers as before."""
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
     from ragattn.methods.generate import paged_forward
     from ragattn.methods.fusionrag import recompute
     from ragattn.store.errors import ChunkStoreError
@@ -488,7 +488,7 @@ def test_copy_on_write_without_room_changes_nothing(model):
 def test_a_row_that_sees_nothing_gets_zeros_not_nan(backend, monkeypatch):
     """A padding row of a masked append (not written) at a position below every key sees no slot:
     its output is 0, never NaN, on every route; the real row attends normally."""
-    from ragattn.hf.tagged import TaggedPagedKV
+    from ragattn.kv import TaggedPagedKV
     from ragattn.reference.paged_attention_table import paged_attention_table
 
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)

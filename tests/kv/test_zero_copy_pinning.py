@@ -6,7 +6,7 @@ anyone else; no page is used twice; the pool stays within its budget, shared pag
 import pytest
 import torch
 
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 from ragattn.hf.models import random_llama
 from ragattn.store import ChunkStore, ChunkStoreError
 

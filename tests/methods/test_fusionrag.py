@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragattn.apps.demo import kl_divergence
-from ragattn.hf.attention import use_ragattn
+from ragattn.hf.registration import use_ragattn
 from ragattn.hf.models import random_llama
 from ragattn.methods import fusionrag, full_prefill, turborag
 from ragattn.store import ChunkStore, ChunkStoreError

@@ -110,7 +110,7 @@ def _verify_cases():
 
 
 def _paged_cases():
-    from tests.ops.test_paged_attention import make_case
+    from tests.ops.paged_attention.test_paged_attention import make_case
 
     q, q_pos, cu, k, v, bt, kvl = make_case([[3, 4], [0]], [5, 1], num_heads=4, num_kv_heads=2, head_dim=16,
                                             page_size=4, dtype=torch.float32, device="cpu")

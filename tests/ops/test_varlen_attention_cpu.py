@@ -11,7 +11,7 @@ import torch
 import ragattn
 from ragattn.reference import varlen_attention as ref_varlen
 from tests.helpers import assert_precision, max_abs_err, poison_like, randn_nonzero, use_kernel_backend
-from tests.ops.test_paged_attention_cpu import _error
+from tests.ops.paged_attention.test_paged_attention_cpu import _error
 
 CPU_OP = torch.ops.ragattn._varlen_attention_cpu
 CPU_BWD = torch.ops.ragattn._varlen_attention_backward_cpu

@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from ragattn.hf.attention import PagedKV
+from ragattn.kv import PagedKV
 from ragattn.hf.cache import PagedCache
 from ragattn.hf.models import random_llama
 from ragattn.store import ChunkStore

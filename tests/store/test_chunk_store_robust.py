@@ -327,7 +327,7 @@ def test_stores_on_one_model_in_several_threads(model):
 def test_baseline_and_stores_in_several_threads(model):
     """A full-prefill baseline (sdpa) and chunk stores (ragattn) share one model: each waits for the
     other's implementation, none runs with the wrong one; a nested switch is an error, not a hang."""
-    from ragattn.hf.attention import use_ragattn
+    from ragattn.hf.registration import use_ragattn
     from ragattn.hf.attn_switch import attention_implementation
     from ragattn.methods.baseline import full_prefill
     from tests.methods.test_fusionrag import CharTokenizer
@@ -358,8 +358,8 @@ def test_baseline_and_stores_in_several_threads(model):
 
 
 def test_methods_follow_a_data_edit_of_the_weights():
-    """The issue's method-level repro: after ``p.data.mul_`` the wrappers answered from stale KV
-    (first logits 0.67 off, no error); a store now follows its model into every method."""
+    """After ``p.data.mul_`` no wrapper may answer from stale KV (it would be silently off): a
+    store follows its model into every method."""
     from ragattn.methods import block_attention, fusionrag
     from tests.methods.test_fusionrag import QUESTION, CharTokenizer
 

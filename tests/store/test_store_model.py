@@ -1,11 +1,9 @@
 """The chunk store over a model description (ragattn.store.ChunkModel) rather than a model: a store
 built from a hand-made description (no HF model anywhere), the HF description, the vLLM worker's
-description from the checkpoint files (no model kept), and the deprecated import paths."""
+description from the checkpoint files (no model kept), and ``ragattn.methods``' re-export of the store."""
 from __future__ import annotations
 
-import importlib
 import sys
-import warnings
 
 import pytest
 import torch
@@ -121,18 +119,8 @@ def test_the_vllm_description_keeps_no_model(tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("old,new", [("ragattn.methods.chunk_store", "ragattn.store"),
-                                     ("ragattn.methods.store", "ragattn.store"),
-                                     ("ragattn.methods.common", "ragattn.methods.generate")])
-def test_the_old_import_paths_warn_and_give_the_same_objects(old, new):
+def test_methods_reexports_the_store_and_the_baseline():
     pytest.importorskip("transformers")
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(old)
-    assert any(issubclass(w.category, DeprecationWarning) and old in str(w.message) for w in seen)
-    name = "ChunkStore" if new == "ragattn.store" else "Answer"
-    assert getattr(mod, name) is getattr(importlib.import_module(new), name)
     import ragattn.methods
     assert ragattn.methods.ChunkStore is ChunkStore
     assert ragattn.methods.full_prefill.__module__ == "ragattn.methods.baseline"

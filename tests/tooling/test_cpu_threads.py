@@ -17,7 +17,7 @@ import torch
 import ragattn
 from tests.helpers import randn_nonzero
 from tests.ops.test_kv_cache import inv_freq_for, rand_delta
-from tests.ops.test_paged_attention import make_case as paged_case
+from tests.ops.paged_attention.test_paged_attention import make_case as paged_case
 from tests.ops.test_verify_draft import make_case as verify_case
 
 THREADS = (1, 2, 3)  # 3 threads on a 2-core machine too: uneven splits
@@ -195,15 +195,3 @@ def test_verify_draft(seed, eta):
             return ragattn.verify_draft(x, q, z, u, eta=eta)
 
     assert_thread_count_invariant(run, f"verify_draft eta={eta}")
-
-
-def test_threads_ab_bench_runs(capsys):
-    """`python -m ragattn.bench.cpu_threads_ab` (the 1-vs-2-thread timing of these kernels) runs."""
-    from ragattn.bench import cpu_threads_ab
-
-    cpu_threads_ab.main(rounds=1)
-    lines = capsys.readouterr().out.splitlines()
-    names = ["assemble", "copy_kv_+rotate", "copy_kv_ ", "rerotate_keys_", "paged decode", "paged 51 rows",
-             "paged prefill", "varlen prefill", "tagged decode", "tagged 259 rows", "control: torch copy_"]
-    assert len(lines) == len(names) and all("speedup" in ln for ln in lines), lines
-    assert all(ln.startswith(name) for ln, name in zip(lines, names)), lines

@@ -320,5 +320,5 @@ def test_ab_runs_once_per_machine(tmp_path):
     proc, summary = _run_script(tmp_path, ["ab"], hang="(nothing hangs)")
     assert "ab: done by an earlier call" in proc.stdout and _steps(summary) == [], proc.stdout
     (tmp_path / "work" / "ab" / "done").unlink()
-    proc, summary = _run_script(tmp_path, ["ab"], hang="bench.ab_kernels", STAGE_TIMEOUT="3")
+    proc, summary = _run_script(tmp_path, ["ab"], hang="scripts/ab_kernels.py", STAGE_TIMEOUT="3")
     assert proc.returncode == 1 and not (tmp_path / "work" / "ab" / "done").exists(), proc.stdout

@@ -154,8 +154,8 @@ def test_paged_attention_reads_its_table_and_every_tune_candidate():
 
 
 def test_paged_splits_never_leave_a_partial_wave():
-    """At most waves x SMs programs (the H100 measured a 288-program decode 1.4x slower than a
-    256-program one: 24 programs past the 264 slots ran as a second wave)."""
+    """At most waves x SMs programs: programs past a whole number of waves run as a further, mostly
+    empty wave (e.g. 288 programs on an H100's 264 slots)."""
     from ragattn.triton_kernels import paged_attention as pa
 
     for programs in (1, 7, 32, 100, 256, 263, 264, 1000):

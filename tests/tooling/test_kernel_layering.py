@@ -124,8 +124,8 @@ def test_the_layering_checks_see_a_broken_rule(tmp_path):
                                    "torch.ops.ragattn._paged_attention_tagged_cpu"]
     k = tmp_path / "kv.py"
     k.write_text("from ragattn.ops import PageTable\nfrom ragattn.hf.rope import rope_params\n"
-                 "def f():\n    import transformers\n    from ragattn.methods.store import chunk_store\n")
-    assert _kv_errors(k) == ["ragattn.hf.rope", "transformers", "ragattn.methods.store"]
+                 "def f():\n    import transformers\n    from ragattn.methods.baseline import full_prefill\n")
+    assert _kv_errors(k) == ["ragattn.hf.rope", "transformers", "ragattn.methods.baseline"]
     c = tmp_path / "csrc"
     c.mkdir()
     (c / "op.cpp").write_text('// RAGATTN_CPU_BACKEND in a comment is fine\nconst char* e = std::getenv("RAGATTN_CPU_BACKEND");\n')
@@ -143,7 +143,7 @@ LIBRARY_FILES = sorted(p for p in PKG.rglob("*.py")
                        if PKG / "apps" not in p.parents and p != PKG / "__main__.py")
 STORE_MAY_NOT_IMPORT = ("ragattn.hf", "ragattn.methods", "ragattn.apps", "ragattn.vllm", "ragattn.bench")
 # The request caches the store fills (the copy path's PagedKV, the zero-copy TaggedPagedKV) are the
-# request KV layer's: the store imports them from ragattn.kv, never from their former ragattn.hf paths.
+# request KV layer's: the store imports them from ragattn.kv.
 
 
 def _import_targets(path: pathlib.Path, package: str):
@@ -197,17 +197,16 @@ def test_no_library_module_imports_an_app(path):
 
 
 def test_the_store_and_app_checks_see_what_they_forbid(tmp_path):
-    """The walks see nested, relative and ``from ragattn import`` forms (the tests above can fail),
-    the request caches' former ragattn.hf paths included (the store takes them from ragattn.kv)."""
-    src = ("def f():\n    from ragattn.hf.rope import rope_params\n    from ragattn.hf.attention import PagedKV\n"
-           "    from ..hf.tagged import TaggedPagedKV\n    from .. import apps\n    import ragattn.methods.prompt\n")
+    """The walks see nested, relative and ``from ragattn import`` forms (the tests above can fail)."""
+    src = ("def f():\n    from ragattn.hf.rope import rope_params\n    from ragattn.hf.attention import QueryCaptured\n"
+           "    from ..hf.cache import PagedCache\n    from .. import apps\n    import ragattn.methods.prompt\n")
     tree_file = tmp_path / "m.py"
     tree_file.write_text(src)
     targets = set(_import_targets(tree_file, "ragattn.store"))
     assert "ragattn.hf.rope.rope_params" in targets and "ragattn.apps" in targets
     assert "ragattn.methods.prompt" in targets
-    assert {"ragattn.hf.attention.PagedKV", "ragattn.hf.tagged.TaggedPagedKV"} <= targets
+    assert {"ragattn.hf.attention.QueryCaptured", "ragattn.hf.cache.PagedCache"} <= targets
     assert _module_package(PKG / "store" / "model.py") == "ragattn.store"
     assert sorted({t for t in targets if any(_reaches(t, p) for p in STORE_MAY_NOT_IMPORT)}) == [
-        "ragattn.apps", "ragattn.hf.attention", "ragattn.hf.attention.PagedKV", "ragattn.hf.rope",
-        "ragattn.hf.rope.rope_params", "ragattn.hf.tagged", "ragattn.hf.tagged.TaggedPagedKV", "ragattn.methods.prompt"]
+        "ragattn.apps", "ragattn.hf.attention", "ragattn.hf.attention.QueryCaptured", "ragattn.hf.cache",
+        "ragattn.hf.cache.PagedCache", "ragattn.hf.rope", "ragattn.hf.rope.rope_params", "ragattn.methods.prompt"]

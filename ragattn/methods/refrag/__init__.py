@@ -1,4 +1,4 @@
-"""REFRAG (issue 12): chunk encoder + projector, the mixed token / chunk-embedding decoder input
+"""REFRAG: chunk encoder + projector, the mixed token / chunk-embedding decoder input
 (``torch.ops.ragattn.refrag_assemble``), selective expansion, generation on HF decoders.
 
     from ragattn.methods.refrag import RefragModel, chunk_context, RandomPolicy

@@ -1,0 +1,133 @@
+"""A/B of kernel variants on a GPU, in one process (scripts/gpu_check.sh's stage `ab`; not part of
+the benchmark suite):
+1. decode on a zero-copy request's position-tagged table, keys rotated in the kernel, against the
+   same table over rotated keys and the padded table (batch 32 x 32K, bf16, 32/8 heads, d128, page 16);
+2. decode under a 4096 window at 2, 4, 8 and 16 splits;
+3. varlen_attention's forward (8 x 4096 + 50 Block-Attention, and a 4096 window over 16K) at the
+   table's tile (128 x 32, 8 warps, 3 stages) and wider ones, and with TMA loads.
+
+    python scripts/ab_kernels.py OUT.jsonl
+
+``AB_DRY=1`` runs the same steps at tiny sizes on the CPU (a check of the script, no timing).
+``AB_PARTS=paged`` or ``varlen`` runs one part (default both).
+Every result is appended to OUT.jsonl as it is measured (a run cut short keeps them) and printed.
+Times: triton.testing.do_bench medians (L2 flushed between calls). Run from the repository root
+with the extension built (scripts/gpu_check.sh --build-only).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+import ragattn
+import ragattn.triton_kernels.varlen_attention as va
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "ab.jsonl"
+DRY = os.environ.get("AB_DRY") == "1"
+dev = torch.device("cpu" if DRY else "cuda")
+bf16, i32 = torch.bfloat16, torch.int32
+gen = torch.Generator(device=dev).manual_seed(0)
+if DRY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def record(**row):
+    row["gpu"] = "dry run (cpu)" if DRY else torch.cuda.get_device_name(dev)
+    print(json.dumps(row), flush=True)
+    with open(OUT, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def us(fn):
+    if DRY:
+        fn()
+        return 0.0
+    return float(do_bench(fn, warmup=25, rep=100)) * 1e3
+
+
+def randn(*shape):
+    return torch.randn(*shape, generator=gen, device=dev).to(bf16)
+
+
+B, CTX, H, HKV, D, PAGE = (2, 512, 4, 2, 64, 16) if DRY else (32, 32768, 32, 8, 128, 16)
+W = 64 if DRY else 4096
+
+
+def paged():
+    """Parts 1 and 2: paged decode, batch 32 x 32K."""
+    pages = CTX // PAGE
+    perm = torch.randperm(B * pages).to(i32)
+    bt = perm.view(B, pages).to(dev)
+    k, v = randn(B * pages, PAGE, HKV, D), randn(B * pages, PAGE, HKV, D)
+    q = randn(B, H, D)
+    q_pos = torch.full((B,), CTX - 1, dtype=i32, device=dev)
+    cu = torch.arange(B + 1, dtype=i32, device=dev)
+    kv_lens = torch.full((B,), CTX, dtype=i32, device=dev)
+    indptr = torch.arange(0, (B + 1) * pages, pages, dtype=i32, device=dev)
+    first = (torch.arange(pages, dtype=i32, device=dev) * PAGE).repeat(B)
+    valid = torch.full_like(first, PAGE)
+    tagged = ragattn.PageTable.from_entries(indptr, bt.reshape(-1), first, valid, PAGE)
+    padded = ragattn.PageTable.from_block_table(bt, kv_lens)
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(dev)
+    kw = dict(num_heads=H, num_kv_heads=HKV, head_dim=D, dtype=bf16)
+    p_tag = ragattn.plan_paged_attention(cu, tagged, **kw)
+    p_pad = ragattn.plan_paged_attention(cu, padded, **kw)
+    for name, fn in [("tagged_rope_in_kernel", lambda: ragattn.run_paged_attention(p_tag, q, q_pos, k, v, inv_freq=inv_freq)),
+                     ("tagged_keys_rotated", lambda: ragattn.run_paged_attention(p_tag, q, q_pos, k, v)),
+                     ("padded_keys_rotated", lambda: ragattn.run_paged_attention(p_pad, q, q_pos, k, v))]:
+        record(case="decode_b32_ctx32768", variant=name, us=us(fn), launch=list(p_tag.launch) if "tagged" in name else
+               list(p_pad.launch))
+    ref = ragattn.run_paged_attention(p_pad, q, q_pos, k, v)[0].float()
+    got = ragattn.run_paged_attention(p_tag, q, q_pos, k, v)[0].float()
+    record(case="decode_b32_ctx32768", variant="tagged vs padded max abs diff (same keys)", us=None,
+           diff=float((got - ref).abs().max()))
+
+    kc = k[bt.long()].reshape(B, -1, HKV, D)[:, CTX - W: CTX].transpose(1, 2).contiguous()
+    vc = v[bt.long()].reshape(B, -1, HKV, D)[:, CTX - W: CTX].transpose(1, 2).contiguous()
+    record(case="decode_window4096", variant="sdpa_contiguous_window_gqa",
+           us=us(lambda: torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, enable_gqa=True)))
+    for splits in (None, 2, 4, 8, 16):
+        plan = ragattn.plan_paged_attention(cu, padded, window_left=W - 1, num_splits=splits, **kw)
+        record(case="decode_window4096", variant=f"splits={splits or 'auto'}", launch=list(plan.launch),
+               us=us(lambda: ragattn.run_paged_attention(plan, q, q_pos, k, v)))
+    del k, v, kc, vc
+    if not DRY:
+        torch.cuda.empty_cache()
+
+
+# ---- 3: varlen forward tiles
+def varlen_problem(n, c, tail, window):
+    L = n * c + tail
+    blk = torch.cat([torch.arange(n).repeat_interleave(c), torch.full((tail,), -1)]).to(i32).to(dev)
+    qq, kk, vv = randn(L, H, D), randn(L, HKV, D), randn(L, HKV, D)
+    cuq = torch.tensor([0, L], dtype=i32, device=dev)
+    if window:
+        return lambda: ragattn.varlen_attention(qq, kk, vv, cuq, cuq, window_left=W - 1)
+    return lambda: ragattn.varlen_attention(qq, kk, vv, cuq, cuq, q_block=blk, kv_block=blk)
+
+
+def varlen():
+    """Part 3: varlen_attention's forward at several tiles."""
+    orig_config = va._config
+    for case, fn in [("varlen_chunks8x4096+50", varlen_problem(*((2, 40, 6) if DRY else (8, 4096, 50)), False)),
+                     ("varlen_window4096_L16384", varlen_problem(1, 160 if DRY else 16384, 0, True))]:
+        for cfg in [None, (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), "tma"]:
+            os.environ["RAGATTN_VARLEN_TMA"] = "1" if cfg == "tma" else "0"
+            va._config = orig_config if cfg in (None, "tma") else (lambda *a, _c=cfg, **k: _c)
+            try:
+                record(case=case, variant=f"tile={cfg or 'table'}", us=us(fn))
+            except Exception as exc:  # a config that does not compile here
+                record(case=case, variant=f"tile={cfg}", us=None, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+    va._config = orig_config
+
+
+PARTS = os.environ.get("AB_PARTS", "paged,varlen").split(",")
+t0 = time.time()
+if "paged" in PARTS:
+    paged()
+if "varlen" in PARTS:
+    varlen()
+print(f"done in {time.time() - t0:.0f} s")
