@@ -1,8 +1,10 @@
-"""Zero-copy requests (:meth:`ChunkStore.request` -> :class:`ZeroCopyRequest`): a position-tagged
-page table over the chunks' own pool pages, pinned until the request is released, plus private
-pool pages for the final block and the answer (docs/chunk-store.md).
+"""Zero-copy requests over the resident set (``ChunkStore.request`` -> :class:`ZeroCopyRequest`):
+a position-tagged page table over the chunks' own pool pages, pinned until the request is
+released, plus private pool pages for the final block and the answer (docs/chunk-store.md).
 
-Part of :class:`~ragattn.store.ChunkStore` (a mixin over its pool, entries and RoPE).
+    builder = ZeroCopyBuilder(resident, loader.pin)
+    with builder.request(keys, positions="reordered", extra_slots=64) as req:
+        ...                                   # req.cache: a ragattn.kv.TaggedPagedKV
 """
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from typing import Sequence
 
 import torch
 
+from ragattn.kv import TaggedPagedKV
 from ragattn.store.copy_out import _check_chunks_and_extra, _chunk_starts
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.page_pool import PagePool
+
 
 def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, live: dict) -> None:
     """Finalizer of a zero-copy request: its private pages go back to the pool, its chunks are
@@ -80,8 +84,13 @@ class ZeroCopyRequest:
         self.release()
 
 
-class _ZeroCopy:
-    """Requests that read the pool in place."""
+class ZeroCopyBuilder:
+    """Requests that read the pool of a :class:`~ragattn.store.resident.ResidentSet` in place.
+    ``pin(keys) -> (entries, pinned)`` makes the chunks resident and pins them (the loader's
+    :meth:`~ragattn.store.loader.Loader.pin`)."""
+
+    def __init__(self, resident, pin):
+        self.resident, self._pin = resident, pin
 
     @torch.no_grad()
     def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
@@ -96,7 +105,6 @@ class _ZeroCopy:
         from 0; the final block starts at ``max n_i``), or a sequence of ints: the first position
         of each chunk (any scheme: Block-Attention's offsets, gaps, overlaps); the final block
         starts after the furthest chunk end. Release with ``req.release()`` or ``with``."""
-        self._sync()
         _check_chunks_and_extra("request", keys, extra_slots)
         if isinstance(positions, str):
             if positions not in ("reordered", "composite"):
@@ -112,33 +120,31 @@ class _ZeroCopy:
             if len(firsts) != len(keys) or any(p < 0 for p in firsts):
                 raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
                                       f"per chunk ({len(keys)}), got {list(positions)}")
-        # the zero-copy request cache (the request KV layer's, engine-neutral; in ragattn.hf until
-        # that layer has a package of its own: tests/tooling/test_kernel_layering.py lets this name through)
-        from ragattn.kv import TaggedPagedKV
-
+        rs = self.resident
+        p = rs.pool
         entries, pinned = self._pin(keys)
         private: list = []
-        self._live_requests[id(pinned)] = (pinned, private)   # what holds the pool, for its refusals
+        rs.live_requests[id(pinned)] = (pinned, private)   # what holds the pool, for its refusals
         try:
             lens = [e.length for e in entries]
             starts = _chunk_starts(lens)
             if firsts is None:
                 firsts = starts if positions == "reordered" else [0] * len(lens)
             next_pos = max(f + n for f, n in zip(firsts, lens))
-            if next_pos + extra_slots > self.max_positions:
+            if next_pos + extra_slots > p.max_positions:
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore.request: chunks up to position {next_pos} + {extra_slots} extra slots "
-                    f"exceed the model's window (max_position_embeddings={self.max_positions})")
-            ps, pool = self.page_size, self._pool
+                    f"exceed the model's window (max_position_embeddings={p.max_positions})")
+            ps = p.page_size
 
             def alloc_page():
-                parts = self._alloc(ps)
+                parts = rs.alloc(ps)
                 private.extend(parts)
                 slab, pages, _ = parts[0]
                 return slab.k_pages, slab.v_pages, pages[0]
 
-            cache = TaggedPagedKV(self.num_layers, self.num_kv_heads, self.head_dim, ps, self.dtype, self.device,
-                                  self._inv_freq, self.rope.rotary_dim, self.rope.interleaved, alloc_page)
+            cache = TaggedPagedKV(p.num_layers, p.num_kv_heads, p.head_dim, ps, p.dtype, p.device,
+                                  rs.inv_freq, rs.rope.rotary_dim, rs.rope.interleaved, alloc_page)
             for e, first in zip(entries, firsts):
                 at = 0
                 for slab, pages, r in e.parts:
@@ -147,17 +153,17 @@ class _ZeroCopy:
                     cache.add_entries(slab.k_pages, slab.v_pages, pages, pos, valid)
                     at += r
             if extra_slots:
-                parts = self._alloc(extra_slots)
+                parts = rs.alloc(extra_slots)
                 private.extend(parts)
                 for slab, pages, _ in parts:
                     cache.add_private(slab.k_pages, slab.v_pages, pages)
         except BaseException:
-            self._live_requests.pop(id(pinned), None)
+            rs.live_requests.pop(id(pinned), None)
             PagePool.free(private)
-            self._unpin(pinned)
+            rs.unpin(pinned)
             raise
-        release = weakref.finalize(cache, _release_request, pool, pinned, private, weakref.ref(cache),
-                                   self._live_requests)
+        release = weakref.finalize(cache, _release_request, p, pinned, private, weakref.ref(cache),
+                                   rs.live_requests)
         release.atexit = False
         pos = torch.cat([f + torch.arange(n, dtype=torch.int32) for f, n in zip(firsts, lens)])
-        return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * self.row_bytes)
+        return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * p.row_bytes)
