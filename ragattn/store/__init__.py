@@ -26,7 +26,7 @@ fill), never the model patches, the methods, the engines or the apps
 """
 from ragattn.store.chunk_store import ChunkStore
 from ragattn.store.copy_out import AssembledRequest
-from ragattn.store.disk_tier import FORMAT
+from ragattn.store.disk_tier import FORMAT, chunk_file, chunk_files
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key, weight_checksums
 from ragattn.store.model import ChunkModel, Rope, describe_model, register_describer
@@ -34,6 +34,6 @@ from ragattn.store.page_pool import DEFAULT_BUDGET_FRACTION, default_budget
 from ragattn.store.remote_tier import RemoteTier
 from ragattn.store.zero_copy import ZeroCopyRequest
 
-__all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "ChunkModel", "Rope", "FORMAT",
+__all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "ChunkModel", "Rope", "FORMAT", "chunk_file", "chunk_files",
            "DEFAULT_BUDGET_FRACTION", "chunk_key", "default_budget", "describe_model", "model_fingerprint",
            "register_describer", "RemoteTier", "variant_key", "weight_checksums"]

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ragattn.store.disk_tier import DiskTier, read_chunk_file, write_chunk_file
+from ragattn.store.disk_tier import DiskTier, is_chunk_file, read_chunk_file, write_chunk_file
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import variant_key
 from ragattn.store.model import ChunkModel
@@ -157,7 +157,7 @@ class Loader:
     def load(self, key_or_path: str | os.PathLike) -> str:
         """``ChunkStore.load``: one chunk file, by key in the store's directory or by path."""
         p = Path(key_or_path)
-        if not p.suffix == ".safetensors":
+        if not is_chunk_file(p):
             text = str(key_or_path)
             if not _KEY.match(text):
                 raise ChunkStoreError(f"ragattn.ChunkStore.load: {text!r} is neither a chunk key (40 hex "

@@ -215,3 +215,14 @@ def test_loader_reads_a_fleet_remote_before_computing():
     third, stats = _loader(4, calls, remote=remote, fingerprint="toy-2")     # other weights: not served
     third.add([[1, 2, 3]])
     assert stats["computed"] == 1 and remote.stats["remote_hits"] == 2
+
+
+def test_one_chunk_file_naming_rule(tmp_path):
+    from ragattn.store import chunk_file, chunk_files
+    calls = []
+    ld, _ = _loader(4, calls, tmp_path)
+    keys = ld.add([[1, 2, 3], [4, 5]])
+    assert [ld.disk.path(k) for k in keys] == [chunk_file(tmp_path, k) for k in keys]
+    assert chunk_files(tmp_path) == sorted(chunk_file(tmp_path, k) for k in keys)
+    assert all(chunk_file(tmp_path, k).is_file() for k in keys)
+    assert ld.load(chunk_file(tmp_path, keys[0])) == keys[0]
