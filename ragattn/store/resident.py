@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ragattn import ops as _ops
+from ragattn.ops.page_table import page_offset
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.page_pool import PagePool, _Slab
 
@@ -69,7 +70,7 @@ class ResidentSet:
     def pool_offsets(self, rows: torch.Tensor) -> torch.Tensor:
         """The pool's one rule for keys: pool row ``r`` (or a chunk's token ``r``: its pages are
         whole but its last) holds its key rotated by its offset in its page, ``r % page_size``."""
-        return rows % self.page_size
+        return page_offset(rows, self.page_size)
 
     # ----- pages and eviction -------------------------------------------------------------------
     def alloc(self, n: int):
