@@ -16,6 +16,7 @@ One module per part:
 * :mod:`.remote_tier`: :class:`RemoteTier`, the same chunk files shared by a fleet on a Redis/Valkey
   server (split values, atomic publication, HMAC-authenticated);
 * :mod:`.loader`: the miss policy (memory, disk, remote, recompute) and how chunks enter;
+* :mod:`.positions`: :class:`Positions`, the one position-scheme type of every request;
 * :mod:`.copy_out`, :mod:`.zero_copy`: the request builders over the resident set;
 * :mod:`.chunk_store`: :class:`ChunkStore`, the thin front composing them (model following, keys,
   lookups).
@@ -31,9 +32,10 @@ from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key, weight_checksums
 from ragattn.store.model import ChunkModel, Rope, describe_model, register_describer
 from ragattn.store.page_pool import DEFAULT_BUDGET_FRACTION, default_budget
+from ragattn.store.positions import Positions
 from ragattn.store.remote_tier import RemoteTier
 from ragattn.store.zero_copy import ZeroCopyRequest
 
 __all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "ChunkModel", "Rope", "FORMAT", "chunk_file", "chunk_files",
-           "DEFAULT_BUDGET_FRACTION", "chunk_key", "default_budget", "describe_model", "model_fingerprint",
+           "DEFAULT_BUDGET_FRACTION", "Positions", "chunk_key", "default_budget", "describe_model", "model_fingerprint",
            "register_describer", "RemoteTier", "variant_key", "weight_checksums"]

@@ -9,7 +9,6 @@ positions in the same ``ragattn.copy_kv_`` pass (docs/chunk-store.md: copy-out s
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -19,6 +18,7 @@ import torch
 from ragattn import ops as _ops
 from ragattn.kv import PagedKV
 from ragattn.store.errors import ChunkStoreError
+from ragattn.store.positions import Positions
 
 _MAX_POSITION = (1 << 31) - 1   # rotation deltas are int32
 
@@ -31,11 +31,6 @@ def _check_chunks_and_extra(method: str, keys, extra_slots) -> None:
     if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
         raise ChunkStoreError(f"ragattn.ChunkStore.{method}: extra_slots must be an integer >= 0, "
                               f"got {extra_slots!r}")
-
-
-def _chunk_starts(lens: Sequence[int]) -> list[int]:
-    """Each chunk's first logical slot: chunk after chunk."""
-    return [0, *itertools.accumulate(lens[:-1])]
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -169,8 +164,8 @@ class CopyOutBuilder:
     def _request_cache(self, capacity: int, page_size: int):
         """A fresh batch-1 ``PagedKV``. On the CPU its memory is the buffer of a request cache
         that has died (when no view of it is left anywhere), so that assembling does not
-        page-fault a new 30+ MB allocation in on every request (about as long as the copy
-        itself); the buffer comes back when the returned cache is garbage-collected."""
+        page-fault a new allocation of the whole cache in on every request; the buffer comes back
+        when the returned cache is garbage-collected."""
         dims = (self.num_layers, 1, capacity, self.num_kv_heads, self.head_dim, page_size)
         if self.device.type != "cpu":   # the CUDA caching allocator already recycles
             return PagedKV(*dims, self.dtype, self.device)
@@ -191,12 +186,11 @@ class CopyOutBuilder:
 
         ``positions``: "reordered" (chunk i at consecutive positions ``o_i + j``, keys re-rotated
         by ``o_i`` in the same ``copy_kv_`` pass) or "composite" (every chunk keeps ``0..n_i-1``;
-        the final block starts at ``max n_i``). ``extra_slots``: room for the final block and the
+        the final block starts at ``max n_i``); first positions are refused (:mod:`.positions`:
+        this cache's slots stand for positions). ``extra_slots``: room for the final block and the
         generated tokens. ``rerotate=False`` skips the rotation (wrong on purpose; for tests).
         """
-        if positions not in ("reordered", "composite"):
-            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: positions must be 'reordered' or "
-                                  f"'composite', got {positions!r}")
+        scheme = Positions.parse(positions, "ragattn.ChunkStore.assemble", named_only=True).scheme
         _check_chunks_and_extra("assemble", keys, extra_slots)
         if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
             raise ChunkStoreError(f"ragattn.ChunkStore.assemble: page_size must be an integer >= 1 or None, "
@@ -204,9 +198,9 @@ class CopyOutBuilder:
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
-            starts = _chunk_starts(lens)
+            starts = Positions("reordered").first_positions(lens)
             total = sum(lens)
-            next_pos = total if positions == "reordered" else max(lens)
+            next_pos = Positions(scheme).next_position(lens)
             if next_pos + extra_slots > self.max_positions:
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore.assemble: {total} chunk tokens + {extra_slots} extra slots exceed "
@@ -214,7 +208,7 @@ class CopyOutBuilder:
             cache = self._request_cache(total + extra_slots, page_size or self.page_size)
             slots = torch.arange(total, device=self.device)
             dst = cache.slot_rows(0, slots)
-            if positions == "reordered":
+            if scheme == "reordered":
                 pos = slots.to(torch.int32)
             else:
                 pos = self._local_positions(lens).to(torch.int32)
@@ -225,5 +219,5 @@ class CopyOutBuilder:
             self.resident.unpin(pinned)
         cache.lengths[0] = total
         # composite: the chunks share positions 0.. (a sliding window follows ragattn.kv.window)
-        cache.overlapping_positions = positions == "composite" and sum(n > 0 for n in lens) > 1
+        cache.overlapping_positions = scheme == "composite" and sum(n > 0 for n in lens) > 1
         return AssembledRequest(cache, starts, lens, pos, next_pos)

@@ -16,7 +16,7 @@ _FIRST_SLAB_PAGES = 16          # quarter), at least 16 pages: a typical request
 # On the CPU a slab's pages take memory when first written (torch.empty maps them lazily), so the
 # first slab may be larger there: a request's chunks, its private pages and its copies on write
 # then share one slab, and its attention is one kernel call per layer, not one per slab merged by
-# LSE (at 64 MiB, SmolLM2-135M fp32: 1456 tokens, a 1.6K-token recompute read 3 slabs).
+# LSE.
 _FIRST_SLAB_BYTES_CPU = 1 << 30
 
 

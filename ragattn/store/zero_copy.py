@@ -14,9 +14,10 @@ from typing import Sequence
 import torch
 
 from ragattn.kv import TaggedPagedKV
-from ragattn.store.copy_out import _check_chunks_and_extra, _chunk_starts
+from ragattn.store.copy_out import _check_chunks_and_extra
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.page_pool import PagePool
+from ragattn.store.positions import Positions
 
 
 def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, live: dict) -> None:
@@ -31,14 +32,6 @@ def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, liv
     for e in pinned:
         e.pins -= 1
     pinned.clear()
-
-
-def _whole_number(p) -> bool:
-    """An int, an integral float or an integer tensor element; not a bool, 1.5 or a string."""
-    try:
-        return not isinstance(p, bool) and float(p).is_integer()
-    except (TypeError, ValueError):
-        return False
 
 
 class ZeroCopyRequest:
@@ -104,22 +97,10 @@ class ZeroCopyBuilder:
         ``positions``: "reordered" (chunk i from ``o_i``, consecutive), "composite" (every chunk
         from 0; the final block starts at ``max n_i``), or a sequence of ints: the first position
         of each chunk (any scheme: Block-Attention's offsets, gaps, overlaps); the final block
-        starts after the furthest chunk end. Release with ``req.release()`` or ``with``."""
+        starts after the furthest chunk end (:class:`~ragattn.store.positions.Positions`). Release
+        with ``req.release()`` or ``with``."""
         _check_chunks_and_extra("request", keys, extra_slots)
-        if isinstance(positions, str):
-            if positions not in ("reordered", "composite"):
-                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be 'reordered', 'composite' "
-                                      f"or each chunk's first position, got {positions!r}")
-            firsts = None
-        else:
-            # whole numbers only: int() would truncate 1.5 to 1 silently (a bool is no position either)
-            if not all(_whole_number(p) for p in positions):
-                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be whole numbers, got "
-                                      f"{list(positions)}")
-            firsts = [int(p) for p in positions]
-            if len(firsts) != len(keys) or any(p < 0 for p in firsts):
-                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
-                                      f"per chunk ({len(keys)}), got {list(positions)}")
+        scheme = Positions.parse(positions, "ragattn.ChunkStore.request", count=len(keys))
         rs = self.resident
         p = rs.pool
         entries, pinned = self._pin(keys)
@@ -127,10 +108,9 @@ class ZeroCopyBuilder:
         rs.live_requests[id(pinned)] = (pinned, private)   # what holds the pool, for its refusals
         try:
             lens = [e.length for e in entries]
-            starts = _chunk_starts(lens)
-            if firsts is None:
-                firsts = starts if positions == "reordered" else [0] * len(lens)
-            next_pos = max(f + n for f, n in zip(firsts, lens))
+            starts = Positions("reordered").first_positions(lens)
+            firsts = scheme.first_positions(lens)
+            next_pos = scheme.next_position(lens)
             if next_pos + extra_slots > p.max_positions:
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore.request: chunks up to position {next_pos} + {extra_slots} extra slots "
