@@ -21,6 +21,7 @@ import torch
 from ragattn.kv.cpu_sdpa import cpu_sdpa_enabled, head_rows, row_masks, rows_sdpa
 from ragattn.kv.window import check_window
 from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.ops.page_table import num_pages, slot_rows
 
 
 class CopyForward:
@@ -53,7 +54,7 @@ class PagedKV:
 
     def __init__(self, num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16,
                  dtype=torch.float32, device="cpu", buffer: torch.Tensor | None = None):
-        pages_per_row = max(1, -(-capacity // page_size))
+        pages_per_row = max(1, num_pages(capacity, page_size))
         n_pages = batch * pages_per_row
         self.page_size, self.capacity = page_size, pages_per_row * page_size
         shape = (n_pages, page_size, num_kv_heads, head_dim)
@@ -90,19 +91,16 @@ class PagedKV:
     @staticmethod
     def buffer_numel(num_layers, batch, capacity, num_kv_heads, head_dim, page_size=16) -> int:
         """Elements of the ``buffer`` a cache of these sizes needs (K and V of every layer)."""
-        pages = batch * max(1, -(-capacity // page_size))
+        pages = batch * max(1, num_pages(capacity, page_size))
         return 2 * num_layers * pages * page_size * num_kv_heads * head_dim
 
     def slot_rows(self, b: int, slots: torch.Tensor) -> torch.Tensor:
         """Flat row indices (into a layer viewed as ``[num_pages * page_size, Hkv, D]``) of ``slots``."""
-        pages = self.block_table[b].long()[slots.long() // self.page_size]
-        return pages * self.page_size + slots.long() % self.page_size
+        return slot_rows(self.block_table[b], slots, self.page_size)
 
     def all_slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Like :meth:`slot_rows` for every row at once: ``slots`` int ``[B, n]`` -> int64 ``[B, n]``."""
-        s = slots.long()
-        pages = self.block_table.long().gather(1, s // self.page_size)
-        return pages * self.page_size + s % self.page_size
+        return slot_rows(self.block_table, slots, self.page_size)
 
     def scatter_plan(self, slots: torch.Tensor, first_layer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [q] int64, positions [q] int32)`` for writing ``q`` tokens of row 0 at ``slots``

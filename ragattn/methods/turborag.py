@@ -19,20 +19,17 @@ header) and the answer attend to everything, through ``ragattn.paged_attention``
 from __future__ import annotations
 
 from ragattn.methods.cached_answer import cached_answer
-
 from ragattn.methods.generate import Answer
-
-POSITIONS = ("reordered", "composite")
+from ragattn.store.positions import Positions
 
 
 def answer(model, tokenizer, chunks, question: str, *, positions: str = "reordered",
            max_new_tokens: int = 32, store=None, zero_copy: bool = True, **generate_kwargs) -> Answer:
     """``generate_kwargs`` go to ``model.generate()`` (default greedy): sampling, logits
     processors, ``stop_strings``... ``zero_copy`` (default): attend to the store's chunk pages
-    in place; False: copy them into a request cache first (see ``common.cached_answer``)."""
-    if positions not in POSITIONS:
-        raise ValueError(f"ragattn.methods.turborag.answer: positions must be one of {POSITIONS}, "
-                         f"got {positions!r}")
+    in place; False: copy them into a request cache first (see ``ragattn.methods.cached_answer``)."""
+    # the method's two schemes (its names: turborag-reordered, turborag-composite), no first positions
+    Positions.parse(positions, "ragattn.methods.turborag.answer", named_only=True, error=ValueError)
     return cached_answer(model, tokenizer, chunks, question, positions=positions,
                          method=f"turborag-{positions}", max_new_tokens=max_new_tokens, store=store,
                          zero_copy=zero_copy, **generate_kwargs)

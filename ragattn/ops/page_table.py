@@ -170,6 +170,41 @@ class PageTable:
                    entry_start=start)
 
 
+
+# ----- the page arithmetic every cache shares (one home; see the slot rule in the module docstring) -----
+def page_offset(rows, page_size: int):
+    """A slot's (or a flat row's) offset in its page: ``rows % page_size`` (a tensor or an int).
+    Page-local keys are rotated by it."""
+    return rows % page_size
+
+
+def page_row(pages, offsets, page_size: int):
+    """The flat row (a cache viewed as ``[num_pages * page_size, ...]``) of slot ``offsets`` of page
+    ``pages``: ``pages * page_size + offsets`` (tensors or ints)."""
+    return pages * page_size + offsets
+
+
+def num_pages(slots: int, page_size: int) -> int:
+    """Pages that hold ``slots`` slots: ``ceil(slots / page_size)``."""
+    return -(-slots // page_size)
+
+
+def page_rows(pages, page_size: int) -> torch.Tensor:
+    """int64 ``[len(pages) * page_size]`` (CPU for a list): every flat row of ``pages`` (a list
+    or an int tensor), page after page."""
+    p = torch.as_tensor(pages, dtype=torch.int64)
+    return page_row(p[:, None], torch.arange(page_size, device=p.device), page_size).reshape(-1)
+
+
+def slot_rows(pages, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int64 flat rows of logical ``slots`` of a page list: slot ``j`` lies in page
+    ``pages[j // page_size]`` at offset ``j % page_size``. ``pages``: ``[max_pages]`` (a list or
+    an int tensor) with ``slots`` of any shape, or ``[B, max_pages]`` with ``slots`` ``[B, n]``."""
+    s = slots.long()
+    p = torch.as_tensor(pages).long()
+    idx = s // page_size
+    return page_row(p[idx] if p.dim() == 1 else p.gather(-1, idx), page_offset(s, page_size), page_size)
+
 def _check_entry_values(first_pos, valid, page_size, start=None) -> None:
     """Position-tagged entries: first positions >= 0, valid counts in [0, page_size], first valid
     slots in [0, valid] (``valid`` None: page_size)."""

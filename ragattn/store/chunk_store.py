@@ -1,149 +1,45 @@
-"""The chunk KV store: precomputed per-chunk KV caches, in a bounded memory pool and on disk.
+"""The chunk KV store: precomputed per-chunk KV caches for one model, in a bounded memory pool, on
+disk and on a fleet's remote tier, served to requests by copy or in place.
 
     from ragattn.store import ChunkStore
     store = ChunkStore(model, directory="kv/")          # directory optional (memory only)
     keys = store.add([tok_ids_a, tok_ids_b, ...])       # one batched independent prefill of the misses
-    req = store.assemble(keys, positions="reordered", extra_slots=64)
-    # req.cache: ragattn.kv.PagedKV holding the chunks' K/V at their request slots,
-    # keys re-rotated to their request positions; req.next_position: RoPE position after the chunks.
+    req = store.assemble(keys, positions="reordered", extra_slots=64)   # copy: req.cache a kv.PagedKV
+    with store.request(keys, positions="reordered", extra_slots=64) as req:   # zero copy: kv.TaggedPagedKV
+        ...
+    store.gather_into_(keys, dst_k, dst_v, dst_rows, positions)        # into any caller cache
+    store.put(key, variant, k_layers, v_layers); store.get_kv(key); store.has(key); store.save(key)
 
-``model``: a :class:`~ragattn.store.model.ChunkModel` (what the store needs of a model:
-fingerprint, dimensions, RoPE, a prefill function), or a model that a registered describer turns
-into one: a HuggingFace model once ``ragattn.hf`` is imported (:mod:`ragattn.hf.store_model`),
-whose chunks are computed by one ``varlen_attention`` forward over all missing chunks packed (one
-sequence per chunk, positions 0..n-1 per chunk). The pool keeps each chunk's keys *page-local*
-(a row's key rotated by its offset in its page, ``row % page_size``: rotated once, in fp32, when the
-chunk enters the pool; its pages are never written again), so that a request may attend to them
-in place at any position with RoPE applied in the kernel (:meth:`ChunkStore.request`,
-zero-copy) and a copy into a caller's cache rotates each key once, to its target position. Chunk
-files and :meth:`ChunkStore.get_kv` hold keys rotated at the chunk's local positions ``0..n-1``. A chunk's key is ``sha256(model fingerprint, token ids)``. The model
-fingerprint (:func:`model_fingerprint`) hashes the model's config (every value but the attention
-implementation and the path it was loaded from) and a checksum of every weight and buffer (sha256
-of each tensor's bytes: any changed bit, any swap of rows or channels changes it), computed in full
-at store creation (about 0.36 s for SmolLM2-135M in fp32 on one CPU core, 0.18 s in bf16). A
-directory written under another fingerprint (other weights, or a release whose checksum differed)
-holds other keys: its chunks are computed again, and loading one of its files by path is refused.
-
-The store follows its model (a description with ``follow``, as the HF one): every call that serves
-or writes KV (``add``, ``assemble``, ``gather_into_``, ``put``, ``get_kv``/``kv``,
-``has``/``lookup``/``verify``, ``key``, ``load``, ``save``, ``pooled_kv``) first checks the
-fingerprint (cached, about 0.3 ms for SmolLM2; see :func:`model_fingerprint` for what the cached
-check sees: every write through the tensor API, an optimiser step, ``load_state_dict``, a config
-change, and on the CPU a ``.data`` write that changes a sampled word, e.g. ``p.data.mul_``). When
-the weights changed, the entries of the old weights leave memory, later keys are those of the new
-weights, their old keys are refused ("earlier weights") and ``has`` reports them missing; the old
-files stay on disk, valid for the old weights (restoring them makes them usable again).
-:meth:`ChunkStore.refresh` checksums every byte (for ``.data`` writes the cached check cannot see:
-one element, CUDA memory).
-
-Public API (for the methods, FusionRAG's offline fusion and serving-engine connectors)
----------------------------------------------------------------------------------------
-* ``store.key(tokens)`` -> key of a chunk (token ids: a list or an int tensor);
-  ``store.variant_key(key, variant)`` -> key of a derived entry of that chunk (``variant_keys``: of
-  several).
-* ``store.add(chunks)`` -> keys: stores every chunk (prefills the misses, loads disk hits).
-* ``store.put(key, variant, k_layers, v_layers)`` -> derived key: stores a variant of chunk ``key``
-  (e.g. FusionRAG's fused cache: the same tokens prefilled after other context, keys re-rotated
-  back to the chunk's local positions ``0..n-1``), per layer ``[n, Hkv, D]``; it is keyed, saved,
-  loaded, verified, evicted and assembled exactly like a chunk.
-* ``store.has(key)`` / ``store.lookup(keys)``: whether a key is in memory or in the directory as a
-  complete file of the current weights (header and size checked; nothing is loaded);
-  ``store.verify(key)``: the same with the file read whole and checked (a bad one is removed).
-* ``store.refresh()``: full fingerprint check (see above); ``store.check_model(model, where)``: for
-  the methods (this store's model, followed, or one of the same fingerprint, else an error).
-* ``store.get_kv(key)`` -> ``(k_layers, v_layers)``: per layer ``[n, Hkv, D]`` *copies* (the pool
-  reuses the pages of evicted chunks, so a view could later show another chunk's rows);
-  ``store.kv(key)`` -> the same stacked ``[L, n, Hkv, D]``; ``store.tokens(key)`` int64 ``[n]``.
-* ``store.gather_into_(keys, dst_k, dst_v, dst_rows, positions, skip=0, split_heads=False)``:
-  writes the chunks (in order, ``T`` rows in all, the first ``skip`` left out) into any caller
-  cache (per layer viewed as ``[rows, Hkv, D]``, or per layer and head as ``[rows, 1, D]`` with
-  ``split_heads``, e.g. vLLM's paged caches: :mod:`ragattn.vllm`) at ``dst_rows`` int64, keys
-  re-rotated from their local positions to ``positions``: one ``ragattn.copy_kv_`` per pool
-  slab the chunks live in (usually one).
-* ``store.assemble(keys, ...)``: :meth:`gather_into_` into a fresh batch-1 ``PagedKV``.
-* ``store.request(keys, positions, extra_slots)`` -> :class:`ZeroCopyRequest`: no copy; a
-  position-tagged page table over the chunks' own (shared) pool pages plus private pool pages
-  (``ragattn.kv.TaggedPagedKV``), keys rotated in the attention kernel, pages a recompute
-  writes copied on write; the chunks stay pinned until ``req.release()`` (docs/chunk-store.md).
-
-Memory: a byte budget, LRU eviction, no 2x growth
---------------------------------------------------
-The in-memory pool holds at most ``memory_budget`` bytes of K/V (default: a quarter of the
-memory available on the model's device when the store is created; see :func:`default_budget`).
-It is made of *slabs* (per layer ``[rows, Hkv, D]`` K and V tensors) cut into pages of
-``page_size`` rows; a chunk is a list of pages, of one slab when one has room, else spread over
-several (so pinned chunks that fragment the slabs never make a request that fits fail). The pool
-grows by adding a slab (never by copying into a larger one: no transient 2x peak), and when the
-budget is reached it evicts the least recently used chunks (``add`` hits and ``assemble`` count as
-uses) and reuses their pages.
-An evicted chunk reloads bit-exact from the directory when it was saved there; a chunk computed
-without a (writable) directory, or whose file went missing or bad, is recomputed from its tokens
-(kept in host memory for every evicted chunk, 8 bytes a token) on its next use; a derived entry
-that exists only in memory is dropped (``has`` turns False; build it again). ``pool_bytes`` is
-the pool's allocated size (never above the budget), ``num_rows`` the tokens held. On the CPU the
-first slab is larger (up to 1 GiB or two model windows, within a quarter of the budget): its pages
-take memory only when written, and a long request then reads one slab (one attention call per
-layer).
-
-Zero-copy requests (:meth:`ChunkStore.request`) read the pool in place: their chunks are pinned
-(the LRU evicts only chunks no live request holds) and their private pages come from the same
-budget (shared chunk pages counted once), until released.
-
-Assembled requests use *copy-out* semantics: :meth:`assemble` / :meth:`gather_into_` copy the
-chunks' rows into the request's own cache, so an ``AssembledRequest`` never refers to pool
-memory and later evictions cannot change it. During one call every chunk it gathers is pinned,
-so loading or recomputing one of them never evicts another; a request is refused
-(``ChunkStoreError``) exactly when its distinct chunks need more pages than the budget holds. A
-store object is not thread-safe (one per thread); several stores and methods may use one model
-from several threads (the attention switch is shared: :mod:`ragattn.hf.attn_switch`).
-
-:meth:`ChunkStore.pooled_kv` copies the whole pool out (e.g. to pinned host memory) and
-:meth:`ChunkStore.load_pooled_kv_` copies it back, for keeping chunk KV off the GPU; a copy taken
-before chunks were added, evicted or overwritten is refused.
-
-On disk: one ``<key>.safetensors`` per chunk (``k``, ``v`` ``[L, n, Hkv, D]``, ``tokens`` int64
-``[n]``) with metadata (format, model fingerprint, key, sha256 of the tensor bytes) in the
-model's dtype (``put`` refuses another). A file is written (temporary file, fsync, rename,
-directory fsync) before its chunk enters the pool, and fully read and verified before anything is
-inserted: nothing of a truncated, corrupt or foreign (other fingerprint) file is ever loaded. An
-explicit :meth:`ChunkStore.load` of such a file raises ``ChunkStoreError``; inside ``add`` and
-the reloads of evicted chunks a truncated or corrupt file is recomputed and replaced (a corrupt
-derived entry, which cannot be recomputed, is removed and reported). Temporary files of writers
-that died are removed when a writable store opens the directory (module
-:mod:`ragattn.store.disk_tier`). A directory that cannot be written is refused at
-creation, naming it, unless ``read_only=True`` (serve the chunks in it; new chunks stay in memory).
-
-The class is assembled from one module per concern: :mod:`.entries` (pool entries, LRU, pins),
-:mod:`.chunk_files` (disk I/O), :mod:`.add` (prefill of missing chunks, derived entries),
-:mod:`.export` (chunk copies at local positions, the pool copied out), :mod:`.copy_out` (gather and assemble),
-:mod:`.zero_copy` (requests over the pool's own pages); this module holds the model following and
-the lookups.
+``ChunkStore`` is a thin front (model following, keys, lookups) over the parts it composes: the
+:class:`~ragattn.store.page_pool.PagePool`, the :class:`~ragattn.store.resident.ResidentSet` over it
+(entries, LRU, pins), the :class:`~ragattn.store.loader.Loader` (the miss policy: memory, disk,
+remote, recompute) over the :class:`~ragattn.store.disk_tier.DiskTier` and the
+:class:`~ragattn.store.remote_tier.RemoteTier`, and the request builders
+(:class:`~ragattn.store.copy_out.CopyOutBuilder`, :class:`~ragattn.store.zero_copy.ZeroCopyBuilder`).
+docs/chunk-store.md is the long form (keys and fingerprints, memory, on disk, remote tier).
 """
 from __future__ import annotations
 
 import numbers
 import os
-from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ragattn.store.add import _Add
-from ragattn.store.chunk_files import _ChunkFiles
-from ragattn.store.copy_out import _CopyOut
+from ragattn.store.copy_out import AssembledRequest, CopyOutBuilder
 from ragattn.store.disk_tier import DiskTier
-from ragattn.store.entries import _Entries, _Entry
 from ragattn.store.errors import ChunkStoreError
-from ragattn.store.export import _Export
 from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key
+from ragattn.store.loader import Loader
 from ragattn.store.model import ChunkModel, describe_model
 from ragattn.store.page_pool import PagePool, default_budget
 from ragattn.store.remote_tier import RemoteTier
-from ragattn.store.zero_copy import _ZeroCopy
+from ragattn.store.resident import ResidentSet
+from ragattn.store.zero_copy import ZeroCopyBuilder, ZeroCopyRequest
 
 
-class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
+class ChunkStore:
     """Precomputed chunk KV caches for one model (see the module docstring).
 
     ``model``: a :class:`~ragattn.store.model.ChunkModel`, or a model a registered describer knows
@@ -179,35 +75,27 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         self.page_size, self.max_batch_tokens = page_size, max_batch_tokens
         self.read_only = bool(read_only)
         self.directory = Path(directory) if directory is not None else None
-        self._layout_dims = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-        self._disk = None if directory is None else DiskTier(directory, self.read_only, self._layout_dims)
+        layout = (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        disk = None if directory is None else DiskTier(directory, self.read_only, layout)
         budget = default_budget(self.device) if memory_budget is None else int(memory_budget)
         self._pool = PagePool(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device,
                               page_size, budget, self.max_positions)
         self.row_bytes = self._pool.row_bytes
         self.memory_budget = budget
-        self._entries: "OrderedDict[str, _Entry]" = OrderedDict()   # LRU order: oldest first
-        # evicted chunks (not derived entries): tokens, to recompute one whose file is missing or bad
-        self._recomputable: dict[str, torch.Tensor] = {}
-        self._live_requests: dict[int, tuple[list, list]] = {}   # zero-copy: (pinned entries, private parts)
-        self._layout = 0     # bumped whenever pool rows change meaning (insert, evict, overwrite)
-        self._pooled_layout = None
-        self._inv_freq = self.rope.inv_freq.to(self.device)
-        self._spare: list[torch.Tensor] = []   # at most one request-cache buffer (_request_cache)
-        self._stale: set[str] = set()   # keys dropped because the model's weights changed
-        self._bad_files: set[str] = set()   # keys of bad files that could not be removed (read-only)
         # counters: chunks computed, recomputed after eviction, loaded from disk; entries evicted;
         # weight changes followed; bad files (truncated, corrupt) replaced or dropped
         self.stats = {"computed": 0, "recomputed": 0, "loaded": 0, "evicted": 0, "weight_changes": 0,
                       "bad_files": 0}
-        self._remote = None
         if remote is not None:
             if not isinstance(remote, RemoteTier):
                 secret = remote_secret if remote_secret is not None else os.environ.get("RAGATTN_REMOTE_SECRET")
                 remote = RemoteTier(str(remote), secret, **(remote_options or {}))
-            self._remote = remote
             self.stats.update(remote.stats)     # one counter dict: remote_hits, _published, _bad, _errors
             remote.stats = self.stats
+        self._resident = ResidentSet(self._pool, self.rope, self.stats)
+        self._loader = Loader(d, self._resident, disk, remote, self.stats, max_batch_tokens)
+        self._copy_out = CopyOutBuilder(self._resident, self._loader.pin)
+        self._zero_copy = ZeroCopyBuilder(self._resident, self._loader.pin)
 
     # ----- the model's weights ------------------------------------------------------------
     def _sync(self) -> None:
@@ -228,20 +116,13 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         return self.fingerprint
 
     def _weights_changed(self, spec: ChunkModel) -> None:
-        if any(e.pins for e in self._entries.values()):
+        if self._resident.any_pinned():
             raise ChunkStoreError("ragattn.ChunkStore: the model's weights changed during a gather or while "
                                   "a live zero-copy request holds chunks of the store (release it first)")
-        self._stale.update(self._entries)
-        self._stale.update(self._recomputable)
-        for key in list(self._entries):
-            e = self._entries.pop(key)
-            self._pool.free(e.parts)
-        self._recomputable.clear()
-        self._layout += 1
+        self._loader.weights_changed(spec)
         self.description = spec
         self.fingerprint = spec.fingerprint
-        self.rope = spec.rope           # inv_freq is a buffer: it may have changed too
-        self._inv_freq = self.rope.inv_freq.to(self.device)
+        self.rope = spec.rope
         self.stats["weight_changes"] += 1
 
     def check_model(self, model, where: str) -> None:
@@ -257,10 +138,10 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
 
     # ----- lookup ---------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
-        return key in self._entries
+        return key in self._resident.entries
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._resident.entries)
 
     def key(self, tokens) -> str:
         """Key of a chunk: ``tokens`` a sequence of ids or an int tensor."""
@@ -285,16 +166,136 @@ class ChunkStore(_Entries, _ChunkFiles, _Add, _Export, _CopyOut, _ZeroCopy):
         """Whether ``key`` is in memory, or on disk in the store's directory as a complete file of
         the model's current weights (its header and size are checked; nothing is loaded)."""
         self._sync()
-        return self._has(key)
-
-    def _has(self, key: str) -> bool:
-        return key in self._entries or self._on_disk(key)
+        return self._loader.has(key)
 
     def lookup(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`has` of each key."""
         self._sync()
-        return [self._has(k) for k in keys]
+        return [self._loader.has(k) for k in keys]
+
+    def verify(self, key: str) -> bool:
+        """Like :meth:`has`, but a file is read whole and checked (checksum included) first; a bad
+        one is removed (``has`` turns False). For resuming an offline build: what exists is
+        checked, not trusted. Nothing is loaded into the pool, except a chunk found only on the
+        remote tier (fetched, verified and kept, so that a resumed build never computes it again)."""
+        self._sync()
+        return self._loader.verify(key)
 
     def tokens(self, key: str) -> torch.Tensor:
         self._sync()
-        return self._tokens_of(key)
+        return self._loader.tokens_of(key)
+
+    # ----- chunks in ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, chunks: Sequence[Sequence[int]]) -> list[str]:
+        """Store the KV of every chunk (token id lists or int tensors); returns their keys in order.
+
+        Chunks already in memory or on disk are not recomputed (disk hits are loaded, then the
+        remote tier's); the rest are prefilled together (packed, one independent sequence per
+        chunk) in batches of ``max_batch_tokens`` tokens, each written to the directory before it
+        enters the pool. On an error no chunk is left half-added (each is in memory and on disk,
+        or absent). Adding more than the budget holds evicts the least recently used chunks (also
+        from this call)."""
+        self._sync()
+        return self._loader.add(chunks)
+
+    def put(self, key: str, variant: str, k_layers: Sequence[torch.Tensor],
+            v_layers: Sequence[torch.Tensor]) -> str:
+        """Store a derived entry of the chunk ``key`` (which must be in the store); returns its key.
+
+        ``k_layers``, ``v_layers``: per layer ``[n, Hkv, D]`` (``n`` = the chunk's tokens), keys
+        rotated at the chunk's local positions ``0..n-1``. Written to the directory, if any,
+        before it enters the pool; an existing entry of that variant is replaced."""
+        self._sync()
+        return self._loader.put(key, variant, k_layers, v_layers)
+
+    def load(self, key_or_path: str | os.PathLike) -> str:
+        """Load and verify one chunk file (by key in the store's directory, or by path); returns its key."""
+        self._sync()
+        return self._loader.load(key_or_path)
+
+    # ----- chunks out --------------------------------------------------------------------------
+    def save(self, key: str, directory: str | os.PathLike | None = None) -> Path:
+        """Write a chunk to ``<directory>/<key>.safetensors`` atomically; returns the path."""
+        self._sync()
+        return self._loader.save(key, directory)
+
+    def get_kv(self, key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K, V of a stored chunk: per layer ``[n, Hkv, D]`` copies, keys rotated to the chunk's
+        local positions ``0..n-1`` (the pool holds them page-local: rotated here, in fp32)."""
+        self._sync()
+        return self._resident.read_local(self._loader.get(key))
+
+    def kv(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of a stored chunk: ``[L, n, Hkv, D]`` each (copies; keys at local positions)."""
+        k, v = self.get_kv(key)
+        return torch.stack(k), torch.stack(v)
+
+    @torch.no_grad()
+    def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
+                     dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
+                     split_heads: bool = False) -> None:
+        """Write the chunks ``keys`` (in order) into a caller's cache at ``dst_rows``, keys rotated
+        to ``positions`` (:meth:`CopyOutBuilder.gather_into_`)."""
+        self._sync()
+        self._copy_out.gather_into_(keys, dst_k, dst_v, dst_rows, positions, skip=skip, split_heads=split_heads)
+
+    @torch.no_grad()
+    def assemble(self, keys: Sequence[str], positions: str = "reordered", extra_slots: int = 0,
+                 rerotate: bool = True, page_size: int | None = None) -> AssembledRequest:
+        """The chunks (in this order) copied into a fresh paged request cache
+        (:meth:`CopyOutBuilder.assemble`)."""
+        self._sync()
+        return self._copy_out.assemble(keys, positions, extra_slots, rerotate, page_size)
+
+    @torch.no_grad()
+    def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
+        """A zero-copy request over the chunks' own pool pages, pinned until released
+        (:meth:`ZeroCopyBuilder.request`)."""
+        self._sync()
+        return self._zero_copy.request(keys, positions, extra_slots)
+
+    # ----- the pool ----------------------------------------------------------------------------
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of K/V the pool has allocated (all slabs); never above ``memory_budget``."""
+        return self._pool.pool_bytes
+
+    @property
+    def num_rows(self) -> int:
+        """Tokens of every chunk in memory."""
+        return self._resident.num_rows
+
+    @property
+    def pool_rows(self) -> int:
+        """Rows the pool has allocated (``pool_bytes / row_bytes``), the rows of :meth:`pooled_kv`."""
+        return self._pool.pool_rows
+
+    def pool_offsets(self, rows: torch.Tensor) -> torch.Tensor:
+        """The pool's one rule for keys: pool row ``r`` holds its key rotated by its offset in its
+        page (:meth:`ResidentSet.pool_offsets`)."""
+        return self._resident.pool_offsets(rows)
+
+    def pooled_kv(self, device: str | torch.device = "cpu", pin_memory: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the whole in-memory pool, e.g. to keep the chunk KV in host memory.
+
+        Returns K, V: ``[L, pool_rows, Hkv, D]`` each (every allocated pool row, the slabs in
+        order; rows of free pages hold garbage), in the model's dtype, on ``device``;
+        ``pin_memory=True`` (CPU ``device`` only, needs CUDA) allocates them in page-locked
+        memory so that :meth:`load_pooled_kv_` can copy them to the GPU asynchronously. The copy
+        is only meaningful to this store while no chunk is added, evicted or overwritten.
+        Keys are in the pool's form: each rotated by its row's offset in its page
+        (:meth:`get_kv` rotates them to their local positions)."""
+        self._sync()
+        return self._resident.pooled_kv(device, pin_memory)
+
+    def load_pooled_kv_(self, k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> None:
+        """Overwrite the in-memory pool with ``k``, ``v`` from :meth:`pooled_kv` (any device).
+
+        ``k``, ``v``: ``[L, pool_rows, Hkv, D]`` in the store's dtype, copied from this store
+        since its last change: after a chunk was added, evicted or overwritten the copy is stale
+        (``ChunkStoreError``). ``non_blocking=True`` with pinned host tensors makes the
+        host-to-device copies asynchronous (ordered on the current stream before later kernels)."""
+        self._sync()
+        self._resident.load_pooled_kv_(k, v, non_blocking)

@@ -1,13 +1,14 @@
-"""Copy-out requests: the chunks' rows copied into a caller's cache (:meth:`ChunkStore.gather_into_`,
-e.g. vLLM's paged caches) or into a fresh batch-1 paged request cache (:meth:`ChunkStore.assemble`
--> :class:`AssembledRequest`), keys rotated to their request positions in the same
-``ragattn.copy_kv_`` pass (see :mod:`ragattn.store.chunk_store`, "Memory": copy-out semantics).
+"""Copy-out requests over the resident set: the chunks' rows copied into a caller's cache
+(``ChunkStore.gather_into_``, e.g. vLLM's paged caches) or into a fresh batch-1 paged request
+cache (``ChunkStore.assemble`` -> :class:`AssembledRequest`), keys rotated to their request
+positions in the same ``ragattn.copy_kv_`` pass (docs/chunk-store.md: copy-out semantics).
 
-Part of :class:`~ragattn.store.ChunkStore` (a mixin over its pool, entries and RoPE).
+    builder = CopyOutBuilder(resident, loader.pin)
+    builder.gather_into_(keys, dst_k, dst_v, dst_rows, positions)
+    req = builder.assemble(keys, positions="reordered", extra_slots=64)
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -15,7 +16,9 @@ from typing import Sequence
 import torch
 
 from ragattn import ops as _ops
+from ragattn.kv import PagedKV
 from ragattn.store.errors import ChunkStoreError
+from ragattn.store.positions import Positions
 
 _MAX_POSITION = (1 << 31) - 1   # rotation deltas are int32
 
@@ -28,11 +31,6 @@ def _check_chunks_and_extra(method: str, keys, extra_slots) -> None:
     if isinstance(extra_slots, bool) or not isinstance(extra_slots, int) or extra_slots < 0:
         raise ChunkStoreError(f"ragattn.ChunkStore.{method}: extra_slots must be an integer >= 0, "
                               f"got {extra_slots!r}")
-
-
-def _chunk_starts(lens: Sequence[int]) -> list[int]:
-    """Each chunk's first logical slot: chunk after chunk."""
-    return [0, *itertools.accumulate(lens[:-1])]
 
 
 def _storage_refs(t: torch.Tensor) -> int:
@@ -71,8 +69,17 @@ class AssembledRequest:
         return int(self.cache.lengths[0])
 
 
-class _CopyOut:
-    """Copy-out assembly: gathers into any cache, and fresh request caches with buffer recycling."""
+class CopyOutBuilder:
+    """Copy-out assembly over a :class:`~ragattn.store.resident.ResidentSet`: gathers into any
+    cache, and fresh request caches with buffer recycling. ``pin(keys) -> (entries, pinned)``
+    makes the chunks resident and pins them (the loader's :meth:`~ragattn.store.loader.Loader.pin`)."""
+
+    def __init__(self, resident, pin):
+        self.resident, self._pin = resident, pin
+        p = resident.pool
+        self.num_layers, self.num_kv_heads, self.head_dim = p.num_layers, p.num_kv_heads, p.head_dim
+        self.dtype, self.device, self.page_size, self.max_positions = p.dtype, p.device, p.page_size, p.max_positions
+        self._spare: list[torch.Tensor] = []   # at most one request-cache buffer (_request_cache)
 
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
@@ -95,7 +102,6 @@ class _CopyOut:
         Chunks not in memory are loaded or recomputed first (evicting others, never these), so an
         unknown or corrupt chunk raises before anything is written. One ``copy_kv_`` per pool slab
         involved."""
-        self._sync()
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
@@ -126,7 +132,7 @@ class _CopyOut:
                 target = positions.to(self.device, torch.int64)
             self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), target, skip, split_heads)
         finally:
-            self._unpin(pinned)
+            self.resident.unpin(pinned)
 
     def _local_positions(self, lens) -> torch.Tensor:
         """int64 ``[sum(lens)]``: ``0..n_i-1`` for each chunk."""
@@ -139,11 +145,12 @@ class _CopyOut:
         """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from the pool's form
         (by their page offset) to ``target`` (int64, each token's RoPE position)."""
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
-        rot = (self._inv_freq, self.rope.rotary_dim, self.rope.interleaved)
+        rs = self.resident
+        rot = (rs.inv_freq, rs.rope.rotary_dim, rs.rope.interleaved)
         src_all = (torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows)[skip:]
-        delta = target - self.pool_offsets(src_all)
+        delta = target - rs.pool_offsets(src_all)
         if len(slabs) == 1:
-            _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(slabs[0], split_heads), src_all, dst, delta, *rot)
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads), src_all, dst, delta, *rot)
             return
         slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
                              for e in entries for s, _, r in e.parts])[skip:].to(self.device)
@@ -151,18 +158,14 @@ class _CopyOut:
             sel = (slab_of == i).nonzero()[:, 0]
             if sel.numel() == 0:
                 continue
-            _ops.copy_kv_(dst_k, dst_v, *self._pool.slab_layers(s, split_heads), src_all[sel], dst[sel],
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(s, split_heads), src_all[sel], dst[sel],
                           delta[sel], *rot)
 
     def _request_cache(self, capacity: int, page_size: int):
         """A fresh batch-1 ``PagedKV``. On the CPU its memory is the buffer of a request cache
         that has died (when no view of it is left anywhere), so that assembling does not
-        page-fault a new 30+ MB allocation in on every request (about as long as the copy
-        itself); the buffer comes back when the returned cache is garbage-collected."""
-        # the copy path's request cache (the request KV layer's, engine-neutral; in ragattn.hf until
-        # that layer has a package of its own: tests/tooling/test_kernel_layering.py lets this name through)
-        from ragattn.kv import PagedKV
-
+        page-fault a new allocation of the whole cache in on every request; the buffer comes back
+        when the returned cache is garbage-collected."""
         dims = (self.num_layers, 1, capacity, self.num_kv_heads, self.head_dim, page_size)
         if self.device.type != "cpu":   # the CUDA caching allocator already recycles
             return PagedKV(*dims, self.dtype, self.device)
@@ -183,13 +186,11 @@ class _CopyOut:
 
         ``positions``: "reordered" (chunk i at consecutive positions ``o_i + j``, keys re-rotated
         by ``o_i`` in the same ``copy_kv_`` pass) or "composite" (every chunk keeps ``0..n_i-1``;
-        the final block starts at ``max n_i``). ``extra_slots``: room for the final block and the
+        the final block starts at ``max n_i``); first positions are refused (:mod:`.positions`:
+        this cache's slots stand for positions). ``extra_slots``: room for the final block and the
         generated tokens. ``rerotate=False`` skips the rotation (wrong on purpose; for tests).
         """
-        self._sync()
-        if positions not in ("reordered", "composite"):
-            raise ChunkStoreError(f"ragattn.ChunkStore.assemble: positions must be 'reordered' or "
-                                  f"'composite', got {positions!r}")
+        scheme = Positions.parse(positions, "ragattn.ChunkStore.assemble", named_only=True).scheme
         _check_chunks_and_extra("assemble", keys, extra_slots)
         if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
             raise ChunkStoreError(f"ragattn.ChunkStore.assemble: page_size must be an integer >= 1 or None, "
@@ -197,9 +198,9 @@ class _CopyOut:
         entries, pinned = self._pin(keys)
         try:
             lens = [e.length for e in entries]
-            starts = _chunk_starts(lens)
+            starts = Positions("reordered").first_positions(lens)
             total = sum(lens)
-            next_pos = total if positions == "reordered" else max(lens)
+            next_pos = Positions(scheme).next_position(lens)
             if next_pos + extra_slots > self.max_positions:
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore.assemble: {total} chunk tokens + {extra_slots} extra slots exceed "
@@ -207,7 +208,7 @@ class _CopyOut:
             cache = self._request_cache(total + extra_slots, page_size or self.page_size)
             slots = torch.arange(total, device=self.device)
             dst = cache.slot_rows(0, slots)
-            if positions == "reordered":
+            if scheme == "reordered":
                 pos = slots.to(torch.int32)
             else:
                 pos = self._local_positions(lens).to(torch.int32)
@@ -215,8 +216,8 @@ class _CopyOut:
             # as if the chunks had not moved)
             self._copy(entries, lens, cache.k, cache.v, dst, pos.long() if rerotate else self._local_positions(lens))
         finally:
-            self._unpin(pinned)
+            self.resident.unpin(pinned)
         cache.lengths[0] = total
         # composite: the chunks share positions 0.. (a sliding window follows ragattn.kv.window)
-        cache.overlapping_positions = positions == "composite" and sum(n > 0 for n in lens) > 1
+        cache.overlapping_positions = scheme == "composite" and sum(n > 0 for n in lens) > 1
         return AssembledRequest(cache, starts, lens, pos, next_pos)

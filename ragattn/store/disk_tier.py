@@ -1,7 +1,7 @@
 """The chunk store's disk tier: one safetensors file per chunk, written atomically and fully
 verified before anything of it is used.
 
-A file ``<key>.safetensors`` holds ``k``, ``v`` ``[L, n, Hkv, D]`` (the model's dtype) and
+A file ``<key>.safetensors`` (:func:`chunk_file`, the one naming rule) holds ``k``, ``v`` ``[L, n, Hkv, D]`` (the model's dtype) and
 ``tokens`` int64 ``[n]``, with metadata: format, model fingerprint, key, sha256 of the tensor bytes
 (and the variant name of a derived entry)."""
 from __future__ import annotations
@@ -23,6 +23,25 @@ FORMAT = "ragattn-chunk-kv-v1"
 # the writer's pid (orphans of dead processes are removed) and a token unique to each write (several
 # stores, threads, in one process never share a name); names without the token: older writers
 _ORPHAN = re.compile(r"^(?:[0-9a-f]{40}\.tmp|\.ragattn-write-probe-)(\d+)(?:-[0-9a-f]{32})?$")
+
+
+CHUNK_SUFFIX = ".safetensors"
+
+
+def chunk_file(directory: str | os.PathLike, key: str) -> Path:
+    """The one naming rule of chunk files: the file of ``key`` in ``directory``,
+    ``<directory>/<key>.safetensors``."""
+    return Path(directory) / f"{key}{CHUNK_SUFFIX}"
+
+
+def is_chunk_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is named like a chunk file (``<key>.safetensors``; its content is not read)."""
+    return Path(path).suffix == CHUNK_SUFFIX
+
+
+def chunk_files(directory: str | os.PathLike) -> list[Path]:
+    """The files named like chunk files in ``directory``, sorted (none are read)."""
+    return sorted(Path(directory).glob(f"*{CHUNK_SUFFIX}"))
 
 
 def _unique_suffix() -> str:
@@ -107,7 +126,7 @@ class DiskTier:
         return not self.read_only
 
     def path(self, key: str) -> Path:
-        return self.directory / f"{key}.safetensors"
+        return chunk_file(self.directory, key)
 
     def exists(self, key: str) -> bool:
         """Whether a file of ``key`` is there (complete or not)."""
@@ -169,7 +188,7 @@ def write_chunk_file(d: Path, key, tokens, k, v, fingerprint: str, variant=None)
     target, and the directory entry synced; a crash leaves the old file or the new one whole
     (and at worst a temporary file, removed by the next writer that opens the directory)."""
     data = encode_chunk(key, tokens, k, v, fingerprint, variant)
-    path = d / f"{key}.safetensors"
+    path = chunk_file(d, key)
     tmp = path.with_suffix(f".tmp{_unique_suffix()}")
     try:
         with open(tmp, "wb") as f:

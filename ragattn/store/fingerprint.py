@@ -77,9 +77,7 @@ def weight_checksums(tensors: Sequence[torch.Tensor]) -> list[bytes]:
     """The checksum of each tensor's bytes (:class:`TensorChecksum`: sha256 in memory order),
     32 bytes per tensor. CPU tensors are hashed in place, others copied to the host in blocks of
     ``_BLOCK_BYTES`` (never a full copy); the tensors are spread over up to
-    ``torch.get_num_threads()`` threads (hashlib releases the GIL). SmolLM2-135M on one CPU core:
-    about 0.36 s in fp32, 0.18 s in bf16 (the linear sums this replaces: 0.07 / 0.035 s, but
-    blind to two swapped rows or channels)."""
+    ``torch.get_num_threads()`` threads (hashlib releases the GIL)."""
     tensors = list(tensors)
     for t in tensors:
         if t.device.type == "meta":
@@ -188,8 +186,8 @@ def model_fingerprint(model, cached: bool = True) -> str:
     ``p.data.copy_(...)``) when it changes one of ``_SAMPLES`` words spread over the tensor (any
     whole-tensor edit: a scaling, new weights, a LoRA merge). Not seen by the cached check: a
     ``.data`` write to CUDA memory, or one that leaves the sampled words alone (one element):
-    ``cached=False`` checksums every byte (about 0.36 s for SmolLM2-135M in fp32 on one CPU core; a
-    :class:`ChunkStore` does it at creation and in :meth:`ChunkStore.refresh`)."""
+    ``cached=False`` checksums every byte (a :class:`ChunkStore` does it at creation and in
+    :meth:`ChunkStore.refresh`)."""
     hit = getattr(model, "_ragattn_fingerprint_cache", None)
     if not isinstance(hit, _Watch):
         hit = None

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from ragattn.ops.page_table import num_pages, page_rows
 from ragattn.store.errors import ChunkStoreError
 
 DEFAULT_BUDGET_FRACTION = 0.25   # of the device's available memory, when no budget is given
@@ -15,7 +16,7 @@ _FIRST_SLAB_PAGES = 16          # quarter), at least 16 pages: a typical request
 # On the CPU a slab's pages take memory when first written (torch.empty maps them lazily), so the
 # first slab may be larger there: a request's chunks, its private pages and its copies on write
 # then share one slab, and its attention is one kernel call per layer, not one per slab merged by
-# LSE (at 64 MiB, SmolLM2-135M fp32: 1456 tokens, a 1.6K-token recompute read 3 slabs).
+# LSE.
 _FIRST_SLAB_BYTES_CPU = 1 << 30
 
 
@@ -94,7 +95,7 @@ class PagePool:
         slabs never make a request that fits the budget fail); else ``evict_one()`` and again
         (False: nothing left to evict: refused with ``explain(pages needed)``, the caller's
         account of what holds the pool, or when it has none: the request does not fit)."""
-        m = -(-n // self.page_size)
+        m = num_pages(n, self.page_size)
         if m > self.budget_pages:
             raise ChunkStoreError(
                 f"ragattn.ChunkStore: a chunk of {n} tokens needs {m * self.page_size * self.row_bytes} "
@@ -134,7 +135,7 @@ class PagePool:
         the budget at once, within ``room``."""
         first_bytes = _FIRST_SLAB_BYTES_CPU if self.device.type == "cpu" else _FIRST_SLAB_BYTES
         first = max(_FIRST_SLAB_PAGES, min(first_bytes // (self.page_size * self.row_bytes),
-                                           -(-2 * self.max_positions // self.page_size)))
+                                           num_pages(2 * self.max_positions, self.page_size)))
         return min(max(m, cap, first), max(m, self.budget_pages // 4), room)
 
     def _take(self, take, n: int) -> list[tuple[_Slab, list[int], int]]:
@@ -149,9 +150,7 @@ class PagePool:
 
     def rows_of(self, parts) -> torch.Tensor:
         """int64 ``[n]`` on the pool's device: each row's index in its part's slab, in order."""
-        ps = self.page_size
-        rows = [(torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)[:r]
-                for _, pages, r in parts]
+        rows = [page_rows(pages, self.page_size)[:r] for _, pages, r in parts]
         return (rows[0] if len(rows) == 1 else torch.cat(rows)).to(self.device)
 
     def write(self, parts, rows: torch.Tensor, k_layers, v_layers) -> None:

@@ -1,8 +1,10 @@
-"""Zero-copy requests (:meth:`ChunkStore.request` -> :class:`ZeroCopyRequest`): a position-tagged
-page table over the chunks' own pool pages, pinned until the request is released, plus private
-pool pages for the final block and the answer (docs/chunk-store.md).
+"""Zero-copy requests over the resident set (``ChunkStore.request`` -> :class:`ZeroCopyRequest`):
+a position-tagged page table over the chunks' own pool pages, pinned until the request is
+released, plus private pool pages for the final block and the answer (docs/chunk-store.md).
 
-Part of :class:`~ragattn.store.ChunkStore` (a mixin over its pool, entries and RoPE).
+    builder = ZeroCopyBuilder(resident, loader.pin)
+    with builder.request(keys, positions="reordered", extra_slots=64) as req:
+        ...                                   # req.cache: a ragattn.kv.TaggedPagedKV
 """
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ from typing import Sequence
 
 import torch
 
-from ragattn.store.copy_out import _check_chunks_and_extra, _chunk_starts
+from ragattn.kv import TaggedPagedKV
+from ragattn.store.copy_out import _check_chunks_and_extra
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.page_pool import PagePool
+from ragattn.store.positions import Positions
+
 
 def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, live: dict) -> None:
     """Finalizer of a zero-copy request: its private pages go back to the pool, its chunks are
@@ -27,14 +32,6 @@ def _release_request(pool: PagePool, pinned: list, private: list, cache_ref, liv
     for e in pinned:
         e.pins -= 1
     pinned.clear()
-
-
-def _whole_number(p) -> bool:
-    """An int, an integral float or an integer tensor element; not a bool, 1.5 or a string."""
-    try:
-        return not isinstance(p, bool) and float(p).is_integer()
-    except (TypeError, ValueError):
-        return False
 
 
 class ZeroCopyRequest:
@@ -80,8 +77,13 @@ class ZeroCopyRequest:
         self.release()
 
 
-class _ZeroCopy:
-    """Requests that read the pool in place."""
+class ZeroCopyBuilder:
+    """Requests that read the pool of a :class:`~ragattn.store.resident.ResidentSet` in place.
+    ``pin(keys) -> (entries, pinned)`` makes the chunks resident and pins them (the loader's
+    :meth:`~ragattn.store.loader.Loader.pin`)."""
+
+    def __init__(self, resident, pin):
+        self.resident, self._pin = resident, pin
 
     @torch.no_grad()
     def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
@@ -95,50 +97,34 @@ class _ZeroCopy:
         ``positions``: "reordered" (chunk i from ``o_i``, consecutive), "composite" (every chunk
         from 0; the final block starts at ``max n_i``), or a sequence of ints: the first position
         of each chunk (any scheme: Block-Attention's offsets, gaps, overlaps); the final block
-        starts after the furthest chunk end. Release with ``req.release()`` or ``with``."""
-        self._sync()
+        starts after the furthest chunk end (:class:`~ragattn.store.positions.Positions`). Release
+        with ``req.release()`` or ``with``."""
         _check_chunks_and_extra("request", keys, extra_slots)
-        if isinstance(positions, str):
-            if positions not in ("reordered", "composite"):
-                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be 'reordered', 'composite' "
-                                      f"or each chunk's first position, got {positions!r}")
-            firsts = None
-        else:
-            # whole numbers only: int() would truncate 1.5 to 1 silently (a bool is no position either)
-            if not all(_whole_number(p) for p in positions):
-                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must be whole numbers, got "
-                                      f"{list(positions)}")
-            firsts = [int(p) for p in positions]
-            if len(firsts) != len(keys) or any(p < 0 for p in firsts):
-                raise ChunkStoreError(f"ragattn.ChunkStore.request: positions must give one first position >= 0 "
-                                      f"per chunk ({len(keys)}), got {list(positions)}")
-        # the zero-copy request cache (the request KV layer's, engine-neutral; in ragattn.hf until
-        # that layer has a package of its own: tests/tooling/test_kernel_layering.py lets this name through)
-        from ragattn.kv import TaggedPagedKV
-
+        scheme = Positions.parse(positions, "ragattn.ChunkStore.request", count=len(keys))
+        rs = self.resident
+        p = rs.pool
         entries, pinned = self._pin(keys)
         private: list = []
-        self._live_requests[id(pinned)] = (pinned, private)   # what holds the pool, for its refusals
+        rs.live_requests[id(pinned)] = (pinned, private)   # what holds the pool, for its refusals
         try:
             lens = [e.length for e in entries]
-            starts = _chunk_starts(lens)
-            if firsts is None:
-                firsts = starts if positions == "reordered" else [0] * len(lens)
-            next_pos = max(f + n for f, n in zip(firsts, lens))
-            if next_pos + extra_slots > self.max_positions:
+            starts = Positions("reordered").first_positions(lens)
+            firsts = scheme.first_positions(lens)
+            next_pos = scheme.next_position(lens)
+            if next_pos + extra_slots > p.max_positions:
                 raise ChunkStoreError(
                     f"ragattn.ChunkStore.request: chunks up to position {next_pos} + {extra_slots} extra slots "
-                    f"exceed the model's window (max_position_embeddings={self.max_positions})")
-            ps, pool = self.page_size, self._pool
+                    f"exceed the model's window (max_position_embeddings={p.max_positions})")
+            ps = p.page_size
 
             def alloc_page():
-                parts = self._alloc(ps)
+                parts = rs.alloc(ps)
                 private.extend(parts)
                 slab, pages, _ = parts[0]
                 return slab.k_pages, slab.v_pages, pages[0]
 
-            cache = TaggedPagedKV(self.num_layers, self.num_kv_heads, self.head_dim, ps, self.dtype, self.device,
-                                  self._inv_freq, self.rope.rotary_dim, self.rope.interleaved, alloc_page)
+            cache = TaggedPagedKV(p.num_layers, p.num_kv_heads, p.head_dim, ps, p.dtype, p.device,
+                                  rs.inv_freq, rs.rope.rotary_dim, rs.rope.interleaved, alloc_page)
             for e, first in zip(entries, firsts):
                 at = 0
                 for slab, pages, r in e.parts:
@@ -147,17 +133,17 @@ class _ZeroCopy:
                     cache.add_entries(slab.k_pages, slab.v_pages, pages, pos, valid)
                     at += r
             if extra_slots:
-                parts = self._alloc(extra_slots)
+                parts = rs.alloc(extra_slots)
                 private.extend(parts)
                 for slab, pages, _ in parts:
                     cache.add_private(slab.k_pages, slab.v_pages, pages)
         except BaseException:
-            self._live_requests.pop(id(pinned), None)
+            rs.live_requests.pop(id(pinned), None)
             PagePool.free(private)
-            self._unpin(pinned)
+            rs.unpin(pinned)
             raise
-        release = weakref.finalize(cache, _release_request, pool, pinned, private, weakref.ref(cache),
-                                   self._live_requests)
+        release = weakref.finalize(cache, _release_request, p, pinned, private, weakref.ref(cache),
+                                   rs.live_requests)
         release.atexit = False
         pos = torch.cat([f + torch.arange(n, dtype=torch.int32) for f, n in zip(firsts, lens)])
-        return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * self.row_bytes)
+        return ZeroCopyRequest(cache, starts, lens, pos, next_pos, release, ps * p.row_bytes)

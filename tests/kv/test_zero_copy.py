@@ -29,7 +29,7 @@ def test_pool_keys_are_page_local(model):
     store = ChunkStore(model, page_size=4)
     keys = store.add(chunks)
     for key, c in zip(keys, chunks):
-        e = store._entries[key]
+        e = store._resident.entries[key]
         raw_k, raw_v = store._pool.read(e.parts, e.rows)
         with torch.no_grad():
             past = model.model(torch.tensor([c]), use_cache=True).past_key_values
@@ -231,7 +231,7 @@ def test_recompute_copies_only_the_pages_it_writes(method, backend, monkeypatch)
     keys = store.add(fusionrag.prompt_parts(tok, chunks, question)[1])
     before = {k: store.kv(k) for k in keys}
     copy = fn(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.2, zero_copy=False)
-    raw = {k: store._pool.read(e.parts, e.rows) for k, e in store._entries.items()}   # head included
+    raw = {k: store._pool.read(e.parts, e.rows) for k, e in store._resident.entries.items()}   # head included
     got = fn(model, tok, chunks, question, max_new_tokens=3, store=store, ratio=0.2)
     assert got.extra["recomputed_slots"] == copy.extra["recomputed_slots"] and got.tokens == copy.tokens
     torch.testing.assert_close(got.first_logits, copy.first_logits, rtol=1e-4, atol=1e-4)
@@ -255,10 +255,10 @@ def test_recompute_copies_only_the_pages_it_writes(method, backend, monkeypatch)
     n_private = -(-(len(tail) + 3) // 4) + len(pages)
     assert got.extra["private_bytes"] == n_private * 4 * store.row_bytes
     # the store's pages (every slab) are bit for bit as before: only private copies were written
-    for k, e in store._entries.items():
+    for k, e in store._resident.entries.items():
         assert all(torch.equal(a, b) for x, y in zip(raw[k], store._pool.read(e.parts, e.rows)) for a, b in zip(x, y))
     assert all(torch.equal(a, b) for k in keys for a, b in zip(before[k], store.kv(k)))
-    assert all(e.pins == 0 for e in store._entries.values())
+    assert all(e.pins == 0 for e in store._resident.entries.values())
 
 
 def test_recompute_at_another_position_is_refused(model):
@@ -288,16 +288,16 @@ def test_concurrent_requests_hold_the_chunk_pages_once(model):
     shared = [[(id(r.cache.segments[s][0][0]), p) for s, p, sh in zip(r.cache.e_seg, r.cache.e_page, r.cache.e_shared)
                if sh] for r in reqs]
     assert len(shared[0]) == 9 and all(x == shared[0] for x in shared)
-    assert all(store._entries[k].pins == 4 for k in keys)
+    assert all(store._resident.entries[k].pins == 4 for k in keys)
     for r in reqs[:3]:
         r.release()
     r.release()                                               # idempotent
-    assert in_use() == 9 + 2 and all(store._entries[k].pins == 1 for k in keys)
+    assert in_use() == 9 + 2 and all(store._resident.entries[k].pins == 1 for k in keys)
     del reqs, r                                               # the last one: released when collected
     import gc
 
     gc.collect()
-    assert in_use() == 9 and all(store._entries[k].pins == 0 for k in keys)
+    assert in_use() == 9 and all(store._resident.entries[k].pins == 0 for k in keys)
 
 
 def test_live_requests_refuse_pool_overwrites_and_weight_changes(model):
@@ -321,7 +321,7 @@ def test_live_requests_refuse_pool_overwrites_and_weight_changes(model):
         store.request(keys, [0], extra_slots=1)
     with pytest.raises(Exception, match="empty retrieval"):
         store.request([], "reordered")
-    assert all(e.pins == 0 for e in store._entries.values())
+    assert all(e.pins == 0 for e in store._resident.entries.values())
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

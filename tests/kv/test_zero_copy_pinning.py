@@ -58,12 +58,12 @@ def _check(store, live):
     pool = store._pool
     free = {(id(s), p) for s in pool.slabs for p in s.free}
     used = []
-    for e in store._entries.values():
+    for e in store._resident.entries.values():
         used += _pages(e.parts)
     for req, snap, shared_keys in live:
         c = req.cache
         for key in shared_keys:           # pinned chunks are never evicted
-            assert key in store._entries and store._entries[key].pins > 0
+            assert key in store._resident.entries and store._resident.entries[key].pins > 0
         slab_of = {id(s.k_pages[0]): s for s in pool.slabs}
         for e, (seg_id, page, content) in snap.items():
             s = c.e_seg[e]
@@ -136,6 +136,6 @@ def test_pinned_pages_are_never_evicted(ops):
         _check(store, live)
     for req, _, _ in live:
         req.release()
-    assert all(e.pins == 0 for e in store._entries.values())
-    assert sum(len(s.free) for s in store._pool.slabs) + sum(len(_pages(e.parts)) for e in store._entries.values()) \
+    assert all(e.pins == 0 for e in store._resident.entries.values())
+    assert sum(len(s.free) for s in store._pool.slabs) + sum(len(_pages(e.parts)) for e in store._resident.entries.values()) \
         == sum(s.pages for s in store._pool.slabs)

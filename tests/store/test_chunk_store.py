@@ -367,7 +367,7 @@ def test_a_request_never_evicts_its_own_chunks(model, tmp_path):
         assert torch.equal(x.view(-1, 2, 16)[rows], y.view(-1, 2, 16)[rows])
     with pytest.raises(ChunkStoreError, match="too small"):   # 5 pages cannot fit in 4
         store.assemble(keys[:5])
-    assert all(e.pins == 0 for e in store._entries.values())
+    assert all(e.pins == 0 for e in store._resident.entries.values())
     with pytest.raises(ChunkStoreError, match="more than the memory budget"):
         ChunkStore(model, memory_budget=3 * page).add(_chunks(15, [49]))   # 4 pages, budget 3
     with pytest.raises(ChunkStoreError, match="below one page"):
@@ -401,7 +401,7 @@ def test_gather_into_any_cache(model):
     untouched = torch.ones(88, dtype=torch.bool)
     untouched[dst_rows] = False
     assert dst_v[0].view(-1, 2, 16)[untouched].isnan().all()
-    assert len({id(s) for e in store._entries.values() for s, _, _ in e.parts}) > 1    # the multi-slab path ran
+    assert len({id(s) for e in store._resident.entries.values() for s, _, _ in e.parts}) > 1    # the multi-slab path ran
     with pytest.raises(ChunkStoreError, match="dst_rows"):
         store.gather_into_(keys[:1], dst_k, dst_v, dst_rows)
     assert store.lookup([keys[0], "0" * 40]) == [True, False]

@@ -38,13 +38,13 @@ def _poison(req):
 
 def _fresh_assembly(store, keys, **kw):
     """The assembly into a freshly allocated PagedKV (no recycling): the path before recycling."""
-    store._spare.clear()
-    store._request_cache = lambda cap, ps: PagedKV(store.num_layers, 1, cap, store.num_kv_heads,
+    store._copy_out._spare.clear()
+    store._copy_out._request_cache = lambda cap, ps: PagedKV(store.num_layers, 1, cap, store.num_kv_heads,
                                                    store.head_dim, ps, store.dtype, store.device)
     try:
         return store.assemble(keys, **kw)
     finally:
-        del store._request_cache
+        del store._copy_out._request_cache
 
 
 @pytest.mark.parametrize("positions", ["reordered", "composite"])
@@ -76,7 +76,7 @@ def test_smaller_request_reuses_a_larger_buffer_never_the_reverse(store):
     want = _filled(_fresh_assembly(store, keys + keys[:1], extra_slots=40))
     small_bytes = small.cache.k[0].untyped_storage().nbytes()
     del small
-    assert store._spare[0].untyped_storage().nbytes() == small_bytes
+    assert store._copy_out._spare[0].untyped_storage().nbytes() == small_bytes
     big = store.assemble(keys + keys[:1], extra_slots=40)   # needs more than the spare holds
     assert big.cache.k[0].untyped_storage().nbytes() > small_bytes
     assert all(torch.equal(a, b) for a, b in zip(_filled(big), want))

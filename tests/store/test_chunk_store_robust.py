@@ -301,7 +301,7 @@ def test_pool_serves_every_request_that_fits():
                                                rtol=1e-5, atol=1e-6)
                     torch.testing.assert_close(got.cache.v[l].view(-1, HKV, D)[rows], want[key][1][l],
                                                rtol=1e-5, atol=1e-6)
-        assert all(e.pins == 0 for e in store._entries.values())
+        assert all(e.pins == 0 for e in store._resident.entries.values())
 
     run()
 
