@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ragattn.methods.fusionrag import fused_variant
+from ragattn.methods.selection import fused_variant
 from ragattn.store import chunk_key
 from ragattn.store.fingerprint import variant_key
 from ragattn.vllm.connector_config import RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings

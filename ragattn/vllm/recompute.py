@@ -27,8 +27,8 @@ of the request's first own blocks (packed), and every pass of the request reads 
 as runs around those rows (:class:`ragattn.kv.SharedEntries` with ``held``). Rows in the request's own blocks
 (the claim's last partial block) are recomputed in place.
 
-This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection functions,
-the same budget, the same check layers), split in two passes: the recomputed rows first, then
+This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection maths and
+layer loop, :mod:`ragattn.methods.selection`, the same budget, the same check layers), split in two passes: the recomputed rows first, then
 vLLM's forward of the final block. It is the same arithmetic, since a row never attends to a
 later position: the recomputed rows never see the final block, and the final block sees their
 fresh K/V in every layer. The HF path runs both in one pass; vLLM V1 schedules one contiguous
@@ -53,8 +53,8 @@ import torch
 
 from vllm.forward_context import set_forward_context
 
-from ragattn.methods.fusionrag import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, kv_deviation,
-                                       query_guided_scores, top_rows)
+from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, query_guided_scores,
+                                       top_rows, walk_layers)
 
 from ragattn.kv import SharedEntries, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
@@ -167,34 +167,10 @@ class Recomputer:
         layer only the ``keep`` rows whose K/V moved most go on. ``capture``: receives the last
         layer's query ``[n, Hq, D]``. ``entries``: the request reads shared chunk pages through
         them and writes the rows they hold at their held slots. Returns the positions that went
-        through the last layer."""
-        base = check_model(self.state.bound_model())
-        dev = self.caches[0].device
-        pos = pos.to(dev)
-        ids = torch.tensor(list(req.prompt), dtype=torch.int64, device=dev)[pos]
-        h, residual = base.embed_input_ids(ids), None
-        checks, last = checks or {}, len(base.layers) - 1
-        ctx = None
-        for l, layer in enumerate(base.layers):
-            if ctx is None:   # (re)built when the rows change
-                slots = self._slots(req, pos, entries)
-                meta = self._metadata(req, pos, None, entries)
-                metas = {name: meta for name in self.names}
-                if capture is not None:
-                    metas[self.names[last]] = self._metadata(req, pos, capture, entries)
-                ctx = (metas, {name: slots for name in self.names})
-            if l in checks:   # the cached K/V before this layer overwrites them
-                old = tuple(t.clone() for t in self._kv_at(l, ctx[1][self.names[l]]))
-            with set_forward_context(ctx[0], self.vllm_config, slot_mapping=ctx[1]):
-                h, residual = layer(pos, h, residual)
-            if l in checks:   # (as the HF path: a check may be any layer)
-                new = self._kv_at(l, ctx[1][self.names[l]])
-                keep = top_rows(kv_deviation(*new, *old), min(checks[l], pos.numel()))
-                h, residual, pos = h[keep], residual[keep], pos[keep]
-                ctx = None
-                if pos.numel() == 0:
-                    break
-        return pos
+        through the last layer (the loop: ``ragattn.methods.selection.walk_layers``)."""
+        walk = _VllmLayerWalk(self, req, pos, capture, entries)
+        walk_layers(walk, checks=checks)
+        return walk.pos
 
     def run(self, req: RecomputeRequest) -> Recomputed:
         """Recompute ``req``'s chosen chunk tokens (see the module docstring). RecomputeError if
@@ -271,6 +247,55 @@ class Recomputer:
         rows[below] = k
         rows[~below] = self._kv_at(layer, self._slots(req, pos[~below]))[0]
         return rows
+
+
+class _VllmLayerWalk:
+    """The :class:`ragattn.methods.selection.LayerWalk` of vLLM's Llama-style decoders: rows at
+    prompt positions ``pos`` of one request, each decoder layer run under a forward context whose
+    metadata and slots are the request's (rebuilt when the rows change)."""
+
+    def __init__(self, rc: Recomputer, req: RecomputeRequest, pos: torch.Tensor, capture: list | None,
+                 entries: SharedEntries | None):
+        self.rc, self.req, self.capture, self.entries = rc, req, capture, entries
+        self.base = check_model(rc.state.bound_model())
+        dev = rc.caches[0].device
+        self.pos = pos.to(dev)
+        ids = torch.tensor(list(req.prompt), dtype=torch.int64, device=dev)[self.pos]
+        self.h, self.residual = self.base.embed_input_ids(ids), None
+        self.num_layers = len(self.base.layers)
+        self._ctx = None
+
+    @property
+    def rows(self) -> int:
+        return self.pos.numel()
+
+    def _context(self):
+        if self._ctx is None:
+            rc, last = self.rc, self.num_layers - 1
+            slots = rc._slots(self.req, self.pos, self.entries)
+            meta = rc._metadata(self.req, self.pos, None, self.entries)
+            metas = {name: meta for name in rc.names}
+            if self.capture is not None:
+                metas[rc.names[last]] = rc._metadata(self.req, self.pos, self.capture, self.entries)
+            self._ctx = (metas, {name: slots for name in rc.names})
+        return self._ctx
+
+    def cached_kv(self, layer: int, n: int):
+        slots = self._context()[1][self.rc.names[layer]][:n]
+        return tuple(t.clone() for t in self.rc._kv_at(layer, slots))
+
+    def run_layer(self, layer: int, capture_kv: bool) -> bool:
+        metas, slots = self._context()
+        with set_forward_context(metas, self.rc.vllm_config, slot_mapping=slots):
+            self.h, self.residual = self.base.layers[layer](self.pos, self.h, self.residual)
+        return True
+
+    def fresh_kv(self, layer: int, n: int):
+        return self.rc._kv_at(layer, self._ctx[1][self.rc.names[layer]][:n])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.h, self.residual, self.pos = self.h[rows], self.residual[rows], self.pos[rows]
+        self._ctx = None
 
 
 __all__ = ["Recomputer", "RecomputeRequest", "Recomputed", "RecomputeError", "check_model"]
