@@ -400,8 +400,7 @@ class TaggedPagedKV:
         checks cover the new slot alone (every earlier slot passed them when it was written). None
         where this does not apply (no earlier forward over the same entries and slots filled, as
         after a rollback of ``lengths``; the next slot not on a private page): the general path
-        plans it. (The general path costs about 0.5 ms a step at 16 chunks on the CPU, this one
-        about a quarter of that.)"""
+        plans it."""
         live = self._live
         if live is None or live["entries"] is not self._entries:
             return None

@@ -181,7 +181,7 @@ class RagattnAttentionImpl(AttentionImpl):
         if key.dtype != k.dtype:
             key, value = key.to(k.dtype), value.to(v.dtype)
         if k_rows is not None:
-            # one row per slot, written by index_copy_ (half the time of the indexing below, no div/mod)
+            # one row per slot, written by index_copy_ (no div/mod)
             k_rows.index_copy_(0, slots, key)
             v_rows.index_copy_(0, slots, value)
             return

@@ -21,7 +21,8 @@ from vllm.platforms import current_platform
 from ragattn.kv import SharedEntries
 from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.vllm.backend import RagattnAttentionImpl
-from ragattn.vllm.connector_config import FP8_CACHE_DTYPES, RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings
+from ragattn.vllm.connector_config import (FP8_CACHE_DTYPES, RagattnConnectorMetadata, RagattnWorkerMetadata,
+                                           RequestLoad, Settings)
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
 from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
