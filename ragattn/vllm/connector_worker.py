@@ -16,7 +16,7 @@ import torch
 
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.platforms import current_platform
+import vllm.platforms as vllm_platforms
 
 from ragattn.kv import SharedEntries
 from ragattn.store import ChunkStore, ChunkStoreError
@@ -95,8 +95,9 @@ class ConnectorWorker:
         write) for the fp8 caches among ``kv_caches``, None for the others; None if none is fp8."""
         if not any(kv_caches[n].dtype in FP8_STORAGE for n in names):
             return None
-        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
-            raise CacheLayoutError(f"ragattn.vllm: this platform's fp8 KV cache type is {current_platform.fp8_dtype()}; "
+        platform = vllm_platforms.current_platform   # (resolved here, not at import)
+        if platform.fp8_dtype() != torch.float8_e4m3fn:
+            raise CacheLayoutError(f"ragattn.vllm: this platform's fp8 KV cache type is {platform.fp8_dtype()}; "
                                    "the connector writes float8_e4m3fn caches only")
         layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase, names)
         out = []
