@@ -43,107 +43,26 @@ the same tokens (:func:`top_rows`).
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Sequence
 
 import torch
 
 from ragattn import ops as _ops
-from ragattn.hf.attention import QueryCaptured
+from ragattn.hf.layer_walk import HFLayerWalk, decoder
 from ragattn.hf.registration import use_ragattn
 from ragattn.methods.generate import Answer, _eos_ids, _sync, generate_paged
 from ragattn.methods.prompt import prompt_parts
+from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, SCORE_NORMS, budget, cacheblend_schedule,  # noqa: F401
+                                       check_ratio, fused_variant, kv_deviation, query_guided_scores, top_rows,
+                                       walk_layers)
 
 QUESTION_MODES = ("context", "standalone")
-SCORE_NORMS = ("per_chunk", "global")
 DEFAULT_RATIO = 0.15
-CACHEBLEND_CHECK_LAYERS = (1, 2, 3)
-
-
-# ----------------------------------------------------------------------------------------------
-# selection
-
-
-def check_ratio(ratio, where: str) -> float:
-    """``ratio`` as a float in [0, 1], or a ValueError naming ``where``."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise ValueError(f"ragattn.methods.fusionrag.{where}: ratio must be a number in [0, 1], "
-                         f"got {ratio!r}")
-    r = float(ratio)
-    if not (0.0 <= r <= 1.0):  # also rejects NaN
-        raise ValueError(f"ragattn.methods.fusionrag.{where}: ratio must lie in [0, 1] (the fraction "
-                         f"of chunk tokens recomputed), got {ratio!r}")
-    return r
-
-
-def budget(ratio: float, num_tokens: int) -> int:
-    """Number of tokens recomputed: ``floor(ratio * num_tokens)`` (robust to 0.29 * 100 = 28.99..)."""
-    return min(num_tokens, math.floor(ratio * num_tokens + 1e-9))
-
-
-def top_rows(scores: torch.Tensor, k: int, group=None) -> torch.Tensor:
-    """Sorted int64 indices of the ``k`` largest ``scores`` (float ``[n]``), ties to the lower index.
-
-    With ``group`` (tensor parallelism: each rank scored its own heads) the scores are first summed
-    over the ranks (``all_reduce``), so every rank selects the same rows. Deterministic."""
-    if group is not None:
-        import torch.distributed as dist
-
-        scores = scores.clone()
-        dist.all_reduce(scores, op=dist.ReduceOp.SUM, group=group)
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return order[:k].sort().values
-
-
-def query_guided_scores(q_last: torch.Tensor, k_last: torch.Tensor, chunk_lens: Sequence[int],
-                        score_norm: str = "per_chunk", scale: float | None = None) -> torch.Tensor:
-    """FusionRAG's critical score of every chunk token (paper §3.2).
-
-    ``q_last``: ``[T, Hq, D]`` last-layer queries of the question rows (after RoPE);
-    ``k_last``: ``[N, Hkv, D]`` the chunks' cached last-layer keys, chunk after chunk
-    (``N = sum(chunk_lens)``). Returns float32 ``[N]``: the attention probability each key receives,
-    summed over the question rows and the (local) heads, with the softmax over each chunk's keys
-    (``"per_chunk"``, the paper) or over all chunk tokens (``"global"``)."""
-    if score_norm not in SCORE_NORMS:
-        raise ValueError(f"ragattn.methods.fusionrag: score_norm must be one of {SCORE_NORMS}, "
-                         f"got {score_norm!r}")
-    dev, t = q_last.device, q_last.shape[0]
-    lens = list(chunk_lens) if score_norm == "per_chunk" else [sum(chunk_lens)]
-    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=dev)
-    cu_k[1:] = torch.tensor(lens, device=dev).cumsum(0)
-    cu_q = torch.arange(0, (len(lens) + 1) * t, t, dtype=torch.int32, device=dev)
-    q = q_last.repeat(len(lens), 1, 1) if len(lens) > 1 else q_last
-    return _ops.key_attention_scores(q.contiguous(), k_last.contiguous(), cu_q, cu_k, scale)
-
-
-def kv_deviation(new_k, new_v, old_k, old_v) -> torch.Tensor:
-    """CacheBlend's token-wise KV deviation: float32 ``[n]``, the sum over heads and dims of the
-    squared differences of K and of V (all ``[n, Hkv, D]``)."""
-    dk = (new_k.float() - old_k.float()).square().sum((1, 2))
-    dv = (new_v.float() - old_v.float()).square().sum((1, 2))
-    return dk + dv
-
-
-def cacheblend_schedule(ratio: float, num_tokens: int, check_layers=CACHEBLEND_CHECK_LAYERS) -> dict:
-    """``{layer: tokens kept after it}``: gradual filtering from ``2 * ratio`` down to ``ratio``
-    (CacheBlend §4.3: a slightly larger set at the first check layer, narrowed at each next one)."""
-    n = len(check_layers)
-    fracs = [ratio * (2 - i / (n - 1)) if n > 1 else ratio for i in range(n)]
-    return {l: budget(min(1.0, f), num_tokens) for l, f in zip(check_layers, fracs)}
 
 
 # ----------------------------------------------------------------------------------------------
 # the shared recompute path
-
-
-def _layers(model):
-    base = getattr(model, "model", model)
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(base, name):
-            raise NotImplementedError(f"ragattn.methods.fusionrag: {type(model).__name__} has no "
-                                      f"'{name}' (a Llama/Qwen2/Mistral-style decoder is expected)")
-    return base
 
 
 @torch.no_grad()
@@ -163,71 +82,19 @@ def recompute(model, cache, ids: torch.Tensor, slots: torch.Tensor, *, positions
     query (the last layer's attention, K/V write and MLP are never run: its K/V at ``slots`` stay as
     they were), for a caller that needs the query alone (the selection pass). Returns (the slots
     that ran through the last layer, float32 logits ``[vocab]`` of the last row if ``logits`` else
-    None)."""
+    None). The loop is :func:`ragattn.methods.selection.walk_layers` over
+    :class:`ragattn.hf.layer_walk.HFLayerWalk`."""
     if query_only and (capture_query is None or logits):
         raise ValueError("ragattn.methods.fusionrag.recompute: query_only needs capture_query and no logits")
-    base = _layers(model)
-    slots = slots.to(torch.long)
-    pos = (slots if positions is None else positions.to(torch.long))[None]
-    h = base.embed_tokens(ids.reshape(1, -1))
-    cos, sin = base.rotary_emb(h, pos, **_rope_layer_type(model, base))
-    checks = check_layers or {}
-    last = len(base.layers) - 1
-    for l, layer in enumerate(base.layers):
-        kw = {}
-        if l == last and capture_query is not None:
-            kw["ragattn_capture_query"] = capture_query
-            if query_only:
-                kw["ragattn_query_only"] = True
-        if l in checks:   # the cache's K/V at the candidates' slots before this layer writes them
-            old = tuple(t.clone() for t in cache.read_kv(l, slots[:num_candidates]))
-            kw["ragattn_capture"] = captured = []
-        try:
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin),
-                      ragattn_paged=cache, ragattn_slots=slots, **kw)
-        except QueryCaptured:   # (query_only: the last layer's query is all the caller needs)
-            return slots, None
-        if l in checks:
-            k, v = captured[0]
-            dev = kv_deviation(k[0, :, :num_candidates].transpose(0, 1),
-                               v[0, :, :num_candidates].transpose(0, 1), *old)
-            keep = top_rows(dev, min(checks[l], num_candidates), group)
-            keep = torch.cat([keep, torch.arange(num_candidates, slots.numel(), device=keep.device)])
-            num_candidates = min(checks[l], num_candidates)
-            h, cos, sin, pos, slots = h[:, keep], cos[:, keep], sin[:, keep], pos[:, keep], slots[keep]
-    out = None
-    if logits:
-        out = model.lm_head(base.norm(h[:, -1:]))[0, -1].float()
-        cap = getattr(model.config, "final_logit_softcapping", None)   # Gemma 2's, as its forward does
-        if cap:
-            out = cap * torch.tanh(out / cap)
-    return slots, out
-
-
-def _rope_layer_type(model, base) -> dict:
-    """``{"layer_type": t}`` for a rotary module with one RoPE per layer type (Gemma 3), where
-    ``ragattn.hf.rope.rope_params`` has checked that every type has the same frequencies (it
-    raises otherwise); ``{}`` for the others."""
-    import inspect
-
-    if "layer_type" not in inspect.signature(base.rotary_emb.forward).parameters:
-        return {}
-    from ragattn.hf.rope import rope_params
-
-    rope_params(model)
-    return {"layer_type": model.config.layer_types[0]}
+    walk = HFLayerWalk(model, cache, ids, slots, positions=positions, capture_query=capture_query,
+                       query_only=query_only)
+    if not walk_layers(walk, checks=check_layers, num_candidates=num_candidates, group=group):
+        return walk.slots, None
+    return walk.slots, walk.logits() if logits else None
 
 
 # ----------------------------------------------------------------------------------------------
 # offline fusion (paper §3.1, Eq. 10)
-
-
-def fused_variant(head: Sequence[int]) -> str:
-    """The chunk-store variant name of the fused caches built after the prompt head ``head``."""
-    import hashlib
-
-    return "fused-" + hashlib.sha256(torch.tensor(list(head), dtype=torch.int64).numpy().tobytes()
-                                     ).hexdigest()[:16]
 
 
 def neighbours(embeddings: torch.Tensor, n: int = 10) -> list[list[int]]:
@@ -266,7 +133,7 @@ def fuse_chunks(model, store, head: Sequence[int], chunks: Sequence[Sequence[int
     which = range(len(chunks)) if which is None else which
     todo = [i for i in which if not store.verify(store.variant_key(keys[i], variant))]  # checked, not trusted
     todo.sort(key=lambda i: -len(chunks[i]))  # similar lengths per batch: little padding
-    base, rope, dev = _layers(model), store.rope, store.device
+    base, rope, dev = decoder(model), store.rope, store.device
     for b0 in range(0, len(todo), batch):
         rows = todo[b0:b0 + batch]
         reqs = [store.assemble([head_key] + [keys[j] for j in neighbour_lists[i]]) for i in rows]
@@ -338,7 +205,7 @@ def _select_query_guided(model, req, head_len, tail, k, *, question, score_norm,
     q_last = cap[0][0].transpose(0, 1)                                   # [T, Hq, D]
     chunk_slots = torch.arange(head_len, ctx, device=dev)
     k_last = req.cache.read_kv(req.cache.num_layers - 1, chunk_slots)[0]   # [N, Hkv, D], rotated
-    attn = _layers(model).layers[-1].self_attn
+    attn = decoder(model).layers[-1].self_attn
     scores = query_guided_scores(q_last, k_last, req.chunk_lens[1:], score_norm,
                                  getattr(attn, "scaling", None))
     return chunk_slots[top_rows(scores, k, group)]
@@ -463,7 +330,7 @@ def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
     if not check_layers or min(check_layers) < 1 or list(check_layers) != sorted(set(check_layers)):
         raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers must be increasing "
                          f"layer indices >= 1, got {check_layers!r}")
-    depth = len(_layers(model).layers)
+    depth = len(decoder(model).layers)
     if max(check_layers) >= depth:   # a check that never runs would leave every candidate recomputed
         raise ValueError(f"ragattn.methods.fusionrag.cacheblend: check_layers {tuple(check_layers)} must be "
                          f"layers of the model, in [1, {depth - 1}] (it has {depth} layers)")

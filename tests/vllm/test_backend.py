@@ -162,6 +162,32 @@ def test_cache_write_in_any_memory_order():
         assert int((k != 0).any(-1).any(-1).sum()) == 4                   # nothing else written
 
 
+def test_cache_write_takes_the_steps_rows_from_its_metadata(monkeypatch):
+    """Inside a step, ``do_kv_cache_update`` writes the metadata's ``num_actual_tokens`` rows and
+    reads nothing of the padding after them (vLLM's slot -1: here a slot no cache has, which an
+    index write would refuse), with no reduction over the slots."""
+    from ragattn.vllm import backend
+
+    impl = RagattnAttentionImpl(H, D, 1.0, HKV, None, None, "auto")
+    meta = backend.RagattnAttentionMetadata(num_actual_tokens=3, step=None, q_pos=None)
+    ctx = SimpleNamespace(attn_metadata={"layers.0.attn": meta})
+    monkeypatch.setattr(backend, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(backend, "get_forward_context", lambda: ctx)
+    layer = SimpleNamespace(layer_name="layers.0.attn")
+    slots = torch.tensor([N + 2, 3, 2 * N - 1, 10 ** 6, -1])
+    key, value = torch.randn(5, HKV, D), torch.randn(5, HKV, D)
+    for kv in (lbnhc_cache(3), torch.zeros(3, HKV, N, 2 * D)):
+        impl.do_kv_cache_update(layer, key, value, kv, slots)
+        k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)
+        s = slots[:3]
+        assert torch.equal(k[s // N, s % N], key[:3]) and torch.equal(v[s // N, s % N], value[:3])
+        assert int((k != 0).any(-1).any(-1).sum()) == 3                   # nothing else written
+    ctx.attn_metadata = [{"layers.0.attn": meta}]                       # (speculative decoding's list form)
+    kv = lbnhc_cache(3)
+    impl.do_kv_cache_update(layer, key, value, kv, slots)
+    assert int((kv[..., :D].transpose(1, 2) != 0).any(-1).any(-1).sum()) == 3
+
+
 def test_decode_step_writes_vllms_output_in_place():
     """A decode step (one row per request): the rows' positions are their last tokens, every
     layer writes vLLM's output buffer itself (no copy), the step's one LSE buffer serves every

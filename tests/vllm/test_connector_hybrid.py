@@ -123,7 +123,7 @@ def test_hybrid_groups_written_bit_exact(served, cache_dtype):
     conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
     caches = _caches(kvc)
     conn.register_kv_caches(caches)               # kv split from the layers' backend (CPU_ATTN: rows)
-    assert conn._writer.split == "rows"
+    assert conn.worker.writer.split == "rows"
     conn.bind_connector_metadata(out.kv_connector_metadata)
     conn.start_load_kv(None)
     conn.clear_connector_metadata()

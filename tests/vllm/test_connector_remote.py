@@ -32,10 +32,10 @@ def test_connector_reads_chunks_through_the_remote_tier(served, remote, tmp_path
     assert publisher.stats["remote_published"] == 1
     cfg = _config(served, remote=remote.url, remote_secret=SECRET)
     sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, _kv_cache_config())
-    assert sched._has_chunk(key)
+    assert sched.scheduler._has_chunk(key)
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, _kv_cache_config())
-    for got, want in zip(worker._store.kv(key), publisher.kv(key)):
+    for got, want in zip(worker.worker.store.kv(key), publisher.kv(key)):
         assert torch.equal(got, want)
-    assert worker._store.stats["remote_hits"] == 1
+    assert worker.worker.store.stats["remote_hits"] == 1
     plain = KVConnectorFactory.create_connector(_config(served), KVConnectorRole.SCHEDULER, _kv_cache_config())
-    assert not plain._has_chunk(key)
+    assert not plain.scheduler._has_chunk(key)

@@ -71,7 +71,7 @@ class _Layer:
 def test_start_up_probe_refuses_a_layout_the_backend_does_not_use(split, ok):
     from types import SimpleNamespace
 
-    from ragattn.vllm.connector import RagattnConnector
+    from ragattn.vllm.connector_worker import ConnectorWorker
     from ragattn.vllm.pages import CacheLayoutError
 
     H, D = 2, 32
@@ -79,8 +79,8 @@ def test_start_up_probe_refuses_a_layout_the_backend_does_not_use(split, ok):
                            _store=SimpleNamespace(num_kv_heads=H, head_dim=D))
     kv = torch.zeros(B, H, N, 2 * D)
     if ok:
-        RagattnConnector._check_layout(conn, "model.layers.0.self_attn.attn", kv, split)
+        ConnectorWorker._check_layout(conn, "model.layers.0.self_attn.attn", kv, split)
     else:
         with pytest.raises(CacheLayoutError, match="does not store K/V where"):
-            RagattnConnector._check_layout(conn, "model.layers.0.self_attn.attn", kv, split)
+            ConnectorWorker._check_layout(conn, "model.layers.0.self_attn.attn", kv, split)
     assert not kv.any()   # the probe writes a scratch copy, never the cache

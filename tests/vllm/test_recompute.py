@@ -57,19 +57,22 @@ def test_connector_hooks_run_before_the_forward_and_report_back():
 
 
 def test_the_platform_sets_a_worker_that_binds_the_model(monkeypatch):
-    """ragattn's CPU platform names its worker (vLLM's CPU worker, which binds its model after
-    ``load_model``); vLLM's CPU platform sets a worker only where none is set."""
+    """ragattn's CPU platform names its worker (vLLM's CPU worker, which binds its model into the
+    connector's worker state once both exist: after ``initialize_from_config``, which makes the
+    connector after the model is loaded); vLLM's CPU platform sets a worker only where none is set."""
     monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     from ragattn.vllm import platform
 
     worker = platform.RagattnCPUWorker
-    assert issubclass(worker, CPUWorker) and worker.load_model is not CPUWorker.load_model
+    assert issubclass(worker, CPUWorker) and worker.initialize_from_config is not CPUWorker.initialize_from_config
     assert platform.WORKER_PATH.rsplit(".", 1)[-1] == worker.__qualname__
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
     assert CPUWorker.load_model is Worker.load_model     # the model is the runner's after this
+    assert CPUWorker.initialize_from_config is Worker.initialize_from_config
     assert "self.model_runner.load_model" in inspect.getsource(Worker.load_model)
+    assert "ensure_kv_transfer_initialized(" in inspect.getsource(Worker.initialize_from_config)
     assert "self.model = " in inspect.getsource(GPUModelRunner.load_model)

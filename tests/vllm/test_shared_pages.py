@@ -14,7 +14,6 @@ import torch  # noqa: E402
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from ragattn.vllm import shared_pages  # noqa: E402
 from ragattn.vllm.backend import RagattnAttentionImpl, RagattnAttentionMetadataBuilder  # noqa: E402
 from ragattn.vllm.connector import RagattnConnectorMetadata  # noqa: E402
 from ragattn.vllm.shared_pages import ChunkPagePool  # noqa: E402
@@ -41,10 +40,6 @@ def _worker(cfg, caches):
 @pytest.fixture
 def flag(monkeypatch):
     monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
-    yield
-    shared_pages.REQUESTS.clear()
-    shared_pages.BATCH_REQ_IDS.clear()
-    shared_pages.ROPE.clear()
 
 
 def test_two_requests_share_chunk_pages_and_attend_as_copies(served, flag):
@@ -75,7 +70,8 @@ def test_two_requests_share_chunk_pages_and_attend_as_copies(served, flag):
     conn.start_load_kv(None)
     assert conn.get_block_ids_with_load_errors() == set()
     worker_meta = conn.build_connector_worker_meta()
-    assert set(shared_pages.REQUESTS) == {ra.request_id, rb.request_id}
+    state = conn.worker_state
+    assert set(state.requests) == {ra.request_id, rb.request_id}
 
     # the step that prefills both questions: the same rotated K/V written in both, then attention
     g = torch.Generator().manual_seed(3)
@@ -97,7 +93,8 @@ def test_two_requests_share_chunk_pages_and_attend_as_copies(served, flag):
     builder = RagattnAttentionMetadataBuilder(SimpleNamespace(block_size=BS), [], None, torch.device("cpu"))
     outs = {}
     for name, caches in (("shared", shared_caches), ("copy", copy_caches)):
-        shared_pages.BATCH_REQ_IDS[:] = [lambda: [ra.request_id, rb.request_id]] if name == "shared" else []
+        state.batch_req_ids = (lambda: [ra.request_id, rb.request_id]) if name == "shared" else None
+        builder.worker_state = state
         meta = builder.build(0, m)
         assert (meta.shared is not None) == (name == "shared")
         outs[name] = []
@@ -110,7 +107,7 @@ def test_two_requests_share_chunk_pages_and_attend_as_copies(served, flag):
             outs[name].append(o)
         if name == "shared":
             assert meta.shared.steps() is not None
-            shared_pages.REQUESTS.clear()
+            state.requests.clear()
     for o_shared, o_copy in zip(outs["shared"], outs["copy"]):
         assert o_shared.isfinite().all()
         torch.testing.assert_close(o_shared, o_copy, atol=2e-5, rtol=2e-5)
@@ -157,7 +154,8 @@ def test_held_rows_attend_as_rows_written_into_a_copy(served, flag):
     conn.start_load_kv(None)
     blocks = load.block_ids[0]
     entries = SharedEntries.build(spans, load.chunk_blocks, BS, held=held, held_blocks=blocks[:1])
-    shared_pages.REQUESTS[req.request_id] = entries
+    state = conn.worker_state
+    state.requests[req.request_id] = entries
     # the recomputed rows' K/V (as vLLM's model writes them: keys rotated): packed slots / positions
     g = torch.Generator().manual_seed(11)
     pos = torch.tensor(redo)
@@ -180,7 +178,7 @@ def test_held_rows_attend_as_rows_written_into_a_copy(served, flag):
 
     # the recompute's pass: the recomputed rows, each attending to positions <= its own
     q = torch.randn(len(redo), HQ, D, generator=g)
-    rc = Recomputer(cfg, LAYERS, [shared_caches[n] for n in LAYERS], D, D ** -0.5)
+    rc = Recomputer(cfg, LAYERS, [shared_caches[n] for n in LAYERS], D, D ** -0.5, state)
     rreq = RecomputeRequest("fusionrag", 0.2, prompt, spans, blocks, BS, load.chunk_blocks)
     want = attend(rc._metadata(rreq, pos, None), q, copy_caches, len(redo))
     got = attend(rc._metadata(rreq, pos, None, entries), q, shared_caches, len(redo))
@@ -203,9 +201,10 @@ def test_held_rows_attend_as_rows_written_into_a_copy(served, flag):
                         seq_lens=torch.tensor([len(prompt)], dtype=torch.int32), block_table_tensor=table,
                         max_query_len=n_q, max_seq_len=len(prompt))
     builder = RagattnAttentionMetadataBuilder(SimpleNamespace(block_size=BS), [], None, torch.device("cpu"))
-    shared_pages.BATCH_REQ_IDS[:] = [lambda: [req.request_id]]
+    state.batch_req_ids = lambda: [req.request_id]
+    builder.worker_state = state
     got = attend(builder.build(0, m), q, shared_caches, n_q)
-    shared_pages.BATCH_REQ_IDS.clear()
+    state.batch_req_ids = None
     want = attend(builder.build(0, m), q, copy_caches, n_q)
     for a, b in zip(got, want):
         assert a.isfinite().all()
