@@ -67,10 +67,9 @@ from ragattn.methods.prompt import prompt_parts
 DEFAULT_MODEL = "smollm2"
 # The default run (scripts/setup.sh runs it on 2 cores): 1 question, the top 20 of the shipped
 # corpus's 36 passages (a ~1.6K-token prompt: long enough for the reuse methods to matter), every
-# timing the median of 3 runs. Most of a question's time is the baseline's and RAPID's 1.6K-token
-# prefills (~4 s and ~6 s each there, 3 runs each, decoding too: RAPID's merit is decode speed); a
-# second question doubled the demo's timed part for the same speed-ups (docs/perf/cpu-demo: both
-# questions within 25 % of each other for every method), so that is `--limit 2`.
+# timing the median of 3 runs. Most of a question's time is the baseline's and RAPID's long
+# prefills (decoding too: RAPID's merit is decode speed); a second question doubles the timed part
+# for the same speed-ups (docs/perf/), so that is `--limit 2`.
 DEFAULT_LIMIT = 1
 DEFAULT_TOP_K = 20
 DEFAULT_REPEATS = 3
