@@ -18,7 +18,7 @@ from ragattn.ops import backend
 from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import check_soft_cap
 from ragattn.ops.paged_checks import check_values, validate
-from ragattn.ops.paged_kernels import call_out, cpu_kernel, kernel_backend, triton_one_call
+from ragattn.ops.paged_kernels import call_out, cpu_kernel, triton_one_call
 from ragattn.reference.paged_attention import paged_attention as _reference
 
 _OP = "paged_attention"
@@ -134,7 +134,7 @@ def _paged_attention_impl(q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table,
     backend :func:`ragattn.ops.backend.choose` gives."""
     args = (q, q_pos, cu_seqlens_q, k_cache, v_cache, block_table, kv_lens, scale, window_left)
     validate(*args, out, lse_out, read_values=False, logits_soft_cap=logits_soft_cap)
-    chosen = kernel_backend(q)
+    chosen = backend.choose("paged_attention", q.device.type)
     if chosen == backend.CPP:   # (the C++ kernel reads and checks the index values in one pass)
         return cpu_kernel(*args, logits_soft_cap, out, lse_out)
     if q.device.type == "cpu" or os.environ.get("RAGATTN_DEBUG", "0") == "1":   # (a GPU precondition)

@@ -22,7 +22,6 @@ from ragattn.ops.paged_kernels import (
     ROPE_TABLE_MAX_POSITIONS,
     cpu_kernel,
     default_scale,
-    kernel_backend,
     rope_table,
     run_on_backend,
 )
@@ -78,7 +77,7 @@ class PagedAttentionStep:
         self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
         self._rope_hit = None   # _tagged_rope's last answer, with what it was for
         self.plans: dict = {}   # (window_left, num_heads, num_kv_heads, head_dim, dtype) -> plan
-        self._backend: Optional[Tuple[str, str]] = None   # (q's device type, kernel_backend) of the first run
+        self._backend: Optional[Tuple[str, str]] = None   # (q's device type, its backend) of the first run
         T = torch.Tensor
         # a padded, untagged table of plain CPU tensors: the C++ kernel's direct call
         self._direct = (table.row_start is None and not table.is_tagged
@@ -206,10 +205,11 @@ class PagedAttentionStep:
         return True
 
     def _backend_of(self, q: torch.Tensor) -> str:
-        """``kernel_backend(q)``, read once per step and device type (it reads the environment)."""
+        """``ragattn.ops.backend.choose("paged_attention", ...)`` for ``q``, asked once per step and
+        device type (it reads the environment)."""
         device_type = q.device.type
         if self._backend is None or self._backend[0] != device_type:
-            self._backend = (device_type, kernel_backend(q))
+            self._backend = (device_type, backend.choose("paged_attention", device_type))
         return self._backend[1]
 
 

@@ -2,7 +2,6 @@
 tables; position-tagged page lists with their RoPE table), the Triton kernel (one call, or with a
 plan) and the reference, each called the one way both ops and ``PagedAttentionStep`` share.
 
-    kernel_backend(q)                        # ragattn.ops.backend.choose("paged_attention", ...)
     cpu_kernel(q, q_pos, cu, k, v, block_table, kv_lens, scale, window_left, soft_cap[, out, lse_out])
     triton_one_call(q, q_pos, cu, k, v, block_table, kv_lens, scale, window_left[, out, lse_out, soft_cap])
     run_on_backend(*run_op_args[, out, lse_out])   # the run op's body
@@ -49,13 +48,6 @@ def call_out(op_out, args, q, out, lse_out):
         lse_out = q.new_empty(q.shape[:2], dtype=torch.float32)
     op_out(*args, out=out, lse_out=lse_out)
     return out, lse_out
-
-
-def kernel_backend(q: torch.Tensor) -> str:
-    """The backend of ``paged_attention`` and ``paged_attention_run`` for ``q``'s device
-    (:func:`ragattn.ops.backend.choose`): ``TRITON``, ``CPP`` (the C++ kernels of
-    ``csrc/attention/paged_attention_cpu.cpp``) or ``REFERENCE``."""
-    return backend.choose("paged_attention", q.device.type)
 
 
 def default_scale(scale, head_dim: int) -> float:
@@ -149,10 +141,10 @@ def into(out, lse_out, o, lse, dtype):
 def run_on_backend(q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv_lens, tile_seq, tile_row0, launch, scale,
          window_left, entry_pos=None, entry_len=None, entry_start=None, inv_freq=None, rotary_dim=0, interleaved=False,
          k_scale=None, v_scale=None, logits_soft_cap=0.0, out=None, lse_out=None):
-    """The run op on validated arguments, on the backend of ``kernel_backend``: the Triton kernel
+    """The run op on validated arguments, on the backend ``ragattn.ops.backend`` chooses: the Triton kernel
     with the plan; on the CPU the C++ kernels (the tagged one for position-tagged tables and
     page-local keys) or the reference, which need no plan."""
-    chosen = kernel_backend(q)
+    chosen = backend.choose("paged_attention_run", q.device.type)
     if chosen == backend.TRITON:
         from ragattn.triton_kernels.paged_attention import run_paged_attention as run_tiles
         from ragattn.triton_kernels.paged_plan import PagedPlan
