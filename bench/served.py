@@ -20,7 +20,7 @@ streamed from ``/v1/completions`` (``stream: true``, greedy, ``ignore_eos``: eve
 ``kv_transfer_params`` (:data:`METHODS`: ``full`` sends none, so the connector claims nothing and
 the server prefills the whole prompt; ``block_attention`` sends the chunk spans, so the connector
 writes the stored chunks' K/V and the server prefills only the question). Adding a method is one
-entry of :data:`METHODS`. Every row gets one warm-up request per size (which also brings its
+entry of ``bench.served_methods.MEASURED``. Every row gets one warm-up request per size (which also brings its
 chunks from disk into the worker's memory), then ``--repeats`` rounds, each round running every
 (size, row) once in turn, so a change of the machine's load falls on every row alike; the 1-minute
 load average is read at each request. Reported: median TTFT (send to the first streamed token),
@@ -49,23 +49,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ragattn.methods import registry
+
 from .provenance import project_commit, source_root
 from .served_memory import format_memory, measure_memory, memory_target
+from .served_methods import METHODS, RAGATTN_ONLY, RECOMPUTE_RATIO, label  # a method: its requests' kv_transfer_params
 
 BASELINE = ("full", "cpu_attn")
 MAX_MODEL_LEN = 4096
-# A method is the kv_transfer_params of its requests, from the prompt's chunk spans (None: none sent).
-RECOMPUTE_RATIO = 0.15
-METHODS: Dict[str, Callable[[List[List[int]]], Optional[dict]]] = {
-    "full": lambda spans: None,
-    "block_attention": lambda spans: {"ragattn_spans": spans},
-    "turborag_composite": lambda spans: {"ragattn_spans": spans, "ragattn_method": "turborag-composite"},
-    "cacheblend": lambda spans: {"ragattn_spans": spans, "ragattn_method": "cacheblend",
-                                 "ragattn_ratio": RECOMPUTE_RATIO},
-    "fusionrag": lambda spans: {"ragattn_spans": spans, "ragattn_method": "fusionrag",
-                                "ragattn_ratio": RECOMPUTE_RATIO},
-}
-RAGATTN_ONLY = ("cacheblend", "fusionrag")   # recomputed by the served model on ragattn's backend only
 # A backend is the environment its server starts with (on top of the common one, server_env).
 BACKENDS: Dict[str, Dict[str, str]] = {
     "cpu_attn": {"RAGATTN_VLLM_ATTENTION": "0"},
@@ -435,6 +426,7 @@ def _parse(argv):
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     a.backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     a.memory_requests = [int(n) for n in a.memory_requests.split(",") if n.strip()]
+    a.methods = [label(m) if registry.find(m) and label(m) in METHODS else m for m in a.methods]
     for what, got, known in (("--methods", a.methods, METHODS), ("--backends", a.backends, BACKENDS)):
         bad = [x for x in got if x not in known]
         if bad or not got:

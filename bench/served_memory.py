@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from .served_methods import METHODS as PARAMS, RAGATTN_ONLY, RECOMPUTE_RATIO, label
+
 NEW_TOKENS = 16     # each request's answer (ignore_eos), the usage read after its 4th token
-METHODS = ("block_attention", "fusionrag")   # (bench.served.METHODS names) FusionRAG: ragattn's server only
+METHODS = tuple(label(m) for m in ("block-attention", "fusionrag"))   # FusionRAG: ragattn's server only
 
 
 def block_bytes(model_dir: Path, block_size: int, dtype_bytes: int = 4) -> int:
@@ -38,8 +40,6 @@ def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prom
     and are not the requests' (``held``: the blocks in use less those), the prompt's are counted
     once (its timed rounds left them held)."""
     from ragattn.methods.fusionrag import budget
-
-    from .served import METHODS as PARAMS, RAGATTN_ONLY, RECOMPUTE_RATIO
 
     rows = []
     end = prompt.spans[-1][1]

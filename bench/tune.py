@@ -120,9 +120,9 @@ def paged_attention_candidates(shape_key: str) -> List[Config]:
     """The sweep of a ``paged_attention`` shape class: the key tile, warps, stages 2-5 and the
     split-KV wave target; for prefill also the query tile height (``BLOCK_M``: stacked rows, 64 or
     128; a 64-row tile runs its whole key tiles in a loop of their own, V pipelined like K). A
-    config the launcher's shared-memory model (``paged_attention.smem_bytes``, the compiler's
+    config the launcher's shared-memory model (``paged_plan.smem_bytes``, the compiler's
     figure) would shrink is left out, so every candidate runs as listed."""
-    from ragattn.triton_kernels.paged_attention import SMEM_BUDGET, smem_bytes
+    from ragattn.triton_kernels.paged_plan import SMEM_BUDGET, smem_bytes
 
     kind, dt, dclass = shape_key.split("/")[:3]
     block_d = int(dclass[1:])

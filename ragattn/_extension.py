@@ -26,7 +26,8 @@ NATIVE_CUDA_OPS = tuple(op for op in CUDA_CPP_OPS
 #   "reference": every op runs the plain-torch reference in ragattn.reference
 #   "triton":    Triton-backed ops run their Triton kernel under TRITON_INTERPRET=1
 #   "twin":      C++ ops whose default CPU path is not their CUDA kernel's bit-faithful twin
-#                (verify_draft) run that twin instead (ragattn/ops/verify_draft.py chooses); others as "default"
+#                (verify_draft) run that twin instead; others as "default"
+# ragattn.ops.backend turns this into each op's backend (the one place an op chooses).
 CPU_BACKENDS = ("default", "reference", "triton", "twin")
 
 

@@ -89,7 +89,7 @@ def _long_cases(gen, H, Hkv, D, page, inv_freq):
     with position), a decode row over zero-copy entries (3 items: split-KV), a recompute's rows."""
     import ragattn
     from ragattn import PageTable
-    from ragattn.ops.paged_attention_run import rope_position_table
+    from ragattn.ops.paged_kernels import rope_position_table
 
     n = 1638
     pages = (n + page - 1) // page

@@ -1,7 +1,5 @@
 """Q-indexed attention over a paged KV cache: sparse prefill, speculative tails and decode.
 
-(Over 600 lines: one kernel family, its jit helpers and the launcher that plans it belong together.)
-
 One kernel serves every case. A program owns one *query tile* of one sequence (up to BLOCK_M
 consecutive query rows of that sequence) for one KV head, and stacks the rows x the GQA group of
 query heads that read that KV head into the rows of its tile, so ``tl.dot`` sees
@@ -29,8 +27,8 @@ each tile in one loop (TILES=2), where three loops would spill. A NaN or +inf
 visible score poisons its row (out and lse NaN); a -inf one has weight 0. Slot ``j`` is
 read from page ``block_table[b, j // page_size]`` at offset ``j % page_size`` (any page size, pages
 in any order). Key tiles start at multiples of BLOCK_N, so with a power-of-two page size a tile
-reads its page ids once per page (or once, when it lies inside one page), not once per slot: 3-12%
-of an H100's decode time (docs/perf/h100). The softmax is the online (FlashAttention) one in base
+reads its page ids once per page (or once, when it lies inside one page), not once per slot
+(docs/perf/). The softmax is the online (FlashAttention) one in base
 2 with fp32 statistics.
 
 Split-KV (few query rows against long contexts, e.g. decode): a third grid axis cuts each tile's
@@ -42,8 +40,6 @@ them exactly. Tiles, warps, stages and the split target come from ``configs/page
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -52,6 +48,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .merge_attention_states import merge_split_states
+from .paged_plan import PagedPlan, interpreting, page_mode, plan_paged_attention, split_whole_tiles  # noqa: F401
 from .soft_cap import soft_cap_log2
 
 LOG2E = 1.4426950408889634
@@ -104,9 +101,8 @@ def _rope_angle(pos, turn_hi, turn_lo):
     and each frequency in turns as a 64-bit fixed-point fraction ``turn_hi [D]``, ``turn_lo [D]``
     (uint32 halves): the fraction of ``pos * turns`` is bits 32..63 of that product mod 2^64, which
     32-bit multiplies give exactly (``umulhi`` for the low half, ``pos >> 32`` for positions past
-    2^32). An fp64 angle reduced by floor(ang / 2 pi) was as accurate but held 64-bit values per
-    key element: 255 registers and 1.3 KB of spills per thread at decode's 64 x 128 key tile, 17x
-    the time of keys rotated beforehand on an H100; this holds 32-bit ones."""
+    2^32). An fp64 angle reduced by floor(ang / 2 pi) is as accurate but holds 64-bit values per
+    key element, which spill at decode's key tiles; this holds 32-bit ones."""
     p_lo = pos.to(tl.uint32)  # pos mod 2^32
     p_hi = (pos >> 32).to(tl.uint32)
     frac = p_lo[:, None] * turn_hi[None, :] + tl.umulhi(p_lo[:, None], turn_lo[None, :]) + p_hi[:, None] * turn_lo[None, :]
@@ -429,245 +425,6 @@ def _paged_attention_kernel(
     tl.store(LSE + split.to(tl.int64) * stride_ls + q_row64 * stride_lt + head, lse, mask=row_ok)
 
 
-def page_mode(page_size: int, block_n: int, split_len: int) -> int:
-    """The kernel's PAGE_MODE: 2 when a key tile lies inside one page, 1 when it covers whole pages,
-    0 (a table read per slot) for page sizes that are not powers of two or tiles that straddle pages."""
-    if page_size & (page_size - 1) or split_len % block_n:
-        return 0
-    return 2 if page_size % block_n == 0 else 1
-
-
-def split_whole_tiles(m_tile: int) -> bool:
-    """The kernel's SPLIT_WHOLE_TILES for query tiles of ``m_tile`` stacked rows: decode and verify
-    tiles (<= 64 rows) run whole key tiles in a loop of their own; prefill's (128) would spill."""
-    return m_tile <= 64
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-SMEM_BUDGET = 160 * 1024  # of ``smem_bytes``: fits sm_90 (227 KB a CTA) and sm_80 (163 KB)
-
-
-def kv_buffers(m_tile: int, num_stages: int) -> int:
-    """Shared-memory copies of each of K and V that Triton's software pipeliner (3.x, sm_90) allocates
-    for a loop of ``num_stages`` stages, as the compiled kernels show (``bench.sm90``): tiles of
-    at least 64 stacked rows (warpgroup MMAs) take ``max(2, stages - 2)``, smaller ones (decode)
-    ``max(1, stages - 3)``: a 16-row decode tile keeps one K and one V tile in flight up to 4
-    stages and double-buffers them at 5."""
-    return max(2, num_stages - 2) if m_tile >= 64 else max(1, num_stages - 3)
-
-
-def smem_bytes(m_tile: int, block_n: int, block_d: int, elt: int, num_stages: int) -> int:
-    """Shared memory of the kernel for one config, modelled on what the compiler reports for sm_90
-    (checked against it by tests/tooling/test_sm90_report.py): the pipelined K and V buffers of the busiest
-    loop (the loops reuse one another's), the Q tile, an fp32 P tile of layout scratch and 1 KB of
-    small buffers (page ids). Decode at 64-key tiles, 5 stages: 74.8 KB modelled, 71.7 KB compiled
-    (the model before it, ``elt * block_d * (m_tile + 2 * block_n * stages)``, said 164 KB and cut
-    that config back to 4 stages)."""
-    return (2 * kv_buffers(m_tile, num_stages) * block_n * block_d * elt + m_tile * block_d * elt
-            + 4 * m_tile * block_n + 1024)
-
-
-def shape_key(m_tile: int, block_d: int, elt: int) -> str:
-    """The config table's shape class: ``<kind>/<dtype class>/d<BLOCK_D>`` with kind "decode" (query
-    tiles of at most 16 stacked rows: one decode row x a GQA group), "verify" (up to 64: speculative
-    tails) or "prefill"."""
-    kind = "decode" if m_tile <= 16 else "verify" if m_tile <= 64 else "prefill"
-    return f"{kind}/{'fp32' if elt == 4 else '16bit'}/d{block_d}"
-
-
-def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
-                  device_name: Optional[str] = None) -> dict:
-    """The launch configuration: ``m_tile`` (stacked query rows), ``BLOCK_N`` (keys a loop step),
-    ``num_warps``, ``num_stages`` and ``waves`` (split-KV fills ``waves`` x the SM count with programs).
-
-    From ``configs/paged_attention.json``: the GPU's entry (``device_name``; keys as ``shape_key``,
-    measured by ``python -m ragattn.bench.tune paged_attention``), else its "default" heuristic, or
-    the "interpreter" entry. ``m_tile`` is capped at the entry's ``BLOCK_M``; then the tiles are
-    shrunk until ``smem_bytes`` (the compiler's shared memory, modelled) fits ``SMEM_BUDGET``
-    (stages first, then the key tile, then the query tile).
-    """
-    from .gpu_configs import DEFAULT, get_config
-
-    cfg = get_config("paged_attention", None if interp else (device_name or DEFAULT), shape_key(m_tile, block_d, elt))
-    cfg["m_tile"] = min(m_tile, cfg.pop("BLOCK_M", m_tile))
-    cfg.setdefault("waves", 4.0)
-    if interp:
-        return cfg
-
-    while smem_bytes(cfg["m_tile"], cfg["BLOCK_N"], block_d, elt, cfg["num_stages"]) > SMEM_BUDGET:
-        if cfg["num_stages"] > 2:
-            cfg["num_stages"] -= 1
-        elif cfg["BLOCK_N"] > 32:
-            cfg["BLOCK_N"] //= 2
-        elif cfg["m_tile"] > 16:
-            cfg["m_tile"] //= 2
-        else:
-            break
-    return cfg
-
-
-def choose_num_splits(num_programs: int, max_kv_len: int, block_n: int, device: torch.device,
-                      waves: float = 4.0) -> int:
-    """Split the key range when the grid would leave the GPU under-filled (decode, few rows)."""
-    if device.type != "cuda" or num_programs == 0:
-        return 1
-    from .gpu_configs import sm_count
-
-    return splits_for_sms(num_programs, max_kv_len, block_n, sm_count(device), waves)
-
-
-def splits_for_sms(num_programs: int, max_kv_len: int, block_n: int, sms: int, waves: float = 4.0,
-                   min_tiles: int = 4) -> int:
-    """``choose_num_splits`` for a GPU of ``sms`` SMs (pure: the static sm_90 report asks it too):
-    as many splits as keep the grid within ``waves`` x ``sms`` programs (never a straggling partial
-    wave), each split at least ``min_tiles`` key tiles long (a split costs a partial state per row
-    and a merge), at most 64.
-
-    Measured on an H100 (bf16 d128, GQA 4, page 16; docs/perf/h100): decode time is flat within 3%
-    from 2 to 16 splits at batch 32 x 32K, but at batch 4 x 32K 9 splits (288 programs) took 1.4x as
-    long as 8 (256): the decode config holds 2 programs per SM, 264 on the GPU, and the 24 past them
-    ran as a second wave. Rounding down to ``waves`` (4: two rounds of 2 per SM) keeps every grid
-    whole: 2 splits at batch 32, 16 at batch 4, 1 at batch 128 x 4K."""
-    if num_programs == 0:
-        return 1
-    key_tiles = triton.cdiv(max(max_kv_len, 1), block_n)
-    want = int(waves * sms // num_programs)
-    return max(1, min(want, key_tiles // min_tiles, 64))
-
-
-@dataclass(frozen=True)
-class PagedPlan:
-    """Everything the launch needs that depends on the batch's shape, not on tensor contents.
-
-    Built by ``plan_paged_attention`` (reads ``cu_seqlens_q`` / ``kv_lens`` back to the host
-    unless ``max_q_len`` / ``max_kv_len`` are given); ``run_paged_attention`` then launches without
-    any host sync or CPU tensor, so a plan built once per decode step (or once for a captured batch
-    shape, from maxima) makes the run CUDA-graph safe.
-
-    ``tile_seq``/``tile_row0`` int32 ``[num_tiles]`` on the device: the sequence of each query
-    tile and its first query row *counted from the sequence's start* (the kernel adds
-    ``cu_seqlens_q[seq]``, read at run time; a tile past its sequence's rows has nothing to do). ``split_len``
-    slots per split-KV partition (``num_splits`` of them, counted from each tile's first visible
-    slot; the last one runs to the end of the visible range, whatever its length).
-    """
-
-    tile_seq: torch.Tensor
-    tile_row0: torch.Tensor
-    num_tiles: int
-    block_m: int
-    block_n: int
-    block_d: int
-    group: int
-    group_pad: int
-    num_splits: int
-    split_len: int
-    num_stages: int
-    num_warps: int
-    pipeline_v: int = 0  # the config's ``pipeline_v`` (0/1): prefill tiles' V load pipelined
-
-    def launch(self) -> list:
-        """The host integers of the plan, in ``from_launch``'s order (the custom op's ``int[]``)."""
-        return [self.block_m, self.block_n, self.block_d, self.group, self.group_pad, self.num_splits,
-                self.split_len, self.num_stages, self.num_warps, self.pipeline_v]
-
-    @classmethod
-    def from_launch(cls, tile_seq: torch.Tensor, tile_row0: torch.Tensor, launch) -> "PagedPlan":
-        """The plan back from its device tensors and ``launch()`` list (no tensor data read)."""
-        return cls(tile_seq, tile_row0, tile_seq.shape[0], *(int(x) for x in launch))
-
-
-LAUNCH_FIELDS = 10  # len(PagedPlan.launch())
-
-
-def plan_paged_attention(
-    cu_seqlens_q: torch.Tensor,
-    kv_lens: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    window_left: int = -1,
-    num_splits: Optional[int] = None,
-    max_q_len: Optional[int] = None,
-    max_kv_len: Optional[int] = None,
-) -> PagedPlan:
-    """Tile map and launch configuration for a batch (``cu_seqlens_q`` int32/int64 ``[B + 1]``,
-    ``kv_lens`` int32/int64 ``[B]``).
-
-    ``max_q_len`` (query rows of the longest sequence) and ``max_kv_len`` (its cached slots) are
-    read from the tensors when not given: one host sync on CUDA. Given both, nothing is read: the
-    tile map (``ceil(max_q_len / block_m)`` tiles per sequence) is built on the device, so the plan
-    itself can be captured in a CUDA graph. A sequence may never have more than ``max_q_len`` rows
-    (its rows past the last tile would not be computed: checked on CPU and with RAGATTN_DEBUG=1);
-    contexts longer than ``max_kv_len`` stay exact (the last split runs to the end) but slower.
-    ``num_splits`` forces the split-KV factor (None: ``choose_num_splits``).
-    """
-    device = cu_seqlens_q.device
-    batch = kv_lens.shape[0]
-    group = num_heads // num_kv_heads
-    host = None
-    if max_q_len is None or max_kv_len is None:
-        host = torch.cat([cu_seqlens_q.long(), kv_lens.long()]).cpu()
-    exact_tiles = max_q_len is None  # the tile map from the host copy of cu_seqlens_q
-    if max_q_len is None:
-        rows = host[1: batch + 1] - host[:batch]
-        max_q_len = int(rows.max()) if batch else 0
-    if max_kv_len is None:
-        lens = host[batch + 1:]
-        max_kv_len = int(lens.max()) if batch else 0
-
-    # tile shape: rows x group stacked to M = BLOCK_M * GROUP_PAD in [16, 128] (tl.dot needs M >= 16)
-    group_pad = triton.next_power_of_2(group)
-    m_tile = min(128, max(16, triton.next_power_of_2(max(max_q_len, 1) * group_pad)))
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    elt = torch.empty((), dtype=dtype).element_size()
-    from .gpu_configs import device_name as table_device
-
-    interp = _interpreting()
-    cfg = kernel_config(m_tile, block_d, elt, interp=interp,
-                        device_name=table_device(device) if (device.type == "cuda" and not interp) else None)
-    m_tile, block_n, num_stages, num_warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
-    block_m = max(1, m_tile // group_pad)
-
-    if exact_tiles:
-        # one tile per block_m rows actually present
-        cu = host[: batch + 1]
-        tiles_per_seq = (cu[1:] - cu[:-1] + block_m - 1) // block_m
-        tile_seq = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), tiles_per_seq)
-        first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
-        tile_idx = torch.arange(tile_seq.numel(), dtype=torch.int64) - first_tile[tile_seq]
-        tile_row0 = tile_idx * block_m
-        tile_seq = tile_seq.to(torch.int32).to(device, non_blocking=True)
-        tile_row0 = tile_row0.to(torch.int32).to(device, non_blocking=True)
-    else:
-        # planned for a maximum, on the device: every sequence gets ceil(max_q_len / block_m) tiles
-        tps = triton.cdiv(max(max_q_len, 1), block_m) if max_q_len > 0 else 0
-        t = torch.arange(batch * tps, dtype=torch.int64, device=device)
-        tile_seq = torch.div(t, max(tps, 1), rounding_mode="floor")
-        tile_row0 = ((t - tile_seq * tps) * block_m).to(torch.int32)
-        tile_seq = tile_seq.to(torch.int32)
-    num_tiles = tile_seq.shape[0]
-
-    # the key span one tile can see: a tile holding one query row (decode) under a window sees at
-    # most window_left + 1 slots (+ the slots left of the window in its first, aligned key tile)
-    one_row = min(block_m, max_q_len) <= 1
-    span = max_kv_len if (window_left < 0 or not one_row) else min(max_kv_len, window_left + block_n)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tiles * num_kv_heads, span, block_n, device, cfg["waves"])
-    split_len = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max(span, 1), split_len))
-    return PagedPlan(
-        tile_seq=tile_seq, tile_row0=tile_row0,
-        num_tiles=num_tiles, block_m=block_m, block_n=block_n, block_d=block_d, group=group,
-        group_pad=group_pad, num_splits=num_splits, split_len=split_len, num_stages=num_stages,
-        num_warps=num_warps, pipeline_v=int(bool(cfg.get("pipeline_v", False))),
-    )
-
-
 def run_paged_attention(
     plan: PagedPlan,
     q: torch.Tensor,
@@ -750,7 +507,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         l_buf = torch.empty((plan.num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
         stride_os, stride_ls = o_buf.stride(0), l_buf.stride(0)
 
-    interp = _interpreting()
+    interp = interpreting()
     has_window = window_left >= 0
     row_starts = row_start is not None
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)

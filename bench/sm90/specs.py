@@ -78,7 +78,7 @@ def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[
     import triton
 
     import ragattn.triton_kernels.merge_attention_states as mas
-    import ragattn.triton_kernels.paged_attention as pa
+    import ragattn.triton_kernels.paged_plan as pa
     from ragattn.triton_kernels import gpu_configs
 
     H, Hkv, D, ctx, page = 32, 8, 128, PAGED_CTX, 16

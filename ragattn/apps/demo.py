@@ -59,7 +59,7 @@ except ModuleNotFoundError as _exc:
         raise
     raise SystemExit(f"ragattn demo: {_exc}") from None
 
-from ragattn.methods import block_attention, fusionrag, rapid, turborag
+from ragattn.methods import block_attention, fusionrag, rapid, registry, turborag
 from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.methods.baseline import full_prefill
 from ragattn.methods.prompt import prompt_parts
@@ -67,9 +67,9 @@ from ragattn.methods.prompt import prompt_parts
 DEFAULT_MODEL = "smollm2"
 # The default run (scripts/setup.sh runs it on 2 cores): 1 question, the top 20 of the shipped
 # corpus's 36 passages (a ~1.6K-token prompt: long enough for the reuse methods to matter), every
-# timing the median of 3 runs. Most of a question's time is the baseline's and RAPID's 1.6K-token
-# prefills (3 runs each, decoding too: RAPID's merit is decode speed); a second question doubles
-# the demo's timed part for about the same speed-ups, so that is `--limit 2`.
+# timing the median of 3 runs. Most of a question's time is the baseline's and RAPID's long
+# prefills (decoding too: RAPID's merit is decode speed); a second question doubles the timed part
+# for the same speed-ups (docs/perf/), so that is `--limit 2`.
 DEFAULT_LIMIT = 1
 DEFAULT_TOP_K = 20
 DEFAULT_REPEATS = 3
@@ -180,10 +180,11 @@ def median_result(runs: List[Result]) -> Result:
 # What each method speeds up (its figure of merit, the "speedup" column): prefill methods the time
 # to first token; RAPID (speculative decoding) the decode speed, against the baseline's own
 # decoding at the same context (full prefill, then the target alone)
-DECODE_METHODS = ("rapid",)
+DECODE_METHODS = tuple(m.name for m in registry.REGISTRY if m.decode)
 
 
-BLOCK_TUNED = ("turborag-composite", "turborag-reordered", "block-attention")   # run on the adapted model
+# the rows that run on the model with the block-attention adapter merged (unless --untuned)
+BLOCK_TUNED = tuple(m.name for m in registry.REGISTRY if m.demo and m.adapter == "block-attention")
 
 
 def _runners(model, tokenizer, store, tuned=None, tuned_store=None) -> Dict[str, Callable]:
@@ -199,16 +200,16 @@ def _runners(model, tokenizer, store, tuned=None, tuned_store=None) -> Dict[str,
             block_model, tokenizer, chunks, q, positions=positions, max_new_tokens=n, store=block_store))
 
     return {
-        "full-prefill": lambda chunks, q, n: _from_answer(full_prefill(model, tokenizer, chunks, q,
+        registry.BASELINE: lambda chunks, q, n: _from_answer(full_prefill(model, tokenizer, chunks, q,
                                                                        max_new_tokens=n)),
         "turborag-composite": turborag_run("composite"),
         "turborag-reordered": turborag_run("reordered"),
         "block-attention": lambda chunks, q, n: _from_answer(block_attention.answer(
             block_model, tokenizer, chunks, q, max_new_tokens=n, store=block_store)),
         "fusionrag": lambda chunks, q, n: _from_answer(fusionrag.answer(
-            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=registry.DEFAULT_RATIO)),
         "cacheblend": lambda chunks, q, n: _from_answer(fusionrag.cacheblend(
-            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=0.15)),
+            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=registry.DEFAULT_RATIO)),
         # speculative decoding: the target reads every passage, the drafter (the same model) the
         # MiniLM-retrieved third of them; eta = 10 biases the target towards the drafter
         "rapid": lambda chunks, q, n: _from_answer(rapid.answer(
@@ -254,7 +255,7 @@ class _RefragRunner:
         return _from_answer(self.rm.generate(q, chunks, max_new_tokens=n))
 
 
-METHOD_NAMES = list(_runners(None, None, None))  # the runners are only built here, not called
+METHOD_NAMES = list(registry.names(demo=True))   # _runners has one runner for each
 
 
 def _block_tuned(model, untuned: bool):
@@ -377,11 +378,12 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     from ragattn.methods.retrieval import Retriever
 
     methods = args.method or METHOD_NAMES
-    unknown = [m for m in methods if m not in METHOD_NAMES]
+    unknown = [m for m in methods if getattr(registry.find(m), "name", None) not in METHOD_NAMES]
     if unknown:
         raise DemoError(f"ragattn demo: unknown method(s) {unknown}; known: {', '.join(METHOD_NAMES)}")
-    if "full-prefill" not in methods:
-        methods = ["full-prefill", *methods]  # the baseline every agreement is measured against
+    methods = list(dict.fromkeys(registry.canonical(m) for m in methods))
+    if registry.BASELINE not in methods:
+        methods = [registry.BASELINE, *methods]  # the baseline every agreement is measured against
     try:
         corpus: Corpus = load_corpus(args.corpus)
     except CorpusError as exc:
@@ -416,7 +418,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         notes.append(note)
     all_runners = _runners(model, tokenizer, store, tuned, tuned_store)
     # the baseline runs first: every other row is compared with it
-    runners: Dict[str, Callable] = {"full-prefill": all_runners["full-prefill"]}
+    runners: Dict[str, Callable] = {registry.BASELINE: all_runners[registry.BASELINE]}
     runners.update((name, all_runners[name]) for name in methods)
 
     t_offline = time.perf_counter()
@@ -455,7 +457,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
     for qid, text, answers, passages, ctx in prompts:
         runs: Dict[str, List[Result]] = {name: [] for name in runners}
         # full decodes every run: the methods that speed up decoding, and the baseline they are compared with
-        decoders = set(DECODE_METHODS) | ({"full-prefill"} if set(DECODE_METHODS) & set(runners) else set())
+        decoders = set(DECODE_METHODS) | ({registry.BASELINE} if set(DECODE_METHODS) & set(runners) else set())
         for rep in range(args.repeats):   # round after round, so that a load change hits every method alike
             for name, runner in runners.items():
                 bar.set_postfix_str(f"{qid} {name} run {rep + 1}")
@@ -463,7 +465,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
                 n = args.max_new_tokens if rep == 0 or name in decoders else 1
                 runs[name].append(runner(passages, text, n))
                 bar.update(1)
-        base = median_result(runs["full-prefill"])
+        base = median_result(runs[registry.BASELINE])
         for name in runners:
             res = median_result(runs[name])
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True).strip()

@@ -29,8 +29,8 @@ Outputs under ``--out``: ``results.json`` (configuration, per-question rows, agg
 ``results.md`` (the tables) and ``results.png`` (EM, KL and TTFT against the recompute ratio, one
 line per method, one column per top-k; ratio-free methods are horizontal lines).
 
-Methods come from :data:`REGISTRY`: one entry per method (name, module, function, fixed options,
-whether it takes ``ratio=``); every function has the signature of ``ragattn.methods.baseline.full_prefill``
+Methods come from :mod:`ragattn.methods.registry` (name, module, function, fixed options, whether
+it takes ``ratio=``; :data:`REGISTRY` here: its entries with an answer function); every function has the signature of ``ragattn.methods.baseline.full_prefill``
 (``answer(model, tokenizer, chunks, question, max_new_tokens=..., store=..., **options) ->
 Answer``). An entry whose module is not in this checkout is absent from the run, not faked. An
 ablation (a variant of a method, e.g. ``fusionrag-standalone``: FusionRAG selecting with the final
@@ -41,20 +41,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ragattn.apps.corpus import EVAL_CORPUS, CorpusError, exact_match, load_corpus, normalize_answer, token_f1
+from ragattn.methods import registry as _registry
+from ragattn.methods.registry import BASELINE, Method
 
-BASELINE = "full-prefill"
 DEFAULT_TOP_K = "8,16"
 DEFAULT_RATIOS = "0,5,15,30,100"
 DEFAULT_OUT = "bench_results/eval"
@@ -65,60 +65,11 @@ class EvalError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------
-# the method registry
+# the methods: ragattn.methods.registry's entries with an answer function (REFRAG, a model of its
+# own, is not one)
 
 
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One evaluated method: ``module.attr(model, tokenizer, chunks, question, max_new_tokens=,
-    store=, **options[, ratio=])`` returning a ``ragattn.methods.generate.Answer``.
-
-    ``ratio``: the function takes ``ratio=`` (fraction of chunk tokens recomputed) and runs once
-    per ``--ratios`` entry. ``fused``: FusionRAG's offline fused chunk caches are built for it.
-    ``ablation``: a variant of a method above, run only when ``--methods`` names it.
-    ``adapter``: the shipped adapter (``ragattn.hf.adapters``) whose tuned model the method runs on
-    unless ``--untuned``; None: the model as loaded."""
-    name: str
-    module: str
-    attr: str
-    options: tuple = ()  # (key, value) pairs, fixed keyword arguments
-    ratio: bool = False
-    fused: bool = False
-    ablation: bool = False
-    adapter: Optional[str] = None
-
-    def resolve(self) -> Optional[Callable]:
-        """The answer function, or None when its module is not part of this checkout (a module
-        that exists but fails to import raises: a broken method is not silently skipped)."""
-        try:
-            mod = importlib.import_module(self.module)
-        except ModuleNotFoundError as exc:
-            if exc.name == self.module:
-                return None
-            raise
-        return getattr(mod, self.attr, None)
-
-
-# One line per method (REFRAG plugs in here when its module lands).
-REGISTRY = (
-    Method(BASELINE, "ragattn.methods.baseline", "full_prefill"),
-    Method("no-context", "ragattn.methods.baseline", "no_context"),   # the floor: no passages at all
-    Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),),
-           adapter="block-attention"),
-    Method("turborag-reordered", "ragattn.methods.turborag", "answer", (("positions", "reordered"),),
-           adapter="block-attention"),
-    Method("block-attention", "ragattn.methods.block_attention", "answer", adapter="block-attention"),
-    Method("full-reuse", "ragattn.methods.fusionrag", "full_reuse"),
-    Method("cacheblend", "ragattn.methods.fusionrag", "cacheblend", ratio=True),
-    Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True),
-    Method("rapid", "ragattn.methods.rapid", "answer"),  # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not TTFT)
-    # FusionRAG selecting with the final block alone (the authors' code) instead of over the context
-    Method("fusionrag-standalone", "ragattn.methods.fusionrag", "answer", (("question_mode", "standalone"),),
-           ratio=True, fused=True, ablation=True),
-    # full attention on the block-tuned weights: does the adapter harm ordinary answers?
-    Method("full-prefill-tuned", "ragattn.methods.baseline", "full_prefill", adapter="block-attention",
-           ablation=True),
-)
+REGISTRY = tuple(m for m in _registry.REGISTRY if m.evaluated)
 
 
 def available_methods(registry: Sequence[Method] = REGISTRY) -> Dict[str, Method]:
@@ -201,7 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         names = [m.strip() for m in args.methods.split(",") if m.strip()]
         known = {m.name for m in REGISTRY}
-        unknown = [m for m in names if m not in known]
+        unknown = [m for m in names if getattr(_registry.find(m), "name", None) not in known]
+        names = [_registry.canonical(m) for m in names if m not in unknown]
         if unknown or not names:
             p.error(f"unknown method(s) {unknown or names}; known: {', '.join(m.name for m in REGISTRY)}")
         absent = [m for m in names if m not in avail]

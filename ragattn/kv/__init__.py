@@ -23,7 +23,7 @@ A sliding window is by position on both, refused where positions overlap unless 
 token's RoPE position from the store to the kernel. Engines (transformers' attention in
 ``ragattn.hf``, vLLM's) route onto this layer; it imports only ``ragattn.ops``.
 """
-from ragattn.kv.cpu_sdpa import cpu_sdpa_enabled
+from ragattn.ops.backend import cpu_sdpa_enabled
 from ragattn.kv.paged_kv import CopyForward, PagedKV
 from ragattn.kv.shared_entries import Pass, PassStep, SharedEntries, entry_tables, run_passes
 from ragattn.kv.zero_copy import TaggedPagedKV, ZeroCopyForward

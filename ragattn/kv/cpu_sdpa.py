@@ -5,31 +5,14 @@ sequence's slots are one run of rows of a ``[1, Hkv, num_pages * page_size, D]``
 (no copy), and SDPA over that run (with a mask where a row may not see every slot) computes what
 ``paged_attention`` computes, by the same rule: slot ``j`` is visible to a query at position
 ``p`` iff ``j <= p``, ``j < kv_lens`` (and ``j >= p - window_left``). Which steps take it is
-:func:`cpu_sdpa_enabled` (``RAGATTN_HF_CPU_SDPA``, read when a forward is planned).
+:func:`ragattn.ops.backend.cpu_sdpa_enabled` (``RAGATTN_HF_CPU_SDPA``, read when a forward is
+planned), the ops' one backend chooser.
+
+    head_rows(pages); row_masks(spans, positions, q, window_left, dtype); rows_sdpa(query, k4, v4, plan, scaling)
 """
 from __future__ import annotations
 
-import os
-
 import torch
-
-CPU_SDPA_ENV = "RAGATTN_HF_CPU_SDPA"
-
-
-def cpu_sdpa_enabled(q_rows: int) -> bool:
-    """Whether a CPU paged step of ``q_rows`` new tokens per row attends with torch's SDPA over
-    the row's slots in place (rows owning consecutive pages, as every :class:`PagedKV` is
-    allocated; same rule: slot ``j`` visible to a query at slot ``s`` iff ``j <= s``,
-    ``j < kv_lens``) rather than ``ragattn.paged_attention``'s C++ kernel. By default a decode
-    step (one row) takes the kernel (it reads each row of the paged layout once for the whole GQA
-    group; SDPA over the strided ``[page, slot, Hkv, D]`` rows is ~2x slower per layer) and a
-    longer step (a final block's prefill, masked) takes SDPA. ``RAGATTN_HF_CPU_SDPA=1`` forces
-    SDPA, ``=0`` the kernel, for every step."""
-    flag = os.environ.get(CPU_SDPA_ENV)
-    if flag is None or flag == "auto":
-        return q_rows > 1
-    return flag != "0"
-
 
 def head_rows(pages: torch.Tensor):
     """``pages`` ``[num_pages, page_size, Hkv, D]`` as ``[1, Hkv, num_pages * page_size, D]`` (no

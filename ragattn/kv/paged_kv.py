@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 
-from ragattn.kv.cpu_sdpa import cpu_sdpa_enabled, head_rows, row_masks, rows_sdpa
+from ragattn.kv.cpu_sdpa import head_rows, row_masks, rows_sdpa
 from ragattn.kv.window import check_window
 from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.ops.backend import cpu_sdpa_enabled
 from ragattn.ops.page_table import num_pages, slot_rows
 
 

@@ -5,8 +5,10 @@
 ``verify_draft`` have no CUDA kernel; this module registers their plain-torch reference
 (``ragattn.reference``, rotation and softmax in float32 as the kernels compute them) as their
 CUDA impl, so CUDA tensors work, slower, with a one-time warning. The Triton ops are unaffected.
-Where the extension has its CUDA kernels (``ragattn._extension.NATIVE_CUDA_OPS``) nothing is
-registered.
+Where the extension has its CUDA kernels nothing is registered; which ops lack one is
+``ragattn.ops.backend.missing_cuda_kernels`` (``backend.choose`` answers "reference" for them).
+
+    register(dispatch_key="CUDA") -> the ops registered (run at import)
 """
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ import warnings
 
 import torch
 
-from ragattn import _extension
-from ragattn.ops import kv_cache as _kv
+from ragattn.ops import backend, kv_cache as _kv
 from ragattn.ops.verify_draft import _validate as _validate_verify_draft
 from ragattn.reference import kv_cache as _ref_kv
 from ragattn.reference.speculative import verify_draft as _ref_verify_draft
@@ -71,8 +72,7 @@ def register(dispatch_key: str = "CUDA") -> tuple:
     """Register the reference impl of each C++ op the extension has no ``dispatch_key`` kernel
     for; returns the ops registered (idempotent: a second call registers nothing)."""
     global _lib
-    missing = tuple(op for op in _extension.CUDA_CPP_OPS
-                    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"ragattn::{op}", dispatch_key))
+    missing = backend.missing_cuda_kernels(dispatch_key)
     if missing and _lib is None:
         _lib = torch.library.Library("ragattn", "IMPL")
     for op in missing:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ragattn import _extension
+from ragattn.ops import backend
 from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import (
     FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_same_device, check_tensor, cpu_qk_well_formed, device_guard,
@@ -76,10 +76,10 @@ def _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale):
 
 def _cpu_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale=None):
     _validate(q, k, cu_seqlens_q, cu_seqlens_k, scale, check_values=True)
-    backend = _extension.cpu_backend()
-    if backend == "triton":
+    chosen = backend.choose(_OP, "cpu")
+    if chosen == backend.TRITON:
         return _triton_impl(q, k, cu_seqlens_q, cu_seqlens_k, scale)
-    if backend == "reference":
+    if chosen == backend.REFERENCE:
         return _reference(q, k, cu_seqlens_q, cu_seqlens_k, scale)
     return _cpu_scores(q, k, cu_seqlens_q, cu_seqlens_k, scale)
 

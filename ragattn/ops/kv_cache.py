@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ragattn import _extension
+from ragattn.ops import backend
 from ragattn.ops._validate import FLOAT_DTYPES, check_fp8_scale_values, check_tensor
 from ragattn.reference import kv_cache as _ref
 
@@ -96,8 +96,11 @@ def _check_num_kv_heads(op: str, num_kv_heads, name: str, layers, g) -> None:
         )
 
 
-def _on_reference_path(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and _extension.cpu_backend() == "reference"
+def _on_reference_path(op: str, t) -> bool:
+    """The op's Python reference path (CPU tensors, ``RAGATTN_CPU_BACKEND=reference``), where the
+    C++ op would run otherwise."""
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            and backend.choose(op, "cpu") == backend.REFERENCE)
 
 
 def _check_rows_cpu(op: str, name: str, rows: torch.Tensor, num_rows: int, distinct: bool) -> None:
@@ -239,7 +242,7 @@ def rerotate_keys_(
     mod 2pi in float64, so deltas up to 2^20 stay within fp32 rounding of the exact rotation.
     Returns None.
     """
-    if _on_reference_path(rows):
+    if _on_reference_path("rerotate_keys_", rows):
         g = _validate_rerotate(k_layers, rows, delta, inv_freq, rotary_dim, num_kv_heads, k_scale)
         # (the C++ ops check row ranges themselves; the reference path needs it here)
         if g is not None:
@@ -317,7 +320,7 @@ def copy_kv_(
     """
     args = (list(dst_k), list(dst_v), list(src_k), list(src_v), src_rows, dst_rows, delta, inv_freq, int(rotary_dim), bool(interleaved))
     scales = dict(src_k_scale=src_k_scale, src_v_scale=src_v_scale, dst_k_scale=dst_k_scale, dst_v_scale=dst_v_scale)
-    if _on_reference_path(dst_rows):
+    if _on_reference_path("copy_kv_", dst_rows):
         gk, gsk = _validate_copy(*args[:-1], num_kv_heads, **scales)
         # (the C++ ops check row ranges themselves; the reference path needs it here)
         if gk is not None:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from ragattn import _extension
+from ragattn.ops import backend
 from ragattn.ops._validate import FLOAT_DTYPES, check_no_overlap, check_same_device, check_tensor, device_guard
 from ragattn.reference.merge_attention_states import merge_attention_states as _reference
 from ragattn.reference.merge_attention_states import merge_attention_states_n as _reference_n
@@ -182,8 +182,8 @@ def _run(out_a, lse_a, out_b, lse_b, out=None, lse_out=None, log2=False, op=_OP)
     _validate(out_a, lse_a, out_b, lse_b, out, lse_out, op=op)
     if lse_a.numel() == 0:  # no (row, head): nothing to read or write, whatever the strides
         return (out, lse_out) if out is not None else (out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape))
-    use_triton = out_a.device.type == "cuda" or _extension.cpu_backend() == "triton"
-    if use_triton:
+    chosen = backend.choose("merge_attention_states", out_a.device.type)
+    if chosen == backend.TRITON:
         from ragattn.triton_kernels.merge_attention_states import merge_two_states
 
         # the kernel stores with a unit last-dim stride: anything else goes through a temporary
@@ -191,7 +191,7 @@ def _run(out_a, lse_a, out_b, lse_b, out=None, lse_out=None, log2=False, op=_OP)
         lse_k = lse_out if lse_out is not None and lse_out.stride(-1) == 1 else None
         with device_guard(out_a):
             o, lse = merge_two_states(out_a, lse_a, out_b, lse_b, out_k, lse_k, log2=log2)
-    elif _extension.cpu_backend() == "reference":
+    elif chosen == backend.REFERENCE:
         o, lse = _reference(out_a, lse_a, out_b, lse_b, log2)
     else:  # the C++ kernel (csrc/attention/merge_attention_states_cpu.cpp): one pass, any row/head strides
         out_a = out_a if out_a.stride(-1) == 1 else out_a.contiguous()
@@ -211,12 +211,13 @@ def _run(out_a, lse_a, out_b, lse_b, out=None, lse_out=None, log2=False, op=_OP)
 def _run_n(outs, lses, log2=False):
     _validate_n(outs, lses)
     s, n, h, d = outs.shape
-    if outs.device.type == "cuda" or _extension.cpu_backend() == "triton":
+    chosen = backend.choose("merge_attention_states", outs.device.type)
+    if chosen == backend.TRITON:
         from ragattn.triton_kernels.merge_attention_states import merge_n_states
 
         with device_guard(outs):
             return merge_n_states(outs, lses, log2=log2)
-    if _extension.cpu_backend() == "reference":
+    if chosen == backend.REFERENCE:
         return _reference_n(outs, lses, log2)
     outs = outs if outs.stride(-1) == 1 else outs.contiguous()
     out = outs.new_empty((n, h, d))

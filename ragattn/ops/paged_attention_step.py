@@ -14,23 +14,16 @@ import torch
 from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import INDEX_DTYPES, check_no_overlap, check_tensor
 from ragattn.ops.page_table import PageTable
-from ragattn.ops.paged_attention import (
-    _cpu_kernel,
-    _cpu_well_formed,
-    _default_scale,
-    kernel_backend,
-    paged_attention,
-)
-from ragattn.ops.paged_attention_run import (
+from ragattn.ops import backend
+from ragattn.ops.paged_attention import paged_attention
+from ragattn.ops.paged_attention_run import plan_paged_attention, run_paged_attention
+from ragattn.ops.paged_checks import check_rows_within, cpu_well_formed, is_int, rotary_dim_of, validate_run
+from ragattn.ops.paged_kernels import (
     ROPE_TABLE_MAX_POSITIONS,
-    _check_rows_within,
-    _is_int,
-    _rope_table,
-    _rotary_dim,
-    _run,
-    _validate_run,
-    plan_paged_attention,
-    run_paged_attention,
+    cpu_kernel,
+    default_scale,
+    rope_table,
+    run_on_backend,
 )
 
 _OP = "PagedAttentionStep"
@@ -44,7 +37,7 @@ def _version(t: torch.Tensor) -> Optional[int]:
 class PagedAttentionStep:
     """One step (forward) of ``paged_attention`` over a ``PageTable`` for every layer: what a
     request cache holds per forward. ``run`` per layer; the step chooses the call for the
-    backend (:func:`ragattn.ops.paged_attention.kernel_backend`, read at the step's first run), so
+    backend (:func:`ragattn.ops.backend.choose`, read at the step's first run), so
     callers never do:
 
     * the Triton kernel (CUDA, ``RAGATTN_CPU_BACKEND=triton``): ``plan_paged_attention`` once per
@@ -77,14 +70,14 @@ class PagedAttentionStep:
         check_tensor(_OP, "cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, shape=(table.batch + 1,),
                      device=table.kv_lens.device)
         for name, value in (("max_q_len", max_q_len), ("max_kv_len", max_kv_len)):
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"ragattn.{_OP}: {name} must be None or a non-negative int, got {value!r}")
-        _check_rows_within(cu_seqlens_q, max_q_len, cu_seqlens_q.device)   # the rule the plan path follows
+        check_rows_within(cu_seqlens_q, max_q_len, cu_seqlens_q.device)   # the rule the plan path follows
         self.cu_seqlens_q, self.table = cu_seqlens_q, table
         self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
         self._rope_hit = None   # _tagged_rope's last answer, with what it was for
         self.plans: dict = {}   # (window_left, num_heads, num_kv_heads, head_dim, dtype) -> plan
-        self._backend: Optional[Tuple[str, str]] = None   # (q's device type, kernel_backend) of the first run
+        self._backend: Optional[Tuple[str, str]] = None   # (q's device type, its backend) of the first run
         T = torch.Tensor
         # a padded, untagged table of plain CPU tensors: the C++ kernel's direct call
         self._direct = (table.row_start is None and not table.is_tagged
@@ -110,10 +103,10 @@ class PagedAttentionStep:
         optional outputs (``[total_q, Hq, D]`` in q's dtype, float32 ``[total_q, Hq]``; any strides;
         no overlap with an input), written and returned; a missing one is allocated."""
         t = self.table
-        backend = self._backend_of(q)
-        if (self._direct and backend == "cpu" and inv_freq is None and rotary_dim is None
+        chosen = self._backend_of(q)
+        if (self._direct and chosen == backend.CPP and inv_freq is None and rotary_dim is None
                 and plain_cpu_call(q, q_pos, k_cache, v_cache, out, lse_out, under_profiler=True)
-                and _cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, None, scale,
+                and cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, None, scale,
                                      window_left, logits_soft_cap, False)
                 and _outputs_well_formed(q, out, lse_out)):
             if (out is not None or lse_out is not None) and not self._outputs_apart(q, q_pos, k_cache, v_cache, out,
@@ -124,12 +117,12 @@ class PagedAttentionStep:
             out = q.new_empty(q.shape) if out is None else out
             lse_out = q.new_empty(q.shape[:2], dtype=torch.float32) if lse_out is None else lse_out
             # (every check of paged_attention's metadata passed; the kernel checks the index values)
-            return _cpu_kernel(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale, window_left,
+            return cpu_kernel(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale, window_left,
                                logits_soft_cap, out, lse_out)
         tagged = inv_freq is not None or t.is_tagged
-        if (tagged and self._tagged_direct and out is None and lse_out is None and backend == "cpu"
+        if (tagged and self._tagged_direct and out is None and lse_out is None and chosen == backend.CPP
                 and plain_cpu_call(q, q_pos, k_cache, v_cache, inv_freq, under_profiler=True)
-                and _cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, t.row_start,
+                and cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, t.row_start,
                                      scale, window_left, logits_soft_cap, False)
                 and type(interleaved) is bool):
             rope = self._tagged_rope(q, q_pos, inv_freq, rotary_dim)
@@ -138,9 +131,9 @@ class PagedAttentionStep:
                 return torch.ops.ragattn._paged_attention_tagged_cpu(
                     q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, t.entry_pos,
                     t.entry_len, t.entry_start, rope[0], rope[1], rope[2], interleaved,
-                    _default_scale(scale, q.shape[-1]),
+                    default_scale(scale, q.shape[-1]),
                     window_left, logits_soft_cap)
-        if backend == "triton" and not (torch.compiler.is_compiling() and not tagged):
+        if chosen == backend.TRITON and not (torch.compiler.is_compiling() and not tagged):
             key = (window_left, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
             plan = self.plans.get(key)
             if plan is None:
@@ -153,7 +146,7 @@ class PagedAttentionStep:
         if not tagged and t.row_start is None:
             return paged_attention(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale,
                                    window_left, logits_soft_cap, out=out, lse_out=lse_out)
-        rotary_dim = _rotary_dim(q, inv_freq, rotary_dim)
+        rotary_dim = rotary_dim_of(q, inv_freq, rotary_dim)
         args = (q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, None, None, (),
                 scale, window_left, t.entry_pos, t.entry_len, t.entry_start, inv_freq, rotary_dim or 0,
                 bool(interleaved), None, None, float(logits_soft_cap))
@@ -161,17 +154,17 @@ class PagedAttentionStep:
             out = q.new_empty(q.shape) if out is None else out
             lse_out = q.new_empty(q.shape[:2], dtype=torch.float32) if lse_out is None else lse_out
         # (the C++ kernels check the index values they follow; the reference needs them checked here)
-        _validate_run(*args, out, lse_out, read_values=backend != "cpu", planned=False)
-        return _run(*args, out, lse_out)
+        validate_run(*args, out, lse_out, read_values=chosen != backend.CPP, planned=False)
+        return run_on_backend(*args, out, lse_out)
 
     def _tagged_rope(self, q: torch.Tensor, q_pos: torch.Tensor, inv_freq, rotary_dim):
         """``(cos, sin, rotary_dim)`` for the tagged kernel's direct call (``(None, None, 0)``: keys
         stored rotated), or None where the checked path must run (arguments it refuses, rows past
-        the kernel's RoPE table). The table is the run op's (``_rope_table``: kept across calls
+        the kernel's RoPE table). The table is the run op's (``rope_table``: kept across calls
         while ``inv_freq``'s values are unchanged); the step keeps its answer for the next layer
         while ``inv_freq`` and ``q_pos`` are the same tensors, unchanged (their version counters:
         an in-place write is seen), which spares each layer a host read of ``q_pos``'s maximum and
-        a comparison of ``inv_freq``'s values (about 50 us a layer on the CPU). An inference
+        a comparison of ``inv_freq``'s values. An inference
         tensor has no version counter: an ``inv_freq`` made under ``torch.inference_mode()`` is
         looked up every time; ``q_pos`` only sizes the table, whose bounds the kernel checks
         against every row's position."""
@@ -194,7 +187,7 @@ class PagedAttentionStep:
         positions = int(q_pos.max()) + 1 if q_pos.numel() else 0
         if positions > ROPE_TABLE_MAX_POSITIONS:
             return None
-        cos, sin = _rope_table(inv_freq, positions)
+        cos, sin = rope_table(inv_freq, positions)
         return cos, sin, rd
 
     def _outputs_apart(self, q, q_pos, k_cache, v_cache, out, lse_out) -> bool:
@@ -212,10 +205,11 @@ class PagedAttentionStep:
         return True
 
     def _backend_of(self, q: torch.Tensor) -> str:
-        """``kernel_backend(q)``, read once per step and device type (it reads the environment)."""
+        """``ragattn.ops.backend.choose("paged_attention", ...)`` for ``q``, asked once per step and
+        device type (it reads the environment)."""
         device_type = q.device.type
         if self._backend is None or self._backend[0] != device_type:
-            self._backend = (device_type, kernel_backend(q))
+            self._backend = (device_type, backend.choose("paged_attention", device_type))
         return self._backend[1]
 
 

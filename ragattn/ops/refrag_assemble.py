@@ -1,5 +1,5 @@
 """``ragattn.refrag_assemble``: REFRAG's decoder input, token embeddings and projected chunk
-embeddings interleaved in one pass, with autograd (issue 12).
+embeddings interleaved in one pass, with autograd.
 
 Registers the CPU impl (the plain-torch gather, or the Triton kernel under the interpreter with
 ``RAGATTN_CPU_BACKEND=triton``), the CUDA impl (Triton), the fake impl and the autograd formula
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ragattn import _extension
+from ragattn.ops import backend
 from ragattn.ops._validate import INDEX_DTYPES, check_same_device, check_tensor, device_guard
 from ragattn.reference.refrag_assemble import refrag_assemble as _reference
 
@@ -53,9 +53,7 @@ def _validate(embed_weight, token_ids, chunk_embeds, slot_src, *, check_values: 
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    if t.dtype == torch.float64:
-        return False
-    return t.device.type == "cuda" or _extension.cpu_backend() == "triton"
+    return backend.choose(_OP, t.device.type, t.dtype) == backend.TRITON
 
 
 def _forward(embed_weight, token_ids, chunk_embeds, slot_src):

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ragattn import _extension
+from ragattn.ops import backend
 from ragattn.ops._validate import (
     check_soft_cap,
     FLOAT_DTYPES, INDEX_DTYPES, check_cu_seqlens, check_no_overlap, check_same_device, check_tensor,
@@ -29,7 +29,6 @@ from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.reference import varlen_attention as _ref
 
 OP = "varlen_attention"
-MAX_TRITON_HEAD_DIM = 256  # kernels pad head_dim to the next power of two (>= 16)
 
 __all__ = ["varlen_attention"]
 
@@ -244,18 +243,14 @@ def _validate_out(q, out, lse_out, inputs):
 
 
 def _use_triton(q: torch.Tensor) -> bool:
-    if q.dtype == torch.float64 or q.shape[-1] > MAX_TRITON_HEAD_DIM:
-        return False
-    if q.device.type == "cuda":
-        return True
-    return q.device.type == "cpu" and _extension.cpu_backend() == "triton"
+    return backend.choose(OP, q.device.type, q.dtype, q.shape[-1]) == backend.TRITON
 
 
 def _use_sdpa_cpu(q: torch.Tensor) -> bool:
     """The default CPU paths (the C++ forward and backward; ``_varlen_sdpa_cpu`` for dense float32
     calls) for fp16/bf16/fp32 CPU inputs; the caller reruns the reference where the fused path
     returns a non-finite value (it may come from a masked key)."""
-    return q.is_cpu and q.dtype in FLOAT_DTYPES and _extension.cpu_backend() in ("default", "twin")
+    return backend.choose(OP, q.device.type, q.dtype, q.shape[-1]) == backend.CPP
 
 
 def _cpu_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, q_pos, kv_pos, q_block, kv_block, causal, scale, window_left,

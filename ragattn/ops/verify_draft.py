@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ragattn import _extension
+from ragattn.ops import backend
 from ragattn.ops._direct_call import plain_cpu_call
 from ragattn.ops._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ragattn.reference.speculative import verify_draft as _reference
@@ -205,14 +205,14 @@ def _verify_draft_cpu(draft_tokens, draft_probs, target_logits, uniforms, temper
     (``RAGATTN_CPU_BACKEND``, read on every call): the float64 reference after the op's checks
     (``reference``), else the C++ kernel ``ragattn::_verify_draft_cpu`` (every check in C++): the
     CUDA kernel's bit-faithful twin (``twin``) or the fast path."""
-    backend = _extension.cpu_backend()
-    if backend == "reference":
+    chosen = backend.choose("verify_draft", "cpu")
+    if chosen == backend.REFERENCE:
         _validate(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, num_draft, cu_num_draft)
         _check_values(draft_tokens, target_logits, uniforms, num_draft, cu_num_draft)
         return _reference(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta, alpha, greedy, num_draft,
                           cu_num_draft=cu_num_draft)
     return torch.ops.ragattn._verify_draft_cpu(draft_tokens, draft_probs, target_logits, uniforms, temperature, eta,
-                                               alpha, greedy, num_draft, cu_num_draft, backend == "twin")
+                                               alpha, greedy, num_draft, cu_num_draft, chosen == backend.TWIN)
 
 
 torch.library.impl("ragattn::verify_draft", "CPU", _verify_draft_cpu)

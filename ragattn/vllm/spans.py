@@ -18,15 +18,18 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ragattn.methods import registry as _registry
+
 SPANS_PARAM = "ragattn_spans"   # keys in a request's kv_transfer_params
 METHOD_PARAM = "ragattn_method"
 RATIO_PARAM = "ragattn_ratio"
 RECOMPUTED_PARAM = "ragattn_recomputed"   # in the response: the prompt positions the server recomputed
 
-# the methods a request may ask for: how its chunks' keys are placed, and what is recomputed
-METHODS = ("block-attention", "turborag-reordered", "turborag-composite", "cacheblend", "fusionrag")
-RECOMPUTE_METHODS = ("cacheblend", "fusionrag")
-DEFAULT_RATIO = 0.15   # ragattn.methods.fusionrag.DEFAULT_RATIO (kept free of the HF path's imports)
+# the methods a request may ask for (how its chunks' keys are placed, and what is recomputed):
+# ragattn.methods.registry's served entries
+METHODS = _registry.names(served=True)
+RECOMPUTE_METHODS = _registry.names(served=True, ratio=True)
+DEFAULT_RATIO = _registry.DEFAULT_RATIO
 
 
 class SpanError(ValueError):
@@ -80,19 +83,20 @@ def method_from_params(params: dict | None) -> MethodChoice:
     ParamError naming the field for an unknown method, a ratio outside [0, 1] or not a number, or
     a ratio given to a method that recomputes nothing."""
     params = params or {}
-    name = params.get(METHOD_PARAM, "block-attention")
-    if name not in METHODS:
+    name = params.get(METHOD_PARAM, _registry.SERVED_DEFAULT)
+    if getattr(_registry.find(name), "name", None) not in METHODS:
         raise ParamError(f"kv_transfer_params.{METHOD_PARAM}",
                          f"kv_transfer_params.{METHOD_PARAM} must be one of {list(METHODS)}, got {name!r}")
+    name = _registry.canonical(name)
     if RATIO_PARAM not in params:
         return MethodChoice(name, DEFAULT_RATIO if name in RECOMPUTE_METHODS else 0.0)
     ratio = params[RATIO_PARAM]
     field = f"kv_transfer_params.{RATIO_PARAM}"
     if name not in RECOMPUTE_METHODS:
         raise ParamError(field, f"{field} is for {' / '.join(RECOMPUTE_METHODS)}; {name} recomputes nothing")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
-        raise ParamError(field, f"{field} must be a number in [0, 1] (the fraction of chunk tokens "
-                                f"recomputed), got {ratio!r}")
+    wrong = _registry.check_ratio(ratio)
+    if wrong:
+        raise ParamError(field, f"{field} {wrong}")
     return MethodChoice(name, float(ratio))
 
 

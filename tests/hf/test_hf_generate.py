@@ -410,13 +410,13 @@ def test_decode_reads_the_cache_in_place(monkeypatch, padded):
         mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
         mask[1, ..., :4] = False
     seen = []
-    real = paged_attention_step._cpu_kernel   # (the decode step's call of the CPU kernel)
+    real = paged_attention_step.cpu_kernel   # (the decode step's call of the CPU kernel)
 
     def spy(q, q_pos, cu, k_cache, v_cache, *rest):
         seen.append((k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()))
         return real(q, q_pos, cu, k_cache, v_cache, *rest)
 
-    monkeypatch.setattr(paged_attention_step, "_cpu_kernel", spy)
+    monkeypatch.setattr(paged_attention_step, "cpu_kernel", spy)
     with torch.no_grad():
         out = hfattn.ragattn_attention_forward(m1, q, k, v, mask, scaling=0.25)[0]
     assert seen == [(k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())]
@@ -435,13 +435,14 @@ def test_decode_step_plans_the_paged_launch_once(monkeypatch, route):
     routes: a transformers cache (mask-planned decode) and ``ragattn_paged`` (the PagedKV step).
     Before the fix every layer called the one-call op, which plans: 3 plans for 3 layers."""
     import ragattn.triton_kernels.paged_attention as pa
+    import ragattn.triton_kernels.paged_plan as pp
 
     require_triton_on(torch.device("cpu"))   # the CPU model through the Triton kernels: the interpreter
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "triton")
     monkeypatch.setenv("RAGATTN_HF_CPU_SDPA", "0")   # the CPU's SDPA shortcut would skip the op
     plans, runs = [], []
-    real_plan, real_run = pa.plan_paged_attention, pa.run_paged_attention
-    monkeypatch.setattr(pa, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
+    real_plan, real_run = pp.plan_paged_attention, pa.run_paged_attention
+    monkeypatch.setattr(pp, "plan_paged_attention", lambda *a, **kw: plans.append(1) or real_plan(*a, **kw))
     monkeypatch.setattr(pa, "run_paged_attention", lambda *a, **kw: runs.append(1) or real_run(*a, **kw))
     model = _model(num_hidden_layers=3)
     ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5))

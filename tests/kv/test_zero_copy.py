@@ -330,7 +330,7 @@ def test_cpu_kernel_rotation_against_float64(interleaved, rotary_dim):
     """The CPU route's table (``rope_position_table``) and the C++ kernel's fp32 rotation (both
     pair layouts, partial rotary) at positions up to 2^17, against the float64 reference: one
     query row that sees one slot gets exactly that slot's V, and its score is q . rot(k)."""
-    from ragattn.ops.paged_attention_run import rope_position_table
+    from ragattn.ops.paged_kernels import rope_position_table
 
     g = torch.Generator().manual_seed(1)
     inv_freq = 1.0 / (500.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))

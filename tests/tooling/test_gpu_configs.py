@@ -136,7 +136,7 @@ def test_paged_attention_reads_its_table_and_every_tune_candidate():
     ``override`` (a candidate the launcher could not read was skipped: the first GPU tune run
     skipped them all on a KeyError)."""
     from bench.tune import FAMILIES
-    from ragattn.triton_kernels import paged_attention as pa
+    from ragattn.triton_kernels import paged_plan as pa
 
     assert pa.kernel_config(16, 128, 2, device_name=H100) == dict(m_tile=16, BLOCK_N=64, num_warps=4, num_stages=3,
                                                                  waves=4.0)
@@ -156,7 +156,7 @@ def test_paged_attention_reads_its_table_and_every_tune_candidate():
 def test_paged_splits_never_leave_a_partial_wave():
     """At most waves x SMs programs: programs past a whole number of waves run as a further, mostly
     empty wave (e.g. 288 programs on an H100's 264 slots)."""
-    from ragattn.triton_kernels import paged_attention as pa
+    from ragattn.triton_kernels import paged_plan as pa
 
     for programs in (1, 7, 32, 100, 256, 263, 264, 1000):
         s = pa.splits_for_sms(programs, 1 << 20, 64, 132, waves=2.0)
@@ -170,7 +170,7 @@ def test_deeper_decode_prefetch_is_not_shrunk():
     """A 64-key decode tile at 5 stages (two K and two V tiles in flight: ~72 KB on sm_90) reaches the
     kernel as configured; the launcher's old model (164 KB against 160) cut it to 4 stages. Tiles
     that do not fit are still shrunk."""
-    from ragattn.triton_kernels import paged_attention as pa
+    from ragattn.triton_kernels import paged_plan as pa
 
     five = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=5, waves=4.0)
     with gpu_configs.override("paged_attention", "decode/16bit/d128", five):
@@ -186,7 +186,7 @@ def test_deeper_decode_prefetch_is_not_shrunk():
 
 def test_tune_sweeps_decode_stages_and_the_prefill_tile_height():
     from bench.tune import FAMILIES
-    from ragattn.triton_kernels import paged_attention as pa
+    from ragattn.triton_kernels import paged_plan as pa
 
     family = FAMILIES["paged_attention"]
     decode = family.candidates("decode/16bit/d128")

@@ -50,6 +50,7 @@ _COMPILE_CHECK = r"""
 import torch
 import triton
 import ragattn.triton_kernels.paged_attention as pa
+import ragattn.triton_kernels.paged_plan as pp
 from tests.helpers import SM90_CASES, compile_many_sm90
 
 ints = ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0", "ENTRY_POS", "ENTRY_LEN")
@@ -61,7 +62,7 @@ for elt, head_dim in SM90_CASES:
         group_pad = triton.next_power_of_2(group)
         m_tile = min(128, max(16, triton.next_power_of_2(max_rows * group_pad)))
         block_d = max(16, triton.next_power_of_2(head_dim))
-        cfg = pa.kernel_config(m_tile, block_d, dtype.itemsize)  # the table's default entry
+        cfg = pp.kernel_config(m_tile, block_d, dtype.itemsize)  # the table's default entry
         m_tile, block_n, stages, warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
         consts = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(1, m_tile // group_pad),
                       BLOCK_N=block_n, BLOCK_D=block_d, HAS_WINDOW=split, SOFTCAP=False, UPCAST=False,

@@ -111,7 +111,7 @@ def test_a_tagged_step_calls_the_cpu_kernel_directly(monkeypatch, seed, rope):
         want = run_paged_attention(_plan(dict(cu=cu, q=q, k=k), table, window_left), q, q_pos, k, v, **kw)
         step = PagedAttentionStep(cu, table)
         calls = []
-        monkeypatch.setattr(paged_attention_step, "_validate_run", lambda *a, **k: calls.append(a))
+        monkeypatch.setattr(paged_attention_step, "validate_run", lambda *a, **k: calls.append(a))
         for layer in range(2):
             got = step.run(q, q_pos, k, v, window_left=window_left, **kw)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

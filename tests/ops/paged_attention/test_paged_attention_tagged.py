@@ -520,7 +520,7 @@ def test_cpu_tagged_private_op_checks_like_its_fake():
     opcheck, and out-of-range index values refused before any read."""
     q, q_pos, cu, k, v, table = make_tagged_case([6, 9], "runs", page_size=4, num_heads=4, num_kv_heads=2,
                                                  head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
-    from ragattn.ops.paged_attention_run import rope_position_table
+    from ragattn.ops.paged_kernels import rope_position_table
 
     cos, sin = rope_position_table(torch.rand(32) * 0.5 + 0.01, int(q_pos.max()) + 1)
     op = torch.ops.ragattn._paged_attention_tagged_cpu.default
