@@ -94,8 +94,12 @@ def load_foldoc(path: Path = FOLDOC, *, min_words: int = 25, max_words: int = 60
         raise TrainingTextError(f"the training text {path} is missing" + (
             f": install Debian's {FOLDOC_PACKAGE} package (apt-get install {FOLDOC_PACKAGE})"
             if Path(path) == FOLDOC else ""))
+    try:
+        entries = list(_entries(Path(path)))
+    except (OSError, EOFError, UnicodeError) as exc:     # gzip.BadGzipFile is an OSError
+        raise TrainingTextError(f"{path} is not a gzipped dictd file ({exc})") from None
     out, seen = [], set()
-    for title, paras in _entries(Path(path)):
+    for title, paras in entries:
         if title.startswith("00-") or title.lower() in seen:
             continue
         body = [_clean(p) for p in paras if not _DATE.match(p.strip())]

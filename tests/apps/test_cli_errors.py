@@ -25,6 +25,17 @@ def _a_file(tmp_path):
     return str(f)
 
 
+def _dictd(tmp_path):
+    """A small gzipped dictd file (the fine-tuning's training text format) of 400 entries."""
+    import gzip
+
+    path = tmp_path / "text.dict.dz"
+    words = " ".join(f"word{i}" for i in range(30))
+    with gzip.open(path, "wt") as fh:
+        fh.write("".join(f"Entry{i:03d}\n\n   {words}.\n\n" for i in range(400)))
+    return str(path)
+
+
 def _cases(tmp_path):
     f = _a_file(tmp_path)
     out = str(tmp_path / "out")
@@ -42,13 +53,14 @@ def _cases(tmp_path):
         (["eval", "--no-progress", "--out", out, "--store", f], "--store"),
         (["eval", "--no-progress", "--out", out, "--top-k", "0"], "--top-k needs integers >= 1"),
         (["eval", "--no-progress", "--out", out, "--top-k", "500"], "exceeds the corpus's"),
-        (["finetune", "--device", "xyz"], "unknown device 'xyz'"),
-        (["finetune", "--device", "cpu", "--lr", "nan"], "--lr must be a finite number > 0"),
-        (["finetune", "--device", "cpu", "--lr=-1e-5"], "--lr must be a finite number > 0"),
-        (["finetune", "--device", "cpu", "--top-k", "0"], "--top-k must be >= 1"),
-        (["finetune", "--device", "cpu", "--top-k", "100000"], "exceeds the corpus's"),
-        (["finetune", "--device", "cpu", "--save", f], "--save"),
-        (["finetune", "--device", "cpu", "--steps", "-1"], "--steps must be >= 0"),
+        (["finetune", "--out", out, "--device", "xyz"], "unknown device 'xyz'"),
+        (["finetune", "--out", out, "--lr", "nan"], "--lr must be a finite number > 0"),
+        (["finetune", "--out", out, "--lr=-1e-5"], "--lr must be a finite number > 0"),
+        (["finetune", "--out", out, "--top-k", "0"], "--top-k must be LO,HI"),
+        (["finetune", "--out", out, "--schemes", "sorted"], "--schemes"),
+        (["finetune", "--out", out, "--text", f], "not a gzipped dictd file"),
+        (["finetune", "--out", f], "--out"),
+        (["finetune", "--out", out, "--steps", "0"], "--steps must be >= 1"),
         (["refrag-train", "--device", "xyz"], "unknown device 'xyz'"),
         (["refrag-train", "--threads", "-1"], "threads must be >= 1"),
         (["refrag-train", "--recon-lr", "nan"], "recon_lr must be a finite number > 0"),
@@ -59,13 +71,14 @@ def _cases(tmp_path):
         (["refrag-train", "--rl-expand", "0"], "rl_expand"),
         # a bad --model is named by the command that was run (build-store and finetune said "ragattn demo")
         (["build-store", "--out", out, "--model", "gpt-17"], "ragattn build-store: unsupported model 'gpt-17'"),
-        (["finetune", "--device", "cpu", "--model", "gpt-17"], "ragattn finetune: unsupported model 'gpt-17'"),
+        (["finetune", "--out", out, "--text", _dictd(tmp_path), "--top-k", "2,4", "--model", "gpt-17"],
+         "ragattn finetune: unsupported model 'gpt-17'"),
         (["eval", "--no-progress", "--out", out, "--model", "gpt-17"], "unsupported model 'gpt-17'"),
     ]
     if not torch.cuda.is_available():
         cases += [([cmd, *pre, "--device", "cuda"], "no CUDA device is available")
                   for cmd, pre in (("build-store", ["--out", out]), ("eval", ["--no-progress", "--out", out]),
-                                   ("finetune", []), ("refrag-train", []))]
+                                   ("finetune", ["--out", out]), ("refrag-train", []))]
     return cases
 
 

@@ -100,7 +100,7 @@ def test_docs_examples_run():
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "ops.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "ops.md").read_text()
     section = text[text.index("## paged_attention"): text.index("## rerotate_keys_")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 3
