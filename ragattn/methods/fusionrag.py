@@ -52,13 +52,14 @@ from ragattn import ops as _ops
 from ragattn.hf.layer_walk import HFLayerWalk, decoder
 from ragattn.hf.registration import use_ragattn
 from ragattn.methods.generate import Answer, _eos_ids, _sync, generate_paged
+from ragattn.methods import registry
 from ragattn.methods.prompt import prompt_parts
 from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, SCORE_NORMS, budget, cacheblend_schedule,  # noqa: F401
                                        check_ratio, fused_variant, kv_deviation, query_guided_scores, top_rows,
                                        walk_layers)
 
 QUESTION_MODES = ("context", "standalone")
-DEFAULT_RATIO = 0.15
+DEFAULT_RATIO = registry.DEFAULT_RATIO
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ragattn.methods.selection import fused_variant
-from ragattn.store import chunk_key
+from ragattn.store import chunk_file, chunk_key
 from ragattn.store.fingerprint import variant_key
 from ragattn.vllm.connector_config import RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings
 from ragattn.vllm.platform import enabled as ragattn_attention
@@ -97,7 +97,7 @@ class ConnectorScheduler:
 
     def _has_chunk(self, key: str) -> bool:
         remote = self.settings.remote
-        return (self.settings.dir / f"{key}.safetensors").is_file() or (remote is not None and remote.contains(key))
+        return chunk_file(self.settings.dir, key).is_file() or (remote is not None and remote.contains(key))
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         if self.settings.shared:
