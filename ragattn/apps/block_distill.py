@@ -29,6 +29,7 @@ from typing import List, Sequence
 import torch
 
 from ragattn.methods.block_attention import block_ids
+from ragattn.methods.generate import _eos_ids
 from ragattn.methods.prompt import prompt_parts
 
 SCHEMES = ("reordered", "composite")
@@ -57,14 +58,6 @@ def scheme_positions(block_lens: Sequence[int], final_len: int, scheme: str) -> 
         start = max(block_lens, default=0)
         return [p for n in block_lens for p in range(n)] + list(range(start, start + final_len))
     raise ValueError(f"block_distill: scheme must be one of {SCHEMES}, got {scheme!r}")
-
-
-def _stop_ids(tokenizer) -> set:
-    ids = {tokenizer.eos_token_id}
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return {i for i in ids if i is not None}
 
 
 @torch.no_grad()
@@ -100,7 +93,7 @@ def distill_sample(peft_model, tokenizer, example, scheme: str, max_answer: int 
     prompt = head + [t for c in chunks for t in c] + tail
     with peft_model.disable_adapter():
         answer, target = teacher_answer(peft_model, prompt, len(prompt) - len(tail), max_answer,
-                                        _stop_ids(tokenizer))
+                                        _eos_ids(peft_model.get_base_model(), tokenizer))
     ids = prompt + answer
     final_len = len(tail) + len(answer)
     first = len(prompt) - len(tail)
@@ -137,24 +130,25 @@ def student_logprobs(peft_model, batch: dict) -> torch.Tensor:
     return causal_lm.lm_head(hidden).float().log_softmax(-1)
 
 
+def _row_kl(peft_model, samples: Sequence[DistillSample]):
+    """``(KL(teacher || student) per target row [R], student [R, vocab], teacher [R, vocab])`` for
+    ``samples`` packed in one row."""
+    dev = next(peft_model.parameters()).device
+    student = student_logprobs(peft_model, pack_samples(samples, dev))
+    target = torch.cat([s.target for s in samples]).to(dev)
+    return (target.exp() * (target - student)).sum(-1), student, target
+
+
 def distill_loss(peft_model, samples: Sequence[DistillSample]) -> torch.Tensor:
     """Mean over target rows of ``KL(teacher || student)`` for ``samples`` packed in one row."""
-    dev = next(peft_model.parameters()).device
-    batch = pack_samples(samples, dev)
-    student = student_logprobs(peft_model, batch)
-    target = torch.cat([s.target for s in samples]).to(dev)
-    return (target.exp() * (target - student)).sum(-1).mean()
+    return _row_kl(peft_model, samples)[0].mean()
 
 
 @torch.no_grad()
 def agreement(peft_model, samples: Sequence[DistillSample]) -> dict:
     """Held-out figures without gradients: mean KL over target rows, mean KL and top-1 agreement at
     the first answer row (the row the methods' first token comes from)."""
-    dev = next(peft_model.parameters()).device
-    batch = pack_samples(samples, dev)
-    student = student_logprobs(peft_model, batch)
-    target = torch.cat([s.target for s in samples]).to(dev)
-    kl = (target.exp() * (target - student)).sum(-1)
+    kl, student, target = _row_kl(peft_model, samples)
     first_rows, at = [], 0
     for s in samples:
         first_rows.append(at + s.first)

@@ -256,7 +256,7 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
                   sha256=tt.file_digest(text_file), licence=tt.FOLDOC_LICENCE if text_file == tt.FOLDOC else None,
                   passages=len(passages), train_passages=len(train_p), held_passages=len(held_p)),
         held_out_before=history[0].get("per_scheme"), held_out_after=final.get("per_scheme"),
-        files={weights.name: _sha256(weights)})
+        files={weights.name: tt.file_digest(weights)})
     (adapter_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     plot_history(history, out / "loss.png")
     print(f"{step} steps, {elapsed / 60:.1f} min on {device}; held-out KL {history[0]['held_kl']:.4f} -> "
@@ -272,12 +272,6 @@ def _to_bfloat16(path: Path) -> None:
 
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(path).items()}
     save_file(tensors, path, metadata={"format": "pt"})
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 if __name__ == "__main__":
