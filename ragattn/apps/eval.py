@@ -198,18 +198,15 @@ def _runs(methods: Sequence[Method], ratios: Sequence[float]):
     return out
 
 
-def _call(run, models, tok, chunks, question, n, stores):
-    """Answer with one configuration; ``models``/``stores``: adapter name (None: as loaded) -> the
-    model / its chunk store."""
+def _call(run, model, store, tok, chunks, question, n):
+    """Answer with one configuration on ``model`` (the loaded one or its tuned copy) and its store."""
     m, r, fn = run
     kw = dict(m.options)
     if r is not None:
         kw["ratio"] = r / 100.0
-    model = models[m.adapter if m.adapter in models else None]
     if m.module == "ragattn.methods.baseline":
         return fn(model, tok, chunks, question, max_new_tokens=n, **kw)
-    return fn(model, tok, chunks, question, max_new_tokens=n, store=stores[m.adapter if m.adapter in models else None],
-              **kw)
+    return fn(model, tok, chunks, question, max_new_tokens=n, store=store, **kw)
 
 
 def _git_commit() -> str:
@@ -280,9 +277,10 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
 
     # offline: every retrieved chunk's KV (and FusionRAG's fused caches) in one shared store per model
     cached = [m for m in methods if m.module != "ragattn.methods.baseline"]
-    stores = {a: ChunkStore(mdl, directory=args.store) for a, mdl in models.items()
-              if any((m.adapter if m.adapter in models else None) == a for m in cached)}
+    weights = {m.name: m.adapter if m.adapter in models else None for m in methods}   # -> a key of models
+    stores = {a: ChunkStore(models[a], directory=args.store) for a in {weights[m.name] for m in cached}}
     store = stores.get(None)
+    on = {m.name: (models[weights[m.name]], stores.get(weights[m.name])) for m in methods}   # model, store
     used = sorted({i for q in questions for i in ranking[q.id]})
     fusion = dict(neighbours=0, chunks=0, seconds=0.0)
     head, chunk_ids, _ = prompt_parts(tok, rendered, "")
@@ -314,7 +312,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     q0 = questions[0]
     warm_chunks = [rendered[i] for i in reversed(ranking[q0.id][: min(args.top_k)])]
     for r in runs:
-        _call(r, models, tok, warm_chunks, q0.question, 2, stores)
+        _call(r, *on[r[0].name], tok, warm_chunks, q0.question, 2)
 
     rows: List[Row] = []
     bar = tqdm(total=len(args.top_k) * len(questions) * len(runs), desc="eval", unit="run",
@@ -328,7 +326,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
             for r in runs:
                 m, ratio, _ = r
                 bar.set_postfix_str(f"top-{k} {q.id} {m.name}" + ("" if ratio is None else f" {ratio:g}%"))
-                ans = _call(r, models, tok, chunks, q.question, args.max_new_tokens, stores)
+                ans = _call(r, *on[r[0].name], tok, chunks, q.question, args.max_new_tokens)
                 if base is None:
                     base = ans  # the baseline runs first
                 text = ans.text.strip()
