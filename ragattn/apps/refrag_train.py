@@ -1,7 +1,7 @@
 """``python -m ragattn refrag-train``: the REFRAG training recipe's run (docs/refrag.md, "Training").
 
 The stages themselves (reconstruction, continual pre-training, the GRPO policy) and the checkpoint
-paths are :mod:`ragattn.methods.refrag.train`'s; this module holds the data (the shipped passages as
+paths are :mod:`ragattn.methods.refrag.train`'s; this module holds the data (FOLDOC entries as
 documents), the run driver (:func:`train`: stages in order, checkpoints written without ever replacing a
 trained one, resume), the loss curves and the command line.
 """
@@ -21,31 +21,16 @@ from ragattn.methods.refrag.train import (
     run_cpt, run_reconstruction, run_rl, sample_windows, split_documents)
 
 
-def corpus_documents(tokenizer, roots: Optional[Sequence] = None) -> List[torch.Tensor]:
-    """The shipped passages as token streams, one document per topic.
+def foldoc_documents(tokenizer, text_file: Optional[Path] = None, min_words: int = 120) -> List[torch.Tensor]:
+    """Whole FOLDOC entries (:mod:`ragattn.apps.training_text`: Debian's ``dict-foldoc``, text no test
+    or eval uses) of at least ``min_words`` words as token streams, ``"{title}\n{text}"`` each, in
+    title order. A window's continuation is the rest of the same entry. Returns int64 ``[n_i]`` per
+    document (decoder tokens, no special tokens)."""
+    from ragattn.apps import training_text as tt
 
-    roots: corpus folders (default: ``qa_eval`` then ``qa``). Passages whose ids share a prefix
-    (``"space-01"``, ``"space-02"`` -> ``"space"``) form one topic document, in file order, each
-    passage rendered ``"{title}\n{text}\n\n"``; so a window's continuation is the rest of its
-    paragraph or the next paragraph of the same topic. Returns int64 [n_i] per document (decoder
-    tokens, no special tokens); duplicate passages are dropped.
-    """
-    from ragattn.apps.corpus import DEFAULT_CORPUS, EVAL_CORPUS, load_corpus
-
-    groups: Dict[str, List[str]] = {}
-    seen = set()
-    for root in (roots if roots is not None else (EVAL_CORPUS, DEFAULT_CORPUS)):
-        for p in load_corpus(root).passages:
-            text = f"{p.title}\n{p.text}\n\n"
-            if text in seen:
-                continue
-            seen.add(text)
-            topic = p.id.rsplit("-", 1)[0] if "-" in p.id else p.id
-            groups.setdefault(f"{Path(root).name}/{topic}", []).append(text)
-    if not groups:
-        raise TrainError("refrag-train: the corpora hold no passages")
-    return [torch.tensor(tokenizer("".join(texts), add_special_tokens=False)["input_ids"], dtype=torch.long)
-            for texts in groups.values()]
+    passages = tt.load_foldoc(Path(text_file) if text_file else tt.FOLDOC, min_words=min_words, max_words=10**9)
+    return [torch.tensor(tokenizer(f"{p.title}\n{p.text}", add_special_tokens=False)["input_ids"], dtype=torch.long)
+            for p in passages]
 
 
 def _eval_windows(docs, cfg: TrainConfig, n_chunks: int, n_target: int, salt: int) -> List[Window]:
@@ -53,7 +38,8 @@ def _eval_windows(docs, cfg: TrainConfig, n_chunks: int, n_target: int, salt: in
 
 
 def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool = False,
-          out_dir: Optional[Path] = None, command: str = "", overwrite: bool = False) -> Dict:
+          out_dir: Optional[Path] = None, command: str = "", overwrite: bool = False,
+          ship_dir: Optional[Path] = None) -> Dict:
     """Run ``cfg.stages`` in order; returns the run record (config, per-stage curves and held-out
     losses) and writes ``curves.json`` / ``curves.png`` to ``out_dir`` when given.
 
@@ -63,7 +49,8 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
     checkpoint (and policy) if present, e.g. to run ``--stages rl`` alone after ``recon,cpt``.
     An existing checkpoint is never overwritten unless ``overwrite``: the run writes beside it
     (:func:`checkpoint_path_for_run`; ``record["checkpoint"]`` says where). A write that fails
-    keeps the checkpoint in a temporary folder (:func:`ragattn.apps.cli.save_or_keep`).
+    keeps the checkpoint in a temporary folder (:func:`ragattn.apps.cli.save_or_keep`). ``ship_dir``:
+    after the ``rag`` stage, the compact bfloat16 weights that ship (:func:`ragattn.apps.refrag_ship.ship`).
     """
     from ragattn.apps.cli import save_or_keep
     from ragattn.methods.refrag.expansion import load_policy, save_policy
@@ -91,7 +78,7 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
         except Exception as exc:   # noqa: BLE001 (a corrupt or foreign checkpoint)
             raise TrainError(f"refrag-train: --resume from {ckpt}: {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:200]}") from None
-    docs = corpus_documents(rm.tokenizer)
+    docs = foldoc_documents(rm.tokenizer, cfg.text)
     train_docs, held_docs = split_documents(docs, cfg.heldout_frac, cfg.seed)
     record = {"command": command, "config": dataclasses.asdict(cfg), "checkpoint": str(out),
               "resumed_from": str(ckpt) if resume and ckpt.is_file() else None,
@@ -99,11 +86,21 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
                             "train_tokens": int(sum(d.numel() for d in train_docs)),
                             "heldout_tokens": int(sum(d.numel() for d in held_docs))},
               "stages": {}}
+    if "rag" in cfg.stages:     # what a shipped decoder LoRA was trained on (hf.adapters checks it)
+        from ragattn.store.fingerprint import model_fingerprint
+
+        record["base_fingerprint"] = model_fingerprint(rm.decoder, cached=False)
     for stage in cfg.stages:
         if stage == "recon":
             res = run_reconstruction(rm, cfg, train_docs, _eval_windows(held_docs, cfg, cfg.max_chunks, 0, 1))
         elif stage == "cpt":
             res = run_cpt(rm, cfg, train_docs, _eval_windows(held_docs, cfg, cfg.max_chunks, cfg.target_tokens, 2))
+        elif stage == "rag":
+            from ragattn.apps import training_text as tt
+            from ragattn.apps.refrag_distill import run_rag
+
+            train_p, held_p = tt.split_passages(tt.load_foldoc(Path(cfg.text) if cfg.text else tt.FOLDOC))
+            res, lora_state = run_rag(rm, cfg, train_p, held_p)
         else:
             res, net = run_rl(rm, cfg, train_docs,
                               _eval_windows(held_docs, cfg, cfg.rl_chunks, cfg.target_tokens, 3), net)
@@ -115,11 +112,16 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
                                                              "rl_chunks": cfg.rl_chunks}),
                          policy_checkpoint_path(out), "--checkpoint")
         else:
-            save_or_keep(lambda p: rm.save_checkpoint(p, include_decoder=cfg.train_decoder and stage == "cpt",
+            with_decoder = (cfg.train_decoder and stage == "cpt") or (stage == "rag" and cfg.decoder_lora_rank > 0)
+            save_or_keep(lambda p: rm.save_checkpoint(p, include_decoder=with_decoder,
                                                       extra={"stage": stage, "heldout_after": res.heldout_after}),
                          out, "--checkpoint")
         if out_dir is not None:
             save_or_keep(lambda d: write_curves(record, d), Path(out_dir), "--out")
+        if stage == "rag" and ship_dir is not None:
+            from ragattn.apps.refrag_ship import ship
+
+            ship(rm, cfg, lora_state, record, Path(ship_dir))
     return record
 
 
@@ -134,14 +136,14 @@ def write_curves(record: Dict, out_dir: Path) -> None:
     (out_dir / "curves.json").write_text(json.dumps(record, indent=1) + "\n")
     stages = record["stages"]
     fig, axes = plt.subplots(1, len(stages), figsize=(5 * len(stages), 3.8), squeeze=False)
-    titles = {"recon": "reconstruction (decoder frozen)", "cpt": "next-paragraph CPT",
+    titles = {"recon": "reconstruction (decoder frozen)", "cpt": "next-paragraph CPT", "rag": "RAG distillation",
               "rl": "GRPO policy"}
     for ax, (name, st) in zip(axes[0], stages.items()):
         if name == "rl":
             ax.plot(st["steps"], st["extra"]["reward"], color="C2", label="mean reward (-NLL) of samples")
             ax.set_ylabel("reward")
         else:
-            ax.plot(st["steps"], st["loss"], color="C0", alpha=0.45, label="train loss (target NLL)")
+            ax.plot(st["steps"], st["loss"], color="C0", alpha=0.45, label="train loss (target NLL; rag: KL)")
             run = [sum(st["loss"][max(0, i - 3):i + 1]) / len(st["loss"][max(0, i - 3):i + 1])
                    for i in range(len(st["loss"]))]
             ax.plot(st["steps"], run, color="C0", label="running mean (4 steps)")
@@ -151,7 +153,7 @@ def write_curves(record: Dict, out_dir: Path) -> None:
             ax.set_ylabel("NLL (nats/token)")
         for key, before in st["heldout_before"].items():
             after = st["heldout_after"].get(key)
-            if after is not None and key in ("recon_nll", "nll_compressed", "nll_learned"):
+            if after is not None and key in ("recon_nll", "nll_compressed", "nll_learned", "kl_expand0"):
                 ax.axhline(before if name != "rl" else -before, color="grey", ls=":", lw=1)
                 sign = "" if name != "rl" else "-"
                 ax.axhline(after if name != "rl" else -after, color="k", ls="--", lw=1,
@@ -162,6 +164,13 @@ def write_curves(record: Dict, out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "curves.png", dpi=110)
     plt.close(fig)
+
+
+def _numbers(text: str, kind, flag: str) -> tuple:
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise TrainError(f"refrag-train: {flag} takes comma-separated numbers, got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -205,6 +214,22 @@ def _main(argv=None) -> int:
     p.add_argument("--expand-p", type=float, default=d.expand_p,
                    help="fraction of chunks left as tokens at random in cpt (mixed input; default %(default)s)")
     p.add_argument("--train-decoder", action="store_true", help="unfreeze the decoder in cpt")
+    p.add_argument("--rag-steps", type=int, default=d.rag_steps,
+                   help="RAG distillation steps: answer from compressed FOLDOC passages as from their tokens "
+                        "(stage rag; default %(default)s)")
+    p.add_argument("--rag-lr", type=float, default=d.rag_lr, help="RAG distillation learning rate (default %(default)s)")
+    p.add_argument("--rag-top-k", default=",".join(map(str, d.rag_top_k)),
+                   help="passages per RAG question, drawn from [lo, hi) (default %(default)s)")
+    p.add_argument("--rag-answer-tokens", type=int, default=d.rag_answer_tokens,
+                   help="teacher answer tokens distilled per question (default %(default)s)")
+    p.add_argument("--rag-expand", default=",".join(f"{f:g}" for f in d.rag_expand),
+                   help="fractions of chunks expanded at random in the rag stage, in turn (default %(default)s)")
+    p.add_argument("--decoder-lora-rank", type=int, default=d.decoder_lora_rank,
+                   help="rank of the decoder's LoRA in the rag stage (0: decoder frozen; default %(default)s)")
+    p.add_argument("--text", default=None,
+                   help="training text, a gzipped dictd file (default: Debian's dict-foldoc)")
+    p.add_argument("--ship", default=None,
+                   help="after the rag stage, write the compact weights that ship here (ragattn/weights/refrag-k16)")
     p.add_argument("--rl-steps", type=int, default=d.rl_steps,
                    help="RL steps of the expansion policy (which chunks stay tokens; default %(default)s)")
     p.add_argument("--rl-lr", type=float, default=d.rl_lr,
@@ -235,7 +260,11 @@ def _main(argv=None) -> int:
                       batch=a.batch, max_chunks=a.max_chunks, target_tokens=a.target_tokens,
                       curriculum_stages=a.curriculum_stages, eval_examples=a.eval_examples,
                       recon_steps=a.recon_steps, recon_lr=a.recon_lr, cpt_steps=a.cpt_steps, cpt_lr=a.cpt_lr,
-                      expand_p=a.expand_p, train_decoder=a.train_decoder, rl_steps=a.rl_steps, rl_lr=a.rl_lr,
+                      expand_p=a.expand_p, train_decoder=a.train_decoder, rag_steps=a.rag_steps, rag_lr=a.rag_lr,
+                      rag_top_k=_numbers(a.rag_top_k, int, "--rag-top-k"),
+                      rag_answer_tokens=a.rag_answer_tokens,
+                      rag_expand=_numbers(a.rag_expand, float, "--rag-expand"),
+                      decoder_lora_rank=a.decoder_lora_rank, text=a.text, rl_steps=a.rl_steps, rl_lr=a.rl_lr,
                       rl_chunks=a.rl_chunks, rl_expand=a.rl_expand, rl_group=a.rl_group,
                       ppo_epochs=a.ppo_epochs, clip_eps=a.clip_eps, encoder_layers=a.encoder_layers,
                       threads=a.threads, progress=not a.no_progress)
@@ -254,7 +283,7 @@ def _main(argv=None) -> int:
         read_checkpoint_file(ckpt)
     command = "python -m ragattn refrag-train " + " ".join(argv if argv is not None else sys.argv[1:])
     rec = train(cfg, ckpt=ckpt, resume=a.resume, out_dir=Path(a.out) if a.out else None,
-                command=command.strip(), overwrite=a.overwrite)
+                command=command.strip(), overwrite=a.overwrite, ship_dir=Path(a.ship) if a.ship else None)
     for name, st in rec["stages"].items():
         print(f"{name}: {len(st['steps'])} steps in {st['seconds']:.0f} s; train loss "
               f"{st['loss'][0]:.3f} -> {st['loss'][-1]:.3f}" if st["loss"] else f"{name}: 0 steps")

@@ -45,7 +45,7 @@ import torch
 from ragattn.methods.refrag.expansion import (
     PolicyNetwork, grpo_clip_loss, group_advantages, gumbel_top_k, selection_step_log_probs)
 
-STAGES = ("recon", "cpt", "rl")
+STAGES = ("recon", "cpt", "rag", "rl")
 
 
 class TrainError(ValueError):
@@ -152,7 +152,7 @@ def _bar(total: int, desc: str, enabled: bool):
 class TrainConfig:
     """Every knob of the recipe (the CLI flags mirror these; defaults = the documented CPU run)."""
     k: int = 8                       # tokens per chunk (compression rate)
-    stages: Tuple[str, ...] = STAGES
+    stages: Tuple[str, ...] = ("recon", "cpt", "rl")   # "rag" is opt-in (it needs the training text)
     device: str = "cpu"
     seed: int = 0
     batch: int = 4                   # examples per step (recon / cpt); RL: examples per step
@@ -169,6 +169,15 @@ class TrainConfig:
     cpt_lr: float = 3e-4
     expand_p: float = 0.25           # fraction of chunks expanded at random in cpt (mixed input)
     train_decoder: bool = False
+    # RAG distillation (ragattn.apps.refrag_distill): questions over compressed passages answered as the
+    # decoder answers them over the passages' tokens; the decoder gets a LoRA of this rank (0: frozen)
+    rag_steps: int = 0
+    rag_lr: float = 3e-4
+    rag_top_k: Tuple[int, int] = (4, 17)   # passages per question, drawn from [lo, hi)
+    rag_answer_tokens: int = 16
+    rag_expand: Tuple[float, ...] = (0.0, 0.25)   # expanded fractions, taken in turn
+    decoder_lora_rank: int = 8
+    text: Optional[str] = None        # training text (default: Debian's dict-foldoc)
     # RL policy
     rl_steps: int = 30
     rl_lr: float = 1e-3
@@ -191,7 +200,7 @@ class TrainConfig:
                      "rl_chunks", "rl_group", "ppo_epochs", "policy_width"):
             if getattr(self, name) < 1:
                 raise TrainError(f"refrag-train: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("recon_steps", "cpt_steps", "rl_steps"):
+        for name in ("recon_steps", "cpt_steps", "rag_steps", "rl_steps", "decoder_lora_rank"):
             if getattr(self, name) < 0:
                 raise TrainError(f"refrag-train: {name} must be >= 0, got {getattr(self, name)}")
         if self.rl_group < 2:
@@ -203,7 +212,13 @@ class TrainConfig:
             raise TrainError(f"refrag-train: clip_eps must be in (0, 1), got {self.clip_eps}")
         if not 0 <= self.expand_p <= 1:
             raise TrainError(f"refrag-train: expand_p must be in [0, 1], got {self.expand_p}")
-        for name in ("recon_lr", "cpt_lr", "rl_lr"):   # NaN fails too
+        lo, hi = (tuple(self.rag_top_k) + (0, 0))[:2]
+        if len(self.rag_top_k) != 2 or not 1 <= lo < hi or self.rag_answer_tokens < 1:
+            raise TrainError(f"refrag-train: rag_top_k must be lo,hi with 1 <= lo < hi and rag_answer_tokens >= 1, "
+                             f"got {self.rag_top_k} and {self.rag_answer_tokens}")
+        if not self.rag_expand or not all(0 <= f <= 1 for f in self.rag_expand):
+            raise TrainError(f"refrag-train: rag_expand must be fractions in [0, 1], got {self.rag_expand}")
+        for name in ("recon_lr", "cpt_lr", "rag_lr", "rl_lr"):   # NaN fails too
             if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) < math.inf):
                 raise TrainError(f"refrag-train: {name} must be a finite number > 0, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
