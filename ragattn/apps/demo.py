@@ -17,9 +17,9 @@ block), then answer it with
 * REFRAG (k = 16, nothing expanded): every 16-token chunk of the passages becomes one projected
   MiniLM embedding in the decoder input (``ragattn.methods.refrag``); the chunk embeddings are
   precomputed offline (the paper's "with cache" mode), the prompt's head and question stay tokens.
-  It needs a trained encoder/projector: the row is marked **untrained projector** unless a
-  checkpoint is found at ``$RAGATTN_REFRAG_CKPT`` or ``~/.cache/ragattn/refrag/smollm2-minilm-k16.pt``
-  (untrained, its answers are not meaningful; the row shows the speed of the shorter input).
+  It runs on the shipped REFRAG weights (``ragattn/weights/refrag-k16``: projector, the encoder's
+  last layer and a decoder LoRA, trained by ``python -m ragattn refrag-train``, docs/refrag.md), or
+  ``$RAGATTN_REFRAG_CKPT``; without either the row is marked **untrained projector**.
 
 and print one table: time to first token (TTFT), the speedup over full prefill in each method's own
 figure of merit (TTFT for the prefill methods; decode tokens/s and draft acceptance for RAPID,
@@ -220,7 +220,8 @@ def _runners(model, tokenizer, store, tuned=None, tuned_store=None) -> Dict[str,
 
 class _RefragRunner:
     """The REFRAG row: a RefragModel over the demo's decoder, built on first use (loads MiniLM and
-    the default checkpoint if present); ``prepare`` fills its chunk-embedding cache offline."""
+    the shipped weights, the decoder's LoRA merged into a copy); ``prepare`` fills its chunk-embedding
+    cache offline."""
     K = 16
 
     def __init__(self, model, tokenizer):
@@ -240,16 +241,15 @@ class _RefragRunner:
     def label(self) -> str:
         rm = self.rm
         if rm.trained:
-            return f"refrag: k = {rm.k}, trained checkpoint {rm.checkpoint_path}"
-        from ragattn.methods.refrag.model import default_checkpoint_path
+            from ragattn.hf.adapters import adapter_dir
 
-        return (f"refrag: k = {rm.k}, UNTRAINED PROJECTOR (no checkpoint at {default_checkpoint_path(rm.k)}): "
+            what = ("the shipped weights (docs/refrag.md)" if rm.checkpoint_path == adapter_dir("refrag")
+                    else f"trained checkpoint {rm.checkpoint_path}")
+            return f"refrag: k = {rm.k}, nothing expanded, {what}"
+        return (f"refrag: k = {rm.k}, UNTRAINED PROJECTOR (no shipped weights or checkpoint for k = {rm.k}): "
                 "the decoder reads each 16-token chunk as a projected MiniLM embedding it was never trained "
                 "to read, so the refrag answers, first-token and KL columns mean nothing (fluent, invented text); "
-                "only its TTFT (the shorter input) does. Train a checkpoint with `python -m ragattn refrag-train "
-                f"--k {rm.k}` (writes that path; docs/refrag.md): the recorded tiny-settings run of the recipe "
-                "took ~9 min on 2 CPU cores (k = 8) and only shows it runs; useful answers need a long run, "
-                "on a GPU")
+                "only its TTFT (the shorter input) does. `python -m ragattn refrag-train` trains one (docs/refrag.md)")
 
     def __call__(self, chunks, q, n):
         return _from_answer(self.rm.generate(q, chunks, max_new_tokens=n))

@@ -65,11 +65,10 @@ class EvalError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------
-# the methods: ragattn.methods.registry's entries with an answer function (REFRAG, a model of its
-# own, is not one)
+# the methods: ragattn.methods.registry's entries with an answer function
 
 
-REGISTRY = tuple(m for m in _registry.REGISTRY if m.evaluated)
+REGISTRY = _registry.REGISTRY
 
 
 def available_methods(registry: Sequence[Method] = REGISTRY) -> Dict[str, Method]:
@@ -204,7 +203,7 @@ def _call(run, model, store, tok, chunks, question, n):
     kw = dict(m.options)
     if r is not None:
         kw["ratio"] = r / 100.0
-    if m.module == "ragattn.methods.baseline":
+    if not m.store:
         return fn(model, tok, chunks, question, max_new_tokens=n, **kw)
     return fn(model, tok, chunks, question, max_new_tokens=n, store=store, **kw)
 
@@ -276,7 +275,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
                               files=manifest.get("files"))
 
     # offline: every retrieved chunk's KV (and FusionRAG's fused caches) in one shared store per model
-    cached = [m for m in methods if m.module != "ragattn.methods.baseline"]
+    cached = [m for m in methods if m.store]
     weights = {m.name: m.adapter if m.adapter in models else None for m in methods}   # -> a key of models
     stores = {a: ChunkStore(models[a], directory=args.store) for a in {weights[m.name] for m in cached}}
     store = stores.get(None)

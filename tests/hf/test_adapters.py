@@ -38,7 +38,7 @@ def test_damaged_or_missing_adapter_is_refused(tmp_path, monkeypatch):
     with pytest.raises(adapters.AdapterError, match="missing"):
         adapters.shipped_adapter("block-attention")
     with pytest.raises(adapters.AdapterError, match="unknown adapter"):
-        adapters.adapter_dir("refrag")
+        adapters.adapter_dir("no-such-adapter")
 
 
 def test_adapter_for_another_model_is_refused():

@@ -278,6 +278,20 @@ def test_grpo_step_learns_a_synthetic_reward():
 
 # ---------------------------------------------------------------- the recipe on SmolLM2 + MiniLM
 
+def _documents(tokenizer):
+    """Token streams for the stage tests (test data only: the recipe trains on FOLDOC,
+    refrag_train.foldoc_documents): the shipped passages, one document per topic (ids sharing a
+    prefix), ``"{title}\n{text}\n\n"`` each."""
+    from ragattn.apps.corpus import DEFAULT_CORPUS, EVAL_CORPUS, load_corpus
+
+    groups = {}
+    for root in (EVAL_CORPUS, DEFAULT_CORPUS):
+        for p in load_corpus(root).passages:
+            groups.setdefault((root.name, p.id.rsplit("-", 1)[0]), []).append(f"{p.title}\n{p.text}\n\n")
+    return [torch.tensor(tokenizer("".join(dict.fromkeys(t)), add_special_tokens=False)["input_ids"])
+            for t in groups.values()]
+
+
 @pytest.fixture(scope="module")
 def refrag_k8(smollm2):
     """A RefragModel (k = 8) around the shared SmolLM2; the decoder's requires_grad is restored after."""
@@ -301,7 +315,7 @@ def test_reconstruction_loss_falls_and_checkpoint_round_trips(refrag_k8, tmp_pat
     rm = refrag_k8
     cfg = rt.TrainConfig(k=8, stages=("recon",), batch=2, max_chunks=1, curriculum_stages=1,
                          recon_steps=8, recon_lr=3e-4, encoder_layers=1, progress=False).validate()
-    docs = rt_app.corpus_documents(rm.tokenizer)
+    docs = _documents(rm.tokenizer)
     train_docs, held_docs = rt.split_documents(docs, cfg.heldout_frac, cfg.seed)
     assert len(held_docs) >= 3 and not {id(d) for d in train_docs} & {id(d) for d in held_docs}
     fixed = [train_docs[0][:8], train_docs[1][:8]]            # windows of exactly one chunk: fixed data
@@ -332,7 +346,7 @@ def test_policy_checkpoint_round_trip_and_rewards(refrag_k8, tmp_path):
     rm = refrag_k8
     torch.manual_seed(1)
     net = rt.PolicyNetwork(rm.encoder.d_enc, d_model=32)
-    docs = rt_app.corpus_documents(rm.tokenizer)
+    docs = _documents(rm.tokenizer)
     w = rt.sample_windows(docs, 2, 3 * 8, 6, __import__("random").Random(3))
     c = rt._chunk_vectors(rm, w)
     assert c.shape == (2, 3, rm.encoder.d_enc)
@@ -362,7 +376,7 @@ def test_cpt_and_rl_stages_run_and_report_consistent_baselines(refrag_k8):
     cfg = rt.TrainConfig(k=8, batch=2, max_chunks=2, curriculum_stages=1, target_tokens=4, eval_examples=2,
                          cpt_steps=1, rl_steps=1, rl_chunks=2, rl_expand=1, rl_group=2, ppo_epochs=1,
                          policy_width=16, encoder_layers=0, progress=False).validate()
-    docs = rt_app.corpus_documents(rm.tokenizer)
+    docs = _documents(rm.tokenizer)
     rng = __import__("random").Random(5)
     ev = rt.sample_windows(docs, 2, 16, 4, rng)
     res = rt.run_cpt(rm, cfg, docs, ev)

@@ -1,7 +1,7 @@
 """``RefragModel``: an unmodified HF decoder fed REFRAG's mixed token / chunk-embedding input.
 
     from ragattn.methods.refrag import RefragModel
-    rm = RefragModel.from_smollm2(k=16)                       # + the default checkpoint if present
+    rm = RefragModel.from_smollm2(k=16)                       # + the shipped weights (or a checkpoint)
     ans = rm.generate("Who designed it?", passages, max_new_tokens=16, expand_fraction=0.1)
     inputs = rm.build_inputs([(passages_ids, prompt_ids, target_ids)], expand_masks=None)
     rm.loss(inputs)                                           # float32 [B]: per-row mean target NLL
@@ -9,14 +9,18 @@
 The decoder's architecture and weights are untouched; everything enters through
 ``inputs_embeds`` (assembled by ``torch.ops.ragattn.refrag_assemble``) and compact
 ``position_ids`` (layout.py). The encoder and projector (:class:`ChunkEncoder`) are the only new
-parameters. Checkpoints (:meth:`save_checkpoint`) hold the encoder and projector state dicts,
-``k`` and the decoder's fingerprint (plus the decoder's state when it was trained too).
+parameters, with a LoRA on the decoder when the run trained one. Checkpoints
+(:meth:`save_checkpoint`) hold the encoder and projector state dicts, ``k`` and the decoder's
+fingerprint (plus the decoder's state when it was trained too); the weights that ship
+(``ragattn/weights/refrag-k16``, :meth:`load_shipped`) hold only what trained, in bfloat16.
+:func:`answer` is the method's entry for ``python -m ragattn eval``.
 """
 from __future__ import annotations
 
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -31,6 +35,7 @@ from ragattn.methods.refrag.policy import RandomPolicy, check_selection
 
 CHECKPOINT_FORMAT = "ragattn-refrag-v1"
 CKPT_ENV = "RAGATTN_REFRAG_CKPT"
+SHIPPED = "refrag"     # ragattn.hf.adapters' name of the shipped weights (k = 16)
 
 
 def default_checkpoint_path(k: int) -> Path:
@@ -102,9 +107,12 @@ class RefragModel(nn.Module):
     def from_smollm2(cls, k: int = 16, checkpoint: Optional[str | os.PathLike] = "default",
                      dtype: torch.dtype = torch.float32, device="cpu", decoder_and_tokenizer=None) -> "RefragModel":
         """SmolLM2-135M-Instruct (or ``decoder_and_tokenizer``) + MiniLM. ``checkpoint``: "default"
-        loads :func:`default_checkpoint_path` when that file exists and fits the decoder (else a
-        warning; the projector is untrained: ``rm.trained`` is False), a path loads that file
-        (errors raise), None loads nothing."""
+        loads ``$RAGATTN_REFRAG_CKPT`` when set, else the shipped weights (:meth:`load_shipped`)
+        when they are for this ``k``, else :func:`default_checkpoint_path` when that file exists
+        (a file that does not fit the decoder is a warning; the projector stays untrained:
+        ``rm.trained`` is False), a path loads that file
+        (errors raise), None loads nothing. The shipped decoder LoRA goes into a copy of the
+        decoder (:func:`ragattn.hf.adapters.tuned_model`): the one given is never modified."""
         if decoder_and_tokenizer is None:
             from ragattn.hf.models import load_smollm2
 
@@ -112,11 +120,13 @@ class RefragModel(nn.Module):
         rm = cls(*decoder_and_tokenizer, k=k)
         if checkpoint == "default":
             path = default_checkpoint_path(k)
-            if path.is_file():
-                try:
+            try:
+                if os.environ.get(CKPT_ENV) or (path.is_file() and not _shipped_for(k)):
                     rm.load_checkpoint(path)
-                except ValueError as exc:  # e.g. trained for another decoder: stay untrained, say so
-                    warnings.warn(f"{exc}; the projector stays untrained", stacklevel=2)
+                elif _shipped_for(k):
+                    rm.load_shipped()
+            except ValueError as exc:  # e.g. trained for another decoder or k: stay untrained, say so
+                warnings.warn(f"{exc}; the projector stays untrained", stacklevel=2)
         elif checkpoint is not None:
             rm.load_checkpoint(checkpoint)
         return rm
@@ -306,6 +316,74 @@ class RefragModel(nn.Module):
         self.k = int(state["k"])
         self.trained, self.checkpoint_path = True, path
         return state.get("extra", {})
+
+
+    def load_shipped(self, name: str = SHIPPED) -> dict:
+        """Load the shipped weights ``name`` (:mod:`ragattn.hf.adapters` checks their hashes): the
+        decoder becomes a tuned copy with the LoRA merged (unless it already is one:
+        ``config.ragattn_adapter == name``), the projector and the trained encoder layers are loaded.
+        ValueError when they were trained for another ``k``, decoder or encoder. Returns the manifest."""
+        from safetensors.torch import load_file
+
+        from ragattn.hf.adapters import AdapterError, adapter_dir, shipped_adapter, tuned_model
+
+        try:
+            manifest = shipped_adapter(name)
+            if manifest.get("k") != self.k:
+                raise ValueError(f"ragattn.refrag.load_shipped: the shipped {name!r} weights are for k = "
+                                 f"{manifest.get('k')}, this model has k = {self.k}")
+            if "adapter_model.safetensors" in manifest.get("files", {}) and \
+                    getattr(self.decoder.config, "ragattn_adapter", None) != name:
+                self.decoder = tuned_model(self.decoder, name)
+        except AdapterError as exc:
+            raise ValueError(str(exc)) from None
+        state = load_file(adapter_dir(name) / "chunk_encoder.safetensors", device=str(self.device))
+        parts = {"projector.": self.encoder.projector, "encoder.": self.encoder.encoder}
+        for prefix, module in parts.items():
+            own = module.state_dict()
+            sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            bad = [k for k, v in sub.items() if k not in own or own[k].shape != v.shape]
+            if bad or (prefix == "projector." and sub.keys() != own.keys()):
+                raise ValueError(f"ragattn.refrag.load_shipped: the shipped {name!r} weights do not fit this "
+                                 f"chunk encoder ({len(bad)} foreign or misshapen tensors, e.g. {bad[:2]})")
+            module.load_state_dict({k: v.to(own[k].dtype) for k, v in sub.items()}, strict=False)
+        if self.encoder.cache is not None:
+            self.encoder.cache.clear()
+        self.trained, self.checkpoint_path = True, adapter_dir(name)
+        return manifest
+
+
+def _shipped_for(k: int) -> bool:
+    """Whether the shipped weights (any state) are there for compression rate ``k``."""
+    import json
+
+    from ragattn.hf.adapters import adapter_dir
+
+    f = adapter_dir(SHIPPED) / "manifest.json"
+    try:
+        return json.loads(f.read_text()).get("k") == k
+    except (OSError, ValueError):
+        return False
+
+
+_RM: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # decoder -> {k: RefragModel}
+
+
+def answer(model, tokenizer, chunks: Sequence, question: str, max_new_tokens: int = 16, store=None,
+           k: int = 16, expand_fraction: float = 0.0):
+    """REFRAG as ``python -m ragattn eval`` calls a method (:mod:`ragattn.methods.registry`): the
+    passages ``chunks`` compressed at rate ``k`` with ``expand_fraction`` of their chunks expanded
+    (random policy, seeded), greedy. ``model``: the shipped tuned decoder
+    (``tuned_model(model, "refrag")``; its encoder weights are loaded too) or any other decoder (the
+    projector is then untrained). ``store`` is unused (REFRAG caches chunk embeddings, not KV).
+    Returns a :class:`ragattn.methods.generate.Answer`; the model for a decoder is built once."""
+    per = _RM.setdefault(model, {})
+    if k not in per:
+        rm = RefragModel(model, tokenizer, k=k)
+        if getattr(model.config, "ragattn_adapter", None) == SHIPPED:
+            rm.load_shipped()
+        per[k] = rm
+    return per[k].generate(question, chunks, max_new_tokens=max_new_tokens, expand_fraction=expand_fraction)
 
 
 def _check_fraction(expand_fraction, where: str) -> None:
