@@ -121,7 +121,7 @@ class RefragModel(nn.Module):
         if checkpoint == "default":
             path = default_checkpoint_path(k)
             try:
-                if os.environ.get(CKPT_ENV) or (path.is_file() and not _shipped_for(k)):
+                if path.is_file() and (os.environ.get(CKPT_ENV) or not _shipped_for(k)):
                     rm.load_checkpoint(path)
                 elif _shipped_for(k):
                     rm.load_shipped()
