@@ -27,11 +27,9 @@ from typing import Dict, List, Sequence
 import torch
 
 from ragattn.apps.block_distill import teacher_answer
+from ragattn.apps.finetune import LORA_TARGETS
 from ragattn.methods.generate import _eos_ids
 from ragattn.methods.prompt import prompt_parts
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 @dataclasses.dataclass
 class RagSample:
@@ -104,8 +102,7 @@ def _held_samples(rm, held_passages, cfg, n: int) -> Dict[float, List[RagSample]
 def run_rag(rm, cfg, train_passages, held_passages):
     """The stage (see the module docstring). Returns ``(StageResult, lora_state)``: ``lora_state`` is
     ``dict(config=LoraConfig, weights=state dict)`` of the decoder's LoRA (float32, peft's names), or
-    None with rank 0. On
-    return ``rm.decoder`` is a plain model again, the LoRA merged into its weights."""
+    None with rank 0. On return ``rm.decoder`` is a plain model again, the LoRA merged into its weights."""
     from ragattn.apps.training_text import rag_examples
     from ragattn.methods.refrag.train import StageResult, _optimise, set_decoder_trainable, trainable_encoder_params
 

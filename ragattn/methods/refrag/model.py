@@ -119,11 +119,11 @@ class RefragModel(nn.Module):
             decoder_and_tokenizer = load_smollm2(dtype=dtype, device=device)
         rm = cls(*decoder_and_tokenizer, k=k)
         if checkpoint == "default":
-            path = default_checkpoint_path(k)
+            path, shipped = default_checkpoint_path(k), _shipped_for(k)
             try:
-                if path.is_file() and (os.environ.get(CKPT_ENV) or not _shipped_for(k)):
+                if path.is_file() and (os.environ.get(CKPT_ENV) or not shipped):
                     rm.load_checkpoint(path)
-                elif _shipped_for(k):
+                elif shipped:
                     rm.load_shipped()
             except ValueError as exc:  # e.g. trained for another decoder or k: stay untrained, say so
                 warnings.warn(f"{exc}; the projector stays untrained", stacklevel=2)
@@ -316,7 +316,6 @@ class RefragModel(nn.Module):
         self.k = int(state["k"])
         self.trained, self.checkpoint_path = True, path
         return state.get("extra", {})
-
 
     def load_shipped(self, name: str = SHIPPED) -> dict:
         """Load the shipped weights ``name`` (:mod:`ragattn.hf.adapters` checks their hashes): the
