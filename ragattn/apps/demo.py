@@ -247,9 +247,11 @@ class _RefragRunner:
                     else f"trained checkpoint {rm.checkpoint_path}")
             return f"refrag: k = {rm.k}, nothing expanded, {what}"
         return (f"refrag: k = {rm.k}, UNTRAINED PROJECTOR (no shipped weights or checkpoint for k = {rm.k}): "
-                "the decoder reads each 16-token chunk as a projected MiniLM embedding it was never trained "
+                f"the decoder reads each {rm.k}-token chunk as a projected MiniLM embedding it was never trained "
                 "to read, so the refrag answers, first-token and KL columns mean nothing (fluent, invented text); "
-                "only its TTFT (the shorter input) does. `python -m ragattn refrag-train` trains one (docs/refrag.md)")
+                f"only its TTFT (the shorter input) does. `OMP_WAIT_POLICY=passive python -m ragattn refrag-train "
+                f"--k {rm.k} --stages recon,cpt,rag --ship DIR` trains one in about 70 min on 2 CPU cores "
+                "(docs/refrag.md)")
 
     def __call__(self, chunks, q, n):
         return _from_answer(self.rm.generate(q, chunks, max_new_tokens=n))

@@ -26,7 +26,7 @@ ADAPTERS = {"block-attention": "block-attention-lora", "refrag": "refrag-k16"}  
 _ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "vocab_size")
 
-_TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {name: tuned copy}
+_TUNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {(name, folder, hashes): tuned copy}
 
 
 class AdapterError(RuntimeError):
@@ -74,13 +74,15 @@ def architecture(model) -> dict:
 
 def tuned_model(model, name: str = "block-attention"):
     """A copy of ``model`` (eval mode, same device and dtype) with adapter ``name`` merged into its
-    weights; the same copy for repeated calls on the same model. AdapterError when the adapter was
+    weights; the same copy for repeated calls on the same model and the same shipped files (the cache
+    is keyed by the files' hashes, so weights re-shipped or pointed elsewhere are merged afresh). AdapterError when the adapter was
     trained for another architecture, or, for a float32 model, for other weights (the manifest's
     ``base_fingerprint``, :func:`ragattn.store.fingerprint.model_fingerprint`)."""
-    per_model = _TUNED.setdefault(model, {})
-    if name in per_model:
-        return per_model[name]
     manifest = shipped_adapter(name)
+    key = (name, str(adapter_dir(name)), tuple(sorted(manifest.get("files", {}).items())))
+    per_model = _TUNED.setdefault(model, {})
+    if key in per_model:
+        return per_model[key]
     if manifest.get("architecture") and architecture(model) != manifest["architecture"]:
         raise AdapterMismatch(f"ragattn.hf.adapters: adapter {name!r} was trained for {manifest['base_model']} "
                            f"({manifest['architecture']}), not for this model ({architecture(model)})")
@@ -96,5 +98,5 @@ def tuned_model(model, name: str = "block-attention"):
     tuned = PeftModel.from_pretrained(copy.deepcopy(model), str(adapter_dir(name))).merge_and_unload()
     tuned = tuned.to(dtype=dtype, device=device).eval()
     tuned.config.ragattn_adapter = name
-    per_model[name] = tuned
+    per_model[key] = tuned
     return tuned

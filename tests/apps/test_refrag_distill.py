@@ -80,6 +80,7 @@ def test_stage_merges_its_lora_and_ships_what_trained(rm16, passages, tmp_path, 
     assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
                                               "chunk_encoder.safetensors", "manifest.json"}
 
+    adapters.tuned_model(base, "refrag")         # the real shipped weights merged first must not be reused
     monkeypatch.setattr(adapters, "WEIGHTS", tmp_path)
     fresh = RefragModel(base, rm16.tokenizer, k=16)
     manifest = fresh.load_shipped()
