@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ragattn.methods.selection import fused_variant
+from ragattn.ops.page_table import num_pages
 from ragattn.store import chunk_file, chunk_key
 from ragattn.store.fingerprint import variant_key
 from ragattn.vllm.connector_config import RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings
@@ -106,7 +107,7 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._pool is not None:   # idle chunk pages make room for the request's own blocks first
-            need = -(-len(request.prompt_token_ids or ()) // self.settings.block_size)
+            need = num_pages(len(request.prompt_token_ids or ()), self.settings.block_size)
             short = need - self._pool.block_pool.get_num_free_blocks()
             if short > 0:
                 self._pool.evict(short)

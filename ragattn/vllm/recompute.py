@@ -58,6 +58,8 @@ from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, budget, cacheble
 
 from ragattn.kv import SharedEntries, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
+from ragattn.ops import page_table
+from ragattn.ops.page_table import num_pages, page_index, page_offset, page_rows
 from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep, kv_views
 from ragattn.vllm.pages import slot_rows
 from ragattn.vllm.worker_state import RecomputeError, WorkerState
@@ -123,14 +125,12 @@ class Recomputer:
         holds (below its first private block), the slot of its held entry."""
         if entries is not None:
             return entries.slots(pos, req.block_ids, req.block_size)
-        bs = req.block_size
-        ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
-        return ids[pos // bs] * bs + pos % bs
+        return page_table.slot_rows(list(req.block_ids), pos, req.block_size)
 
     def _kv_at(self, layer: int, slots: torch.Tensor):
         k, v = kv_views(self.caches[layer], self.head_size)
-        page = k.shape[1]
-        return k[slots // page, slots % page], v[slots // page, slots % page]
+        blk, off = page_index(slots, k.shape[1]), page_offset(slots, k.shape[1])
+        return k[blk, off], v[blk, off]
 
     def _metadata(self, req: RecomputeRequest, pos: torch.Tensor, capture: list | None,
                   entries: SharedEntries | None = None):
@@ -141,8 +141,7 @@ class Recomputer:
         dev = pos.device
         page = self.caches[0].shape[2]            # the cache's page (kernel block) size
         per = req.block_size // page               # vLLM's block may span several cache pages
-        ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=dev)
-        pages = (ids[:, None] * per + torch.arange(per, device=dev)).reshape(1, -1).to(torch.int32)
+        pages = page_rows(list(req.block_ids), per).to(dev, torch.int32).reshape(1, -1)
         kv_len = int(pos[-1]) + 1
         n = pos.numel()
         cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
@@ -200,7 +199,7 @@ class Recomputer:
         if shared is None:
             return Recomputed(self._run_rows(req, chunk_pos).tolist())
         held = chunk_pos[chunk_pos < shared.private_from]
-        n_blocks = -(-held.numel() // req.block_size)
+        n_blocks = num_pages(held.numel(), req.block_size)
         entries = SharedEntries.build(req.spans, req.chunk_blocks, req.block_size, held=held.tolist(),
                                       held_blocks=list(req.block_ids[:n_blocks]))
         return Recomputed(self._run_rows(req, chunk_pos, entries=entries).tolist(), entries, n_blocks)
@@ -241,8 +240,8 @@ class Recomputer:
                         ).to(dev)[pos[below]]
         k = self._kv_at(layer, src)[0].contiguous()
         rope = self.state.rope   # page-local keys (rotated by src % bs): one rotation to their positions
-        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - src % bs, rope.inv_freq.to(dev),
-                       rope.rotary_dim, rope.interleaved)
+        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - page_offset(src, bs),
+                       rope.inv_freq.to(dev), rope.rotary_dim, rope.interleaved)
         rows = k.new_empty((pos.numel(),) + tuple(k.shape[1:]))
         rows[below] = k
         rows[~below] = self._kv_at(layer, self._slots(req, pos[~below]))[0]
