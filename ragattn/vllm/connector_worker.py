@@ -198,7 +198,7 @@ class ConnectorWorker:
             self.state.requests.pop(load.req_id, None)
             try:
                 rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
-                             if load.method.name == "turborag-composite" else None)
+                             if load.method.entry.positions == "composite" else None)
                 if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
                     continue
                 with torch.inference_mode():

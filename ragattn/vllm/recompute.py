@@ -53,6 +53,7 @@ import torch
 
 from vllm.forward_context import set_forward_context
 
+from ragattn.methods import registry
 from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, query_guided_scores,
                                        top_rows, walk_layers)
 
@@ -180,7 +181,8 @@ class Recomputer:
         k = budget(req.ratio, n_chunk)
         dev = self.caches[0].device
         chunk_pos = torch.arange(head_end, ctx, dtype=torch.int64, device=dev)
-        if req.method == "cacheblend":
+        selection = registry.get(req.method).selection
+        if selection == "deviation":
             if req.chunk_blocks is not None:   # (its first layers recompute every chunk row: no page to share)
                 raise ValueError("ragattn.vllm: CacheBlend runs on the request's own copy of its chunks")
             if max(CACHEBLEND_CHECK_LAYERS) >= len(self.names):
@@ -188,7 +190,7 @@ class Recomputer:
                                      f"has {len(self.names)}")
             checks = cacheblend_schedule(req.ratio, n_chunk, CACHEBLEND_CHECK_LAYERS)
             return Recomputed(self._run_rows(req, chunk_pos, checks=checks).tolist() if n_chunk else [])
-        if req.method != "fusionrag":
+        if selection != "query":
             raise ValueError(f"ragattn.vllm: no recompute for method {req.method!r}")
         shared = None if req.chunk_blocks is None else SharedEntries.build(req.spans, req.chunk_blocks,
                                                                             req.block_size)
