@@ -38,7 +38,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ragattn.kv import SharedEntries
 from ragattn.ops.page_table import num_pages
 
 
@@ -146,4 +145,4 @@ class ChunkPagePool:
         return len(freed)
 
 
-__all__ = ["ChunkPagePool", "SharedEntries"]
+__all__ = ["ChunkPagePool"]
