@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ragattn.kv import PassStep, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.ops.page_table import page_index, page_offset
 from ragattn.vllm.worker_state import WorkerState, worker_state
 
 KV_SPLIT = "channel"   # where K and V sit in a block (ragattn.vllm.pages): each (token, head)'s C = [K | V]
@@ -185,7 +186,7 @@ class RagattnAttentionImpl(AttentionImpl):
             k_rows.index_copy_(0, slots, key)
             v_rows.index_copy_(0, slots, value)
             return
-        blk, off = slots // k.shape[1], slots % k.shape[1]
+        blk, off = page_index(slots, k.shape[1]), page_offset(slots, k.shape[1])
         k[blk, off] = key
         v[blk, off] = value
 
