@@ -62,7 +62,7 @@ from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
 from ragattn.ops import page_table
 from ragattn.ops.page_table import num_pages, page_index, page_offset, page_rows
 from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep, kv_views
-from ragattn.vllm.pages import slot_rows
+from ragattn.vllm.pages import FP8_STORAGE, slot_rows
 from ragattn.vllm.worker_state import RecomputeError, WorkerState
 
 
@@ -175,7 +175,11 @@ class Recomputer:
     def run(self, req: RecomputeRequest) -> Recomputed:
         """Recompute ``req``'s chosen chunk tokens (see the module docstring). RecomputeError if
         the final block's pages are not all allocated in this step (vLLM split its prefill:
-        FusionRAG's selection pass needs them)."""
+        FusionRAG's selection pass needs them) or the caches are fp8 (the selection reads the
+        cached K/V as they are stored: unquantised caches only)."""
+        if self.caches and self.caches[0].dtype in FP8_STORAGE:
+            raise RecomputeError(f"ragattn.vllm: {req.method} recomputes over unquantised KV caches only, this "
+                                 f"server's are fp8: its chunks are computed by vLLM")
         head_end, ctx = req.spans[0][1], req.spans[-1][1]
         n_chunk = ctx - head_end
         k = budget(req.ratio, n_chunk)
