@@ -166,7 +166,7 @@ class ConnectorWorker:
                         name, exc, split)
             return
         ks, vs = head_views(scratch, H, D, n, split)
-        blk, off = slots // n, slots % n
+        blk, off = page_index(slots, n), page_offset(slots, n)
         for h in range(H):
             if not (torch.equal(ks[h][blk, off, 0], key[:, h]) and torch.equal(vs[h][blk, off, 0], value[:, h])):
                 backend = layer.get_attn_backend().get_name()
