@@ -39,7 +39,7 @@ def measure_memory(servers: Dict[str, object], model: str, model_dir: Path, prom
     demand, least recently used): those beyond ``prompt``'s own chunk pages belong to other prompts
     and are not the requests' (``held``: the blocks in use less those), the prompt's are counted
     once (its timed rounds left them held)."""
-    from ragattn.methods.fusionrag import budget
+    from ragattn.methods.selection import budget
 
     rows = []
     end = prompt.spans[-1][1]

@@ -12,8 +12,11 @@ from typing import Callable, Dict, List, Optional
 from ragattn.methods import registry
 
 RECOMPUTE_RATIO = registry.DEFAULT_RATIO
-# the methods measured, in row order (turborag-reordered serves as block-attention does)
-MEASURED = (registry.BASELINE, "block-attention", "turborag-composite", "cacheblend", "fusionrag")
+# the methods measured, in row order: the baseline, the served default, then every other served method
+# that is a computation of its own (one that serves as another, as turborag-reordered, is measured by it)
+MEASURED = (registry.BASELINE,) + tuple(sorted(
+    (n for n in registry.names(served=True) if registry.get(n).serves_as is None),
+    key=lambda n: n != registry.SERVED_DEFAULT))
 
 
 def label(name: str) -> str:

@@ -59,9 +59,8 @@ except ModuleNotFoundError as _exc:
         raise
     raise SystemExit(f"ragattn demo: {_exc}") from None
 
-from ragattn.methods import block_attention, fusionrag, rapid, registry, turborag
+from ragattn.methods import fusionrag, registry
 from ragattn.store import ChunkStore, ChunkStoreError
-from ragattn.methods.baseline import full_prefill
 from ragattn.methods.prompt import prompt_parts
 
 DEFAULT_MODEL = "smollm2"
@@ -188,34 +187,23 @@ BLOCK_TUNED = tuple(m.name for m in registry.REGISTRY if m.demo and m.adapter ==
 
 
 def _runners(model, tokenizer, store, tuned=None, tuned_store=None) -> Dict[str, Callable]:
-    """name -> run(chunks, question, max_new_tokens) -> Result, for every method of the demo.
+    """name -> run(chunks, question, max_new_tokens) -> Result, for every method of the demo
+    (the registry's ``demo`` entries: each called as the registry says, with its ``demo_options``
+    and, for a ratio method, the default ratio; REFRAG, a model of its own, by :class:`_RefragRunner`).
 
     The cached methods share ``store`` (None when only the baseline runs); the methods of
     :data:`BLOCK_TUNED` run on ``tuned`` (the model with the block-attention adapter merged,
     ``ragattn.hf.adapters.tuned_model``) and its ``tuned_store`` when given."""
     block_model, block_store = (tuned, tuned_store) if tuned is not None else (model, store)
 
-    def turborag_run(positions):
-        return lambda chunks, q, n: _from_answer(turborag.answer(
-            block_model, tokenizer, chunks, q, positions=positions, max_new_tokens=n, store=block_store))
+    def runner(m: registry.Method) -> Callable:
+        if m.adapter == "refrag":        # owns its model: MiniLM, the projector and the tuned decoder
+            return _RefragRunner(model, tokenizer)
+        on, st = (block_model, block_store) if m.name in BLOCK_TUNED else (model, store)
+        return lambda chunks, q, n: _from_answer(m.answer(on, tokenizer, chunks, q, max_new_tokens=n, store=st,
+                                                          **dict(m.demo_options)))
 
-    return {
-        registry.BASELINE: lambda chunks, q, n: _from_answer(full_prefill(model, tokenizer, chunks, q,
-                                                                       max_new_tokens=n)),
-        "turborag-composite": turborag_run("composite"),
-        "turborag-reordered": turborag_run("reordered"),
-        "block-attention": lambda chunks, q, n: _from_answer(block_attention.answer(
-            block_model, tokenizer, chunks, q, max_new_tokens=n, store=block_store)),
-        "fusionrag": lambda chunks, q, n: _from_answer(fusionrag.answer(
-            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=registry.DEFAULT_RATIO)),
-        "cacheblend": lambda chunks, q, n: _from_answer(fusionrag.cacheblend(
-            model, tokenizer, chunks, q, max_new_tokens=n, store=store, ratio=registry.DEFAULT_RATIO)),
-        # speculative decoding: the target reads every passage, the drafter (the same model) the
-        # MiniLM-retrieved third of them; eta = 10 biases the target towards the drafter
-        "rapid": lambda chunks, q, n: _from_answer(rapid.answer(
-            model, tokenizer, chunks, q, max_new_tokens=n, gamma=4, eta=10.0)),
-        "refrag": _RefragRunner(model, tokenizer),
-    }
+    return {m.name: runner(m) for m in registry.REGISTRY if m.demo}
 
 
 class _RefragRunner:
@@ -436,14 +424,15 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
         for st in (store, tuned_store):  # offline: chunk KV precomputed, outside the timing
             if st is not None:
                 st.add([head] + chunk_ids)
-    if "fusionrag" in methods:  # offline too: the retrieved passages' fused caches
+    if any(registry.get(m).fused for m in methods):  # offline too: the retrieved passages' fused caches
         head, all_ids, _ = prompt_parts(tokenizer, [p.render() for p in corpus.passages], "")
         fusionrag.fuse_chunks(model, store, head, all_ids, fusionrag.neighbours(retriever.embeddings, 10),
                               sorted(retrieved))
 
-    if "refrag" in runners:  # offline too: the passages' chunk embeddings
-        for _, text, _, passages, _ in prompts:
-            runners["refrag"].prepare(passages, text)
+    for r in runners.values():  # offline too: REFRAG's chunk embeddings of the passages
+        if isinstance(r, _RefragRunner):
+            for _, text, _, passages, _ in prompts:
+                r.prepare(passages, text)
     if progress:
         print(f"offline (chunk KV, fused caches, chunk embeddings; not timed): {time.perf_counter() - t_offline:.0f} s",
               file=sys.stderr)
@@ -482,7 +471,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> L
                 select_ms=res.select_s * 1e3, recompute_ms=res.recompute_s * 1e3, repeats=len(runs[name]),
             ))
     bar.close()
-    notes += [runners["refrag"].label()] if "refrag" in runners else []
+    notes += [r.label() for r in runners.values() if isinstance(r, _RefragRunner)]
     print(format_report(rows, list(runners), has_gold=not args.question, model_name=args.model,
                         device=device, top_k=args.top_k, notes=notes), file=out)
     return rows

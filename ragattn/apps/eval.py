@@ -188,24 +188,15 @@ class Row:
 
 
 def _runs(methods: Sequence[Method], ratios: Sequence[float]):
-    """(Method, ratio percent or None, fn) for every timed configuration, baseline first."""
-    out = []
-    for m in methods:
-        fn = m.resolve()
-        for r in (ratios if m.ratio else [None]):
-            out.append((m, r, fn))
-    return out
+    """(Method, ratio percent or None) for every timed configuration, baseline first."""
+    return [(m, r) for m in methods for r in (ratios if m.ratio else [None])]
 
 
 def _call(run, model, store, tok, chunks, question, n):
     """Answer with one configuration on ``model`` (the loaded one or its tuned copy) and its store."""
-    m, r, fn = run
-    kw = dict(m.options)
-    if r is not None:
-        kw["ratio"] = r / 100.0
-    if not m.store:
-        return fn(model, tok, chunks, question, max_new_tokens=n, **kw)
-    return fn(model, tok, chunks, question, max_new_tokens=n, store=store, **kw)
+    m, r = run
+    return m.answer(model, tok, chunks, question, max_new_tokens=n, store=store,
+                    ratio=None if r is None else r / 100.0)
 
 
 def _git_commit() -> str:
@@ -323,7 +314,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
             retrieved = all(pid_index[x] in top for x in q.passage_ids) if q.passage_ids else False
             base = None
             for r in runs:
-                m, ratio, _ = r
+                m, ratio = r
                 bar.set_postfix_str(f"top-{k} {q.id} {m.name}" + ("" if ratio is None else f" {ratio:g}%"))
                 ans = _call(r, *on[r[0].name], tok, chunks, q.question, args.max_new_tokens)
                 if base is None:

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-BASELINE = "full-prefill"
+from ragattn.methods.registry import BASELINE
+
 _METRICS = (("em", "EM %", 100.0), ("first_token_agreement", "1st-token = full %", 100.0),
             ("mean_kl", "first-token KL", 1.0), ("answer_match", "answer = full %", 100.0))
 

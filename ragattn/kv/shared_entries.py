@@ -30,6 +30,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 
 from ragattn.ops import PagedAttentionStep, PageTable, merge_attention_states
+from ragattn.ops.page_table import num_pages, page_index, page_offset, page_row, slot_rows
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,13 @@ class SharedEntries:
         prompt indices below ``private_from`` read from the request's own ``held_blocks`` instead
         (index ``held[i]`` at slot ``i % block_size`` of ``held_blocks[i // block_size]``)."""
         end = spans[-1][1]
-        private_from = end // block_size * block_size
+        private_from = end - page_offset(end, block_size)
         held = [int(t) for t in held]
         if any(b <= a for a, b in zip(held, held[1:])) or (held and not 0 <= held[0] <= held[-1] < private_from):
             raise ValueError(f"ragattn.kv.SharedEntries: held rows must be sorted, distinct and below {private_from}")
         if len(held_blocks) * block_size < len(held):
-            raise ValueError(f"ragattn.kv.SharedEntries: {len(held)} held rows need {-(-len(held) // block_size)} blocks, "
-                             f"got {len(held_blocks)}")
+            raise ValueError(f"ragattn.kv.SharedEntries: {len(held)} held rows need "
+                             f"{num_pages(len(held), block_size)} blocks, got {len(held_blocks)}")
         is_held = set(held)
         pos = (lambda t: t) if positions is None else (lambda t: int(positions[t]))   # noqa: E731
         pages, first, start, valid = [], [], [], []
@@ -81,21 +82,22 @@ class SharedEntries:
         as_t = lambda x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
         own = None
         if held:   # held row i at slot i % block_size of held_blocks[i // block_size]: slot 0 at pos - i
-            off = torch.arange(len(held), dtype=torch.int32) % block_size
-            own = (as_t([held_blocks[i // block_size] for i in range(len(held))]), as_t([pos(t) for t in held]) - off,
+            i = torch.arange(len(held))
+            off = page_offset(i, block_size).to(torch.int32)
+            own = (torch.as_tensor(held_blocks, dtype=torch.int32)[page_index(i, block_size)],
+                   as_t([pos(t) for t in held]) - off,
                    off, off + 1)
         return cls(private_from, as_t(pages), as_t(first), as_t(valid), as_t(start) if held else None, own)
 
     def slots(self, pos: torch.Tensor, block_ids: Sequence[int], block_size: int) -> torch.Tensor:
         """int64 ``[n]``: the cache slot the request writes each of the prompt positions ``pos``
         (int64 ``[n]``, sorted) to: by position in its ``block_ids`` or, for a held row, its held slot."""
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pos.device)
-        slots = ids[pos // block_size] * block_size + pos % block_size
+        slots = slot_rows(list(block_ids), pos, block_size)
         if self.held is not None:
             page, first, start, _ = (t.to(pos.device, torch.int64) for t in self.held)
             below = pos < self.private_from
             i = torch.searchsorted(first + start, pos[below])   # (held entries: one row each, sorted)
-            slots[below] = page[i] * block_size + start[i]
+            slots[below] = page_row(page[i], start[i], block_size)
         return slots
 
 
@@ -107,9 +109,10 @@ def entry_tables(found: Sequence[SharedEntries | None], block_table: torch.Tenso
     page-local)."""
     dev = block_table.device
     b = len(found)
-    first_block = torch.tensor([0 if e is None else e.private_from // block_size for e in found], dtype=torch.int64)
+    first_block = torch.tensor([0 if e is None else page_index(e.private_from, block_size) for e in found],
+                               dtype=torch.int64)
     lens = seq_lens[:b].to(torch.int64).cpu()
-    n_pages = ((lens + block_size - 1) // block_size - first_block).clamp(min=0)
+    n_pages = (num_pages(lens, block_size) - first_block).clamp(min=0)
     rows = torch.repeat_interleave(torch.arange(b), n_pages)
     offset = torch.cumsum(n_pages, 0) - n_pages
     idx = torch.arange(int(n_pages.sum())) - offset[rows] + first_block[rows]

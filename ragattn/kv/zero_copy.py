@@ -58,6 +58,7 @@ from ragattn import ops as _ops
 from ragattn.kv.shared_entries import Pass, run_passes
 from ragattn.kv.window import check_window
 from ragattn.ops import PagedAttentionStep
+from ragattn.ops.page_table import page_offset, page_row, page_rows
 
 
 class ZeroCopyForward:
@@ -235,7 +236,7 @@ class TaggedPagedKV:
         e = entry[s]
         E = self._entry_tensors()
         seg = E["seg"][e]
-        row = E["page"][e] * self.page_size + off[s]
+        row = page_row(E["page"][e], off[s], self.page_size)
         return seg, row, pos[s]
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +254,7 @@ class TaggedPagedKV:
             k[sel.to(self.device)] = ks[layer].view(-1, self.num_kv_heads, self.head_dim).index_select(0, r)
             v[sel.to(self.device)] = vs[layer].view(-1, self.num_kv_heads, self.head_dim).index_select(0, r)
         if n:
-            delta = (pos - row % self.page_size).to(self.device)
+            delta = (pos - page_offset(row, self.page_size)).to(self.device)
             _ops.rerotate_keys_([k], torch.arange(n, device=self.device), delta, self.inv_freq,
                                 self.rotary_dim, self.interleaved)
         return k, v
@@ -276,12 +277,11 @@ class TaggedPagedKV:
             self.e_seg[e], self.e_page[e], self.e_shared[e] = s, int(page), False
             self.cow_pages += 1
         self._entries = None
-        ps = self.page_size
         for (a, b), pairs in moves.items():
-            src = torch.tensor([p for p, _ in pairs], dtype=torch.int64)[:, None] * ps + torch.arange(ps)
-            dst = torch.tensor([q for _, q in pairs], dtype=torch.int64)[:, None] * ps + torch.arange(ps)
+            src = page_rows([p for p, _ in pairs], self.page_size)
+            dst = page_rows([q for _, q in pairs], self.page_size)
             (sk, sv), (dk, dv) = self.segments[a], self.segments[b]
-            _ops.copy_kv_(dk, dv, sk, sv, src.reshape(-1).to(self.device), dst.reshape(-1).to(self.device))
+            _ops.copy_kv_(dk, dv, sk, sv, src.to(self.device), dst.to(self.device))
 
     def begin_forward(self, q: int, positions: torch.Tensor, slots: Optional[torch.Tensor] = None,
                       valid: Optional[torch.Tensor] = None) -> ZeroCopyForward:
@@ -361,7 +361,7 @@ class TaggedPagedKV:
         f.q, f.src = q, None if src is None else src.to(self.device)
         f.filled_positions, f.overlapping = slot_positions[:filled], None
         f.last_slot = int(w.max()) if w.numel() else -1
-        rows = page_of[we] * self.page_size + off[w]
+        rows = page_row(page_of[we], off[w], self.page_size)
         segs = seg_of[we]
         f.writes = []
         for s in segs.unique().tolist():
@@ -450,7 +450,7 @@ class TaggedPagedKV:
                    for t, sg in sorted(live["segs"].items())]
         self.slot_positions[w] = p
         f.filled_positions, f.overlapping, f.last_slot = self.slot_positions[: w + 1], None, w
-        row = self.e_page[e] * self.page_size + o
+        row = page_row(self.e_page[e], o, self.page_size)
         idx = torch.tensor([0, row, o - p], dtype=torch.int64, device=self.device)
         # a key is stored page-local: rotated from its position to its page offset as it is copied in
         f.writes = [(s, idx[0:1], idx[1:2], idx[2:3])]

@@ -54,12 +54,10 @@ from ragattn.hf.registration import use_ragattn
 from ragattn.methods.generate import Answer, _eos_ids, _sync, generate_paged
 from ragattn.methods import registry
 from ragattn.methods.prompt import prompt_parts
-from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, SCORE_NORMS, budget, cacheblend_schedule,  # noqa: F401
-                                       check_ratio, fused_variant, kv_deviation, query_guided_scores, top_rows,
-                                       walk_layers)
+from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, check_ratio,
+                                       fused_variant, query_guided_scores, top_rows, walk_layers)
 
 QUESTION_MODES = ("context", "standalone")
-DEFAULT_RATIO = registry.DEFAULT_RATIO
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +308,7 @@ def store_tokens(head, chunk_ids) -> list[int]:
 
 
 def answer(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
-           ratio: float = DEFAULT_RATIO, fused: bool | None = None, question_mode: str = "context",
+           ratio: float = registry.DEFAULT_RATIO, fused: bool | None = None, question_mode: str = "context",
            score_norm: str = "per_chunk", group=None, zero_copy: bool = True) -> Answer:
     """FusionRAG: query-guided selection of ``ratio`` of the chunk tokens, recomputed through every
     layer (see the module docstring). ``fused``: use the chunks' fused caches (built offline by
@@ -324,7 +322,7 @@ def answer(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32,
 
 
 def cacheblend(model, tokenizer, chunks, question: str, *, max_new_tokens: int = 32, store=None,
-               ratio: float = DEFAULT_RATIO, check_layers: Sequence[int] = CACHEBLEND_CHECK_LAYERS,
+               ratio: float = registry.DEFAULT_RATIO, check_layers: Sequence[int] = CACHEBLEND_CHECK_LAYERS,
                group=None, zero_copy: bool = True) -> Answer:
     """CacheBlend: K/V-deviation selection with gradual filtering over ``check_layers``, then the
     same recompute (see the module docstring; ``zero_copy`` as in :func:`answer`)."""
@@ -350,5 +348,3 @@ def full_reuse(model, tokenizer, chunks, question: str, *, max_new_tokens: int =
     return _answer(model, tokenizer, chunks, question, method="full_reuse", ratio=0.0,
                    max_new_tokens=max_new_tokens, store=store, fused=False, zero_copy=zero_copy)
 
-
-METHODS = {"fusionrag": answer, "cacheblend": cacheblend, "full_reuse": full_reuse}

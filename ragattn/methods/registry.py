@@ -9,6 +9,10 @@ the vLLM request parameters all read it.
     registry.names(), registry.names(served=True), registry.BASELINE, registry.DEFAULT_RATIO,
     registry.SERVED_DEFAULT
     registry.check_ratio(0.15)               # None, or why the ratio is refused
+    m.answer(model, tokenizer, chunks, question, max_new_tokens=32, store=store)   # an Answer
+
+What a reader does with a method follows from its entry's flags (``positions``, ``fused``,
+``selection``, ``serves_as``, ...), never from its name.
 """
 from __future__ import annotations
 
@@ -34,7 +38,11 @@ class Method:
     (the underscore one is always accepted). ``adapter``: the shipped adapter
     (``ragattn.hf.adapters``) whose tuned model the apps run it on unless ``--untuned``; None: the
     model as loaded. ``store``: it reads chunk KV from a ``ChunkStore`` (passed as ``store=``;
-    full prefill and REFRAG do not)."""
+    full prefill and REFRAG do not). ``selection``: how a ratio method picks the chunk rows it recomputes:
+    ``"query"`` (the final block's attention to the cached keys) or ``"deviation"`` (every chunk
+    row through the first layers, kept by K/V deviation), from ``ragattn.methods.selection``.
+    ``serves_as``: a served request for it runs that entry's computation (the keys placed the
+    same way; only the model differs). ``demo_options``: the demo's extra keyword arguments."""
     name: str
     module: str
     attr: str
@@ -48,6 +56,9 @@ class Method:
     aliases: tuple = ()
     adapter: Optional[str] = None
     store: bool = True
+    selection: Optional[str] = None
+    serves_as: Optional[str] = None
+    demo_options: tuple = ()
 
     @property
     def snake(self) -> str:
@@ -57,6 +68,26 @@ class Method:
     @property
     def spellings(self) -> tuple:
         return tuple(dict.fromkeys((self.name, self.snake, *self.aliases)))
+
+    @property
+    def positions(self) -> str:
+        """The position scheme its chunks are placed in (``ragattn.store.Positions``' names)."""
+        return dict(self.options).get("positions", "reordered")
+
+    def answer(self, model, tokenizer, chunks, question, *, max_new_tokens: int, store=None,
+               ratio: Optional[float] = None, **extra):
+        """Its answer (``ragattn.methods.generate.Answer``) with its fixed options and ``extra``;
+        ``ratio``: for a ratio method (None: :data:`DEFAULT_RATIO`), refused for the others."""
+        fn = self.resolve()
+        if fn is None:
+            raise ValueError(f"method {self.name!r} has no answer function in this checkout")
+        kw = dict(self.options)
+        if self.ratio:
+            kw["ratio"] = DEFAULT_RATIO if ratio is None else ratio
+        elif ratio is not None:
+            raise ValueError(f"method {self.name!r} takes no recompute ratio, got {ratio!r}")
+        return fn(model, tokenizer, chunks, question, max_new_tokens=max_new_tokens,
+                  store=store if self.store else None, **kw, **extra)
 
     def resolve(self) -> Optional[Callable]:
         """The answer function, or None when its module is not part of this checkout (a module
@@ -76,21 +107,25 @@ REGISTRY = (
     Method("turborag-composite", "ragattn.methods.turborag", "answer", (("positions", "composite"),),
            demo=True, served=True, adapter="block-attention"),
     Method("turborag-reordered", "ragattn.methods.turborag", "answer", (("positions", "reordered"),),
-           demo=True, served=True, adapter="block-attention"),
+           demo=True, served=True, adapter="block-attention", serves_as="block-attention"),
     Method("block-attention", "ragattn.methods.block_attention", "answer", demo=True, served=True,
            adapter="block-attention"),
     Method("full-reuse", "ragattn.methods.fusionrag", "full_reuse"),
-    Method("cacheblend", "ragattn.methods.fusionrag", "cacheblend", ratio=True, demo=True, served=True),
-    Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True, demo=True, served=True),
-    # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not the first token)
-    Method("rapid", "ragattn.methods.rapid", "answer", demo=True, decode=True),
+    Method("cacheblend", "ragattn.methods.fusionrag", "cacheblend", ratio=True, demo=True, served=True,
+           selection="deviation"),
+    Method("fusionrag", "ragattn.methods.fusionrag", "answer", ratio=True, fused=True, demo=True, served=True,
+           selection="query"),
+    # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not the first token); the
+    # demo's: the drafter reads the MiniLM-retrieved third of the passages, eta 10 biases the target to it
+    Method("rapid", "ragattn.methods.rapid", "answer", demo=True, decode=True,
+           demo_options=(("gamma", 4), ("eta", 10.0))),
     # compressed chunks (k = 16) on the shipped REFRAG weights; with a quarter of the chunks as tokens
     Method("refrag", "ragattn.methods.refrag.model", "answer", demo=True, adapter="refrag", store=False),
     Method("refrag-expand25", "ragattn.methods.refrag.model", "answer", (("expand_fraction", 0.25),),
            adapter="refrag", store=False),
     # FusionRAG selecting with the final block alone (the authors' code) instead of over the context
     Method("fusionrag-standalone", "ragattn.methods.fusionrag", "answer", (("question_mode", "standalone"),),
-           ratio=True, fused=True, ablation=True),
+           ratio=True, fused=True, ablation=True, selection="query"),
     # full attention on the block-tuned weights: does the adapter change ordinary answers?
     Method("full-prefill-tuned", "ragattn.methods.baseline", "full_prefill", ablation=True,
            adapter="block-attention", store=False),

@@ -178,14 +178,21 @@ def page_offset(rows, page_size: int):
     return rows % page_size
 
 
+def page_index(rows, page_size: int):
+    """The page a flat row lies in (or a logical slot's index in its page list): ``rows //
+    page_size`` (a tensor or an int)."""
+    return rows // page_size
+
+
 def page_row(pages, offsets, page_size: int):
     """The flat row (a cache viewed as ``[num_pages * page_size, ...]``) of slot ``offsets`` of page
     ``pages``: ``pages * page_size + offsets`` (tensors or ints)."""
     return pages * page_size + offsets
 
 
-def num_pages(slots: int, page_size: int) -> int:
-    """Pages that hold ``slots`` slots: ``ceil(slots / page_size)``."""
+def num_pages(slots, page_size: int):
+    """Pages that hold ``slots`` slots: ``ceil(slots / page_size)`` (an int, or elementwise for an
+    int tensor)."""
     return -(-slots // page_size)
 
 
@@ -201,8 +208,8 @@ def slot_rows(pages, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     ``pages[j // page_size]`` at offset ``j % page_size``. ``pages``: ``[max_pages]`` (a list or
     an int tensor) with ``slots`` of any shape, or ``[B, max_pages]`` with ``slots`` ``[B, n]``."""
     s = slots.long()
-    p = torch.as_tensor(pages).long()
-    idx = s // page_size
+    p = torch.as_tensor(pages, device=s.device).long()
+    idx = page_index(s, page_size)
     return page_row(p[idx] if p.dim() == 1 else p.gather(-1, idx), page_offset(s, page_size), page_size)
 
 def _check_entry_values(first_pos, valid, page_size, start=None) -> None:

@@ -96,15 +96,18 @@ class PagedAttentionStep:
     def run(self, q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: Optional[float] = None, *, window_left: int = -1, inv_freq: Optional[torch.Tensor] = None,
             rotary_dim: Optional[int] = None, interleaved: bool = False, logits_soft_cap: float = 0.0,
+            k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
             out: Optional[torch.Tensor] = None,
             lse_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(out [total_q, Hq, D], lse float32 [total_q, Hq])`` of ``run_paged_attention`` over the
-        step's table (same arguments; ``inv_freq``: keys stored page-local). ``out``, ``lse_out``:
-        optional outputs (``[total_q, Hq, D]`` in q's dtype, float32 ``[total_q, Hq]``; any strides;
-        no overlap with an input), written and returned; a missing one is allocated."""
+        step's table (same arguments; ``inv_freq``: keys stored page-local; ``k_scale``/``v_scale``:
+        float8 caches' per-tensor scales). ``out``, ``lse_out``: optional outputs (``[total_q, Hq, D]``
+        in q's dtype, float32 ``[total_q, Hq]``; any strides; no overlap with an input), written and
+        returned; a missing one is allocated."""
         t = self.table
         chosen = self._backend_of(q)
-        if (self._direct and chosen == backend.CPP and inv_freq is None and rotary_dim is None
+        scaled = k_scale is not None or v_scale is not None
+        if (self._direct and not scaled and chosen == backend.CPP and inv_freq is None and rotary_dim is None
                 and plain_cpu_call(q, q_pos, k_cache, v_cache, out, lse_out, under_profiler=True)
                 and cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, None, scale,
                                      window_left, logits_soft_cap, False)
@@ -120,7 +123,7 @@ class PagedAttentionStep:
             return cpu_kernel(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale, window_left,
                                logits_soft_cap, out, lse_out)
         tagged = inv_freq is not None or t.is_tagged
-        if (tagged and self._tagged_direct and out is None and lse_out is None and chosen == backend.CPP
+        if (tagged and self._tagged_direct and not scaled and out is None and lse_out is None and chosen == backend.CPP
                 and plain_cpu_call(q, q_pos, k_cache, v_cache, inv_freq, under_profiler=True)
                 and cpu_well_formed(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, t.row_start,
                                      scale, window_left, logits_soft_cap, False)
@@ -141,15 +144,15 @@ class PagedAttentionStep:
                     self.cu_seqlens_q, t, num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2],
                     dtype=q.dtype, window_left=window_left, max_q_len=self.max_q_len, max_kv_len=self.max_kv_len)
             return run_paged_attention(plan, q, q_pos, k_cache, v_cache, scale, inv_freq=inv_freq,
-                                       rotary_dim=rotary_dim, interleaved=interleaved,
-                                       logits_soft_cap=logits_soft_cap, out=out, lse_out=lse_out)
-        if not tagged and t.row_start is None:
+                                       rotary_dim=rotary_dim, interleaved=interleaved, k_scale=k_scale,
+                                       v_scale=v_scale, logits_soft_cap=logits_soft_cap, out=out, lse_out=lse_out)
+        if not tagged and not scaled and t.row_start is None:
             return paged_attention(q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.kv_lens, scale,
                                    window_left, logits_soft_cap, out=out, lse_out=lse_out)
         rotary_dim = rotary_dim_of(q, inv_freq, rotary_dim)
         args = (q, q_pos, self.cu_seqlens_q, k_cache, v_cache, t.pages, t.row_start, t.kv_lens, None, None, (),
                 scale, window_left, t.entry_pos, t.entry_len, t.entry_start, inv_freq, rotary_dim or 0,
-                bool(interleaved), None, None, float(logits_soft_cap))
+                bool(interleaved), k_scale, v_scale, float(logits_soft_cap))
         if out is not None or lse_out is not None:
             out = q.new_empty(q.shape) if out is None else out
             lse_out = q.new_empty(q.shape[:2], dtype=torch.float32) if lse_out is None else lse_out

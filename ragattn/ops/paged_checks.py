@@ -27,6 +27,7 @@ from ragattn.ops._validate import (
     check_soft_cap,
     check_tensor,
 )
+from ragattn.ops import page_table
 
 _OP = "paged_attention"
 _RUN_OP = "paged_attention_run"
@@ -156,7 +157,7 @@ def check_page_list_values(pages, row_start, kv_lens, q_pos, page_size, num_page
     inside ``pages`` and name pages in ``[0, num_pages)``. A few reductions, one host read each."""
     batch = kv_lens.shape[0]
     if batch:
-        used = (kv_lens.long() + page_size - 1) // page_size
+        used = page_table.num_pages(kv_lens.long(), page_size)   # (num_pages here: the cache's)
         lo_len, lo_start = int(kv_lens.min()), int(row_start.min())
         end = int((row_start.long() + used).max())
         if lo_len < 0 or lo_start < 0 or end > pages.shape[0]:
@@ -281,7 +282,5 @@ def has_entries(entry_pos, entry_len, entry_start) -> bool:
 
 
 def check_entries(pages, entry_pos, entry_len, entry_start, page_size) -> None:
-    from ragattn.ops.page_table import _check_entry_values
-
-    _check_entry_values(entry_pos if entry_pos is not None else pages.new_zeros(0),
-                        entry_len if entry_len is not None else pages.new_zeros(0), page_size, entry_start)
+    page_table._check_entry_values(entry_pos if entry_pos is not None else pages.new_zeros(0),
+                                   entry_len if entry_len is not None else pages.new_zeros(0), page_size, entry_start)

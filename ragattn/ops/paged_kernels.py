@@ -19,6 +19,7 @@ import torch
 
 from ragattn.ops import backend
 from ragattn.ops._validate import device_guard
+from ragattn.ops.page_table import num_pages
 from ragattn.ops.paged_checks import has_entries
 from ragattn.reference.paged_attention import paged_attention as _reference
 
@@ -123,7 +124,7 @@ def padded_table(pages, row_start, kv_lens, page_size):
     if row_start is None:
         return pages
     batch = kv_lens.shape[0]
-    width = int(((kv_lens.long() + page_size - 1) // page_size).max()) if batch else 0
+    width = int(num_pages(kv_lens.long(), page_size).max()) if batch else 0
     if width == 0 or pages.shape[0] == 0:
         return pages.new_zeros((batch, 0))
     idx = row_start.long()[:, None] + torch.arange(width, device=pages.device)[None, :]

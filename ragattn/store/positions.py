@@ -3,6 +3,7 @@
     p = Positions.parse("reordered", "ragattn.ChunkStore.request", count=len(keys))
     firsts = p.first_positions(lens)      # each chunk's first position
     p.next_position(lens)                 # where the final block starts: after the furthest chunk end
+    p.token_positions(lens, final_at=end) # each chunk token's position (moved: the final block at end)
 
 Three schemes: ``"reordered"`` (chunk ``i`` from ``o_i``, chunk after chunk), ``"composite"``
 (every chunk from 0), or each chunk's first position (a sequence of whole numbers >= 0: any scheme,
@@ -74,3 +75,11 @@ class Positions:
     def next_position(self, lens: Sequence[int]) -> int:
         """Where the final block starts: after the furthest chunk end."""
         return max(f + n for f, n in zip(self.first_positions(lens), lens))
+
+    def token_positions(self, lens: Sequence[int], final_at: Optional[int] = None) -> list[int]:
+        """Each chunk token's position, chunk after chunk (chunks of ``lens`` tokens in request
+        order). ``final_at``: the whole layout moved so that the final block starts there (RoPE
+        attention depends on relative distances only: an engine that computes the final block at
+        its prompt positions serves the scheme so)."""
+        shift = 0 if final_at is None else final_at - self.next_position(lens)
+        return [shift + f + j for f, n in zip(self.first_positions(lens), lens) for j in range(n)]

@@ -28,8 +28,12 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ragattn import ops as _ops
 from ragattn.kv import PassStep, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable
+from ragattn.ops.page_table import page_index, page_offset
+from ragattn.vllm.connector_config import FP8_CACHE_DTYPES
+from ragattn.vllm.pages import FP8, FP8_STORAGE, head_views
 from ragattn.vllm.worker_state import WorkerState, worker_state
 
 KV_SPLIT = "channel"   # where K and V sit in a block (ragattn.vllm.pages): each (token, head)'s C = [K | V]
@@ -129,15 +133,18 @@ class RagattnAttentionMetadataBuilder(AttentionMetadataBuilder[RagattnAttentionM
 
 class RagattnAttentionImpl(AttentionImpl):
     """Writes the step's K/V into the layer's pages (``do_kv_cache_update``) and attends with
-    ``PagedAttentionStep.run``; refuses what the kernels do not do (ALiBi, sinks, fp8 caches,
-    encoder attention) at construction, naming it."""
+    ``PagedAttentionStep.run``; refuses what the kernels do not do (ALiBi, sinks, encoder
+    attention) at construction, naming it. fp8 caches (``kv_cache_dtype`` ``fp8``/``fp8_e4m3``:
+    float8_e4m3fn with the layer's per-tensor ``_k_scale``/``_v_scale``) are written quantised by
+    ``copy_kv_`` (the rule of the connector's writer) and read dequantised by the kernel; shared
+    chunk pages and the selective recompute need unquantised caches (refused, naming it)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
         for what, bad in (("alibi_slopes", alibi_slopes is not None), ("sinks", sinks is not None),
-                          (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+                          (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype not in ("auto",) + FP8_CACHE_DTYPES),
                           (f"attn_type={attn_type!r}", attn_type != AttentionType.DECODER)):
             if bad:
                 raise NotImplementedError(f"ragattn attention backend: {what} is not supported")
@@ -146,9 +153,11 @@ class RagattnAttentionImpl(AttentionImpl):
         self.window_left = -1 if sliding_window is None else sliding_window - 1   # the window holds the row itself
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = kv_cache_dtype in FP8_CACHE_DTYPES
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._cache_views: tuple | None = None   # (kv_cache, k, v, k rows, v rows) of the layer's cache
+        self._fp8_heads: tuple | None = None     # (kv_cache, per-head K views, per-head V views): fp8 writes
 
     def _views(self, kv_cache: torch.Tensor) -> tuple:
         """``(kv_cache, k, v, k_rows, v_rows)``: ``kv_views`` of the layer's cache and, where slots
@@ -156,7 +165,7 @@ class RagattnAttentionImpl(AttentionImpl):
         Hkv, D]`` row views (else None); made once per cache tensor, not per layer call."""
         views = self._cache_views
         if views is None or views[0] is not kv_cache:
-            k, v = kv_views(kv_cache, self.head_size)
+            k, v = kv_views(kv_cache.view(FP8) if kv_cache.dtype in FP8_STORAGE else kv_cache, self.head_size)
             rows = k.stride(0) == k.shape[1] * k.stride(1)
             views = self._cache_views = (kv_cache, k, v, k.flatten(0, 1) if rows else None,
                                          v.flatten(0, 1) if rows else None)
@@ -178,6 +187,16 @@ class RagattnAttentionImpl(AttentionImpl):
             if n and int(slots.min()) < 0:
                 keep = slots >= 0
                 slots, key, value = slots[keep], key[keep], value[keep]
+        if self.fp8:   # quantised on the way: clamp(x / scale, -448, 448), rounded to nearest even
+            k_scale, v_scale = _scales(layer, "write to")
+            if self._fp8_heads is None or self._fp8_heads[0] is not kv_cache:
+                self._fp8_heads = (kv_cache, *head_views(kv_cache.view(FP8), self.num_kv_heads, self.head_size,
+                                                         k.shape[1], KV_SPLIT))
+            hs = range(self.num_kv_heads)
+            _ops.copy_kv_(self._fp8_heads[1], self._fp8_heads[2], [key[:, h:h + 1] for h in hs],
+                          [value[:, h:h + 1] for h in hs], torch.arange(slots.shape[0], device=slots.device), slots,
+                          num_kv_heads=1, dst_k_scale=k_scale, dst_v_scale=v_scale)
+            return
         if key.dtype != k.dtype:
             key, value = key.to(k.dtype), value.to(v.dtype)
         if k_rows is not None:
@@ -185,7 +204,7 @@ class RagattnAttentionImpl(AttentionImpl):
             k_rows.index_copy_(0, slots, key)
             v_rows.index_copy_(0, slots, value)
             return
-        blk, off = slots // k.shape[1], slots % k.shape[1]
+        blk, off = page_index(slots, k.shape[1]), page_offset(slots, k.shape[1])
         k[blk, off] = key
         v[blk, off] = value
 
@@ -214,14 +233,30 @@ class RagattnAttentionImpl(AttentionImpl):
         else:
             out = None
         steps = attn_metadata.shared.steps() if attn_metadata.shared is not None else None
+        scales = {}
+        if self.fp8:
+            if steps is not None or attn_metadata.capture_query is not None:
+                raise NotImplementedError("ragattn attention backend: shared chunk pages and the selective recompute "
+                                          "need unquantised KV caches, not kv_cache_dtype="
+                                          f"{self.kv_cache_dtype!r}")
+            scales = dict(zip(("k_scale", "v_scale"), _scales(layer, "read")))
         # one pass over the step's pages, or its own pages (keys rotated) and chunk pages (keys rotated
         # in the kernel) merged exactly
         step = attn_metadata.step if steps is None else steps
         o, _ = step.run(q, attn_metadata.q_pos, k, v, self.scale, window_left=self.window_left,
-                        logits_soft_cap=self.logits_soft_cap, out=out, lse_out=lse)
+                        logits_soft_cap=self.logits_soft_cap, out=out, lse_out=lse, **scales)
         if out is None:
             rows.copy_(o.reshape(rows.shape))
         return output
+
+
+def _scales(layer, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's fp8 scales (``_k_scale``, ``_v_scale``: float32 ``[1]``, read at every call, so a
+    scale vLLM updates in place is honoured), or ValueError naming what needs them."""
+    if not (hasattr(layer, "_k_scale") and hasattr(layer, "_v_scale")):
+        raise ValueError(f"ragattn attention backend: to {what} an fp8 KV cache needs the layer's _k_scale and "
+                         "_v_scale")
+    return layer._k_scale, layer._v_scale
 
 
 def _step_rows(layer) -> int | None:
@@ -242,7 +277,7 @@ class RagattnAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     kv_split: ClassVar[str] = KV_SPLIT     # read by the connector's page writer (ragattn.vllm.pages)
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", *FP8_CACHE_DTYPES]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ragattn.methods.selection import fused_variant
+from ragattn.ops.page_table import num_pages
 from ragattn.store import chunk_file, chunk_key
 from ragattn.store.fingerprint import variant_key
 from ragattn.vllm.connector_config import RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings
@@ -64,11 +65,11 @@ class ConnectorScheduler:
         if not spans:
             return NO_CLAIM, method
         window = self.settings.window
-        if method.name == "turborag-composite" and window is not None and window < len(tokens):
+        if method.entry.positions == "composite" and window is not None and window < len(tokens):
             # composite positions overlap (every chunk from 0); a window is by position (ragattn.kv.window), vLLM's by slot
-            log.warning("request %s: turborag-composite on a model with a %d-token sliding window shorter than the "
-                        "prompt: the window would cut by slot, not by position; computing it without cached chunks",
-                        request.request_id, window)
+            log.warning("request %s: %s on a model with a %d-token sliding window shorter than the prompt: the "
+                        "window would cut by slot, not by position; computing it without cached chunks",
+                        request.request_id, method.name, window)
             return NO_CLAIM, method
         if method.recomputes and not self._can_recompute:
             log.warning("request %s: %s recomputes with ragattn's attention backend, which this server does not "
@@ -88,7 +89,7 @@ class ConnectorScheduler:
                         "rows of the whole claim, so the rest is computed without cached chunks",
                         request.request_id, num_computed_tokens, claim.num_tokens, method.name)
             return NO_CLAIM, method
-        if method.name == "fusionrag" and len(claim.keys) > 1:   # each chunk's fused cache where the store has one
+        if method.entry.fused and len(claim.keys) > 1:   # each chunk's fused cache where the store has one
             variant = fused_variant(tokens[claim.spans[0][0]:claim.spans[0][1]])
             fused = [variant_key(fp, k, variant) for k in claim.keys[1:]]
             claim = Claim(claim.spans, claim.keys[:1] + tuple(f if self._has_chunk(f) else k
@@ -106,7 +107,7 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._pool is not None:   # idle chunk pages make room for the request's own blocks first
-            need = -(-len(request.prompt_token_ids or ()) // self.settings.block_size)
+            need = num_pages(len(request.prompt_token_ids or ()), self.settings.block_size)
             short = need - self._pool.block_pool.get_num_free_blocks()
             if short > 0:
                 self._pool.evict(short)
@@ -126,7 +127,8 @@ class ConnectorScheduler:
                                f"the {claim.num_tokens - local} claimed tokens; partial claims are not supported")
         prompt = tuple(request.prompt_token_ids or ()) if method.recomputes else ()
         chunk_blocks = None
-        if self._pool is not None and method.name != "cacheblend" and local == 0:
+        # (a selection by deviation recomputes every chunk row in its first layers: no page to share)
+        if self._pool is not None and method.entry.selection != "deviation" and local == 0:
             chunk_blocks = self._pool.acquire(request.request_id, claim.keys, [e - s for s, e in claim.spans])
         self._pending[request.request_id] = (claim, local, method, prompt, chunk_blocks)
 

@@ -19,6 +19,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 import vllm.platforms as vllm_platforms
 
 from ragattn.kv import SharedEntries
+from ragattn.ops.page_table import num_pages, page_index, page_offset
 from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.vllm.backend import RagattnAttentionImpl
 from ragattn.vllm.connector_config import (FP8_CACHE_DTYPES, RagattnConnectorMetadata, RagattnWorkerMetadata,
@@ -165,7 +166,7 @@ class ConnectorWorker:
                         name, exc, split)
             return
         ks, vs = head_views(scratch, H, D, n, split)
-        blk, off = slots // n, slots % n
+        blk, off = page_index(slots, n), page_offset(slots, n)
         for h in range(H):
             if not (torch.equal(ks[h][blk, off, 0], key[:, h]) and torch.equal(vs[h][blk, off, 0], value[:, h])):
                 backend = layer.get_attn_backend().get_name()
@@ -180,7 +181,8 @@ class ConnectorWorker:
         """The blocks a load writes (every group's, from vLLM's hit on; never a null block)."""
         out = set()
         for (_, sliding, bs), ids in zip(self.settings.groups or [([], False, self.settings.block_size)], load.block_ids):
-            out |= {b for b in ids[load.skip // bs: -(-load.spans[-1][1] // bs)] if not (sliding and b == NULL_BLOCK)}
+            out |= {b for b in ids[page_index(load.skip, bs): num_pages(load.spans[-1][1], bs)]
+                    if not (sliding and b == NULL_BLOCK)}
         return out
 
     def start_load_kv(self, meta: RagattnConnectorMetadata) -> None:
@@ -196,7 +198,7 @@ class ConnectorWorker:
             self.state.requests.pop(load.req_id, None)
             try:
                 rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
-                             if load.method.name == "turborag-composite" else None)
+                             if load.method.entry.positions == "composite" else None)
                 if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
                     continue
                 with torch.inference_mode():
@@ -224,7 +226,7 @@ class ConnectorWorker:
                         self._writer.write_chunk_pages(key, blocks, e - s)
                         self._written[key] = tuple(blocks)
                 end = load.spans[-1][1]
-                tail = end // bs * bs
+                tail = end - page_offset(end, bs)
                 if tail < end:
                     self._writer.write(load.keys, load.spans, load.block_ids, tail, rotate_to=rotate_to)
         except (ChunkStoreError, OSError) as exc:
@@ -239,7 +241,7 @@ class ConnectorWorker:
         else:
             done = Recomputed([], SharedEntries.build(load.spans, load.chunk_blocks, bs, rotate_to))
         self.state.requests[load.req_id] = done.entries
-        self._shared_done[load.req_id] = (done.held, list(load.block_ids[0][done.held:tail // bs]))
+        self._shared_done[load.req_id] = (done.held, list(load.block_ids[0][done.held:page_index(tail, bs)]))
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

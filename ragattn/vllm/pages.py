@@ -44,6 +44,8 @@ from typing import Sequence
 import torch
 
 from ragattn import ops as _ops
+from ragattn.ops import page_table
+from ragattn.ops.page_table import num_pages, page_index, page_offset
 from ragattn.store import ChunkStore, ChunkStoreError
 
 KV_SPLITS = ("channel", "rows", "rows_kt", "planes")
@@ -102,13 +104,12 @@ def head_views(kv: torch.Tensor, num_kv_heads: int, head_size: int, block_size: 
 
 def slot_rows(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
     """int64 ``[end - start]``: vLLM's slot of each request token ``start..end-1`` (token ``t``
-    lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``)."""
+    lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``): the range form of
+    ``ragattn.ops.page_table.slot_rows``, ChunkStoreError when the blocks do not reach ``end``."""
     if end > len(block_ids) * block_size:
-        raise ChunkStoreError(f"ragattn.vllm: tokens up to {end} need {-(-end // block_size)} blocks, "
+        raise ChunkStoreError(f"ragattn.vllm: tokens up to {end} need {num_pages(end, block_size)} blocks, "
                               f"the request has {len(block_ids)}")
-    t = torch.arange(start, end, dtype=torch.int64)
-    blocks = torch.as_tensor(list(block_ids), dtype=torch.int64)
-    return blocks[t // block_size] * block_size + t % block_size
+    return page_table.slot_rows(list(block_ids), torch.arange(start, end, dtype=torch.int64), block_size)
 
 
 class PageWriter:
@@ -244,7 +245,7 @@ class PageWriter:
         rows = slot_rows(ids, bs, skip, end)
         src = torch.arange(end - skip)
         if sliding:
-            keep = rows // bs != NULL_BLOCK
+            keep = page_index(rows, bs) != NULL_BLOCK
             rows, src = rows[keep], src[keep]
         return rows, src
 
@@ -266,7 +267,7 @@ class PageWriter:
             rows, src = rows.to(self.device), src.to(self.device)
             for l in layers:
                 n_blk = self.k[l * H].shape[1]
-                blk, off = rows // n_blk, rows % n_blk
+                blk, off = page_index(rows, n_blk), page_offset(rows, n_blk)
                 k_l = sk[l].index_select(0, src.to(st.device)).to(self.device)
                 v_l = sv[l].index_select(0, src.to(st.device)).to(self.device)
                 for h in range(H):
@@ -286,7 +287,7 @@ class PageWriter:
         if self.store.device == self.device:
             bs = self.groups[0][2]
             rows = slot_rows(list(block_ids), bs, 0, length).to(self.device)
-            self.store.gather_into_([key], self.k, self.v, rows, rows % bs, split_heads=True)
+            self.store.gather_into_([key], self.k, self.v, rows, page_offset(rows, bs), split_heads=True)
         else:
             self._write_staged([key], [list(block_ids)], None, torch.arange(length, dtype=torch.int64), 0, length)
 
@@ -319,7 +320,7 @@ class PageWriter:
                 if not part:
                     continue
                 scale = dict(zip(("dst_k_scale", "dst_v_scale"), self._head_scales(part))) if fp8 else {}
-                to = (delta[src_d] if delta is not None else rows_d % bs) - pool_off[src_d]
+                to = (delta[src_d] if delta is not None else page_offset(rows_d, bs)) - pool_off[src_d]
                 rot = (to, self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)
                 _ops.copy_kv_([self.k[l * H + h] for l in part for h in hs],
                               [self.v[l * H + h] for l in part for h in hs],

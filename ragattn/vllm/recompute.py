@@ -53,13 +53,16 @@ import torch
 
 from vllm.forward_context import set_forward_context
 
+from ragattn.methods import registry
 from ragattn.methods.selection import (CACHEBLEND_CHECK_LAYERS, budget, cacheblend_schedule, query_guided_scores,
                                        top_rows, walk_layers)
 
 from ragattn.kv import SharedEntries, entry_tables
 from ragattn.ops import PagedAttentionStep, PageTable, rerotate_keys_
+from ragattn.ops import page_table
+from ragattn.ops.page_table import num_pages, page_index, page_offset, page_rows
 from ragattn.vllm.backend import RagattnAttentionMetadata, SharedStep, kv_views
-from ragattn.vllm.pages import slot_rows
+from ragattn.vllm.pages import FP8_STORAGE, slot_rows
 from ragattn.vllm.worker_state import RecomputeError, WorkerState
 
 
@@ -123,14 +126,12 @@ class Recomputer:
         holds (below its first private block), the slot of its held entry."""
         if entries is not None:
             return entries.slots(pos, req.block_ids, req.block_size)
-        bs = req.block_size
-        ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=pos.device)
-        return ids[pos // bs] * bs + pos % bs
+        return page_table.slot_rows(list(req.block_ids), pos, req.block_size)
 
     def _kv_at(self, layer: int, slots: torch.Tensor):
         k, v = kv_views(self.caches[layer], self.head_size)
-        page = k.shape[1]
-        return k[slots // page, slots % page], v[slots // page, slots % page]
+        blk, off = page_index(slots, k.shape[1]), page_offset(slots, k.shape[1])
+        return k[blk, off], v[blk, off]
 
     def _metadata(self, req: RecomputeRequest, pos: torch.Tensor, capture: list | None,
                   entries: SharedEntries | None = None):
@@ -141,8 +142,7 @@ class Recomputer:
         dev = pos.device
         page = self.caches[0].shape[2]            # the cache's page (kernel block) size
         per = req.block_size // page               # vLLM's block may span several cache pages
-        ids = torch.tensor(list(req.block_ids), dtype=torch.int64, device=dev)
-        pages = (ids[:, None] * per + torch.arange(per, device=dev)).reshape(1, -1).to(torch.int32)
+        pages = page_rows(list(req.block_ids), per).to(dev, torch.int32).reshape(1, -1)
         kv_len = int(pos[-1]) + 1
         n = pos.numel()
         cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
@@ -175,13 +175,18 @@ class Recomputer:
     def run(self, req: RecomputeRequest) -> Recomputed:
         """Recompute ``req``'s chosen chunk tokens (see the module docstring). RecomputeError if
         the final block's pages are not all allocated in this step (vLLM split its prefill:
-        FusionRAG's selection pass needs them)."""
+        FusionRAG's selection pass needs them) or the caches are fp8 (the selection reads the
+        cached K/V as they are stored: unquantised caches only)."""
+        if self.caches and self.caches[0].dtype in FP8_STORAGE:
+            raise RecomputeError(f"ragattn.vllm: {req.method} recomputes over unquantised KV caches only, this "
+                                 f"server's are fp8: its chunks are computed by vLLM")
         head_end, ctx = req.spans[0][1], req.spans[-1][1]
         n_chunk = ctx - head_end
         k = budget(req.ratio, n_chunk)
         dev = self.caches[0].device
         chunk_pos = torch.arange(head_end, ctx, dtype=torch.int64, device=dev)
-        if req.method == "cacheblend":
+        selection = registry.get(req.method).selection
+        if selection == "deviation":
             if req.chunk_blocks is not None:   # (its first layers recompute every chunk row: no page to share)
                 raise ValueError("ragattn.vllm: CacheBlend runs on the request's own copy of its chunks")
             if max(CACHEBLEND_CHECK_LAYERS) >= len(self.names):
@@ -189,7 +194,7 @@ class Recomputer:
                                      f"has {len(self.names)}")
             checks = cacheblend_schedule(req.ratio, n_chunk, CACHEBLEND_CHECK_LAYERS)
             return Recomputed(self._run_rows(req, chunk_pos, checks=checks).tolist() if n_chunk else [])
-        if req.method != "fusionrag":
+        if selection != "query":
             raise ValueError(f"ragattn.vllm: no recompute for method {req.method!r}")
         shared = None if req.chunk_blocks is None else SharedEntries.build(req.spans, req.chunk_blocks,
                                                                             req.block_size)
@@ -200,7 +205,7 @@ class Recomputer:
         if shared is None:
             return Recomputed(self._run_rows(req, chunk_pos).tolist())
         held = chunk_pos[chunk_pos < shared.private_from]
-        n_blocks = -(-held.numel() // req.block_size)
+        n_blocks = num_pages(held.numel(), req.block_size)
         entries = SharedEntries.build(req.spans, req.chunk_blocks, req.block_size, held=held.tolist(),
                                       held_blocks=list(req.block_ids[:n_blocks]))
         return Recomputed(self._run_rows(req, chunk_pos, entries=entries).tolist(), entries, n_blocks)
@@ -241,8 +246,8 @@ class Recomputer:
                         ).to(dev)[pos[below]]
         k = self._kv_at(layer, src)[0].contiguous()
         rope = self.state.rope   # page-local keys (rotated by src % bs): one rotation to their positions
-        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - src % bs, rope.inv_freq.to(dev),
-                       rope.rotary_dim, rope.interleaved)
+        rerotate_keys_([k], torch.arange(k.shape[0], device=dev), pos[below] - page_offset(src, bs),
+                       rope.inv_freq.to(dev), rope.rotary_dim, rope.interleaved)
         rows = k.new_empty((pos.numel(),) + tuple(k.shape[1:]))
         rows[below] = k
         rows[~below] = self._kv_at(layer, self._slots(req, pos[~below]))[0]

@@ -38,11 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ragattn.kv import SharedEntries
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from ragattn.ops.page_table import num_pages
 
 
 @dataclass
@@ -70,7 +66,7 @@ class ChunkPagePool:
         """Block ids of each chunk's pages (``ceil(length / block_size)`` each), taken from the pool
         where not held yet (idle pages evicted for room); None, holding nothing, if they do not fit."""
         self.release(req_id)
-        fresh = {k: _cdiv(n, self.block_size) for k, n in zip(keys, lengths) if k not in self._pages}
+        fresh = {k: num_pages(n, self.block_size) for k, n in zip(keys, lengths) if k not in self._pages}
         need = sum(fresh.values())
         if need > self.block_pool.get_num_free_blocks():
             self.evict(need - self.block_pool.get_num_free_blocks(), keep=set(keys))
@@ -149,4 +145,4 @@ class ChunkPagePool:
         return len(freed)
 
 
-__all__ = ["ChunkPagePool", "SharedEntries"]
+__all__ = ["ChunkPagePool"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ragattn.methods import registry as _registry
+from ragattn.store.positions import Positions
 
 SPANS_PARAM = "ragattn_spans"   # keys in a request's kv_transfer_params
 METHOD_PARAM = "ragattn_method"
@@ -62,12 +63,17 @@ class MethodChoice:
       after the longest span (served as the same relative distances: see the connector);
     * ``cacheblend``, ``fusionrag``: the reordered layout, then ``ratio`` of the chunk tokens
       recomputed through every layer by the server's model (ragattn.vllm.recompute)."""
-    name: str = "block-attention"
+    name: str = _registry.SERVED_DEFAULT
     ratio: float = 0.0
 
     @property
     def recomputes(self) -> bool:
         return self.name in RECOMPUTE_METHODS
+
+    @property
+    def entry(self) -> _registry.Method:
+        """Its registry entry (what the connector does for it: ``positions``, ``fused``, ``selection``)."""
+        return _registry.get(self.name)
 
 
 class ParamError(ValueError):
@@ -199,9 +205,7 @@ def composite_positions(spans: Sequence[tuple[int, int]]) -> list[int]:
     computes at positions ``end, end + 1, ...``, sees every chunk at the relative distances of the
     composite layout (each chunk from 0, the final block from ``max n``); RoPE attention depends
     on those distances only."""
-    end = spans[-1][1]
-    shift = end - max(b - a for a, b in spans)
-    return [shift + j for a, b in spans for j in range(b - a)]
+    return Positions("composite").token_positions([b - a for a, b in spans], final_at=spans[-1][1])
 
 
 def layer_index(name: str) -> int:

@@ -1,5 +1,5 @@
 """The page arithmetic beside ``PageTable`` (ragattn.ops.page_table: page_offset, page_row,
-num_pages, page_rows, slot_rows), the one home of ``% page_size`` and slot -> row for the store and
+page_index, num_pages, page_rows, slot_rows), the one home of ``% page_size`` and slot -> row for the store and
 the request caches, against the slot rule written out by hand."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragattn.kv import PagedKV
-from ragattn.ops.page_table import num_pages, page_offset, page_row, page_rows, slot_rows
+from ragattn.ops.page_table import num_pages, page_index, page_offset, page_row, page_rows, slot_rows
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
@@ -30,6 +30,22 @@ def test_page_rows_offsets_and_counts():
     assert torch.equal(page_offset(rows, 6), rows % 6) and page_offset(13, 6) == 1
     assert page_row(3, 2, 6) == 20 and torch.equal(page_row(rows // 6, page_offset(rows, 6), 6), rows)
     assert [num_pages(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert torch.equal(page_row(page_index(rows, 7), page_offset(rows, 7), 7), rows) and page_index(13, 6) == 2
+    lens = torch.tensor([0, 1, 4, 5, 8, 9, 37])
+    assert num_pages(lens, 4).tolist() == [num_pages(int(n), 4) for n in lens] == [0, 1, 1, 2, 2, 3, 10]
+
+
+@pytest.mark.parametrize("page_size", [2, 5])
+def test_slot_rows_on_the_slots_device(page_size):
+    """A page list given as a host list follows the slots to their device (the request caches and
+    the vLLM worker index device positions with a host block list): values on CUDA, the device on
+    the meta device elsewhere."""
+    dev = "cuda" if torch.cuda.is_available() else "meta"
+    slots = torch.arange(3 * page_size, device=dev)
+    rows = slot_rows([4, 0, 9], slots, page_size)
+    assert rows.device == slots.device and rows.shape == slots.shape
+    if dev == "cuda":
+        assert rows.cpu().tolist() == [b * page_size + o for b in (4, 0, 9) for o in range(page_size)]
 
 
 def test_paged_kv_rows_are_slot_rows():

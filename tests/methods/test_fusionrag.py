@@ -9,7 +9,7 @@ import torch
 from ragattn.apps.demo import kl_divergence
 from ragattn.hf.registration import use_ragattn
 from ragattn.hf.models import random_llama
-from ragattn.methods import fusionrag, full_prefill, turborag
+from ragattn.methods import fusionrag, full_prefill, selection, turborag
 from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.methods.prompt import prompt_parts
 from tests.helpers import assert_precision
@@ -171,24 +171,24 @@ def test_scores_match_float64_reference():
     k = torch.randn(sum(lens), 2, 16, generator=g)
     kr = k.double().repeat_interleave(2, dim=1)
     for norm in ("per_chunk", "global"):
-        got = fusionrag.query_guided_scores(q, k, lens, norm)
+        got = selection.query_guided_scores(q, k, lens, norm)
         parts, s = [], 0
         for n in (lens if norm == "per_chunk" else [sum(lens)]):
             logits = torch.einsum("thd,nhd->htn", q.double(), kr[s:s + n]) / 4.0
             parts.append(torch.softmax(logits, -1).sum((0, 1)))
             s += n
         torch.testing.assert_close(got.double(), torch.cat(parts), rtol=1e-5, atol=1e-6)
-    assert math.isclose(float(fusionrag.query_guided_scores(q, k, lens).sum()), 3 * 4 * 3, rel_tol=1e-5)
+    assert math.isclose(float(selection.query_guided_scores(q, k, lens).sum()), 3 * 4 * 3, rel_tol=1e-5)
 
 
 def test_top_rows_and_schedule():
     s = torch.tensor([0.5, 2.0, 0.5, 2.0, 1.0, 0.5])
-    assert fusionrag.top_rows(s, 3).tolist() == [1, 3, 4]
-    assert fusionrag.top_rows(s, 4).tolist() == [0, 1, 3, 4]  # tie at 0.5: the lowest index wins
-    assert fusionrag.top_rows(s, 0).numel() == 0
-    assert fusionrag.cacheblend_schedule(0.15, 1000) == {1: 300, 2: 225, 3: 150}
-    assert fusionrag.cacheblend_schedule(1.0, 7) == {1: 7, 2: 7, 3: 7}
-    assert fusionrag.budget(0.29, 100) == 29 and fusionrag.budget(1.0, 13) == 13
+    assert selection.top_rows(s, 3).tolist() == [1, 3, 4]
+    assert selection.top_rows(s, 4).tolist() == [0, 1, 3, 4]  # tie at 0.5: the lowest index wins
+    assert selection.top_rows(s, 0).numel() == 0
+    assert selection.cacheblend_schedule(0.15, 1000) == {1: 300, 2: 225, 3: 150}
+    assert selection.cacheblend_schedule(1.0, 7) == {1: 7, 2: 7, 3: 7}
+    assert selection.budget(0.29, 100) == 29 and selection.budget(1.0, 13) == 13
 
 
 def test_clear_errors(smollm2):
@@ -261,7 +261,7 @@ def test_fused_caches_equal_a_masked_forward_and_resume(tmp_path):
             with use_ragattn(m), torch.no_grad():
                 m.model(input_ids=torch.tensor([ids]), use_cache=False, ragattn_block_ids=blk[None],
                         ragattn_capture=caps[dtype])
-        fk, fv = store.kv(store.variant_key(store.key(chunk_ids[i]), fusionrag.fused_variant(head)))
+        fk, fv = store.kv(store.variant_key(store.key(chunk_ids[i]), selection.fused_variant(head)))
         n = len(chunk_ids[i])
         # against the float64 forward: at most 4x the float32 forward's own error. The fused caches
         # take a longer float32 road than that forward: each neighbour's keys are stored at local

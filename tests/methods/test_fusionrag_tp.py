@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ragattn.methods import fusionrag
+from ragattn.methods import selection
 
 WORLD = 2
 LENS = [7, 1, 12, 30]         # chunk lengths (awkward)
@@ -27,13 +27,13 @@ def _inputs():
 
 def _select(q, k, kv, group=None):
     out = {}
-    for norm in fusionrag.SCORE_NORMS:
-        s = fusionrag.query_guided_scores(q, k, LENS, norm)
-        out[norm] = fusionrag.top_rows(s, K_SEL, group)
+    for norm in selection.SCORE_NORMS:
+        s = selection.query_guided_scores(q, k, LENS, norm)
+        out[norm] = selection.top_rows(s, K_SEL, group)
         if group is not None:
             dist.all_reduce(s, group=group)
         out[norm + "_scores"] = s
-    out["deviation"] = fusionrag.top_rows(fusionrag.kv_deviation(*kv), K_SEL, group)
+    out["deviation"] = selection.top_rows(selection.kv_deviation(*kv), K_SEL, group)
     return out
 
 
@@ -63,9 +63,9 @@ def test_split_heads_select_the_same_tokens(tmp_path):
         assert single[name].numel() == K_SEL
         for r in ranks:
             assert torch.equal(r[name], single[name]), (name, r[name], single[name])
-    for norm in fusionrag.SCORE_NORMS:
+    for norm in selection.SCORE_NORMS:
         torch.testing.assert_close(ranks[0][norm + "_scores"], single[norm + "_scores"], rtol=1e-5, atol=1e-6)
         assert torch.equal(ranks[0][norm + "_scores"], ranks[1][norm + "_scores"])
     # without the all-reduce a rank would pick from its own heads only: not the same tokens
-    alone = fusionrag.top_rows(fusionrag.query_guided_scores(q[:, :HQ // 2], k[:, :HKV // 2], LENS), K_SEL)
+    alone = selection.top_rows(selection.query_guided_scores(q[:, :HQ // 2], k[:, :HKV // 2], LENS), K_SEL)
     assert not torch.equal(alone, single["per_chunk"])

@@ -21,6 +21,40 @@ def test_names_spellings_and_flags():
     assert "refrag" in registry.names(demo=True) and not registry.get("refrag").store
 
 
+def test_behaviour_flags():
+    """What the readers do with a method comes from these flags, not from its name."""
+    assert [m.name for m in registry.REGISTRY if m.positions == "composite"] == ["turborag-composite"]
+    assert {m.name: m.selection for m in registry.REGISTRY if m.ratio} == {
+        "cacheblend": "deviation", "fusionrag": "query", "fusionrag-standalone": "query"}
+    assert all(m.selection is None for m in registry.REGISTRY if not m.ratio)
+    for m in registry.REGISTRY:
+        if m.serves_as is not None:
+            assert m.served and registry.get(m.serves_as).served and registry.find(m.serves_as).serves_as is None
+            assert m.positions == registry.get(m.serves_as).positions
+
+
+def test_answer_calls_with_options_and_ratio(monkeypatch):
+    """``Method.answer``: the fixed options, the ratio (default for a ratio method, refused for
+    the others) and the caller's extras reach the answer function."""
+    import types
+
+    seen = []
+    fake = types.ModuleType("ragattn_fake_method")
+    fake.answer = lambda *a, **kw: seen.append((a, kw)) or "ans"
+    monkeypatch.setitem(__import__("sys").modules, "ragattn_fake_method", fake)
+    m = registry.Method("x", "ragattn_fake_method", "answer", (("positions", "composite"),), ratio=True)
+    assert m.answer("M", "T", ["c"], "q?", max_new_tokens=3) == "ans"
+    assert seen[-1] == (("M", "T", ["c"], "q?"), dict(max_new_tokens=3, store=None, positions="composite",
+                                                      ratio=registry.DEFAULT_RATIO))
+    m.answer("M", "T", ["c"], "q?", max_new_tokens=3, store="S", ratio=0.5, eta=2.0)
+    assert seen[-1][1] == dict(max_new_tokens=3, store="S", positions="composite", ratio=0.5, eta=2.0)
+    plain = registry.Method("y", "ragattn_fake_method", "answer")
+    with pytest.raises(ValueError, match="takes no recompute ratio"):
+        plain.answer("M", "T", ["c"], "q?", max_new_tokens=3, ratio=0.2)
+    with pytest.raises(ValueError, match="no answer function"):
+        registry.Method("z", "ragattn_fake_method", "missing").answer("M", "T", ["c"], "q?", max_new_tokens=3)
+
+
 def test_check_ratio():
     assert registry.check_ratio(0) is None and registry.check_ratio(1.0) is None
     for bad in (-0.1, 1.5, float("nan"), True, "0.1", None):
@@ -49,3 +83,5 @@ def test_served_bench_rows():
         "fusionrag": {"ragattn_spans": s, "ragattn_method": "fusionrag", "ragattn_ratio": 0.15}}
     assert served_methods.RAGATTN_ONLY == ("cacheblend", "fusionrag")
     assert served_memory.METHODS == ("block_attention", "fusionrag")
+    assert served_methods.MEASURED == (registry.BASELINE, "block-attention", "turborag-composite", "cacheblend",
+                                       "fusionrag")

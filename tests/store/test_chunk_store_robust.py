@@ -181,6 +181,7 @@ def test_a_corrupt_file_of_an_evicted_chunk_is_recomputed(model, tmp_path):
 
 def test_resume_verifies_fused_caches(model, tmp_path):
     from ragattn.methods import fusionrag
+    from ragattn.methods.selection import fused_variant
 
     chunks = _chunks(5, [6, 8, 5])
     head = [1, 2, 3]
@@ -188,7 +189,7 @@ def test_resume_verifies_fused_caches(model, tmp_path):
     store = ChunkStore(model, directory=tmp_path)
     assert fusionrag.fuse_chunks(model, store, head, chunks, nbrs) == (3, 0)
     keys = store.add(chunks)
-    vkeys = [store.variant_key(k, fusionrag.fused_variant(head)) for k in keys]
+    vkeys = [store.variant_key(k, fused_variant(head)) for k in keys]
     good = (tmp_path / f"{vkeys[1]}.safetensors").read_bytes()
     bad = bytearray(good)
     bad[-3] ^= 0x01

@@ -20,6 +20,21 @@ def test_parse_and_layout():
     assert Positions.parse([2.0, 7], "w", count=2).firsts == (2, 7)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_positions_follow_the_firsts(seed):
+    """Each chunk token at its chunk's first position + its index; ``final_at`` moves the layout so
+    that the final block starts there and keeps every distance to it."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 9, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    firsts = torch.randint(0, 30, (len(lens),), generator=g).tolist()
+    for p in (Positions("reordered"), Positions("composite"), Positions("firsts", tuple(firsts))):
+        want = [f + j for f, n in zip(p.first_positions(lens), lens) for j in range(n)]
+        assert p.token_positions(lens) == want
+        end = sum(lens) + 3
+        moved = p.token_positions(lens, final_at=end)
+        assert [end - x for x in moved] == [p.next_position(lens) - x for x in want]
+
+
 @pytest.mark.parametrize("bad, match", [
     ("shuffled", "'reordered', 'composite' or each chunk's first position, got 'shuffled'"),
     ([1.5, 2], "whole numbers"), ([True, 2], "whole numbers"), (["a", 2], "whole numbers"),

@@ -239,6 +239,7 @@ def test_offline_build_fills_and_resumes_from_the_remote_tier(model, remote, tmp
     """What ``build-store --remote`` runs: fused caches published; a second machine (empty
     directory) resumes from the server and computes nothing."""
     from ragattn.methods import fusionrag
+    from ragattn.methods.selection import fused_variant
 
     chunks = _chunks(11, [6, 8, 5])
     head, nbrs = [1, 2, 3], [[1, 2], [0, 2], [0, 1]]
@@ -249,7 +250,7 @@ def test_offline_build_fills_and_resumes_from_the_remote_tier(model, remote, tmp
     assert fusionrag.fuse_chunks(model, second, head, chunks, nbrs) == (0, 3)
     assert second.stats["computed"] == 0
     for k in second.add(chunks):
-        vkey = second.variant_key(k, fusionrag.fused_variant(head))
+        vkey = second.variant_key(k, fused_variant(head))
         _same(first, second, vkey)
         assert (tmp_path / "b" / f"{vkey}.safetensors").is_file()
 

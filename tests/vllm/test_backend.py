@@ -87,10 +87,11 @@ def test_connector_layout_reads_the_backends_writes():
         assert torch.equal(v_heads[h][slots // N, slots % N, 0], value[:, h])
 
 
-@pytest.mark.parametrize("what", ["alibi", "sinks", "fp8"])
+@pytest.mark.parametrize("what", ["alibi", "sinks", "fp8_e5m2"])
 def test_unsupported_features_are_refused_by_name(what):
     kw = dict(alibi_slopes=[1.0] * H if what == "alibi" else None, sliding_window=None,
-              kv_cache_dtype="fp8" if what == "fp8" else "auto", sinks=torch.zeros(H) if what == "sinks" else None)
+              kv_cache_dtype=what if what.startswith("fp8") else "auto",
+              sinks=torch.zeros(H) if what == "sinks" else None)
     with pytest.raises(NotImplementedError, match="ragattn attention backend"):
         RagattnAttentionImpl(H, D, 1.0, HKV, **kw)
 
@@ -142,7 +143,8 @@ def test_general_plugin_registers_the_custom_backend(monkeypatch):
 
     assert check() == []
     assert check(has_sliding_window=True) == []
-    assert any("kv_cache_dtype" in r for r in check(kv_cache_dtype="fp8"))
+    assert check(kv_cache_dtype="fp8") == [] and check(kv_cache_dtype="fp8_e4m3") == []
+    assert any("kv_cache_dtype" in r for r in check(kv_cache_dtype="fp8_e5m2"))
     assert any("block_size" in r for r in check(block_size=24))
     assert any("head_size" in r for r in check(head_size=72))
 
@@ -215,3 +217,53 @@ def test_decode_step_writes_vllms_output_in_place():
         ref = torch.zeros(4, 2 * H * D)[:, ::2]          # a strided output: written through a copy
         impl.forward(None, query, None, None, kv, mixed, ref)
         torch.testing.assert_close(output, ref, atol=0, rtol=0)
+
+
+def test_fp8_cache_step_matches_sdpa_over_the_dequantised_cache():
+    """An fp8 KV cache (``kv_cache_dtype="fp8"``: vLLM's uint8 storage, float8_e4m3fn with the
+    layer's per-tensor scales): the step's K/V are stored quantised by the connector writer's rule
+    (``clamp(x / scale, -448, 448)``, nearest even), and a mixed step (prefill, decode, continued
+    prefill) equals SDPA over the dequantised K/V; without the layer's scales, refused."""
+    g = torch.Generator().manual_seed(1)
+    seq_lens, q_lens = [29, 17, 40], [29, 1, 9]
+    block_table = torch.tensor([[5, 0, 0], [2, 7, 0], [1, 6, 3]], dtype=torch.int32)
+    kv = torch.full((8, N, HKV, 2 * D), 0x7f, dtype=torch.uint8).transpose(1, 2)   # poisoned: fp8 NaN
+    layer = SimpleNamespace(_k_scale=torch.tensor([0.04]), _v_scale=torch.tensor([0.025]))
+    impl = RagattnAttentionImpl(H, D, D ** -0.5, HKV, None, None, "fp8")
+    ks = [torch.randn(s, HKV, D, generator=g).to(torch.bfloat16) for s in seq_lens]
+    vs = [torch.randn(s, HKV, D, generator=g).to(torch.bfloat16) for s in seq_lens]
+    qs = [torch.randn(q, H, D, generator=g).to(torch.bfloat16) for q in q_lens]
+    slots = [block_table[b, torch.arange(s) // N].long() * N + torch.arange(s) % N for b, s in enumerate(seq_lens)]
+    for b, (s, q) in enumerate(zip(seq_lens, q_lens)):    # the earlier steps' K/V
+        if s > q:
+            impl.do_kv_cache_update(layer, ks[b][:s - q], vs[b][:s - q], kv, slots[b][:s - q])
+    mapping = torch.cat([slots[b][s - q:] for b, (s, q) in enumerate(zip(seq_lens, q_lens))] + [torch.tensor([-1])])
+    key = torch.cat([ks[b][s - q:] for b, (s, q) in enumerate(zip(seq_lens, q_lens))] + [ks[0][:1]])
+    value = torch.cat([vs[b][s - q:] for b, (s, q) in enumerate(zip(seq_lens, q_lens))] + [vs[0][:1]])
+    impl.do_kv_cache_update(layer, key, value, kv, mapping)
+    k8, v8 = (x.transpose(1, 2).reshape(-1, HKV, D).view(torch.float8_e4m3fn)
+              for x in (kv[..., :D].contiguous(), kv[..., D:].contiguous()))
+    quant = lambda x, s: (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)   # noqa: E731
+    for b in range(3):
+        assert torch.equal(k8[slots[b]].view(torch.uint8), quant(ks[b], layer._k_scale).view(torch.uint8))
+        assert torch.equal(v8[slots[b]].view(torch.uint8), quant(vs[b], layer._v_scale).view(torch.uint8))
+    query = torch.cat(qs + [qs[0][:1]])
+    out = torch.full((query.shape[0], H * D), 7.0, dtype=torch.bfloat16)
+    impl.forward(layer, query, key, value, kv, build(q_lens, seq_lens, block_table), out)
+    at = 0
+    for b, (s, q) in enumerate(zip(seq_lens, q_lens)):
+        k = (k8[slots[b]].float() * layer._k_scale).repeat_interleave(H // HKV, 1).transpose(0, 1)
+        v = (v8[slots[b]].float() * layer._v_scale).repeat_interleave(H // HKV, 1).transpose(0, 1)
+        mask = torch.arange(s)[None, :] <= torch.arange(s - q, s)[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(qs[b].float().transpose(0, 1), k, v, attn_mask=mask)
+        torch.testing.assert_close(out[at:at + q].view(q, H, D).float(), ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
+        at += q
+    assert torch.equal(out[at:], torch.full((1, H * D), 7.0, dtype=torch.bfloat16))    # the padding row untouched
+    with pytest.raises(ValueError, match="fp8 KV cache needs the layer's _k_scale"):
+        impl.do_kv_cache_update(None, key, value, kv, mapping)
+    meta = build(q_lens, seq_lens, block_table)
+    meta.capture_query = []
+    with pytest.raises(NotImplementedError, match="need unquantised KV caches"):
+        impl.forward(layer, query, key, value, kv, meta, out)
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8_e5m2' is not supported"):
+        RagattnAttentionImpl(H, D, 1.0, HKV, None, None, "fp8_e5m2")

@@ -62,7 +62,7 @@ def test_spans_from_params_and_separator():
 def test_method_from_params():
     """A request's method and ratio: defaults, the HF path's default ratio, and every bad value
     refused with the field it names."""
-    from ragattn.methods.fusionrag import DEFAULT_RATIO
+    from ragattn.methods.registry import DEFAULT_RATIO
 
     assert method_from_params(None) == MethodChoice("block-attention", 0.0)
     assert method_from_params({"ragattn_spans": []}) == MethodChoice("block-attention", 0.0)

@@ -76,3 +76,19 @@ def test_the_platform_sets_a_worker_that_binds_the_model(monkeypatch):
     assert "self.model_runner.load_model" in inspect.getsource(Worker.load_model)
     assert "ensure_kv_transfer_initialized(" in inspect.getsource(Worker.initialize_from_config)
     assert "self.model = " in inspect.getsource(GPUModelRunner.load_model)
+
+
+def test_recompute_refuses_fp8_caches():
+    """The selection reads the cached K/V as stored: over fp8 caches (vLLM's uint8 storage) a
+    recompute is refused (the connector reports the request's blocks as a failed load and vLLM
+    computes them), never run over quantised bytes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ragattn.vllm.recompute import Recomputer
+    from ragattn.vllm.worker_state import RecomputeError
+
+    rc = Recomputer(None, ["model.layers.0.self_attn.attn"], [torch.zeros(2, 2, 16, 128, dtype=torch.uint8)], 64, 1.0)
+    with pytest.raises(RecomputeError, match="unquantised KV caches only"):
+        rc.run(SimpleNamespace(method="fusionrag", spans=((0, 4), (4, 9)), ratio=0.5))

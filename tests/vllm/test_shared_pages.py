@@ -131,7 +131,7 @@ def test_held_rows_attend_as_rows_written_into_a_copy(served, flag):
     recomputed rows themselves (the recompute's metadata: each sees the positions up to its own),
     and the scheduler then gives back every claimed block but the held one."""
     from ragattn.vllm.recompute import Recomputer, RecomputeRequest
-    from ragattn.vllm.shared_pages import SharedEntries
+    from ragattn.kv import SharedEntries
 
     _, _, _, chunks = served
     cfg = _config(served, kv_split="channel", shared_pages=True)

@@ -158,3 +158,28 @@ def test_a_tagged_steps_rope_table_follows_its_inputs(seed, mode):
         want = PagedAttentionStep(cu, table).run(q, moved, k, v, inv_freq=inv_freq)
         got = step.run(q, moved, k, v, inv_freq=inv_freq)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("table_kind", ["padded", "csr"])
+def test_fp8_caches_take_their_scales(backend, device, table_kind, seed):
+    """A step over float8 caches (vLLM's ``kv_cache_dtype="fp8"``) passes the per-tensor scales to
+    the run: the same answer as ``run_paged_attention`` with them (itself checked against the
+    reference over the dequantised caches), and refused without them."""
+    from ragattn import plan_paged_attention, run_paged_attention
+
+    c = make_csr_case([[40], [2, 3, 4], [9]], [41, 5, 10], num_heads=6, num_kv_heads=2, head_dim=64, page_size=8,
+                      dtype=torch.bfloat16, device=device)
+    ks, vs = torch.tensor([0.04], device=device), torch.tensor([0.03], device=device)
+    k8, v8 = ((t.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn) for t, s in ((c["k"], ks), (c["v"], vs)))
+    table = (PageTable.from_block_table(c["bt"], c["kv_lens"]) if table_kind == "padded"
+             else PageTable.from_csr(c["indptr"], c["indices"], c["last"], 8))
+    plan = plan_paged_attention(c["cu"], table, num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    want_o, want_l = run_paged_attention(plan, c["q"], c["q_pos"], k8, v8, k_scale=ks, v_scale=vs)
+    step = PagedAttentionStep(c["cu"], table)
+    out, lse = torch.full_like(c["q"], 7.0), torch.full(c["q"].shape[:2], 7.0, device=device)
+    o, l = step.run(c["q"], c["q_pos"], k8, v8, k_scale=ks, v_scale=vs, out=out, lse_out=lse)
+    assert o is out and l is lse
+    torch.testing.assert_close(out, want_o)
+    torch.testing.assert_close(lse, want_l)
+    with pytest.raises((TypeError, ValueError), match="needs k_scale and v_scale|k_cache must be bfloat16"):
+        step.run(c["q"], c["q_pos"], k8, v8)

@@ -27,7 +27,7 @@ def _body(ref, prompt, spans, method):
 
 @pytest.mark.parametrize("method", ["block-attention", "fusionrag"])
 def test_concurrent_requests_hold_each_chunk_once(live_ragattn, method):
-    from ragattn.methods.fusionrag import budget
+    from ragattn.methods.selection import budget
 
     server, ref = live_ragattn
     base = ref["prompts"][0]
