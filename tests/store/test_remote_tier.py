@@ -17,25 +17,10 @@ pytest.importorskip("redis", reason="the remote tier needs the redis client (pip
 from ragattn.hf.models import random_llama  # noqa: E402
 from ragattn.store import ChunkStore  # noqa: E402
 from tests.helpers import run_in_threads  # noqa: E402
-from tests.redis_server import redis_server_or_skip  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=1000.0)
-SECRET = b"fleet-secret"
-
-
-@pytest.fixture(scope="session")
-def server():
-    s = redis_server_or_skip()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def remote(server):
-    server.client().flushall()
-    server.client().config_set("maxmemory", 0)
-    return server
+SECRET = b"fleet-secret-0123456789"
 
 
 @pytest.fixture(scope="module")
