@@ -53,8 +53,9 @@ class ChunkStore:
     whose parameters are not materialised; such a store does not follow the model's weights.
     ``remote``: the remote tier shared by a fleet: a ``redis://``/``rediss://`` URL or a
     :class:`~ragattn.store.remote_tier.RemoteTier`; ``remote_secret``: its HMAC key (default: the
-    ``RAGATTN_REMOTE_SECRET`` environment variable); ``remote_options``: keyword arguments of
-    :class:`RemoteTier` (``timeout``, ``max_value_bytes``, ``prefix``, ``client_options``)."""
+    ``RAGATTN_REMOTE_SECRET`` environment variable; bytes or str of at least 16 bytes);
+    ``remote_options``: keyword arguments of :class:`RemoteTier` (``timeout``, ``retry_after``,
+    ``max_value_bytes``, ``prefix``, ``client_options``), checked here."""
 
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
@@ -89,7 +90,7 @@ class ChunkStore:
         if remote is not None:
             if not isinstance(remote, RemoteTier):
                 secret = remote_secret if remote_secret is not None else os.environ.get("RAGATTN_REMOTE_SECRET")
-                remote = RemoteTier(str(remote), secret, **(remote_options or {}))
+                remote = RemoteTier.from_options(remote, secret, remote_options)
             self.stats.update(remote.stats)     # one counter dict: remote_hits, _published, _bad, _errors
             remote.stats = self.stats
         self._resident = ResidentSet(self._pool, self.rope, self.stats)

@@ -312,9 +312,9 @@ class Loader:
             self._write_file(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
                              (key, variant))
             on_disk = True
-        if self.remote is not None:    # published once: an existing copy of the variant stays
+        if self.remote is not None:    # replaced there too: no process is served the old variant
             self.remote.publish(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
-                                self.fingerprint, (key, variant))
+                                self.fingerprint, (key, variant), replace=True)
         if vkey in entries:
             self.resident.evict(vkey)
         self._insert(vkey, tokens, k_layers, v_layers, on_disk, (key, variant))
