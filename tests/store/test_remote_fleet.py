@@ -210,6 +210,27 @@ def test_forged_value_in_the_fleets_namespace_is_removed(model, remote):
     assert _fresh_hits(model, remote, chunk) == 1
 
 
+def test_evicted_chunk_of_a_store_without_directory_comes_from_the_remote_tier(model, remote):
+    """One miss order for get, pin (request, assemble) and add: memory, disk, remote, recompute."""
+    chunks = _chunks(49, [40, 40, 40, 40])
+    head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    row = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * head_dim * 4
+    s = _store(model, remote, memory_budget=4 * 16 * row, page_size=16)     # one chunk (3 pages) at a time
+    keys = [s.add([c])[0] for c in chunks]                                  # each evicts the one before
+    assert len(s) == 1 and s.stats["computed"] == 4
+    ref = _store(model, remote)
+    hits = s.stats["remote_hits"]
+    for got, want in zip(s.kv(keys[0]), ref.kv(keys[0])):                  # get
+        assert torch.equal(got, want)
+    with s.request([keys[1]]):                                              # pin
+        pass
+    req = s.assemble([keys[2]])
+    assert req.num_slots == 40
+    s.add([chunks[3]])                                                      # add
+    s.add([chunks[0]])
+    assert s.stats["recomputed"] == 0 and s.stats["computed"] == 4 and s.stats["remote_hits"] == hits + 5
+
+
 @pytest.mark.parametrize("secret", [12345, 10 ** 6, True, 1.5, b"", "", "short", b"15-bytes-secret", ["x" * 20]])
 def test_secret_must_be_bytes_or_str_of_sixteen_bytes(model, secret):
     with pytest.raises(ChunkStoreError, match="remote_secret"):
