@@ -151,6 +151,9 @@ class RemoteTier:
         if client_options is not None and not isinstance(client_options, dict):
             raise ChunkStoreError(f"{_WHERE} option client_options must be a dict of redis.Redis.from_url "
                                   f"arguments, got {type(client_options).__name__}")
+        if (client_options or {}).get("decode_responses"):   # values are bytes: str would match nothing
+            raise ChunkStoreError(f"{_WHERE} option client_options: decode_responses must stay off (chunk "
+                                  "values are bytes)")
         self.url, self.prefix, self.max_value_bytes = url, prefix, max_value_bytes
         self.timeout = _seconds("timeout", timeout, positive=True)
         self.retry_after = _seconds("retry_after", retry_after, positive=False)

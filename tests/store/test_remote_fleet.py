@@ -242,7 +242,8 @@ def test_secret_must_be_bytes_or_str_of_sixteen_bytes(model, secret):
     ({"timeout": float("inf")}, "timeout"), ({"timeout": "0.5"}, "timeout"), ({"timeout": True}, "timeout"),
     ({"retry_after": -1}, "retry_after"), ({"retry_after": float("nan")}, "retry_after"),
     ({"prefix": ""}, "prefix"), ({"prefix": 3}, "prefix"),
-    ({"client_options": "ssl"}, "client_options"), ({"max_value_bytes": 10 ** 30}, "max_value_bytes"),
+    ({"client_options": "ssl"}, "client_options"),
+    ({"client_options": {"decode_responses": True}}, "client_options"), ({"max_value_bytes": 10 ** 30}, "max_value_bytes"),
     ({"speed": 3}, "speed"),
 ])
 def test_options_are_checked_when_the_tier_is_built(model, options, name):
