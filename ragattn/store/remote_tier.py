@@ -13,7 +13,7 @@ processes with another secret live in another namespace and never read (nor remo
   parts): JSON ``{"size", "parts", "sha256", "nonce", "mac"}``, ``mac`` = HMAC-SHA256 with the
   secret over the manifest's name and the whole value. A chunk is published with ``SET NX`` (the
   first copy wins; the loser removes its own parts); a replacement (``replace=True``) swaps the
-  manifest with ``SET GET`` and lets the parts of the one it replaced expire after ``RETIRE_SECONDS``
+  manifest with ``GETSET`` and lets the parts of the one it replaced expire after ``RETIRE_SECONDS``
   (a reader that read the old manifest still finds them).
 
 Everything read from the server is untrusted: a manifest that is not a JSON object of the right
@@ -308,7 +308,7 @@ class RemoteTier:
                 pipe.set(self.part_key(key, nonce, i), c)
             pipe.execute()
             if replace:
-                old = parse_manifest(self.client.set(name, manifest, get=True) or b"null")
+                old = parse_manifest(self.client.getset(name, manifest) or b"null")   # any server version
                 wrote = True
                 if old is not None:           # its parts outlive it a while, for readers of it
                     pipe = self.client.pipeline(transaction=False)
