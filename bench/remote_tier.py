@@ -27,6 +27,8 @@ import time
 
 import torch
 
+SECRET = "bench-secret-0123456789"   # the HMAC key of the throwaway server (16 bytes at least)
+
 LLAMA3_8B_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 LLAMA3_8B_FLOP_PER_TOKEN = 2 * 8.0e9
 H100_FLOPS = 400e12
@@ -78,7 +80,7 @@ def run(model_name="tiny", n_chunks=8, tokens=256) -> list[tuple]:
     vocab = model.config.vocab_size
     chunks = [torch.randint(10, vocab, (tokens,), generator=g).tolist() for _ in range(n_chunks)]
     proc, url = _server()
-    secret = "bench"
+    secret = SECRET
     try:
         with tempfile.TemporaryDirectory() as d:
             writer = ChunkStore(model, d, remote=url, remote_secret=secret)
@@ -129,11 +131,11 @@ def ttft(n_passages=16, repeats=3) -> list[tuple]:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as d:
-            warm = ChunkStore(model, d, remote=url, remote_secret="bench")
+            warm = ChunkStore(model, d, remote=url, remote_secret=SECRET)
             first = answer(warm)                       # computes, writes and publishes every chunk
             sources = [("memory (warm store)", lambda: warm), ("disk tier (fresh store)",
                                                                lambda: ChunkStore(model, d, read_only=True)),
-                       ("remote tier (fresh store)", lambda: ChunkStore(model, remote=url, remote_secret="bench")),
+                       ("remote tier (fresh store)", lambda: ChunkStore(model, remote=url, remote_secret=SECRET)),
                        ("recompute (no store)", lambda: ChunkStore(model))]
             for name, make in sources:
                 times = []

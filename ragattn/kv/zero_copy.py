@@ -23,8 +23,11 @@ entries (its last one partial), the private area ``capacity - chunk tokens`` slo
                     chunk A (shared) chunk B (shared, composite: from 0 again)
 
 Visibility is by position: a query row at position ``p`` sees every valid slot at a position
-``<= p`` (and within a sliding window). For the schemes the methods use (reordered, composite,
-Block-Attention) this is exactly the slot-causal rule of :class:`PagedKV`. A sliding window is by
+``<= p`` (and within a sliding window). For appended rows (the final block, the answer) on every
+scheme, and for recomputed chunk rows on reordered positions, this is exactly the slot-causal rule
+of :class:`PagedKV`. Recomputed rows (``slots``) whose positions do not follow slot order
+(composite, first positions out of order or overlapping) attend by slot instead, as the copy path
+does, in a dense pass over the request's K/V (:meth:`TaggedPagedKV._attend_by_slot`). A sliding window is by
 position too, and refused where positions overlap unless it hides nothing (:mod:`ragattn.kv.window`,
 the rule of both caches).
 
@@ -67,9 +70,11 @@ class ZeroCopyForward:
     the page-local form), the query rows'
     ``positions`` and one attention step per segment holding entries (``steps``); for the
     window rule (:mod:`ragattn.kv.window`) the filled slots' positions, the last query slot and
-    whether positions overlap (computed at the first windowed layer)."""
+    whether positions overlap (computed at the first windowed layer); ``by_slot``: ``(written
+    slots, filled)`` for a recompute whose rows would see other slots by position than by slot
+    (:meth:`TaggedPagedKV._slot_order_differs`), else None."""
     __slots__ = ("key", "q", "src", "writes", "positions", "cu_q", "steps", "filled_positions", "last_slot",
-                 "overlapping")
+                 "overlapping", "by_slot")
 
 
 class TaggedPagedKV:
@@ -358,6 +363,9 @@ class TaggedPagedKV:
                     "has one first position")
         committed.copy_(slot_positions)
         f = ZeroCopyForward()
+        f.by_slot = None
+        if slots is not None and q and self._slot_order_differs(slot_positions[:filled], w, written):
+            f.by_slot = (w.to(self.device), filled)
         f.q, f.src = q, None if src is None else src.to(self.device)
         f.filled_positions, f.overlapping = slot_positions[:filled], None
         f.last_slot = int(w.max()) if w.numel() else -1
@@ -444,7 +452,7 @@ class TaggedPagedKV:
         # steps and self._live were made together); segments in the general path's order
         prev = dict(self._fwd.steps) if self._fwd is not None and self._fwd.q == 1 else {}
         f = ZeroCopyForward()
-        f.q, f.src, f.key = 1, None, (id(None), 1)
+        f.q, f.src, f.key, f.by_slot = 1, None, (id(None), 1), None
         f.cu_q = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
         f.steps = [(t, prev[t] if t != s and t in prev else self._segment_step(sg, f.cu_q, 1))
                    for t, sg in sorted(live["segs"].items())]
@@ -457,6 +465,36 @@ class TaggedPagedKV:
         f.positions = pos.to(self.device, torch.int64)
         self._fwd, self._live = f, live
         return f
+
+    @staticmethod
+    def _slot_order_differs(filled_positions: torch.Tensor, w: torch.Tensor, written: torch.Tensor) -> bool:
+        """Whether a row written at slot ``w[i]`` (position ``written[i]``) would see, by position,
+        another set of slots than ``0 .. w[i]`` (its slot-causal set, the copy path's and the
+        ``ragattn_slots`` contract's): an earlier slot at a later position (composite, first
+        positions out of order) or a later slot at a position not after its own (overlaps).
+        ``filled_positions`` int64 ``[filled]``, ``w``, ``written`` int64 ``[q]`` (CPU)."""
+        earlier_later = torch.cummax(filled_positions, 0).values[w] > written
+        seen = torch.searchsorted(torch.sort(filled_positions).values, written, right=True)
+        return bool((earlier_later | (seen != w + 1)).any())
+
+    def _attend_by_slot(self, f: ZeroCopyForward, layer: int, q_rows: torch.Tensor, scale: float,
+                        window_left: int, logits_soft_cap: float) -> torch.Tensor:
+        """Attention of a recompute's rows ``q_rows`` ``[q, Hq, D]`` (rotated at their positions)
+        slot-causally: row ``i`` sees the filled slots ``0 .. w[i]``, as on the copy path, where
+        position order and slot order disagree. Every filled slot's K/V read at its position
+        (:meth:`read_kv`), one dense pass in fp32 (fp64 for fp64 queries). A window that would
+        hide a slot is refused (:func:`check_window`: positions that overlap or run backwards)."""
+        w, filled = f.by_slot
+        check_window(window_left, True, f.last_slot)
+        k, v = self.read_kv(layer, torch.arange(filled))
+        dt = torch.float64 if q_rows.dtype == torch.float64 else torch.float32
+        group = q_rows.shape[1] // self.num_kv_heads
+        k, v = k.to(dt).repeat_interleave(group, 1), v.to(dt).repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q_rows.to(dt), k) * scale
+        if logits_soft_cap:
+            s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+        s = s.masked_fill(torch.arange(filled, device=s.device)[None, :] > w[:, None], float("-inf"))
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v).to(q_rows.dtype)
 
     def plan(self, first_layer: bool, q: int, positions, slots=None, valid=None) -> ZeroCopyForward:
         """:meth:`begin_forward` at a forward's first layer, its plan reused by the others (while
@@ -491,7 +529,10 @@ class TaggedPagedKV:
         """``q_rows`` ``[q, Hq, D]`` (rotated) against every valid slot at a position ``<=`` its row's:
         one paged attention step per segment (pages moved to their positions in the kernel),
         merged by LSE. Returns ``[q, Hq, D]``. A window over overlapping positions follows
-        :mod:`ragattn.kv.window` (refused unless it hides nothing)."""
+        :mod:`ragattn.kv.window` (refused unless it hides nothing). Rows written at chunk slots
+        whose positions do not follow slot order attend by slot instead (:meth:`_attend_by_slot`)."""
+        if f.by_slot is not None:
+            return self._attend_by_slot(f, layer, q_rows, scale, window_left, logits_soft_cap)
         if window_left >= 0:
             if f.overlapping is None:   # once per forward: does a position hold two filled slots?
                 p = f.filled_positions[f.filled_positions >= 0]

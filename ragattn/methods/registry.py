@@ -163,6 +163,7 @@ def canonical(name: object, among: Optional[Sequence[str]] = None) -> str:
 
 def check_ratio(ratio: object) -> Optional[str]:
     """None for a recompute ratio in [0, 1] (int or float, not bool, not NaN), else what is wrong."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
+    # compared as it is: float() of an int beyond float range raises OverflowError (an HTTP 500)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         return f"must be a number in [0, 1] (the fraction of chunk tokens recomputed), got {ratio!r}"
     return None

@@ -30,7 +30,7 @@ import torch
 from ragattn.store.copy_out import AssembledRequest, CopyOutBuilder
 from ragattn.store.disk_tier import DiskTier
 from ragattn.store.errors import ChunkStoreError
-from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key
+from ragattn.store.fingerprint import chunk_key, key_list, model_fingerprint, variant_key
 from ragattn.store.loader import Loader
 from ragattn.store.model import ChunkModel, describe_model
 from ragattn.store.page_pool import PagePool, default_budget
@@ -53,8 +53,9 @@ class ChunkStore:
     whose parameters are not materialised; such a store does not follow the model's weights.
     ``remote``: the remote tier shared by a fleet: a ``redis://``/``rediss://`` URL or a
     :class:`~ragattn.store.remote_tier.RemoteTier`; ``remote_secret``: its HMAC key (default: the
-    ``RAGATTN_REMOTE_SECRET`` environment variable); ``remote_options``: keyword arguments of
-    :class:`RemoteTier` (``timeout``, ``max_value_bytes``, ``prefix``, ``client_options``)."""
+    ``RAGATTN_REMOTE_SECRET`` environment variable; bytes or str of at least 16 bytes);
+    ``remote_options``: keyword arguments of :class:`RemoteTier` (``timeout``, ``retry_after``,
+    ``max_value_bytes``, ``prefix``, ``client_options``), checked here."""
 
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
@@ -89,7 +90,7 @@ class ChunkStore:
         if remote is not None:
             if not isinstance(remote, RemoteTier):
                 secret = remote_secret if remote_secret is not None else os.environ.get("RAGATTN_REMOTE_SECRET")
-                remote = RemoteTier(str(remote), secret, **(remote_options or {}))
+                remote = RemoteTier.from_options(remote, secret, remote_options)
             self.stats.update(remote.stats)     # one counter dict: remote_hits, _published, _bad, _errors
             remote.stats = self.stats
         self._resident = ResidentSet(self._pool, self.rope, self.stats)
@@ -156,9 +157,7 @@ class ChunkStore:
     def variant_keys(self, keys: Sequence[str], variant: str) -> list[str]:
         """:meth:`variant_key` of each key, the model checked once (a method asking for every
         chunk of a prompt pays one check, not one per chunk)."""
-        if isinstance(keys, str):
-            raise ChunkStoreError("ragattn.ChunkStore.variant_keys: keys must be a sequence of keys, got one key "
-                                  "(a str); use variant_key for one")
+        keys = key_list(keys, "ragattn.ChunkStore.variant_keys")
         self._sync()
         return [variant_key(self.fingerprint, k, variant) for k in keys]
 
@@ -170,6 +169,7 @@ class ChunkStore:
 
     def lookup(self, keys: Sequence[str]) -> list[bool]:
         """:meth:`has` of each key."""
+        keys = key_list(keys, "ragattn.ChunkStore.lookup")
         self._sync()
         return [self._loader.has(k) for k in keys]
 
@@ -237,6 +237,7 @@ class ChunkStore:
                      split_heads: bool = False) -> None:
         """Write the chunks ``keys`` (in order) into a caller's cache at ``dst_rows``, keys rotated
         to ``positions`` (:meth:`CopyOutBuilder.gather_into_`)."""
+        keys = key_list(keys, "ragattn.ChunkStore.gather_into_")
         self._sync()
         self._copy_out.gather_into_(keys, dst_k, dst_v, dst_rows, positions, skip=skip, split_heads=split_heads)
 
@@ -245,6 +246,7 @@ class ChunkStore:
                  rerotate: bool = True, page_size: int | None = None) -> AssembledRequest:
         """The chunks (in this order) copied into a fresh paged request cache
         (:meth:`CopyOutBuilder.assemble`)."""
+        keys = key_list(keys, "ragattn.ChunkStore.assemble")
         self._sync()
         return self._copy_out.assemble(keys, positions, extra_slots, rerotate, page_size)
 
@@ -252,6 +254,7 @@ class ChunkStore:
     def request(self, keys: Sequence[str], positions="reordered", extra_slots: int = 0) -> ZeroCopyRequest:
         """A zero-copy request over the chunks' own pool pages, pinned until released
         (:meth:`ZeroCopyBuilder.request`)."""
+        keys = key_list(keys, "ragattn.ChunkStore.request")
         self._sync()
         return self._zero_copy.request(keys, positions, extra_slots)
 

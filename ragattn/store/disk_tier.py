@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ragattn.store.errors import ChunkStoreError
+from ragattn.store.errors import ChunkStoreError, ForeignChunkError
 from ragattn.store.fingerprint import chunk_key, variant_key
 
 FORMAT = "ragattn-chunk-kv-v1"
@@ -242,19 +242,21 @@ def decode_chunk(data: bytes, fingerprint: str, layout: tuple, where: str):
 
 def verify_chunk(meta: dict, tensors: dict, fingerprint: str, layout: tuple, p):
     """Check a chunk file's metadata and tensors (format, fingerprint, shape and dtype, checksum,
-    key); returns ``(key, tokens, k, v, variant)`` or raises ChunkStoreError naming ``p``."""
+    key); returns ``(key, tokens, k, v, variant)`` or raises ChunkStoreError naming ``p``:
+    ForeignChunkError for another format, fingerprint or layout (a file that is not this store's),
+    the base class for a damaged one (checksum, key)."""
     num_layers, num_kv_heads, head_dim, dtype = layout
     if meta.get("format") != FORMAT:
-        raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} has format {meta.get('format')!r}, "
+        raise ForeignChunkError(f"ragattn.ChunkStore.load: {p} has format {meta.get('format')!r}, "
                               f"expected {FORMAT!r}")
     if meta.get("fingerprint") != fingerprint:
-        raise ChunkStoreError(
+        raise ForeignChunkError(
             f"ragattn.ChunkStore.load: {p} was computed by another model (fingerprint "
             f"{meta.get('fingerprint')!r}, this model {fingerprint!r})")
     k, v, tokens = tensors["k"], tensors["v"], tensors["tokens"]
     want = (num_layers, tokens.numel(), num_kv_heads, head_dim)
     if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != dtype or v.dtype != dtype:
-        raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} holds K/V of shape {tuple(k.shape)} "
+        raise ForeignChunkError(f"ragattn.ChunkStore.load: {p} holds K/V of shape {tuple(k.shape)} "
                               f"{k.dtype}, expected {want} {dtype}")
     if _tensor_digest(k, v, tokens) != meta.get("sha256"):
         raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} fails its checksum (corrupt file)")

@@ -225,3 +225,20 @@ def chunk_key(fingerprint: str, tokens) -> str:
 
 def variant_key(fingerprint: str, key: str, variant: str) -> str:
     return hashlib.sha256(f"{fingerprint}:{key}:{variant}".encode()).hexdigest()[:40]
+
+
+def key_list(keys, where: str) -> list[str]:
+    """The one rule of every API that takes chunk keys: ``keys`` a sequence of str keys, returned
+    as a list. One key (a str, bytes) where keys are expected is refused by name: iterated, it
+    would be a list of one-character keys (answered as missing chunks, silently)."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise ChunkStoreError(f"{where}: keys must be a sequence of keys, got one key (a "
+                              f"{type(keys).__name__}); pass [key]")
+    try:
+        out = list(keys)
+    except TypeError:
+        raise ChunkStoreError(f"{where}: keys must be a sequence of keys, got {type(keys).__name__}") from None
+    for k in out:
+        if not isinstance(k, str):
+            raise ChunkStoreError(f"{where}: keys must be str (40 hex digits each), got {k!r}")
+    return out

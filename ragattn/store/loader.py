@@ -5,12 +5,13 @@
     e = loader.get(key)               # resident, loaded or recomputed (memory, disk, remote, tokens)
     entries, pinned = loader.pin(keys)   # every key resident and pinned (release: ResidentSet.unpin)
 
-A chunk that is not resident is, in order: loaded from its verified file in the store's directory;
-fetched from the remote tier (verified, written to the disk tier too), unless this store holds its
-tokens (an evicted chunk: recomputed, as are ``add``'s misses the remote tier lacks); recomputed
-from its tokens in packed prefills; else refused, naming why (earlier weights, a damaged file, an
-unknown key). A derived entry found nowhere is gone. A bad file (truncated, corrupt) is counted and
-replaced by the recomputation, or removed when it cannot be recomputed (docs/chunk-store.md).
+A chunk that is not resident is, in one order for ``get``, ``pin`` and ``add`` (:meth:`Loader._from_tiers`):
+loaded from its verified file in the store's directory; else fetched from the remote tier
+(verified, written to the disk tier too); else recomputed from its tokens in packed prefills (the
+chunks ``add`` was given, the evicted chunks whose tokens the store keeps); else refused, naming
+why (earlier weights, a damaged file, an unknown key). A derived entry found nowhere is gone. A bad
+file (truncated, corrupt) is counted and replaced by the recomputation, or removed when it cannot
+be recomputed (docs/chunk-store.md).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class Loader:
         self.recomputable: dict[str, torch.Tensor] = {}
         self.stale: set[str] = set()       # keys dropped because the model's weights changed
         self.bad_files: set[str] = set()   # keys of bad files that could not be removed (read-only)
+        self._load_errors: dict[str, ChunkStoreError] = {}   # why a key's file failed, for its refusal
         resident.on_evict = self._evicted
 
     @property
@@ -178,7 +180,7 @@ class Loader:
             self._insert(key, tokens, k, v, on_disk, variant)
         return key
 
-    # ----- the remote tier -------------------------------------------------------------------------
+    # ----- the tiers past memory: the one miss order ----------------------------------------------
     def _fetch_remote(self, key: str) -> bool:
         """Load ``key`` from the remote tier (verified; written to the disk tier too) if it is there."""
         if self.remote is None:
@@ -192,6 +194,20 @@ class Loader:
             self.bad_files.discard(key)
         self._insert(key, tokens, list(k), list(v), self.writable, variant)
         return True
+
+    def _from_tiers(self, key: str) -> bool:
+        """Make ``key`` resident from the tiers past memory, in the one order every path follows
+        (``get``, ``pin``, ``add``): its verified file, else the remote tier. True when resident;
+        False leaves a recomputation (from known tokens) or a refusal to the caller. A file that
+        fails its checks is counted and removed (:meth:`_bad_file`); why is kept for the refusal."""
+        if self.on_disk(key):
+            try:
+                self._load(self.path(key))
+                return True
+            except ChunkStoreError as exc:   # truncated or corrupt: replaced when computed again
+                self._bad_file(key)
+                self._load_errors[key] = exc
+        return self._fetch_remote(key)
 
     # ----- computing chunks --------------------------------------------------------------------------
     def _check_tokens(self, chunks) -> list[np.ndarray]:
@@ -231,17 +247,7 @@ class Loader:
             if k in entries:
                 entries.move_to_end(k)
                 continue
-            if k in seen:
-                continue
-            if self.on_disk(k):
-                try:
-                    self._load(self.path(k))
-                    continue
-                except ChunkStoreError:   # truncated or corrupt: recomputed below, the file replaced
-                    self._bad_file(k)
-            else:
-                self._note_damaged(k)
-            if self._fetch_remote(k):
+            if k in seen or self._from_tiers(k):
                 continue
             seen.add(k)
             missing.append((k, torch.from_numpy(t)))
@@ -277,6 +283,8 @@ class Loader:
                                f"expected {spec.num_layers}")
         for (key, t), a, b in zip(batch, cu[:-1].tolist(), cu[1:].tolist()):
             k_layers, v_layers = [k[a:b] for k in ks], [v[a:b] for v in vs]
+            self._note_damaged(key)
+            self._load_errors.pop(key, None)
             if self.writable:  # on disk first: a failed write leaves nothing half-added
                 self._write_file(key, t, torch.stack(k_layers), torch.stack(v_layers))
                 self.bad_files.discard(key)
@@ -312,9 +320,9 @@ class Loader:
             self._write_file(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
                              (key, variant))
             on_disk = True
-        if self.remote is not None:    # published once: an existing copy of the variant stays
+        if self.remote is not None:    # replaced there too: no process is served the old variant
             self.remote.publish(vkey, tokens, torch.stack(list(k_layers)), torch.stack(list(v_layers)),
-                                self.fingerprint, (key, variant))
+                                self.fingerprint, (key, variant), replace=True)
         if vkey in entries:
             self.resident.evict(vkey)
         self._insert(vkey, tokens, k_layers, v_layers, on_disk, (key, variant))
@@ -337,28 +345,25 @@ class Loader:
         if e is not None:
             entries.move_to_end(key)
             return e
-        if self.on_disk(key):
-            try:
-                self._load(self.path(key))
-            except ChunkStoreError as exc:
-                self._bad_file(key)
-                if key not in self.recomputable:
-                    raise ChunkStoreError(f"{exc} (removed from the store: it cannot be recomputed "
-                                          "here, build it again)") from None
-        if key not in entries and key not in self.recomputable:
-            self._fetch_remote(key)     # a fleet's shared tier (no-op without one)
-        if key not in entries and key in self.recomputable:
-            self._note_damaged(key)
+        if not self._from_tiers(key):
+            if key not in self.recomputable:
+                self._refuse(key)
             self._prefill([(key, self.recomputable[key])])
-        e = entries.get(key)
-        if e is None:
-            if key in self.stale:
-                raise ChunkStoreError(
-                    f"ragattn.ChunkStore: chunk {key!r} was computed with the model's earlier weights "
-                    "(they changed since): add() its tokens again for its key under the current weights")
-            self._refuse_damaged(key)
-            raise ChunkStoreError(f"ragattn.ChunkStore: no chunk with key {key!r} in the store")
-        return e
+        return entries[key]
+
+    def _refuse(self, key: str) -> None:
+        """``key`` is in no tier and its tokens are unknown here: raise the reason (earlier
+        weights, a damaged file, an unknown key)."""
+        if key in self.stale:
+            raise ChunkStoreError(
+                f"ragattn.ChunkStore: chunk {key!r} was computed with the model's earlier weights "
+                "(they changed since): add() its tokens again for its key under the current weights")
+        exc = self._load_errors.pop(key, None)
+        if exc is not None:
+            raise ChunkStoreError(f"{exc} (removed from the store: it cannot be recomputed here, build it "
+                                  "again)") from None
+        self._refuse_damaged(key)
+        raise ChunkStoreError(f"ragattn.ChunkStore: no chunk with key {key!r} in the store")
 
     def pin(self, keys: Sequence[str]) -> tuple[list[Entry], list[Entry]]:
         """``(entries of keys in order, pinned)``: every entry resident and pinned, the resident
@@ -378,13 +383,14 @@ class Loader:
             for k in unique:
                 if k in entries:
                     continue
-                if k in self.recomputable and not self.on_disk(k):
-                    self._note_damaged(k)
+                if self._from_tiers(k):
+                    e = entries[k]
+                    e.pins += 1
+                    pinned.append(e)
+                elif k in self.recomputable:
                     recompute.append((k, self.recomputable[k]))
-                    continue
-                e = self.get(k)
-                e.pins += 1
-                pinned.append(e)
+                else:
+                    self._refuse(k)
             self._prefill(recompute, pinned)
             out = []
             for k in keys:

@@ -405,3 +405,25 @@ def test_gather_into_any_cache(model):
     with pytest.raises(ChunkStoreError, match="dst_rows"):
         store.gather_into_(keys[:1], dst_k, dst_v, dst_rows)
     assert store.lookup([keys[0], "0" * 40]) == [True, False]
+
+
+def test_one_key_where_keys_are_expected_is_refused_by_name(model):
+    """A str is a sequence of one-character 'keys': every API that takes keys refuses it, naming itself."""
+    store = ChunkStore(model, page_size=4)
+    key = store.add(_chunks(20, [7]))[0]
+    L, hkv = SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"]
+    dst = [torch.full((16, hkv, 16), float("nan")) for _ in range(L)]
+    calls = {
+        "lookup": lambda k: store.lookup(k),
+        "variant_keys": lambda k: store.variant_keys(k, "fused"),
+        "assemble": lambda k: store.assemble(k),
+        "request": lambda k: store.request(k),
+        "gather_into_": lambda k: store.gather_into_(k, dst, dst, torch.arange(7)),
+    }
+    for name, call in calls.items():
+        for one in (key, key.encode()):
+            with pytest.raises(ChunkStoreError, match=f"ChunkStore.{name}: keys must be a sequence of keys"):
+                call(one)
+        with pytest.raises(ChunkStoreError, match=f"ChunkStore.{name}: .*got 3"):
+            call([key, 3])
+    assert store.lookup((key,)) == [True]      # any sequence of str keys

@@ -17,25 +17,10 @@ pytest.importorskip("redis", reason="the remote tier needs the redis client (pip
 from ragattn.hf.models import random_llama  # noqa: E402
 from ragattn.store import ChunkStore  # noqa: E402
 from tests.helpers import run_in_threads  # noqa: E402
-from tests.redis_server import redis_server_or_skip  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, rope_theta=1000.0)
-SECRET = b"fleet-secret"
-
-
-@pytest.fixture(scope="session")
-def server():
-    s = redis_server_or_skip()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def remote(server):
-    server.client().flushall()
-    server.client().config_set("maxmemory", 0)
-    return server
+SECRET = b"fleet-secret-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +81,9 @@ def test_concurrent_writers_publish_one_copy(model, remote):
     assert all(s.stats["computed"] + s.stats["remote_hits"] == 1 for s in stores)
     for s in stores[1:]:
         _same(stores[0], s, key)
-    manifest = json.loads(remote.client().get(f"ragattn:chunk:{key}"))
-    assert len(remote.client().keys(f"ragattn:part:{key}:*")) == manifest["parts"]
+    tier = stores[0]._loader.remote
+    manifest = json.loads(remote.client().get(tier.manifest_key(key)))
+    assert len(remote.client().keys(tier.part_key(key, "*", "*"))) == manifest["parts"]
     reader = _store(model, remote)
     reader.add(chunk)
     assert reader.stats["remote_hits"] == 1 and reader.stats["computed"] == 0
@@ -145,8 +131,12 @@ def test_slow_server_answers_within_timeout(model, remote):
         remote.client().execute_command("CLIENT", "UNPAUSE")
 
 
-def _only_part(server, key):
-    parts = server.client().keys(f"ragattn:part:{key}:*")
+def _parts(store, server, key):
+    return server.client().keys(store._loader.remote.part_key(key, "*", "*"))
+
+
+def _only_part(store, server, key):
+    parts = _parts(store, server, key)
     assert len(parts) == 1
     return parts[0]
 
@@ -155,7 +145,7 @@ def test_value_corrupted_in_place_is_recomputed_and_replaced(model, remote):
     chunk = _chunks(6, [25])
     a = _store(model, remote)
     key = a.add(chunk)[0]
-    part = _only_part(remote, key)
+    part = _only_part(a, remote, key)
     c = remote.client()
     value = c.get(part)
     c.setrange(part, len(value) - 5, bytes([value[-5] ^ 0xFF]))
@@ -175,6 +165,11 @@ def test_value_written_without_the_key_is_never_served(model, remote):
     key = forger.add(chunk)[0]
     assert forger.stats["remote_published"] == 1
     honest = _store(model, remote)
+    # the forger writes under the fleet's names (another secret's entries live under other names)
+    c, theirs, ours = remote.client(), forger._loader.remote, honest._loader.remote
+    c.rename(theirs.manifest_key(key), ours.manifest_key(key))
+    for part in c.keys(theirs.part_key(key, "*", "*")):
+        c.rename(part, part.decode().replace(theirs.namespace, ours.namespace))
     honest.add(chunk)
     assert honest.stats["remote_bad"] == 1 and honest.stats["computed"] == 1 and honest.stats["remote_hits"] == 0
     # a forger with the fleet's key but other KV (values edited, checksums recomputed) is a bad
@@ -216,7 +211,7 @@ def test_chunk_larger_than_the_value_limit_is_split(model, remote):
     a = _store(model, remote, remote_options={"max_value_bytes": 4096})
     key = a.add(chunk)[0]
     c = remote.client()
-    parts = c.keys(f"ragattn:part:{key}:*")
+    parts = _parts(a, remote, key)
     assert len(parts) > 20 and max(c.strlen(p) for p in parts) <= 4096
     b = _store(model, remote, remote_options={"max_value_bytes": 4096})
     b.add(chunk)

@@ -113,8 +113,8 @@ class FakeRemote:
     def __init__(self):
         self.values, self.stats = {}, {"remote_hits": 0, "remote_published": 0}
 
-    def publish(self, key, tokens, k, v, fingerprint, variant=None):
-        if key in self.values:
+    def publish(self, key, tokens, k, v, fingerprint, variant=None, *, replace=False):
+        if key in self.values and not replace:
             return False
         self.values[key] = (tokens.clone(), k.clone(), v.clone(), fingerprint, variant)
         self.stats["remote_published"] += 1

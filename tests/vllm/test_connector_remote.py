@@ -15,7 +15,7 @@ from ragattn.store import ChunkStore  # noqa: E402
 from tests.redis_server import redis_server_or_skip  # noqa: E402
 from tests.vllm.test_connector import BS, _config, _kv_cache_config, served  # noqa: E402,F401
 
-SECRET = "fleet-secret"
+SECRET = "fleet-secret-0123456789"
 
 
 @pytest.fixture(scope="module")

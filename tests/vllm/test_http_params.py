@@ -21,6 +21,8 @@ PROMPT = list(range(100))
     ("[[0, 10]]", "kv_transfer_params"),
     ({"ragattn_spans": [[0, 10]], "ragattn_method": "blend"}, "kv_transfer_params.ragattn_method"),
     ({"ragattn_method": "cacheblend", "ragattn_ratio": 2}, "kv_transfer_params.ragattn_ratio"),
+    ({"ragattn_method": "cacheblend", "ragattn_ratio": 10 ** 400}, "kv_transfer_params.ragattn_ratio"),
+    ({"ragattn_method": "fusionrag", "ragattn_ratio": -10 ** 400}, "kv_transfer_params.ragattn_ratio"),
     ({"ragattn_method": "turborag-composite", "ragattn_ratio": 0.5}, "kv_transfer_params.ragattn_ratio"),
 ])
 def test_bad_params_name_the_field(params, field):
