@@ -28,8 +28,8 @@ FusionRAG, and ragattn's kernels as vLLM's attention backend.
 
 Importing this package does not import vLLM (nor does ``import ragattn``). See docs/vllm.md.
 """
-from ragattn.vllm.spans import (METHODS, SPANS_PARAM, Claim, MethodChoice, ParamError, SpanError, method_from_params,
-                                plan_claim, separator_salt, span_salt, spans_from_params, spans_from_separator)
+from ragattn.vllm.spans import (METHODS, REPORT_PARAMS, SPANS_PARAM, Claim, MethodChoice, ParamError, SpanError,
+                                method_from_params, plan_claim, request_salt, spans_from_params, spans_from_separator)
 
-__all__ = ["METHODS", "SPANS_PARAM", "Claim", "MethodChoice", "ParamError", "SpanError", "method_from_params",
-           "plan_claim", "separator_salt", "span_salt", "spans_from_params", "spans_from_separator"]
+__all__ = ["METHODS", "REPORT_PARAMS", "SPANS_PARAM", "Claim", "MethodChoice", "ParamError", "SpanError",
+           "method_from_params", "plan_claim", "request_salt", "spans_from_params", "spans_from_separator"]

@@ -10,11 +10,10 @@ writer, the selective recompute and the worker's :class:`~ragattn.vllm.worker_st
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from vllm.config import get_layers_from_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 import vllm.platforms as vllm_platforms
 
@@ -29,7 +28,7 @@ from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, Recom
 from ragattn.vllm.spans import composite_positions, layer_index
 from ragattn.vllm.worker_state import WorkerState
 
-log = logging.getLogger("ragattn.vllm.connector")
+log = init_logger(f"vllm.{__name__}")   # vLLM's logger tree: its lines carry level and time
 
 
 class ConnectorWorker:
@@ -51,6 +50,7 @@ class ConnectorWorker:
         self._written: dict[str, tuple[int, ...]] = {}   # chunk -> the shared pages holding it
         self._shared_done: dict[str, tuple[int, list[int]]] = {}
         self._failed_chunks: list[str] = []
+        self._failed_requests: dict[str, list[int]] = {}
 
     @property
     def store(self) -> ChunkStore:
@@ -208,6 +208,7 @@ class ConnectorWorker:
                 log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
                           "as failed loads", load.req_id, exc, sorted(failed))
                 self._failed_blocks |= failed
+                self._failed_requests[load.req_id] = sorted(failed)
 
     def _load_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
         """Serves the request from shared chunk pages: writes the chunks not in their pages yet
@@ -259,10 +260,10 @@ class ConnectorWorker:
                                                      load.chunk_blocks if shared else None))
 
     def build_connector_worker_meta(self) -> RagattnWorkerMetadata | None:
-        if not (self._done or self._shared_done or self._failed_chunks):
+        if not (self._done or self._shared_done or self._failed_chunks or self._failed_requests):
             return None
-        meta = RagattnWorkerMetadata(self._done, self._shared_done, self._failed_chunks)
-        self._done, self._shared_done, self._failed_chunks = {}, {}, []
+        meta = RagattnWorkerMetadata(self._done, self._shared_done, self._failed_chunks, self._failed_requests)
+        self._done, self._shared_done, self._failed_chunks, self._failed_requests = {}, {}, [], {}
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
