@@ -47,6 +47,7 @@ from ragattn.vllm.connector_config import (FP8_CACHE_DTYPES, OPTIONS, PLAIN_CACH
                                            RagattnWorkerMetadata, RequestLoad, Settings, cache_groups)
 from ragattn.vllm.connector_scheduler import ConnectorScheduler
 from ragattn.vllm.connector_worker import ConnectorWorker
+from ragattn.vllm.metrics import RagattnPromMetrics, RagattnStats
 from ragattn.vllm.worker_state import WorkerState
 
 if TYPE_CHECKING:
@@ -138,6 +139,19 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._side(self.worker).get_block_ids_with_load_errors()
+
+    # ----- /metrics (ragattn.vllm.metrics) ------------------------------------------------
+    def get_kv_connector_stats(self) -> RagattnStats | None:
+        """This side's counters since the last call (vLLM aggregates the scheduler's and the workers')."""
+        return self.scheduler.stats.take() if self.scheduler is not None else self.worker.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RagattnStats:
+        return RagattnStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> RagattnPromMetrics:
+        return RagattnPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return   # start_load_kv wrote every layer synchronously

@@ -31,6 +31,7 @@ from ragattn.methods.selection import fused_variant
 from ragattn.store import chunk_file, chunk_key
 from ragattn.store.fingerprint import variant_key
 from ragattn.vllm.connector_config import RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings
+from ragattn.vllm.metrics import RagattnStats
 from ragattn.vllm.platform import enabled as ragattn_attention
 from ragattn.vllm.shared_pages import ChunkPagePool
 from ragattn.vllm.spans import (KNOWN_PARAMS, METHOD_PARAM, NO_CLAIM, RATIO_PARAM, Claim, MethodChoice, ParamError,
@@ -80,6 +81,7 @@ class ConnectorScheduler:
         self._pool: ChunkPagePool | None = None     # at bind_kv_cache_manager, with shared pages
         self._kv_manager = None
         self._salt_key = os.urandom(16).hex()       # derived salts cannot be guessed by a client
+        self.stats = RagattnStats()                  # what the responses said, for /metrics (ragattn.vllm.metrics)
 
     def _spans(self, request: "Request"):
         """(spans or None, the salt's layout: the spans, or the separator id)."""
@@ -259,6 +261,10 @@ class ConnectorScheduler:
                                len(plan.spans), len(plan.claim.spans) if used else 0,
                                len(request.prompt_token_ids or ()), plan.claim.num_tokens if used else 0,
                                rows if used else [], plan.hit)
+        self.stats.add("requests_method" if used else "requests_full_attention", 1)
+        for key in ("chunks_hit", "chunks_missed", "tokens_reused", "tokens_recomputed", "tokens_exact",
+                    "prefix_cache_tokens"):
+            self.stats.add(key, params[f"ragattn_{key}"])
         return False, params
 
 

@@ -148,3 +148,38 @@ def test_a_failed_load_is_reported_and_its_pages_never_hit(served):
     assert all(pool.blocks[b].block_hash is None for b in load.block_ids[0][:2])
     _, got = sched.connector.request_finished(r, [])
     assert got["ragattn_answered_by"] == "full-attention" and got["ragattn_chunks_hit"] == 0
+
+
+def test_counters_reach_prometheus(served):
+    """ragattn's counters through vLLM's KV connector stats: the scheduler's (what the responses
+    said) and the worker's (load time, the store's disk reads), taken once, aggregated, and
+    observed as Prometheus counters vllm:ragattn_<key>_total."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from ragattn.vllm.connector import RagattnConnector
+
+    _, _, _, chunks = served
+    sched = _scheduler(_config(served, prefix_caching=True))
+    prompt, spans = _prompt(chunks, (0, 3, 1))       # chunk 3 missing: 1 hit, 2 missed
+    r = _request(prompt, spans, prefix_caching=True)
+    out, _ = _schedule(sched, r)
+    conn, _ = _worker(served)
+    conn.bind_connector_metadata(out.kv_connector_metadata)
+    conn.start_load_kv(None)
+    sched.connector.request_finished(r, [])
+    stats = sched.connector.get_kv_connector_stats()
+    assert sched.connector.get_kv_connector_stats() is None          # taken once
+    assert stats.data == {"requests_method": 1, "chunks_hit": 1, "chunks_missed": 2, "tokens_reused": 9,
+                          "tokens_exact": len(prompt) - 9}
+    worker = conn.get_kv_connector_stats()
+    assert worker.data["load_seconds"] > 0 and worker.data["store_disk_loads"] == 1
+    data = RagattnConnector.build_kv_connector_stats(stats.to_dict()).aggregate(worker).to_dict()
+
+    reg = CollectorRegistry()
+    types = {cls: (lambda cls: lambda **kw: cls(registry=reg, **kw))(cls) for cls in (Counter, Gauge, Histogram)}
+    prom = RagattnConnector.build_prom_metrics(_config(served), types, ["engine"], {0: ["0"]})
+    prom.observe(data, 0)
+    prom.observe({"chunks_hit": 2}, 0)
+    assert reg.get_sample_value("vllm:ragattn_chunks_hit_total", {"engine": "0"}) == 3
+    assert reg.get_sample_value("vllm:ragattn_tokens_exact_total", {"engine": "0"}) == len(prompt) - 9
+    assert reg.get_sample_value("vllm:ragattn_store_disk_loads_total", {"engine": "0"}) == 1

@@ -98,6 +98,32 @@ def test_shared_system_prompt_is_a_prefix_hit(live):
     assert server.metric("vllm:prefix_cache_hits_total") - hits >= len(system) // bs * bs
 
 
+def test_ragattn_counters_in_metrics(live):
+    """ragattn's counters in the server's /metrics (vLLM's KV connector stats): one more request
+    answered by its method, its spans hit and its tokens reused, and time spent loading."""
+    import time
+
+    server, ref = live
+    p = ref["prompts"][0]
+    names = ("requests_method", "chunks_hit", "tokens_reused", "load_seconds")
+    before = {n: _metric_or_zero(server, f"vllm:ragattn_{n}_total") for n in names}
+    _ask(server, ref, p["prompt"], {"ragattn_spans": p["spans"], "ragattn_method": "turborag-composite"})
+    want = {"requests_method": 1, "chunks_hit": len(p["spans"]), "tokens_reused": p["spans"][-1][1]}
+    for _ in range(30):   # (the step's stats reach the front end's logger beside the answer)
+        grew = {n: _metric_or_zero(server, f"vllm:ragattn_{n}_total") - before[n] for n in names}
+        if all(grew[n] >= w for n, w in want.items()) and grew["load_seconds"] > 0:
+            break
+        time.sleep(1)
+    assert {n: grew[n] for n in want} == want and grew["load_seconds"] > 0, grew
+
+
+def _metric_or_zero(server, name) -> float:
+    try:
+        return server.metric(name)
+    except KeyError:   # (a counter appears with its first increment)
+        return 0.0
+
+
 def test_partial_reuse_is_reported(live):
     """A passage the store does not hold: reuse stops before it; the response says how much was
     reused and computed exactly, and the server's log has a WARNING naming the span."""
