@@ -183,3 +183,27 @@ def test_counters_reach_prometheus(served):
     assert reg.get_sample_value("vllm:ragattn_chunks_hit_total", {"engine": "0"}) == 3
     assert reg.get_sample_value("vllm:ragattn_tokens_exact_total", {"engine": "0"}) == len(prompt) - 9
     assert reg.get_sample_value("vllm:ragattn_store_disk_loads_total", {"engine": "0"}) == 1
+
+
+def test_shared_chunk_pages_with_prefix_caching(served, monkeypatch):
+    """Shared chunk pages no longer refuse prefix caching: identical requests read the same chunk
+    pages but have salts of their own, so the blocks one gives back (unwritten: its chunks live in
+    the chunk pages) are never another's prefix-cache hit."""
+    from ragattn.vllm.connector_config import RagattnWorkerMetadata
+
+    monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
+    _, _, _, chunks = served
+    sched = _scheduler(_config(served, prefix_caching=True, kv_split="channel", shared_pages=True))
+    prompt, spans = _prompt(chunks, (0, 1, 2))              # claim 36: blocks 0 and 1 hold only chunk tokens
+    first, second = (_request(prompt, spans, prefix_caching=True) for _ in range(2))
+    out, loads = _schedule(sched, first, second)
+    a, b = loads[first.request_id], loads[second.request_id]
+    assert a.chunk_blocks == b.chunk_blocks and a.skip == b.skip == 0 and _hit(out, second) == 36
+    assert first.cache_salt != second.cache_salt
+    given = {r.request_id: (0, load.block_ids[0][:2]) for r, load in ((first, a), (second, b))}
+    sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=RagattnWorkerMetadata(
+        shared=given)))
+    third = _request(prompt, spans, prefix_caching=True)
+    out, loads = _schedule(sched, third)
+    assert loads[third.request_id].skip == 0 and loads[third.request_id].chunk_blocks == a.chunk_blocks
+    assert _hit(out, third) == 36
