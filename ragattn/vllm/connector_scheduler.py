@@ -228,18 +228,27 @@ class ConnectorScheduler:
         worker = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker, RagattnWorkerMetadata):
             self._recomputed.update(worker.recomputed)
-            for req_id, block_ids in worker.failed.items():
-                plan = self._plans.get(req_id)
-                if plan is not None:
-                    plan.failed = True
-                if self._kv_manager is not None and self.settings.prefix_caching:
-                    # vLLM recomputes them exactly: exact pages under an approximate salt must never be hit
-                    self._kv_manager.evict_blocks(set(block_ids))
+            failed = {b for ids in worker.failed.values() for b in ids}
+            if failed:
+                self._fail(worker.failed, failed)
             if self._pool is not None:
                 for key in worker.failed_chunks:
                     self._pool.drop(key)
                 for req_id, (first, block_ids) in worker.shared.items():
                     self._pool.give_back(self._kv_manager, req_id, block_ids, first)
+
+    def _fail(self, requests: dict[str, list[int]], blocks: set[int]) -> None:
+        """Loads that failed (their claimed ``blocks``, which vLLM recomputes exactly): those requests,
+        and any that found those blocks in vLLM's prefix cache in the same step, are answered by
+        full attention; the blocks leave the prefix cache (exact pages under an approximate salt)."""
+        for req_id, plan in self._plans.items():
+            if req_id in requests:
+                plan.failed = True
+            elif plan.served and plan.hit and self._kv_manager is not None:
+                held = self._kv_manager.get_block_ids(req_id)[0][:plan.hit // self.settings.block_size]
+                plan.failed = plan.failed or bool(blocks.intersection(held))
+        if self._kv_manager is not None and self.settings.prefix_caching:
+            self._kv_manager.evict_blocks(blocks)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Nothing is saved (the blocks are freed at once). A request that carried chunks gets in its
@@ -254,7 +263,8 @@ class ConnectorScheduler:
         used = plan.served and not plan.failed
         reason = plan.reason
         if plan.failed:
-            reason = "a chunk could not be loaded; vLLM recomputed the claimed tokens exactly"
+            reason = ("a chunk could not be loaded (or the prefix-cache pages it found were such a load's); vLLM "
+                      "recomputed the claimed tokens exactly")
         elif plan.claim.spans and not plan.served:
             reason = "vLLM took none of the claimed tokens"
         params = report_params(plan.method, plan.method.name if used else FULL_ATTENTION, reason,

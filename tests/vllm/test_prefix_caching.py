@@ -207,3 +207,20 @@ def test_shared_chunk_pages_with_prefix_caching(served, monkeypatch):
     out, loads = _schedule(sched, third)
     assert loads[third.request_id].skip == 0 and loads[third.request_id].chunk_blocks == a.chunk_blocks
     assert _hit(out, third) == 36
+
+
+def test_a_hit_on_a_failed_load_is_full_attention(served):
+    """Two identical Block-Attention requests in one step: the second finds the first's claimed
+    blocks in vLLM's prefix cache and loads nothing; the first's load fails, so vLLM recomputes those
+    blocks exactly for both: both responses say full attention."""
+    _, kv_dir, _, chunks = served
+    sched = _scheduler(_config(served, prefix_caching=True))
+    prompt, spans = _prompt(chunks, (0, 1))                 # claim 30 of 35: a hit of 32 covers it
+    first, second = (_request(prompt, spans, prefix_caching=True) for _ in range(2))
+    out, loads = _schedule(sched, first, second)
+    assert second.request_id not in loads and _hit(out, second) == 32
+    conn, _ = _worker(served)
+    _load_with_a_truncated_chunk(conn, out.kv_connector_metadata, kv_dir, loads[first.request_id].keys[1])
+    sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=conn.build_connector_worker_meta()))
+    for r in (first, second):
+        assert sched.connector.request_finished(r, [])[1]["ragattn_answered_by"] == "full-attention"
