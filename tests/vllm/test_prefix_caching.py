@@ -221,6 +221,7 @@ def test_a_hit_on_a_failed_load_is_full_attention(served):
     assert second.request_id not in loads and _hit(out, second) == 32
     conn, _ = _worker(served)
     _load_with_a_truncated_chunk(conn, out.kv_connector_metadata, kv_dir, loads[first.request_id].keys[1])
-    sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=conn.build_connector_worker_meta()))
+    meta = conn.build_connector_worker_meta()
+    sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
     for r in (first, second):
         assert sched.connector.request_finished(r, [])[1]["ragattn_answered_by"] == "full-attention"
