@@ -13,8 +13,9 @@ FusionRAG, and ragattn's kernels as vLLM's attention backend.
   batch order, RoPE, the model) owned by the connector's worker and read by the backend.
 * :mod:`ragattn.vllm.shared_pages`: the scheduler's pool of shared chunk pages (the pages are read
   through :mod:`ragattn.kv.shared_entries`).
-* :mod:`ragattn.vllm.spans`: chunk spans of a prompt, the request's method, the claim (scheduler
-  side, no vLLM).
+* :mod:`ragattn.vllm.spans`: chunk spans of a prompt, the request's method, the claim, the
+  server's cache salt and what a response reports (scheduler side, no vLLM).
+* :mod:`ragattn.vllm.metrics`: ragattn's counters in vLLM's ``/metrics`` (vLLM's connector stats).
 * :mod:`ragattn.vllm.backend`, :mod:`ragattn.vllm.platform`: the attention backend and the platform
   plugin that selects it (``RAGATTN_VLLM_ATTENTION=1``).
 * :mod:`ragattn.vllm.recompute`: CacheBlend's and FusionRAG's recompute by the served model (the
