@@ -334,12 +334,13 @@ def start_servers(python: str, model_dir: Path, chunk_dir: Path, backends: Seque
                   threads: int, timeout_s: float, profile_dir: Optional[Path] = None) -> dict:
     """``{backend: LiveServer}``, started side by side (each waited for); on a failure the others
     are stopped and the error raised. ``profile_dir``: vLLM's torch profiler on, each server's
-    output under ``profile_dir/<backend>``."""
+    output under ``profile_dir/<backend>``. vLLM's prefix cache is off: the rounds repeat each
+    prompt, which would otherwise time vLLM's own hits instead of each method's compute."""
     from ragattn.vllm.serve import LiveServer, free_port, serve_command
 
     def start(backend):
         cmd = serve_command(model_dir, free_port(), chunk_dir=chunk_dir, python=python, max_model_len=MAX_MODEL_LEN,
-                            shared_pages=backend == "ragattn")
+                            shared_pages=backend == "ragattn", prefix_caching=False)
         if profile_dir is not None:
             cmd += ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_with_stack": False,
                                                      "torch_profiler_dir": str(profile_dir / backend)})]
@@ -468,7 +469,7 @@ def run(a, argv_text: str) -> int:
                                       "backend": backend, "kv_transfer_params": body.get("kv_transfer_params")}))
             for b in backends:
                 cmd = serve_command(model_dir, 0, chunk_dir=workdir / "kv", python=a.vllm_python or "PYTHON",
-                                    max_model_len=MAX_MODEL_LEN, shared_pages=b == "ragattn")
+                                    max_model_len=MAX_MODEL_LEN, shared_pages=b == "ragattn", prefix_caching=False)
                 env = {**server_env(a.threads), **BACKENDS[b]}
                 print(f"{b}: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd))
             return 0

@@ -13,8 +13,9 @@ FusionRAG, and ragattn's kernels as vLLM's attention backend.
   batch order, RoPE, the model) owned by the connector's worker and read by the backend.
 * :mod:`ragattn.vllm.shared_pages`: the scheduler's pool of shared chunk pages (the pages are read
   through :mod:`ragattn.kv.shared_entries`).
-* :mod:`ragattn.vllm.spans`: chunk spans of a prompt, the request's method, the claim (scheduler
-  side, no vLLM).
+* :mod:`ragattn.vllm.spans`: chunk spans of a prompt, the request's method, the claim, the
+  server's cache salt and what a response reports (scheduler side, no vLLM).
+* :mod:`ragattn.vllm.metrics`: ragattn's counters in vLLM's ``/metrics`` (vLLM's connector stats).
 * :mod:`ragattn.vllm.backend`, :mod:`ragattn.vllm.platform`: the attention backend and the platform
   plugin that selects it (``RAGATTN_VLLM_ATTENTION=1``).
 * :mod:`ragattn.vllm.recompute`: CacheBlend's and FusionRAG's recompute by the served model (the
@@ -28,8 +29,8 @@ FusionRAG, and ragattn's kernels as vLLM's attention backend.
 
 Importing this package does not import vLLM (nor does ``import ragattn``). See docs/vllm.md.
 """
-from ragattn.vllm.spans import (METHODS, SPANS_PARAM, Claim, MethodChoice, ParamError, SpanError, method_from_params,
-                                plan_claim, separator_salt, span_salt, spans_from_params, spans_from_separator)
+from ragattn.vllm.spans import (METHODS, REPORT_PARAMS, SPANS_PARAM, Claim, MethodChoice, ParamError, SpanError,
+                                method_from_params, plan_claim, request_salt, spans_from_params, spans_from_separator)
 
-__all__ = ["METHODS", "SPANS_PARAM", "Claim", "MethodChoice", "ParamError", "SpanError", "method_from_params",
-           "plan_claim", "separator_salt", "span_salt", "spans_from_params", "spans_from_separator"]
+__all__ = ["METHODS", "REPORT_PARAMS", "SPANS_PARAM", "Claim", "MethodChoice", "ParamError", "SpanError",
+           "method_from_params", "plan_claim", "request_salt", "spans_from_params", "spans_from_separator"]

@@ -1,12 +1,15 @@
 """``RagattnConnector``: cached-chunk KV reuse inside vLLM (a KV connector): Block-Attention,
 TurboRAG and, on ragattn's attention backend, CacheBlend and FusionRAG, chosen per request.
 
-    vllm serve <model> --no-enable-prefix-caching --kv-transfer-config '{"kv_connector": "RagattnConnector",
+    vllm serve <model> --kv-transfer-config '{"kv_connector": "RagattnConnector",
         "kv_connector_module_path": "ragattn.vllm.connector", "kv_role": "kv_consumer",
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"chunk_dir": "kv/"}}'
 
-Scheduler side: finds the chunk spans of a prompt (``kv_transfer_params["ragattn_spans"]`` of
-the request, or the ``separator_token_id`` configured), looks each chunk up in the chunk
+Scheduler side: when a request arrives (``on_new_request``), gives it a cache salt derived from
+what makes its approximate pages (vLLM's prefix cache then hashes them apart from exact prompts
+and other methods: :mod:`ragattn.vllm.connector_scheduler`); finds the chunk spans of a prompt
+(``kv_transfer_params["ragattn_spans"]`` of the request, or the ``separator_token_id``
+configured), looks each chunk up in the chunk
 store's directory and claims the prompt tokens up to the end of the last span whose chunks are
 all cached (:func:`ragattn.vllm.spans.plan_claim`: never the whole prompt); the request's block
 ids (every KV cache group's) go to the worker in the step's metadata. Worker side:
@@ -44,7 +47,7 @@ from ragattn.vllm.connector_config import (FP8_CACHE_DTYPES, OPTIONS, PLAIN_CACH
                                            RagattnWorkerMetadata, RequestLoad, Settings, cache_groups)
 from ragattn.vllm.connector_scheduler import ConnectorScheduler
 from ragattn.vllm.connector_worker import ConnectorWorker
-from ragattn.vllm.spans import separator_salt, span_salt
+from ragattn.vllm.metrics import RagattnPromMetrics, RagattnStats
 from ragattn.vllm.worker_state import WorkerState
 
 if TYPE_CHECKING:
@@ -84,6 +87,10 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         return "scheduler" if self.scheduler is not None else "worker"
 
     # ----- scheduler side ---------------------------------------------------------------
+    def on_new_request(self, request: "Request") -> None:
+        """Plans the request and salts its block hashes before vLLM's first prefix-cache lookup."""
+        self._side(self.scheduler).on_new_request(request)
+
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._side(self.scheduler).bind_kv_cache_manager(kv_cache_manager)
@@ -101,8 +108,8 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
         self._side(self.scheduler).update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Nothing is saved (the blocks are freed at once); a request the worker recomputed rows
-        of gets them in its output's ``kv_transfer_params`` (``ragattn_recomputed``: prompt positions)."""
+        """Nothing is saved (the blocks are freed at once); a request that carried chunks gets what it
+        was answered with in its output's ``kv_transfer_params`` (``ragattn.vllm.spans.report_params``)."""
         return self._side(self.scheduler).request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
@@ -133,6 +140,19 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._side(self.worker).get_block_ids_with_load_errors()
 
+    # ----- /metrics (ragattn.vllm.metrics) ------------------------------------------------
+    def get_kv_connector_stats(self) -> RagattnStats | None:
+        """This side's counters since the last call (vLLM aggregates the scheduler's and the workers')."""
+        return self.scheduler.stats.take() if self.scheduler is not None else self.worker.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RagattnStats:
+        return RagattnStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> RagattnPromMetrics:
+        return RagattnPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return   # start_load_kv wrote every layer synchronously
 
@@ -144,4 +164,4 @@ class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 __all__ = ["RagattnConnector", "RagattnConnectorMetadata", "RagattnWorkerMetadata", "RequestLoad", "OPTIONS",
-           "PLAIN_CACHE_DTYPES", "FP8_CACHE_DTYPES", "cache_groups", "span_salt", "separator_salt"]
+           "PLAIN_CACHE_DTYPES", "FP8_CACHE_DTYPES", "cache_groups"]

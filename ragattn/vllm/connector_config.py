@@ -73,14 +73,16 @@ class RagattnWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, once per step: the prompt positions each request recomputed; the
     requests now read from shared chunk pages (``(first, block ids)``: the blocks to give back,
     from its block ``first`` on: the ones before hold its recomputed rows); the chunks whose
-    shared pages could not be written."""
+    shared pages could not be written; the requests whose load failed (their claimed blocks,
+    which vLLM recomputes exactly)."""
     recomputed: dict[str, list[int]] = field(default_factory=dict)
     shared: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     failed_chunks: list[str] = field(default_factory=list)
+    failed: dict[str, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: "RagattnWorkerMetadata") -> "RagattnWorkerMetadata":
         return RagattnWorkerMetadata({**self.recomputed, **other.recomputed}, {**self.shared, **other.shared},
-                                     self.failed_chunks + other.failed_chunks)
+                                     self.failed_chunks + other.failed_chunks, {**self.failed, **other.failed})
 
 
 def cache_groups(kv_cache_config: "KVCacheConfig") -> list[tuple[list[str], bool, int]]:
@@ -147,13 +149,12 @@ class Settings:
         self.shared = _flag(cfg.get_from_extra_config("shared_pages", False), "shared_pages")
         if self.shared:
             why = ("ragattn's attention backend is not on (RAGATTN_VLLM_ATTENTION=1)" if not ragattn_attention() else
-                   "vLLM's prefix cache is on" if self.prefix_caching else
                    f"kv_cache_dtype is {cache_dtype}" if cache_dtype in FP8_CACHE_DTYPES else
                    "the model has several KV cache groups or a sliding window"
                    if len(self.groups) > 1 or any(sl for _, sl, _ in self.groups) or self.window else None)
             if why:
-                raise ValueError(f"ragattn.vllm: shared_pages needs ragattn's attention backend, one full-attention KV "
-                                 f"cache group of unquantised caches and vLLM's prefix cache off: {why}")
+                raise ValueError(f"ragattn.vllm: shared_pages needs ragattn's attention backend and one full-attention "
+                                 f"KV cache group of unquantised caches: {why}")
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
         self.chunk_model = served_chunk_model(hf_path, mc.dtype)
         self.fingerprint = self.chunk_model.fingerprint

@@ -10,11 +10,12 @@ writer, the selective recompute and the worker's :class:`~ragattn.vllm.worker_st
 """
 from __future__ import annotations
 
-import logging
+import time
 
 import torch
 
 from vllm.config import get_layers_from_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 import vllm.platforms as vllm_platforms
 
@@ -26,11 +27,12 @@ from ragattn.vllm.connector_config import (FP8_CACHE_DTYPES, RagattnConnectorMet
                                            RequestLoad, Settings)
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
+from ragattn.vllm.metrics import STORE_COUNTERS, RagattnStats
 from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm.spans import composite_positions, layer_index
 from ragattn.vllm.worker_state import WorkerState
 
-log = logging.getLogger("ragattn.vllm.connector")
+log = init_logger(f"vllm.{__name__}")   # vLLM's logger tree: its lines carry level and time
 
 
 class ConnectorWorker:
@@ -52,6 +54,9 @@ class ConnectorWorker:
         self._written: dict[str, tuple[int, ...]] = {}   # chunk -> the shared pages holding it
         self._shared_done: dict[str, tuple[int, list[int]]] = {}
         self._failed_chunks: list[str] = []
+        self._failed_requests: dict[str, list[int]] = {}
+        self._stats = RagattnStats()                          # for /metrics (ragattn.vllm.metrics)
+        self._store_seen = {k: 0 for k in STORE_COUNTERS}     # the store's counters already counted
 
     @property
     def store(self) -> ChunkStore:
@@ -196,20 +201,30 @@ class ConnectorWorker:
             self._written.pop(key, None)
         for load in meta.loads:
             self.state.requests.pop(load.req_id, None)
+            t0 = time.perf_counter()
             try:
-                rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
-                             if load.method.entry.positions == "composite" else None)
-                if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
-                    continue
-                with torch.inference_mode():
-                    self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
-                if load.method.recomputes:
-                    self._done[load.req_id] = self._recompute(load).positions
-            except (ChunkStoreError, OSError, RecomputeError) as exc:
-                failed = self._claimed_blocks(load)
-                log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
-                          "as failed loads", load.req_id, exc, sorted(failed))
-                self._failed_blocks |= failed
+                self._load(load)
+            finally:
+                self._stats.add("load_seconds", time.perf_counter() - t0)
+
+    def _load(self, load: RequestLoad) -> None:
+        """One request's load (:meth:`start_load_kv`); a failure is logged and its blocks reported."""
+        try:
+            rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
+                         if load.method.entry.positions == "composite" else None)
+            if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
+                return
+            with torch.inference_mode():
+                self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
+            if load.method.recomputes:
+                self._done[load.req_id] = self._recompute(load).positions
+        except (ChunkStoreError, OSError, RecomputeError) as exc:
+            self._stats.add("loads_failed", 1)
+            failed = self._claimed_blocks(load)
+            log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
+                      "as failed loads", load.req_id, exc, sorted(failed))
+            self._failed_blocks |= failed
+            self._failed_requests[load.req_id] = sorted(failed)
 
     def _load_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
         """Serves the request from shared chunk pages: writes the chunks not in their pages yet
@@ -255,16 +270,28 @@ class ConnectorWorker:
         if self._recomputer is None:
             raise RecomputeError(f"ragattn.vllm: {load.method.name} needs ragattn's attention backend on one KV "
                                  "cache group (RAGATTN_VLLM_ATTENTION=1)")
-        return self._recomputer.run(RecomputeRequest(load.method.name, load.method.ratio, load.prompt, load.spans,
-                                                     load.block_ids[0], self.settings.groups[0][2] if self.settings.groups
-                                                     else self.settings.block_size,
-                                                     load.chunk_blocks if shared else None))
+        t0 = time.perf_counter()
+        try:
+            return self._recomputer.run(RecomputeRequest(load.method.name, load.method.ratio, load.prompt, load.spans,
+                                                         load.block_ids[0], self.settings.groups[0][2]
+                                                         if self.settings.groups else self.settings.block_size,
+                                                         load.chunk_blocks if shared else None))
+        finally:
+            self._stats.add("recompute_seconds", time.perf_counter() - t0)
+
+    def get_kv_connector_stats(self) -> RagattnStats | None:
+        """The counters since the last call (load and recompute time, the store's tiers), or None."""
+        for key, name in STORE_COUNTERS.items():
+            now = self._store.stats.get(key, 0)
+            self._stats.add(name, now - self._store_seen[key])
+            self._store_seen[key] = now
+        return self._stats.take()
 
     def build_connector_worker_meta(self) -> RagattnWorkerMetadata | None:
-        if not (self._done or self._shared_done or self._failed_chunks):
+        if not (self._done or self._shared_done or self._failed_chunks or self._failed_requests):
             return None
-        meta = RagattnWorkerMetadata(self._done, self._shared_done, self._failed_chunks)
-        self._done, self._shared_done, self._failed_chunks = {}, {}, []
+        meta = RagattnWorkerMetadata(self._done, self._shared_done, self._failed_chunks, self._failed_requests)
+        self._done, self._shared_done, self._failed_chunks, self._failed_requests = {}, {}, [], {}
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:

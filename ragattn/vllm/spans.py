@@ -24,7 +24,12 @@ from ragattn.store.positions import Positions
 SPANS_PARAM = "ragattn_spans"   # keys in a request's kv_transfer_params
 METHOD_PARAM = "ragattn_method"
 RATIO_PARAM = "ragattn_ratio"
+KNOWN_PARAMS = (SPANS_PARAM, METHOD_PARAM, RATIO_PARAM)   # what a request may send
 RECOMPUTED_PARAM = "ragattn_recomputed"   # in the response: the prompt positions the server recomputed
+# in the response of every request that carried chunks: what it was answered with (report_params)
+REPORT_PARAMS = ("ragattn_answered_by", "ragattn_reason", "ragattn_chunks_hit", "ragattn_chunks_missed",
+                 "ragattn_tokens_reused", "ragattn_tokens_recomputed", "ragattn_tokens_exact",
+                 "ragattn_prefix_cache_tokens")
 
 # the methods a request may ask for (how its chunks' keys are placed, and what is recomputed):
 # ragattn.methods.registry's served entries
@@ -106,6 +111,27 @@ def method_from_params(params: dict | None) -> MethodChoice:
     return MethodChoice(name, float(ratio))
 
 
+def report_params(method: MethodChoice, answered_by: str, reason: str, num_spans: int, chunks_hit: int,
+                  prompt_len: int, reused_end: int, recomputed: list[int] | None, prefix_cache_tokens: int) -> dict:
+    """The response's ``kv_transfer_params`` for a request that carried chunks: the method asked
+    for (and its ratio), ``ragattn_answered_by`` (that method, or ``"full-attention"``) and
+    ``ragattn_reason`` (why full attention, or which spans were not reused; "" when all were),
+    ``ragattn_chunks_hit`` / ``_missed`` (spans reused from the store or not, the prompt head
+    included), ``ragattn_tokens_reused`` (prompt tokens ``[0, reused_end)`` whose K/V came from the
+    store, less the recomputed ones), ``ragattn_tokens_recomputed`` (``ragattn_recomputed``: their
+    prompt positions, for the methods that recompute), ``ragattn_tokens_exact`` (the rest of the
+    prompt, computed by vLLM with full attention over everything before it) and
+    ``ragattn_prefix_cache_tokens`` (of the reused tokens, those found in vLLM's prefix cache,
+    pages of the same computation)."""
+    rows = list(recomputed or [])
+    out = {METHOD_PARAM: method.name}
+    if method.recomputes:
+        out |= {RATIO_PARAM: method.ratio, RECOMPUTED_PARAM: rows}
+    values = (answered_by, reason, chunks_hit, num_spans - chunks_hit, reused_end - len(rows), len(rows),
+              prompt_len - reused_end, min(prefix_cache_tokens, reused_end))
+    return out | dict(zip(REPORT_PARAMS, values))
+
+
 def check_spans(spans: Sequence[Sequence[int]], prompt_len: int) -> tuple[tuple[int, int], ...]:
     """``spans`` as a tuple of int pairs, or SpanError: each ``0 <= start < end <= prompt_len``,
     in prompt order, non-overlapping (gaps are allowed: they stop the claim)."""
@@ -165,38 +191,20 @@ def plan_claim(tokens: Sequence[int], spans: Sequence[tuple[int, int]], key: Cal
     return Claim(tuple(got), tuple(keys))
 
 
-def _method_salt(method: "MethodChoice | None", prompt: Sequence[int] | None) -> str:
-    """The part of a salt that tells methods apart: "" for Block-Attention and TurboRAG-reordered
-    (one computation, so their pages may be shared), the method and ratio for the others, and for
-    FusionRAG the whole prompt too (its rows are chosen by the question)."""
-    if method is None or method.name in ("block-attention", "turborag-reordered"):
-        return ""
-    part = f"{method.name}:{method.ratio!r}"
-    if method.name == "fusionrag":
-        if prompt is None:
-            raise ValueError("ragattn.vllm: a FusionRAG salt needs the prompt (its recomputed rows follow the question)")
-        part += ":" + hashlib.sha256(json.dumps(list(prompt)).encode()).hexdigest()
-    return part
-
-
-def span_salt(spans: Sequence[tuple[int, int]], method: "MethodChoice | None" = None,
-              prompt: Sequence[int] | None = None) -> str:
-    """The ``cache_salt`` a request whose spans come in its ``kv_transfer_params`` must carry
-    when vLLM's prefix cache is on: its approximate pages are then hashed apart from every exact
-    prefix, from requests that split the same tokens into other blocks, and from other methods
-    (``method``; FusionRAG's also from other prompts: pass ``prompt``, its token ids)."""
-    text = json.dumps([list(s) for s in spans]) + _method_salt(method, prompt)
-    return f"ragattn-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
-
-
-def separator_salt(separator: int, method: "MethodChoice | None" = None, prompt: Sequence[int] | None = None) -> str:
-    """The ``cache_salt`` of requests split by a separator token: their spans follow from their
-    tokens, so equal token prefixes are equal Block-Attention computations and may share pages
-    (one salt for all such requests; per method, and per prompt for FusionRAG, as
-    :func:`span_salt`)."""
-    extra = _method_salt(method, prompt)
-    suffix = f"-{hashlib.sha256(extra.encode()).hexdigest()[:24]}" if extra else ""
-    return f"ragattn-sep-{int(separator)}{suffix}"
+def request_salt(key: str, layout, claim: Claim, method: MethodChoice, nonce: str | None = None,
+                 client_salt: str | None = None) -> str:
+    """The ``cache_salt`` the server gives a request it serves from cached chunks (vLLM hashes it
+    into the request's first block, so its pages are hashed apart from every request whose pages
+    were made otherwise). ``key``: a secret of the server process (no client can send a salt that
+    collides with a derived one); ``layout``: the request's spans (a list of pairs) or, in
+    separator mode, the separator id; ``claim``: the spans served from the store (the pages of a
+    prompt prefix are a function of its tokens, the claimed spans and the method, which is why
+    requests with equal salts may share them); ``nonce``: set for requests whose pages must
+    never be shared (selective recompute, shared chunk pages); ``client_salt``: the salt the
+    client sent, kept as a tenant separator, never instead of the derived one."""
+    name = method.entry.serves_as or method.name   # requests that run one computation make equal pages
+    text = json.dumps([key, layout, [list(s) for s in claim.spans], name, method.ratio, nonce, client_salt])
+    return f"ragattn-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 def composite_positions(spans: Sequence[tuple[int, int]]) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 from ragattn.hf.store_model import describe
 from ragattn.store import FORMAT, ChunkModel, ChunkStoreError, model_fingerprint
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")   # vLLM's logger tree (configured in a vLLM process), no import of vLLM
 _DESCRIPTIONS: dict[tuple[str, torch.dtype], ChunkModel] = {}
 _SAMPLE = 64   # chunk files whose header is read at start-up
 

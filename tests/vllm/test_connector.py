@@ -23,7 +23,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from ragattn.store import ChunkStore, ChunkStoreError  # noqa: E402
 from ragattn.vllm.connector import RagattnConnector, RagattnConnectorMetadata  # noqa: E402
 from ragattn.vllm.pages import CacheLayoutError, slot_rows  # noqa: E402
-from ragattn.vllm.spans import MethodChoice, separator_salt, span_salt  # noqa: E402
+from ragattn.vllm.spans import MethodChoice  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
 
 BS, H, D, L, NUM_BLOCKS = 16, 2, 16, 2, 24
@@ -144,41 +144,6 @@ def test_claims(served):
     assert loads[reqs["repeat"].request_id].keys[0] == loads[reqs["repeat"].request_id].keys[2]
 
 
-def test_prefix_caching_needs_the_span_salt(served):
-    _, _, _, chunks = served
-    sched = _scheduler(_config(served, prefix_caching=True))
-    prompt, spans = _prompt(chunks, (0, 1))
-    plain = _request(prompt, spans, prefix_caching=True)
-    salted = _request(prompt, spans, salt=span_salt(spans), prefix_caching=True)
-    out, loads = _schedule(sched, plain, salted)
-    assert plain.request_id not in loads and out.num_scheduled_tokens[plain.request_id] == len(prompt)
-    assert loads[salted.request_id].spans[-1][1] == 30
-
-
-def test_prefix_caching_salts_per_method(served, monkeypatch):
-    """Under prefix caching each method needs its own salt (``span_salt(spans, method, prompt)``):
-    a recompute request carrying Block-Attention's salt is not claimed (its pages would be shared
-    with requests that recomputed nothing), with its own salt it is, and carries its method to the
-    worker; one that recomputes is refused where ragattn's backend is off."""
-    _, _, _, chunks = served
-    prompt, spans = _prompt(chunks, (0, 1))
-    fusion = MethodChoice("fusionrag", 0.2)
-    monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "0")
-    off = _scheduler(_config(served, prefix_caching=True))
-    r = _request(prompt, spans, salt=span_salt(spans, fusion, prompt), prefix_caching=True, method=fusion)
-    assert r.request_id not in _schedule(off, r)[1]
-    monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
-    sched = _scheduler(_config(served, prefix_caching=True))
-    wrong = _request(prompt, spans, salt=span_salt(spans), prefix_caching=True, method=fusion)
-    right = _request(prompt, spans, salt=span_salt(spans, fusion, prompt), prefix_caching=True, method=fusion)
-    composite = MethodChoice("turborag-composite")
-    comp = _request(prompt, spans, salt=span_salt(spans, composite, prompt), prefix_caching=True, method=composite)
-    out, loads = _schedule(sched, wrong, right, comp)
-    assert wrong.request_id not in loads and out.num_scheduled_tokens[wrong.request_id] == len(prompt)
-    assert loads[right.request_id].method == fusion and loads[right.request_id].prompt == tuple(prompt)
-    assert loads[comp.request_id].method == composite and loads[comp.request_id].prompt == ()
-
-
 def test_composite_is_refused_under_a_sliding_window(served, monkeypatch):
     """TurboRAG composite's positions overlap: a window is by position (the HF path's rule) and vLLM
     windows by slot, so on a model whose window is shorter than the prompt the request is computed
@@ -245,6 +210,18 @@ def test_start_load_kv_equals_assembled_request(served):
         assert k.isnan().all() and v.isnan().all()
 
 
+def _load_with_a_truncated_chunk(conn, meta, kv_dir, key):
+    """The worker's load of ``meta`` while chunk ``key``'s file is cut in half (restored after)."""
+    victim = kv_dir / f"{key}.safetensors"
+    saved = victim.read_bytes()
+    victim.write_bytes(saved[: len(saved) // 2])       # truncated: corrupt
+    try:
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+    finally:
+        victim.write_bytes(saved)
+
+
 def test_failed_load_writes_nothing_and_reports_blocks(served):
     """A chunk file gone between the claim and the load: the request's blocks are reported as
     failed loads (vLLM recomputes them) and its pages are left untouched, not half filled."""
@@ -255,14 +232,7 @@ def test_failed_load_writes_nothing_and_reports_blocks(served):
     out, loads = _schedule(sched, r)
     load = loads[r.request_id]
     conn, caches = _worker(served)
-    victim = kv_dir / f"{load.keys[1]}.safetensors"
-    saved = victim.read_bytes()
-    victim.write_bytes(saved[: len(saved) // 2])       # truncated: corrupt
-    try:
-        conn.bind_connector_metadata(out.kv_connector_metadata)
-        conn.start_load_kv(None)
-    finally:
-        victim.write_bytes(saved)
+    _load_with_a_truncated_chunk(conn, out.kv_connector_metadata, kv_dir, load.keys[1])
     assert conn.get_block_ids_with_load_errors() == set(load.block_ids[0][:2])
     assert all(kv.isnan().all() for kv in caches.values())
 
@@ -306,24 +276,25 @@ def test_unknown_backend_layout_is_refused(served):
 
 
 def test_prefix_cache_hit_is_not_rewritten(served, tmp_path):
-    """Separator mode with prefix caching: a second request sharing the first block of an
-    earlier one (same separator salt) gets vLLM's own hit for it; the connector claims the rest
-    of its spans and writes only those tokens, leaving the shared block alone."""
+    """Separator mode with prefix caching: a second request with the same chunks as an earlier
+    one and another question (the server gives both the same salt) gets vLLM's own hit for their
+    first block; the connector claims the rest of its spans and writes only those tokens, leaving
+    the shared block alone."""
     _, _, model, chunks = served
     sep = 210
     a, b = chunks[1] + [sep], chunks[2] + [sep]                 # 22 and 7 tokens
     ChunkStore(model, tmp_path / "kv", page_size=BS, memory_budget=1 << 24).add([a, b])
     cfg = _config(served, prefix_caching=True, chunk_dir=str(tmp_path / "kv"), separator_token_id=sep)
     sched = _scheduler(cfg)
-    salt = separator_salt(sep)
-    first = _request(a + b + [4, 6, 8], salt=salt, prefix_caching=True)          # 32 tokens: 2 full blocks
+    first = _request(a + b + [4, 6, 8], prefix_caching=True)           # 32 tokens: 2 full blocks
     out1, loads1 = _schedule(sched, first)
     assert loads1[first.request_id].skip == 0 and loads1[first.request_id].spans[-1][1] == 29
-    second = _request(a + b + a + [5, 7], salt=salt, prefix_caching=True)       # shares block 0 only
+    second = _request(a + b + [4, 5, 7, 9], prefix_caching=True)       # shares block 0 only
     out2, loads2 = _schedule(sched, second)
+    assert second.cache_salt == first.cache_salt
     load = loads2[second.request_id]
-    assert load.skip == BS and load.spans[-1][1] == 51
-    assert out2.num_scheduled_tokens[second.request_id] == 53 - 51
+    assert load.skip == BS and load.spans[-1][1] == 29
+    assert out2.num_scheduled_tokens[second.request_id] == 33 - 29
     assert load.block_ids[0][0] == loads1[first.request_id].block_ids[0][0]    # the shared page
 
     conn, caches = _worker(served, chunk_dir=str(tmp_path / "kv"), separator_token_id=sep)
@@ -331,8 +302,8 @@ def test_prefix_cache_hit_is_not_rewritten(served, tmp_path):
     conn.start_load_kv(None)
     store = ChunkStore(model, tmp_path / "kv", page_size=BS, read_only=True, memory_budget=1 << 24)
     req = store.assemble(list(load.keys), positions="reordered")
-    ref_rows = req.cache.slot_rows(0, torch.arange(51))
-    rows = slot_rows(load.block_ids[0], BS, 0, 51)
+    ref_rows = req.cache.slot_rows(0, torch.arange(29))
+    rows = slot_rows(load.block_ids[0], BS, 0, 29)
     for l, (k, v) in enumerate(_read(caches, rows)):
         assert k[:BS].isnan().all() and v[:BS].isnan().all()                  # vLLM's block: untouched
         assert torch.equal(k[BS:], req.cache.k[l].reshape(-1, H, D)[ref_rows][BS:])

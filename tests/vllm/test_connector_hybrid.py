@@ -29,8 +29,8 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from ragattn.store import ChunkStore  # noqa: E402
 from ragattn.reference import kv_cache as ref_kv  # noqa: E402
 from ragattn.vllm.pages import NULL_BLOCK, CacheLayoutError, slot_rows  # noqa: E402
-from tests.vllm.test_connector import (D, H, L, LAYERS, NUM_BLOCKS, _prompt, _request,  # noqa: E402,F401
-                                       _schedule, served)
+from tests.vllm.test_connector import (D, H, L, LAYERS, NUM_BLOCKS, _load_with_a_truncated_chunk,  # noqa: E402,F401
+                                       _prompt, _request, _schedule, served)
 
 WINDOW = 24          # layer 1's sliding window
 POISON = 0x7F        # an e4m3fn NaN byte
@@ -160,14 +160,7 @@ def test_hybrid_failed_load_reports_every_groups_blocks(served):
     conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
     caches = _caches(kvc)
     conn.register_kv_caches(caches)
-    victim = kv_dir / f"{load.keys[1]}.safetensors"
-    saved = victim.read_bytes()
-    victim.write_bytes(saved[: len(saved) // 2])
-    try:
-        conn.bind_connector_metadata(out.kv_connector_metadata)
-        conn.start_load_kv(None)
-    finally:
-        victim.write_bytes(saved)
+    _load_with_a_truncated_chunk(conn, out.kv_connector_metadata, kv_dir, load.keys[1])
     full_ids, sliding_ids = load.block_ids
     assert conn.get_block_ids_with_load_errors() == set(full_ids[:3]) | set(sliding_ids[1:3])
     assert all(_poisoned(c).all() for c in caches.values())

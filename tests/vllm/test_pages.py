@@ -10,8 +10,8 @@ from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.methods.generate import paged_forward
 from ragattn.vllm.pages import CacheLayoutError, PageWriter, slot_rows
 from ragattn.vllm.spans import (MethodChoice, ParamError, SpanError, check_spans, composite_positions, layer_index,
-                                method_from_params, plan_claim, separator_salt, span_salt,
-                                spans_from_params, spans_from_separator)
+                                method_from_params, plan_claim, report_params, request_salt,
+                                spans_from_params, spans_from_separator, Claim)
 from tests.helpers import tiny_causal_lm
 
 H, D, BS = 2, 16, 16   # the tiny model's KV heads and head size; vLLM's block size here
@@ -55,7 +55,6 @@ def test_spans_from_params_and_separator():
     assert spans_from_separator([4, 4, 0, 5, 0, 7, 8], sep) == ((0, 3), (3, 5))
     assert spans_from_separator([4, 5], sep) == ()
     assert check_spans([], 0) == ()
-    assert span_salt([(0, 3), (3, 5)]) != span_salt([(0, 2), (2, 5)])
     assert layer_index("model.layers.11.self_attn.attn") == 11
 
 
@@ -81,24 +80,33 @@ def test_method_from_params():
         assert exc.value.field == f"kv_transfer_params.{field}"
 
 
-def test_salts_tell_methods_apart():
-    """Block-Attention's salt is unchanged and shared with TurboRAG-reordered (one computation);
-    the other methods, ratios and (for FusionRAG, whose rows follow the question) prompts differ."""
-    spans, prompt = [(0, 3), (3, 5)], [1, 2, 3, 4, 5, 6]
-    base = span_salt(spans)
-    assert span_salt(spans, MethodChoice("block-attention"), prompt) == base
-    assert span_salt(spans, MethodChoice("turborag-reordered"), prompt) == base
-    salts = {span_salt(spans, m, prompt) for m in (MethodChoice("turborag-composite"), MethodChoice("cacheblend", 0.1),
-                                                    MethodChoice("cacheblend", 0.2), MethodChoice("fusionrag", 0.1))}
-    assert len(salts) == 4 and base not in salts
-    assert span_salt(spans, MethodChoice("cacheblend", 0.1), prompt) == span_salt(spans, MethodChoice("cacheblend", 0.1),
-                                                                                 prompt[:-1] + [9])
-    assert span_salt(spans, MethodChoice("fusionrag", 0.1), prompt) != span_salt(spans, MethodChoice("fusionrag", 0.1),
-                                                                                prompt[:-1] + [9])
-    with pytest.raises(ValueError, match="needs the prompt"):
-        span_salt(spans, MethodChoice("fusionrag", 0.1))
-    assert separator_salt(7) == "ragattn-sep-7"
-    assert separator_salt(7, MethodChoice("cacheblend", 0.1)) != separator_salt(7)
+def test_request_salts_tell_computations_apart():
+    """The server's salt: equal for equal computations (Block-Attention and TurboRAG-reordered are
+    one), different for another layout, claim, method, ratio, server key, nonce or client salt."""
+    spans = [[0, 3], [3, 5], [5, 9]]
+    claim = Claim(((0, 3), (3, 5)), ("a", "b"))
+    block, cb = MethodChoice("block-attention"), MethodChoice("cacheblend", 0.1)
+    base = request_salt("k", spans, claim, block)
+    assert base == request_salt("k", spans, claim, MethodChoice("turborag-reordered")) and base.startswith("ragattn-")
+    others = {request_salt("k2", spans, claim, block), request_salt("k", [[0, 2], [2, 5], [5, 9]], claim, block),
+              request_salt("k", spans, Claim(((0, 3),), ("a",)), block), request_salt("k", 7, claim, block),
+              request_salt("k", spans, claim, MethodChoice("turborag-composite")), request_salt("k", spans, claim, cb),
+              request_salt("k", spans, claim, MethodChoice("cacheblend", 0.2)),
+              request_salt("k", spans, claim, cb, nonce="r1:0"), request_salt("k", spans, claim, cb, nonce="r1:1"),
+              request_salt("k", spans, claim, block, client_salt="tenant")}
+    assert len(others) == 10 and base not in others
+
+
+def test_report_params():
+    """What a response says: the counts add up to the prompt and the spans."""
+    out = report_params(MethodChoice("fusionrag", 0.25), "fusionrag", "", 4, 3, 57, 40, [12, 30], 16)
+    assert out == {"ragattn_method": "fusionrag", "ragattn_ratio": 0.25, "ragattn_recomputed": [12, 30],
+                   "ragattn_answered_by": "fusionrag", "ragattn_reason": "", "ragattn_chunks_hit": 3,
+                   "ragattn_chunks_missed": 1, "ragattn_tokens_reused": 38, "ragattn_tokens_recomputed": 2,
+                   "ragattn_tokens_exact": 17, "ragattn_prefix_cache_tokens": 16}
+    full = report_params(MethodChoice(), "full-attention", "why", 3, 0, 57, 0, None, 16)
+    assert "ragattn_ratio" not in full and full["ragattn_tokens_exact"] == 57
+    assert full["ragattn_prefix_cache_tokens"] == 0
 
 
 def test_composite_positions_keep_the_composite_distances():

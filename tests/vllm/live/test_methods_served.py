@@ -43,13 +43,16 @@ def test_method_answers_equal_hf(live_ragattn, method):
         want = p[method]
         got, text, params = ask(server, ref, p, method)
         assert got == _upto_eos(want["tokens"], eos), (method, p["question"], text, want["text"])
+        assert params["ragattn_method"] == params["ragattn_answered_by"] == method
+        assert params["ragattn_chunks_missed"] == 0
+        assert params["ragattn_tokens_exact"] == len(p["prompt"]) - p["spans"][-1][1]
         if method in RECOMPUTE:
             n_chunk = p["spans"][-1][1] - p["spans"][0][1]
-            assert params["ragattn_method"] == method and params["ragattn_ratio"] == RATIO
+            assert params["ragattn_ratio"] == RATIO
             assert params["ragattn_recomputed"] == want["recomputed"], (method, p["question"])
-            assert len(want["recomputed"]) == int(RATIO * n_chunk + 1e-9)
+            assert len(want["recomputed"]) == int(RATIO * n_chunk + 1e-9) == params["ragattn_tokens_recomputed"]
         else:
-            assert params is None
+            assert "ragattn_recomputed" not in params
 
 
 def test_methods_concurrent_equal_one_at_a_time(live_ragattn):
@@ -97,6 +100,11 @@ def test_damaged_chunk_then_restored(live_ragattn, method, damage):
         got, text, params = ask(server, ref, p, method)
         assert got == _upto_eos(p["full"], eos), (p["question"], text, p["full_text"])
         assert not (params or {}).get("ragattn_recomputed")     # nothing was recomputed
+        if damage == "truncated":
+            assert params["ragattn_answered_by"] == "full-attention"
+            assert params["ragattn_tokens_exact"] == len(p["prompt"])
+        else:   # the claim stopped before chunk 1: the head alone, a causal prefix
+            assert params["ragattn_chunks_hit"] == 1 and "not in the chunk store" in params["ragattn_reason"]
     got, text, params = ask(server, ref, p, method)
     assert got == _upto_eos(p[method]["tokens"], eos), (p["question"], text, p[method]["text"])
     assert params["ragattn_recomputed"] == p[method]["recomputed"]
