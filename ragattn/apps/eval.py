@@ -200,13 +200,9 @@ def _runs(methods: Sequence[Method], ratios: Sequence[float]):
 
 def _call(run, model, store, tok, chunks, question, n):
     """Answer with one configuration on ``model`` (the loaded one or its tuned copy) and its store."""
-    m, r, fn = run
-    kw = dict(m.options)
-    if r is not None:
-        kw["ratio"] = r / 100.0
-    if m.module == "ragattn.methods.baseline":
-        return fn(model, tok, chunks, question, max_new_tokens=n, **kw)
-    return fn(model, tok, chunks, question, max_new_tokens=n, store=store, **kw)
+    m, r, _ = run
+    return m.call(model, tok, chunks, question, max_new_tokens=n, store=store,
+                  ratio=None if r is None else r / 100.0)
 
 
 def _git_commit() -> str:
@@ -222,7 +218,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     from tqdm import tqdm
 
     from ragattn.apps.cli import parse_device, save_or_keep, writable_dir
-    from ragattn.apps.demo import DemoError, kl_divergence, load_model
+    from ragattn.apps.demo import DemoError, load_model
+    from ragattn.methods.generate import kl_divergence
     from ragattn.store import ChunkStore
     from ragattn.methods.prompt import prompt_parts
     from ragattn.methods.retrieval import Retriever

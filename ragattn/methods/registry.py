@@ -6,6 +6,7 @@ the vLLM request parameters all read it.
     from ragattn.methods import registry
     m = registry.get("block_attention")     # a Method; aliases give the canonical entry
     m.name, m.ratio, m.served                # "block-attention", False, True
+    m.call(model, tok, chunks, question, max_new_tokens=16, store=store[, ratio=0.15])   # an Answer
     registry.names(), registry.names(served=True), registry.BASELINE, registry.DEFAULT_RATIO,
     registry.SERVED_DEFAULT
     registry.check_ratio(0.15)               # None, or why the ratio is refused
@@ -57,6 +58,30 @@ class Method:
     @property
     def spellings(self) -> tuple:
         return tuple(dict.fromkeys((self.name, self.snake, *self.aliases)))
+
+    @property
+    def cached(self) -> bool:
+        """Its answers reuse cached chunk KV (TurboRAG, Block-Attention, Full Reuse, CacheBlend,
+        FusionRAG, their ablations): not the full prefills (``ragattn.methods.baseline``), not
+        RAPID (it prefills every passage and speeds up decoding), not REFRAG (a model of its own)."""
+        return self.evaluated and not self.decode and self.module != "ragattn.methods.baseline"
+
+    def call(self, model, tokenizer, chunks, question, *, max_new_tokens: int, store=None,
+             ratio: Optional[float] = None):
+        """Answer with this method: its function with its fixed options, ``store`` (the chunk store
+        the cached methods read; the full prefills ignore it) and, for a method that takes one,
+        ``ratio`` (fraction of the chunk tokens recomputed, in [0, 1]; None: :data:`DEFAULT_RATIO`).
+        Returns a ``ragattn.methods.generate.Answer``; ValueError for a method without an answer
+        function in this checkout or a ratio given to a method that takes none."""
+        fn = self.resolve() if self.evaluated else None
+        if fn is None:
+            raise ValueError(f"method {self.name!r} has no answer function in this checkout")
+        kw = dict(self.options)
+        if self.ratio:
+            kw["ratio"] = DEFAULT_RATIO if ratio is None else ratio
+        elif ratio is not None:
+            raise ValueError(f"method {self.name!r} takes no recompute ratio, got ratio={ratio!r}")
+        return fn(model, tokenizer, chunks, question, max_new_tokens=max_new_tokens, store=store, **kw)
 
     def resolve(self) -> Optional[Callable]:
         """The answer function, or None when its module is not part of this checkout (a module
