@@ -85,8 +85,8 @@ def _thresholds(args):
         raise UsageError(msg) from None
 
 
-def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout):
-    """Check the model; print the table (or JSON) on ``out``; returns the GateReport."""
+def run(args: argparse.Namespace, model_and_tokenizer=None, out=None):
+    """Check the model; print the table (or JSON) on ``out`` (default: stdout); returns the GateReport."""
     import os
 
     from tqdm import tqdm
@@ -129,7 +129,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout):
     else:
         report = quality_gate.check_model(model, tok, **kw)
     bar.close()
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format_table(), file=out)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format_table(),
+          file=sys.stdout if out is None else out)
     return report
 
 

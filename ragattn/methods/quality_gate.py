@@ -284,7 +284,8 @@ def check_model(model, tokenizer, *, methods: Optional[Sequence[str]] = None, th
     the model as the report names it; ``progress(step)``: called after each answer (a bar's
     update). ValueError for an unknown method, a bad ratio or probe count."""
     limits = thresholds or Thresholds()
-    chosen = list(GATED) if methods is None else list(dict.fromkeys(registry.canonical(m, GATED) for m in methods))
+    wanted = GATED if methods is None else {registry.canonical(m, GATED) for m in methods}
+    chosen = [m for m in GATED if m in wanted]     # registry order
     if not chosen:
         raise ValueError("ragattn.methods.quality_gate.check_model: no method to check")
     if ratio is not None and registry.check_ratio(ratio) is not None:
