@@ -313,7 +313,8 @@ def check_model(model, tokenizer, *, methods: Optional[Sequence[str]] = None, th
         for m in entries:
             ans = m.call(model, tokenizer, chunks, question, max_new_tokens=1, store=store,
                          ratio=ratio if m.ratio else None)
-            figures[m.name].append((ans.tokens[0] == base.tokens[0], kl_divergence(base.first_logits, ans.first_logits)))
+            kl = kl_divergence(base.first_logits, ans.first_logits)
+            figures[m.name].append((ans.tokens[0] == base.tokens[0], kl))
             if progress is not None:
                 progress(m.name)
     rows = []
