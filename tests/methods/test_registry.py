@@ -49,3 +49,23 @@ def test_served_bench_rows():
         "fusionrag": {"ragattn_spans": s, "ragattn_method": "fusionrag", "ragattn_ratio": 0.15}}
     assert served_methods.RAGATTN_ONLY == ("cacheblend", "fusionrag")
     assert served_memory.METHODS == ("block_attention", "fusionrag")
+
+
+def _record(model, tokenizer, chunks, question, **kw):
+    """An answer function that returns what it was called with (for Method.call's dispatch)."""
+    return (model, tokenizer, chunks, question, kw)
+
+
+def test_call_passes_options_store_and_ratio():
+    rec = registry.Method("rec", __name__, "_record", (("positions", "composite"),))
+    rec_ratio = registry.Method("rec-ratio", __name__, "_record", ratio=True)
+    got = rec.call("m", "t", ["c"], "q?", max_new_tokens=3, store="s")
+    assert got == ("m", "t", ["c"], "q?", dict(max_new_tokens=3, store="s", positions="composite"))
+    assert rec_ratio.call("m", "t", [], "q", max_new_tokens=1)[4]["ratio"] == registry.DEFAULT_RATIO
+    assert rec_ratio.call("m", "t", [], "q", max_new_tokens=1, ratio=0.3)[4]["ratio"] == 0.3
+    with pytest.raises(ValueError, match="takes no recompute ratio"):
+        rec.call("m", "t", [], "q", max_new_tokens=1, ratio=0.3)
+    with pytest.raises(ValueError, match="no answer function"):
+        registry.get("refrag").call("m", "t", [], "q", max_new_tokens=1)
+    assert [m.name for m in registry.REGISTRY if m.cached and not m.ablation] == [
+        "turborag-composite", "turborag-reordered", "block-attention", "full-reuse", "cacheblend", "fusionrag"]
