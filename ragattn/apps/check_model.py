@@ -2,7 +2,8 @@
 
     python -m ragattn check-model MODEL [--methods M,M] [--probes N] [--passages N] [--seed S]
                                   [--ratio PCT] [--min-agreement F] [--max-kl NATS] [--warn-kl NATS]
-                                  [--max-rotation-error E] [--store DIR] [--device cpu|cuda]
+                                  [--max-rotation-error E] [--max-exact-kl NATS] [--store DIR]
+                                  [--device cpu|cuda]
                                   [--json] [--no-progress]
 
 MODEL: "smollm2" (the shipped SmolLM2-135M-Instruct), a local HF checkpoint folder (e.g. the one a
@@ -12,7 +13,9 @@ First the model checks every cached-chunk method depends on: its family and RoPE
 re-rotates (YaRN/LongRoPE attention factors, dynamic NTK, per-layer-type frequencies are refused by
 name), and ragattn's re-rotation of a passage's keys by 1000 positions equals the model's own keys
 there (largest relative error over the layers; a model that rotates keys another way fails with
-that figure). Then each cached-chunk method of the registry (TurboRAG composite and reordered,
+that figure); when CacheBlend or FusionRAG is checked, CacheBlend at ratio 1 (every chunk token
+recomputed: full attention) must equal full prefill up to rounding (--max-exact-kl), or the ratio
+methods fail. Then each cached-chunk method of the registry (TurboRAG composite and reordered,
 Block-Attention, Full Reuse, CacheBlend and FusionRAG at --ratio) answers --probes short synthetic
 RAG prompts (invented facts no eval or training text holds, generated from --seed) and is compared
 with full prefill on the same tokens: first-token agreement and KL(full || method) of the first-token
@@ -64,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"mean first-token KL above which a method is warned (default {t.warn_kl})")
     p.add_argument("--max-rotation-error", type=float, default=None, metavar="E",
                    help="largest relative error of re-rotated keys (default 1e-3 for float32, 0.1 for 16-bit)")
+    p.add_argument("--max-exact-kl", type=float, default=None, metavar="NATS",
+                   help="first-token KL of recompute-all against full prefill (default 1e-6 for float32, 0.02 "
+                        "for 16-bit)")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="keep the report in DIR/quality-gate/ and reuse it for the same model and settings")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -77,10 +83,10 @@ def _thresholds(args):
 
     try:
         return Thresholds(min_agreement=args.min_agreement, max_kl=args.max_kl, warn_kl=args.warn_kl,
-                          max_rotation_error=args.max_rotation_error)
+                          max_rotation_error=args.max_rotation_error, max_exact_kl=args.max_exact_kl)
     except ValueError as exc:   # named by its flag
         msg = str(exc).replace("ragattn.methods.quality_gate.Thresholds: ", "")
-        for field in ("min_agreement", "max_kl", "warn_kl", "max_rotation_error"):
+        for field in ("min_agreement", "max_kl", "warn_kl", "max_rotation_error", "max_exact_kl"):
             msg = msg.replace(field, "--" + field.replace("_", "-"))
         raise UsageError(msg) from None
 

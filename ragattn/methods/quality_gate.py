@@ -20,7 +20,11 @@ Two parts, both against the model as given (an HF ``*ForCausalLM``, any dtype or
      ``||rerotate(K_0, P) - K_P|| / ||K_P||``. Exact up to rounding in a RoPE model (float32:
      ~1e-5; bfloat16: ~1e-2); a rotary the model applies differently from what ragattn assumes
      (another layout, other frequencies, a patched rotary module) gives ~1. Above the limit every
-     method **fails** with that figure.
+     method **fails** with that figure;
+   * ``recompute-all`` (when CacheBlend or FusionRAG is checked): CacheBlend at ratio 1 recomputes
+     every chunk token at its true position, which is full attention: its first-token KL against
+     full prefill on the first probe must be rounding (float32: ~1e-12; bfloat16: ~1e-3). Above
+     ``max_exact_kl`` the recompute path is wrong for this model and the ratio methods **fail**.
 
 2. **Method probes**: :data:`GATED` (the registry's cached-chunk methods, ratio methods at the
    given ratio, default ``registry.DEFAULT_RATIO``) answer ``probes`` short synthetic RAG prompts
@@ -35,8 +39,8 @@ agreement is below ``min_agreement`` (default 0.5) or its mean KL above ``max_kl
 when the model checks failed; it is **warned** when its mean KL is above ``warn_kl`` (0.35 nats) or
 not below no-context's (it is no closer to full attention than dropping the passages); else it
 **passes**. The re-rotation limit is ``max_rotation_error`` (default: 1e-3 for float32 models, 0.1
-for 16-bit ones). On SmolLM2-135M-Instruct (float32, 6 probes) every method passes, none near the
-limits (docs/vllm.md, "Quality gate").
+for 16-bit ones), the recompute limit ``max_exact_kl`` (1e-6 and 0.02). On SmolLM2-135M-Instruct
+(float32, 6 probes) every method passes, none near the limits (docs/vllm.md, "Quality gate").
 
 A serving engine calls :func:`stored_check` once per model and store at start-up: the report is
 saved under the store directory, keyed by the model's fingerprint and the gate's settings, and read
@@ -69,16 +73,18 @@ class Thresholds:
     """The gate's limits. ``min_agreement``: least share of probes whose first token equals full
     prefill's; ``max_kl`` / ``warn_kl``: mean first-token KL (nats) above which a method fails /
     is warned; ``max_rotation_error``: largest relative error of re-rotated keys (None: 1e-3 for a
-    float32 model, 0.1 for a 16-bit one)."""
+    float32 model, 0.1 for a 16-bit one); ``max_exact_kl``: first-token KL of recompute-all against
+    full prefill (None: 1e-6 for float32, 0.02 for 16-bit)."""
     min_agreement: float = 0.5
     max_kl: float = 1.0
     warn_kl: float = 0.35
     max_rotation_error: Optional[float] = None
+    max_exact_kl: Optional[float] = None
 
     def __post_init__(self):
-        for name in ("min_agreement", "max_kl", "warn_kl", "max_rotation_error"):
+        for name in ("min_agreement", "max_kl", "warn_kl", "max_rotation_error", "max_exact_kl"):
             v = getattr(self, name)
-            if v is None and name == "max_rotation_error":
+            if v is None and name in ("max_rotation_error", "max_exact_kl"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
                 raise ValueError(f"ragattn.methods.quality_gate.Thresholds: {name} must be a finite number >= 0, "
@@ -94,6 +100,11 @@ class Thresholds:
         if self.max_rotation_error is not None:
             return float(self.max_rotation_error)
         return 1e-3 if dtype in (torch.float32, torch.float64) else 0.1
+
+    def exact_limit(self, dtype: torch.dtype) -> float:
+        if self.max_exact_kl is not None:
+            return float(self.max_exact_kl)
+        return 1e-6 if dtype in (torch.float32, torch.float64) else 0.02
 
 
 @dataclasses.dataclass
@@ -260,6 +271,17 @@ def _model_checks(model, tokenizer, text: str, limits: Thresholds) -> list:
     return [Check("re-rotation", "pass" if ok else "fail", detail, err, limit)]
 
 
+def _recompute_check(model, tokenizer, chunks, question, base, store, limits: Thresholds) -> Check:
+    """CacheBlend at ratio 1 (every chunk token recomputed: full attention) against full prefill."""
+    ans = registry.get("cacheblend").call(model, tokenizer, chunks, question, max_new_tokens=1, store=store, ratio=1.0)
+    kl = kl_divergence(base.first_logits, ans.first_logits)
+    limit = limits.exact_limit(next(model.parameters()).dtype)
+    ok = kl <= limit
+    detail = ("CacheBlend at ratio 1 (every chunk token recomputed, i.e. full attention) vs full prefill, "
+              "first-token KL on the first probe" + ("" if ok else "; the recompute path is wrong for this model"))
+    return Check("recompute-all", "pass" if ok else "fail", detail, kl, limit)
+
+
 def _verdict(agree: float, mean_kl: float, floor_kl: Optional[float], limits: Thresholds) -> tuple[str, str]:
     if agree < limits.min_agreement:
         return "fail", f"first-token agreement {100 * agree:.0f}% < {100 * limits.min_agreement:g}%"
@@ -301,15 +323,16 @@ def check_model(model, tokenizer, *, methods: Optional[Sequence[str]] = None, th
     if any(c.verdict == "refused" for c in checks):
         why = next(c.detail for c in checks if c.verdict == "refused")
         return GateReport(checks, [MethodRow(m, "refused", why) for m in chosen], settings)
-    broken = next((c for c in checks if c.verdict == "fail"), None)
     if store is None:
         from ragattn.store import ChunkStore
 
         store = ChunkStore(model)
     entries = [registry.get(m) for m in chosen] + [registry.get(FLOOR)]
     figures = {m.name: [] for m in entries}
-    for chunks, question in probe:
+    for i, (chunks, question) in enumerate(probe):
         base = registry.get(registry.BASELINE).call(model, tokenizer, chunks, question, max_new_tokens=1)
+        if i == 0 and any(m.ratio for m in entries):
+            checks.append(_recompute_check(model, tokenizer, chunks, question, base, store, limits))
         for m in entries:
             ans = m.call(model, tokenizer, chunks, question, max_new_tokens=1, store=store,
                          ratio=ratio if m.ratio else None)
@@ -328,9 +351,12 @@ def check_model(model, tokenizer, *, methods: Optional[Sequence[str]] = None, th
                         ratio=(settings["ratio"] if m.ratio else None))
         if m.name != FLOOR:
             row.verdict, row.reason = _verdict(agree, row.mean_kl, floor_kl, limits)
-            if broken is not None:
-                row.verdict, row.reason = "fail", (f"re-rotation error {broken.figure:.3g} > {broken.limit:g}"
-                                                   + (f"; {row.reason}" if row.reason else ""))
+            # a failed model check fails every method it underlies, with its figure
+            broken = [c for c in checks if c.verdict == "fail" and (c.name == "re-rotation" or m.ratio)]
+            if broken:
+                why = "; ".join(f"{c.name} {'error' if c.name == 're-rotation' else 'KL'} {c.figure:.3g} > "
+                                f"{c.limit:g}" for c in broken)
+                row.verdict, row.reason = "fail", why + (f"; {row.reason}" if row.reason else "")
         else:
             row.reason = "the question without passages: the floor a method must beat"
         rows.append(row)

@@ -48,8 +48,10 @@ def test_smollm2_passes_and_the_report_is_kept(smollm2, monkeypatch, capsys, tmp
     rc, out = _run_main(["smollm2", "--json", "--store", str(tmp_path)], smollm2, monkeypatch, capsys)
     report = json.loads(out)
     assert rc == 0 and report["ok"] and report["failed"] == [], out
-    rot = {c["name"]: c for c in report["checks"]}["re-rotation"]
+    checks = {c["name"]: c for c in report["checks"]}
+    rot, exact = checks["re-rotation"], checks["recompute-all"]
     assert rot["verdict"] == "pass" and 0 < rot["figure"] < 1e-4, rot
+    assert exact["verdict"] == "pass" and exact["figure"] < 1e-9, exact
     rows = {r["method"]: r for r in report["methods"]}
     assert set(rows) == set(GATED) | {"no-context"}
     for m in GATED:
@@ -76,6 +78,20 @@ def test_the_table_names_each_method_and_its_verdict(smollm2):
     assert "| cacheblend (30%) | fail |" in table and "verdict: FAIL: cacheblend" in table, table
 
 
+def test_a_failed_recompute_check_fails_the_ratio_methods_only(smollm2, monkeypatch, capsys):
+    """Recompute-all is rounding away from full prefill on SmolLM2 (not 0): a limit of 0 fails it,
+    and with it CacheBlend and FusionRAG by name and figure, not Block-Attention."""
+    rc, out = _run_main(["smollm2", "--methods", "block-attention,cacheblend", "--probes", "1", "--json",
+                         "--max-exact-kl", "0"], smollm2, monkeypatch, capsys)
+    report = json.loads(out)
+    exact = {c["name"]: c for c in report["checks"]}["recompute-all"]
+    assert rc == 1 and exact["verdict"] == "fail" and 0 < exact["figure"] < 1e-9, exact
+    assert report["failed"] == ["cacheblend"]
+    rows = {r["method"]: r for r in report["methods"]}
+    assert rows["cacheblend"]["reason"].startswith(f"recompute-all KL {exact['figure']:.3g} > 0")
+    assert rows["block-attention"]["verdict"] == "pass"
+
+
 def test_a_rope_layout_other_than_the_models_is_caught(smollm2, monkeypatch, capsys):
     """SmolLM2 described as a family with interleaved RoPE (GPT-J layout) while it rotates halves."""
     from ragattn.hf import rope
@@ -84,7 +100,8 @@ def test_a_rope_layout_other_than_the_models_is_caught(smollm2, monkeypatch, cap
     rc, out = _run_main(["smollm2", "--methods", "block-attention,turborag-reordered", "--probes", "2", "--json"],
                         smollm2, monkeypatch, capsys)
     report = json.loads(out)
-    rot = report["checks"][0]
+    rot = report["checks"][0]                   # (no ratio method: no recompute-all check)
+    assert [c["name"] for c in report["checks"]] == ["re-rotation"]
     assert rc == 1 and rot["name"] == "re-rotation" and rot["verdict"] == "fail" and rot["figure"] > 0.5, rot
     assert report["failed"] == ["turborag-reordered", "block-attention"]
     for r in report["methods"][:2]:
@@ -138,7 +155,10 @@ def test_a_supported_scaling_passes_the_rotation_check(smollm2):
 
 
 def test_thresholds_are_checked():
-    for bad in (dict(max_kl=-1), dict(min_agreement=1.5), dict(warn_kl=2.0), dict(max_rotation_error=float("nan"))):
+    for bad in (dict(max_kl=-1), dict(min_agreement=1.5), dict(warn_kl=2.0), dict(max_rotation_error=float("nan")),
+                dict(max_exact_kl=-1e-9)):
         with pytest.raises(ValueError, match="Thresholds"):
             Thresholds(**bad)
     assert Thresholds().rotation_limit(torch.bfloat16) == 0.1 and Thresholds().rotation_limit(torch.float32) == 1e-3
+    assert Thresholds().exact_limit(torch.bfloat16) == 0.02
+    assert Thresholds(max_exact_kl=0).exact_limit(torch.float32) == 0
