@@ -3,11 +3,12 @@
     python -m ragattn check-model MODEL [--methods M,M] [--probes N] [--passages N] [--seed S]
                                   [--ratio PCT] [--min-agreement F] [--max-kl NATS] [--warn-kl NATS]
                                   [--max-rotation-error E] [--max-exact-kl NATS] [--store DIR]
-                                  [--device cpu|cuda]
+                                  [--dtype float32|bfloat16|float16] [--device cpu|cuda]
                                   [--json] [--no-progress]
 
 MODEL: "smollm2" (the shipped SmolLM2-135M-Instruct), a local HF checkpoint folder (e.g. the one a
-vLLM server serves) or the id of one in the local HF cache; loaded in float32.
+vLLM server serves) or the id of one in the local HF cache; loaded in --dtype (default float32; give
+the served dtype to check the model as it is served: the 16-bit limits below are looser).
 
 First the model checks every cached-chunk method depends on: its family and RoPE are ones ragattn
 re-rotates (YaRN/LongRoPE attention factors, dynamic NTK, per-layer-type frequencies are refused by
@@ -72,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "for 16-bit)")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="keep the report in DIR/quality-gate/ and reuse it for the same model and settings")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype the model is loaded in (default float32)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None):
     """Check the model; print the table (or JSON) on ``out`` (default: stdout); returns the GateReport."""
     import os
 
+    import torch
     from tqdm import tqdm
 
     from ragattn.methods import quality_gate, registry
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None):
     if model_and_tokenizer is None:
         from ragattn.apps.demo import load_model
 
-        model, tok = load_model(args.model, device, "check-model")
+        model, tok = load_model(args.model, device, "check-model", getattr(torch, args.dtype))
     else:
         model, tok = model_and_tokenizer
     bar = tqdm(total=quality_gate.steps(methods, args.probes), desc="check-model", unit="answer",

