@@ -19,7 +19,7 @@ def _run_main(argv, smollm2, monkeypatch, capsys):
     import ragattn.apps.demo as demo
     from ragattn.__main__ import main
 
-    monkeypatch.setattr(demo, "load_model", lambda name, device, command: smollm2)
+    monkeypatch.setattr(demo, "load_model", lambda name, device, command, dtype: smollm2)
     capsys.readouterr()
     rc = main(["check-model", *argv, "--no-progress"])
     return rc, capsys.readouterr().out
