@@ -6,6 +6,8 @@
     python -m ragattn eval [--corpus DIR] [--model NAME] [--methods M,M] [--top-k 8,16]
                            [--ratios 0,5,15,30,100] [--limit N] [--device cpu|cuda] [--out DIR]
     python -m ragattn eval-compare BEFORE AFTER --out DIR   # two eval runs side by side
+    python -m ragattn check-model MODEL [--methods M,M] [--probes N] [--json] [...]
+                                         # quality gate: each cached-chunk method vs full prefill
     python -m ragattn finetune --out DIR [...]   # the block-attention adapter (docs/finetune.md)
     python -m ragattn refrag-train [--stages recon,cpt,rl] [--k 8] [--device cpu|cuda] [--out DIR] [...]
                                          # REFRAG training recipe (docs/refrag.md, "Training")
@@ -61,6 +63,12 @@ def _eval_compare(rest):
     return eval_compare_main(rest)
 
 
+def _check_model(rest):
+    from ragattn.apps.check_model import main as check_model_main
+
+    return check_model_main(rest)
+
+
 def _finetune(rest):
     from ragattn.apps.finetune import main as finetune_main
 
@@ -89,7 +97,7 @@ def _bench(rest):
 
 
 _COMMANDS = {"demo": _demo, "build-store": _build_store, "eval": _eval, "eval-compare": _eval_compare,
-             "finetune": _finetune,
+             "check-model": _check_model, "finetune": _finetune,
              "refrag-train": _refrag_train, "bench": _bench}
 
 

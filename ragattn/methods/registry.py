@@ -117,7 +117,7 @@ REGISTRY = (
            selection="query"),
     # greedy, eta 0: the target's own greedy answer (RAPID speeds up decoding, not the first token); the
     # demo's: the drafter reads the MiniLM-retrieved third of the passages, eta 10 biases the target to it
-    Method("rapid", "ragattn.methods.rapid", "answer", demo=True, decode=True,
+    Method("rapid", "ragattn.methods.rapid", "answer", demo=True, decode=True, store=False,
            demo_options=(("gamma", 4), ("eta", 10.0))),
     # compressed chunks (k = 16) on the shipped REFRAG weights; with a quarter of the chunks as tokens
     Method("refrag", "ragattn.methods.refrag.model", "answer", demo=True, adapter="refrag", store=False),

@@ -36,12 +36,32 @@ def _dictd(tmp_path):
     return str(path)
 
 
+def _config_folder(tmp_path, **config):
+    """A checkpoint folder holding only a config.json (enough to be refused before any weight loads)."""
+    import json
+
+    d = tmp_path / f"model-{config['model_type']}"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
 def _cases(tmp_path):
     f = _a_file(tmp_path)
     out = str(tmp_path / "out")
     ckpt = tmp_path / "corrupt.pt"
     ckpt.write_bytes(b"PK\x03\x04 not a checkpoint")
     cases = [
+        (["check-model", str(tmp_path / "no-such-model")], "no such folder"),
+        (["check-model", str(tmp_path)], "has no config.json"),
+        (["check-model", _config_folder(tmp_path, model_type="gpt2")], "model family 'gpt2'"),
+        (["check-model", _config_folder(tmp_path, model_type="no-such-family")], "cannot read the config"),
+        (["check-model", "smollm2", "--methods", "rapid"], "unknown method 'rapid'"),
+        (["check-model", "smollm2", "--probes", "0"], "--probes must be >= 1"),
+        (["check-model", "smollm2", "--ratio", "150"], "--ratio is a percentage"),
+        (["check-model", "smollm2", "--warn-kl", "2"], "--warn-kl (2.0) must not exceed --max-kl"),
+        (["check-model", "smollm2", "--min-agreement", "nan"], "--min-agreement must be a finite number"),
+        (["check-model", "smollm2", "--store", f], "--store"),
         (["demo", "--top-k", "0"], "--top-k must be >= 1"),
         (["demo", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 1"),
         (["demo", "--limit", "-1"], "--limit must be >= 0"),   # as eval (the demo ran every question)
@@ -78,7 +98,7 @@ def _cases(tmp_path):
     if not torch.cuda.is_available():
         cases += [([cmd, *pre, "--device", "cuda"], "no CUDA device is available")
                   for cmd, pre in (("build-store", ["--out", out]), ("eval", ["--no-progress", "--out", out]),
-                                   ("finetune", ["--out", out]), ("refrag-train", []))]
+                                   ("finetune", ["--out", out]), ("refrag-train", []), ("check-model", ["smollm2"]))]
     return cases
 
 

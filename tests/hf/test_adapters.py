@@ -71,7 +71,7 @@ def test_tuned_beats_untuned_on_held_out_questions(smollm2):
     TurboRAG composite, and lower over both schemes together. (Block-Attention alone gains on
     average over 30 questions, 0.141 -> 0.109 (docs/finetune.md), but not on every few.)"""
     from ragattn.apps.corpus import EVAL_CORPUS, load_corpus
-    from ragattn.apps.demo import kl_divergence
+    from ragattn.methods.generate import kl_divergence
     from ragattn.methods import block_attention, turborag
     from ragattn.methods.baseline import full_prefill
     from ragattn.methods.retrieval import Retriever

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ragattn.apps.demo import kl_divergence
+from ragattn.methods.generate import kl_divergence
 from ragattn.hf.registration import use_ragattn
 from ragattn.hf.models import random_llama
 from ragattn.methods import fusionrag, full_prefill, selection, turborag

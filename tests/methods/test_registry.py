@@ -85,3 +85,5 @@ def test_served_bench_rows():
     assert served_memory.METHODS == ("block_attention", "fusionrag")
     assert served_methods.MEASURED == (registry.BASELINE, "block-attention", "turborag-composite", "cacheblend",
                                        "fusionrag")
+    assert [m.name for m in registry.REGISTRY if m.store and not m.ablation] == [
+        "turborag-composite", "turborag-reordered", "block-attention", "full-reuse", "cacheblend", "fusionrag"]
