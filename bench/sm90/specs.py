@@ -241,7 +241,15 @@ def triton_specs() -> List[TritonSpec]:
         specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", case, True, dict(BLOCK=kas._MERGE_BLOCK),
                                 {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
                                 (triton.cdiv(n, kas._MERGE_BLOCK),), dict(n=n, num_splits=splits), loop=False))
-    specs.append(TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, stages,
-                            (k_tiles, 1, Hkv), dict(ints, total_k=t_k)))
+    # pass 2: the table's design first, the other as a variant (what the A/B script times on a GPU)
+    split_spec = TritonSpec("key_attention_scores._column_sum_split_kernel", case, True, consts, types, warps, stages,
+                            (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, total_k=t_k, num_kv_heads=Hkv,
+                                                            num_splits=splits, num_q_tiles=q_tiles))
+    tile_spec = TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, stages,
+                           (k_tiles, 1, Hkv), dict(ints, total_k=t_k))
+    if cfg.get("column_pass", "tile") == "split":
+        specs += [split_spec, dataclasses.replace(tile_spec, case=case + " (pass 2 per key tile)")]
+    else:
+        specs += [tile_spec, dataclasses.replace(split_spec, case=case + " (pass 2 split)")]
     return specs
 
