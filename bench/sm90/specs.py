@@ -86,10 +86,10 @@ def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[
     group_pad = triton.next_power_of_2(group)
     m_tile = min(128, max(16, triton.next_power_of_2(rows * group_pad)))
     block_d = max(16, triton.next_power_of_2(D))
-    key = pa.shape_key(m_tile, block_d, 2)
+    key = pa.table_key(m_tile, block_d, 2, window >= 0, DEVICE_NAME)
     entry = dict(gpu_configs.get_config("paged_attention", DEVICE_NAME, key), **(change or {}))
-    with gpu_configs.override("paged_attention", key, entry):
-        cfg = pa.kernel_config(m_tile, block_d, 2, device_name=DEVICE_NAME)  # the table's H100 entry
+    with gpu_configs.override("paged_attention", key, entry):  # the table's H100 entry
+        cfg = pa.kernel_config(m_tile, block_d, 2, device_name=DEVICE_NAME, window=window >= 0)
     m_tile, block_n, stages, warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
     block_m = max(1, m_tile // group_pad)
     tiles = batch * triton.cdiv(rows, block_m)
@@ -101,7 +101,8 @@ def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[
                   HAS_WINDOW=window >= 0, ROW_STARTS=False, SOFTCAP=False, UPCAST=False, IEEE_FP32=False,
                   EVEN_D=D == block_d, PAGE_MODE=pa.page_mode(page, block_n, split_len),
                   PAGE_SIZE=page if pa.page_mode(page, block_n, split_len) else 1,
-                  SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile), PIPELINE_V=bool(entry.get("pipeline_v", False)))
+                  SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile), PIPELINE_V=bool(entry.get("pipeline_v", False)),
+                  EDGE_LOOP=bool(entry.get("edge_loop", False)))
     types = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
     types.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32", softcap_log2="fp32",
                  OUT="*fp32" if splits > 1 else "*bf16")
@@ -204,6 +205,9 @@ def triton_specs() -> List[TritonSpec]:
     specs += paged_specs("sparse_prefill", 1, SPARSE_ROWS, -1)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1)
     specs += paged_specs("decode_window", PAGED_BATCH, 1, PAGED_WINDOW)
+    # the window decode's loops before the edge loop (68e7ebf's: three loops, 3 stages)
+    specs += paged_specs("decode_window", PAGED_BATCH, 1, PAGED_WINDOW, dict(edge_loop=False, num_stages=3),
+                         "three loops, 3 stages", merge=False)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1, dict(num_stages=5), "5 stages", merge=False)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1, None, "HND pages", merge=False, hnd=True)
     specs += paged_specs("sparse_prefill", 1, SPARSE_ROWS, -1, dict(pipeline_v=False), "V register load")

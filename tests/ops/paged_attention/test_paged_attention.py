@@ -184,6 +184,28 @@ def test_prefill_tiles_with_whole_key_tiles(backend, monkeypatch, device, seed, 
             check_against_reference(args, out, lse, window_left, nan_at=nan_at)
 
 
+@pytest.mark.parametrize("edge_loop", [False, True])
+def test_decode_window_edge_tiles_either_loop(triton_backend, monkeypatch, tmp_path, device, seed, edge_loop):
+    """A window decode's partly visible key tiles left and right of the whole ones in a masked loop
+    each (three loops) or in one masked loop after the whole-tile loop (config ``edge_loop``): the
+    same rule on the decode-tiles case (a window starting inside a key tile, the partial last
+    tile, split-KV pieces, NaN in every unseen slot), whichever the table picks."""
+    import json
+
+    from ragattn.triton_kernels import gpu_configs
+
+    table = json.load(open(gpu_configs.table_path("paged_attention", gpu_configs.CONFIG_DIR)))
+    table["devices"]["interpreter"]["configs"]["*"]["edge_loop"] = edge_loop
+    (tmp_path / "paged_attention.json").write_text(json.dumps(table))
+    monkeypatch.setenv("RAGATTN_CONFIG_DIR", str(tmp_path))
+    gpu_configs.clear_cache()
+    try:
+        test_decode_tiles_across_gqa_and_head_dims("triton", monkeypatch, device, seed, 8, 2, 128, torch.bfloat16, 16)
+    finally:
+        monkeypatch.delenv("RAGATTN_CONFIG_DIR")
+        gpu_configs.clear_cache()
+
+
 @pytest.mark.parametrize("pipeline_v", [False, True])
 def test_prefill_tiles_either_v_load(triton_backend, monkeypatch, tmp_path, device, seed, pipeline_v):
     """The prefill loop's two forms (config ``pipeline_v``: V used outside the per-tile whole/masked
