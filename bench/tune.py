@@ -128,13 +128,17 @@ def paged_attention_candidates(shape_key: str) -> List[Config]:
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
     out = []
-    for m_tile, bn, warps, stages, waves in itertools.product(PAGED_M_TILES[kind], (16, 32, 64, 128), (2, 4, 8),
-                                                               (2, 3, 4, 5), (2.0, 4.0, 8.0)):
+    window = shape_key.endswith("/window")
+    for m_tile, bn, warps, stages, waves, edge in itertools.product(
+            PAGED_M_TILES[kind], (16, 32, 64, 128), (2, 4, 8), (2, 3, 4, 5), (2.0, 4.0, 8.0),
+            (True, False) if window else (None,)):
         if kind == "prefill" and waves != 4.0:  # prefill grids fill the GPU without splits
             continue
         if m_tile * bn < 32 * warps * 4 or smem_bytes(m_tile, bn, block_d, elt, stages) > SMEM_BUDGET:
             continue
         out.append(dict(BLOCK_M=m_tile, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
+        if edge is not None:  # a window class: the edge tiles in one loop (edge_loop) or a loop each
+            out[-1]["edge_loop"] = edge
     return nearest_first(out, ANCHORS["paged_decode" if kind != "prefill" else "paged_prefill"])
 
 
@@ -345,7 +349,8 @@ class PagedFamily(Family):
     verify (5-token speculative tails) at batch 32 x 8K; prefill 15% scattered rows of 32K plus a
     64-row tail (the benchmark's sparse prefill)."""
     name = "paged_attention"
-    keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128"))
+    keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128")) + (
+        "decode/16bit/d128/window",)
     quick_keys = ("decode/16bit/d128", "prefill/16bit/d128")
 
     def candidates(self, shape_key):
@@ -355,6 +360,9 @@ class PagedFamily(Family):
         c = lambda bm, bn, w, s, waves=4.0, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves,  # noqa: E731
                                                        **kw)
         kind = shape_key.split("/")[0]
+        if shape_key.endswith("/window"):  # the loops (68e7ebf's three, or the edge loop) x prefetch depth
+            return [c(16, 64, 4, s, edge_loop=e) for e in (True, False) for s in (3, 5)] + [
+                c(16, 32, 4, 3, edge_loop=True)]
         if kind == "decode":  # deeper prefetch: 5 stages double-buffer K and V (sm_90: 71.7 KB, 3 CTAs/SM
             # without a window, so 6 waves of programs fill whole rounds of 3 per SM)
             return [c(16, 64, 4, 5), c(16, 64, 4, 3, 6.0), c(16, 64, 4, 5, 6.0), c(16, 64, 4, 2), c(16, 32, 4, 5),
@@ -403,7 +411,9 @@ class PagedFamily(Family):
                 return ragattn.run_paged_attention(plan, q, q_pos, k, v)[0]
             return run
 
-        if kind == "decode":
+        if shape_key.endswith("/window"):  # its own class: the window decode alone
+            runs = [one(32, 32768, 1, window=4095)]
+        elif kind == "decode":
             runs = [one(32, 32768, 1), one(4, 32768, 1), one(32, 32768, 1, window=4095)]
         elif kind == "verify":
             runs = [one(32, 8192, 5)]
