@@ -26,19 +26,20 @@ import os
 import sys
 import time
 
-import torch
-from triton.testing import do_bench
+if os.environ.get("AB_DRY") == "1":  # before triton is imported: it reads this when it decorates a kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import ragattn
-import ragattn.triton_kernels.varlen_attention as va
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import ragattn  # noqa: E402
+import ragattn.triton_kernels.varlen_attention as va  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "ab.jsonl"
 DRY = os.environ.get("AB_DRY") == "1"
 dev = torch.device("cpu" if DRY else "cuda")
 bf16, i32 = torch.bfloat16, torch.int32
 gen = torch.Generator(device=dev).manual_seed(0)
-if DRY:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def record(**row):

@@ -240,19 +240,21 @@ def triton_specs() -> List[TritonSpec]:
     case = "key_attention_scores/scores"
     specs.append(TritonSpec("key_attention_scores._row_lse_kernel", case, True, consts, types, warps, stages,
                             (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, num_splits=splits)))
-    if splits > 1:  # the splits' LSE merge: one program per _MERGE_BLOCK (row, head) entries
+    split_first = cfg.get("column_pass", "tile") == "split"
+    tile_case = case + " (pass 2 per key tile)" if split_first else case
+    if splits > 1:  # the "tile" design's LSE merge launch: one program per _MERGE_BLOCK (row, head) entries
         n = t_q * H
-        specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", case, True, dict(BLOCK=kas._MERGE_BLOCK),
-                                {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
+        specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", tile_case, True,
+                                dict(BLOCK=kas._MERGE_BLOCK), {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
                                 (triton.cdiv(n, kas._MERGE_BLOCK),), dict(n=n, num_splits=splits), loop=False))
     # pass 2: the table's design first, the other as a variant (what the A/B script times on a GPU)
     split_spec = TritonSpec("key_attention_scores._column_sum_split_kernel", case, True, consts, types, warps, stages,
                             (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, total_k=t_k, num_kv_heads=Hkv,
                                                             num_splits=splits, num_q_tiles=q_tiles))
-    tile_spec = TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, stages,
+    tile_spec = TritonSpec("key_attention_scores._column_sum_kernel", tile_case, True, consts, types, warps, stages,
                            (k_tiles, 1, Hkv), dict(ints, total_k=t_k))
-    if cfg.get("column_pass", "tile") == "split":
-        specs += [split_spec, dataclasses.replace(tile_spec, case=case + " (pass 2 per key tile)")]
+    if split_first:
+        specs += [split_spec, tile_spec]
     else:
         specs += [tile_spec, dataclasses.replace(split_spec, case=case + " (pass 2 split)")]
     return specs
