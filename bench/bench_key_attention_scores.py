@@ -73,7 +73,7 @@ def _case(device: torch.device, size: str, rnd: Rand):
 
         p = launch_params(t_q, t_k, 1, heads, kv_heads, head_dim, dtype, device)
         where = lookup("key_attention_scores", torch.cuda.get_device_name(device), config_key(dtype, head_dim))[1]
-        keep = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "grid1", "grid2")
+        keep = ("column_pass", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "grid1", "grid2")
         return dict({k: p[k] for k in keep}, table=where.split(":")[0])
 
     elt = torch.finfo(dtype).bits // 8

@@ -58,7 +58,7 @@ SMEM_LIMIT = 227 * 1024  # sm_90's per-CTA maximum (A100: 163 KB; a candidate ov
 ANCHORS = {
     "fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     "bwd": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-    "key_attention_scores": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, waves=3.0),
+    "key_attention_scores": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, waves=3.0, column_pass="split"),
     "paged_decode": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2, waves=4.0),
     "paged_prefill": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, waves=4.0),
 }
@@ -72,7 +72,7 @@ def nearest_first(cands: List[Config], anchor: Config) -> List[Config]:
         d += abs(c["num_stages"] - anchor["num_stages"])
         if "waves" in anchor:
             d += abs(math.log2(c["waves"]) - math.log2(anchor["waves"]))
-        return (d, bool(c.get("tma")))
+        return (d, bool(c.get("tma")), c.get("column_pass", "") != anchor.get("column_pass", ""))
 
     return sorted(cands, key=dist)
 
@@ -101,15 +101,19 @@ def varlen_candidates(shape_key: str) -> List[Config]:
 
 
 def key_attention_scores_candidates(shape_key: str) -> List[Config]:
-    """The sweep of a ``key_attention_scores`` shape class: tiles, warps, stages and the pass-1 wave target."""
+    """The sweep of a ``key_attention_scores`` shape class: tiles, warps, stages, the pass-1 wave target
+    and pass 2's design (``column_pass``; the table's first at equal distance)."""
+    from ragattn.triton_kernels.key_attention_scores import COLUMN_PASSES
+
     dt, dclass = shape_key.split("/")[:2]
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
     out = []
-    for bm, bn, warps, stages, waves in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (1.0, 2.0, 3.0, 4.0)):
+    for bm, bn, warps, stages, waves, cp in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4),
+                                                              (1.0, 2.0, 3.0, 4.0), COLUMN_PASSES):
         if _smem_bytes(bm, bn, block_d, stages, elt, 1) > SMEM_LIMIT:
             continue
-        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves, column_pass=cp))
     return nearest_first(out, ANCHORS["key_attention_scores"])
 
 
@@ -128,13 +132,17 @@ def paged_attention_candidates(shape_key: str) -> List[Config]:
     block_d = int(dclass[1:])
     elt = 4 if dt == "fp32" else 2
     out = []
-    for m_tile, bn, warps, stages, waves in itertools.product(PAGED_M_TILES[kind], (16, 32, 64, 128), (2, 4, 8),
-                                                               (2, 3, 4, 5), (2.0, 4.0, 8.0)):
+    window = shape_key.endswith("/window")
+    for m_tile, bn, warps, stages, waves, edge in itertools.product(
+            PAGED_M_TILES[kind], (16, 32, 64, 128), (2, 4, 8), (2, 3, 4, 5), (2.0, 4.0, 8.0),
+            (True, False) if window else (None,)):
         if kind == "prefill" and waves != 4.0:  # prefill grids fill the GPU without splits
             continue
         if m_tile * bn < 32 * warps * 4 or smem_bytes(m_tile, bn, block_d, elt, stages) > SMEM_BUDGET:
             continue
         out.append(dict(BLOCK_M=m_tile, BLOCK_N=bn, num_warps=warps, num_stages=stages, waves=waves))
+        if edge is not None:  # a window class: the edge tiles in one loop (edge_loop) or a loop each
+            out[-1]["edge_loop"] = edge
     return nearest_first(out, ANCHORS["paged_decode" if kind != "prefill" else "paged_prefill"])
 
 
@@ -321,8 +329,10 @@ class KeyScoresFamily(Family):
         return key_attention_scores_candidates(shape_key)
 
     def quick_variants(self, shape_key):
-        c = lambda bm, bn, w, s, waves: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves)  # noqa: E731
-        return [c(128, 64, 8, 3, 3.0), c(128, 128, 8, 3, 2.0), c(128, 64, 8, 2, 2.0), c(64, 64, 4, 3, 4.0)]
+        c = lambda bm, bn, w, s, waves, cp="split": dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s,  # noqa: E731
+                                                         waves=waves, column_pass=cp)
+        return [c(128, 64, 8, 2, 3.0, "tile"), c(128, 64, 8, 3, 3.0), c(128, 128, 8, 3, 2.0), c(128, 64, 8, 2, 2.0),
+                c(64, 64, 4, 3, 4.0)]
 
     def problem(self, shape_key, device):
         import ragattn
@@ -345,7 +355,8 @@ class PagedFamily(Family):
     verify (5-token speculative tails) at batch 32 x 8K; prefill 15% scattered rows of 32K plus a
     64-row tail (the benchmark's sparse prefill)."""
     name = "paged_attention"
-    keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128"))
+    keys = tuple(f"{k}/16bit/{d}" for k in ("decode", "verify", "prefill") for d in ("d64", "d128")) + (
+        "decode/16bit/d128/window",)
     quick_keys = ("decode/16bit/d128", "prefill/16bit/d128")
 
     def candidates(self, shape_key):
@@ -355,6 +366,9 @@ class PagedFamily(Family):
         c = lambda bm, bn, w, s, waves=4.0, **kw: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves,  # noqa: E731
                                                        **kw)
         kind = shape_key.split("/")[0]
+        if shape_key.endswith("/window"):  # the loops (68e7ebf's three, or the edge loop) x prefetch depth
+            return [c(16, 64, 4, s, edge_loop=e) for e in (True, False) for s in (3, 5)] + [
+                c(16, 32, 4, 3, edge_loop=True)]
         if kind == "decode":  # deeper prefetch: 5 stages double-buffer K and V (sm_90: 71.7 KB, 3 CTAs/SM
             # without a window, so 6 waves of programs fill whole rounds of 3 per SM)
             return [c(16, 64, 4, 5), c(16, 64, 4, 3, 6.0), c(16, 64, 4, 5, 6.0), c(16, 64, 4, 2), c(16, 32, 4, 5),
@@ -403,7 +417,9 @@ class PagedFamily(Family):
                 return ragattn.run_paged_attention(plan, q, q_pos, k, v)[0]
             return run
 
-        if kind == "decode":
+        if shape_key.endswith("/window"):  # its own class: the window decode alone
+            runs = [one(32, 32768, 1, window=4095)]
+        elif kind == "decode":
             runs = [one(32, 32768, 1), one(4, 32768, 1), one(32, 32768, 1, window=4095)]
         elif kind == "verify":
             runs = [one(32, 8192, 5)]

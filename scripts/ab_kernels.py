@@ -2,36 +2,44 @@
 the benchmark suite):
 1. decode on a zero-copy request's position-tagged table, keys rotated in the kernel, against the
    same table over rotated keys and the padded table (batch 32 x 32K, bf16, 32/8 heads, d128, page 16);
-2. decode under a 4096 window at 2, 4, 8 and 16 splits;
+2. decode under a 4096 window at 2, 4, 8 and 16 splits, then its loops and stages: the table's window
+   entry (edge tiles in one loop, 5 stages), 68e7ebf's three loops at 3 stages (452 us there), the edge
+   loop at 3 stages, three loops at 5 stages and 32-key tiles (3 CTAs/SM), each also called through the
+   Triton launcher directly and timed back to back between two syncs (the wall), which separates a
+   host-bound call from a slow kernel;
 3. varlen_attention's forward (8 x 4096 + 50 Block-Attention, and a 4096 window over 16K) at the
-   table's tile (128 x 32, 8 warps, 3 stages) and wider ones, and with TMA loads.
+   table's tile (128 x 32, 8 warps, 3 stages) and wider ones, and with TMA loads;
+4. key_attention_scores q64 x k32K: pass 2 split over the keys (column_pass "split", the table's)
+   against one program per key tile ("tile", the H100 run's 198 us), with the wall beside do_bench.
 
     python scripts/ab_kernels.py OUT.jsonl
 
 ``AB_DRY=1`` runs the same steps at tiny sizes on the CPU (a check of the script, no timing).
-``AB_PARTS=paged`` or ``varlen`` runs one part (default both).
+``AB_PARTS=paged``, ``varlen`` or ``keys`` runs those parts (comma-separated; default all).
 Every result is appended to OUT.jsonl as it is measured (a run cut short keeps them) and printed.
 Times: triton.testing.do_bench medians (L2 flushed between calls). Run from the repository root
 with the extension built (scripts/gpu_check.sh --build-only).
 """
+import contextlib
 import json
 import os
 import sys
 import time
 
-import torch
-from triton.testing import do_bench
+if os.environ.get("AB_DRY") == "1":  # before triton is imported: it reads this when it decorates a kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import ragattn
-import ragattn.triton_kernels.varlen_attention as va
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import ragattn  # noqa: E402
+import ragattn.triton_kernels.varlen_attention as va  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "ab.jsonl"
 DRY = os.environ.get("AB_DRY") == "1"
 dev = torch.device("cpu" if DRY else "cuda")
 bf16, i32 = torch.bfloat16, torch.int32
 gen = torch.Generator(device=dev).manual_seed(0)
-if DRY:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def record(**row):
@@ -46,6 +54,20 @@ def us(fn):
         fn()
         return 0.0
     return float(do_bench(fn, warmup=25, rep=100)) * 1e3
+
+
+def wall_us(fn, n=20):
+    """Back-to-back calls between two device syncs, per call: the host's launch cost included."""
+    if DRY:
+        fn()
+        return 0.0
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
 
 
 def randn(*shape):
@@ -93,9 +115,53 @@ def paged():
         plan = ragattn.plan_paged_attention(cu, padded, window_left=W - 1, num_splits=splits, **kw)
         record(case="decode_window4096", variant=f"splits={splits or 'auto'}", launch=list(plan.launch),
                us=us(lambda: ragattn.run_paged_attention(plan, q, q_pos, k, v)))
+    window_loops(q, q_pos, cu, k, v, bt, kv_lens, padded, kw)
     del k, v, kc, vc
     if not DRY:
         torch.cuda.empty_cache()
+
+
+def window_loops(q, q_pos, cu, k, v, bt, kv_lens, padded, kw):
+    """Part 2b: the window decode's loop structure and stages (the 218 -> 452 us regression)."""
+    import ragattn.triton_kernels.paged_attention as pa
+    from ragattn.triton_kernels import gpu_configs
+
+    key = "decode/16bit/d128/window"
+    base = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, waves=4.0)
+    variants = [("table", None), ("68e7ebf: three loops, 3 stages", dict(base, num_stages=3, edge_loop=False)),
+                ("edge loop, 3 stages", dict(base, num_stages=3, edge_loop=True)),
+                ("edge loop, 5 stages", dict(base, num_stages=5, edge_loop=True)),
+                ("three loops, 5 stages", dict(base, num_stages=5, edge_loop=False)),
+                ("edge loop, 32-key tiles, 3 stages", dict(base, BLOCK_N=32, num_stages=3, edge_loop=True))]
+    for name, cfg in variants:
+        with gpu_configs.override("paged_attention", key, cfg) if cfg else contextlib.nullcontext():
+            plan = ragattn.plan_paged_attention(cu, padded, window_left=W - 1, **kw)
+            tplan = pa.plan_paged_attention(cu, kv_lens, window_left=W - 1, **kw)
+        op = lambda: ragattn.run_paged_attention(plan, q, q_pos, k, v)  # noqa: E731
+        direct = lambda: pa.run_paged_attention(tplan, q, q_pos, cu, k, v, bt, kv_lens, None, W - 1)  # noqa: E731
+        record(case="decode_window4096", variant=f"loops: {name}", launch=list(plan.launch), us=us(op),
+               wall_us=wall_us(op), direct_us=us(direct), direct_wall_us=wall_us(direct))
+
+
+# ---- 4: key_attention_scores pass 2
+def keys():
+    """Part 4: key_attention_scores q64 x k32K (bf16, 32 / 8 heads, d128), both pass-2 designs."""
+    import ragattn.triton_kernels.key_attention_scores as kas
+
+    tq, tk = (8, 300) if DRY else (64, 32768)
+    q, k = randn(tq, H, D), randn(tk, HKV, D)
+    cu_q = torch.tensor([0, tq], dtype=i32, device=dev)
+    cu_k = torch.tensor([0, tk], dtype=i32, device=dev)
+    ref = ragattn.key_attention_scores(q, k, cu_q, cu_k)
+    for column_pass in kas.COLUMN_PASSES:
+        fn = lambda: kas.key_attention_scores(q, k, cu_q, cu_k, column_pass=column_pass)  # noqa: E731
+        p = kas.launch_params(tq, tk, 1, H, HKV, D, q.dtype, q.device, None, column_pass)
+        record(case="key_attention_scores_q64_k32768", variant=f"column_pass={column_pass}", us=us(fn),
+               wall_us=wall_us(fn), config={n: p[n] for n in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                                                              "num_splits", "grid1", "grid2")},
+               max_abs_diff_vs_op=float((fn() - ref).abs().max()))
+    op = lambda: ragattn.key_attention_scores(q, k, cu_q, cu_k)  # noqa: E731
+    record(case="key_attention_scores_q64_k32768", variant="op (table's design)", us=us(op), wall_us=wall_us(op))
 
 
 # ---- 3: varlen forward tiles
@@ -124,8 +190,10 @@ def varlen():
     va._config = orig_config
 
 
-PARTS = os.environ.get("AB_PARTS", "paged,varlen").split(",")
+PARTS = os.environ.get("AB_PARTS", "paged,varlen,keys").split(",")
 t0 = time.time()
+if "keys" in PARTS:  # first: the shortest part
+    keys()
 if "paged" in PARTS:
     paged()
 if "varlen" in PARTS:

@@ -125,6 +125,16 @@ def lookup(family: str, device_name: Optional[str], shape_key: str) -> Tuple[Dic
     return dict(items), where
 
 
+def has_own_config(family: str, device_name: Optional[str], shape_key: str) -> bool:
+    """Whether ``shape_key`` is forced by ``override`` or named in the device's own entry (not through
+    its "*" or the default): for optional sub-classes such as a window variant of a shape class,
+    which fall back to the plain class of the same entry when absent."""
+    if _OVERRIDES and device_name is not None and (family, shape_key) in _OVERRIDES:
+        return True
+    table = load_table(family)
+    return shape_key in table["devices"][device_entry_name(table, device_name)].get("configs", {})
+
+
 def get_config(family: str, device_name: Optional[str], shape_key: str) -> Dict[str, object]:
     """The launch configuration of ``family`` for a shape class on a device.
 

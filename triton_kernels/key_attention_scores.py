@@ -14,13 +14,22 @@ The ``[heads, q, k]`` probability tensor is never stored:
   device), so that a short question against a long context still fills every SM.
   The splits' partial LSEs are merged by one small kernel (``_merge_lse_kernel``; torch's
   logsumexp took ~5 launches).
-* pass 2 (``_column_sum_kernel``) gives each program one key tile of one kv head and loops over
-  all the sequence's query rows of the kv head's group, recomputing ``s``, exponentiating against
-  the merged LSE and summing down the columns. One program owns its key tile across every query
-  tile and every group head, so the result is written once, without atomics, deterministically.
+* pass 2 recomputes ``s``, exponentiates against the merged LSE and sums down the columns, in one
+  of two designs (the config table's ``column_pass``):
 
-Tiles, warps, stages and the wave target come from ``configs/key_attention_scores.json`` per GPU
-and shape class (``gpu_configs.get_config``).
+  - ``"split"`` (``_column_sum_split_kernel``): pass 1's grid. A program owns one packed-row tile of
+    one kv head and one key split, merges its rows' split LSEs itself (no merge launch), and streams
+    the split's key tiles in one pipelined loop (K read once per row tile, the row tiles of a split
+    side by side in launch order so the second reads it from L2; the splits walk backwards, so the
+    tiles pass 1 read last, still in L2, come first). It stores each key tile's sum over its rows
+    into ``[row tiles, kv heads, total_k]``, summed by one reduction at the end.
+  - ``"tile"`` (``_column_sum_kernel``, the first design, kept for A/B): each program owns one key
+    tile of one kv head and loops over all the sequence's query rows of the kv head's group.
+
+  Either way every key's score is written once, without atomics, deterministically.
+
+Tiles, warps, stages, the wave target and the pass-2 design come from
+``configs/key_attention_scores.json`` per GPU and shape class (``gpu_configs.get_config``).
 
 GQA is handled by packing: the ``G`` query heads that share kv head ``hk`` are laid out as
 ``G * num_q`` "packed rows", row ``r`` being query row ``r // G`` of head ``hk * G + r % G``;
@@ -142,9 +151,16 @@ def _merge_lse_kernel(parts_ptr, lse_ptr, n, num_splits, BLOCK: tl.constexpr):
     logsumexp (~5), and pass 2's main loop stays a single pipelined loop."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    tl.store(lse_ptr + offs, _merged_lse(parts_ptr + offs, n, ok, num_splits, BLOCK), mask=ok)
+
+
+@triton.jit
+def _merged_lse(ptrs, n, ok, num_splits, BLOCK: tl.constexpr):
+    """Base-2 LSE over ``num_splits`` partials at ``ptrs``, ``ptrs + n``, ... ([BLOCK] entries, ``ok``
+    masked): the merge rule of both the merge kernel and pass 2's split design (-inf when every split is
+    empty, NaN when any is NaN)."""
     m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = parts_ptr + offs
     for _ in range(num_splits):
         x = tl.load(ptrs, mask=ok, other=float("-inf"))
         ptrs += n  # 64-bit pointer arithmetic: splits x n may pass 2^31
@@ -152,8 +168,7 @@ def _merge_lse_kernel(parts_ptr, lse_ptr, n, num_splits, BLOCK: tl.constexpr):
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
         acc = acc * tl.exp2(m - m_ref) + tl.exp2(x - m_ref)
         m = m_new
-    lse = tl.where(acc == 0.0, float("-inf"), m + tl.log2(tl.where(acc == 0.0, 1.0, acc)))
-    tl.store(lse_ptr + offs, lse, mask=ok)
+    return tl.where(acc == 0.0, float("-inf"), m + tl.log2(tl.where(acc == 0.0, 1.0, acc)))
 
 
 @triton.jit
@@ -201,7 +216,72 @@ def _column_sum_kernel(
     tl.store(partial_ptr + kv_head.to(tl.int64) * total_k + k_start + n_offs, acc, mask=n_offs < num_k)
 
 
+@triton.jit
+def _column_sum_split_kernel(
+    q_ptr, k_ptr, cu_q_ptr, cu_k_ptr, lse_ptr,  # lse: pass 1's fp32 [num_splits, total_q, num_heads], base 2
+    partial_ptr,  # fp32 [num_q_tiles, num_kv_heads, total_k]: one row tile's share of each key's score
+    qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    total_q, total_k, num_kv_heads, num_splits, num_q_tiles,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Pass 2, split over the keys like pass 1 (``column_pass="split"``): one program per (row tile,
+    kv head, key split) merges its rows' split LSEs from pass 1 itself (no merge launch), holds its
+    packed query rows (transposed, ``[BLOCK_D, BLOCK_M]``) and their LSEs for the whole loop and
+    streams the split's key tiles (pipelined), computing the transposed
+    logits ``[BLOCK_N, BLOCK_M]`` (keys on the MMA's M side, so the column sums are row reductions
+    inside a warp) and storing each key tile's sum over its rows. The splits walk their key tiles
+    from the end backwards and in reverse split order: pass 1 read them forwards, so the tiles it
+    read last (still in L2 when K is bigger than it) come first.
+
+    Grid ``(num_q_tiles * batch, num_kv_heads * num_splits)`` (pass 1's). A row tile past its
+    sequence's rows (or a sequence without rows) stores zeros: every entry of ``partial`` is written."""
+    tile_m = tl.program_id(0) % num_q_tiles
+    seq = tl.program_id(0) // num_q_tiles
+    kv_head = tl.program_id(1) // num_splits
+    split = num_splits - 1 - tl.program_id(1) % num_splits
+
+    q_start = tl.load(cu_q_ptr + seq)
+    num_q = tl.load(cu_q_ptr + seq + 1) - q_start
+    k_start = tl.load(cu_k_ptr + seq)
+    num_k = tl.load(cu_k_ptr + seq + 1) - k_start
+
+    tiles_per_split = tl.cdiv(tl.cdiv(num_k, BLOCK_N), num_splits)
+    n_begin = split * tiles_per_split * BLOCK_N
+    n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, num_k)
+    n_tiles = tl.cdiv(tl.maximum(n_end - n_begin, 0), BLOCK_N)
+
+    r_offs = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d_offs = tl.arange(0, BLOCK_D)
+    rows = r_offs // GROUP
+    heads = kv_head * GROUP + r_offs % GROUP
+    row_ok = rows < num_q
+    qt = tl.trans(_load_q_tile(q_ptr, q_start, num_q, kv_head, stride_qt, stride_qh, r_offs, d_offs, GROUP,
+                               HEAD_DIM))  # [BLOCK_D, BLOCK_M]
+    num_heads = num_kv_heads * GROUP
+    lse = _merged_lse(lse_ptr + (q_start + rows).to(tl.int64) * num_heads + heads, total_q * num_heads, row_ok,
+                      num_splits, BLOCK_M)
+    lse = tl.where(row_ok, lse, float("inf"))
+    out_base = partial_ptr + (tile_m.to(tl.int64) * num_kv_heads + kv_head) * total_k + k_start
+    any_rows = tile_m * BLOCK_M < num_q * GROUP
+    for i in range(0, n_tiles):
+        n_offs = n_begin + (n_tiles - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n_offs < n_end
+        mask = n_ok[:, None] & (d_offs < HEAD_DIM)[None, :] & any_rows
+        k = tl.load(k_ptr + (k_start + n_offs).to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
+                    + d_offs[None, :], mask=mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = _logits(k, qt, qk_scale, UPCAST, IEEE)  # [BLOCK_N, BLOCK_M]
+        # padded rows are selected out (not exp'd to 0: their logit is NaN against a NaN key)
+        p = tl.where(row_ok[None, :], tl.exp2(s - lse[None, :]), 0.0)
+        tl.store(out_base + n_offs, tl.sum(p, axis=1), mask=n_ok)
+
+
 _MERGE_BLOCK = 1024  # LSE entries per program of the split merge
+# Pass 2's designs (the config table's "column_pass"): "split", pass 1's grid (_column_sum_split_kernel);
+# "tile", one program per key tile looping over the query rows (_column_sum_kernel, the design before it).
+COLUMN_PASSES = ("split", "tile")
 
 
 def config_key(dtype: torch.dtype, head_dim: int) -> str:
@@ -240,10 +320,12 @@ def key_attention_scores(
     scale: Optional[float] = None,
     *,
     num_splits: Optional[int] = None,
+    column_pass: Optional[str] = None,
 ) -> torch.Tensor:
     """Launch both passes. q ``[total_q, H, D]``, k ``[total_k, Hkv, D]`` (same dtype), cu_seqlens
     int32 ``[B + 1]``; returns float32 ``[total_k]``. Inputs are assumed validated (ragattn.ops).
-    ``num_splits`` overrides the pass-1 key split count (tests)."""
+    ``num_splits`` overrides the pass-1 key split count (tests); ``column_pass`` the table's pass-2
+    design (``COLUMN_PASSES``: "split" or "tile", for A/B runs and tests)."""
     total_q, num_heads, head_dim = q.shape
     total_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -268,7 +350,8 @@ def key_attention_scores(
     if max_q == 0 or max_k == 0:
         return torch.zeros(total_k, dtype=torch.float32, device=q.device)
 
-    p = launch_params(max_q, max_k, batch, num_heads, num_kv_heads, head_dim, q.dtype, q.device, num_splits)
+    p = launch_params(max_q, max_k, batch, num_heads, num_kv_heads, head_dim, q.dtype, q.device, num_splits,
+                      column_pass)
     block_m, block_n, num_splits = p["BLOCK_M"], p["BLOCK_N"], p["num_splits"]
     upcast = _UPCAST_FOR_INTERPRETER and q.dtype != torch.float32
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=p["BLOCK_D"], UPCAST=upcast, IEEE=q.dtype == torch.float32,
@@ -282,15 +365,25 @@ def key_attention_scores(
         p["num_q_tiles"], **common,
     )
 
+    if p["column_pass"] == "split":
+        # Pass 2 over pass 1's grid, merging the split LSEs itself: column sums per (row tile, kv
+        # head), then over both (one [num_q_tiles * Hkv, total_k] reduction); every entry is written
+        # (zeros past a sequence's rows).
+        partial = torch.empty((p["num_q_tiles"], num_kv_heads, total_k), dtype=torch.float32, device=q.device)
+        _column_sum_split_kernel[p["grid1"]](
+            q, k, cu_seqlens_q, cu_seqlens_k, lse_parts, partial, qk_scale, *strides, total_q, total_k, num_kv_heads,
+            num_splits, p["num_q_tiles"], **common,
+        )
+        return partial.view(-1, total_k).sum(dim=0)
     if num_splits == 1:
         lse = lse_parts[0]
     else:  # the splits' partial LSEs merged in one launch
         lse = torch.empty((total_q, num_heads), dtype=torch.float32, device=q.device)
         n = total_q * num_heads
         _merge_lse_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](lse_parts, lse, n, num_splits, BLOCK=_MERGE_BLOCK)
-
-    # Pass 2: column sums per kv head, then over the kv heads (a [Hkv, total_k] reduction). Every
-    # key belongs to a sequence with at least one key tile, so every entry gets written.
+    # Pass 2, one program per key tile ("tile"): column sums per kv head, then over the kv heads (a
+    # [Hkv, total_k] reduction). Every key belongs to a sequence with at least one key tile, so every
+    # entry gets written.
     partial = torch.empty((num_kv_heads, total_k), dtype=torch.float32, device=q.device)
     _column_sum_kernel[p["grid2"]](
         q, k, cu_seqlens_q, cu_seqlens_k, lse, partial, qk_scale, *strides, total_k, num_heads, p["max_k_tiles"],
@@ -300,11 +393,17 @@ def key_attention_scores(
 
 
 def launch_params(max_q: int, max_k: int, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, device: torch.device, num_splits: Optional[int] = None) -> dict:
+                  dtype: torch.dtype, device: torch.device, num_splits: Optional[int] = None,
+                  column_pass: Optional[str] = None) -> dict:
     """Everything the launcher decides for a problem: the table's config for the device (tiles, warps,
-    stages, wave target), pass 1's key splits and both grids (also what the benchmark records)."""
+    stages, wave target, pass-2 design), pass 1's key splits and both grids (also what the benchmark
+    records). ``column_pass`` overrides the table's pass-2 design."""
     on_gpu = device.type == "cuda"
-    cfg = kernel_config(dtype, head_dim, device_name(device) if on_gpu else None)
+    cfg = dict(kernel_config(dtype, head_dim, device_name(device) if on_gpu else None))
+    cfg["column_pass"] = column_pass or cfg.get("column_pass", "tile")
+    if cfg["column_pass"] not in COLUMN_PASSES:
+        raise ValueError(f"key_attention_scores: column_pass must be one of {COLUMN_PASSES}, "
+                         f"got {cfg['column_pass']!r}")
     group = num_heads // num_kv_heads
     num_q_tiles = triton.cdiv(max_q * group, cfg["BLOCK_M"])
     max_k_tiles = triton.cdiv(max_k, cfg["BLOCK_N"])

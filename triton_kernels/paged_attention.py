@@ -121,7 +121,7 @@ def _nan_where_seen(acc, visible, v_bad, IEEE_FP32: tl.constexpr):
 
 @triton.jit
 def _attend_key_tiles(
-    m_i, l_i, acc, bad_row, lo, hi,
+    m_i, l_i, acc, bad_row, lo, hi, skip_at, skip_len, slot_end,
     q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE, page_row, ENTRY_POS, ENTRY_LEN, ENTRY_START,
     entry0,
     kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, page_size,
@@ -140,24 +140,27 @@ def _attend_key_tiles(
     while the masked code shared the loop). ``TILES=2`` (prefill's 128-row tiles, where three loops
     would spill) tests each tile for being whole (``[full_lo, full_hi]``) at run time; with
     ``PIPELINE_V`` its V load is used outside that test (the NaN fix-up masked by it), so Triton
-    pipelines V as K (the static sm_90 report showed V as a plain load in this loop)."""
-    for start in range(lo, hi, BLOCK_N):
+    pipelines V as K (the static sm_90 report showed V as a plain load in this loop). The loop walks
+    ``[lo, hi)`` with the tiles from ``skip_at`` on moved ``skip_len`` slots right (one masked loop
+    over both edges of a window split, ``EDGE_LOOP``; 0 elsewhere); ``slot_end``: the split's end."""
+    for vstart in range(lo, hi, BLOCK_N):
+        start = vstart + (vstart >= skip_at).to(tl.int32) * skip_len
         j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < hi
-        page = _per_slot(page_row, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N).to(tl.int64)
+        j_ok = j < slot_end
+        page = _per_slot(page_row, start, slot_end, j, page_size, PAGE_MODE, PAGE_SIZE, BLOCK_N).to(tl.int64)
         if PAGE_MODE > 0:
             off = j % PAGE_SIZE
         else:
             off = j % page_size
         slot_ok = j_ok
         if HAS_ENTRY_LEN:
-            slot_ok = slot_ok & (off < _per_slot(ENTRY_LEN + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
-                                                 BLOCK_N))
+            slot_ok = slot_ok & (off < _per_slot(ENTRY_LEN + entry0, start, slot_end, j, page_size, PAGE_MODE,
+                                                 PAGE_SIZE, BLOCK_N))
         if HAS_ENTRY_START:   # an entry that is a run of its page: slots below its start are not its own
-            slot_ok = slot_ok & (off >= _per_slot(ENTRY_START + entry0, start, hi, j, page_size, PAGE_MODE,
+            slot_ok = slot_ok & (off >= _per_slot(ENTRY_START + entry0, start, slot_end, j, page_size, PAGE_MODE,
                                                   PAGE_SIZE, BLOCK_N))
         if POS_TABLE:
-            slot_pos = _per_slot(ENTRY_POS + entry0, start, hi, j, page_size, PAGE_MODE, PAGE_SIZE,
+            slot_pos = _per_slot(ENTRY_POS + entry0, start, slot_end, j, page_size, PAGE_MODE, PAGE_SIZE,
                                  BLOCK_N).to(tl.int64) + off
         else:
             slot_pos = j.to(tl.int64)
@@ -230,12 +233,12 @@ def _attend_key_tiles(
             # decided per tile with V used outside the branch, which lets Triton pipeline its load
             # (cp.async, as K's): a masked tile's non-finite V values are zeroed for the dot and put
             # back as NaN where a row sees them; a whole tile's pass through unchanged
-            whole = (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi)
+            whole = (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= slot_end)
             v_bad = ((v != v) | (tl.abs(v) == float("inf"))) & ~whole
             acc = _pv_whole(acc, p, tl.where(v_bad, 0.0, v), IEEE_FP32)
             if not whole:
                 acc = _nan_where_seen(acc, visible, v_bad, IEEE_FP32)
-        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= hi):
+        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi) & (start + BLOCK_N <= slot_end):
             acc = _pv_whole(acc, p, v, IEEE_FP32)  # V in both branches: a plain register load
         else:
             acc = _pv_masked(acc, p, v, visible, IEEE_FP32)
@@ -281,6 +284,8 @@ def _paged_attention_kernel(
     # [0, 2 pi), far below the 16-bit rounding of the rotated key) instead of libdevice's precise
     # ones, whose large-argument path kept a stack frame and registers the tile needed
     PIPELINE_V: tl.constexpr = False,  # prefill's per-tile loop: V used outside the whole/masked test
+    EDGE_LOOP: tl.constexpr = False,  # decode/verify under a window: the tiles left and right of the whole
+    # ones in one masked loop after the whole-tile loop (two loops, the no-window kernel's), not one each
 ):
     # tiles are laid out in q_pos order within a sequence: start the last (longest) ones first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -384,7 +389,8 @@ def _paged_attention_kernel(
     # only in part (the window's edge, the causal diagonal, the last tile), [f0, f1) the tiles
     # every row sees whole (the bulk of a decode)
     TAGGED: tl.constexpr = POS_TABLE or HAS_ENTRY_LEN or HAS_ENTRY_START
-    SEGMENTS: tl.constexpr = (3 if HAS_WINDOW else 2) if (SPLIT_WHOLE_TILES and not TAGGED) else 1
+    SEGMENTS: tl.constexpr = ((3 if (HAS_WINDOW and not EDGE_LOOP) else 2) if (SPLIT_WHOLE_TILES and not TAGGED)
+                              else 1)
     f0 = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
     f1 = f0 + tl.maximum(tl.minimum(full_hi + 1, hi) - f0, 0) // BLOCK_N * BLOCK_N
     # without a window no row's range starts past 0 (full_lo = 0, f0 = lo): the leading masked
@@ -392,6 +398,8 @@ def _paged_attention_kernel(
     SEG_FIRST: tl.constexpr = 1 if SEGMENTS == 2 else 0
     SEG_END: tl.constexpr = 1 if SEGMENTS == 1 else 3
     for seg in tl.static_range(SEG_FIRST, SEG_END):
+        skip_at = hi  # (no tile moved)
+        skip_len = 0
         if SEGMENTS == 1:
             seg_lo = lo
             seg_hi = hi
@@ -401,11 +409,17 @@ def _paged_attention_kernel(
         elif seg == 1:
             seg_lo = f0
             seg_hi = f1
+        elif HAS_WINDOW and EDGE_LOOP:  # [lo, f0) then [f1, hi) in one masked loop
+            seg_lo = lo
+            seg_hi = f0 + (hi - f1)
+            skip_at = f0
+            skip_len = f1 - f0
         else:
             seg_lo = f1
             seg_hi = hi
         m_i, l_i, acc, bad_row = _attend_key_tiles(
-            m_i, l_i, acc, bad_row, seg_lo, seg_hi, q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE,
+            m_i, l_i, acc, bad_row, seg_lo, seg_hi, skip_at, skip_len, tl.minimum(hi, seg_hi + skip_len),
+            q, q_pos, row_ok, row_lo, row_hi, d, d_ok, Q, K_CACHE, V_CACHE,
             page_row, ENTRY_POS, ENTRY_LEN, ENTRY_START, entry0, kv_head, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo,
             stride_vh, page_size, k_scale, v_scale, rot, partner, turn_hi, turn_lo, sgn, qk_scale, softcap_log2, window_left,
             full_lo, full_hi,
@@ -540,6 +554,7 @@ def _launch(plan, q, q_pos, cu_seqlens_q, k_cache, v_cache, pages, row_start, kv
         ROPE=inv_freq is not None, ROPE_INTERLEAVED=bool(interleaved), KV_FP8=k_scale is not None,
         EVEN_D=head_dim == plan.block_d, PAGE_MODE=mode, PAGE_SIZE=page_size if mode else 1,
         SPLIT_WHOLE_TILES=split_whole_tiles(plan.block_m * plan.group_pad), PIPELINE_V=bool(plan.pipeline_v),
+        EDGE_LOOP=bool(plan.edge_loop),
         FAST_TRIG=inv_freq is not None and not interp and q.element_size() == 2,
         # keys rotated in the kernel hold more per key element: 4 warps spilled at decode's 64 x 128
         # key tile (sm_90 ptxas: 892 bytes), 8 do not

@@ -66,20 +66,34 @@ def shape_key(m_tile: int, block_d: int, elt: int) -> str:
     return f"{kind}/{'fp32' if elt == 4 else '16bit'}/d{block_d}"
 
 
+def table_key(m_tile: int, block_d: int, elt: int, window: bool, device_name: Optional[str]) -> str:
+    """The key ``kernel_config`` reads: ``shape_key``, or under a sliding window its ``/window``
+    variant where the device's entry has one (a window decode's loops differ: its own tiles and
+    stages), else the plain class."""
+    from .gpu_configs import has_own_config
+
+    key = shape_key(m_tile, block_d, elt)
+    if window and has_own_config("paged_attention", device_name, key + "/window"):
+        return key + "/window"
+    return key
+
+
 def kernel_config(m_tile: int, block_d: int, elt: int, *, interp: bool = False,
-                  device_name: Optional[str] = None) -> dict:
+                  device_name: Optional[str] = None, window: bool = False) -> dict:
     """The launch configuration: ``m_tile`` (stacked query rows), ``BLOCK_N`` (keys a loop step),
     ``num_warps``, ``num_stages`` and ``waves`` (split-KV fills ``waves`` x the SM count with programs).
 
     From ``configs/paged_attention.json``: the GPU's entry (``device_name``; keys as ``shape_key``,
     measured by ``python -m ragattn.bench.tune paged_attention``), else its "default" heuristic, or
-    the "interpreter" entry. ``m_tile`` is capped at the entry's ``BLOCK_M``; then the tiles are
+    the "interpreter" entry (``window``: the class's ``/window`` variant where the entry has one,
+    ``table_key``). ``m_tile`` is capped at the entry's ``BLOCK_M``; then the tiles are
     shrunk until ``smem_bytes`` (the compiler's shared memory, modelled) fits ``SMEM_BUDGET``
     (stages first, then the key tile, then the query tile).
     """
     from .gpu_configs import DEFAULT, get_config
 
-    cfg = get_config("paged_attention", None if interp else (device_name or DEFAULT), shape_key(m_tile, block_d, elt))
+    dev = None if interp else (device_name or DEFAULT)
+    cfg = get_config("paged_attention", dev, table_key(m_tile, block_d, elt, window, dev))
     cfg["m_tile"] = min(m_tile, cfg.pop("BLOCK_M", m_tile))
     cfg.setdefault("waves", 4.0)
     if interp:
@@ -152,11 +166,12 @@ class PagedPlan:
     num_stages: int
     num_warps: int
     pipeline_v: int = 0  # the config's ``pipeline_v`` (0/1): prefill tiles' V load pipelined
+    edge_loop: int = 0  # the config's ``edge_loop`` (0/1): a window split's edge tiles in one masked loop
 
     def launch(self) -> list:
         """The host integers of the plan, in ``from_launch``'s order (the custom op's ``int[]``)."""
         return [self.block_m, self.block_n, self.block_d, self.group, self.group_pad, self.num_splits,
-                self.split_len, self.num_stages, self.num_warps, self.pipeline_v]
+                self.split_len, self.num_stages, self.num_warps, self.pipeline_v, self.edge_loop]
 
     @classmethod
     def from_launch(cls, tile_seq: torch.Tensor, tile_row0: torch.Tensor, launch) -> "PagedPlan":
@@ -164,7 +179,7 @@ class PagedPlan:
         return cls(tile_seq, tile_row0, tile_seq.shape[0], *(int(x) for x in launch))
 
 
-LAUNCH_FIELDS = 10  # len(PagedPlan.launch())
+LAUNCH_FIELDS = 11  # len(PagedPlan.launch())
 
 
 def plan_paged_attention(
@@ -213,7 +228,7 @@ def plan_paged_attention(
     from .gpu_configs import device_name as table_device
 
     interp = interpreting()
-    cfg = kernel_config(m_tile, block_d, elt, interp=interp,
+    cfg = kernel_config(m_tile, block_d, elt, interp=interp, window=window_left >= 0,
                         device_name=table_device(device) if (device.type == "cuda" and not interp) else None)
     m_tile, block_n, num_stages, num_warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
     block_m = max(1, m_tile // group_pad)
@@ -250,4 +265,5 @@ def plan_paged_attention(
         num_tiles=num_tiles, block_m=block_m, block_n=block_n, block_d=block_d, group=group,
         group_pad=group_pad, num_splits=num_splits, split_len=split_len, num_stages=num_stages,
         num_warps=num_warps, pipeline_v=int(bool(cfg.get("pipeline_v", False))),
+        edge_loop=int(bool(cfg.get("edge_loop", False))),
     )

@@ -86,10 +86,10 @@ def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[
     group_pad = triton.next_power_of_2(group)
     m_tile = min(128, max(16, triton.next_power_of_2(rows * group_pad)))
     block_d = max(16, triton.next_power_of_2(D))
-    key = pa.shape_key(m_tile, block_d, 2)
+    key = pa.table_key(m_tile, block_d, 2, window >= 0, DEVICE_NAME)
     entry = dict(gpu_configs.get_config("paged_attention", DEVICE_NAME, key), **(change or {}))
-    with gpu_configs.override("paged_attention", key, entry):
-        cfg = pa.kernel_config(m_tile, block_d, 2, device_name=DEVICE_NAME)  # the table's H100 entry
+    with gpu_configs.override("paged_attention", key, entry):  # the table's H100 entry
+        cfg = pa.kernel_config(m_tile, block_d, 2, device_name=DEVICE_NAME, window=window >= 0)
     m_tile, block_n, stages, warps = cfg["m_tile"], cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"]
     block_m = max(1, m_tile // group_pad)
     tiles = batch * triton.cdiv(rows, block_m)
@@ -101,7 +101,8 @@ def paged_specs(name: str, batch: int, rows: int, window: int, change: Optional[
                   HAS_WINDOW=window >= 0, ROW_STARTS=False, SOFTCAP=False, UPCAST=False, IEEE_FP32=False,
                   EVEN_D=D == block_d, PAGE_MODE=pa.page_mode(page, block_n, split_len),
                   PAGE_SIZE=page if pa.page_mode(page, block_n, split_len) else 1,
-                  SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile), PIPELINE_V=bool(entry.get("pipeline_v", False)))
+                  SPLIT_WHOLE_TILES=pa.split_whole_tiles(m_tile), PIPELINE_V=bool(entry.get("pipeline_v", False)),
+                  EDGE_LOOP=bool(entry.get("edge_loop", False)))
     types = {n: "*i32" for n in ("Q_POS", "CU_SEQLENS_Q", "PAGES", "ROW_START", "KV_LENS", "TILE_SEQ", "TILE_ROW0")}
     types.update(Q="*bf16", K_CACHE="*bf16", V_CACHE="*bf16", LSE="*fp32", qk_scale="fp32", softcap_log2="fp32",
                  OUT="*fp32" if splits > 1 else "*bf16")
@@ -204,6 +205,9 @@ def triton_specs() -> List[TritonSpec]:
     specs += paged_specs("sparse_prefill", 1, SPARSE_ROWS, -1)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1)
     specs += paged_specs("decode_window", PAGED_BATCH, 1, PAGED_WINDOW)
+    # the window decode's loops before the edge loop (68e7ebf's: three loops, 3 stages)
+    specs += paged_specs("decode_window", PAGED_BATCH, 1, PAGED_WINDOW, dict(edge_loop=False, num_stages=3),
+                         "three loops, 3 stages", merge=False)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1, dict(num_stages=5), "5 stages", merge=False)
     specs += paged_specs("decode", PAGED_BATCH, 1, -1, None, "HND pages", merge=False, hnd=True)
     specs += paged_specs("sparse_prefill", 1, SPARSE_ROWS, -1, dict(pipeline_v=False), "V register load")
@@ -236,12 +240,22 @@ def triton_specs() -> List[TritonSpec]:
     case = "key_attention_scores/scores"
     specs.append(TritonSpec("key_attention_scores._row_lse_kernel", case, True, consts, types, warps, stages,
                             (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, num_splits=splits)))
-    if splits > 1:  # the splits' LSE merge: one program per _MERGE_BLOCK (row, head) entries
+    split_first = cfg.get("column_pass", "tile") == "split"
+    tile_case = case + " (pass 2 per key tile)" if split_first else case
+    if splits > 1:  # the "tile" design's LSE merge launch: one program per _MERGE_BLOCK (row, head) entries
         n = t_q * H
-        specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", case, True, dict(BLOCK=kas._MERGE_BLOCK),
-                                {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
+        specs.append(TritonSpec("key_attention_scores._merge_lse_kernel", tile_case, True,
+                                dict(BLOCK=kas._MERGE_BLOCK), {"parts_ptr": "*fp32", "lse_ptr": "*fp32"}, 4, 3,
                                 (triton.cdiv(n, kas._MERGE_BLOCK),), dict(n=n, num_splits=splits), loop=False))
-    specs.append(TritonSpec("key_attention_scores._column_sum_kernel", case, True, consts, types, warps, stages,
-                            (k_tiles, 1, Hkv), dict(ints, total_k=t_k)))
+    # pass 2: the table's design first, the other as a variant (what the A/B script times on a GPU)
+    split_spec = TritonSpec("key_attention_scores._column_sum_split_kernel", case, True, consts, types, warps, stages,
+                            (q_tiles, 1, Hkv * splits), dict(ints, total_q=t_q, total_k=t_k, num_kv_heads=Hkv,
+                                                            num_splits=splits, num_q_tiles=q_tiles))
+    tile_spec = TritonSpec("key_attention_scores._column_sum_kernel", tile_case, True, consts, types, warps, stages,
+                           (k_tiles, 1, Hkv), dict(ints, total_k=t_k))
+    if split_first:
+        specs += [split_spec, tile_spec]
+    else:
+        specs += [tile_spec, dataclasses.replace(split_spec, case=case + " (pass 2 split)")]
     return specs
 

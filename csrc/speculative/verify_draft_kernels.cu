@@ -399,18 +399,22 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   float* qbuf = reinterpret_cast<float*>(dyn + static_cast<size_t>(kSliceLen) * esize * per);
   SlicePartial* mine = reinterpret_cast<SlicePartial*>(dyn + rapid_slice_bytes<KIND, ONEHOT>() * per);
   SlicePartial* all = mine + per;
-  // 1. this CTA's slices into shared memory (the only read of HBM)
-  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+  // 1. this CTA's slices into shared memory (the only read of HBM), one copy group per slice
+  int mine_n = 0;
+  for (int s = rank; s < ns; s += C, ++mine_n) {
     const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
-    copy_to_shared(zbuf + static_cast<size_t>(l) * kSliceLen * esize, zrow, begin, end, esize, vec);
-    if (!ONEHOT && qrow != nullptr) copy_to_shared(qbuf + static_cast<size_t>(l) * kSliceLen, qrow, begin, end, 4, vec);
+    copy_to_shared(zbuf + static_cast<size_t>(mine_n) * kSliceLen * esize, zrow, begin, end, esize, vec);
+    if (!ONEHOT && qrow != nullptr) {
+      copy_to_shared(qbuf + static_cast<size_t>(mine_n) * kSliceLen, qrow, begin, end, 4, vec);
+    }
+    __pipeline_commit();
   }
-  __pipeline_commit();
-  __pipeline_wait_prior(0);
-  __syncthreads();
-  // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel
+  // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel; slice l is swept as soon as
+  // its own copies have landed (groups complete in order), while the later slices' are in flight
   const float inv_t = a.inv_temperature, eta = a.eta;
   for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
+    __syncthreads();
     const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
     const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
     const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;

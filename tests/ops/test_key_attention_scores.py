@@ -76,15 +76,19 @@ def test_explicit_scale_and_strided_inputs(device, seed, monkeypatch, backend):
     check_against_reference(q_wide[:, 2:10], k_wide[:, :, 1], cu_q, cu_k, scale=0.37)
 
 
+COLUMN_PASSES = ["split", "tile"]
+
+
+@pytest.mark.parametrize("column_pass", COLUMN_PASSES)
 @pytest.mark.parametrize("num_splits,q_lens,k_lens", [(2, [4, 2, 3], [150, 0, 200]), (3, [6], [181])])
-def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
+def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens, column_pass):
     """The split-key LSE merge of pass 1 (used on GPUs for short questions) is exact; one sequence
-    (the no-sync launch path) included."""
+    (the no-sync launch path) included; both pass-2 designs."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 
     require_triton_on(device)
     q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, 4, 2, 64, torch.float16, device)
-    out = kernel(q, k, cu_q, cu_k, num_splits=num_splits)
+    out = kernel(q, k, cu_q, cu_k, num_splits=num_splits, column_pass=column_pass)
     ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
     ref_lowp = ref_scores(q, k, cu_q, cu_k, compute_dtype=q.dtype)
     assert_precision(out, ref64, ref_lowp, what=f"scores with {num_splits} splits")
@@ -94,21 +98,25 @@ def test_pass1_key_splits_agree(device, seed, num_splits, q_lens, k_lens):
     (5, [3, 1], [70, 300], (8, 1)),  # sequence 0 has 2 key tiles: splits 2..4 are empty (-inf partials)
     (4, [2, 5, 1], [65, 1, 0], (6, 2)),  # a length-1 key range, a sequence without keys
     (2, [1], [129], (4, 4)),  # GQA 1, one row, one key past two tiles
+    (3, [21, 2, 0], [131, 77, 50], (8, 2)),  # 84 packed rows: two row tiles, the second empty in sequences 1, 2
 ])
-def test_pass2_merges_uneven_and_empty_splits(device, seed, num_splits, q_lens, k_lens, heads):
+@pytest.mark.parametrize("column_pass", COLUMN_PASSES)
+def test_pass2_merges_uneven_and_empty_splits(device, seed, num_splits, q_lens, k_lens, heads, column_pass):
     """One kernel merges the splits' partial LSEs (was torch's logsumexp, ~5 launches); empty
-    splits, short sequences and every GQA ratio give the reference's scores."""
+    splits, short sequences, every GQA ratio and row tiles past a sequence's rows give the
+    reference's scores under both pass-2 designs (the split one writes zeros for an empty row tile)."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
 
     q, k, cu_q, cu_k = make_inputs(q_lens, k_lens, heads[0], heads[1], 64, torch.bfloat16, device)
-    out = kernel(q, k, cu_q, cu_k, num_splits=num_splits)
+    out = kernel(q, k, cu_q, cu_k, num_splits=num_splits, column_pass=column_pass)
     ref64 = ref_scores(q.double(), k.double(), cu_q, cu_k)
     ref_lowp = ref_scores(q, k, cu_q, cu_k, compute_dtype=q.dtype)
     assert_precision(out, ref64, ref_lowp, what=f"scores with {num_splits} splits")
 
 
+@pytest.mark.parametrize("column_pass", COLUMN_PASSES)
 @pytest.mark.parametrize("where, value", [("k", float("nan")), ("k", float("inf")), ("q", float("nan"))])
-def test_nonfinite_rule_through_the_split_merge(device, where, value):
+def test_nonfinite_rule_through_the_split_merge(device, where, value, column_pass):
     """The NaN rule holds when the NaN sits in one split of several: the merge kernel keeps it
     (a max that ignored NaN would hide it), other sequences stay finite."""
     from ragattn.triton_kernels.key_attention_scores import key_attention_scores as kernel
@@ -119,7 +127,7 @@ def test_nonfinite_rule_through_the_split_merge(device, where, value):
     else:
         q[4, 2, 0] = value
         k[70:] = k[70:].abs()
-    got = kernel(q, k, cu_q, cu_k, num_splits=3)
+    got = kernel(q, k, cu_q, cu_k, num_splits=3, column_pass=column_pass)
     ref = ref_scores(q.double(), k.double(), cu_q, cu_k)
     assert torch.isnan(ref[70:]).all() and torch.isfinite(ref[:70]).all()
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
@@ -212,7 +220,7 @@ for device in devices:
                       UPCAST=False, IEEE=dtype == torch.float32)
         types = {"q_ptr": "*" + elt, "k_ptr": "*" + elt, "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
                  "lse_ptr": "*fp32", "partial_ptr": "*fp32", "qk_scale": "fp32"}
-        for fn in (kas._row_lse_kernel, kas._column_sum_kernel):
+        for fn in (kas._row_lse_kernel, kas._column_sum_kernel, kas._column_sum_split_kernel):
             key = json.dumps([fn.__name__, elt, head_dim, c], sort_keys=True)
             if key not in seen:
                 seen.add(key)
@@ -274,11 +282,13 @@ def test_large_batch_grid(monkeypatch):
 
     monkeypatch.setattr(kas, "_row_lse_kernel", Recorder())
     monkeypatch.setattr(kas, "_column_sum_kernel", Recorder())
+    monkeypatch.setattr(kas, "_column_sum_split_kernel", Recorder())
     batch = 70000
     cu = torch.arange(batch + 1, dtype=torch.int32)
     q = torch.ones(batch, 2, 64)
-    kas.key_attention_scores(q, q.clone(), cu, cu)
-    assert len(grids) == 2
+    for column_pass in kas.COLUMN_PASSES:
+        kas.key_attention_scores(q, q.clone(), cu, cu, column_pass=column_pass)
+    assert len(grids) == 4
     for grid in grids:
         assert all(g <= 65535 for g in grid[1:]), grid
         assert grid[0] < 2**31

@@ -144,13 +144,33 @@ def test_paged_attention_reads_its_table_and_every_tune_candidate():
     assert pa.kernel_config(128, 256, 4)["m_tile"] * 4 * 256 <= 160 * 1024  # shrunk to fit shared memory
     family = FAMILIES["paged_attention"]
     for key in family.keys:
-        kind = key.split("/")[0]
-        m_tile = {"decode": 16, "verify": 64, "prefill": 128}[kind]
-        assert pa.shape_key(m_tile, int(key.split("/d")[1]), 2) == key
+        kind, _, dclass = key.split("/")[:3]
+        m_tile, window = {"decode": 16, "verify": 64, "prefill": 128}[kind], key.endswith("/window")
+        assert pa.table_key(m_tile, int(dclass[1:]), 2, window, H100) == key
         for cand in family.candidates(key)[:10]:
             with gpu_configs.override("paged_attention", key, cand):
-                got = pa.kernel_config(m_tile, int(key.split("/d")[1]), 2, device_name=H100)
+                got = pa.kernel_config(m_tile, int(dclass[1:]), 2, device_name=H100, window=window)
             assert all(got[k] == cand[k] for k in ("BLOCK_N", "num_warps", "num_stages", "waves")), (key, cand, got)
+            assert got.get("edge_loop") == cand.get("edge_loop"), (key, cand, got)
+
+
+def test_window_decode_reads_its_own_class_where_the_entry_has_one():
+    """Under a window, decode tiles read the ``/window`` variant of their class where the device's
+    entry names it (the H100's: the edge loop, 5 stages) and the plain class elsewhere (no window,
+    other head dims, the interpreter's "*"); the launch carries ``edge_loop`` to the kernel."""
+    import torch
+
+    from ragattn.triton_kernels import paged_plan as pa
+
+    assert pa.kernel_config(16, 128, 2, device_name=H100, window=True) == dict(
+        m_tile=16, BLOCK_N=64, num_warps=4, num_stages=5, waves=4.0, edge_loop=True)
+    assert "edge_loop" not in pa.kernel_config(16, 128, 2, device_name=H100)
+    assert pa.table_key(16, 64, 2, True, H100) == "decode/16bit/d64"
+    assert pa.table_key(16, 128, 2, True, None) == "decode/16bit/d128"
+    cu, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([300], dtype=torch.int32)
+    plan = pa.plan_paged_attention(cu, lens, num_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float16,
+                                   window_left=50)
+    assert len(plan.launch()) == pa.LAUNCH_FIELDS and plan.launch()[-1] == plan.edge_loop
 
 
 def test_paged_splits_never_leave_a_partial_wave():

@@ -1,6 +1,7 @@
 """paged_attention vs the float64 reference, through the public op (default and Triton-interpreter paths)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -184,25 +185,43 @@ def test_prefill_tiles_with_whole_key_tiles(backend, monkeypatch, device, seed, 
             check_against_reference(args, out, lse, window_left, nan_at=nan_at)
 
 
-@pytest.mark.parametrize("pipeline_v", [False, True])
-def test_prefill_tiles_either_v_load(triton_backend, monkeypatch, tmp_path, device, seed, pipeline_v):
-    """The prefill loop's two forms (config ``pipeline_v``: V used outside the per-tile whole/masked
-    test, so it can be pipelined, or inside it, a plain register load) on the whole-key-tiles case:
-    the same rule, whichever the table picks (the interpreter's entry holds one of them)."""
+@contextlib.contextmanager
+def interpreter_config(monkeypatch, tmp_path, **fields):
+    """Within the block, the paged table's interpreter entry has ``fields`` set (a copy of the
+    committed table in ``tmp_path`` through RAGATTN_CONFIG_DIR)."""
     import json
 
     from ragattn.triton_kernels import gpu_configs
 
     table = json.load(open(gpu_configs.table_path("paged_attention", gpu_configs.CONFIG_DIR)))
-    table["devices"]["interpreter"]["configs"]["*"]["pipeline_v"] = pipeline_v
+    table["devices"]["interpreter"]["configs"]["*"].update(fields)
     (tmp_path / "paged_attention.json").write_text(json.dumps(table))
     monkeypatch.setenv("RAGATTN_CONFIG_DIR", str(tmp_path))
     gpu_configs.clear_cache()
     try:
-        test_prefill_tiles_with_whole_key_tiles("triton", monkeypatch, device, seed, 16)
+        yield
     finally:
         monkeypatch.delenv("RAGATTN_CONFIG_DIR")
         gpu_configs.clear_cache()
+
+
+@pytest.mark.parametrize("edge_loop", [False, True])
+def test_decode_window_edge_tiles_either_loop(triton_backend, monkeypatch, tmp_path, device, seed, edge_loop):
+    """A window decode's partly visible key tiles left and right of the whole ones in a masked loop
+    each (three loops) or in one masked loop after the whole-tile loop (config ``edge_loop``): the
+    same rule on the decode-tiles case (a window starting inside a key tile, the partial last
+    tile, split-KV pieces, NaN in every unseen slot), whichever the table picks."""
+    with interpreter_config(monkeypatch, tmp_path, edge_loop=edge_loop):
+        test_decode_tiles_across_gqa_and_head_dims("triton", monkeypatch, device, seed, 8, 2, 128, torch.bfloat16, 16)
+
+
+@pytest.mark.parametrize("pipeline_v", [False, True])
+def test_prefill_tiles_either_v_load(triton_backend, monkeypatch, tmp_path, device, seed, pipeline_v):
+    """The prefill loop's two forms (config ``pipeline_v``: V used outside the per-tile whole/masked
+    test, so it can be pipelined, or inside it, a plain register load) on the whole-key-tiles case:
+    the same rule, whichever the table picks (the interpreter's entry holds one of them)."""
+    with interpreter_config(monkeypatch, tmp_path, pipeline_v=pipeline_v):
+        test_prefill_tiles_with_whole_key_tiles("triton", monkeypatch, device, seed, 16)
 
 
 def test_rows_that_see_no_key(backend, device, seed):
