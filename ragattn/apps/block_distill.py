@@ -29,7 +29,7 @@ from typing import List, Sequence
 import torch
 
 from ragattn.methods.block_attention import block_ids
-from ragattn.methods.generate import _eos_ids
+from ragattn.methods.generate import _eos_ids, first_row_figures, kl_rows
 from ragattn.methods.prompt import prompt_parts
 
 SCHEMES = ("reordered", "composite")
@@ -136,7 +136,7 @@ def _row_kl(peft_model, samples: Sequence[DistillSample]):
     dev = next(peft_model.parameters()).device
     student = student_logprobs(peft_model, pack_samples(samples, dev))
     target = torch.cat([s.target for s in samples]).to(dev)
-    return (target.exp() * (target - student)).sum(-1), student, target
+    return kl_rows(target, student), student, target
 
 
 def distill_loss(peft_model, samples: Sequence[DistillSample]) -> torch.Tensor:
@@ -153,5 +153,4 @@ def agreement(peft_model, samples: Sequence[DistillSample]) -> dict:
     for s in samples:
         first_rows.append(at + s.first)
         at += len(s.rows)
-    return dict(kl=float(kl.mean()), first_kl=float(kl[first_rows].mean()),
-                first_agree=float((student[first_rows].argmax(-1) == target[first_rows].argmax(-1)).float().mean()))
+    return first_row_figures(kl, student, target, first_rows)

@@ -28,7 +28,7 @@ import torch
 
 from ragattn.apps.block_distill import teacher_answer
 from ragattn.apps.finetune import LORA_TARGETS
-from ragattn.methods.generate import _eos_ids
+from ragattn.methods.generate import _eos_ids, first_row_figures, kl_rows
 from ragattn.methods.prompt import prompt_parts
 
 @dataclasses.dataclass
@@ -70,7 +70,7 @@ def _row_kl(rm, samples: Sequence[RagSample]):
     labels = inputs.padded("right")[3][:, 1:].to(logits.device)
     student = logits[:, :-1][labels != -100].log_softmax(-1)
     target = torch.cat([s.target for s in samples]).to(student.device)
-    return (target.exp() * (target - student)).sum(-1), student, target
+    return kl_rows(target, student), student, target
 
 
 def rag_loss(rm, samples: Sequence[RagSample]) -> torch.Tensor:
@@ -82,12 +82,8 @@ def rag_loss(rm, samples: Sequence[RagSample]) -> torch.Tensor:
 def rag_agreement(rm, samples: Sequence[RagSample]) -> Dict[str, float]:
     """Held-out figures: mean KL over answer rows, KL and top-1 agreement at the first answer row."""
     kl, student, target = _row_kl(rm, samples)
-    first, at = [], 0
-    for s in samples:
-        first.append(at)
-        at += s.target.shape[0]
-    return dict(kl=float(kl.mean()), first_kl=float(kl[first].mean()),
-                first_agree=float((student[first].argmax(-1) == target[first].argmax(-1)).float().mean()))
+    starts = torch.tensor([0] + [s.target.shape[0] for s in samples[:-1]]).cumsum(0)
+    return first_row_figures(kl, student, target, starts.tolist())
 
 
 def _held_samples(rm, held_passages, cfg, n: int) -> Dict[float, List[RagSample]]:

@@ -38,6 +38,21 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum().clamp_min(0.0))
 
 
+def kl_rows(target: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """``KL(target || student)`` per row ``[R]`` of two log-probability matrices ``[R, vocab]``
+    (differentiable in ``student``): the distillation loss of the training stages."""
+    return (target.exp() * (target - student)).sum(-1)
+
+
+def first_row_figures(kl: torch.Tensor, student: torch.Tensor, target: torch.Tensor, first_rows) -> dict:
+    """Held-out figures of a distillation: mean ``kl`` ``[R]`` over all rows, and the mean KL and
+    top-1 agreement of ``student`` with ``target`` (``[R, vocab]``) at ``first_rows`` (each answer's
+    first row: the row a method's first token comes from)."""
+    first = list(first_rows)
+    agree = (student[first].argmax(-1) == target[first].argmax(-1)).float().mean()
+    return dict(kl=float(kl.mean()), first_kl=float(kl[first].mean()), first_agree=float(agree))
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
