@@ -384,8 +384,9 @@ def report_path(directory, fingerprint: str, **kwargs) -> Path:
     """Where :func:`stored_check` keeps the report of the model whose fingerprint
     (:func:`ragattn.store.model_fingerprint`) is ``fingerprint``, checked with ``kwargs`` (those of
     :func:`check_model`): ``directory/quality-gate/<key>.json``, ``key`` a hash of the fingerprint,
-    the settings (``store``, ``progress`` and ``name`` are not part of it) and the ragattn, torch
-    and transformers versions."""
+    the settings as :func:`check_model` resolves them (a default given or left out is the same key;
+    ``store``, ``progress`` and ``name`` are not part of it) and the ragattn, torch and
+    transformers versions."""
     import hashlib
 
     import transformers
@@ -393,7 +394,12 @@ def report_path(directory, fingerprint: str, **kwargs) -> Path:
     import ragattn
 
     limits = kwargs.get("thresholds") or Thresholds()
-    keyed = {k: v for k, v in kwargs.items() if k not in ("store", "progress", "thresholds", "name")}
+    # the settings as check_model resolves them: a default given or left out is the same key
+    keyed = dict(methods=None, probes=DEFAULT_PROBES, passages=DEFAULT_PASSAGES, seed=DEFAULT_SEED, ratio=None)
+    keyed.update({k: v for k, v in kwargs.items() if k not in ("store", "progress", "thresholds", "name")})
+    wanted = GATED if keyed["methods"] is None else {registry.canonical(m, GATED) for m in keyed["methods"]}
+    keyed["methods"] = [m for m in GATED if m in wanted]
+    keyed["ratio"] = registry.DEFAULT_RATIO if keyed["ratio"] is None else keyed["ratio"]
     ident = json.dumps(dict(model=fingerprint, thresholds=dataclasses.asdict(limits), **keyed,
                             versions=[getattr(ragattn, "__version__", "?"), torch.__version__,
                                       transformers.__version__]), sort_keys=True, default=str)
