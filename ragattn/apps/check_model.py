@@ -3,7 +3,7 @@
     python -m ragattn check-model MODEL [--methods M,M] [--probes N] [--passages N] [--seed S]
                                   [--ratio PCT] [--min-agreement F] [--max-kl NATS] [--warn-kl NATS]
                                   [--max-rotation-error E] [--max-exact-kl NATS] [--store DIR]
-                                  [--dtype float32|bfloat16|float16] [--device cpu|cuda]
+                                  [--dtype float32|bfloat16|float16] [--device cpu|cuda] [--served]
                                   [--json] [--no-progress]
 
 MODEL: "smollm2" (the shipped SmolLM2-135M-Instruct), a local HF checkpoint folder (e.g. the one a
@@ -31,7 +31,10 @@ bad arguments or a model that cannot be loaded (missing folder, unsupported arch
 
 --store DIR keeps the report in DIR/quality-gate/, keyed by the model's fingerprint and the
 settings, and reads it back on the next run: what a server does once per model at start-up
-(ragattn.methods.quality_gate.stored_check).
+(ragattn.methods.quality_gate.stored_check). With --served (the server's settings: its methods, 3
+probes), --store set to a vLLM server's chunk_dir and --dtype to the served dtype, this is the
+verdict the server's start-up gate reads (docs/vllm.md, "Quality gate"): run it ahead, on any
+device, and the server starts without running the gate.
 """
 from __future__ import annotations
 
@@ -71,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-exact-kl", type=float, default=None, metavar="NATS",
                    help="first-token KL of recompute-all against full prefill (default 1e-6 for float32, 0.02 "
                         "for 16-bit)")
+    p.add_argument("--served", action="store_true",
+                   help="the settings of a vLLM server's start-up gate (the served methods, "
+                        "3 probes, the other settings their defaults): with --store set to the server's chunk_dir and "
+                        "--dtype to the served dtype, the server reads this verdict and loads nothing")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="keep the report in DIR/quality-gate/ and reuse it for the same model and settings")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
@@ -79,6 +86,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+# the flags that make the gate's settings (those a server's --served verdict is keyed by)
+_GATE_FLAGS = ("methods", "probes", "passages", "seed", "ratio", "min_agreement", "max_kl", "warn_kl",
+               "max_rotation_error", "max_exact_kl")
 
 
 def _thresholds(args):
@@ -106,8 +118,16 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None):
     thresholds = _thresholds(args)
     check_at_least(args.probes, 1, "--probes")
     check_at_least(args.passages, 1, "--passages")
-    methods = None
-    if args.methods is not None:
+    methods, probes = None, args.probes
+    if args.served:
+        defaults = vars(parse_args([args.model]))
+        changed = [k for k in _GATE_FLAGS if getattr(args, k) != defaults[k]]
+        if changed:
+            raise UsageError("--served checks with the server's settings (its methods, 3 probes, the rest the "
+                             "defaults): drop " + ", ".join("--" + k.replace("_", "-") for k in changed))
+        served = quality_gate.served_settings()
+        methods, probes = served["methods"], served["probes"]
+    elif args.methods is not None:
         names = [m.strip() for m in args.methods.split(",") if m.strip()]
         try:
             methods = [registry.canonical(m, quality_gate.GATED) for m in names] or None
@@ -130,9 +150,9 @@ def run(args: argparse.Namespace, model_and_tokenizer=None, out=None):
         model, tok = load_model(args.model, device, "check-model", getattr(torch, args.dtype))
     else:
         model, tok = model_and_tokenizer
-    bar = tqdm(total=quality_gate.steps(methods, args.probes), desc="check-model", unit="answer",
+    bar = tqdm(total=quality_gate.steps(methods, probes), desc="check-model", unit="answer",
                file=sys.stderr, disable=args.no_progress)
-    kw = dict(methods=methods, thresholds=thresholds, probes=args.probes, passages=args.passages, seed=args.seed,
+    kw = dict(methods=methods, thresholds=thresholds, probes=probes, passages=args.passages, seed=args.seed,
               ratio=ratio, name=args.model, progress=lambda _: bar.update(1))
     if args.store is not None:
         report = quality_gate.stored_check(model, tok, args.store, **kw)

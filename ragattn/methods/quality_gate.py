@@ -44,7 +44,9 @@ for 16-bit ones), the recompute limit ``max_exact_kl`` (1e-6 and 0.02). On SmolL
 
 A serving engine calls :func:`stored_check` once per model and store at start-up: the report is
 saved under the store directory, keyed by the model's fingerprint and the gate's settings, and read
-back on the next start; ``report.failed`` names the methods to refuse.
+back on the next start; ``report.failed`` names the methods to refuse. The vLLM connector does so
+with :func:`served_settings` (:mod:`ragattn.vllm.gate`: :func:`report_path` from the served
+checkpoint's fingerprint, so a restart reads the verdict without loading a model).
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ ROTATION_OFFSET = 1000       # positions the re-rotation check moves its passage
 DEFAULT_PROBES = 6
 DEFAULT_PASSAGES = 4         # passages per probe
 DEFAULT_SEED = 2026
+SERVED_PROBES = 3            # probes of a vLLM server's start-up gate (served_settings)
 _STORE_SUBDIR = "quality-gate"
 
 
@@ -368,33 +371,73 @@ def steps(methods: Optional[Sequence[str]] = None, probes: int = DEFAULT_PROBES)
     return probes * (len(GATED if methods is None else set(registry.canonical(m, GATED) for m in methods)) + 1)
 
 
-def stored_check(model, tokenizer, directory, **kwargs) -> GateReport:
-    """:func:`check_model` once per model and settings: the report is read from
-    ``directory/quality-gate/<key>.json`` when there, else computed and written there. ``key``: a
-    hash of the model's fingerprint (:func:`ragattn.store.model_fingerprint`: config and weights),
-    the gate's settings and the ragattn, torch and transformers versions. ``kwargs``: those of
-    :func:`check_model` (``store`` and ``progress`` are not part of the key)."""
+def served_settings() -> dict:
+    """The settings a vLLM server's start-up gate runs with (:mod:`ragattn.vllm.gate`): the served
+    methods among :data:`GATED` (Full Reuse is not served) and :data:`SERVED_PROBES` probes, the
+    rest :func:`check_model`'s defaults. ``check-model --served`` uses the same, so a report it
+    keeps with ``--store`` is the one the server reads."""
+    served = set(registry.names(served=True))
+    return dict(methods=[m for m in GATED if m in served], probes=SERVED_PROBES)
+
+
+def report_path(directory, fingerprint: str, **kwargs) -> Path:
+    """Where :func:`stored_check` keeps the report of the model whose fingerprint
+    (:func:`ragattn.store.model_fingerprint`) is ``fingerprint``, checked with ``kwargs`` (those of
+    :func:`check_model`): ``directory/quality-gate/<key>.json``, ``key`` a hash of the fingerprint,
+    the settings as :func:`check_model` resolves them (a default given or left out is the same key;
+    ``store``, ``progress`` and ``name`` are not part of it) and the ragattn, torch and
+    transformers versions."""
     import hashlib
 
     import transformers
 
     import ragattn
-    from ragattn.store.fingerprint import model_fingerprint
 
     limits = kwargs.get("thresholds") or Thresholds()
-    keyed = {k: v for k, v in kwargs.items() if k not in ("store", "progress", "thresholds", "name")}
-    ident = json.dumps(dict(model=model_fingerprint(model), thresholds=dataclasses.asdict(limits), **keyed,
+    # the settings as check_model resolves them: a default given or left out is the same key
+    keyed = dict(methods=None, probes=DEFAULT_PROBES, passages=DEFAULT_PASSAGES, seed=DEFAULT_SEED, ratio=None)
+    keyed.update({k: v for k, v in kwargs.items() if k not in ("store", "progress", "thresholds", "name")})
+    wanted = GATED if keyed["methods"] is None else {registry.canonical(m, GATED) for m in keyed["methods"]}
+    keyed["methods"] = [m for m in GATED if m in wanted]
+    keyed["ratio"] = registry.DEFAULT_RATIO if keyed["ratio"] is None else keyed["ratio"]
+    ident = json.dumps(dict(model=fingerprint, thresholds=dataclasses.asdict(limits), **keyed,
                             versions=[getattr(ragattn, "__version__", "?"), torch.__version__,
                                       transformers.__version__]), sort_keys=True, default=str)
-    path = Path(directory) / _STORE_SUBDIR / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".json")
-    if path.is_file():
-        try:
-            return GateReport.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):   # damaged or from another layout: run it again
-            pass
-    report = check_model(model, tokenizer, **kwargs)
+    return Path(directory) / _STORE_SUBDIR / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".json")
+
+
+def read_report(path) -> Optional[GateReport]:
+    """The report kept at ``path``, or None when there is none (or it is damaged, or of another layout)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return GateReport.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_report(path, report: GateReport) -> None:
+    """Keeps ``report`` at ``path`` (written whole: a temporary file of this process, then renamed,
+    so processes writing the same report at once never leave a torn file). OSError when it cannot."""
+    import os
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     tmp.replace(path)
+
+
+def stored_check(model, tokenizer, directory, **kwargs) -> GateReport:
+    """:func:`check_model` once per model and settings: the report is read from
+    :func:`report_path` when there, else computed and written there. ``kwargs``: those of
+    :func:`check_model` (``store`` and ``progress`` are not part of the key)."""
+    from ragattn.store.fingerprint import model_fingerprint
+
+    path = report_path(directory, model_fingerprint(model), **kwargs)
+    report = read_report(path)
+    if report is None:
+        report = check_model(model, tokenizer, **kwargs)
+        write_report(path, report)
     return report

@@ -24,6 +24,8 @@ FusionRAG, and ragattn's kernels as vLLM's attention backend.
 * :mod:`ragattn.vllm.pages`: chunk K/V into vLLM's paged caches (worker side, no vLLM).
 * :mod:`ragattn.vllm.store`: the served model's fingerprint and the chunk directory check.
 * :mod:`ragattn.vllm.fingerprint`: that fingerprint from the checkpoint files (no copy of the weights).
+* :mod:`ragattn.vllm.gate`: ragattn's quality gate at start-up (once per model and chunk store; a
+  failing method refused by name, or the server; no vLLM).
 * :mod:`ragattn.vllm.serve`: a vLLM server as a child process (its command, start, stop; no vLLM).
 * :func:`ragattn.ops.verify_draft_vllm`: ``verify_draft`` on vLLM's rejection-sampler layout.
 

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
 
 from ragattn.store import ChunkStoreError, RemoteTier
+from ragattn.vllm.gate import mode_option
 from ragattn.vllm.platform import enabled as ragattn_attention
 from ragattn.vllm.pages import KV_SPLITS
 from ragattn.vllm.spans import SPANS_PARAM, MethodChoice
@@ -39,6 +40,9 @@ OPTIONS = {
     "shared_pages": "true: each chunk's K/V held once in vLLM's KV cache and read by every request using it "
                     "(ragattn.vllm.shared_pages; ragattn's backend; Block-Attention, TurboRAG and FusionRAG, whose "
                     "recomputed rows each request holds in its own blocks); default false",
+    "quality_gate": "'warn' (default): methods that fail ragattn's quality gate on this model at start-up are "
+                    "refused by name (full attention); 'refuse': the server does not start; 'off' "
+                    "(ragattn.vllm.gate)",
 }
 
 
@@ -114,7 +118,8 @@ class Settings:
     names, sliding window?, block size)`` per KV cache group; [] without a KV cache config),
     ``block_size``, ``sep`` / ``spans_param`` (where a prompt's spans come from),
     ``prefix_caching``, ``window`` (the model's sliding window or None), ``shared`` (shared chunk
-    pages), ``chunk_model`` and its ``fingerprint``, ``remote`` (the fleet's tier or None),
+    pages), ``chunk_model`` and its ``fingerprint``, ``hf_path`` (the HF checkpoint), ``gate_mode``
+    (the quality gate's mode: ragattn.vllm.gate), ``remote`` (the fleet's tier or None),
     ``memory_budget``, ``kv_split`` (None: from the attention backend)."""
 
     def __init__(self, vllm_config: "VllmConfig", kv_transfer_config, kv_cache_config: "KVCacheConfig"):
@@ -156,6 +161,8 @@ class Settings:
                 raise ValueError(f"ragattn.vllm: shared_pages needs ragattn's attention backend and one full-attention "
                                  f"KV cache group of unquantised caches: {why}")
         hf_path = cfg.get_from_extra_config("hf_model", None) or mc.model
+        self.hf_path = hf_path
+        self.gate_mode = mode_option(cfg.get_from_extra_config("quality_gate", None))
         self.chunk_model = served_chunk_model(hf_path, mc.dtype)
         self.fingerprint = self.chunk_model.fingerprint
         check_directory_fingerprint(self.dir, self.fingerprint)

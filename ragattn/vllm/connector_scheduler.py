@@ -32,6 +32,7 @@ from ragattn.ops.page_table import num_pages
 from ragattn.store import chunk_file, chunk_key
 from ragattn.store.fingerprint import variant_key
 from ragattn.vllm.connector_config import RagattnConnectorMetadata, RagattnWorkerMetadata, RequestLoad, Settings
+from ragattn.vllm.gate import read_verdict, verdict_path
 from ragattn.vllm.metrics import RagattnStats
 from ragattn.vllm.platform import enabled as ragattn_attention
 from ragattn.vllm.shared_pages import ChunkPagePool
@@ -71,7 +72,8 @@ class _Plan:
 
 
 class ConnectorScheduler:
-    """The connector's scheduler-side state: ``settings`` (:class:`~ragattn.vllm.connector_config.Settings`)."""
+    """The connector's scheduler-side state: ``settings`` (:class:`~ragattn.vllm.connector_config.Settings`),
+    ``refused`` (method -> why: the methods the quality gate refused; their requests get full attention)."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -83,6 +85,21 @@ class ConnectorScheduler:
         self._kv_manager = None
         self._salt_key = os.urandom(16).hex()       # derived salts cannot be guessed by a client
         self.stats = RagattnStats()                  # what the responses said, for /metrics (ragattn.vllm.metrics)
+        self.refused = self._gate_verdict()          # method -> why: refused by the quality gate (full attention)
+        self.stats.add("gate_refused_methods", len(self.refused))
+
+    def _gate_verdict(self) -> dict[str, str]:
+        """The methods the quality gate refused, from the verdict the worker kept (ragattn.vllm.gate:
+        vLLM builds the scheduler after the workers)."""
+        if self.settings.gate_mode == "off":
+            return {}
+        verdict = read_verdict(self.settings.dir, self.settings.fingerprint)
+        if verdict is None:
+            log.warning("ragattn.vllm: no quality gate verdict kept in %s: the worker could not run the gate or keep "
+                        "its verdict (see its log); the scheduler claims chunks for every method",
+                        verdict_path(self.settings.dir, self.settings.fingerprint))
+            return {}
+        return dict(verdict.refused)
 
     def _spans(self, request: "Request"):
         """(spans or None, the salt's layout: the spans, or the separator id)."""
@@ -108,6 +125,10 @@ class ConnectorScheduler:
         if not spans:
             return _Plan(NO_CLAIM, method, reason="the request names no chunk spans") if asked else None
         plan = _Plan(NO_CLAIM, method, spans, layout, request.cache_salt)
+        if method.name in self.refused:
+            plan.reason = self.refused[method.name]
+            self.stats.add("requests_gate_refused", 1)
+            return plan
         window = self.settings.window
         if method.entry.positions == "composite" and window is not None and window < len(tokens):
             # composite positions overlap (every chunk from 0); a window is by position (ragattn.kv.window), vLLM's by slot

@@ -25,6 +25,7 @@ from ragattn.store import ChunkStore, ChunkStoreError
 from ragattn.vllm.backend import RagattnAttentionImpl
 from ragattn.vllm.connector_config import (FP8_CACHE_DTYPES, RagattnConnectorMetadata, RagattnWorkerMetadata,
                                            RequestLoad, Settings)
+from ragattn.vllm.gate import GateError, run_gate
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
 from ragattn.vllm.metrics import STORE_COUNTERS, RagattnStats
@@ -37,7 +38,8 @@ log = init_logger(f"vllm.{__name__}")   # vLLM's logger tree: its lines carry le
 
 class ConnectorWorker:
     """The connector's worker-side state: ``settings``, ``store`` (the chunk store, CPU), ``writer``
-    and ``recomputer`` (at :meth:`register_kv_caches`), ``state`` (the worker's WorkerState)."""
+    and ``recomputer`` (at :meth:`register_kv_caches`), ``state`` (the worker's WorkerState),
+    ``gate`` (the quality gate's :class:`~ragattn.vllm.gate.ServedVerdict`, None when off)."""
 
     def __init__(self, settings: Settings, vllm_config):
         self.settings, self.vllm_config = settings, vllm_config
@@ -57,6 +59,9 @@ class ConnectorWorker:
         self._failed_requests: dict[str, list[int]] = {}
         self._stats = RagattnStats()                          # for /metrics (ragattn.vllm.metrics)
         self._store_seen = {k: 0 for k in STORE_COUNTERS}     # the store's counters already counted
+        # the quality gate, once per model and store (kept under the chunk directory; GateError in mode "refuse")
+        self.gate = run_gate(settings.dir, settings.fingerprint, settings.hf_path, vllm_config.model_config.dtype,
+                             settings.gate_mode)
 
     @property
     def store(self) -> ChunkStore:
@@ -210,6 +215,9 @@ class ConnectorWorker:
     def _load(self, load: RequestLoad) -> None:
         """One request's load (:meth:`start_load_kv`); a failure is logged and its blocks reported."""
         try:
+            if self.gate is not None and load.method.name in self.gate.refused:
+                # (the scheduler claims none for it: only when it could not read the verdict)
+                raise GateError(self.gate.refused[load.method.name])
             rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
                          if load.method.entry.positions == "composite" else None)
             if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
@@ -218,7 +226,7 @@ class ConnectorWorker:
                 self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
             if load.method.recomputes:
                 self._done[load.req_id] = self._recompute(load).positions
-        except (ChunkStoreError, OSError, RecomputeError) as exc:
+        except (ChunkStoreError, OSError, RecomputeError, GateError) as exc:
             self._stats.add("loads_failed", 1)
             failed = self._claimed_blocks(load)
             log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "

@@ -23,6 +23,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS = {
     "requests_method": "requests that carried chunks, answered by the method they asked for",
     "requests_full_attention": "requests that carried chunks, answered by full attention (nothing reused)",
+    "requests_gate_refused": "requests that asked for a method the quality gate refused (full attention)",
+    "gate_refused_methods": "methods the quality gate refused on this model at start-up (counted once)",
     "chunks_hit": "chunk spans reused from the chunk store",
     "chunks_missed": "chunk spans not reused (not in the store, a gap, the prompt's end)",
     "tokens_reused": "prompt tokens whose K/V came from the chunk store",

@@ -179,3 +179,26 @@ def test_a_16_bit_model_is_checked_against_the_16_bit_limits(capsys):
     assert rc == 0 and report["settings"]["dtype"] == "bfloat16", report
     assert checks["re-rotation"]["limit"] == 0.1 and 1e-3 < checks["re-rotation"]["figure"] < 0.05, checks
     assert checks["recompute-all"]["limit"] == 0.02 and 1e-6 < checks["recompute-all"]["figure"] < 0.01, checks
+
+
+def test_served_keeps_the_verdict_a_vllm_server_reads(smollm2, monkeypatch, capsys, tmp_path):
+    """--served --store DIR: the server's settings (the served methods, 3 probes), kept where the
+    vLLM connector's start-up gate looks (ragattn.vllm.gate.verdict_path: the model's fingerprint,
+    which the server takes from the checkpoint's files); settings the server does not use are
+    refused by flag, not kept where it would never read them."""
+    from ragattn.__main__ import main
+    from ragattn.store.fingerprint import model_fingerprint
+    from ragattn.vllm import gate
+
+    rc, out = _run_main(["smollm2", "--served", "--json", "--store", str(tmp_path)], smollm2, monkeypatch, capsys)
+    report = json.loads(out)
+    served = quality_gate.served_settings()
+    assert rc == 0 and report["settings"]["probes"] == 3 == served["probes"], out
+    assert report["settings"]["methods"] == served["methods"] and "full-reuse" not in served["methods"]
+    verdict = gate.read_verdict(tmp_path, model_fingerprint(smollm2[0]))
+    assert verdict is not None and verdict.refused == {} and verdict.report.to_dict() == report
+    for flags in (["--probes", "2"], ["--methods", "cacheblend"], ["--max-kl", "0.5", "--seed", "3"]):
+        assert main(["check-model", "smollm2", "--served", *flags, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "--served checks with the server's settings" in err, err
+        assert all(f in err.split("drop ")[1] for f in flags if f.startswith("--")), err

@@ -45,6 +45,7 @@ def _config(served, prefix_caching=False, **extra):
     folder, kv, _, _ = served
     extra.setdefault("chunk_dir", str(kv))
     extra.setdefault("kv_split", "rows")
+    extra.setdefault("quality_gate", "off")   # (the random model has no tokenizer: tests/vllm/test_gate_served.py)
     extra = {k: v for k, v in extra.items() if v is not None}
     return VllmConfig(
         model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=512),

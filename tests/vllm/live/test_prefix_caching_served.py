@@ -140,3 +140,14 @@ def test_partial_reuse_is_reported(live):
     assert (out["ragattn_tokens_reused"], out["ragattn_tokens_exact"]) == (head, len(p["prompt"]) - head)
     assert f"span 1 of {n}" in out["ragattn_reason"]
     assert any("WARNING" in line and f"span 1 of {n}" in line for line in server.log_tail(200000).splitlines())
+
+
+def test_the_quality_gate_ran_at_start_up(live):
+    """The server ran ragattn's quality gate at start-up (mode "warn", the default) on the served
+    SmolLM2, or read the verdict the other live server kept in the same chunk directory: every
+    served method passes, none is refused (ragattn.vllm.gate; class level: tests/vllm/test_gate_served.py)."""
+    server, _ = live
+    log = server.log_tail(10 ** 8)
+    assert "quality gate: every served method passes on this model" in log, log[-3000:]
+    assert "failed ragattn's quality gate" not in log
+    assert _metric_or_zero(server, "vllm:ragattn_gate_refused_methods_total") == 0
