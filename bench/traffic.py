@@ -114,7 +114,7 @@ def run_stream(model, tok, method, texts, questions, stream, q_of, store, tier: 
     for i, (ids, qi) in enumerate(zip(stream, q_of)):
         before = dict(store.stats)
         a = method.answer(model, tok, [texts[j] for j in ids], questions[qi], max_new_tokens=1, store=store)
-        src = _sources(before, store.stats, len(ids))
+        src = _sources(before, store.stats, len(ids) + 1)      # the passages and the prompt's head
         rows.append(dict(tier=tier, i=i, t_s=time.perf_counter() - t0, ttft_s=a.ttft_s, prompt_len=a.prompt_len,
                          **{f"from_{k}": v for k, v in src.items()}, resident_bytes=store.num_rows * store.row_bytes,
                          pool_bytes=store.pool_bytes, rss_bytes=rss_bytes(), load1=os.getloadavg()[0]))
@@ -156,7 +156,7 @@ def baselines(model, tok, method, full, texts, questions, stream, q_of, n: int, 
         method.answer(model, tok, chunks, questions[qi], max_new_tokens=1, store=warm_store)   # fills it
         before = dict(warm_store.stats)
         w = method.answer(model, tok, chunks, questions[qi], max_new_tokens=1, store=warm_store)
-        assert _sources(before, warm_store.stats, len(ids))["memory"] == len(ids)
+        assert _sources(before, warm_store.stats, len(ids) + 1)["memory"] == len(ids) + 1
         full_s.append(f.ttft_s)
         warm_s.append(w.ttft_s)
         same += f.tokens == w.tokens
