@@ -186,6 +186,74 @@ def tier_costs(model, url, lengths: Sequence[int], chunks: int) -> dict:
                 crossover_tokens=cross, row_bytes=row)
 
 
+def breakdown(model, url, tokens: int, repeats: int = 3) -> dict:
+    """Milliseconds of each stage of bringing one ``tokens``-token chunk into memory, medians of
+    ``repeats``: from disk (read the file: safetensors; verify: the tensors' sha256 and the key;
+    the rest of the load: insert into the pool), from the remote tier (get: the manifest and the
+    parts over loopback; check: the value's sha256 and HMAC; decode + verify as from disk; the
+    rest) and recomputing (the prefill alone; the rest)."""
+    import hmac as _hmac
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import load as st_load
+
+    from ragattn.store import ChunkStore
+    from ragattn.store.disk_tier import _tensor_digest
+    from ragattn.store.remote_tier import parse_manifest
+
+    g = torch.Generator().manual_seed(7)
+    out: Dict[str, List[float]] = {}
+
+    def note(name, s):
+        out.setdefault(name, []).append(s * 1e3)
+
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(repeats):
+            w = ChunkStore(model, d, remote=url, remote_secret=SECRET if url else None)
+            warm, chunk = (torch.randint(1, w.vocab_size or 1000, (tokens,), generator=g) for _ in range(2))
+            w.add([warm])                      # each store's first call (connection, kernels) is not timed
+
+            def timed(store, what):
+                before = store.stats[what]
+                key = store.add([chunk])[0]
+                return key, store.stats[what] - before
+
+            key, s = timed(w, "recompute_s")
+            note("recompute: total", s)
+            path = w.directory / f"{key}.safetensors"
+            t0 = time.perf_counter()
+            with safe_open(str(path), framework="pt") as f:
+                ts = [f.get_tensor(n) for n in ("k", "v", "tokens")]
+            t1 = time.perf_counter()
+            _tensor_digest(*ts)
+            note("disk: read file", t1 - t0)
+            note("disk: sha256 of the tensors", time.perf_counter() - t1)
+            fresh = ChunkStore(model, d, read_only=True)
+            fresh.add([warm])
+            note("disk: total", timed(fresh, "disk_s")[1])
+            if url:
+                rt = w._loader.remote
+                t0 = time.perf_counter()
+                m = parse_manifest(rt.client.get(rt.manifest_key(key)))
+                value = b"".join(rt.client.mget([rt.part_key(key, m.nonce, i) for i in range(m.parts)]))
+                t1 = time.perf_counter()
+                hashlib.sha256(value).hexdigest()
+                _hmac.compare_digest(rt._mac(key, value), m.mac)
+                t2 = time.perf_counter()
+                ts = st_load(value)
+                t3 = time.perf_counter()
+                note("remote: get over loopback", t1 - t0)
+                note("remote: sha256 + HMAC of the value", t2 - t1)
+                note("remote: decode (safetensors)", t3 - t2)
+                _tensor_digest(ts["k"], ts["v"], ts["tokens"])
+                note("remote: sha256 of the tensors", time.perf_counter() - t3)
+                fresh = ChunkStore(model, remote=url, remote_secret=SECRET)
+                fresh.add([warm])
+                note("remote: total", timed(fresh, "remote_s")[1])
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def run(a, argv_text: str) -> dict:
     from ragattn.apps.corpus import load_corpus
     from ragattn.methods import registry
@@ -246,6 +314,8 @@ def run(a, argv_text: str) -> dict:
             print(f"bench.traffic: {tier}: sustained {sustained:.2f}x = {sustained / base['warm_speedup']:.0%} "
                   f"of warm", file=sys.stderr)
         costs = tier_costs(model, url, a.cost_lengths, a.cost_chunks)
+        costs["breakdown"] = breakdown(model, url, a.cost_lengths[len(a.cost_lengths) // 2])
+        costs["breakdown_tokens"] = a.cost_lengths[len(a.cost_lengths) // 2]
     finally:
         if redis is not None:
             redis.kill()

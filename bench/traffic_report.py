@@ -43,6 +43,10 @@ def format_costs(costs: dict) -> str:
     for tier, x in costs["crossover_tokens"].items():
         lines.append(f"- {tier} is cheaper than recomputing for chunks longer than {x:.0f} tokens"
                      if x != float("inf") else f"- recomputing is cheaper than {tier} at every length")
+    if costs.get("breakdown"):
+        lines += ["", f"Stages of one {costs['breakdown_tokens']}-token chunk (ms, medians of 3):", "",
+                  "| stage | ms |", "|---|---:|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in costs["breakdown"].items()]
     return "\n".join(lines)
 
 
