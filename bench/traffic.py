@@ -1,7 +1,7 @@
 """Sustained RAG traffic through the chunk store's tiers: hit rate, TTFT and memory over time.
 
     python -m bench.traffic [--requests 150] [--passages 4] [--budget-fraction 0.25] [--zipf 1.1]
-        [--tiers disk,remote,recompute] [--window 25] [--baseline 12] [--threads 1]
+        [--tiers disk,remote,recompute] [--window 25] [--probe-every 8] [--threads 1]
         [--out docs/perf/cpu-traffic]
     python -m bench.traffic --dry-run      # a tiny random model, a dozen requests: seconds
 
@@ -16,12 +16,13 @@ per tier in ``--tiers``, the same stream runs from a cold store whose memory bud
 by that tier: ``disk`` (the directory), ``remote`` (the redis-server, no directory), ``recompute``
 (no tier: evicted chunks prefilled again). ``remote`` is skipped, saying so, without redis-server.
 
-Baselines, on ``--baseline`` prompts of the stream: full prefill's TTFT (``full-prefill``, the same
-tokens) and the warm TTFT (every chunk in memory). Per window of ``--window`` requests: the share of
-chunks served by memory and by the tier, TTFT p50/p99, the store's resident K/V bytes and the
-process's resident memory. The target: the reuse speed-up (full prefill p50 / TTFT p50) over the
-second half of the stream, after the store has filled and evicted, stays within 20% of the warm
-speed-up. Also measured: what a chunk costs from each source by length (``TierCosts.measure``),
+Baselines, interleaved with the stream so that they see the same load (this machine is shared):
+every ``--probe-every``-th request is answered again by full prefill (``full-prefill``, the same
+tokens) and from a warm store (every chunk of the corpus in memory). Per window of ``--window``
+requests: the share of chunks served by memory and by the tier, TTFT p50/p99, the store's resident
+K/V bytes and the process's resident memory. The target: the reuse speed-up (full prefill p50 /
+TTFT p50) over the second half of the stream, after the store has filled and evicted, stays within
+20% of the warm speed-up (full prefill p50 / warm p50) of the same half's probes. Also measured: what a chunk costs from each source by length (``TierCosts.measure``),
 and the seconds spent per source during the stream (``ChunkStore.stats``). Writes
 ``traffic.json``, ``traffic.md`` and ``traffic.png`` to ``--out``.
 """
@@ -33,6 +34,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -108,17 +110,56 @@ def _sources(before: dict, after: dict, n_chunks: int) -> Dict[str, int]:
     return {"memory": n_chunks - sum(tier.values()), **tier}
 
 
-def run_stream(model, tok, method, texts, questions, stream, q_of, store, tier: str) -> List[dict]:
-    """Answer every request of ``stream`` through ``store``; one row per request."""
+def run_stream(model, tok, method, texts, questions, stream, q_of, store, tier: str, probe, every: int
+               ) -> List[dict]:
+    """Answer every request of ``stream`` through ``store``; one row per request. Every ``every``-th
+    request is also answered by ``probe(chunks, question)`` -> ``(full prefill Answer, warm
+    Answer)`` right after, under the same load: its row gets ``full_s`` and ``warm_s``."""
     rows, t0 = [], time.perf_counter()
     for i, (ids, qi) in enumerate(zip(stream, q_of)):
         before = dict(store.stats)
-        a = method.answer(model, tok, [texts[j] for j in ids], questions[qi], max_new_tokens=1, store=store)
+        chunks = [texts[j] for j in ids]
+        a = method.answer(model, tok, chunks, questions[qi], max_new_tokens=1, store=store)
         src = _sources(before, store.stats, len(ids) + 1)      # the passages and the prompt's head
-        rows.append(dict(tier=tier, i=i, t_s=time.perf_counter() - t0, ttft_s=a.ttft_s, prompt_len=a.prompt_len,
-                         **{f"from_{k}": v for k, v in src.items()}, resident_bytes=store.num_rows * store.row_bytes,
-                         pool_bytes=store.pool_bytes, rss_bytes=rss_bytes(), load1=os.getloadavg()[0]))
+        row = dict(tier=tier, i=i, t_s=time.perf_counter() - t0, ttft_s=a.ttft_s, prompt_len=a.prompt_len,
+                   **{f"from_{k}": v for k, v in src.items()}, resident_bytes=store.num_rows * store.row_bytes,
+                   pool_bytes=store.pool_bytes, rss_bytes=rss_bytes(), load1=os.getloadavg()[0])
+        if every and i % every == every // 2:
+            f, w = probe(chunks, questions[qi])
+            row.update(full_s=f.ttft_s, warm_s=w.ttft_s, agrees=f.tokens == a.tokens, warm_same=w.tokens == a.tokens)
+        rows.append(row)
     return rows
+
+
+def make_probe(model, tok, method, full, warm_store):
+    """``probe(chunks, question)`` for :func:`run_stream`: full prefill's answer and the answer
+    from ``warm_store`` (every chunk of the corpus in memory; checked)."""
+    def probe(chunks, question):
+        f = full.answer(model, tok, chunks, question, max_new_tokens=1)
+        before = dict(warm_store.stats)
+        w = method.answer(model, tok, chunks, question, max_new_tokens=1, store=warm_store)
+        got = _sources(before, warm_store.stats, len(chunks) + 1)
+        if got["memory"] != len(chunks) + 1:
+            raise RuntimeError(f"bench.traffic: the warm store missed chunks: {got}")
+        return f, w
+    return probe
+
+
+def summary(rows: List[dict]) -> dict:
+    """Over the second half of a stream (the store filled and evicting), against the probes of
+    that half: full prefill p50 / TTFT p50 (sustained) and full prefill p50 / warm p50 (warm)."""
+    late = rows[len(rows) // 2:]
+    probed = [r for r in late if "full_s" in r]
+    if not probed:
+        raise ValueError("bench.traffic: no probe in the second half of the stream: lower --probe-every")
+    full_p50 = statistics.median(r["full_s"] for r in probed)
+    warm_p50 = statistics.median(r["warm_s"] for r in probed)
+    ttft_p50 = statistics.median(r["ttft_s"] for r in late)
+    return dict(probes=len(probed), full_p50_ms=full_p50 * 1e3, warm_p50_ms=warm_p50 * 1e3,
+                ttft_p50_ms=ttft_p50 * 1e3, ttft_p99_ms=percentile([r["ttft_s"] for r in late], 99) * 1e3,
+                sustained_speedup=full_p50 / ttft_p50, warm_speedup=full_p50 / warm_p50,
+                ratio_to_warm=warm_p50 / ttft_p50, met=warm_p50 / ttft_p50 >= TARGET_FRACTION,
+                first_token_agrees=sum(r["agrees"] for r in probed), warm_same=sum(r["warm_same"] for r in probed))
 
 
 def windows(rows: List[dict], size: int, full_p50: float) -> List[dict]:
@@ -134,36 +175,6 @@ def windows(rows: List[dict], size: int, full_p50: float) -> List[dict]:
                         p50_ms=p50 * 1e3, p99_ms=percentile(ttft, 99) * 1e3, speedup=full_p50 / p50,
                         resident_mb=part[-1]["resident_bytes"] / 2**20, rss_mb=part[-1]["rss_bytes"] / 2**20))
     return out
-
-
-def baselines(model, tok, method, full, texts, questions, stream, q_of, n: int, budget_all: int) -> dict:
-    """Full prefill's and the warm store's TTFT on the first ``n`` distinct prompts of the stream."""
-    from ragattn.store import ChunkStore
-
-    seen, picks = set(), []
-    for ids, qi in zip(stream, q_of):
-        key = (tuple(ids), qi)
-        if key not in seen:
-            seen.add(key)
-            picks.append(key)
-        if len(picks) == n:
-            break
-    warm_store = ChunkStore(model, memory_budget=budget_all)
-    full_s, warm_s, same = [], [], 0
-    for ids, qi in picks:
-        chunks = [texts[j] for j in ids]
-        f = full.answer(model, tok, chunks, questions[qi], max_new_tokens=1)
-        method.answer(model, tok, chunks, questions[qi], max_new_tokens=1, store=warm_store)   # fills it
-        before = dict(warm_store.stats)
-        w = method.answer(model, tok, chunks, questions[qi], max_new_tokens=1, store=warm_store)
-        assert _sources(before, warm_store.stats, len(ids) + 1)["memory"] == len(ids) + 1
-        full_s.append(f.ttft_s)
-        warm_s.append(w.ttft_s)
-        same += f.tokens == w.tokens
-    full_p50, warm_p50 = statistics.median(full_s), statistics.median(warm_s)
-    return dict(prompts=len(picks), full_p50_ms=full_p50 * 1e3, full_p99_ms=percentile(full_s, 99) * 1e3,
-                warm_p50_ms=warm_p50 * 1e3, warm_p99_ms=percentile(warm_s, 99) * 1e3,
-                warm_speedup=full_p50 / warm_p50, first_token_agrees=same)
 
 
 def tier_costs(model, url, lengths: Sequence[int], chunks: int) -> dict:
@@ -291,9 +302,9 @@ def run(a, argv_text: str) -> dict:
         floor = sum(-(-n // built.page_size) for n in widest) * built.page_size * built.row_bytes
         budget = max(int(corpus_bytes * a.budget_fraction), floor)
         del built
-        base = baselines(model, tok, method, full, texts, questions, stream, q_of, a.baseline, 2 * corpus_bytes)
-        print(f"bench.traffic: full prefill p50 {base['full_p50_ms']:.0f} ms, warm {base['warm_p50_ms']:.0f} ms "
-              f"({base['warm_speedup']:.2f}x)", file=sys.stderr)
+        warm_store = ChunkStore(model, os.path.join(work, "kv"), read_only=True, memory_budget=2 * corpus_bytes)
+        warm_store.add([head, *chunk_ids])
+        probe = make_probe(model, tok, method, full, warm_store)
         tiers = {}
         for tier in [t for t in a.tiers if t not in skipped]:
             opts = dict(memory_budget=budget)
@@ -302,17 +313,13 @@ def run(a, argv_text: str) -> dict:
             elif tier == "remote":
                 opts.update(remote=url, remote_secret=SECRET)
             store = ChunkStore(model, **opts)
-            rows = run_stream(model, tok, method, texts, questions, stream, q_of, store, tier)
-            wins = windows(rows, a.window, base["full_p50_ms"] / 1e3)
-            late = [r["ttft_s"] for r in rows[len(rows) // 2:]]
-            sustained = base["full_p50_ms"] / 1e3 / statistics.median(late)
+            rows = run_stream(model, tok, method, texts, questions, stream, q_of, store, tier, probe, a.probe_every)
+            summ = summary(rows)
             spent = {k: store.stats.get(k, 0) for k in ("disk_s", "remote_s", "recompute_s")}
-            tiers[tier] = dict(rows=rows, windows=wins, sustained_speedup=sustained,
-                               ratio_to_warm=sustained / base["warm_speedup"],
-                               met=sustained >= TARGET_FRACTION * base["warm_speedup"],
-                               stats={k: v for k, v in store.stats.items()}, spent_s=spent)
-            print(f"bench.traffic: {tier}: sustained {sustained:.2f}x = {sustained / base['warm_speedup']:.0%} "
-                  f"of warm", file=sys.stderr)
+            tiers[tier] = dict(rows=rows, windows=windows(rows, a.window, summ["full_p50_ms"] / 1e3), **summ,
+                               stats=dict(store.stats), spent_s=spent)
+            print(f"bench.traffic: {tier}: sustained {summ['sustained_speedup']:.2f}x, warm "
+                  f"{summ['warm_speedup']:.2f}x: {summ['ratio_to_warm']:.0%}", file=sys.stderr)
         costs = tier_costs(model, url, a.cost_lengths, a.cost_chunks)
         costs["breakdown"] = breakdown(model, url, a.cost_lengths[len(a.cost_lengths) // 2])
         costs["breakdown_tokens"] = a.cost_lengths[len(a.cost_lengths) // 2]
@@ -324,7 +331,7 @@ def run(a, argv_text: str) -> dict:
     meta.update(load_after=list(os.getloadavg()), corpus_passages=len(texts), corpus_tokens=corpus_tokens,
                 corpus_kv_bytes=corpus_bytes, memory_budget=budget, build_s=build_s, skipped=skipped,
                 model="random 2-layer (dry run)" if a.dry_run else "SmolLM2-135M-Instruct float32")
-    result = dict(meta=meta, args=vars(a), baseline=base, tiers=tiers, costs=costs, target_fraction=TARGET_FRACTION)
+    result = dict(meta=meta, args=vars(a), tiers=tiers, costs=costs, target_fraction=TARGET_FRACTION)
     write_report(a.out, result)
     return result
 
@@ -338,7 +345,8 @@ def _parse(argv):
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of passage popularity")
     p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, of {', '.join(TIERS)}")
     p.add_argument("--window", type=int, default=25, help="requests per reported window")
-    p.add_argument("--baseline", type=int, default=12, help="prompts timed with full prefill and warm")
+    p.add_argument("--probe-every", type=int, default=8,
+                   help="every N-th request is also answered by full prefill and from a warm store")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", default=None, help="a corpus folder (default: the shipped eval set)")
@@ -356,13 +364,15 @@ def _parse(argv):
         p.error("--budget-fraction must be in (0, 1]")
     a.cost_lengths = [int(x) for x in a.cost_lengths.split(",")]
     if a.dry_run:
-        a.requests, a.window, a.baseline, a.max_passages = min(a.requests, 12), min(a.window, 4), min(a.baseline, 2), 10
+        a.requests, a.window, a.probe_every, a.max_passages = min(a.requests, 12), min(a.window, 4), 4, 10
         a.cost_lengths, a.cost_chunks = [8, 32], 1
     return a
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = _parse(argv)
+    # a TERM (timeout, kill) unwinds through run()'s cleanup: the redis-server and the work directory go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     text = "python -m bench.traffic " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     run(a, text.strip())
     return 0

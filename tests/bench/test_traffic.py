@@ -22,6 +22,18 @@ def test_zipf_stream_is_skewed_distinct_and_seeded():
         traffic.zipf_stream(4, 1, 5, 1.0, seed=0)
 
 
+def test_summary_is_over_the_second_half_and_its_probes():
+    rows = [dict(ttft_s=1.0 + i) for i in range(6)]
+    rows[1].update(full_s=100.0, warm_s=0.1, agrees=True, warm_same=True)     # first half: not counted
+    rows[4].update(full_s=8.0, warm_s=4.0, agrees=False, warm_same=True)
+    s = traffic.summary(rows)
+    assert s["probes"] == 1 and s["ttft_p50_ms"] == pytest.approx(5000)
+    assert s["sustained_speedup"] == pytest.approx(8 / 5) and s["warm_speedup"] == pytest.approx(2)
+    assert s["ratio_to_warm"] == pytest.approx(0.8) and s["met"] and s["first_token_agrees"] == 0
+    with pytest.raises(ValueError, match="no probe in the second half"):
+        traffic.summary(rows[:4])
+
+
 def test_windows_shares_and_speedup():
     rows = [dict(tier="disk", i=i, t_s=i * 0.5, ttft_s=0.1 + 0.1 * (i % 2), from_memory=3, from_disk=1,
                  from_remote=0, from_recompute=0, resident_bytes=2**20 * (i + 1), rss_bytes=2**30)
@@ -48,6 +60,8 @@ def test_dry_run_writes_the_report(tmp_path):
         assert t["spent_s"]["recompute_s" if tier == "recompute" else f"{tier}_s"] > 0
     assert set(r["costs"]["crossover_tokens"]) == ({"disk", "remote"} if have_redis else {"disk"})
     data = json.loads((out / "traffic.json").read_text())
-    assert data["baseline"]["full_p50_ms"] > 0 and data["baseline"]["warm_speedup"] > 0
+    for t in data["tiers"].values():
+        assert t["probes"] == 2 and t["full_p50_ms"] > 0 and t["warm_speedup"] > 0 and t["warm_same"] == 2
+        assert t["ratio_to_warm"] == pytest.approx(t["sustained_speedup"] / t["warm_speedup"])
     md = (out / "traffic.md").read_text()
     assert "sustained speed-up" in md and "loaded machine" in md and (out / "traffic.png").stat().st_size > 1000
