@@ -6,8 +6,8 @@
     python -m bench.traffic --dry-run      # a tiny random model, a dozen requests: seconds
 
 In process, on the HF path: SmolLM2-135M-Instruct (float32, CPU) answers Block-Attention requests
-(``ragattn.methods.registry``, ``m.answer``, one token: the TTFT) over the shipped eval corpus
-(``ragattn/data/qa_eval``). Each request is ``--passages`` distinct passages drawn by a Zipf law of
+(``ragattn.methods.registry``, ``m.answer``, one token: the TTFT) over the shipped QA corpus
+(``ragattn/data/qa``, 36 passages; ``--corpus ragattn/data/qa_eval`` for the 103 of the eval set). Each request is ``--passages`` distinct passages drawn by a Zipf law of
 exponent ``--zipf`` over a fixed random ranking of the corpus (popular passages recur, as in real
 traffic) and a question drawn uniformly. The corpus's chunk K/V is first built offline into a
 directory and a redis-server on 127.0.0.1 (``python -m ragattn build-store`` does the same); then,
@@ -22,7 +22,8 @@ tokens) and from a warm store (every chunk of the corpus in memory). Per window 
 requests: the share of chunks served by memory and by the tier, TTFT p50/p99, the store's resident
 K/V bytes and the process's resident memory. The target: the reuse speed-up (full prefill p50 /
 TTFT p50) over the second half of the stream, after the store has filled and evicted, stays within
-20% of the warm speed-up (full prefill p50 / warm p50) of the same half's probes. Also measured: what a chunk costs from each source by length (``TierCosts.measure``),
+20% of the warm speed-up (full prefill p50 / warm p50) of the same half's probes. Also measured:
+what a chunk costs from each source by length (``TierCosts.measure``),
 and the seconds spent per source during the stream (``ChunkStore.stats``). Writes
 ``traffic.json``, ``traffic.md`` and ``traffic.png`` to ``--out``.
 """
@@ -279,7 +280,8 @@ def run(a, argv_text: str) -> dict:
     method, full = registry.get("block-attention"), registry.get("full-prefill")
     stream = zipf_stream(len(texts), a.requests, a.passages, a.zipf, a.seed)
     q_of = np.random.default_rng(a.seed + 1).integers(0, len(questions), a.requests).tolist()
-    meta = dict(commit=project_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = dict(commit=project_commit(), date=now,
                 load_before=list(os.getloadavg()), torch=torch.__version__, threads=a.threads, command=argv_text)
     redis, url = start_redis() if "remote" in a.tiers else (None, None)
     skipped = {}

@@ -141,7 +141,8 @@ def write_report(out: str, result: dict) -> None:
              "insert, the remote fetch + verify + insert, and the chunks' prefill):\n\n"
              + format_spent(result["tiers"]) + "\n")
     body += ("\nOne chunk from each source by length (`TierCosts.measure`: a fresh store each, mean of "
-             f"{a['cost_chunks']} chunks; fitted lines and crossovers below):\n\n" + format_costs(result["costs"]) + "\n")
+             f"{a['cost_chunks']} chunks; fitted lines and crossovers below):\n\n"
+             + format_costs(result["costs"]) + "\n")
     drawn = plot(result, os.path.join(out, "traffic.png"))
     body += "\n![hit rate, TTFT and memory over the stream](traffic.png)\n" if drawn else \
         "\n(no plot: matplotlib is not installed)\n"
