@@ -16,6 +16,7 @@ One module per part:
 * :mod:`.remote_tier`: :class:`RemoteTier`, the same chunk files shared by a fleet on a Redis/Valkey
   server (split values, atomic publication, HMAC-authenticated);
 * :mod:`.loader`: the miss policy (memory, disk, remote, recompute) and how chunks enter;
+* :mod:`.cost`: :class:`TierCosts`, a tier read's cost against recomputing, by which the loader chooses;
 * :mod:`.positions`: :class:`Positions`, the one position-scheme type of every request;
 * :mod:`.copy_out`, :mod:`.zero_copy`: the request builders over the resident set;
 * :mod:`.chunk_store`: :class:`ChunkStore`, the thin front composing them (model following, keys,
@@ -27,6 +28,7 @@ fill), never the model patches, the methods, the engines or the apps
 """
 from ragattn.store.chunk_store import ChunkStore
 from ragattn.store.copy_out import AssembledRequest
+from ragattn.store.cost import TIERS_FIRST, TierCosts
 from ragattn.store.disk_tier import FORMAT, chunk_file, chunk_files
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import chunk_key, model_fingerprint, variant_key, weight_checksums
@@ -38,4 +40,4 @@ from ragattn.store.zero_copy import ZeroCopyRequest
 
 __all__ = ["AssembledRequest", "ZeroCopyRequest", "ChunkStore", "ChunkStoreError", "ChunkModel", "Rope", "FORMAT", "chunk_file", "chunk_files",
            "DEFAULT_BUDGET_FRACTION", "Positions", "chunk_key", "default_budget", "describe_model", "model_fingerprint",
-           "register_describer", "RemoteTier", "variant_key", "weight_checksums"]
+           "register_describer", "RemoteTier", "TIERS_FIRST", "TierCosts", "variant_key", "weight_checksums"]

@@ -55,12 +55,15 @@ class ChunkStore:
     :class:`~ragattn.store.remote_tier.RemoteTier`; ``remote_secret``: its HMAC key (default: the
     ``RAGATTN_REMOTE_SECRET`` environment variable; bytes or str of at least 16 bytes);
     ``remote_options``: keyword arguments of :class:`RemoteTier` (``timeout``, ``retry_after``,
-    ``max_value_bytes``, ``prefix``, ``client_options``), checked here."""
+    ``max_value_bytes``, ``prefix``, ``client_options``), checked here.
+    ``costs``: a :class:`~ragattn.store.cost.TierCosts` (e.g. ``TierCosts.measure(model)``): an
+    evicted or added chunk is recomputed instead of read from a tier when that is modelled cheaper
+    (default: the tiers first, always; docs/chunk-store.md, "Tier or recompute")."""
 
     def __init__(self, model, directory: str | os.PathLike | None = None, page_size: int = 16,
                  max_batch_tokens: int = 8192, *, memory_budget: int | None = None,
                  read_only: bool = False, fingerprint: str | None = None, device=None,
-                 remote=None, remote_secret=None, remote_options: dict | None = None):
+                 remote=None, remote_secret=None, remote_options: dict | None = None, costs=None):
         for name, value in (("page_size", page_size), ("max_batch_tokens", max_batch_tokens)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ChunkStoreError(f"ragattn.ChunkStore: {name} must be an integer >= 1, got {value!r}")
@@ -94,7 +97,7 @@ class ChunkStore:
             self.stats.update(remote.stats)     # one counter dict: remote_hits, _published, _bad, _errors
             remote.stats = self.stats
         self._resident = ResidentSet(self._pool, self.rope, self.stats)
-        self._loader = Loader(d, self._resident, disk, remote, self.stats, max_batch_tokens)
+        self._loader = Loader(d, self._resident, disk, remote, self.stats, max_batch_tokens, costs)
         self._copy_out = CopyOutBuilder(self._resident, self._loader.pin)
         self._zero_copy = ZeroCopyBuilder(self._resident, self._loader.pin)
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ragattn.store.cost import TIERS_FIRST, TierCosts
 from ragattn.store.disk_tier import DiskTier, is_chunk_file, read_chunk_file, write_chunk_file
 from ragattn.store.errors import ChunkStoreError
 from ragattn.store.fingerprint import variant_key
@@ -37,12 +39,23 @@ class Loader:
     """Everything between a key and its resident entry. ``spec``: the model description
     (``fingerprint``, dimensions, ``prefill``; replaced by :meth:`weights_changed`); ``disk``: a
     :class:`DiskTier` or None; ``remote``: a :class:`RemoteTier` or None; ``stats``: the store's
-    counters (``computed``, ``recomputed``, ``loaded``, ``bad_files``)."""
+    counters (``computed``, ``recomputed``, ``loaded``, ``bad_files``, ``recompute_chosen``, and the
+    seconds spent per source: ``disk_s``, ``remote_s``, ``recompute_s``); ``costs``: a
+    :class:`TierCosts` (default :data:`TIERS_FIRST`: a tier read whenever the chunk is in a tier),
+    by which a chunk whose tokens are known is recomputed instead of read when that is cheaper."""
 
     def __init__(self, spec: ChunkModel, resident: ResidentSet, disk: DiskTier | None, remote, stats: dict,
-                 max_batch_tokens: int):
+                 max_batch_tokens: int, costs: TierCosts | None = None):
         self.spec, self.resident, self.disk, self.remote = spec, resident, disk, remote
         self.stats, self.max_batch_tokens = stats, max_batch_tokens
+        if costs is not None and not isinstance(costs, TierCosts):
+            raise ChunkStoreError(f"ragattn.ChunkStore: costs must be a ragattn.store.TierCosts, got {costs!r}")
+        self.costs = TIERS_FIRST if costs is None else costs
+        for name in ("recompute_chosen", "disk_s", "remote_s", "recompute_s"):
+            stats.setdefault(name, 0)
+        # chunks recomputed by choice while a tier holds them (key -> that tier): not written again
+        # when the disk holds them, not published again
+        self._held: dict[str, str] = {}
         self.layout_dims = (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
         # evicted chunks (not derived entries): tokens, to recompute one whose file is missing or bad
         self.recomputable: dict[str, torch.Tensor] = {}
@@ -195,19 +208,42 @@ class Loader:
         self._insert(key, tokens, list(k), list(v), self.writable, variant)
         return True
 
-    def _from_tiers(self, key: str) -> bool:
+    def _recompute_instead(self, tier: str, key: str, n_tokens: int | None) -> bool:
+        """Whether ``key`` (``n_tokens`` known tokens; None: unknown, never) is to be recomputed
+        rather than read from ``tier``, by :attr:`costs`; counted, and remembered so that the
+        recomputation neither rewrites nor republishes what the tier holds."""
+        if n_tokens is None or not self.costs.prefer_recompute(tier, n_tokens, self.resident.pool.row_bytes):
+            return False
+        self.stats["recompute_chosen"] += 1
+        self._held[key] = tier
+        return True
+
+    def _from_tiers(self, key: str, n_tokens: int | None = None) -> bool:
         """Make ``key`` resident from the tiers past memory, in the one order every path follows
         (``get``, ``pin``, ``add``): its verified file, else the remote tier. True when resident;
         False leaves a recomputation (from known tokens) or a refusal to the caller. A file that
-        fails its checks is counted and removed (:meth:`_bad_file`); why is kept for the refusal."""
+        fails its checks is counted and removed (:meth:`_bad_file`); why is kept for the refusal.
+        ``n_tokens``: the chunk's length when the caller knows its tokens: a tier that
+        :attr:`costs` models dearer than recomputing them is passed over (False)."""
         if self.on_disk(key):
+            if self._recompute_instead("disk", key, n_tokens):
+                return False
+            t0 = time.perf_counter()
             try:
                 self._load(self.path(key))
                 return True
             except ChunkStoreError as exc:   # truncated or corrupt: replaced when computed again
                 self._bad_file(key)
                 self._load_errors[key] = exc
-        return self._fetch_remote(key)
+            finally:
+                self.stats["disk_s"] += time.perf_counter() - t0
+        if self.remote is not None and self._recompute_instead("remote", key, n_tokens):
+            return False
+        t0 = time.perf_counter()
+        try:
+            return self._fetch_remote(key)
+        finally:
+            self.stats["remote_s"] += time.perf_counter() - t0
 
     # ----- computing chunks --------------------------------------------------------------------------
     def _check_tokens(self, chunks) -> list[np.ndarray]:
@@ -247,7 +283,7 @@ class Loader:
             if k in entries:
                 entries.move_to_end(k)
                 continue
-            if k in seen or self._from_tiers(k):
+            if k in seen or self._from_tiers(k, len(t)):
                 continue
             seen.add(k)
             missing.append((k, torch.from_numpy(t)))
@@ -277,7 +313,11 @@ class Loader:
         if spec.prefill is None:
             raise ChunkStoreError(f"ragattn.ChunkStore.add: {len(batch)} chunk(s) are not in the store and its "
                                   "model cannot compute them (it serves chunk files only)")
+        t0 = time.perf_counter()
         ks, vs = spec.prefill(ids, pos, cu.to(device))     # per layer [T, Hkv, D]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.stats["recompute_s"] += time.perf_counter() - t0
         if len(ks) != spec.num_layers or len(vs) != spec.num_layers:
             raise RuntimeError(f"ragattn.ChunkStore: the prefill returned {len(ks)} K and {len(vs)} V layers, "
                                f"expected {spec.num_layers}")
@@ -285,13 +325,15 @@ class Loader:
             k_layers, v_layers = [k[a:b] for k in ks], [v[a:b] for v in vs]
             self._note_damaged(key)
             self._load_errors.pop(key, None)
-            if self.writable:  # on disk first: a failed write leaves nothing half-added
+            held = self._held.pop(key, None)    # recomputed by choice: that tier holds it already
+            on_disk = self.writable or held == "disk"
+            if self.writable and held != "disk":  # on disk first: a failed write leaves nothing half-added
                 self._write_file(key, t, torch.stack(k_layers), torch.stack(v_layers))
                 self.bad_files.discard(key)
-            if self.remote is not None:
+            if self.remote is not None and held is None:
                 self.remote.publish(key, t, torch.stack(k_layers), torch.stack(v_layers), self.fingerprint)
             self.stats["recomputed" if key in self.recomputable else "computed"] += 1
-            e = self._insert(key, t, k_layers, v_layers, on_disk=self.writable)
+            e = self._insert(key, t, k_layers, v_layers, on_disk=on_disk)
             if pinned is not None:
                 e.pins += 1
                 pinned.append(e)
@@ -337,6 +379,10 @@ class Loader:
             return self.recomputable[key]
         return self.get(key).tokens
 
+    def _known_length(self, key: str) -> int | None:
+        t = self.recomputable.get(key)
+        return None if t is None else t.numel()
+
     def get(self, key: str) -> Entry:
         """The entry of ``key``, made resident if needed (marked used): memory, else disk, else
         remote, else recomputed from its tokens, else an error saying why."""
@@ -345,7 +391,7 @@ class Loader:
         if e is not None:
             entries.move_to_end(key)
             return e
-        if not self._from_tiers(key):
+        if not self._from_tiers(key, self._known_length(key)):
             if key not in self.recomputable:
                 self._refuse(key)
             self._prefill([(key, self.recomputable[key])])
@@ -383,7 +429,7 @@ class Loader:
             for k in unique:
                 if k in entries:
                     continue
-                if self._from_tiers(k):
+                if self._from_tiers(k, self._known_length(k)):
                     e = entries[k]
                     e.pins += 1
                     pinned.append(e)
