@@ -2,7 +2,8 @@
 the HF reference (``reference.py`` in the project's HF environment) and two vLLM servers with the
 ragattn connector, all three started side by side once for the whole session (``live``: vLLM's
 CPU_ATTN backend; ``live_ragattn``: ragattn's attention backend, ``RAGATTN_VLLM_ATTENTION=1``),
-the servers' logs attached to every failure."""
+the servers' logs attached to every failure; ``live_tuned``: a third server, on the tuned model's
+export, for the module that uses it."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,35 +49,34 @@ def _server(model, chunk_dir, log, extra_env=None, shared_pages=False) -> LiveSe
                       timeout_s=START_TIMEOUT_S, wait=False)
 
 
-@pytest.fixture(scope="session")
-def _servers(tmp_path_factory):
-    """``(cpu_attn server, ragattn server, reference dict)``. The model folder is exported first;
-    then the HF reference and both servers start side by side (each single-threaded: three
-    processes on the CI's two cores, where one at a time left a core idle; once both servers are
-    ready, the reference takes every core), and the fixture waits for all three."""
-    pytest.importorskip("vllm")
-    out = tmp_path_factory.mktemp("live")
-    subprocess.run(_reference_cmd(out, "--export-only"), cwd=ROOT, env=_env(), check=True, timeout=600)
+@contextmanager
+def _started(out: Path, reference_args: tuple, specs: list[tuple[str, str, dict, bool]]):
+    """``(servers, reference dict)``: the model folder is exported first (``reference.py
+    --export-only``); then the HF reference and one server per ``(timing name, log name, extra
+    env, shared_pages)`` of ``specs`` start side by side (each single-threaded: on the CI's two
+    cores one at a time left a core idle; once the servers are ready, the reference takes every
+    core), and this waits for all of them. Everything is stopped on exit."""
+    subprocess.run(_reference_cmd(out, *reference_args, "--export-only"), cwd=ROOT, env=_env(), check=True,
+                   timeout=600)
     (out / "kv").mkdir()
     t0 = time.monotonic()
     ref_log = open(out / "reference.log", "wb")
     ready = out / "servers-ready"   # from then on the reference runs on every core (the servers idle)
-    ref_proc = subprocess.Popen(_reference_cmd(out, "--wide-after", str(ready)), cwd=ROOT, env=_env(), stdout=ref_log,
-                                stderr=subprocess.STDOUT)
+    ref_proc = subprocess.Popen(_reference_cmd(out, *reference_args, "--wide-after", str(ready)), cwd=ROOT,
+                                env=_env(), stdout=ref_log, stderr=subprocess.STDOUT)
     servers: list[LiveServer] = []
     try:
-        servers.append(_server(out / "model", out / "kv", out / "server.log"))
-        servers.append(_server(out / "model", out / "kv", out / "server_ragattn.log", {"RAGATTN_VLLM_ATTENTION": "1"},
-                               shared_pages=True))
-        for name, server in zip(("vLLM server start (ready)", "vLLM server start, ragattn backend (ready)"), servers):
+        for _, log, extra_env, shared_pages in specs:
+            servers.append(_server(out / "model", out / "kv", out / log, extra_env, shared_pages=shared_pages))
+        for (name, *_), server in zip(specs, servers):
             TIMINGS.append((name, server.wait_ready().start_s))
         ready.touch()
         rc = ref_proc.wait(timeout=REFERENCE_TIMEOUT_S)
-        TIMINGS.append(("HF reference (alongside the starts)", time.monotonic() - t0))
+        TIMINGS.append(("HF reference" + "".join(" " + x for x in reference_args) + " (alongside the starts)",
+                        time.monotonic() - t0))
         if rc != 0:
             raise RuntimeError(f"the HF reference failed ({rc}):\n{(out / 'reference.log').read_text()[-5000:]}")
-        ref = json.loads((out / "reference.json").read_text())
-        yield servers[0], servers[1], ref
+        yield servers, json.loads((out / "reference.json").read_text())
     finally:
         if ref_proc.poll() is None:
             ref_proc.kill()
@@ -83,6 +84,18 @@ def _servers(tmp_path_factory):
         ref_log.close()
         for server in servers:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def _servers(tmp_path_factory):
+    """``(cpu_attn server, ragattn server, reference dict)``, started with the HF reference
+    (:func:`_started`)."""
+    pytest.importorskip("vllm")
+    specs = [("vLLM server start (ready)", "server.log", {}, False),
+             ("vLLM server start, ragattn backend (ready)", "server_ragattn.log", {"RAGATTN_VLLM_ATTENTION": "1"},
+              True)]
+    with _started(tmp_path_factory.mktemp("live"), (), specs) as (servers, ref):
+        yield servers[0], servers[1], ref
 
 
 @pytest.fixture(scope="session")
@@ -99,13 +112,31 @@ def live_ragattn(_servers):
     return _servers[1], _servers[2]
 
 
+# the tuned model's HF side: two short prompts (~350 tokens) on which the tuned and untuned models'
+# Block-Attention answers differ (the shipped QA set's questions 3 and 4)
+TUNED_REFERENCE = ("--adapter", "block-attention", "--skip", "2", "--prompts", "2", "--min-tokens", "300",
+                   "--spares", "0")
+
+
+@pytest.fixture(scope="module")
+def live_tuned(tmp_path_factory):
+    """``(server, reference dict)``: the tuned model's export (``reference.py --adapter
+    block-attention``) served on vLLM's CPU_ATTN backend with the connector over the tuned model's
+    chunk store; a server of its own (the other modules' session servers serve the untuned model),
+    started with its HF reference for the module that uses it only."""
+    pytest.importorskip("vllm")
+    specs = [("vLLM server start, tuned model (ready)", "server_tuned.log", {}, False)]
+    with _started(tmp_path_factory.mktemp("live_tuned"), TUNED_REFERENCE, specs) as (servers, ref):
+        yield servers[0], ref
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     if rep.when == "call":
         TIMINGS.append((item.nodeid, call.duration))
-    for name in ("live", "live_ragattn"):
+    for name in ("live", "live_ragattn", "live_tuned"):
         live_ = item.funcargs.get(name) if hasattr(item, "funcargs") else None
         if rep.failed and live_ is not None:
             rep.sections.append((f"vLLM server log of {name} (tail)", live_[0].log_tail()))

@@ -2,7 +2,7 @@
 transformers release ragattn's HF path is tested with) as a subprocess:
 
     python -m tests.vllm.live.reference OUT [--prompts 6] [--min-tokens 1024] [--new-tokens 16]
-                                            [--wide-after FILE]
+                                            [--skip 0] [--wide-after FILE] [--adapter block-attention]
 
 writes ``OUT/model`` (the served checkpoint: :func:`ragattn.vllm.checkpoint.export_smollm2`),
 ``OUT/kv`` (a chunk store built by the HF path for that model) and ``OUT/reference.json``: per
@@ -12,6 +12,13 @@ store's chunks (``block_attention.answer``) and with TurboRAG's composite positi
 FusionRAG (the rows they recompute too). The vLLM environment serves ``OUT/model`` and
 ``OUT/kv`` and compares (tests/vllm/live/test_served.py): the store crosses the two environments
 as a user's would.
+
+With ``--adapter NAME`` the served checkpoint is the tuned model (``export_smollm2(adapter=NAME)``:
+the shipped adapter merged into the weights), the store is built by that model (its own
+fingerprint: tuned and untuned chunks never mix) and each prompt records the tuned model's
+``full`` and ``block_attention`` answers beside the untuned model's Block-Attention answer
+(``untuned_block_attention``, so a test can show the tuned weights change an answer); the other
+methods are not recorded (tests/vllm/live/test_tuned_served.py).
 """
 from __future__ import annotations
 
@@ -45,10 +52,13 @@ def main(argv=None):
     ap.add_argument("out")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--min-tokens", type=int, default=1024)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the shipped QA set's first N questions")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--spares", type=int, default=4, help="short prompts of chunks no other prompt has "
                     "(one file each to delete or corrupt)")
     ap.add_argument("--export-only", action="store_true", help="write OUT/model and stop")
+    ap.add_argument("--adapter", help="serve and record the model tuned by this shipped adapter "
+                    "(ragattn.hf.adapters), beside the untuned model's Block-Attention answers")
     ap.add_argument("--wide-after", type=Path, help="run on one thread until this file exists (the "
                     "live fixture writes it once its servers are ready), then on every core")
     a = ap.parse_args(argv)
@@ -70,16 +80,21 @@ def main(argv=None):
 
     out = Path(a.out)
     t0 = time.perf_counter()
-    model_dir = export_smollm2(out / "model")
+    model_dir = export_smollm2(out / "model", adapter=a.adapter)
     if a.export_only:
         return
+    base = None
+    if a.adapter:   # the untuned model's Block-Attention answers (its chunks computed per request, no store)
+        from ragattn.hf.models import load_smollm2
+
+        base, _ = load_smollm2(dtype=torch.float32)
     # the HF model from the folder vLLM serves (as a user builds the store for a served model: the
     # GGUF-converted model in memory still carries its quantization_config, another fingerprint)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     store = ChunkStore(model, out / "kv")
     rows = []
-    todo = rag_prompts(tok, a.prompts, a.min_tokens)
+    todo = rag_prompts(tok, a.skip + a.prompts, a.min_tokens)[a.skip:]
     spares = rag_prompts(tok, a.spares, 256)
     # chunks of their own (their files are deleted or corrupted by the tests)
     todo += [(q, [f"{c}(spare copy {i})\n" for c in chunks]) for i, (q, chunks) in enumerate(spares)]
@@ -97,10 +112,16 @@ def main(argv=None):
                "full": full.tokens, "full_text": full.text,
                "block_attention": block.tokens, "block_attention_text": block.text}
         widen()
-        for name, res in methods_answers(model, tok, chunks, question, a.new_tokens, store).items():
-            row[name] = {"tokens": res.tokens, "text": res.text, "recomputed": res.extra.get("recomputed_slots")}
+        if base is not None:
+            untuned = block_attention.answer(base, tok, chunks, question, max_new_tokens=a.new_tokens)
+            row.update(untuned_block_attention=untuned.tokens, untuned_block_attention_text=untuned.text)
+        else:
+            for name, res in methods_answers(model, tok, chunks, question, a.new_tokens, store).items():
+                row[name] = {"tokens": res.tokens, "text": res.text,
+                             "recomputed": res.extra.get("recomputed_slots")}
         rows.append(row)
     ref = {"model": str(model_dir), "chunk_dir": str(out / "kv"), "transformers": transformers.__version__,
+           "adapter": a.adapter,
            "fingerprint": store.fingerprint, "new_tokens": a.new_tokens, "prompts": rows[:a.prompts],
            "spares": rows[a.prompts:],
            "seconds": round(time.perf_counter() - t0, 1)}
