@@ -43,10 +43,13 @@ cd "$SRC"
 RAGATTN_FORCE_CPU=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e .
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 if [ "$TESTS" = ops-kv-store ]; then
-  OMP_NUM_THREADS=1 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kv tests/store \
+  OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kv tests/store \
     tests/ops/test_cpp_error_messages.py tests/ops/test_kv_cache.py tests/ops/test_kv_cache_fp8.py \
     tests/ops/test_merge_attention_states.py tests/ops/test_varlen_attention_cpu.py tests/ops/test_verify_draft.py \
     tests/ops/test_refrag_assemble.py tests/ops/test_key_attention_scores.py tests/ops/test_engine_layouts.py
+  # the attention kernels' Triton cases (the interpreter of the torch's own triton)
+  OMP_NUM_THREADS=1 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -k triton tests/ops/paged_attention \
+    tests/ops/test_varlen_attention.py tests/ops/test_varlen_attention_window.py tests/ops/test_soft_cap.py
 fi
 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops/test_cpp_error_messages.py \
   tests/ops/test_kv_cache.py tests/ops/test_verify_draft.py tests/ops/paged_attention/test_paged_attention.py tests/ops/test_varlen_attention.py \
