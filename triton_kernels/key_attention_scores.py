@@ -265,11 +265,14 @@ def _column_sum_split_kernel(
                       num_splits, BLOCK_M)
     lse = tl.where(row_ok, lse, float("inf"))
     out_base = partial_ptr + (tile_m.to(tl.int64) * num_kv_heads + kv_head) * total_k + k_start
-    any_rows = tile_m * BLOCK_M < num_q * GROUP
+    # a tile without rows loads no key (its sums are stored as zeros): the keys it loads end at
+    # n_begin. (A block mask and-ed with a scalar condition fails triton 3.9's interpreter, which
+    # keeps a scalar comparison's result as int32.)
+    n_load = tl.where(tile_m * BLOCK_M < num_q * GROUP, n_end, n_begin)
     for i in range(0, n_tiles):
         n_offs = n_begin + (n_tiles - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n_offs < n_end
-        mask = n_ok[:, None] & (d_offs < HEAD_DIM)[None, :] & any_rows
+        mask = (n_offs < n_load)[:, None] & (d_offs < HEAD_DIM)[None, :]
         k = tl.load(k_ptr + (k_start + n_offs).to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
                     + d_offs[None, :], mask=mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = _logits(k, qt, qk_scale, UPCAST, IEEE)  # [BLOCK_N, BLOCK_M]

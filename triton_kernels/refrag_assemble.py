@@ -22,11 +22,15 @@ def _assemble_kernel(
     # the branch not taken reads nothing: its pointer is clamped to row 0 and fully masked
     tok = tl.load(token_ids + tl.where(is_tok, src, 0), mask=is_tok, other=0).to(tl.int64)
     chunk = tl.where(is_tok, 0, -src - 1)
+    # each branch's loads end at d or at 0 (a scalar bound: a block mask and-ed with the scalar
+    # is_tok fails triton 3.9's interpreter, which keeps a scalar comparison's result as int32)
+    d_tok = tl.where(is_tok, d, 0)
+    d_chk = d - d_tok
     for d0 in range(0, d, BLOCK_D):
         offs = d0 + tl.arange(0, BLOCK_D)
         in_d = offs < d
-        v_tok = tl.load(weight + tok * stride_w + offs, mask=in_d & is_tok, other=0.0)
-        v_chk = tl.load(chunks + chunk * stride_c + offs, mask=in_d & (src < 0), other=0.0)
+        v_tok = tl.load(weight + tok * stride_w + offs, mask=offs < d_tok, other=0.0)
+        v_chk = tl.load(chunks + chunk * stride_c + offs, mask=offs < d_chk, other=0.0)
         tl.store(out + row * stride_o + offs, tl.where(is_tok, v_tok, v_chk), mask=in_d)
 
 

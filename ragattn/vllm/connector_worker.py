@@ -155,7 +155,8 @@ class ConnectorWorker:
     def _check_layout(self, name: str, kv: torch.Tensor, split: str) -> None:
         """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
         write (``impl.do_kv_cache_update``) stores known K/V in a two-block copy of layer ``name``'s
-        cache and the writer's views must read them back exactly; CacheLayoutError otherwise (a
+        cache (its strides: a strided view of vLLM's shared buffer is probed as such) and the
+        writer's views must read them back exactly; CacheLayoutError otherwise (a
         layout the writer does not know is refused before any chunk is written). Backends without
         that method (and fp8 caches) rest on the layout table alone."""
         layer = self._attn_layers().get(name)
@@ -163,7 +164,9 @@ class ConnectorWorker:
         if update is None or kv.dtype in FP8_STORAGE or kv.dim() < 3 or kv.shape[0] < 2:
             return
         H, D, n = self._store.num_kv_heads, self._store.head_dim, kv.shape[2]
-        scratch = torch.zeros_like(kv[:2])
+        # two blocks in the cache's own strides: a view of vLLM's shared buffer (a block-outermost
+        # layout) is not dense, and zeros_like would probe a contiguous copy instead of that layout
+        scratch = torch.empty_strided((2, *kv.shape[1:]), kv.stride(), dtype=kv.dtype, device=kv.device).zero_()
         slots = torch.arange(max(0, n - 3), min(2 * n, n + 3))   # across the block boundary
         g = torch.Generator().manual_seed(0)
         key = torch.randn(len(slots), H, D, generator=g).to(kv.dtype).to(kv.device)
