@@ -7,9 +7,10 @@
 
 In process, on the HF path: SmolLM2-135M-Instruct (float32, CPU) answers Block-Attention requests
 (``ragattn.methods.registry``, ``m.answer``, one token: the TTFT) over the shipped QA corpus
-(``ragattn/data/qa``, 36 passages; ``--corpus ragattn/data/qa_eval`` for the 103 of the eval set). Each request is ``--passages`` distinct passages drawn by a Zipf law of
-exponent ``--zipf`` over a fixed random ranking of the corpus (popular passages recur, as in real
-traffic) and a question drawn uniformly. The corpus's chunk K/V is first built offline into a
+(``ragattn/data/qa``, 36 passages; ``--corpus ragattn/data/qa_eval`` for the 103 of the eval set).
+Each request is ``--passages`` distinct passages drawn by a Zipf law of exponent ``--zipf`` over a
+fixed random ranking of the corpus (popular passages recur, as in real traffic) and a question drawn
+uniformly. The corpus's chunk K/V is first built offline into a
 directory and a redis-server on 127.0.0.1 (``python -m ragattn build-store`` does the same); then,
 per tier in ``--tiers``, the same stream runs from a cold store whose memory budget is
 ``--budget-fraction`` of the corpus's chunk K/V, so it fills and then evicts, and a miss is served
