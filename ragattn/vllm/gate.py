@@ -91,10 +91,12 @@ def read_verdict(directory, fingerprint: str) -> Optional[ServedVerdict]:
 
 
 def _load(hf_path, dtype: torch.dtype):
-    """(model, tokenizer): the served checkpoint with transformers, on the CPU."""
-    from ragattn.apps.demo import load_model
+    """(model, tokenizer): the served checkpoint (a folder or a cached hub id) with transformers, on
+    the CPU. OSError / ValueError when transformers cannot read it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return load_model(str(hf_path), torch.device("cpu"), "quality gate", dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_path), dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(str(hf_path))
 
 
 def run_gate(directory, fingerprint: str, hf_path, dtype: torch.dtype, mode: str = DEFAULT_MODE
@@ -113,7 +115,7 @@ def run_gate(directory, fingerprint: str, hf_path, dtype: torch.dtype, mode: str
         t0 = time.perf_counter()
         try:
             model, tokenizer = _load(hf_path, dtype)
-        except (RuntimeError, OSError, ValueError) as exc:   # (DemoError is a RuntimeError)
+        except (RuntimeError, OSError, ValueError, KeyError) as exc:
             why = " ".join(str(exc).split())
             msg = f"ragattn.vllm: the quality gate cannot load {hf_path} with transformers ({why})"
             if mode == "refuse":
