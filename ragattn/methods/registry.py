@@ -37,10 +37,10 @@ class Method:
     ``decode``: it speeds up decoding, not the first token. ``aliases``: other accepted spellings
     (the underscore one is always accepted). ``adapter``: the shipped adapter
     (``ragattn.hf.adapters``) whose tuned model the apps run it on unless ``--untuned``; None: the
-    model as loaded. ``store``: it reads chunk KV from a ``ChunkStore`` (passed as ``store=``;
-    full prefill and REFRAG do not). ``selection``: how a ratio method picks the chunk rows it recomputes:
-    ``"query"`` (the final block's attention to the cached keys) or ``"deviation"`` (every chunk
-    row through the first layers, kept by K/V deviation), from ``ragattn.methods.selection``.
+    model as loaded. ``store``: it reads chunk KV from a ``ChunkStore`` (passed as ``store=``; full
+    prefill, RAPID and REFRAG do not). ``selection``: how a ratio method picks the chunk rows it
+    recomputes: ``"query"`` (the final block's attention to the cached keys) or ``"deviation"``
+    (every chunk row through the first layers, kept by K/V deviation), ``ragattn.methods.selection``.
     ``serves_as``: a served request for it runs that entry's computation (the keys placed the
     same way; only the model differs). ``demo_options``: the demo's extra keyword arguments."""
     name: str
