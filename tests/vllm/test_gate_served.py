@@ -14,8 +14,6 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
@@ -42,24 +40,13 @@ def smollm2_folder(tmp_path_factory):
     return export_smollm2(tmp_path_factory.mktemp("smollm2") / "model")
 
 
-def _smol_config(folder, kv, **extra):
-    return VllmConfig(
-        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
-        cache_config=CacheConfig(block_size=16),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512,
-                                         is_encoder_decoder=False),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(kv_connector="RagattnConnector", kv_role="kv_consumer",
-                                            kv_connector_module_path="ragattn.vllm.connector",
-                                            kv_load_failure_policy="recompute",
-                                            kv_connector_extra_config={"chunk_dir": str(kv), **extra}))
-
-
 def _smol_worker(folder, kv, **extra):
     spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(30)]
     kvcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
-    return KVConnectorFactory.create_connector(_smol_config(folder, kv, **extra), KVConnectorRole.WORKER, kvcc)
+    # test_connector's config without its test defaults: the connector's own layout and gate mode unless given
+    cfg = _config((folder, kv, None, None), **{"kv_split": None, "quality_gate": None, **extra})
+    return KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvcc)
 
 
 def _gate_log(caplog):
