@@ -3,6 +3,7 @@ the way it answers under full attention (Block-Attention, TurboRAG reordered and
 
     python -m ragattn finetune --out runs/block-lora --steps 300          # CPU; resumes from --out
     python -m ragattn finetune --out runs/block-lora --steps 2000 --batch 8 --device cuda
+    python -m ragattn finetune --out runs/block-lora2 --init ragattn/weights/block-attention-lora --steps 300
 
 Training text: FOLDOC entries from Debian's ``dict-foldoc`` as passages, with templated questions
 (:mod:`ragattn.apps.training_text`); nothing any test or eval of this repository uses. Objective:
@@ -14,7 +15,9 @@ so one adapter serves the reordered and the composite schemes.
 stream and history; a rerun with the same ``--out`` resumes from it), ``history.jsonl`` (one line
 per step), ``loss.png`` (the curve), and at the end ``adapter/`` (``adapter_model.safetensors``,
 ``adapter_config.json``) with ``manifest.json`` (command, commit, data, hashes, figures).
-``ragattn.hf.adapters`` loads such a folder.
+``ragattn.hf.adapters`` loads such a folder. ``--init`` starts from such a folder (the shipped adapter,
+or an earlier run's) instead of a fresh LoRA: training continues across runs, and the manifest records
+the chain (``init``) with the steps and seconds of every run in it.
 """
 from __future__ import annotations
 
@@ -96,7 +99,10 @@ def _parser():
     p.add_argument("--steps", type=int, default=300, help="optimiser steps in all (default %(default)s)")
     p.add_argument("--batch", type=int, default=2, help="samples packed per step (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate (default %(default)s)")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (default %(default)s)")
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16, or --init's)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from this adapter folder (adapter_config.json, adapter_model.safetensors, "
+                        "manifest.json), e.g. the shipped ragattn/weights/block-attention-lora")
     p.add_argument("--schemes", default="reordered,composite",
                    help="position schemes, used by turns (default %(default)s)")
     p.add_argument("--top-k", default="3,17", metavar="LO,HI",
@@ -116,7 +122,11 @@ def _main(argv=None) -> int:
 
     args = _parser().parse_args(argv)
     for flag in ("steps", "batch", "rank", "answer_tokens", "checkpoint_every", "eval_every", "held"):
-        check_at_least(getattr(args, flag), 1, "--" + flag.replace("_", "-"))
+        if getattr(args, flag) is not None:
+            check_at_least(getattr(args, flag), 1, "--" + flag.replace("_", "-"))
+    args.init_manifest = _init_manifest(args) if args.init else None
+    if args.rank is None:
+        args.rank = args.init_manifest["rank"] if args.init else 16
     check_positive(args.lr, "--lr")
     from ragattn.apps.block_distill import SCHEMES
 
@@ -134,6 +144,32 @@ def _main(argv=None) -> int:
     torch.set_flush_denormal(True)     # tiny Adam moments must not hit the slow denormal path
     command = "python -m ragattn finetune " + shlex.join(sys.argv[1:] if argv is None else argv)
     return train(args, schemes, top_k, device, out, command)
+
+
+def _init_manifest(args) -> dict:
+    """The manifest of ``--init``'s adapter after checking its files against their hashes; a
+    UsageError names what is missing, damaged or at odds with ``--rank``."""
+    from ragattn.apps.cli import UsageError
+    from ragattn.hf.adapters import AdapterError, check_adapter_files
+
+    folder = Path(args.init)
+    try:
+        manifest = check_adapter_files(folder)
+        lora = json.loads((folder / "adapter_config.json").read_text())
+    except (AdapterError, OSError, ValueError) as e:
+        raise UsageError(f"--init {folder}: {e}") from None
+    if not (folder / "adapter_model.safetensors").is_file():
+        raise UsageError(f"--init {folder}: adapter_model.safetensors is missing")
+    manifest["rank"] = int(lora.get("r", 0))
+    if sorted(lora.get("target_modules") or []) != sorted(LORA_TARGETS):
+        raise UsageError(f"--init {folder}: the adapter targets {lora.get('target_modules')}, this command "
+                         f"trains {list(LORA_TARGETS)}")
+    if float(lora.get("lora_alpha", 0)) != 2 * manifest["rank"]:
+        raise UsageError(f"--init {folder}: lora_alpha {lora.get('lora_alpha')} is not twice the rank "
+                         f"{manifest['rank']}, as this command trains")
+    if args.rank is not None and args.rank != manifest["rank"]:
+        raise UsageError(f"--rank {args.rank}: --init's adapter has rank {manifest['rank']}")
+    return manifest
 
 
 def train(args, schemes, top_k, device, out: Path, command: str) -> int:
@@ -164,6 +200,23 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     torch.manual_seed(args.seed)
     cfg = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
     pm = get_peft_model(model, cfg)
+    init = None
+    if args.init:
+        from safetensors.torch import load_file
+
+        from ragattn.apps.cli import UsageError
+
+        m = args.init_manifest
+        if m.get("base_fingerprint") and m["base_fingerprint"] != base["base_fingerprint"]:
+            raise UsageError(f"--init {args.init}: the adapter was trained on other weights than --model {args.model}")
+        weights = Path(args.init) / "adapter_model.safetensors"
+        loaded = {k: v.float() for k, v in load_file(weights).items()}
+        result = set_peft_model_state_dict(pm, loaded)
+        if getattr(result, "unexpected_keys", None):
+            raise UsageError(f"--init {args.init}: tensors this model has no place for: {result.unexpected_keys[:3]}")
+        init = dict(folder=str(args.init), sha256=tt.file_digest(weights), command=m.get("command"),
+                    commit=m.get("commit"), steps=m.get("steps", 0), train_seconds=m.get("train_seconds", 0),
+                    init=m.get("init"))
     params = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     warmup = max(1, min(20, args.steps // 10))
@@ -249,9 +302,10 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     manifest = dict(
         kind="block-attention LoRA (distilled from full attention)",
         command=command,
-        commit=commit, **base, schemes=schemes, steps=step, batch=args.batch,
-        lr=args.lr, rank=args.rank, top_k=list(top_k), answer_tokens=args.answer_tokens, seed=args.seed,
-        device=str(device), train_seconds=round(elapsed),
+        commit=commit, **base, schemes=schemes, steps=step + (init["steps"] if init else 0), run_steps=step,
+        batch=args.batch, lr=args.lr, rank=args.rank, top_k=list(top_k), answer_tokens=args.answer_tokens,
+        seed=args.seed, device=str(device), train_seconds=round(elapsed) + (init["train_seconds"] if init else 0),
+        init=init,
         data=dict(package=tt.FOLDOC_PACKAGE if text_file == tt.FOLDOC else None, file=str(text_file),
                   sha256=tt.file_digest(text_file), licence=tt.FOLDOC_LICENCE if text_file == tt.FOLDOC else None,
                   passages=len(passages), train_passages=len(train_p), held_passages=len(held_p)),

@@ -53,13 +53,21 @@ def shipped_adapter(name: str = "block-attention") -> dict:
     """The manifest of adapter ``name`` after checking every file it lists against its sha256;
     AdapterError when the folder, a file or a hash does not match."""
     d = adapter_dir(name)
-    manifest_file = d / "manifest.json"
-    if not manifest_file.is_file():
-        raise AdapterError(f"ragattn.hf.adapters: {manifest_file} is missing (adapter {name!r} not shipped "
+    if not (d / "manifest.json").is_file():
+        raise AdapterError(f"ragattn.hf.adapters: {d / 'manifest.json'} is missing (adapter {name!r} not shipped "
                            "in this installation)")
+    return check_adapter_files(d)
+
+
+def check_adapter_files(folder: Path) -> dict:
+    """The manifest of the adapter in ``folder`` (``manifest.json``) after checking every file it
+    lists against its sha256; AdapterError when the manifest or a file is missing or a hash differs."""
+    manifest_file = Path(folder) / "manifest.json"
+    if not manifest_file.is_file():
+        raise AdapterError(f"ragattn.hf.adapters: {manifest_file} is missing")
     manifest = json.loads(manifest_file.read_text())
     for fname, digest in manifest.get("files", {}).items():
-        f = d / fname
+        f = Path(folder) / fname
         if not f.is_file():
             raise AdapterError(f"ragattn.hf.adapters: {f} is missing")
         if _sha256(f) != digest:

@@ -190,3 +190,39 @@ def test_cli_trains_checkpoints_resumes_and_ships(tmp_path, capsys, smollm2):
     assert {t.dtype for t in load_file(weights).values()} == {torch.bfloat16}
     assert (out / "loss.png").stat().st_size > 1000
     assert set(m["held_out_after"]) == {"reordered", "composite"}
+
+
+def test_cli_init_continues_an_adapter(tmp_path, capsys, smollm2):
+    """--init starts from an earlier run's adapter (its held-out KL, not the untuned model's, is the
+    new run's step 0) and the manifest records the chain with the steps of both runs."""
+    text = _dictd(tmp_path / "t.dict.dz", n=400)
+    common = ["--text", str(text), "--batch", "1", "--held", "1", "--top-k", "2,3", "--answer-tokens", "3",
+              "--checkpoint-every", "1", "--eval-every", "1", "--lr", "3e-3"]
+    assert ft.main(["--out", str(tmp_path / "a"), "--rank", "2", "--steps", "2"] + common) == 0
+    first = json.loads((tmp_path / "a" / "adapter" / "manifest.json").read_text())
+    hist_a = [json.loads(line) for line in (tmp_path / "a" / "history.jsonl").read_text().splitlines()]
+    assert ft.main(["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a" / "adapter"), "--steps", "1"]
+                   + common) == 0
+    m = json.loads((tmp_path / "b" / "adapter" / "manifest.json").read_text())
+    assert m["rank"] == 2 and m["run_steps"] == 1 and m["steps"] == 3
+    assert m["init"]["steps"] == 2 and m["init"]["commit"] == first["commit"]
+    assert m["init"]["sha256"] == first["files"]["adapter_model.safetensors"]
+    untuned, trained = first["held_out_before"], first["held_out_after"]
+    start = m["held_out_before"]
+    for s in ("reordered", "composite"):      # the same held-out prompts (same seed), the adapter loaded
+        assert start[s]["kl"] != untuned[s]["kl"]
+        assert abs(start[s]["kl"] - trained[s]["kl"]) < 0.1 * abs(untuned[s]["kl"] - trained[s]["kl"]) + 1e-4
+    assert hist_a[-1]["step"] == 2
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--init", "/nonexistent/adapter"], "manifest.json is missing"),
+    (["--init", "SHIPPED", "--rank", "8"], "--rank 8"),
+])
+def test_cli_init_errors(tmp_path, capsys, extra, needle):
+    from ragattn.hf.adapters import adapter_dir
+
+    extra = [str(adapter_dir("block-attention")) if a == "SHIPPED" else a for a in extra]
+    assert ft.main(["--out", str(tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
