@@ -74,7 +74,7 @@ def _tensor_digest(*ts: torch.Tensor) -> str:
     for t in ts:
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())     # the buffer, not a copy
     return h.hexdigest()
 
 
@@ -225,8 +225,10 @@ def read_chunk_file(p: Path, fingerprint: str, layout: tuple):
     return verify_chunk(meta, tensors, fingerprint, layout, p)
 
 
-def decode_chunk(data: bytes, fingerprint: str, layout: tuple, where: str):
-    """:func:`read_chunk_file` of the bytes of a chunk file (``where`` names them in errors)."""
+def decode_chunk(data: bytes, fingerprint: str, layout: tuple, where: str, authenticated: bool = False):
+    """:func:`read_chunk_file` of the bytes of a chunk file (``where`` names them in errors).
+    ``authenticated``: the bytes passed a MAC made by the writer over exactly these bytes (the remote
+    tier's HMAC), so the tensors' own checksum, which the writer computed, is not recomputed."""
     from safetensors.torch import load
 
     try:
@@ -237,12 +239,12 @@ def decode_chunk(data: bytes, fingerprint: str, layout: tuple, where: str):
     except Exception as exc:  # truncated / not safetensors / missing tensor
         raise ChunkStoreError(f"ragattn.ChunkStore.load: {where} is not a complete chunk file "
                               f"({type(exc).__name__}: {exc})") from exc
-    return verify_chunk(meta, tensors, fingerprint, layout, where)
+    return verify_chunk(meta, tensors, fingerprint, layout, where, checksum=not authenticated)
 
 
-def verify_chunk(meta: dict, tensors: dict, fingerprint: str, layout: tuple, p):
-    """Check a chunk file's metadata and tensors (format, fingerprint, shape and dtype, checksum,
-    key); returns ``(key, tokens, k, v, variant)`` or raises ChunkStoreError naming ``p``:
+def verify_chunk(meta: dict, tensors: dict, fingerprint: str, layout: tuple, p, checksum: bool = True):
+    """Check a chunk file's metadata and tensors (format, fingerprint, shape and dtype, checksum
+    unless ``checksum`` is False, key); returns ``(key, tokens, k, v, variant)`` or raises ChunkStoreError naming ``p``:
     ForeignChunkError for another format, fingerprint or layout (a file that is not this store's),
     the base class for a damaged one (checksum, key)."""
     num_layers, num_kv_heads, head_dim, dtype = layout
@@ -258,7 +260,7 @@ def verify_chunk(meta: dict, tensors: dict, fingerprint: str, layout: tuple, p):
     if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != dtype or v.dtype != dtype:
         raise ForeignChunkError(f"ragattn.ChunkStore.load: {p} holds K/V of shape {tuple(k.shape)} "
                               f"{k.dtype}, expected {want} {dtype}")
-    if _tensor_digest(k, v, tokens) != meta.get("sha256"):
+    if checksum and _tensor_digest(k, v, tokens) != meta.get("sha256"):
         raise ChunkStoreError(f"ragattn.ChunkStore.load: {p} fails its checksum (corrupt file)")
     key = chunk_key(fingerprint, tokens)
     variant = meta.get("variant")

@@ -17,8 +17,8 @@ processes with another secret live in another namespace and never read (nor remo
   (a reader that read the old manifest still finds them).
 
 Everything read from the server is untrusted: a manifest that is not a JSON object of the right
-types and ranges, a value whose length, sha256 or HMAC does not match, or a chunk file that fails
-its own checks (checksum, key) is a bad entry: counted (``stats["remote_bad"]``), its manifest
+types and ranges, a value whose length or HMAC does not match, or a chunk file that fails
+its own checks (key; its checksum is the writer's and the HMAC covers it) is a bad entry: counted (``stats["remote_bad"]``), its manifest
 removed *if it is still the one read* (compare and delete) and the chunk computed and published
 again. A value that is authentic (its HMAC holds) but for another model, layout or format
 (:class:`~ragattn.store.errors.ForeignChunkError`: a reader with other weights, a stale key) is a
@@ -254,11 +254,12 @@ class RemoteTier:
             self._delete(name, raw)
             return None
         value = b"".join(values)
-        if len(value) != m.size or hashlib.sha256(value).hexdigest() != m.sha256 \
-                or not hmac.compare_digest(self._mac(key, value), m.mac):
+        # The HMAC proves the bytes are what a writer holding the secret wrote: the manifest's plain
+        # sha256 (written for readers that still check it) and the chunk file's own checksum add nothing.
+        if len(value) != m.size or not hmac.compare_digest(self._mac(key, value), m.mac):
             return self._bad(name, raw)
         try:
-            got = decode_chunk(value, fingerprint, layout, f"remote chunk {key}")
+            got = decode_chunk(value, fingerprint, layout, f"remote chunk {key}", authenticated=True)
         except ForeignChunkError:   # authentic, for another model or layout: not this reader's to judge
             return None
         except ChunkStoreError:

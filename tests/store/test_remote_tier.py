@@ -67,6 +67,31 @@ def test_second_process_computes_nothing_and_serves_identical_kv(model, remote, 
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+def test_remote_hit_hashes_the_value_once(model, remote, monkeypatch):
+    """A remote hit is checked by its HMAC alone: neither the value's plain sha256 nor the chunk
+    file's tensor checksum (both covered by the HMAC) is computed again on the read path."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from ragattn.store import disk_tier, remote_tier
+
+    chunks = _chunks(5, [19, 40])
+    keys = _store(model, remote).add(chunks)
+    reader = _store(model, remote)
+
+    def refuse(*a, **k):
+        raise AssertionError("the tensors' checksum on the remote read path")
+
+    def small_only(data=b""):        # names and keys are hashed; a whole value is not
+        assert len(data) < 4096, "a plain sha256 of the value on the remote read path"
+        return hashlib.sha256(data)
+
+    monkeypatch.setattr(disk_tier, "_tensor_digest", refuse)
+    monkeypatch.setattr(remote_tier, "hashlib", SimpleNamespace(sha256=small_only))
+    assert reader.add(chunks) == keys
+    assert reader.stats["remote_hits"] == 2 and reader.stats["computed"] == 0
+
+
 def test_concurrent_writers_publish_one_copy(model, remote):
     chunk = _chunks(1, [40])
     stores = [_store(model, remote) for _ in range(4)]
