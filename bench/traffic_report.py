@@ -1,6 +1,7 @@
 """``bench.traffic``'s report: ``traffic.json``, ``traffic.md`` (tables, target, where the cost goes)
 and ``traffic.png`` (per tier over the stream: memory hit rate, TTFT p50/p99 against full
-prefill and warm, resident K/V and process memory)."""
+prefill and warm, resident K/V and process memory); ``bench.served_traffic``'s the same way
+(``served_traffic.*``: the server's memory, no cost tables)."""
 from __future__ import annotations
 
 import json
@@ -85,7 +86,8 @@ def plot(result: dict, path: str) -> bool:
                       label=f"{tier}: full prefill p50 (probes, second half)")
         ax[1].axhline(r["warm_p50_ms"], color=line.get_color(), ls="-.", lw=1,
                       label=f"{tier}: warm p50 (probes, second half)")
-        ax[2].plot(x, [v["resident_mb"] for v in w], marker="o", label=f"{tier}: resident chunk K/V")
+        if any(v["resident_mb"] for v in w):
+            ax[2].plot(x, [v["resident_mb"] for v in w], marker="o", label=f"{tier}: resident chunk K/V")
         ax[2].plot(x, [v["rss_mb"] for v in w], ls=":", color=line.get_color(), label=f"{tier}: process RSS")
     ax[2].axhline(result["meta"]["memory_budget"] / 2**20, color="k", ls="--", label="memory budget")
     ax[0].set_ylabel("share of chunks")
@@ -99,7 +101,7 @@ def plot(result: dict, path: str) -> bool:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
     m = result["meta"]
-    fig.suptitle(f"Sustained Block-Attention traffic, {m['model']}: corpus K/V "
+    fig.suptitle(f"Sustained Block-Attention traffic, {m['model']}:\ncorpus K/V "
                  f"{m['corpus_kv_bytes'] / 2**20:.0f} MiB, budget {m['memory_budget'] / 2**20:.0f} MiB", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -152,3 +154,49 @@ def write_report(out: str, result: dict) -> None:
         json.dump(result, f, indent=1, default=float)
     print(head + body)
     print(f"saved {out}/traffic.md, traffic.json" + (", traffic.png" if drawn else ""), file=sys.stderr)
+
+
+def _probe_table(result: dict) -> str:
+    out = ("| tier | probes | full prefill p50 ms | warm p50 ms | warm speed-up | TTFT p50 ms | TTFT p99 ms | "
+           "sustained speed-up | of warm | met | answer = full's | = warm's |\n"
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
+    for tier, r in result["tiers"].items():
+        out += (f"| {tier} | {r['probes']} | {r['full_p50_ms']:.0f} | {r['warm_p50_ms']:.0f} | "
+                f"{r['warm_speedup']:.2f}x | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                f"{r['sustained_speedup']:.2f}x | {r['ratio_to_warm']:.0%} | {'yes' if r['met'] else 'no'} | "
+                f"{r['first_token_agrees']}/{r['probes']} | {r['warm_same']}/{r['probes']} |\n")
+    return out
+
+
+def write_served_report(out: str, result: dict) -> None:
+    """``bench.served_traffic``'s ``served_traffic.{md,json,png}`` under ``out``."""
+    os.makedirs(out, exist_ok=True)
+    m, a = result["meta"], result["args"]
+    head = (
+        "# Sustained RAG traffic through a live vLLM server's chunk store (CPU)\n\n"
+        f"- command: `{m['command']}`\n"
+        f"- commit {m['commit']}, {m['date']}; {m['threads']} OpenMP thread(s) a server; servers started in "
+        f"{m['start_s']} s; load average (1 / 5 / 15 min) {_load(m['load_before'])} before, "
+        f"{_load(m['load_after'])} after\n"
+        f"- {m['model']}, Block-Attention requests over HTTP (one-token answers: TTFT from the client); "
+        f"{a['requests']} requests of {a['passages']} passages drawn Zipf({a['zipf']}) from {m['corpus_passages']} "
+        f"passages ({m['corpus_tokens']} tokens, {m['corpus_kv_bytes'] / 2**20:.0f} MiB of chunk K/V, built offline "
+        f"in {m['build_s']:.0f} s); the worker's memory budget {m['memory_budget'] / 2**20:.0f} MiB "
+        f"({m['corpus_kv_bytes'] / m['memory_budget']:.1f}x smaller than the corpus's K/V); a fresh server per "
+        "tier over the same stream; vLLM's prefix cache off\n\n")
+    body = (f"Target: the reuse speed-up over the second half of the stream >= {result['target_fraction']:.0%} of "
+            f"the warm one, both against full prefill on the probes (every {a['probe_every']}-th request sent "
+            "right after to a warm server holding the whole corpus in memory, as full prefill and as "
+            "Block-Attention). Answers (one token): the stream's against the warm server's full prefill and "
+            "Block-Attention.\n\n" + _probe_table(result))
+    body += ("\nPer window (memory / tier hits: the share of chunk spans the worker's store served from memory "
+             "and from the tier, from the server's `/metrics`; RSS: the server's process tree):\n\n"
+             + format_windows(result["tiers"]) + "\n")
+    drawn = plot(result, os.path.join(out, "served_traffic.png"))
+    body += "\n![hit rate, TTFT and memory over the stream](served_traffic.png)\n" if drawn else \
+        "\n(no plot: matplotlib is not installed)\n"
+    with open(os.path.join(out, "served_traffic.md"), "w") as f:
+        f.write(head + body)
+    with open(os.path.join(out, "served_traffic.json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    print(head + body)

@@ -25,26 +25,30 @@ from pathlib import Path
 SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}     # GiB of KV cache (vLLM's CPU default is larger)
 
 
-def kv_transfer_config(chunk_dir, shared_pages: bool = False) -> dict:
-    extra = {"chunk_dir": str(chunk_dir), **({"shared_pages": True} if shared_pages else {})}
+def kv_transfer_config(chunk_dir, shared_pages: bool = False, connector_options: dict | None = None) -> dict:
+    """``--kv-transfer-config`` of the ragattn connector over ``chunk_dir``; ``connector_options``:
+    more of its ``kv_connector_extra_config`` (``ragattn.vllm.connector_config``'s keys)."""
+    extra = {"chunk_dir": str(chunk_dir), **({"shared_pages": True} if shared_pages else {}),
+             **(connector_options or {})}
     return {"kv_connector": "RagattnConnector", "kv_connector_module_path": "ragattn.vllm.connector",
             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable,
-                  max_model_len: int = 2048, shared_pages: bool = False, prefix_caching: bool = True) -> list[str]:
+                  max_model_len: int = 2048, shared_pages: bool = False, prefix_caching: bool = True,
+                  connector_options: dict | None = None) -> list[str]:
     """The server's argv: ``model_dir`` served at 127.0.0.1:``port`` by ``python`` (eager,
     float32, ``max_model_len`` tokens a sequence; ``prefix_caching`` False: vLLM's prefix cache
     off); with ``chunk_dir``, the ragattn connector over that chunk store (``shared_pages``: chunk
     pages held once, ragattn.vllm.shared_pages; needs ``RAGATTN_VLLM_ATTENTION=1`` in the server's
-    environment)."""
+    environment; ``connector_options``: more of the connector's options, e.g. ``memory_budget``)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(int(max_model_len))]
     if not prefix_caching:
         cmd.append("--no-enable-prefix-caching")
     if chunk_dir is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir, shared_pages)),
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir, shared_pages, connector_options)),
                 "--middleware", "ragattn.vllm.http.KVTransferParamsCheck"]
     return cmd
 
