@@ -139,7 +139,8 @@ def start_server(python: str, model_dir: Path, chunk_dir: Path, name: str, workd
 
     cmd = serve_command(model_dir, free_port(), chunk_dir=chunk_dir, python=python, max_model_len=MAX_MODEL_LEN,
                         prefix_caching=False, connector_options=options)
-    env = {**server_env(threads), "RAGATTN_VLLM_ATTENTION": "0", "RAGATTN_REMOTE_SECRET": SECRET}
+    env = {**server_env(threads), "RAGATTN_VLLM_ATTENTION": "0", "RAGATTN_REMOTE_SECRET": SECRET,
+           "VLLM_CPU_KVCACHE_SPACE": "1"}      # GiB: one short request at a time
     return LiveServer(cmd, workdir / f"server-{name}.log", env=env, timeout_s=timeout_s)
 
 
@@ -183,8 +184,8 @@ def run(a, argv_text: str) -> dict:
     questions = [q.question for q in corpus.questions]
     stream = zipf_stream(len(texts), a.requests, a.passages, a.zipf, a.seed)
     q_of = np.random.default_rng(a.seed + 1).integers(0, len(questions), a.requests).tolist()
-    tmp = tempfile.TemporaryDirectory(prefix="ragattn-served-traffic-")
-    workdir = Path(tmp.name)
+    tmp = None if a.workdir else tempfile.TemporaryDirectory(prefix="ragattn-served-traffic-")
+    workdir = Path(a.workdir or tmp.name)
     redis = None
     try:
         model_dir = export_smollm2(workdir / "model")
@@ -255,7 +256,8 @@ def run(a, argv_text: str) -> dict:
         if redis is not None:
             redis.kill()
             redis.wait()
-        tmp.cleanup()
+        if tmp is not None:
+            tmp.cleanup()
 
 
 def _parse(argv):
@@ -278,6 +280,8 @@ def _parse(argv):
     p.add_argument("--max-passages", type=int, default=0, help="use the corpus's first N passages (0: all)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--out", default="docs/perf/cpu-served-traffic")
+    p.add_argument("--workdir", default=None, help="keep the model, store and server logs here (default: a temporary "
+                                                   "folder, removed)")
     p.add_argument("--dry-run", action="store_true", help="print the first requests and the server commands")
     a = p.parse_args(argv)
     a.tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]

@@ -18,9 +18,10 @@ def format_windows(tiers: dict) -> str:
              "resident K/V MiB | RSS MiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for tier, r in tiers.items():
         for w in r["windows"]:
+            resident = f"{w['resident_mb']:.0f}" if w["resident_mb"] else "-"    # served: the worker's, unseen
             lines.append(f"| {tier} | {w['first']}-{w['last']} | {w['t_s']:.0f} | {w['memory_hit']:.0%} | "
                          f"{w['tier_hit']:.0%} | {w['p50_ms']:.0f} | {w['p99_ms']:.0f} | {w['speedup']:.2f}x | "
-                         f"{w['resident_mb']:.0f} | {w['rss_mb']:.0f} |")
+                         f"{resident} | {w['rss_mb']:.0f} |")
     return "\n".join(lines)
 
 
