@@ -174,19 +174,19 @@ class ConnectorWorker:
         return Recomputer(self.vllm_config, names, [kv_caches[n] for n in names], impls[0].head_size,
                           impls[0].scale, self.state, tp_group())
 
-    def _check_layout(self, name: str, kv: torch.Tensor, split: str, num_heads: int) -> None:
+    def _check_layout(self, name: str, kv: torch.Tensor, split: str, num_heads: int | None = None) -> None:
         """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
         write (``impl.do_kv_cache_update``) stores known K/V in a two-block copy of layer ``name``'s
         cache (its strides: a strided view of vLLM's shared buffer is probed as such) and the
         writer's views must read them back exactly; CacheLayoutError otherwise (a
         layout the writer does not know is refused before any chunk is written). Backends without
         that method (and fp8 caches) rest on the layout table alone. ``num_heads``: the KV heads
-        this worker's caches hold (its tensor-parallel share)."""
+        this worker's caches hold (its tensor-parallel share; default the store's)."""
         layer = self._attn_layers().get(name)
         update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
         if update is None or kv.dtype in FP8_STORAGE or kv.dim() < 3 or kv.shape[0] < 2:
             return
-        H, D, n = num_heads, self._store.head_dim, kv.shape[2]
+        H, D, n = num_heads or self._store.num_kv_heads, self._store.head_dim, kv.shape[2]
         # two blocks in the cache's own strides: a view of vLLM's shared buffer (a block-outermost
         # layout) is not dense, and zeros_like would probe a contiguous copy instead of that layout
         scratch = torch.empty_strided((2, *kv.shape[1:]), kv.stride(), dtype=kv.dtype, device=kv.device).zero_()

@@ -102,10 +102,12 @@ def head_views(kv: torch.Tensor, num_kv_heads: int, head_size: int, block_size: 
     return ks, vs
 
 
-def cache_kv_heads(kv: torch.Tensor, split: str) -> int:
+def cache_kv_heads(kv: torch.Tensor, split: str) -> int | None:
     """The KV heads one layer's cache holds: dim 1 of ``[B, Hkv, N, 2D]``, dim 3 of the
-    ``"planes"`` layout's ``[B, 2, N, Hkv, D]``."""
-    return int(kv.shape[3 if split == "planes" else 1]) if kv.dim() >= 4 else 0
+    ``"planes"`` layout's ``[B, 2, N, Hkv, D]``; None for a cache of another rank (refused by
+    :func:`head_views`)."""
+    planes = split == "planes"
+    return int(kv.shape[3 if planes else 1]) if kv.dim() == (5 if planes else 4) else None
 
 
 def check_heads(heads: range | None, num_kv_heads: int, kv_caches: Sequence[torch.Tensor], split: str) -> range:
@@ -119,8 +121,8 @@ def check_heads(heads: range | None, num_kv_heads: int, kv_caches: Sequence[torc
             or heads.stop > num_kv_heads:
         raise CacheLayoutError(f"ragattn.vllm: the worker's KV heads must be a non-empty range within the chunk "
                                f"store's {num_kv_heads} KV heads, got {heads!r}")
-    held = sorted({cache_kv_heads(kv, split) for kv in kv_caches})
-    if held != [len(heads)]:
+    held = sorted({cache_kv_heads(kv, split) for kv in kv_caches} - {None})
+    if held and held != [len(heads)]:
         raise CacheLayoutError(f"ragattn.vllm: the worker's KV caches hold {' / '.join(map(str, held))} KV heads, "
                                f"but its share of the chunk store's {num_kv_heads} KV heads is {len(heads)} "
                                f"(heads {heads.start}..{heads.stop - 1}; tensor parallelism gives each rank "
