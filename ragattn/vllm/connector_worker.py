@@ -158,6 +158,9 @@ class ConnectorWorker:
         split = self._kv_split()
         # this rank's KV heads of the store (all of them without tensor parallelism)
         heads = rank_kv_heads(self.vllm_config, self._store.num_kv_heads)
+        if len(heads) != self._store.num_kv_heads:
+            log.info("ragattn.vllm: tensor parallel: this worker writes and reads KV heads %d..%d of the chunk "
+                     "store's %d", heads.start, heads.stop - 1, self._store.num_kv_heads)
         self._check_layout(names[0], kv_caches[names[0]], split, len(heads))
         self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self.settings.block_size, split,
                                   groups=groups, scales=self._fp8_scales(names, kv_caches), heads=heads)
