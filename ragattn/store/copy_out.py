@@ -84,14 +84,17 @@ class CopyOutBuilder:
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
                      dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
-                     split_heads: bool = False) -> None:
+                     split_heads: bool = False, heads: range | None = None) -> None:
         """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
 
         ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
         ``[rows, Hkv, D]`` (contiguous, e.g. ``[num_pages, page_size, Hkv, D]``); with
         ``split_heads=True``, ``L * Hkv`` single-head caches instead (layer ``l``, head ``h`` at
         index ``l * Hkv + h``), each viewed as ``[rows, 1, D]``: for caches whose heads are not
-        contiguous within a row, such as vLLM's ``[blocks, Hkv, block_size, 2 * D]`` pages.
+        contiguous within a row, such as vLLM's ``[blocks, Hkv, block_size, 2 * D]`` pages;
+        ``heads`` (with ``split_heads``; a ``range`` within ``[0, Hkv)``, default all): only these KV
+        heads are written, ``L * len(heads)`` caches (layer ``l``, head ``heads[i]`` at ``l *
+        len(heads) + i``), e.g. a tensor-parallel rank's share of the heads.
         ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
         caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
         token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
@@ -112,7 +115,8 @@ class CopyOutBuilder:
             if tuple(dst_rows.shape) != (n,):
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: dst_rows has shape "
                                       f"{tuple(dst_rows.shape)}, expected ({n},) (the chunks' tokens)")
-            want = self.num_layers * (self.num_kv_heads if split_heads else 1)
+            heads = self._heads(heads, split_heads)
+            want = self.num_layers * (len(heads) if split_heads else 1)
             if len(dst_k) != want or len(dst_v) != want:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
                                       f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
@@ -130,7 +134,8 @@ class CopyOutBuilder:
                     raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: positions must be in [0, "
                                           f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
                 target = positions.to(self.device, torch.int64)
-            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), target, skip, split_heads)
+            self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), target, skip, split_heads,
+                       heads)
         finally:
             self.resident.unpin(pinned)
 
@@ -141,7 +146,19 @@ class CopyOutBuilder:
         offs = torch.repeat_interleave(starts, torch.tensor(lens), output_size=total)
         return torch.arange(total, dtype=torch.int64).sub_(offs).to(self.device)
 
-    def _copy(self, entries, lens, dst_k, dst_v, dst, target, skip: int = 0, split_heads: bool = False):
+    def _heads(self, heads, split_heads: bool) -> range:
+        """The KV heads a gather writes (all, or ``heads`` checked: a non-empty step-1 ``range`` of them)."""
+        if heads is None:
+            return range(self.num_kv_heads)
+        if not split_heads or not isinstance(heads, range) or heads.step != 1 or not len(heads) \
+                or heads.start < 0 or heads.stop > self.num_kv_heads:
+            raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: heads must be a non-empty range within "
+                                  f"[0, {self.num_kv_heads}) (the store's KV heads) with split_heads=True, got "
+                                  f"{heads!r} (split_heads={split_heads})")
+        return heads
+
+    def _copy(self, entries, lens, dst_k, dst_v, dst, target, skip: int = 0, split_heads: bool = False,
+              heads: range | None = None):
         """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from the pool's form
         (by their page offset) to ``target`` (int64, each token's RoPE position)."""
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
@@ -150,7 +167,7 @@ class CopyOutBuilder:
         src_all = (torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows)[skip:]
         delta = target - rs.pool_offsets(src_all)
         if len(slabs) == 1:
-            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads), src_all, dst, delta, *rot)
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads, heads), src_all, dst, delta, *rot)
             return
         slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
                              for e in entries for s, _, r in e.parts])[skip:].to(self.device)
@@ -158,7 +175,7 @@ class CopyOutBuilder:
             sel = (slab_of == i).nonzero()[:, 0]
             if sel.numel() == 0:
                 continue
-            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(s, split_heads), src_all[sel], dst[sel],
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(s, split_heads, heads), src_all[sel], dst[sel],
                           delta[sel], *rot)
 
     def _request_cache(self, capacity: int, page_size: int):

@@ -178,10 +178,12 @@ class PagePool:
             out.append([torch.cat(per) for per in zip(*layers)])
         return out[0], out[1]
 
-    def slab_layers(self, slab: _Slab, split_heads: bool):
+    def slab_layers(self, slab: _Slab, split_heads: bool, heads: range | None = None):
+        """The slab's per-layer K and V; ``split_heads``: per (layer, head) ``[rows, 1, D]`` views
+        instead, of the KV heads ``heads`` only (default all), layer-major."""
         if not split_heads:
             return slab.k, slab.v
-        hs = range(self.num_kv_heads)
+        hs = range(self.num_kv_heads) if heads is None else heads
         return ([k[:, h:h + 1] for k in slab.k for h in hs], [v[:, h:h + 1] for v in slab.v for h in hs])
 
     def copy_out(self, device: torch.device, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from ragattn.store import ChunkStoreError, RemoteTier
 from ragattn.vllm.gate import mode_option
 from ragattn.vllm.platform import enabled as ragattn_attention
 from ragattn.vllm.pages import KV_SPLITS
+from ragattn.vllm.parallel import check_parallel
 from ragattn.vllm.spans import SPANS_PARAM, MethodChoice
 from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
@@ -134,9 +135,7 @@ class Settings:
         self.dir = Path(chunk_dir)
         if not self.dir.is_dir():
             raise ChunkStoreError(f"ragattn.vllm: chunk_dir {self.dir} is not a directory")
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise NotImplementedError("ragattn.vllm: tensor/pipeline parallelism is not supported yet "
-                                      "(a worker would need its share of the KV heads or layers)")
+        check_parallel(vllm_config.parallel_config)   # tensor parallel: each worker writes its KV heads
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
         if cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
             raise NotImplementedError(f"ragattn.vllm: kv_cache_dtype {cache_dtype!r} is not supported; the connector "

@@ -29,6 +29,7 @@ from ragattn.vllm.gate import GateError, run_gate
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
 from ragattn.vllm.metrics import STORE_COUNTERS, RagattnStats
+from ragattn.vllm.parallel import rank_kv_heads, tp_group
 from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm.spans import composite_positions, layer_index
 from ragattn.vllm.worker_state import WorkerState
@@ -60,8 +61,27 @@ class ConnectorWorker:
         self._stats = RagattnStats()                          # for /metrics (ragattn.vllm.metrics)
         self._store_seen = {k: 0 for k in STORE_COUNTERS}     # the store's counters already counted
         # the quality gate, once per model and store (kept under the chunk directory; GateError in mode "refuse")
-        self.gate = run_gate(settings.dir, settings.fingerprint, settings.hf_path, vllm_config.model_config.dtype,
-                             settings.gate_mode)
+        self.gate = self._run_gate()
+
+    def _run_gate(self):
+        """The quality gate's verdict (:func:`ragattn.vllm.gate.run_gate`); under tensor parallelism
+        rank 0 runs it and hands its verdict (or its GateError) to the other ranks, so the gate
+        runs once and every rank refuses the same methods."""
+        s = self.settings
+        group = tp_group()
+        if group is None or group.rank_in_group == 0:
+            try:
+                verdict, error = run_gate(s.dir, s.fingerprint, s.hf_path, self.vllm_config.model_config.dtype,
+                                          s.gate_mode), None
+            except GateError as exc:
+                verdict, error = None, str(exc)
+            if group is not None:
+                group.broadcast_object((verdict, error), src=0)
+        else:
+            verdict, error = group.broadcast_object(None, src=0)
+        if error is not None:
+            raise GateError(error)
+        return verdict
 
     @property
     def store(self) -> ChunkStore:
@@ -136,9 +156,14 @@ class ConnectorWorker:
             pos = {n: i for i, n in enumerate(names)}
             groups = [([pos[n] for n in layers], sliding, bs) for layers, sliding, bs in self.settings.groups]
         split = self._kv_split()
-        self._check_layout(names[0], kv_caches[names[0]], split)
+        # this rank's KV heads of the store (all of them without tensor parallelism)
+        heads = rank_kv_heads(self.vllm_config, self._store.num_kv_heads)
+        if len(heads) != self._store.num_kv_heads:
+            log.info("ragattn.vllm: tensor parallel: this worker writes and reads KV heads %d..%d of the chunk "
+                     "store's %d", heads.start, heads.stop - 1, self._store.num_kv_heads)
+        self._check_layout(names[0], kv_caches[names[0]], split, len(heads))
         self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self.settings.block_size, split,
-                                  groups=groups, scales=self._fp8_scales(names, kv_caches))
+                                  groups=groups, scales=self._fp8_scales(names, kv_caches), heads=heads)
         if self.settings.shared:   # ragattn's backend reads the chunk pages with the model's RoPE
             self.state.rope = self._store.rope
         self._recomputer = self._make_recomputer(names, kv_caches)
@@ -150,20 +175,21 @@ class ConnectorWorker:
         if len(self.settings.groups) > 1 or not all(isinstance(i, RagattnAttentionImpl) for i in impls):
             return None
         return Recomputer(self.vllm_config, names, [kv_caches[n] for n in names], impls[0].head_size,
-                          impls[0].scale, self.state)
+                          impls[0].scale, self.state, tp_group())
 
-    def _check_layout(self, name: str, kv: torch.Tensor, split: str) -> None:
+    def _check_layout(self, name: str, kv: torch.Tensor, split: str, num_heads: int | None = None) -> None:
         """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
         write (``impl.do_kv_cache_update``) stores known K/V in a two-block copy of layer ``name``'s
         cache (its strides: a strided view of vLLM's shared buffer is probed as such) and the
         writer's views must read them back exactly; CacheLayoutError otherwise (a
         layout the writer does not know is refused before any chunk is written). Backends without
-        that method (and fp8 caches) rest on the layout table alone."""
+        that method (and fp8 caches) rest on the layout table alone. ``num_heads``: the KV heads
+        this worker's caches hold (its tensor-parallel share; default the store's)."""
         layer = self._attn_layers().get(name)
         update = getattr(getattr(layer, "impl", None), "do_kv_cache_update", None)
         if update is None or kv.dtype in FP8_STORAGE or kv.dim() < 3 or kv.shape[0] < 2:
             return
-        H, D, n = self._store.num_kv_heads, self._store.head_dim, kv.shape[2]
+        H, D, n = num_heads or self._store.num_kv_heads, self._store.head_dim, kv.shape[2]
         # two blocks in the cache's own strides: a view of vLLM's shared buffer (a block-outermost
         # layout) is not dense, and zeros_like would probe a contiguous copy instead of that layout
         scratch = torch.empty_strided((2, *kv.shape[1:]), kv.stride(), dtype=kv.dtype, device=kv.device).zero_()

@@ -102,6 +102,35 @@ def head_views(kv: torch.Tensor, num_kv_heads: int, head_size: int, block_size: 
     return ks, vs
 
 
+def cache_kv_heads(kv: torch.Tensor, split: str) -> int | None:
+    """The KV heads one layer's cache holds: dim 1 of ``[B, Hkv, N, 2D]``, dim 3 of the
+    ``"planes"`` layout's ``[B, 2, N, Hkv, D]``; None for a cache of another rank (refused by
+    :func:`head_views`)."""
+    planes = split == "planes"
+    return int(kv.shape[3 if planes else 1]) if kv.dim() == (5 if planes else 4) else None
+
+
+def check_heads(heads: range | None, num_kv_heads: int, kv_caches: Sequence[torch.Tensor], split: str) -> range:
+    """The store's KV heads a worker's caches hold (``heads``, default all ``num_kv_heads``),
+    checked: a non-empty step-1 range within the store's heads, and every cache holding exactly
+    ``len(heads)`` heads; CacheLayoutError naming both counts otherwise (a tensor-parallel rank
+    given another share of the heads than its caches hold would write heads into the wrong
+    place)."""
+    heads = range(num_kv_heads) if heads is None else heads
+    if not isinstance(heads, range) or heads.step != 1 or not len(heads) or heads.start < 0 \
+            or heads.stop > num_kv_heads:
+        raise CacheLayoutError(f"ragattn.vllm: the worker's KV heads must be a non-empty range within the chunk "
+                               f"store's {num_kv_heads} KV heads, got {heads!r}")
+    held = sorted({cache_kv_heads(kv, split) for kv in kv_caches} - {None})
+    if held and held != [len(heads)]:
+        raise CacheLayoutError(f"ragattn.vllm: the worker's KV caches hold {' / '.join(map(str, held))} KV heads, "
+                               f"but its share of the chunk store's {num_kv_heads} KV heads is {len(heads)} "
+                               f"(heads {heads.start}..{heads.stop - 1}; tensor parallelism gives each rank "
+                               f"Hkv / tensor_parallel_size of them): refused, a head would be written into "
+                               f"another's place")
+    return heads
+
+
 def slot_rows(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
     """int64 ``[end - start]``: vLLM's slot of each request token ``start..end-1`` (token ``t``
     lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``): the range form of
@@ -125,11 +154,14 @@ class PageWriter:
     cache in the store's dtype. The store must hold the same layers, KV heads and head size. A
     store on another device (chunk KV kept in host memory) is staged: the claimed rows are
     gathered on the store's device, moved over once, and written with one ``copy_kv_`` per group
-    (and cache dtype) there."""
+    (and cache dtype) there. ``heads``: the store's KV heads these caches hold, in order (a
+    tensor-parallel rank's share, :func:`ragattn.vllm.parallel.rank_kv_heads`; default all of
+    them): every cache holds ``len(heads)`` heads, written from those heads of the store, and fp8
+    scales are per cache head."""
 
     def __init__(self, store: ChunkStore, kv_caches: Sequence[torch.Tensor], block_size: int, split: str,
                  groups: Sequence[tuple] | None = None,
-                 scales: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None):
+                 scales: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None, heads: range | None = None):
         if len(kv_caches) != store.num_layers:
             raise CacheLayoutError(f"ragattn.vllm: the worker has {len(kv_caches)} attention layers, the chunk "
                                    f"store's model {store.num_layers}")
@@ -137,7 +169,8 @@ class PageWriter:
         if len(scales) != len(kv_caches):
             raise CacheLayoutError(f"ragattn.vllm: {len(scales)} fp8 scale entries for {len(kv_caches)} layers")
         first = kv_caches[0]
-        H = store.num_kv_heads
+        self.heads = check_heads(heads, store.num_kv_heads, kv_caches, split)
+        H = len(self.heads)   # the caches' KV heads
         self.fp8 = []
         for i, (kv, sc) in enumerate(zip(kv_caches, scales)):
             if kv.dtype in FP8_STORAGE:
@@ -194,8 +227,8 @@ class PageWriter:
         self._inv_freq = store.rope.inv_freq.to(self.device)
 
     def _head_scales(self, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``[len(layers) * Hkv]``: the k and v scale of each (layer, head) destination."""
-        H = self.store.num_kv_heads
+        """float32 ``[len(layers) * Hkv]``: the k and v scale of each (layer, cache head) destination."""
+        H = len(self.heads)
         ks, vs = [], []
         for l in layers:
             k, v = self.scales[l]
@@ -234,7 +267,8 @@ class PageWriter:
         simple = len(self.groups) == 1 and not self.groups[0][1] and not any(self.fp8)
         if simple and not (stage if stage is not None else self.store.device != self.device):
             rows = slot_rows(per_group[0], self.groups[0][2], skip, end).to(self.device)
-            self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True)
+            self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True,
+                                    heads=self.heads)
             return
         local = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in spans])[skip:]
         self._write_staged(keys, per_group, positions, local, skip, end)
@@ -259,7 +293,7 @@ class PageWriter:
         sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
         sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
         st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), positions.to(st.device), skip=skip)
-        H = st.num_kv_heads
+        H = len(self.heads)
         for (layers, sliding, bs), ids in zip(self.groups, per_group):
             rows, src = self._group_rows(ids, bs, sliding, skip, end)
             if rows.numel() == 0:
@@ -270,9 +304,9 @@ class PageWriter:
                 blk, off = page_index(rows, n_blk), page_offset(rows, n_blk)
                 k_l = sk[l].index_select(0, src.to(st.device)).to(self.device)
                 v_l = sv[l].index_select(0, src.to(st.device)).to(self.device)
-                for h in range(H):
-                    self.k[l * H + h][blk, off] = k_l[:, h:h + 1]
-                    self.v[l * H + h][blk, off] = v_l[:, h:h + 1]
+                for i, h in enumerate(self.heads):
+                    self.k[l * H + i][blk, off] = k_l[:, h:h + 1]
+                    self.v[l * H + i][blk, off] = v_l[:, h:h + 1]
 
     def write_chunk_pages(self, key: str, block_ids: Sequence[int], length: int) -> None:
         """Chunk ``key``'s ``length`` tokens into its own pages ``block_ids`` (token ``j`` at block
@@ -287,7 +321,8 @@ class PageWriter:
         if self.store.device == self.device:
             bs = self.groups[0][2]
             rows = slot_rows(list(block_ids), bs, 0, length).to(self.device)
-            self.store.gather_into_([key], self.k, self.v, rows, page_offset(rows, bs), split_heads=True)
+            self.store.gather_into_([key], self.k, self.v, rows, page_offset(rows, bs), split_heads=True,
+                                    heads=self.heads)
         else:
             self._write_staged([key], [list(block_ids)], None, torch.arange(length, dtype=torch.int64), 0, length)
 
@@ -306,10 +341,10 @@ class PageWriter:
         st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), pool_off, skip=skip)
         pool_off = pool_off.to(self.device)
         delta = None if positions is None else positions.to(self.device)  # int64 (vLLM's position dtype)
-        hs = range(st.num_kv_heads)
+        hs = self.heads
         sk = [t.to(self.device, non_blocking=True) for t in sk]
         sv = [t.to(self.device, non_blocking=True) for t in sv]
-        H = st.num_kv_heads
+        H = len(hs)
         for (layers, sliding, bs), ids in zip(self.groups, per_group):
             rows, src = self._group_rows(ids, bs, sliding, skip, end)   # (never the null block)
             if rows.numel() == 0:
@@ -322,8 +357,8 @@ class PageWriter:
                 scale = dict(zip(("dst_k_scale", "dst_v_scale"), self._head_scales(part))) if fp8 else {}
                 to = (delta[src_d] if delta is not None else page_offset(rows_d, bs)) - pool_off[src_d]
                 rot = (to, self._inv_freq, st.rope.rotary_dim, st.rope.interleaved)
-                _ops.copy_kv_([self.k[l * H + h] for l in part for h in hs],
-                              [self.v[l * H + h] for l in part for h in hs],
+                _ops.copy_kv_([self.k[l * H + i] for l in part for i in range(H)],
+                              [self.v[l * H + i] for l in part for i in range(H)],
                               [sk[l][:, h:h + 1] for l in part for h in hs],
                               [sv[l][:, h:h + 1] for l in part for h in hs],
                               src_d, rows_d, *rot, num_kv_heads=1, **scale)

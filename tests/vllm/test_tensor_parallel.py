@@ -1,0 +1,227 @@
+"""The connector under tensor parallelism, at class level (vLLM's config, scheduler and connector
+factory; no live server): each rank's page writer writes only its share of the chunk store's KV
+heads (from vLLM's parallel state, stood in for by patching vLLM's rank), the ranks' caches
+reassembled over the heads hold the store's full K/V bit for bit (request pages, staged writes
+and shared chunk pages), a cache holding another count of heads is refused by name, and pipeline
+parallelism is refused by name. tests/vllm/live/test_tensor_parallel_served.py serves it."""
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+import vllm.distributed  # noqa: E402
+
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+import ragattn.hf  # noqa: E402,F401  (describes transformers models to the store)
+from ragattn.store import ChunkStore  # noqa: E402
+from ragattn.vllm.pages import CacheLayoutError, PageWriter, head_views, slot_rows  # noqa: E402
+from ragattn.vllm.parallel import kv_head_share, rank_kv_heads  # noqa: E402
+from tests.helpers import tiny_causal_lm  # noqa: E402
+
+TP, H, HQ, D, BS, L, NUM_BLOCKS = 3, 3, 6, 16, 16, 2, 12   # SmolLM2's head ratio: 3 KV heads over 3 ranks
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(model folder, chunk directory, chunk store, chunk keys, chunk lengths): a tiny Llama with 3
+    KV heads, its chunks of awkward lengths built offline."""
+    root = tmp_path_factory.mktemp("tp")
+    model = tiny_causal_lm("llama", folder=root / "model", seed=3, num_attention_heads=HQ, num_key_value_heads=H,
+                           hidden_size=HQ * D)
+    g = torch.Generator().manual_seed(11)
+    chunks = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (13, 22, 7)]
+    store = ChunkStore(model, root / "kv", page_size=BS, memory_budget=1 << 24)
+    keys = store.add(chunks)
+    return root / "model", root / "kv", store, keys, chunks
+
+
+def _as_rank(monkeypatch, rank, size=TP):
+    """vLLM's tensor-parallel rank and world size as a worker of rank ``rank`` sees them."""
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: size)
+
+
+def _config(folder, kv_dir, tp=TP, pp=1, split="rows_kt"):
+    extra = {"chunk_dir": str(kv_dir), "kv_split": split, "quality_gate": "off"}
+    return VllmConfig(
+        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512,
+                                         is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(kv_connector="RagattnConnector", kv_role="kv_consumer",
+                                            kv_connector_module_path="ragattn.vllm.connector",
+                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra))
+
+
+def _kv_cache_config(heads):
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=D, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=LAYERS, kv_cache_spec=spec)])
+
+
+def _caches(split, heads):
+    """NaN-poisoned per-layer caches holding ``heads`` KV heads in ``split``'s layout."""
+    shape = (NUM_BLOCKS, 2, BS, heads, D) if split == "planes" else (NUM_BLOCKS, heads, BS, 2 * D)
+    return [torch.full(shape, NAN) for _ in range(L)]
+
+
+def _joined(per_rank, split):
+    """The ranks' caches of each layer concatenated over the KV heads (rank order)."""
+    return [torch.cat(layer, dim=3 if split == "planes" else 1) for layer in zip(*per_rank)]
+
+
+def _same(a, b):
+    return all(torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True) is None for x, y in zip(a, b))
+
+
+def test_kv_head_share_is_vllms_split():
+    """vLLM's QKVParallelLinear split: heads over the ranks, or each head replicated on
+    tp / Hkv ranks; heads and ranks that do not divide, or a wrong per-rank count, refused."""
+    assert [kv_head_share(3, 3, r, 1) for r in range(3)] == [range(0, 1), range(1, 2), range(2, 3)]
+    assert [kv_head_share(4, 2, r, 2) for r in range(2)] == [range(0, 2), range(2, 4)]
+    assert [kv_head_share(2, 4, r, 1) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert kv_head_share(5, 1, 0, 5) == range(5)
+    with pytest.raises(ValueError, match="cannot be shared by --tensor-parallel-size 2"):
+        kv_head_share(3, 2, 0, 1)
+    with pytest.raises(ValueError, match="holds 1 of the chunk store's 3 KV heads, vLLM's model config says 3"):
+        kv_head_share(3, 3, 1, 3)
+    with pytest.raises(ValueError, match="rank 3 is outside"):
+        kv_head_share(3, 3, 3, 1)
+
+
+def test_rank_heads_come_from_vllms_parallel_state(served, monkeypatch):
+    folder, kv_dir, store, _, _ = served
+    cfg = _config(folder, kv_dir)
+    for rank in range(TP):
+        _as_rank(monkeypatch, rank)
+        assert rank_kv_heads(cfg, store.num_kv_heads) == range(rank, rank + 1)
+    _as_rank(monkeypatch, 0, size=2)     # a group that is not the config's
+    with pytest.raises(RuntimeError, match="tensor parallel group has 2 ranks, its config 3"):
+        rank_kv_heads(cfg, store.num_kv_heads)
+    assert rank_kv_heads(_config(folder, kv_dir, tp=1), store.num_kv_heads) == range(H)
+
+
+@pytest.mark.parametrize("split", ["rows_kt", "rows", "channel", "planes"])
+@pytest.mark.parametrize("skip,stage", [(0, False), (16, False), (0, True)])
+def test_rank_slices_reassemble_the_stores_kv(served, split, skip, stage):
+    """One chunk repeated, blocks out of order: the three ranks' pages, joined over the heads,
+    are the one-rank writer's bit for bit and the HF path's assembled request; nothing else is
+    written (the prefix below ``skip`` included)."""
+    _, _, store, keys, chunks = served
+    order = [keys[1], keys[0], keys[1], keys[2]]
+    lens = [len(chunks[1]), len(chunks[0]), len(chunks[1]), len(chunks[2])]
+    spans = [(sum(lens[:i]), sum(lens[:i + 1])) for i in range(len(lens))]
+    total, block_ids = spans[-1][1], [7, 2, 9, 4, 0]
+    per_rank = []
+    for rank in range(TP):
+        caches = _caches(split, 1)
+        PageWriter(store, caches, BS, split, heads=kv_head_share(H, TP, rank, 1)).write(
+            order, spans, block_ids, skip=skip, stage=stage)
+        per_rank.append(caches)
+    joined = _joined(per_rank, split)
+    whole = _caches(split, H)
+    PageWriter(store, whole, BS, split).write(order, spans, block_ids, skip=skip, stage=stage)
+    assert _same(joined, whole)
+
+    req = store.assemble(order, positions="reordered")
+    ref = req.cache.slot_rows(0, torch.arange(total))
+    rows = slot_rows(block_ids, BS, skip, total)
+    blk, off = rows // BS, rows % BS
+    for l, kv in enumerate(joined):
+        ks, vs = head_views(kv, H, D, BS, split)
+        for h in range(H):
+            assert torch.equal(ks[h][blk, off, 0], req.cache.k[l].reshape(-1, H, D)[ref][skip:, h])
+            assert torch.equal(vs[h][blk, off, 0], req.cache.v[l].reshape(-1, H, D)[ref][skip:, h])
+    written = sum(x.numel() - x.isnan().sum().item() for x in joined)
+    assert written == L * 2 * H * D * (total - skip)
+
+
+@pytest.mark.parametrize("split", ["rows", "channel"])
+def test_rank_slices_of_shared_chunk_pages(served, split):
+    """Shared chunk pages (keys page-local): each rank writes its heads; joined, the one-rank pages."""
+    _, _, store, keys, chunks = served
+    blocks = [5, 8]
+    per_rank = []
+    for rank in range(TP):
+        caches = _caches(split, 1)
+        PageWriter(store, caches, BS, split, heads=range(rank, rank + 1)).write_chunk_pages(keys[1], blocks,
+                                                                                           len(chunks[1]))
+        per_rank.append(caches)
+    whole = _caches(split, H)
+    PageWriter(store, whole, BS, split).write_chunk_pages(keys[1], blocks, len(chunks[1]))
+    assert _same(_joined(per_rank, split), whole)
+    assert not whole[0].isnan().all()
+
+
+def test_a_wrong_head_count_is_refused_by_name(served):
+    _, _, store, _, _ = served
+    with pytest.raises(CacheLayoutError, match="KV caches hold 3 KV heads, but its share of the chunk store's 3 "
+                                               "KV heads is 1"):
+        PageWriter(store, _caches("rows", H), BS, "rows", heads=range(1, 2))
+    with pytest.raises(CacheLayoutError, match="KV caches hold 1 KV heads, but its share .* is 3"):
+        PageWriter(store, _caches("planes", 1), BS, "planes")
+    with pytest.raises(CacheLayoutError, match="non-empty range within the chunk store's 3 KV heads"):
+        PageWriter(store, _caches("rows", 1), BS, "rows", heads=range(3, 4))
+
+
+def _request(prompt, spans):
+    return Request(request_id=f"r{len(prompt)}", prompt_token_ids=list(prompt), pooling_params=None,
+                   sampling_params=SamplingParams(max_tokens=2, extra_args={
+                       "kv_transfer_params": {"ragattn_spans": [list(s) for s in spans]}}))
+
+
+def test_connector_workers_of_three_ranks(served, monkeypatch):
+    """vLLM's scheduler under --tensor-parallel-size 3 claims the chunks once; the connector's
+    worker of each rank (vLLM's rank patched in) writes its KV head of every layer; joined, the
+    one-rank worker's pages. A worker whose caches hold every head under tensor parallelism is
+    refused by name at register_kv_caches."""
+    folder, kv_dir, _, _, chunks = served
+    cfg = _config(folder, kv_dir)
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=_kv_cache_config(1),
+                      structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
+    prompt = chunks[2] + chunks[0] + chunks[1] + [5, 9, 2]
+    spans = [(0, 7), (7, 20), (20, 42)]
+    sched.add_request(_request(prompt, spans))
+    meta = sched.schedule().kv_connector_metadata
+    assert [load.spans for load in meta.loads] == [tuple(spans)]
+
+    def worker(cfg, heads):
+        conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, _kv_cache_config(heads))
+        caches = dict(zip(LAYERS, _caches("rows_kt", heads)))
+        conn.register_kv_caches(caches)
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        assert conn.get_block_ids_with_load_errors() == set()
+        return [caches[n] for n in LAYERS]
+
+    per_rank = []
+    for rank in range(TP):
+        _as_rank(monkeypatch, rank)
+        per_rank.append(worker(cfg, 1))
+    whole = worker(_config(folder, kv_dir, tp=1), H)
+    assert _same(_joined(per_rank, "rows_kt"), whole)
+    assert not whole[0].isnan().all()
+    _as_rank(monkeypatch, 2)
+    with pytest.raises(CacheLayoutError, match="KV caches hold 3 KV heads, but its share"):
+        worker(cfg, H)
+
+
+def test_pipeline_parallel_is_refused_by_name(served):
+    folder, kv_dir, _, _, _ = served
+    with pytest.raises(NotImplementedError, match="--pipeline-parallel-size 2 is not supported"):
+        KVConnectorFactory.create_connector(_config(folder, kv_dir, tp=1, pp=2), KVConnectorRole.SCHEDULER,
+                                            _kv_cache_config(H))
