@@ -58,8 +58,9 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
   args.logits_kind = logits.scalar_type() == at::kFloat  ? speculative::kLogitsF32
                      : logits.scalar_type() == at::kHalf ? speculative::kLogitsF16
                                                          : speculative::kLogitsBF16;
-  args.inv_temperature = speculative::inverse_temperature(temperature);
-  args.eta = static_cast<float>(eta);
+  const speculative::Base2Scales base2 = speculative::base2_scales(temperature, eta);
+  args.scale = base2.scale;
+  args.eta = base2.eta;
   args.alpha = static_cast<float>(alpha);
   args.greedy = greedy;
   args.rows = logits.numel() / logits.size(-1);

@@ -72,10 +72,10 @@ __device__ T block_allreduce(T x, T identity, Op op, T* slots) {
   return r;
 }
 
-__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float inv_t, Shared& sh) {
+__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float scale, Shared& sh) {
   return block_allreduce(
-      s, softmax_identity(), [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); },
-      sh.soft);
+      s, softmax_identity(),
+      [scale](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, scale); }, sh.soft);
 }
 
 __device__ float block_max(float x, Shared& sh) {
@@ -272,21 +272,21 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_kernel(const V
   const int x = with_q ? draft_index(a, pos.tok) : -1;
   const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
   const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
-  const float inv_t = a.inv_temperature;
+  const float scale = a.scale;
   SoftmaxState st = softmax_identity();
   float qm = -INFINITY;
   if (with_q) {
     sweep<KIND, true, ONEHOT>(zrow, qrow, x, begin, end, vec, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-      softmax_update_chunk(st, z, v0, inv_t);
+      softmax_update_chunk(st, z, v0, scale);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
     });
   } else {
     sweep<KIND, false, ONEHOT>(zrow, qrow, x, begin, end, vec, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-      softmax_update_chunk(st, z, v0, inv_t);
+      softmax_update_chunk(st, z, v0, scale);
     });
   }
-  const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+  const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
   const float qs = with_q ? block_max(qm, sh) : -INFINITY;
   if (threadIdx.x == 0) ws.parts_p[r * ns + s] = SlicePartial{ss, qs};
 }
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_fold_kernel(const Verif
   const Position pos = position_of_row(a, r);
   if (pos.j > pos.nd) return;
   const int ns = num_slices(a.vocab);
-  ws.stats[r] = fold_target_stats(ws.parts_p + r * ns, ns, a.inv_temperature, a.alpha, pos.j < pos.nd);
+  ws.stats[r] = fold_target_stats(ws.parts_p + r * ns, ns, a.scale, a.alpha, pos.j < pos.nd);
 }
 
 // Phase 1, eta > 0: the modified logits' partial over one slice of one drafted position.
@@ -317,14 +317,15 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
   const float* qrow = a.draft_probs != nullptr ? a.draft_probs + pos.tok * a.vocab : nullptr;
   const int x = draft_index(a, pos.tok);
   const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
-  const float inv_t = a.inv_temperature, eta = a.eta;
+  const float scale = a.scale, eta = a.eta;
   SoftmaxState st = softmax_identity();
   sweep<KIND, true, ONEHOT>(zrow, qrow, x, slice_begin(s, a.vocab), slice_end(s, a.vocab), vec,
                             [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
                               float m[kChunk];
 #pragma unroll
                               for (int e = 0; e < kChunk; ++e)
-                                m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+                                m[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh,
+                                                      ps.inv_sp);
                               softmax_update_chunk(st, m, v0, 1.0f);
                             });
   const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
@@ -411,7 +412,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   }
   // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel; slice l is swept as soon as
   // its own copies have landed (groups complete in order), while the later slices' are in flight
-  const float inv_t = a.inv_temperature, eta = a.eta;
+  const float scale = a.scale, eta = a.eta;
   for (int l = 0, s = rank; s < ns; ++l, s += C) {
     __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
     __syncthreads();
@@ -423,16 +424,16 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
     float qm = -INFINITY;
     if (drafted) {
       sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, inv_t);
+        softmax_update_chunk(st, z, begin + v0, scale);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
       });
     } else {
       sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, inv_t);
+        softmax_update_chunk(st, z, begin + v0, scale);
       });
     }
-    const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+    const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
     const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
     if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
   }
@@ -441,7 +442,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
   cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
   if (threadIdx.x == 0) {
-    ps_shared = fold_target_stats(all, ns, inv_t, a.alpha, drafted);
+    ps_shared = fold_target_stats(all, ns, scale, a.alpha, drafted);
     if (rank == 0) ws.stats[r] = ps_shared;
   }
   __syncthreads();
@@ -457,7 +458,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
       float m[kChunk];
 #pragma unroll
       for (int e = 0; e < kChunk; ++e)
-        m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
+        m[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh, ps.inv_sp);
       softmax_update_chunk(st, m, begin + v0, 1.0f);
     });
     const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
@@ -477,7 +478,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   const RowRef rr = row_ref(a, b);
   const int ns = num_slices(a.vocab);
-  const float inv_t = a.inv_temperature, eta = a.eta;
+  const float scale = a.scale, eta = a.eta;
   int64_t n = rr.nd;
   for (int64_t j0 = 0; j0 <= rr.nd; j0 += kWarpSize) {
     const int64_t j = j0 + lane;
@@ -491,7 +492,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
         ps = ws.stats[r];
         if (drafted) fold_modified_stats(ps, ws.parts_a + r * ns, ns);
       } else {
-        ps = fold_target_stats(ws.parts_p + r * ns, ns, inv_t, a.alpha, false);
+        ps = fold_target_stats(ws.parts_p + r * ns, ns, scale, a.alpha, false);
       }
       if (drafted) {
         const int64_t x = a.draft_tokens[rr.tok_off + j];
@@ -500,7 +501,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
         const int xr = in_range ? xi : 0;
         const float z_x = load_logit(logits_row(a, r), KIND, xr);
         const float q_x = ONEHOT ? draft_prob(nullptr, x, xr) : a.draft_probs[(rr.tok_off + j) * a.vocab + xr];
-        reject = !draft_accepted(a.greedy, ps, x, in_range, z_x, q_x, a.uniforms[r], inv_t, eta, &best);
+        reject = !draft_accepted(a.greedy, ps, x, in_range, z_x, q_x, a.uniforms[r], scale, eta, &best);
       }
     }
     const unsigned rejected = __ballot_sync(kFullMask, reject);
@@ -531,7 +532,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
 // p's (with_p), and the last tokens of positive weight of each.
 template <int KIND, bool ONEHOT>
 __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int begin, int end, bool vec,
-                                               int tile, int mode, const PositionStats& ps, float inv_t, float eta,
+                                               int tile, int mode, const PositionStats& ps, float scale, float eta,
                                                float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
   const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
   const int cnt = max(0, min(kChunk, end - v0));
@@ -549,7 +550,7 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) {
     float wp = 0.0f;
-    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, inv_t, eta, &wp) : 0.0f;
+    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, scale, eta, &wp) : 0.0f;
     if (w[e] > 0.0f) *last = v0 + e;
     if (wp > 0.0f) *last_p = v0 + e;
     s = f_add(s, w[e]);
@@ -591,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(c
   for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
     float cs_p;
     const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                 a.inv_temperature, a.eta, w, &cs_p, &last, &last_p);
+                                                 a.scale, a.eta, w, &cs_p, &last, &last_p);
     total = f_add(total, block_scan(cs, total, &base, sh));
     if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
   }
@@ -630,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(con
         float cs_p;
         int ignored = -1, ignored_p = -1;
         const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                     a.inv_temperature, a.eta, w, &cs_p, &ignored, &ignored_p);
+                                                     a.scale, a.eta, w, &cs_p, &ignored, &ignored_p);
         float run;
         const float tile_total = block_scan(cs, tile_base, &run, sh);
         int c = kNoToken;

@@ -31,8 +31,8 @@ struct VerifyDraftArgs {
   int64_t rows;  // target-logits rows: B * (g + 1) / T + B
   int vocab;
   int logits_kind;
-  float inv_temperature;  // 1 / T (inverse_temperature)
-  float eta;          // >= 0
+  float scale;        // log2(e) / T (base2_scales of verify_draft_math.h)
+  float eta;          // eta * log2(e) (base2_scales), >= 0
   float alpha;        // in [0, 1]
   bool greedy;
 };
