@@ -11,7 +11,27 @@
 #include "speculative/verify_draft_kernels.cuh"
 #include "speculative/verify_draft_math.h"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace ragattn {
+namespace {
+
+// Phase 1's slices per CTA at eta 0 (launch_verify_draft's stats_group; the same tokens either way):
+// RAGATTN_VERIFY_DRAFT_GROUP, read at every call so that one process can A/B the kernels
+// (scripts/ab_kernels.py), default 1 (the one-slice kernel, the one measured on an H100) until a GPU
+// run shows the grouped kernel faster (docs/perf/h100.md, verify_draft).
+int stats_group() {
+  const char* v = std::getenv("RAGATTN_VERIFY_DRAFT_GROUP");
+  if (v == nullptr || *v == '\0') return 1;
+  char* end = nullptr;
+  const long g = std::strtol(v, &end, 10);
+  RAGATTN_CHECK_VALUE(*end == '\0' && g >= 1 && g <= 32,
+                      "ragattn.verify_draft: RAGATTN_VERIFY_DRAFT_GROUP must be an integer in [1, 32], got '", v, "'");
+  return static_cast<int>(g);
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens,
                                                      const std::optional<at::Tensor>& draft_probs,
@@ -69,10 +89,12 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
                       "pairs, got ", args.rows, " positions x ", speculative::num_slices(args.vocab), " slices");
   // the kernels' global workspace (partials per position and slice, draw plans): from torch's caching
   // allocator on the current stream, so no cudaMalloc and no host sync
-  const auto ws_bytes = static_cast<int64_t>(speculative::verify_draft_workspace_bytes(B, args.rows, args.vocab, eta > 0));
+  const bool modified = args.eta > 0.0f;  // (base2_scales' eta: what the kernels test)
+  const auto ws_bytes =
+      static_cast<int64_t>(speculative::verify_draft_workspace_bytes(B, args.rows, args.vocab, modified));
   const at::Tensor workspace = at::empty({ws_bytes}, logits.options().dtype(at::kByte));
   args.workspace = workspace.data_ptr();
-  const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream(), stats_group());
   RAGATTN_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out_tokens, num_accepted};
 }

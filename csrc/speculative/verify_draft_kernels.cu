@@ -118,24 +118,49 @@ __device__ float block_scan(float chunk_sum, float tile_base, float* base, Share
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The raw bits of one full chunk of logits: one 16-byte load (two for fp32), kept undecoded so that
+// a load can be issued well before its values are needed.
+template <int KIND>
+struct RawChunk {
+  uint4 w[KIND == kLogitsF32 ? 2 : 1];
+};
+
+template <int KIND>
+__device__ __forceinline__ void issue_chunk(const void* row, int v0, RawChunk<KIND>& raw) {
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(row) + static_cast<size_t>(v0) *
+                                                  (KIND == kLogitsF32 ? 4 : 2));
+#pragma unroll
+  for (int i = 0; i < (KIND == kLogitsF32 ? 2 : 1); ++i) raw.w[i] = p[i];
+}
+
+template <int KIND>
+__device__ __forceinline__ void widen_chunk(const RawChunk<KIND>& raw, float (&z)[kChunk]) {
+  if (KIND == kLogitsF32) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint4 r = raw.w[i];
+      z[4 * i] = __uint_as_float(r.x), z[4 * i + 1] = __uint_as_float(r.y);
+      z[4 * i + 2] = __uint_as_float(r.z), z[4 * i + 3] = __uint_as_float(r.w);
+    }
+  } else {
+    const uint4 r = raw.w[0];
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffffu), hi = static_cast<uint16_t>(w[i] >> 16);
+      z[2 * i] = KIND == kLogitsBF16 ? bf16_to_float(lo) : fp16_to_float(lo);
+      z[2 * i + 1] = KIND == kLogitsBF16 ? bf16_to_float(hi) : fp16_to_float(hi);
+    }
+  }
+}
+
 // Tokens [v0, v0 + cnt) of a logits row as fp32 (16-byte loads when `vec` and the chunk is full).
 template <int KIND>
 __device__ __forceinline__ void load_logits(const void* row, int v0, int cnt, bool vec, float (&z)[kChunk]) {
   if (vec && cnt == kChunk) {
-    if (KIND == kLogitsF32) {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(row) + v0);
-      const float4 a = p[0], b = p[1];
-      z[0] = a.x, z[1] = a.y, z[2] = a.z, z[3] = a.w, z[4] = b.x, z[5] = b.y, z[6] = b.z, z[7] = b.w;
-    } else {
-      const uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + v0);
-      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffffu), hi = static_cast<uint16_t>(w[i] >> 16);
-        z[2 * i] = KIND == kLogitsBF16 ? bf16_to_float(lo) : fp16_to_float(lo);
-        z[2 * i + 1] = KIND == kLogitsBF16 ? bf16_to_float(hi) : fp16_to_float(hi);
-      }
-    }
+    RawChunk<KIND> raw;
+    issue_chunk<KIND>(row, v0, raw);
+    widen_chunk<KIND>(raw, z);
   } else {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) z[e] = e < cnt ? load_logit(row, KIND, v0 + e) : -INFINITY;
@@ -289,6 +314,72 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_kernel(const V
   const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
   const float qs = with_q ? block_max(qm, sh) : -INFINITY;
   if (threadIdx.x == 0) ws.parts_p[r * ns + s] = SlicePartial{ss, qs};
+}
+
+// Phase 1 at eta 0 with 16-bit logits, a GPU's alternative to verify_draft_stats_kernel (launch_verify_draft's
+// stats_group G > 1):
+// one CTA per (position, group of G consecutive slices). A thread issues its chunks of slice k + 1 (raw
+// 16-byte loads into registers) before the arithmetic and the reduction of slice k, so a slice's loads
+// overlap the previous slice's exps and barriers; the reduction is block_reduce_softmax's butterflies
+// (per warp, then over the warp results in warp 0) with one barrier instead of three: warp 0 finishes
+// each slice and writes its partial while the other warps go on to the next (the warp results
+// alternate between two shared buffers). The same slices, chunks, order and butterflies as
+// verify_draft_stats_kernel: the same bits.
+template <int KIND>
+__global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_group_kernel(const VerifyDraftArgs a,
+                                                                               VerifyDraftWorkspace ws, int G) {
+  __shared__ SoftmaxState slots[2][kWarps];
+  const int ns = num_slices(a.vocab), groups = (ns + G - 1) / G;
+  const int64_t r = blockIdx.x / groups;
+  const int s0 = static_cast<int>(blockIdx.x - r * groups) * G, s1 = min(ns, s0 + G);
+  const Position pos = position_of_row(a, r);
+  if (pos.j > pos.nd) return;  // padding past the bonus position (num_draft < g): never read
+  const void* zrow = logits_row(a, r);
+  const bool vec = aligned16(zrow);
+  const float scale = a.scale;
+  // chunk i (< kSliceTiles) of this thread in slice s: tokens from slice_begin + (thread + i kThreads) kChunk
+  auto chunk_v0 = [&](int s, int i) {
+    return slice_begin(s, a.vocab) + (static_cast<int>(threadIdx.x) + i * kThreads) * kChunk;
+  };
+  auto full = [&](int s, int v0) { return vec && v0 + kChunk <= slice_end(s, a.vocab); };
+  auto issue = [&](int s, RawChunk<KIND> (&raw)[kSliceTiles]) {
+#pragma unroll
+    for (int i = 0; i < kSliceTiles; ++i)
+      if (full(s, chunk_v0(s, i))) issue_chunk<KIND>(zrow, chunk_v0(s, i), raw[i]);
+  };
+  // slice s from `cur` (its loads issued one slice earlier), slice s + 1's loads into `nxt` first
+  auto step = [&](int s, const RawChunk<KIND> (&cur)[kSliceTiles], RawChunk<KIND> (&nxt)[kSliceTiles]) {
+    if (s + 1 < s1) issue(s + 1, nxt);
+    const int end = slice_end(s, a.vocab);
+    SoftmaxState st = softmax_identity();
+#pragma unroll
+    for (int i = 0; i < kSliceTiles; ++i) {
+      const int v0 = chunk_v0(s, i);
+      if (v0 >= end) break;  // (a short last slice: this thread's chunks end here, as in sweep)
+      float z[kChunk];
+      if (full(s, v0)) {
+        widen_chunk<KIND>(cur[i], z);
+      } else {
+        load_logits<KIND>(zrow, v0, min(kChunk, end - v0), false, z);
+      }
+      softmax_update_chunk(st, z, v0, scale);
+    }
+    for (int off = kWarpSize / 2; off > 0; off /= 2) st = softmax_merge(st, shfl_xor(st, off), scale);
+    const int buf = (s - s0) & 1;
+    if (lane_id() == 0) slots[buf][warp_id()] = st;
+    __syncthreads();
+    if (warp_id() == 0) {
+      SoftmaxState x = lane_id() < kWarps ? slots[buf][lane_id()] : softmax_identity();
+      for (int off = kWarpSize / 2; off > 0; off /= 2) x = softmax_merge(x, shfl_xor(x, off), scale);
+      if (lane_id() == 0) ws.parts_p[r * ns + s] = SlicePartial{x, -INFINITY};
+    }
+  };
+  RawChunk<KIND> ping[kSliceTiles], pong[kSliceTiles];
+  issue(s0, ping);
+  for (int s = s0; s < s1; s += 2) {  // (two slices a trip: the register buffers swap roles, no copies)
+    step(s, ping, pong);
+    if (s + 1 < s1) step(s + 1, pong, ping);
+  }
 }
 
 // eta > 0: p's statistics per position (one thread per logits row), for the modified logits' pass.
@@ -720,19 +811,27 @@ cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorksp
 }
 
 template <int KIND, bool ONEHOT>
-cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
+cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, int stats_group) {
   VerifyDraftWorkspace ws{};
   verify_draft_workspace_layout(a.batch, a.rows, a.vocab, a.eta > 0.0f, a.workspace, &ws);
   const int64_t ns = num_slices(a.vocab);
   const int64_t position_ctas = a.rows * ns, draw_ctas = static_cast<int64_t>(a.batch) * ns;
   if (position_ctas > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 block(kThreads);
-  bool one_pass = false;
+  bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
-    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, stream, &one_pass);
+    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, stream, &stats_done);
     if (err != cudaSuccess) return err;
   }
-  if (!one_pass) {
+  // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
+  if constexpr (KIND != kLogitsF32) {
+    if (!stats_done && a.eta <= 0.0f && stats_group > 1) {
+      const unsigned grid = static_cast<unsigned>(a.rows * ((ns + stats_group - 1) / stats_group));
+      verify_draft_stats_group_kernel<KIND><<<grid, block, 0, stream>>>(a, ws, stats_group);
+      stats_done = true;
+    }
+  }
+  if (!stats_done) {
     verify_draft_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
     if (a.eta > 0.0f) {
       verify_draft_fold_kernel<<<blocks_for(a.rows, kThreads), block, 0, stream>>>(a, ws);
@@ -750,16 +849,17 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream) {
+cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, int stats_group) {
   if (args.batch == 0) return cudaSuccess;
   const bool onehot = args.draft_probs == nullptr;
+  const int g = stats_group;
   switch (args.logits_kind) {
     case kLogitsF32:
-      return onehot ? launch<kLogitsF32, true>(args, stream) : launch<kLogitsF32, false>(args, stream);
+      return onehot ? launch<kLogitsF32, true>(args, stream, g) : launch<kLogitsF32, false>(args, stream, g);
     case kLogitsF16:
-      return onehot ? launch<kLogitsF16, true>(args, stream) : launch<kLogitsF16, false>(args, stream);
+      return onehot ? launch<kLogitsF16, true>(args, stream, g) : launch<kLogitsF16, false>(args, stream, g);
     default:
-      return onehot ? launch<kLogitsBF16, true>(args, stream) : launch<kLogitsBF16, false>(args, stream);
+      return onehot ? launch<kLogitsBF16, true>(args, stream, g) : launch<kLogitsBF16, false>(args, stream, g);
   }
 }
 

@@ -91,7 +91,10 @@ inline size_t verify_draft_workspace_bytes(int64_t batch, int64_t rows, int voca
 // sequence for given shapes (CUDA-graph safe), no atomics across CTAs. Preconditions (not checked
 // here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in [0, g]
 // (clamped), uniforms in [0, 1), rows * num_slices(V) < 2^31 (cudaErrorInvalidValue otherwise).
-cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream);
+// stats_group: phase 1's slices per CTA at eta 0: 1 = verify_draft_stats_kernel (a CTA per slice), G in
+// [2, 32] = verify_draft_stats_group_kernel (a CTA per G consecutive slices of a position, the next
+// slice's loads issued before the current one's reduction). The same bits either way: the GPU's choice.
+cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, int stats_group = 1);
 
 }  // namespace speculative
 }  // namespace ragattn
