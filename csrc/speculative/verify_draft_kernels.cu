@@ -409,16 +409,16 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
   const int x = draft_index(a, pos.tok);
   const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
   const float scale = a.scale, eta = a.eta;
-  SoftmaxState st = softmax_identity();
+  // (this kernel has no first-sweep state at hand: it recomputes it, so its bits are the one-pass kernel's)
+  SoftmaxState st = softmax_identity(), first = softmax_identity();
+  bool masked = false;
   sweep<KIND, true, ONEHOT>(zrow, qrow, x, slice_begin(s, a.vocab), slice_end(s, a.vocab), vec,
                             [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                              float m[kChunk];
-#pragma unroll
-                              for (int e = 0; e < kChunk; ++e)
-                                m[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh,
-                                                      ps.inv_sp);
-                              softmax_update_chunk(st, m, v0, 1.0f);
+                              softmax_update_chunk(first, z, v0, scale);
+                              masked |= chunk_masked(q, ps.q_thresh);
+                              modified_update_chunk(st, z, q, v0, ps, scale, eta);
                             });
+  st = modified_thread_state(masked, st, first, ps.m_z, scale);
   const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
   if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
 }
@@ -441,10 +441,12 @@ __host__ __device__ constexpr size_t rapid_slice_bytes() {
 }
 
 // Dynamic shared memory of the one-pass kernel: `per` slices' logits (and draft probs), then their
-// partials, then all slices' partials gathered for the fold.
+// partials, then all slices' partials gathered for the fold, then every thread's first-sweep state of each
+// of its slices (the second sweep shifts them: modified_thread_state).
 template <int KIND, bool ONEHOT>
 __host__ __device__ size_t rapid_smem_bytes(int per, int ns) {
-  return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns);
+  return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns) +
+         sizeof(SoftmaxState) * kThreads * per;
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -491,6 +493,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   float* qbuf = reinterpret_cast<float*>(dyn + static_cast<size_t>(kSliceLen) * esize * per);
   SlicePartial* mine = reinterpret_cast<SlicePartial*>(dyn + rapid_slice_bytes<KIND, ONEHOT>() * per);
   SlicePartial* all = mine + per;
+  SoftmaxState* firsts = reinterpret_cast<SoftmaxState*>(all + ns);  // [per][kThreads]
   // 1. this CTA's slices into shared memory (the only read of HBM), one copy group per slice
   int mine_n = 0;
   for (int s = rank; s < ns; s += C, ++mine_n) {
@@ -524,6 +527,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
         softmax_update_chunk(st, z, begin + v0, scale);
       });
     }
+    firsts[l * kThreads + threadIdx.x] = st;
     const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
     const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
     if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
@@ -539,19 +543,26 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   __syncthreads();
   if (!drafted) return;  // the bonus position uses p alone
   const PositionStats ps = ps_shared;
-  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel
+  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
+  // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
   for (int l = 0, s = rank; s < ns; ++l, s += C) {
     const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
     const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
     const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    bool masked = false;
+    for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
+      float q[kChunk];
+      load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
+      masked |= chunk_masked(q, ps.q_thresh);
+    }
     SoftmaxState st = softmax_identity();
-    sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-      float m[kChunk];
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e)
-        m[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh, ps.inv_sp);
-      softmax_update_chunk(st, m, begin + v0, 1.0f);
-    });
+    if (masked) {
+      sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
+                                [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                  modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
+                                });
+    }
+    st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
     const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
     if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
   }
@@ -764,7 +775,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_finish_kernel(const Ver
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 // The largest dynamic shared memory the one-pass eta > 0 kernel asks for (of an H100's 227 KB per CTA;
-// up to ~113 KB two CTAs fit an SM: V 128256 with bf16 logits and fp32 draft probs takes 97 KB).
+// up to ~113 KB two CTAs fit an SM: V 128256 with bf16 logits and fp32 draft probs takes 108 KB).
 constexpr size_t kRapidSmemLimit = 200 * 1024;
 
 // eta > 0: phase 1 in one pass over memory (verify_draft_rapid_stats_kernel) where the device runs

@@ -338,6 +338,47 @@ RAGATTN_HD float modified_logit(float y, float q, float eta, float q_thresh, flo
 
 RAGATTN_HD float modified_prob(float a, float m_a, float inv_sa) { return f_mul(vexp2(f_sub(a, m_a)), inv_sa); }
 
+// ---- the modified logits' sweep (eta > 0): a thread's state over its chunks of a slice ----------------
+// Where none of a thread's tokens in the slice is masked (q < q_thresh everywhere, so a = y there, padding
+// included), its state is its first sweep's state of z (the same chunks, softmax_update_chunk with scale)
+// shifted into a's units: max y(m), the same sum and first argmax (2^(y - y(m)) = 2^((z - m) scale) up to
+// rounding), with no exp per token. Otherwise (a thread holding one of a position's few masked tokens) it
+// is the online softmax of its modified logits, chunk by chunk (modified_update_chunk). Which of the two a
+// thread takes is part of the summation order: every backend tests the same tokens.
+RAGATTN_HD bool chunk_masked(const float (&q)[kChunk], float q_thresh) {
+  bool any = false;
+  for (int e = 0; e < kChunk; ++e) any |= q[e] >= q_thresh;
+  return any;
+}
+
+// One chunk of modified logits a = modified_logit(y, q) folded into st (base-2 units, scale 1).
+RAGATTN_HD void modified_update_chunk(SoftmaxState& st, const float (&z)[kChunk], const float (&q)[kChunk], int v0,
+                                      const PositionStats& ps, float scale, float eta) {
+  float a[kChunk];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int e = 0; e < kChunk; ++e) {
+    a[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh, ps.inv_sp);
+  }
+  softmax_update_chunk(st, a, v0, 1.0f);
+}
+
+// A first-sweep state of z in the modified logits' units (a state that saw nothing stays so, and so does one
+// whose tokens all have y = -inf: finite logits under a +inf max).
+RAGATTN_HD SoftmaxState shifted_state(const SoftmaxState& st, float m_z, float scale) {
+  if (st.s == 0.0f && st.idx == kNoToken) return st;
+  const float m = f_mul(logit_diff(st.m, m_z), scale);
+  return m == -INFINITY ? softmax_identity() : SoftmaxState{m, st.s, st.idx};
+}
+
+// The thread's state in the modified logits: `direct` (its modified_update_chunk folds) if it holds a
+// masked token, else its first-sweep state `first` shifted.
+RAGATTN_HD SoftmaxState modified_thread_state(bool masked, const SoftmaxState& direct, const SoftmaxState& first,
+                                              float m_z, float scale) {
+  return masked ? direct : shifted_state(first, m_z, scale);
+}
+
 // p(v) and p_hat(v) of one token (p_hat = p when eta == 0).
 RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float scale, float eta, float* p,
                             float* p_hat) {

@@ -108,16 +108,18 @@ SlicePartial target_partial(const RowView& r, int s, float scale, bool with_q) {
                       with_q ? block_reduce(qmax, -INFINITY, max_f) : -INFINITY};
 }
 
-// Phase 1's second pass (eta > 0), one slice (a CTA of verify_draft_modified_stats_kernel): the
-// online softmax of the modified logits a = y + eta * mask * (q - p).
+// Phase 1's second pass (eta > 0), one slice (a CTA of verify_draft_modified_stats_kernel): the online
+// softmax of the modified logits a = y + eta * mask * (q - p), each virtual thread's state by
+// modified_thread_state (its first-sweep state of z shifted unless it holds a masked token).
 SlicePartial modified_partial(const RowView& r, int s, const PositionStats& ps, float scale, float eta) {
-  std::vector<SoftmaxState> st(kThreads, softmax_identity());
+  std::vector<SoftmaxState> st(kThreads, softmax_identity()), first(kThreads, softmax_identity());
+  std::vector<char> masked(kThreads, 0);
   slice_sweep(r, s, true, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-    float a[kChunk];
-    for (int e = 0; e < kChunk; ++e)
-      a[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh, ps.inv_sp);
-    softmax_update_chunk(st[t], a, v0, 1.0f);
+    softmax_update_chunk(first[t], z, v0, scale);
+    masked[t] |= chunk_masked(q, ps.q_thresh);
+    modified_update_chunk(st[t], z, q, v0, ps, scale, eta);
   });
+  for (int t = 0; t < kThreads; ++t) st[t] = modified_thread_state(masked[t], st[t], first[t], ps.m_z, scale);
   auto merge_1 = [](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, 1.0f); };
   return SlicePartial{block_reduce(st, softmax_identity(), merge_1), -INFINITY};
 }
