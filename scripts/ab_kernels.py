@@ -14,7 +14,8 @@ the benchmark suite):
 5. verify_draft B64 g10 V128256 (bf16 logits, fp32 draft probs, bench_verify_draft's inputs): at eta 0
    phase 1 one slice per CTA (the default; 347 us on the H100 at 68e7ebf) against G slices of a position
    per CTA (RAGATTN_VERIFY_DRAFT_GROUP 2, 4, 8, 16), each row checked token for token against the
-   default; eta 10 (the one-pass kernel: 1111 us at 68e7ebf) once.
+   default; eta 10 (the one-pass kernel: 1111 us at 68e7ebf) in clusters of 8 CTAs (the default) and 16
+   (RAGATTN_VERIFY_DRAFT_CLUSTER: 2 slices and ~55 KB per CTA, 4 CTAs/SM), tokens checked alike.
 
     python scripts/ab_kernels.py OUT.jsonl
 
@@ -201,27 +202,24 @@ def verify():
 
     b, g, vocab = (2, 3, 9000) if DRY else (64, 10, 128256)
     x, q, z, u = _inputs(b, g, vocab, dev, torch.Generator(device=dev).manual_seed(0))
-    old = os.environ.get("RAGATTN_VERIFY_DRAFT_GROUP")
+    knobs = ("RAGATTN_VERIFY_DRAFT_GROUP", "RAGATTN_VERIFY_DRAFT_CLUSTER")  # (read by the launcher at every call)
+    old = {k: os.environ.get(k) for k in knobs}
+    rows = [(0.0, group, "8") for group in ("1", "2", "4", "8", "16")] + [(10.0, "1", c) for c in ("8", "16")]
+    want = {}
     try:
-        want = None
-        for group in ("1", "2", "4", "8", "16"):
-            os.environ["RAGATTN_VERIFY_DRAFT_GROUP"] = group  # (read by the CUDA launcher at every call)
-            fn = lambda: ragattn.verify_draft(x, q, z, u, eta=0.0)  # noqa: E731
+        for eta, group, cluster in rows:
+            os.environ.update(RAGATTN_VERIFY_DRAFT_GROUP=group, RAGATTN_VERIFY_DRAFT_CLUSTER=cluster)
+            fn = lambda: ragattn.verify_draft(x, q, z, u, eta=eta)  # noqa: E731
             got = fn()
-            if want is None:
-                want = got
-            same = all(torch.equal(a, w) for a, w in zip(got, want))
-            record(case="verify_draft_B64_g10_V128256_eta0", variant=f"phase-1 slices per CTA {group}", us=us(fn),
-                   wall_us=wall_us(fn), same_tokens_as_group_1=same)
-        os.environ["RAGATTN_VERIFY_DRAFT_GROUP"] = "1"
-        fn = lambda: ragattn.verify_draft(x, q, z, u, eta=10.0)  # noqa: E731
-        record(case="verify_draft_B64_g10_V128256_eta10", variant="one-pass kernel, shifted second sweep", us=us(fn),
-               wall_us=wall_us(fn))
+            want.setdefault(eta, got)
+            record(case=f"verify_draft_B64_g10_V128256_eta{eta:g}", variant=f"group {group}, cluster {cluster}",
+                   us=us(fn), wall_us=wall_us(fn), same_tokens_as_default=all(map(torch.equal, got, want[eta])))
     finally:
-        if old is None:
-            os.environ.pop("RAGATTN_VERIFY_DRAFT_GROUP", None)
-        else:
-            os.environ["RAGATTN_VERIFY_DRAFT_GROUP"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 PARTS = os.environ.get("AB_PARTS", "paged,varlen,keys,verify").split(",")

@@ -12,23 +12,31 @@
 #include "speculative/verify_draft_math.h"
 
 #include <cstdlib>
-#include <cstring>
 
 namespace ragattn {
 namespace {
 
-// Phase 1's slices per CTA at eta 0 (launch_verify_draft's stats_group; the same tokens either way):
-// RAGATTN_VERIFY_DRAFT_GROUP, read at every call so that one process can A/B the kernels
-// (scripts/ab_kernels.py), default 1 (the one-slice kernel, the one measured on an H100) until a GPU
-// run shows the grouped kernel faster (docs/perf/h100.md, verify_draft).
-int stats_group() {
-  const char* v = std::getenv("RAGATTN_VERIFY_DRAFT_GROUP");
-  if (v == nullptr || *v == '\0') return 1;
+// An integer launch knob from the environment, read at every call so that one process can A/B the
+// kernels (scripts/ab_kernels.py): `fallback` where unset, a ValueError naming it outside [lo, hi].
+int launch_knob(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
-  const long g = std::strtol(v, &end, 10);
-  RAGATTN_CHECK_VALUE(*end == '\0' && g >= 1 && g <= 32,
-                      "ragattn.verify_draft: RAGATTN_VERIFY_DRAFT_GROUP must be an integer in [1, 32], got '", v, "'");
-  return static_cast<int>(g);
+  const long x = std::strtol(v, &end, 10);
+  RAGATTN_CHECK_VALUE(*end == '\0' && x >= lo && x <= hi, "ragattn.verify_draft: ", name, " must be an integer in [",
+                      lo, ", ", hi, "], got '", v, "'");
+  return static_cast<int>(x);
+}
+
+// The launch choices (speculative::VerifyDraftLaunch; the same tokens for every value), defaults the
+// kernels measured on an H100 (68e7ebf) until a GPU run shows another faster (docs/perf/h100.md,
+// verify_draft): RAGATTN_VERIFY_DRAFT_GROUP (phase 1's slices per CTA at eta 0, 1-32, default 1),
+// RAGATTN_VERIFY_DRAFT_CLUSTER (CTAs per cluster of the eta > 0 one-pass kernel, 1-16, default 8).
+speculative::VerifyDraftLaunch launch_choices() {
+  speculative::VerifyDraftLaunch how;
+  how.stats_group = launch_knob("RAGATTN_VERIFY_DRAFT_GROUP", 1, 1, 32);
+  how.cluster = launch_knob("RAGATTN_VERIFY_DRAFT_CLUSTER", 8, 1, 16);
+  return how;
 }
 
 }  // namespace
@@ -94,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
       static_cast<int64_t>(speculative::verify_draft_workspace_bytes(B, args.rows, args.vocab, modified));
   const at::Tensor workspace = at::empty({ws_bytes}, logits.options().dtype(at::kByte));
   args.workspace = workspace.data_ptr();
-  const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream(), stats_group());
+  const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream(), launch_choices());
   RAGATTN_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out_tokens, num_accepted};
 }

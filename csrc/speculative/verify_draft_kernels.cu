@@ -782,7 +782,8 @@ constexpr size_t kRapidSmemLimit = 200 * 1024;
 // clusters (the sm_90 code was loaded) and a CTA's slices fit kRapidSmemLimit; *done tells the caller.
 // The tokens are the same either way.
 template <int KIND, bool ONEHOT>
-cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, cudaStream_t stream, bool* done) {
+cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, int cluster,
+                               cudaStream_t stream, bool* done) {
   *done = false;
   auto* kernel = verify_draft_rapid_stats_kernel<KIND, ONEHOT>;
   cudaFuncAttributes fa;
@@ -791,12 +792,14 @@ cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorksp
     return cudaSuccess;
   }
   const int ns = num_slices(a.vocab);
-  const int C = ns < 8 ? ns : 8;
+  const int C = ns < cluster ? ns : cluster;
   const int per = (ns + C - 1) / C;
   const size_t smem = rapid_smem_bytes<KIND, ONEHOT>(per, ns);
   const int64_t grid = a.rows * C;
   if (smem > kRapidSmemLimit || grid > 0x7fffffff) return cudaSuccess;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess) {
+  const int smem_i = static_cast<int>(smem);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_i) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, C > 8 ? 1 : 0) != cudaSuccess) {
     (void)cudaGetLastError();
     return cudaSuccess;
   }
@@ -822,7 +825,8 @@ cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorksp
 }
 
 template <int KIND, bool ONEHOT>
-cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, int stats_group) {
+cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDraftLaunch& how) {
+  const int stats_group = how.stats_group;
   VerifyDraftWorkspace ws{};
   verify_draft_workspace_layout(a.batch, a.rows, a.vocab, a.eta > 0.0f, a.workspace, &ws);
   const int64_t ns = num_slices(a.vocab);
@@ -831,7 +835,7 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, int stats_grou
   const dim3 block(kThreads);
   bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
-    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, stream, &stats_done);
+    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, stream, &stats_done);
     if (err != cudaSuccess) return err;
   }
   // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
@@ -860,10 +864,10 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, int stats_grou
 
 }  // namespace
 
-cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, int stats_group) {
+cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, VerifyDraftLaunch how) {
   if (args.batch == 0) return cudaSuccess;
   const bool onehot = args.draft_probs == nullptr;
-  const int g = stats_group;
+  const VerifyDraftLaunch& g = how;
   switch (args.logits_kind) {
     case kLogitsF32:
       return onehot ? launch<kLogitsF32, true>(args, stream, g) : launch<kLogitsF32, false>(args, stream, g);
