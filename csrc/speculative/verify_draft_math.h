@@ -368,7 +368,7 @@ RAGATTN_HD void modified_update_chunk(SoftmaxState& st, const float (&z)[kChunk]
 // whose tokens all have y = -inf: finite logits under a +inf max).
 RAGATTN_HD SoftmaxState shifted_state(const SoftmaxState& st, float m_z, float scale) {
   if (st.s == 0.0f && st.idx == kNoToken) return st;
-  const float m = f_mul(logit_diff(st.m, m_z), scale);
+  const float m = scaled_logit(st.m, m_z, scale);
   return m == -INFINITY ? softmax_identity() : SoftmaxState{m, st.s, st.idx};
 }
 
