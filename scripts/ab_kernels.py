@@ -10,12 +10,17 @@ the benchmark suite):
 3. varlen_attention's forward (8 x 4096 + 50 Block-Attention, and a 4096 window over 16K) at the
    table's tile (128 x 32, 8 warps, 3 stages) and wider ones, and with TMA loads;
 4. key_attention_scores q64 x k32K: pass 2 split over the keys (column_pass "split", the table's)
-   against one program per key tile ("tile", the H100 run's 198 us), with the wall beside do_bench.
+   against one program per key tile ("tile", the H100 run's 198 us), with the wall beside do_bench;
+5. verify_draft B64 g10 V128256 (bf16 logits, fp32 draft probs, bench_verify_draft's inputs): at eta 0
+   phase 1 one slice per CTA (the default; 347 us on the H100 at 68e7ebf) against G slices of a position
+   per CTA (RAGATTN_VERIFY_DRAFT_GROUP 2, 4, 8, 16), each row checked token for token against the
+   default; eta 10 (the one-pass kernel: 1111 us at 68e7ebf) in clusters of 8 CTAs (the default) and 16
+   (RAGATTN_VERIFY_DRAFT_CLUSTER: 2 slices and ~55 KB per CTA, 4 CTAs/SM), tokens checked alike.
 
     python scripts/ab_kernels.py OUT.jsonl
 
 ``AB_DRY=1`` runs the same steps at tiny sizes on the CPU (a check of the script, no timing).
-``AB_PARTS=paged``, ``varlen`` or ``keys`` runs those parts (comma-separated; default all).
+``AB_PARTS=paged``, ``varlen``, ``keys`` or ``verify`` runs those parts (comma-separated; default all).
 Every result is appended to OUT.jsonl as it is measured (a run cut short keeps them) and printed.
 Times: triton.testing.do_bench medians (L2 flushed between calls). Run from the repository root
 with the extension built (scripts/gpu_check.sh --build-only).
@@ -190,10 +195,39 @@ def varlen():
     va._config = orig_config
 
 
-PARTS = os.environ.get("AB_PARTS", "paged,varlen,keys").split(",")
+# ---- 5: verify_draft phase 1
+def verify():
+    """Part 5: verify_draft B64 g10 V128256 at eta 0 per phase-1 group (tokens must not change), and eta 10."""
+    from ragattn.bench.bench_verify_draft import _inputs
+
+    b, g, vocab = (2, 3, 9000) if DRY else (64, 10, 128256)
+    x, q, z, u = _inputs(b, g, vocab, dev, torch.Generator(device=dev).manual_seed(0))
+    knobs = ("RAGATTN_VERIFY_DRAFT_GROUP", "RAGATTN_VERIFY_DRAFT_CLUSTER")  # (read by the launcher at every call)
+    old = {k: os.environ.get(k) for k in knobs}
+    rows = [(0.0, group, "8") for group in ("1", "2", "4", "8", "16")] + [(10.0, "1", c) for c in ("8", "16")]
+    want = {}
+    try:
+        for eta, group, cluster in rows:
+            os.environ.update(RAGATTN_VERIFY_DRAFT_GROUP=group, RAGATTN_VERIFY_DRAFT_CLUSTER=cluster)
+            fn = lambda: ragattn.verify_draft(x, q, z, u, eta=eta)  # noqa: E731
+            got = fn()
+            want.setdefault(eta, got)
+            record(case=f"verify_draft_B64_g10_V128256_eta{eta:g}", variant=f"group {group}, cluster {cluster}",
+                   us=us(fn), wall_us=wall_us(fn), same_tokens_as_default=all(map(torch.equal, got, want[eta])))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+PARTS = os.environ.get("AB_PARTS", "paged,varlen,keys,verify").split(",")
 t0 = time.time()
 if "keys" in PARTS:  # first: the shortest part
     keys()
+if "verify" in PARTS:
+    verify()
 if "paged" in PARTS:
     paged()
 if "varlen" in PARTS:

@@ -24,8 +24,9 @@
 #   twin        the CUDA-vs-CPU-twin tests (verify_draft, fp8 copy/rotate)
 #   e2e         end-to-end TTFT on a Llama-3-8B-shaped random bf16 model at 32K tokens
 #   ab          the kernel variants' A/B (scripts/ab_kernels.py: key_attention_scores' pass-2 designs,
-#               tagged RoPE decode, window-decode splits and loops/stages, varlen tiles and TMA) and the
-#               tagged-table op tests on CUDA (WORK_DIR/ab/ab.jsonl)
+#               verify_draft's phase-1 groups at eta 0 and its eta 10, tagged RoPE decode, window-decode
+#               splits and loops/stages, varlen tiles and TMA) and the tagged-table op tests on CUDA
+#               (WORK_DIR/ab/ab.jsonl)
 #   bench-rest  every benchmark not measured yet (--resume over results.jsonl)
 #   test-ops    the op tests on CUDA tensors (pytest-xdist where it imports)
 #   tune        bench.tune for paged_attention and varlen_attention (tables written to WORK_DIR/tune)
@@ -285,7 +286,7 @@ for ((i = 0; i < ${#STAGES[@]}; i++)); do
       mkdir -p "$WORK/ab"
       if [ -f "$WORK/ab/done" ]; then echo "== ab: done by an earlier call (kept)"; continue; fi
       run_step ab "$(share "${CAP[ab]}" "$reserve")" bash -c \
-        "AB_PARTS=keys,paged $PY scripts/ab_kernels.py '$WORK/ab/ab.jsonl'; r1=\$?; \
+        "AB_PARTS=keys,verify,paged $PY scripts/ab_kernels.py '$WORK/ab/ab.jsonl'; r1=\$?; \
          $PY -m pytest -q -rfE --device cuda -p no:cacheprovider $(xdist_args) ${TAGGED_TESTS[*]}; r2=\$?; \
          AB_PARTS=varlen $PY scripts/ab_kernels.py '$WORK/ab/ab.jsonl'; r3=\$?; \
          [ \$(( r1 | r2 | r3 )) = 0 ] && touch '$WORK/ab/done'; exit \$(( r1 | r2 | r3 ))" ;;

@@ -247,6 +247,7 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cpu(const at::Tensor& draft_toke
                                                            : kLogitsBF16;
   params.inv_t = inverse_temperature(temperature);
   params.eta = static_cast<float>(eta);
+  params.base2 = base2_scales(temperature, eta);
   params.alpha = static_cast<float>(alpha);
   params.greedy = greedy;
   const float* q_base = probs.defined() ? probs.const_data_ptr<float>() : nullptr;

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "speculative/verify_draft_math.h"
+
 namespace ragattn {
 namespace speculative {
 
@@ -17,8 +19,9 @@ namespace speculative {
 struct VerifyParams {
   int vocab;
   int logits_kind;  // LogitsKind of verify_draft_math.h
-  float inv_t;      // inverse_temperature(T)
+  float inv_t;      // inverse_temperature(T) (the fast path's natural units)
   float eta;
+  Base2Scales base2;  // base2_scales(T, eta): the twin's (and the CUDA kernel's) base-2 units
   float alpha;
   bool greedy;
 };

@@ -11,7 +11,35 @@
 #include "speculative/verify_draft_kernels.cuh"
 #include "speculative/verify_draft_math.h"
 
+#include <cstdlib>
+
 namespace ragattn {
+namespace {
+
+// An integer launch knob from the environment, read at every call so that one process can A/B the
+// kernels (scripts/ab_kernels.py): `fallback` where unset, a ValueError naming it outside [lo, hi].
+int launch_knob(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  RAGATTN_CHECK_VALUE(*end == '\0' && x >= lo && x <= hi, "ragattn.verify_draft: ", name, " must be an integer in [",
+                      lo, ", ", hi, "], got '", v, "'");
+  return static_cast<int>(x);
+}
+
+// The launch choices (speculative::VerifyDraftLaunch; the same tokens for every value), defaults the
+// kernels measured on an H100 (68e7ebf) until a GPU run shows another faster (docs/perf/h100.md,
+// verify_draft): RAGATTN_VERIFY_DRAFT_GROUP (phase 1's slices per CTA at eta 0, 1-32, default 1),
+// RAGATTN_VERIFY_DRAFT_CLUSTER (CTAs per cluster of the eta > 0 one-pass kernel, 1-16, default 8).
+speculative::VerifyDraftLaunch launch_choices() {
+  speculative::VerifyDraftLaunch how;
+  how.stats_group = launch_knob("RAGATTN_VERIFY_DRAFT_GROUP", 1, 1, 32);
+  how.cluster = launch_knob("RAGATTN_VERIFY_DRAFT_CLUSTER", 8, 1, 16);
+  return how;
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tokens,
                                                      const std::optional<at::Tensor>& draft_probs,
@@ -58,8 +86,9 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
   args.logits_kind = logits.scalar_type() == at::kFloat  ? speculative::kLogitsF32
                      : logits.scalar_type() == at::kHalf ? speculative::kLogitsF16
                                                          : speculative::kLogitsBF16;
-  args.inv_temperature = speculative::inverse_temperature(temperature);
-  args.eta = static_cast<float>(eta);
+  const speculative::Base2Scales base2 = speculative::base2_scales(temperature, eta);
+  args.scale = base2.scale;
+  args.eta = base2.eta;
   args.alpha = static_cast<float>(alpha);
   args.greedy = greedy;
   args.rows = logits.numel() / logits.size(-1);
@@ -68,10 +97,12 @@ std::tuple<at::Tensor, at::Tensor> verify_draft_cuda(const at::Tensor& draft_tok
                       "pairs, got ", args.rows, " positions x ", speculative::num_slices(args.vocab), " slices");
   // the kernels' global workspace (partials per position and slice, draw plans): from torch's caching
   // allocator on the current stream, so no cudaMalloc and no host sync
-  const auto ws_bytes = static_cast<int64_t>(speculative::verify_draft_workspace_bytes(B, args.rows, args.vocab, eta > 0));
+  const bool modified = args.eta > 0.0f;  // (base2_scales' eta: what the kernels test)
+  const auto ws_bytes =
+      static_cast<int64_t>(speculative::verify_draft_workspace_bytes(B, args.rows, args.vocab, modified));
   const at::Tensor workspace = at::empty({ws_bytes}, logits.options().dtype(at::kByte));
   args.workspace = workspace.data_ptr();
-  const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = speculative::launch_verify_draft(args, c10::cuda::getCurrentCUDAStream(), launch_choices());
   RAGATTN_CHECK(err == cudaSuccess, "ragattn.verify_draft: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out_tokens, num_accepted};
 }

@@ -72,10 +72,10 @@ __device__ T block_allreduce(T x, T identity, Op op, T* slots) {
   return r;
 }
 
-__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float inv_t, Shared& sh) {
+__device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float scale, Shared& sh) {
   return block_allreduce(
-      s, softmax_identity(), [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); },
-      sh.soft);
+      s, softmax_identity(),
+      [scale](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, scale); }, sh.soft);
 }
 
 __device__ float block_max(float x, Shared& sh) {
@@ -118,24 +118,49 @@ __device__ float block_scan(float chunk_sum, float tile_base, float* base, Share
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The raw bits of one full chunk of logits: one 16-byte load (two for fp32), kept undecoded so that
+// a load can be issued well before its values are needed.
+template <int KIND>
+struct RawChunk {
+  uint4 w[KIND == kLogitsF32 ? 2 : 1];
+};
+
+template <int KIND>
+__device__ __forceinline__ void issue_chunk(const void* row, int v0, RawChunk<KIND>& raw) {
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(row) + static_cast<size_t>(v0) *
+                                                  (KIND == kLogitsF32 ? 4 : 2));
+#pragma unroll
+  for (int i = 0; i < (KIND == kLogitsF32 ? 2 : 1); ++i) raw.w[i] = p[i];
+}
+
+template <int KIND>
+__device__ __forceinline__ void widen_chunk(const RawChunk<KIND>& raw, float (&z)[kChunk]) {
+  if (KIND == kLogitsF32) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint4 r = raw.w[i];
+      z[4 * i] = __uint_as_float(r.x), z[4 * i + 1] = __uint_as_float(r.y);
+      z[4 * i + 2] = __uint_as_float(r.z), z[4 * i + 3] = __uint_as_float(r.w);
+    }
+  } else {
+    const uint4 r = raw.w[0];
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffffu), hi = static_cast<uint16_t>(w[i] >> 16);
+      z[2 * i] = KIND == kLogitsBF16 ? bf16_to_float(lo) : fp16_to_float(lo);
+      z[2 * i + 1] = KIND == kLogitsBF16 ? bf16_to_float(hi) : fp16_to_float(hi);
+    }
+  }
+}
+
 // Tokens [v0, v0 + cnt) of a logits row as fp32 (16-byte loads when `vec` and the chunk is full).
 template <int KIND>
 __device__ __forceinline__ void load_logits(const void* row, int v0, int cnt, bool vec, float (&z)[kChunk]) {
   if (vec && cnt == kChunk) {
-    if (KIND == kLogitsF32) {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(row) + v0);
-      const float4 a = p[0], b = p[1];
-      z[0] = a.x, z[1] = a.y, z[2] = a.z, z[3] = a.w, z[4] = b.x, z[5] = b.y, z[6] = b.z, z[7] = b.w;
-    } else {
-      const uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + v0);
-      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint16_t lo = static_cast<uint16_t>(w[i] & 0xffffu), hi = static_cast<uint16_t>(w[i] >> 16);
-        z[2 * i] = KIND == kLogitsBF16 ? bf16_to_float(lo) : fp16_to_float(lo);
-        z[2 * i + 1] = KIND == kLogitsBF16 ? bf16_to_float(hi) : fp16_to_float(hi);
-      }
-    }
+    RawChunk<KIND> raw;
+    issue_chunk<KIND>(row, v0, raw);
+    widen_chunk<KIND>(raw, z);
   } else {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) z[e] = e < cnt ? load_logit(row, KIND, v0 + e) : -INFINITY;
@@ -272,23 +297,89 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_kernel(const V
   const int x = with_q ? draft_index(a, pos.tok) : -1;
   const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
   const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
-  const float inv_t = a.inv_temperature;
+  const float scale = a.scale;
   SoftmaxState st = softmax_identity();
   float qm = -INFINITY;
   if (with_q) {
     sweep<KIND, true, ONEHOT>(zrow, qrow, x, begin, end, vec, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-      softmax_update_chunk(st, z, v0, inv_t);
+      softmax_update_chunk(st, z, v0, scale);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
     });
   } else {
     sweep<KIND, false, ONEHOT>(zrow, qrow, x, begin, end, vec, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-      softmax_update_chunk(st, z, v0, inv_t);
+      softmax_update_chunk(st, z, v0, scale);
     });
   }
-  const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+  const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
   const float qs = with_q ? block_max(qm, sh) : -INFINITY;
   if (threadIdx.x == 0) ws.parts_p[r * ns + s] = SlicePartial{ss, qs};
+}
+
+// Phase 1 at eta 0 with 16-bit logits, a GPU's alternative to verify_draft_stats_kernel (launch_verify_draft's
+// stats_group G > 1):
+// one CTA per (position, group of G consecutive slices). A thread issues its chunks of slice k + 1 (raw
+// 16-byte loads into registers) before the arithmetic and the reduction of slice k, so a slice's loads
+// overlap the previous slice's exps and barriers; the reduction is block_reduce_softmax's butterflies
+// (per warp, then over the warp results in warp 0) with one barrier instead of three: warp 0 finishes
+// each slice and writes its partial while the other warps go on to the next (the warp results
+// alternate between two shared buffers). The same slices, chunks, order and butterflies as
+// verify_draft_stats_kernel: the same bits.
+template <int KIND>
+__global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_group_kernel(const VerifyDraftArgs a,
+                                                                               VerifyDraftWorkspace ws, int G) {
+  __shared__ SoftmaxState slots[2][kWarps];
+  const int ns = num_slices(a.vocab), groups = (ns + G - 1) / G;
+  const int64_t r = blockIdx.x / groups;
+  const int s0 = static_cast<int>(blockIdx.x - r * groups) * G, s1 = min(ns, s0 + G);
+  const Position pos = position_of_row(a, r);
+  if (pos.j > pos.nd) return;  // padding past the bonus position (num_draft < g): never read
+  const void* zrow = logits_row(a, r);
+  const bool vec = aligned16(zrow);
+  const float scale = a.scale;
+  // chunk i (< kSliceTiles) of this thread in slice s: tokens from slice_begin + (thread + i kThreads) kChunk
+  auto chunk_v0 = [&](int s, int i) {
+    return slice_begin(s, a.vocab) + (static_cast<int>(threadIdx.x) + i * kThreads) * kChunk;
+  };
+  auto full = [&](int s, int v0) { return vec && v0 + kChunk <= slice_end(s, a.vocab); };
+  auto issue = [&](int s, RawChunk<KIND> (&raw)[kSliceTiles]) {
+#pragma unroll
+    for (int i = 0; i < kSliceTiles; ++i)
+      if (full(s, chunk_v0(s, i))) issue_chunk<KIND>(zrow, chunk_v0(s, i), raw[i]);
+  };
+  // slice s from `cur` (its loads issued one slice earlier), slice s + 1's loads into `nxt` first
+  auto step = [&](int s, const RawChunk<KIND> (&cur)[kSliceTiles], RawChunk<KIND> (&nxt)[kSliceTiles]) {
+    if (s + 1 < s1) issue(s + 1, nxt);
+    const int end = slice_end(s, a.vocab);
+    SoftmaxState st = softmax_identity();
+#pragma unroll
+    for (int i = 0; i < kSliceTiles; ++i) {
+      const int v0 = chunk_v0(s, i);
+      if (v0 >= end) break;  // (a short last slice: this thread's chunks end here, as in sweep)
+      float z[kChunk];
+      if (full(s, v0)) {
+        widen_chunk<KIND>(cur[i], z);
+      } else {
+        load_logits<KIND>(zrow, v0, min(kChunk, end - v0), false, z);
+      }
+      softmax_update_chunk(st, z, v0, scale);
+    }
+    for (int off = kWarpSize / 2; off > 0; off /= 2) st = softmax_merge(st, shfl_xor(st, off), scale);
+    const int buf = (s - s0) & 1;
+    if (lane_id() == 0) slots[buf][warp_id()] = st;
+    __syncthreads();
+    if (warp_id() == 0) {
+      SoftmaxState x = lane_id() < kWarps ? slots[buf][lane_id()] : softmax_identity();
+      for (int off = kWarpSize / 2; off > 0; off /= 2) x = softmax_merge(x, shfl_xor(x, off), scale);
+      if (lane_id() == 0) ws.parts_p[r * ns + s] = SlicePartial{x, -INFINITY};
+    }
+  };
+  RawChunk<KIND> ping[kSliceTiles], pong[kSliceTiles];
+  issue(s0, ping);
+  for (int s = s0; s < s1; s += 2) {  // (two slices a trip: the register buffers swap roles, no copies)
+    step(s, ping, pong);
+    if (s + 1 < s1) step(s + 1, pong, ping);
+  }
 }
 
 // eta > 0: p's statistics per position (one thread per logits row), for the modified logits' pass.
@@ -298,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_fold_kernel(const Verif
   const Position pos = position_of_row(a, r);
   if (pos.j > pos.nd) return;
   const int ns = num_slices(a.vocab);
-  ws.stats[r] = fold_target_stats(ws.parts_p + r * ns, ns, a.inv_temperature, a.alpha, pos.j < pos.nd);
+  ws.stats[r] = fold_target_stats(ws.parts_p + r * ns, ns, a.scale, a.alpha, pos.j < pos.nd);
 }
 
 // Phase 1, eta > 0: the modified logits' partial over one slice of one drafted position.
@@ -317,16 +408,17 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
   const float* qrow = a.draft_probs != nullptr ? a.draft_probs + pos.tok * a.vocab : nullptr;
   const int x = draft_index(a, pos.tok);
   const bool vec = aligned16(zrow) && (qrow == nullptr || aligned16(qrow));
-  const float inv_t = a.inv_temperature, eta = a.eta;
-  SoftmaxState st = softmax_identity();
+  const float scale = a.scale, eta = a.eta;
+  // (this kernel has no first-sweep state at hand: it recomputes it, so its bits are the one-pass kernel's)
+  SoftmaxState st = softmax_identity(), first = softmax_identity();
+  bool masked = false;
   sweep<KIND, true, ONEHOT>(zrow, qrow, x, slice_begin(s, a.vocab), slice_end(s, a.vocab), vec,
                             [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                              float m[kChunk];
-#pragma unroll
-                              for (int e = 0; e < kChunk; ++e)
-                                m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
-                              softmax_update_chunk(st, m, v0, 1.0f);
+                              softmax_update_chunk(first, z, v0, scale);
+                              masked |= chunk_masked(q, ps.q_thresh);
+                              modified_update_chunk(st, z, q, v0, ps, scale, eta);
                             });
+  st = modified_thread_state(masked, st, first, ps.m_z, scale);
   const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
   if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
 }
@@ -349,10 +441,12 @@ __host__ __device__ constexpr size_t rapid_slice_bytes() {
 }
 
 // Dynamic shared memory of the one-pass kernel: `per` slices' logits (and draft probs), then their
-// partials, then all slices' partials gathered for the fold.
+// partials, then all slices' partials gathered for the fold, then every thread's first-sweep state of each
+// of its slices (the second sweep shifts them: modified_thread_state).
 template <int KIND, bool ONEHOT>
 __host__ __device__ size_t rapid_smem_bytes(int per, int ns) {
-  return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns);
+  return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns) +
+         sizeof(SoftmaxState) * kThreads * per;
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -399,6 +493,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   float* qbuf = reinterpret_cast<float*>(dyn + static_cast<size_t>(kSliceLen) * esize * per);
   SlicePartial* mine = reinterpret_cast<SlicePartial*>(dyn + rapid_slice_bytes<KIND, ONEHOT>() * per);
   SlicePartial* all = mine + per;
+  SoftmaxState* firsts = reinterpret_cast<SoftmaxState*>(all + ns);  // [per][kThreads]
   // 1. this CTA's slices into shared memory (the only read of HBM), one copy group per slice
   int mine_n = 0;
   for (int s = rank; s < ns; s += C, ++mine_n) {
@@ -411,7 +506,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   }
   // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel; slice l is swept as soon as
   // its own copies have landed (groups complete in order), while the later slices' are in flight
-  const float inv_t = a.inv_temperature, eta = a.eta;
+  const float scale = a.scale, eta = a.eta;
   for (int l = 0, s = rank; s < ns; ++l, s += C) {
     __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
     __syncthreads();
@@ -423,16 +518,17 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
     float qm = -INFINITY;
     if (drafted) {
       sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, inv_t);
+        softmax_update_chunk(st, z, begin + v0, scale);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
       });
     } else {
       sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, inv_t);
+        softmax_update_chunk(st, z, begin + v0, scale);
       });
     }
-    const SoftmaxState ss = block_reduce_softmax(st, inv_t, sh);
+    firsts[l * kThreads + threadIdx.x] = st;
+    const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
     const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
     if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
   }
@@ -441,25 +537,32 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
   cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
   if (threadIdx.x == 0) {
-    ps_shared = fold_target_stats(all, ns, inv_t, a.alpha, drafted);
+    ps_shared = fold_target_stats(all, ns, scale, a.alpha, drafted);
     if (rank == 0) ws.stats[r] = ps_shared;
   }
   __syncthreads();
   if (!drafted) return;  // the bonus position uses p alone
   const PositionStats ps = ps_shared;
-  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel
+  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
+  // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
   for (int l = 0, s = rank; s < ns; ++l, s += C) {
     const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
     const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
     const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    bool masked = false;
+    for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
+      float q[kChunk];
+      load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
+      masked |= chunk_masked(q, ps.q_thresh);
+    }
     SoftmaxState st = softmax_identity();
-    sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-      float m[kChunk];
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e)
-        m[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
-      softmax_update_chunk(st, m, begin + v0, 1.0f);
-    });
+    if (masked) {
+      sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
+                                [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                  modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
+                                });
+    }
+    st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
     const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
     if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
   }
@@ -477,7 +580,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   const RowRef rr = row_ref(a, b);
   const int ns = num_slices(a.vocab);
-  const float inv_t = a.inv_temperature, eta = a.eta;
+  const float scale = a.scale, eta = a.eta;
   int64_t n = rr.nd;
   for (int64_t j0 = 0; j0 <= rr.nd; j0 += kWarpSize) {
     const int64_t j = j0 + lane;
@@ -491,7 +594,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
         ps = ws.stats[r];
         if (drafted) fold_modified_stats(ps, ws.parts_a + r * ns, ns);
       } else {
-        ps = fold_target_stats(ws.parts_p + r * ns, ns, inv_t, a.alpha, false);
+        ps = fold_target_stats(ws.parts_p + r * ns, ns, scale, a.alpha, false);
       }
       if (drafted) {
         const int64_t x = a.draft_tokens[rr.tok_off + j];
@@ -500,7 +603,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
         const int xr = in_range ? xi : 0;
         const float z_x = load_logit(logits_row(a, r), KIND, xr);
         const float q_x = ONEHOT ? draft_prob(nullptr, x, xr) : a.draft_probs[(rr.tok_off + j) * a.vocab + xr];
-        reject = !draft_accepted(a.greedy, ps, x, in_range, z_x, q_x, a.uniforms[r], inv_t, eta, &best);
+        reject = !draft_accepted(a.greedy, ps, x, in_range, z_x, q_x, a.uniforms[r], scale, eta, &best);
       }
     }
     const unsigned rejected = __ballot_sync(kFullMask, reject);
@@ -531,7 +634,7 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
 // p's (with_p), and the last tokens of positive weight of each.
 template <int KIND, bool ONEHOT>
 __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int begin, int end, bool vec,
-                                               int tile, int mode, const PositionStats& ps, float inv_t, float eta,
+                                               int tile, int mode, const PositionStats& ps, float scale, float eta,
                                                float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
   const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
   const int cnt = max(0, min(kChunk, end - v0));
@@ -549,7 +652,7 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) {
     float wp = 0.0f;
-    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, inv_t, eta, &wp) : 0.0f;
+    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, scale, eta, &wp) : 0.0f;
     if (w[e] > 0.0f) *last = v0 + e;
     if (wp > 0.0f) *last_p = v0 + e;
     s = f_add(s, w[e]);
@@ -591,7 +694,7 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(c
   for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
     float cs_p;
     const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                 a.inv_temperature, a.eta, w, &cs_p, &last, &last_p);
+                                                 a.scale, a.eta, w, &cs_p, &last, &last_p);
     total = f_add(total, block_scan(cs, total, &base, sh));
     if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
   }
@@ -630,7 +733,7 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(con
         float cs_p;
         int ignored = -1, ignored_p = -1;
         const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                     a.inv_temperature, a.eta, w, &cs_p, &ignored, &ignored_p);
+                                                     a.scale, a.eta, w, &cs_p, &ignored, &ignored_p);
         float run;
         const float tile_total = block_scan(cs, tile_base, &run, sh);
         int c = kNoToken;
@@ -672,14 +775,15 @@ __global__ void __launch_bounds__(kThreads) verify_draft_finish_kernel(const Ver
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 // The largest dynamic shared memory the one-pass eta > 0 kernel asks for (of an H100's 227 KB per CTA;
-// up to ~113 KB two CTAs fit an SM: V 128256 with bf16 logits and fp32 draft probs takes 97 KB).
+// up to ~113 KB two CTAs fit an SM: V 128256 with bf16 logits and fp32 draft probs takes 108 KB).
 constexpr size_t kRapidSmemLimit = 200 * 1024;
 
 // eta > 0: phase 1 in one pass over memory (verify_draft_rapid_stats_kernel) where the device runs
 // clusters (the sm_90 code was loaded) and a CTA's slices fit kRapidSmemLimit; *done tells the caller.
 // The tokens are the same either way.
 template <int KIND, bool ONEHOT>
-cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, cudaStream_t stream, bool* done) {
+cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, int cluster,
+                               cudaStream_t stream, bool* done) {
   *done = false;
   auto* kernel = verify_draft_rapid_stats_kernel<KIND, ONEHOT>;
   cudaFuncAttributes fa;
@@ -688,12 +792,14 @@ cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorksp
     return cudaSuccess;
   }
   const int ns = num_slices(a.vocab);
-  const int C = ns < 8 ? ns : 8;
+  const int C = ns < cluster ? ns : cluster;
   const int per = (ns + C - 1) / C;
   const size_t smem = rapid_smem_bytes<KIND, ONEHOT>(per, ns);
   const int64_t grid = a.rows * C;
   if (smem > kRapidSmemLimit || grid > 0x7fffffff) return cudaSuccess;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess) {
+  const int smem_i = static_cast<int>(smem);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_i) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, C > 8 ? 1 : 0) != cudaSuccess) {
     (void)cudaGetLastError();
     return cudaSuccess;
   }
@@ -719,19 +825,28 @@ cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorksp
 }
 
 template <int KIND, bool ONEHOT>
-cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
+cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDraftLaunch& how) {
+  const int stats_group = how.stats_group;
   VerifyDraftWorkspace ws{};
   verify_draft_workspace_layout(a.batch, a.rows, a.vocab, a.eta > 0.0f, a.workspace, &ws);
   const int64_t ns = num_slices(a.vocab);
   const int64_t position_ctas = a.rows * ns, draw_ctas = static_cast<int64_t>(a.batch) * ns;
   if (position_ctas > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 block(kThreads);
-  bool one_pass = false;
+  bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
-    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, stream, &one_pass);
+    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, stream, &stats_done);
     if (err != cudaSuccess) return err;
   }
-  if (!one_pass) {
+  // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
+  if constexpr (KIND != kLogitsF32) {
+    if (!stats_done && a.eta <= 0.0f && stats_group > 1) {
+      const unsigned grid = static_cast<unsigned>(a.rows * ((ns + stats_group - 1) / stats_group));
+      verify_draft_stats_group_kernel<KIND><<<grid, block, 0, stream>>>(a, ws, stats_group);
+      stats_done = true;
+    }
+  }
+  if (!stats_done) {
     verify_draft_stats_kernel<KIND, ONEHOT><<<static_cast<unsigned>(position_ctas), block, 0, stream>>>(a, ws);
     if (a.eta > 0.0f) {
       verify_draft_fold_kernel<<<blocks_for(a.rows, kThreads), block, 0, stream>>>(a, ws);
@@ -749,16 +864,17 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream) {
+cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, VerifyDraftLaunch how) {
   if (args.batch == 0) return cudaSuccess;
   const bool onehot = args.draft_probs == nullptr;
+  const VerifyDraftLaunch& g = how;
   switch (args.logits_kind) {
     case kLogitsF32:
-      return onehot ? launch<kLogitsF32, true>(args, stream) : launch<kLogitsF32, false>(args, stream);
+      return onehot ? launch<kLogitsF32, true>(args, stream, g) : launch<kLogitsF32, false>(args, stream, g);
     case kLogitsF16:
-      return onehot ? launch<kLogitsF16, true>(args, stream) : launch<kLogitsF16, false>(args, stream);
+      return onehot ? launch<kLogitsF16, true>(args, stream, g) : launch<kLogitsF16, false>(args, stream, g);
     default:
-      return onehot ? launch<kLogitsBF16, true>(args, stream) : launch<kLogitsBF16, false>(args, stream);
+      return onehot ? launch<kLogitsBF16, true>(args, stream, g) : launch<kLogitsBF16, false>(args, stream, g);
   }
 }
 

@@ -31,8 +31,8 @@ struct VerifyDraftArgs {
   int64_t rows;  // target-logits rows: B * (g + 1) / T + B
   int vocab;
   int logits_kind;
-  float inv_temperature;  // 1 / T (inverse_temperature)
-  float eta;          // >= 0
+  float scale;        // log2(e) / T (base2_scales of verify_draft_math.h)
+  float eta;          // eta * log2(e) (base2_scales), >= 0
   float alpha;        // in [0, 1]
   bool greedy;
 };
@@ -91,7 +91,19 @@ inline size_t verify_draft_workspace_bytes(int64_t batch, int64_t rows, int voca
 // sequence for given shapes (CUDA-graph safe), no atomics across CTAs. Preconditions (not checked
 // here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in [0, g]
 // (clamped), uniforms in [0, 1), rows * num_slices(V) < 2^31 (cudaErrorInvalidValue otherwise).
-cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream);
+// The launch choices a GPU makes (the same tokens for every value):
+struct VerifyDraftLaunch {
+  // phase 1's slices per CTA at eta 0 with 16-bit logits: 1 = verify_draft_stats_kernel (a CTA per slice),
+  // G in [2, 32] = verify_draft_stats_group_kernel (a CTA per G consecutive slices of a position, the next
+  // slice's loads issued before the current one's reduction)
+  int stats_group = 1;
+  // CTAs per cluster of the one-pass eta > 0 kernel (sm_90), at most the vocabulary's slices: 8 (the
+  // portable maximum) or up to 16 (non-portable on the H100: half the slices and shared memory per CTA,
+  // twice the CTAs per SM)
+  int cluster = 8;
+};
+
+cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, VerifyDraftLaunch how = {});
 
 }  // namespace speculative
 }  // namespace ragattn

@@ -5,7 +5,9 @@
 // sides compute every intermediate value bit for bit alike:
 //   * every fp32 operation is an explicitly rounded add/sub/mul/div or an explicit fmaf (so that
 //     neither nvcc nor a host compiler fuses a multiply into an add behind our back);
-//   * exp is our own (vexp below, branch-free), not the CUDA or libm one, which differ in the last bit;
+//   * exp is our own (vexp2 below, base 2, branch-free), not the CUDA or libm one, which differ in the
+//     last bit; every exponent is in base-2 units (base2_scales: the 1/T and log2(e) scales are one
+//     multiply);
 //   * sums are taken in one canonical order (see "Summation order"), which the CPU twin
 //     replays on virtual threads. Maxima and argmaxima are order-independent.
 //
@@ -113,6 +115,14 @@ RAGATTN_HD float f_fma(float a, float b, float c) {
 #endif
 }
 RAGATTN_HD float f_max(float a, float b) { return a > b ? a : (b > a ? b : (a == a ? a : b)); }
+// IEEE maxNum: the larger of a and b, the other one where one is NaN (a zero's sign is left open).
+RAGATTN_HD float f_maxnum(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);
+#else
+  return (b > a || a != a) ? b : a;
+#endif
+}
 RAGATTN_HD float f_min(float a, float b) { return a < b ? a : (b < a ? b : (a == a ? a : b)); }
 
 RAGATTN_HD float bits_to_float(uint32_t bits) {
@@ -122,6 +132,16 @@ RAGATTN_HD float bits_to_float(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+#endif
+}
+
+RAGATTN_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
 #endif
 }
 
@@ -150,33 +170,51 @@ RAGATTN_HD float load_logit(const void* row, int kind, int64_t v) {
   return kind == kLogitsBF16 ? bf16_to_float(h) : fp16_to_float(h);
 }
 
-// exp(x) for x <= 0, the only arguments the op has (a value minus the running max of its kind, so
-// no clamp above): Cody-Waite reduction by ln2 and a degree-7 polynomial, about 1 ulp. Returns 0
-// below -87 (no subnormal results) and for -inf and NaN. Branch-free (the argument is clamped, the
-// result selected): no divergent warps on the GPU, and k is rounded to an integer by adding and
-// subtracting 1.5 * 2^23 (exact, ties to even, like rint).
-RAGATTN_HD float vexp(float x) {
-  const bool live = x >= -87.0f;  // false for NaN and -inf
-  const float xc = live ? x : 0.0f;
-  const float k = f_sub(f_add(f_mul(xc, 1.44269504088896341f), 12582912.0f), 12582912.0f);
-  float r = f_fma(k, -0.693145751953125f, xc);  // ln2 split: hi has 16 significant bits
-  r = f_fma(k, -1.428606765330187045e-06f, r);
-  float p = 1.98412698412698413e-4f;  // 1/7!
-  p = f_fma(p, r, 1.38888888888888889e-3f);
-  p = f_fma(p, r, 8.33333333333333333e-3f);
-  p = f_fma(p, r, 4.16666666666666667e-2f);
-  p = f_fma(p, r, 1.66666666666666667e-1f);
-  p = f_fma(p, r, 0.5f);
+// 2^t, the one exponential of the op's arithmetic. Every exponent is a base-2 scaled difference
+// t = (x - m) * scale with scale = log2(e) / T (base2_scales below) or one of its sums, so that
+// 2^t = exp((x - m) / T) costs one multiply and this function: the 1/T and log2(e) scales are one
+// multiply, and the reduction needs no ln2 split (k = rint(t), r = t - k is exact). Arguments are
+// <= 0 up to rounding (a value minus the running max of its kind); NaN and t < -126.5 (-inf too)
+// give 0 (no subnormal results). Branch-free: t is clamped at -127 (maxNum: NaN -> -127, whose 2^k
+// is the zero bit pattern), k is rounded to an integer by adding and subtracting 1.5 * 2^23 (exact,
+// ties to even, like rint), the sum's low bits are k, and 2^k is (k + 127) << 23. 2^r on
+// [-1/2, 1/2]: degree-6 Chebyshev-node interpolant of 2^r (0.3 ulp from its fp32 coefficients),
+// about 1 ulp in all.
+RAGATTN_HD float vexp2(float t) {
+  const float tc = f_maxnum(t, -127.0f);  // one instruction on the GPU; NaN -> -127
+  const float kk = f_add(tc, 12582912.0f);  // 1.5 * 2^23 + k: its low mantissa bits are k
+  const float r = f_sub(tc, f_sub(kk, 12582912.0f));
+  float p = 1.5461444854736328e-4f;
+  p = f_fma(p, r, 1.3400427997112274e-3f);
+  p = f_fma(p, r, 9.618056938052177e-3f);
+  p = f_fma(p, r, 5.550327152013779e-2f);
+  p = f_fma(p, r, 2.4022650718688965e-1f);
+  p = f_fma(p, r, 6.931471824645996e-1f);
   p = f_fma(p, r, 1.0f);
-  p = f_fma(p, r, 1.0f);
-  const int ki = static_cast<int>(k);  // in [-126, 0]
-  const float e = f_mul(p, bits_to_float(static_cast<uint32_t>(ki + 127) << 23));
-  return live ? e : 0.0f;
+  // bits(kk) = bits(1.5 * 2^23) + k, and bits(1.5 * 2^23) << 23 wraps to 0 (its low 9 bits are 0)
+  return f_mul(p, bits_to_float((float_to_bits(kk) << 23) + (127u << 23)));
 }
 
-// 1/T in fp32, saturated at FLT_MAX: for T below 1/FLT_MAX every token but the argmax ties of z
-// gets a scaled logit of -inf (probability 0), which is also the limit T -> 0. Multiplying by
-// 1/T instead of dividing by T saves a division per token on the GPU.
+// The op's scales in base 2: t = (z - max z) * scale is the scaled logit (z - max z) / T in units of
+// log2(e), so 2^t = exp((z - max z) / T); RAPID's modified logits a = y + eta * mask * (q - p) take
+// eta * log2(e) in the same units. Each is one rounding of its float64 value (saturated at FLT_MAX:
+// for T below log2(e) / FLT_MAX every token but the argmax ties of z gets t = -inf, probability 0,
+// which is also the limit T -> 0). The fast CPU path keeps natural units (1/T, eta).
+struct Base2Scales {
+  float scale;  // log2(e) / T
+  float eta;    // eta * log2(e) (0 when eta rounds to 0 in fp32, so that eta > 0 decides alike)
+};
+
+inline Base2Scales base2_scales(double temperature, double eta) {
+  constexpr double kLog2e = 1.4426950408889634;
+  const double s = kLog2e / temperature;
+  Base2Scales b;
+  b.scale = s < 3.4028234663852886e38 ? static_cast<float>(s) : 3.4028234663852886e38f;
+  b.eta = static_cast<float>(eta) > 0.0f ? static_cast<float>(eta * kLog2e) : 0.0f;
+  return b;
+}
+
+// 1/T in fp32, saturated at FLT_MAX (the fast CPU path's natural-unit scale).
 inline float inverse_temperature(double temperature) {
   const double inv = 1.0 / temperature;
   return inv < 3.4028234663852886e38 ? static_cast<float>(inv) : 3.4028234663852886e38f;
@@ -191,8 +229,9 @@ inline float inverse_temperature(double temperature) {
 RAGATTN_HD float logit_diff(float x, float m) { return (x == INFINITY && m == INFINITY) ? 0.0f : f_sub(x, m); }
 
 // ---- online softmax with argmax ---------------------------------------------------------------
-// Running (max m, sum s of exp((x - m) * inv_t), first argmax idx) over the tokens seen. -inf and NaN
-// inputs contribute nothing (probability 0).
+// Running (max m, sum s of 2^((x - m) * scale), first argmax idx) over the tokens seen (scale: log2(e) / T
+// for logits, 1 for the modified logits, already in base-2 units). -inf and NaN inputs contribute
+// nothing (probability 0).
 struct SoftmaxState {
   float m;
   float s;
@@ -202,44 +241,51 @@ struct SoftmaxState {
 RAGATTN_HD SoftmaxState softmax_identity() { return SoftmaxState{-INFINITY, 0.0f, kNoToken}; }
 
 // Folds one chunk of kChunk logits (tokens v0, v0 + 1, ...; -inf past the end of the slice) into
-// st: the chunk's max and first argmax, one rescale of st.s to the new max (an exact 1 when the
-// max does not move), then the chunk's exps in token order. Branch-free: one vexp per token plus
-// one per chunk, where a per-token online update pays a data-dependent rescale.
-RAGATTN_HD void softmax_update_chunk(SoftmaxState& st, const float (&x)[kChunk], int v0, float inv_t) {
+// st: the chunk's max (maxNum: NaN and -inf never win; +0 for a zero max, whatever the sign of its
+// zeros, so that every backend holds the same bits) and, where it raises the running max, its first
+// argmax and one rescale of st.s to the new max (skipped where st.s is 0: the chunk's first state,
+// whose rescale would multiply 0), then the chunk's exps in token order. A chunk that does not raise
+// the max skips the rescale, whose factor would be exactly 2^0 = 1: the same bits either way. One
+// vexp2 per token plus at most one per chunk, where a per-token online update pays a data-dependent
+// rescale.
+RAGATTN_HD void softmax_update_chunk(SoftmaxState& st, const float (&x)[kChunk], int v0, float scale) {
   float cm = -INFINITY;
-  int ci = kNoToken;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int e = 0; e < kChunk; ++e) {
-    const bool up = x[e] > cm;  // strict: the first index of the max; NaN and -inf never win
-    cm = up ? x[e] : cm;
-    ci = up ? v0 + e : ci;
+  for (int e = 0; e < kChunk; ++e) cm = f_maxnum(cm, x[e]);
+  cm = f_add(cm, 0.0f);  // -0 -> +0 (maxNum leaves the sign of a zero max open)
+  if (cm > st.m) {  // a new running max (every chunk of a fresh state but an all -inf / NaN one)
+    int ci = kChunk - 1;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int e = kChunk - 1; e >= 0; --e) ci = x[e] == cm ? e : ci;  // the first index of the max
+    st.idx = v0 + ci;
+    if (st.s > 0.0f) st.s = f_mul(st.s, vexp2(f_mul(logit_diff(st.m, cm), scale)));
+    st.m = cm;
   }
-  const float m = f_max(st.m, cm);
-  st.idx = cm > st.m ? ci : st.idx;
-  st.s = f_mul(st.s, vexp(f_mul(logit_diff(st.m, m), inv_t)));  // vexp(NaN) = 0 when both are -inf
-  st.m = m;
+  const float m = st.m;
   if (m == INFINITY) {  // (rare) a +inf logit: +inf - +inf must give 0, not NaN
-    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(logit_diff(x[e], m), inv_t)));
+    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp2(f_mul(logit_diff(x[e], m), scale)));
   } else {  // logit_diff(x, m) == x - m: a uniform branch saves its checks on every token
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp(f_mul(f_sub(x[e], m), inv_t)));
+    for (int e = 0; e < kChunk; ++e) st.s = f_add(st.s, vexp2(f_mul(f_sub(x[e], m), scale)));
   }
 }
 
 // Symmetric in (a, b) bit for bit, so both lanes of a butterfly hold the same result.
-// Merging with a state that saw nothing returns the other state exactly (vexp(0) == 1), so that
+// Merging with a state that saw nothing returns the other state exactly (vexp2(0) == 1), so that
 // case is short-cut (most virtual threads of the CPU twin are empty for small vocabularies).
-RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState& b, float inv_t) {
+RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState& b, float scale) {
   if (b.s == 0.0f && b.idx == kNoToken) return a;
   if (a.s == 0.0f && a.idx == kNoToken) return b;
   SoftmaxState r;
   r.m = f_max(a.m, b.m);
-  const float sa = a.s > 0.0f ? f_mul(a.s, vexp(f_mul(logit_diff(a.m, r.m), inv_t))) : 0.0f;
-  const float sb = b.s > 0.0f ? f_mul(b.s, vexp(f_mul(logit_diff(b.m, r.m), inv_t))) : 0.0f;
+  const float sa = a.s > 0.0f ? f_mul(a.s, vexp2(f_mul(logit_diff(a.m, r.m), scale))) : 0.0f;
+  const float sb = b.s > 0.0f ? f_mul(b.s, vexp2(f_mul(logit_diff(b.m, r.m), scale))) : 0.0f;
   r.s = f_add(sa, sb);
   r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : (a.idx < b.idx ? a.idx : b.idx));
   return r;
@@ -249,11 +295,11 @@ RAGATTN_HD SoftmaxState softmax_merge(const SoftmaxState& a, const SoftmaxState&
 // After the per-position reductions every thread holds the same PositionStats.
 struct PositionStats {
   float m_z;       // max of the raw target logits z
-  float inv_sp;    // 1 / sum exp((z - m_z) * inv_t)
+  float inv_sp;    // 1 / sum 2^((z - m_z) * scale)
   int argmax_z;    // first argmax of z (= argmax p)
   float q_thresh;  // alpha * max(q): the RAPID mask is q >= q_thresh
-  float m_a;       // max of the modified logits a (eta > 0)
-  float inv_sa;    // 1 / sum exp(a - m_a)
+  float m_a;       // max of the modified logits a (eta > 0; base-2 units)
+  float inv_sa;    // 1 / sum 2^(a - m_a)
   int argmax_a;    // first argmax of a (= argmax p_hat)
 };
 
@@ -270,8 +316,9 @@ RAGATTN_HD PositionStats target_stats(const SoftmaxState& sz) {
   return ps;
 }
 
-// y = (z - max z) / T <= 0: never overflows, however small T is (0 for a +inf token at a +inf max).
-RAGATTN_HD float scaled_logit(float z, float m_z, float inv_t) { return f_mul(logit_diff(z, m_z), inv_t); }
+// y = (z - max z) * log2(e) / T <= 0 (base 2: p = 2^y / sum): never overflows, however small T is (0 for
+// a +inf token at a +inf max).
+RAGATTN_HD float scaled_logit(float z, float m_z, float scale) { return f_mul(logit_diff(z, m_z), scale); }
 
 // Draft probability of token v: the row of draft_probs, or one-hot on the draft token x when the
 // drafter gave no distribution (draft_probs=None: n-gram / prompt-lookup drafters).
@@ -280,20 +327,62 @@ RAGATTN_HD float draft_prob(const float* q_row, int64_t x, int64_t v) {
 }
 
 // p(v) from its scaled logit.
-RAGATTN_HD float target_prob(float y, float inv_sp) { return f_mul(vexp(y), inv_sp); }
+RAGATTN_HD float target_prob(float y, float inv_sp) { return f_mul(vexp2(y), inv_sp); }
 
-// RAPID's modified logit a = y + eta * mask * (q - p) (softmax(a) = p_hat; shift-invariant).
+// RAPID's modified logit a = y + eta * mask * (q - p) in base-2 units (eta: base2_scales' eta * log2(e);
+// p_hat = 2^a / sum, shift-invariant).
 // p is only needed where the mask is on (usually a handful of tokens), so it is computed there.
 RAGATTN_HD float modified_logit(float y, float q, float eta, float q_thresh, float inv_sp) {
   return q >= q_thresh ? f_add(y, f_mul(eta, f_sub(q, target_prob(y, inv_sp)))) : y;
 }
 
-RAGATTN_HD float modified_prob(float a, float m_a, float inv_sa) { return f_mul(vexp(f_sub(a, m_a)), inv_sa); }
+RAGATTN_HD float modified_prob(float a, float m_a, float inv_sa) { return f_mul(vexp2(f_sub(a, m_a)), inv_sa); }
+
+// ---- the modified logits' sweep (eta > 0): a thread's state over its chunks of a slice ----------------
+// Where none of a thread's tokens in the slice is masked (q < q_thresh everywhere, so a = y there, padding
+// included), its state is its first sweep's state of z (the same chunks, softmax_update_chunk with scale)
+// shifted into a's units: max y(m), the same sum and first argmax (2^(y - y(m)) = 2^((z - m) scale) up to
+// rounding), with no exp per token. Otherwise (a thread holding one of a position's few masked tokens) it
+// is the online softmax of its modified logits, chunk by chunk (modified_update_chunk). Which of the two a
+// thread takes is part of the summation order: every backend tests the same tokens.
+RAGATTN_HD bool chunk_masked(const float (&q)[kChunk], float q_thresh) {
+  bool any = false;
+  for (int e = 0; e < kChunk; ++e) any |= q[e] >= q_thresh;
+  return any;
+}
+
+// One chunk of modified logits a = modified_logit(y, q) folded into st (base-2 units, scale 1).
+RAGATTN_HD void modified_update_chunk(SoftmaxState& st, const float (&z)[kChunk], const float (&q)[kChunk], int v0,
+                                      const PositionStats& ps, float scale, float eta) {
+  float a[kChunk];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int e = 0; e < kChunk; ++e) {
+    a[e] = modified_logit(scaled_logit(z[e], ps.m_z, scale), q[e], eta, ps.q_thresh, ps.inv_sp);
+  }
+  softmax_update_chunk(st, a, v0, 1.0f);
+}
+
+// A first-sweep state of z in the modified logits' units (a state that saw nothing stays so, and so does one
+// whose tokens all have y = -inf: finite logits under a +inf max).
+RAGATTN_HD SoftmaxState shifted_state(const SoftmaxState& st, float m_z, float scale) {
+  if (st.s == 0.0f && st.idx == kNoToken) return st;
+  const float m = scaled_logit(st.m, m_z, scale);
+  return m == -INFINITY ? softmax_identity() : SoftmaxState{m, st.s, st.idx};
+}
+
+// The thread's state in the modified logits: `direct` (its modified_update_chunk folds) if it holds a
+// masked token, else its first-sweep state `first` shifted.
+RAGATTN_HD SoftmaxState modified_thread_state(bool masked, const SoftmaxState& direct, const SoftmaxState& first,
+                                              float m_z, float scale) {
+  return masked ? direct : shifted_state(first, m_z, scale);
+}
 
 // p(v) and p_hat(v) of one token (p_hat = p when eta == 0).
-RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float inv_t, float eta, float* p,
+RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float scale, float eta, float* p,
                             float* p_hat) {
-  const float y = scaled_logit(z, st.m_z, inv_t);
+  const float y = scaled_logit(z, st.m_z, scale);
   *p = target_prob(y, st.inv_sp);
   if (eta > 0.0f) {
     *p_hat = modified_prob(modified_logit(y, q, eta, st.q_thresh, st.inv_sp), st.m_a, st.inv_sa);
@@ -308,23 +397,23 @@ RAGATTN_HD bool accept_draft(float u, float q_x, float p_hat_x) { return q_x > 0
 
 // Weight of token v in the final draw: the residual max(p - min(q, p_hat), 0) after a
 // rejection, or p for the bonus token / the all-zero-residual fallback.
-RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float inv_t, float eta) {
-  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, inv_t), st.inv_sp);
+RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float scale, float eta) {
+  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, scale), st.inv_sp);
   float p, p_hat;
-  token_probs(z, q, st, inv_t, eta, &p, &p_hat);
+  token_probs(z, q, st, scale, eta, &p, &p_hat);
   return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
 }
 
 // draw_weight of token v and p(v) (*w_p: draw_weight in kWeightTarget mode, bit for bit), in one pass:
 // the draw totals of a rejected position need both (the residual, and p for its all-zero fallback).
-RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& st, float inv_t, float eta, float* w_p) {
+RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& st, float scale, float eta, float* w_p) {
   float p, p_hat;
   if (mode == kWeightTarget) {
-    p = target_prob(scaled_logit(z, st.m_z, inv_t), st.inv_sp);
+    p = target_prob(scaled_logit(z, st.m_z, scale), st.inv_sp);
     *w_p = p;
     return p;
   }
-  token_probs(z, q, st, inv_t, eta, &p, &p_hat);
+  token_probs(z, q, st, scale, eta, &p, &p_hat);
   *w_p = p;
   return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
 }
@@ -346,11 +435,11 @@ struct SlicePartial {
 
 // p's statistics at a position from its slices' partials, folded in slice order; with_q (eta > 0 at
 // a drafted position): also RAPID's mask threshold alpha * max q.
-RAGATTN_HD PositionStats fold_target_stats(const SlicePartial* parts, int n, float inv_t, float alpha, bool with_q) {
+RAGATTN_HD PositionStats fold_target_stats(const SlicePartial* parts, int n, float scale, float alpha, bool with_q) {
   SoftmaxState sz = softmax_identity();
   float qm = -INFINITY;
   for (int s = 0; s < n; ++s) {
-    sz = softmax_merge(sz, parts[s].st, inv_t);
+    sz = softmax_merge(sz, parts[s].st, scale);
     qm = f_max(qm, parts[s].qmax);
   }
   PositionStats ps = target_stats(sz);
@@ -371,12 +460,12 @@ RAGATTN_HD void fold_modified_stats(PositionStats& ps, const SlicePartial* parts
 // probability q_x (read only when in_range), acceptance uniform u. Greedy: accepted iff x is the argmax
 // of p_hat (*best, the token emitted on rejection); sampling: accept_draft.
 RAGATTN_HD bool draft_accepted(bool greedy, const PositionStats& ps, int64_t x, bool in_range, float z_x, float q_x,
-                               float u, float inv_t, float eta, int* best) {
+                               float u, float scale, float eta, int* best) {
   *best = eta > 0.0f ? ps.argmax_a : ps.argmax_z;
   if (greedy) return x == *best;
   if (!in_range) return false;
   float p, p_hat;
-  token_probs(z_x, q_x, ps, inv_t, eta, &p, &p_hat);
+  token_probs(z_x, q_x, ps, scale, eta, &p, &p_hat);
   return accept_draft(u, q_x, p_hat);
 }
 

@@ -94,43 +94,45 @@ void slice_sweep(const RowView& r, int s, bool with_q, F&& f) {
 
 // Phase 1, one slice of one position (a CTA of verify_draft_stats_kernel): p's softmax state and,
 // with_q, the slice's max q.
-SlicePartial target_partial(const RowView& r, int s, float inv_t, bool with_q) {
+SlicePartial target_partial(const RowView& r, int s, float scale, bool with_q) {
   std::vector<SoftmaxState> st(kThreads, softmax_identity());
   std::vector<float> qmax(kThreads, -INFINITY);
   slice_sweep(r, s, with_q, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-    softmax_update_chunk(st[t], z, v0, inv_t);
+    softmax_update_chunk(st[t], z, v0, scale);
     if (with_q)
       for (int e = 0; e < kChunk; ++e) qmax[t] = f_max(qmax[t], q[e]);
   });
-  auto merge_t = [inv_t](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, inv_t); };
+  auto merge_t = [scale](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, scale); };
   auto max_f = [](float a, float b) { return f_max(a, b); };
   return SlicePartial{block_reduce(st, softmax_identity(), merge_t),
                       with_q ? block_reduce(qmax, -INFINITY, max_f) : -INFINITY};
 }
 
-// Phase 1's second pass (eta > 0), one slice (a CTA of verify_draft_modified_stats_kernel): the
-// online softmax of the modified logits a = y + eta * mask * (q - p).
-SlicePartial modified_partial(const RowView& r, int s, const PositionStats& ps, float inv_t, float eta) {
-  std::vector<SoftmaxState> st(kThreads, softmax_identity());
+// Phase 1's second pass (eta > 0), one slice (a CTA of verify_draft_modified_stats_kernel): the online
+// softmax of the modified logits a = y + eta * mask * (q - p), each virtual thread's state by
+// modified_thread_state (its first-sweep state of z shifted unless it holds a masked token).
+SlicePartial modified_partial(const RowView& r, int s, const PositionStats& ps, float scale, float eta) {
+  std::vector<SoftmaxState> st(kThreads, softmax_identity()), first(kThreads, softmax_identity());
+  std::vector<char> masked(kThreads, 0);
   slice_sweep(r, s, true, [&](int t, int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-    float a[kChunk];
-    for (int e = 0; e < kChunk; ++e)
-      a[e] = modified_logit(scaled_logit(z[e], ps.m_z, inv_t), q[e], eta, ps.q_thresh, ps.inv_sp);
-    softmax_update_chunk(st[t], a, v0, 1.0f);
+    softmax_update_chunk(first[t], z, v0, scale);
+    masked[t] |= chunk_masked(q, ps.q_thresh);
+    modified_update_chunk(st[t], z, q, v0, ps, scale, eta);
   });
+  for (int t = 0; t < kThreads; ++t) st[t] = modified_thread_state(masked[t], st[t], first[t], ps.m_z, scale);
   auto merge_1 = [](const SoftmaxState& a, const SoftmaxState& b) { return softmax_merge(a, b, 1.0f); };
   return SlicePartial{block_reduce(st, softmax_identity(), merge_1), -INFINITY};
 }
 
 // The statistics at one position: its slices' partials, folded in slice order.
-PositionStats position_stats(const RowView& r, float inv_t, float eta, float alpha) {
+PositionStats position_stats(const RowView& r, float scale, float eta, float alpha) {
   const bool with_q = eta > 0.0f && r.has_q;
   const int n = num_slices(r.V);
   std::vector<SlicePartial> parts(static_cast<size_t>(n));
-  for (int s = 0; s < n; ++s) parts[s] = target_partial(r, s, inv_t, with_q);
-  PositionStats ps = fold_target_stats(parts.data(), n, inv_t, alpha, with_q);
+  for (int s = 0; s < n; ++s) parts[s] = target_partial(r, s, scale, with_q);
+  PositionStats ps = fold_target_stats(parts.data(), n, scale, alpha, with_q);
   if (!with_q) return ps;
-  for (int s = 0; s < n; ++s) parts[s] = modified_partial(r, s, ps, inv_t, eta);
+  for (int s = 0; s < n; ++s) parts[s] = modified_partial(r, s, ps, scale, eta);
   fold_modified_stats(ps, parts.data(), n);
   return ps;
 }
@@ -162,8 +164,8 @@ float block_scan(const std::vector<float>& sums, float tile_base, std::vector<fl
 // order" of verify_draft_math.h).
 class Draw {
  public:
-  Draw(const RowView& r, const PositionStats& ps, float inv_t, float eta)
-      : r_(r), ps_(ps), inv_t_(inv_t), eta_(eta), w_(kTile), sums_(kThreads), sums_p_(kThreads), base_(kThreads) {}
+  Draw(const RowView& r, const PositionStats& ps, float scale, float eta)
+      : r_(r), ps_(ps), scale_(scale), eta_(eta), w_(kTile), sums_(kThreads), sums_p_(kThreads), base_(kThreads) {}
 
   int token(int mode, float u) {
     const int n = num_slices(r_.V);
@@ -195,7 +197,7 @@ class Draw {
         const int v = v0 + e;
         float wv = 0.0f, wp = 0.0f;
         if (v < se) {
-          wv = draw_weights(mode, logit_at(r_, v), mode == kWeightTarget ? 0.0f : q_at(r_, v), ps_, inv_t_, eta_, &wp);
+          wv = draw_weights(mode, logit_at(r_, v), mode == kWeightTarget ? 0.0f : q_at(r_, v), ps_, scale_, eta_, &wp);
           if (wv > 0.0f) *last = std::max(*last, v);
           if (wp > 0.0f) *last_p = std::max(*last_p, v);
         }
@@ -247,7 +249,7 @@ class Draw {
 
   RowView r_;
   PositionStats ps_;
-  float inv_t_, eta_;
+  float scale_, eta_;
   std::vector<float> w_, sums_, sums_p_, base_;
 };
 
@@ -257,20 +259,21 @@ class TwinVerifier final : public PositionVerifier {
 
   Decision drafted(const void* z, const float* q, int64_t x, float u, float u_final) override {
     RowView r{z, q, true, x, p_.logits_kind, p_.vocab};
-    const PositionStats ps = position_stats(r, p_.inv_t, p_.eta, p_.alpha);
+    const Base2Scales& b2 = p_.base2;
+    const PositionStats ps = position_stats(r, b2.scale, b2.eta, p_.alpha);
     const bool in_range = x >= 0 && x < p_.vocab;
     const int xi = in_range ? static_cast<int>(x) : 0;
     int best = 0;
-    if (draft_accepted(p_.greedy, ps, x, in_range, logit_at(r, xi), q_at(r, xi), u, p_.inv_t, p_.eta, &best))
+    if (draft_accepted(p_.greedy, ps, x, in_range, logit_at(r, xi), q_at(r, xi), u, b2.scale, b2.eta, &best))
       return {true, 0};
     if (p_.greedy) return {false, best};
-    return {false, Draw(r, ps, p_.inv_t, p_.eta).token(kWeightResidual, u_final)};
+    return {false, Draw(r, ps, b2.scale, b2.eta).token(kWeightResidual, u_final)};
   }
 
   int bonus(const void* z, float u_final) override {
     RowView r{z, nullptr, false, -1, p_.logits_kind, p_.vocab};
-    const PositionStats ps = position_stats(r, p_.inv_t, 0.0f, p_.alpha);
-    return p_.greedy ? ps.argmax_z : Draw(r, ps, p_.inv_t, p_.eta).token(kWeightTarget, u_final);
+    const PositionStats ps = position_stats(r, p_.base2.scale, 0.0f, p_.alpha);
+    return p_.greedy ? ps.argmax_z : Draw(r, ps, p_.base2.scale, p_.base2.eta).token(kWeightTarget, u_final);
   }
 
  private:

@@ -180,20 +180,31 @@ def test_reference_backend_matches_default(monkeypatch, seed):
     assert_same(ragattn.verify_draft(x, q, z, u, eta=5.0), fast, "reference backend")
 
 
-def test_cuda_matches_cpu_twin(device, seed, monkeypatch):
+@pytest.mark.parametrize("group,cluster", [("1", "8"), ("3", "8"), ("8", "8"), ("1", "16"), ("1", "5")])
+def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster):
     """The kernel and the twin (RAGATTN_CPU_BACKEND=twin) share every rounding: same tokens on any
     uniforms, no margin (vocabularies of 1 to 74 slices, padded and num_draft layouts; with eta > 0 the
-    sm_90 one-pass kernel and, at V 300007, the two-pass path)."""
+    sm_90 one-pass kernel in clusters of RAGATTN_VERIFY_DRAFT_CLUSTER CTAs and, at V 300007, the two-pass
+    path; at eta 0 with 16-bit logits phase 1 one slice per CTA or RAGATTN_VERIFY_DRAFT_GROUP slices,
+    groups and clusters that split the slices unevenly too)."""
     if device.type != "cuda":
         pytest.skip("needs --device cuda")
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "twin")
+    monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_GROUP", group)
+    monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_CLUSTER", cluster)
     gen = torch.Generator().manual_seed(seed)
     for bsz, g, vocab, dtype, eta in [(64, 10, 128256, torch.bfloat16, 0.0), (64, 10, 128256, torch.bfloat16, 10.0),
                                       (33, 16, 49157, torch.float16, 20.0), (128, 4, 32000, torch.float32, 5.0),
                                       (7, 3, 151, torch.bfloat16, 0.0), (200, 2, 1001, torch.bfloat16, 3.0),
                                       (1, 6, 50257, torch.float32, 10.0),
                                       # eta > 0 past the one-pass kernel's shared memory: the two-pass path
-                                      (2, 2, 300007, torch.bfloat16, 10.0)]:
+                                      (2, 2, 300007, torch.bfloat16, 10.0),
+                                      # 18 slices, odd rows misaligned (the grouped kernel's scalar loads)
+                                      (5, 4, 70001, torch.float16, 0.0)]:
+        if group != "1" and (eta > 0 or dtype == torch.float32):
+            continue  # (the grouped phase 1 runs at eta 0 with 16-bit logits only)
+        if cluster != "8" and eta == 0:
+            continue  # (clusters are the eta > 0 kernel's)
         x, q, z, u = make_case(bsz, g, vocab, dtype=dtype, gen=gen, closeness=0.3)
         nd = torch.randint(0, g + 1, (bsz,), generator=gen)
         for greedy in (False, True):
@@ -206,6 +217,19 @@ def test_cuda_matches_cpu_twin(device, seed, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # op surface
+
+
+@pytest.mark.parametrize("name,bad", [("RAGATTN_VERIFY_DRAFT_GROUP", "0"), ("RAGATTN_VERIFY_DRAFT_GROUP", "33"),
+                                      ("RAGATTN_VERIFY_DRAFT_GROUP", "4x"), ("RAGATTN_VERIFY_DRAFT_CLUSTER", "17"),
+                                      ("RAGATTN_VERIFY_DRAFT_CLUSTER", "-1")])
+def test_bad_launch_choice_is_refused(device, monkeypatch, name, bad):
+    """A launch knob outside its range is an error naming the variable, not a silent default."""
+    if device.type != "cuda":
+        pytest.skip("the CUDA launcher reads it")
+    monkeypatch.setenv(name, bad)
+    x, q, z, u = (t.to(device) for t in make_case(2, 3, 77))
+    with pytest.raises(ValueError, match=name):
+        ragattn.verify_draft(x, q, z, u, eta=1.0)
 
 
 def test_opcheck(device):

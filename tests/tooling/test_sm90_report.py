@@ -116,12 +116,13 @@ def test_cuda_kernels_at_launch_bounds():
     # verify_draft only: the kv_cache file's 30 instantiations take minutes of nvcc on 2 cores
     rows = analyse_cuda(["verify_draft_kernels.cu"])
     # (logits dtype x one-hot drafts) x (stats, modified stats, one-pass rapid stats, walk, draw totals,
-    # draw find) + fold + finish
-    assert len(rows) == 6 * 6 + 2
+    # draw find) + fold + finish + the grouped eta-0 phase 1 (16-bit logits)
+    assert len(rows) == 6 * 6 + 2 + 2
+    assert sum("verify_draft_stats_group_kernel" in r["kernel"] for r in rows) == 2
     for r in rows:
         # The phase-1 and draw kernels run many small CTAs: __launch_bounds__(256, 4) leaves 64
         # registers, four CTAs (half the SM's threads) per SM (the one-pass eta > 0 kernel: 64 registers,
-        # its dynamic shared memory, ~97 KB at V 128256, bounds it at 2 CTAs per SM: not in this model)
+        # its dynamic shared memory, ~108 KB at V 128256, bounds it at 2 CTAs per SM: not in this model)
         assert r["threads"] == 256 and 0 < r["regs"] <= 64 and r["ctas_per_sm"] >= 4, r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
     assert_known_defects(rows, {r["kernel"] for r in rows})
