@@ -235,6 +235,8 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
         step, history, elapsed = state["step"], state["history"], state["elapsed_s"]
         commit = state.get("commit", commit)      # the code that started the run
         print(f"resumed from {ckpt} at step {step}", file=sys.stderr)
+        # a run stopped after its last checkpoint logged steps that are about to run again
+        (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history if h["step"] > 0))
     stream = tt.rag_examples(train_p, rng, top_k=top_k)
     held_rng = random.Random(args.seed + 1)
     held_stream = tt.rag_examples(held_p, held_rng, top_k=top_k)

@@ -175,10 +175,12 @@ def test_cli_trains_checkpoints_resumes_and_ships(tmp_path, capsys, smollm2):
               "--answer-tokens", "3", "--checkpoint-every", "1", "--eval-every", "1", "--rank", "2"]
     assert ft.main(common + ["--steps", "1"]) == 0
     first = json.loads((out / "adapter" / "manifest.json").read_text())
+    with open(out / "history.jsonl", "a") as f:       # a step logged after the checkpoint, then stopped
+        f.write(json.dumps(dict(step=2, loss=9.0)) + "\n")
     assert ft.main(common + ["--steps", "2"]) == 0
     assert "resumed from" in capsys.readouterr().err
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [1, 2]                   # step 1 not repeated on resume
+    assert [h["step"] for h in history] == [1, 2] and history[1]["loss"] != 9.0   # each step once
     m = json.loads((out / "adapter" / "manifest.json").read_text())
     assert m["steps"] == 2 and first["steps"] == 1 and m["commit"] == first["commit"]
     assert m["data"]["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest()
