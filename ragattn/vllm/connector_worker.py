@@ -29,12 +29,19 @@ from ragattn.vllm.gate import GateError, run_gate
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
 from ragattn.vllm.metrics import STORE_COUNTERS, RagattnStats
-from ragattn.vllm.parallel import rank_kv_heads, tp_group
+from ragattn.vllm.parallel import COPY, FAILED, SHARED, agree_loads, rank_kv_heads, tp_group
 from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm.spans import composite_positions, layer_index
 from ragattn.vllm.worker_state import WorkerState
 
 log = init_logger(f"vllm.{__name__}")   # vLLM's logger tree: its lines carry level and time
+
+
+class RankDisagreement(RuntimeError):
+    """Another tensor-parallel rank could not load a request's chunks, or loaded them another way."""
+
+
+LOAD_ERRORS = (ChunkStoreError, OSError, RecomputeError, GateError, RankDisagreement)
 
 
 class ConnectorWorker:
@@ -52,6 +59,7 @@ class ConnectorWorker:
                                  memory_budget=None if budget is None else int(budget), remote=settings.remote)
         self._writer: PageWriter | None = None
         self._recomputer: Recomputer | None = None
+        self._group = None                                    # vLLM's tensor-parallel group (None: one rank)
         self._failed_blocks: set[int] = set()
         self._done: dict[str, list[int]] = {}
         self._written: dict[str, tuple[int, ...]] = {}   # chunk -> the shared pages holding it
@@ -166,6 +174,7 @@ class ConnectorWorker:
                                   groups=groups, scales=self._fp8_scales(names, kv_caches), heads=heads)
         if self.settings.shared:   # ragattn's backend reads the chunk pages with the model's RoPE
             self.state.rope = self._store.rope
+        self._group = tp_group()
         self._recomputer = self._make_recomputer(names, kv_caches)
 
     def _make_recomputer(self, names: list[str], kv_caches: dict[str, torch.Tensor]):
@@ -175,7 +184,7 @@ class ConnectorWorker:
         if len(self.settings.groups) > 1 or not all(isinstance(i, RagattnAttentionImpl) for i in impls):
             return None
         return Recomputer(self.vllm_config, names, [kv_caches[n] for n in names], impls[0].head_size,
-                          impls[0].scale, self.state, tp_group())
+                          impls[0].scale, self.state, self._group)
 
     def _check_layout(self, name: str, kv: torch.Tensor, split: str, num_heads: int | None = None) -> None:
         """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
@@ -225,50 +234,77 @@ class ConnectorWorker:
         return out
 
     def start_load_kv(self, meta: RagattnConnectorMetadata) -> None:
-        """Writes every claimed request's chunks (all layers at once) before the forward. A
-        request whose chunks cannot all be loaded (unknown, foreign or corrupt file) is written
-        not at all: its blocks are reported by :meth:`get_block_ids_with_load_errors`."""
+        """Writes every claimed request's chunks (all layers at once) before the forward, then runs
+        the recomputes. A request whose chunks cannot all be loaded (unknown, foreign or corrupt
+        file) is written not at all: its blocks are reported by :meth:`get_block_ids_with_load_errors`.
+        Under tensor parallelism the ranks agree on every load between the two (:func:`agree_loads`):
+        a load that failed, or was written another way, on any rank fails on every rank, so that the
+        ranks' recomputes, which run the sharded layers' collectives, stay in lockstep."""
         assert isinstance(meta, RagattnConnectorMetadata)
         if meta.loads and self._writer is None:
             raise RuntimeError("ragattn.vllm: start_load_kv before register_kv_caches")
         for key in meta.evicted:
             self._written.pop(key, None)
+        written = []
         for load in meta.loads:
             self.state.requests.pop(load.req_id, None)
-            t0 = time.perf_counter()
-            try:
-                self._load(load)
-            finally:
-                self._stats.add("load_seconds", time.perf_counter() - t0)
+            written.append(self._timed(self._write, load))
+        agreed = agree_loads([how if isinstance(how, int) else FAILED for how in written], self._group)
+        for load, how, same in zip(meta.loads, written, agreed):
+            if isinstance(how, Exception):
+                self._fail(load, how)
+            elif not same:
+                self._fail(load, RankDisagreement("another tensor-parallel rank could not load its share of "
+                                                  "these chunks, or loaded them another way"))
+            else:
+                result = self._timed(self._finish, load, how)
+                if isinstance(result, Exception):
+                    self._fail(load, result)
 
-    def _load(self, load: RequestLoad) -> None:
-        """One request's load (:meth:`start_load_kv`); a failure is logged and its blocks reported."""
+    def _timed(self, step, *args):
+        """``step(*args)`` counted in ``load_seconds``; one of :data:`LOAD_ERRORS` is returned, not raised."""
+        t0 = time.perf_counter()
         try:
-            if self.gate is not None and load.method.name in self.gate.refused:
-                # (the scheduler claims none for it: only when it could not read the verdict)
-                raise GateError(self.gate.refused[load.method.name])
-            rotate_to = (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
-                         if load.method.entry.positions == "composite" else None)
-            if load.chunk_blocks is not None and self._load_shared(load, rotate_to):
-                return
-            with torch.inference_mode():
-                self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
-            if load.method.recomputes:
-                self._done[load.req_id] = self._recompute(load).positions
-        except (ChunkStoreError, OSError, RecomputeError, GateError) as exc:
-            self._stats.add("loads_failed", 1)
-            failed = self._claimed_blocks(load)
-            log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
-                      "as failed loads", load.req_id, exc, sorted(failed))
-            self._failed_blocks |= failed
-            self._failed_requests[load.req_id] = sorted(failed)
+            return step(*args)
+        except LOAD_ERRORS as exc:
+            return exc
+        finally:
+            self._stats.add("load_seconds", time.perf_counter() - t0)
 
-    def _load_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
-        """Serves the request from shared chunk pages: writes the chunks not in their pages yet
-        (keys page-local), copies the claim's last partial block into the request's own block,
-        recomputes FusionRAG's rows into its own blocks and registers its entries for ragattn's
-        backend. False (the copy path follows) if a chunk cannot be loaded: that chunk's pages are
-        reported and never read. RecomputeError: nothing registered (the load fails)."""
+    def _fail(self, load: RequestLoad, exc: Exception) -> None:
+        """A load that failed: logged, counted and its blocks reported (vLLM computes them)."""
+        self._stats.add("loads_failed", 1)
+        self._done.pop(load.req_id, None)
+        self._shared_done.pop(load.req_id, None)
+        self.state.requests.pop(load.req_id, None)
+        failed = self._claimed_blocks(load)
+        log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
+                  "as failed loads", load.req_id, exc, sorted(failed))
+        self._failed_blocks |= failed
+        self._failed_requests[load.req_id] = sorted(failed)
+
+    @staticmethod
+    def _rotate_to(load: RequestLoad) -> torch.Tensor | None:
+        return (torch.tensor(composite_positions(load.spans), dtype=torch.int64)
+                if load.method.entry.positions == "composite" else None)
+
+    def _write(self, load: RequestLoad) -> int:
+        """One request's chunks into its pages: :data:`SHARED` (shared chunk pages) or :data:`COPY`
+        (its own blocks); raises one of :data:`LOAD_ERRORS`."""
+        if self.gate is not None and load.method.name in self.gate.refused:
+            # (the scheduler claims none for it: only when it could not read the verdict)
+            raise GateError(self.gate.refused[load.method.name])
+        rotate_to = self._rotate_to(load)
+        if load.chunk_blocks is not None and self._write_shared(load, rotate_to):
+            return SHARED
+        with torch.inference_mode():
+            self._writer.write(load.keys, load.spans, load.block_ids, load.skip, rotate_to=rotate_to)
+        return COPY
+
+    def _write_shared(self, load: RequestLoad, rotate_to: torch.Tensor | None) -> bool:
+        """Writes the chunks not in their shared pages yet (keys page-local) and copies the claim's
+        last partial block into the request's own block. False (the copy path follows) if a chunk
+        cannot be loaded: that chunk's pages are reported and never read."""
         bs = self.settings.block_size
         try:
             with torch.inference_mode():
@@ -287,14 +323,25 @@ class ConnectorWorker:
                         load.req_id, failed, exc)
             self._failed_chunks += failed
             return False
+        return True
+
+    def _finish(self, load: RequestLoad, how: int) -> None:
+        """After every rank wrote ``load`` the same way: its recompute (CacheBlend, FusionRAG) and,
+        from shared pages, the entries ragattn's backend reads them through. RecomputeError: nothing
+        registered (the load fails)."""
+        if how == COPY:
+            if load.method.recomputes:
+                self._done[load.req_id] = self._recompute(load).positions
+            return
+        bs = self.settings.block_size
+        tail = load.spans[-1][1] - page_offset(load.spans[-1][1], bs)
         if load.method.recomputes:
             done = self._recompute(load, shared=True)
             self._done[load.req_id] = done.positions
         else:
-            done = Recomputed([], SharedEntries.build(load.spans, load.chunk_blocks, bs, rotate_to))
+            done = Recomputed([], SharedEntries.build(load.spans, load.chunk_blocks, bs, self._rotate_to(load)))
         self.state.requests[load.req_id] = done.entries
         self._shared_done[load.req_id] = (done.held, list(load.block_ids[0][done.held:page_index(tail, bs)]))
-        return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         for req_id in finished_req_ids:

@@ -15,11 +15,15 @@ per-rank head count come from vLLM's parallel state and model config.
 Selective recompute runs the served (sharded) decoder layers on every rank in lockstep, so every
 rank must recompute the same rows: the per-token scores it ranks (FusionRAG's attention, CacheBlend's
 K/V deviation, sums over the heads) are summed over the ranks (``tp_group``) before the choice
-(:func:`ragattn.methods.selection.top_rows`).
+(:func:`ragattn.methods.selection.top_rows`). For the same reason the ranks agree on every load
+before any recompute runs (:func:`agree_loads`): a load that failed on one rank (a remote-tier
+timeout, a file removed between the ranks' reads) or was written another way there fails on all.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
+
+import torch
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
@@ -67,6 +71,29 @@ def tp_group():
     return get_tp_group()
 
 
+# how a rank wrote a load's chunks (ragattn.vllm.connector_worker): not at all, into the request's own
+# blocks, or into shared chunk pages
+FAILED, COPY, SHARED = 0, 1, 2
+
+
+def agree_loads(codes: Sequence[int], group) -> list[bool]:
+    """For each load, whether every rank wrote it and wrote it the same way: ``codes[i]`` is how
+    this rank wrote load ``i`` (:data:`FAILED`, :data:`COPY`, :data:`SHARED`); True where the
+    codes of all ranks are equal and not FAILED. ``group``: vLLM's tensor-parallel
+    ``GroupCoordinator`` (its CPU group) or a ``torch.distributed`` process group; None (one rank):
+    True where the code is not FAILED. Every rank calls it with as many codes (the scheduler's
+    metadata is the same on every rank): one collective, which also orders the ranks' recomputes."""
+    if group is None or not codes:
+        return [c != FAILED for c in codes]
+    import torch.distributed as dist
+
+    t = torch.tensor(list(codes), dtype=torch.int64)
+    both = torch.cat([t, -t])                # min over the ranks of the codes and of their negation (-max)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=getattr(group, "cpu_group", group))
+    lo, hi = both[:len(t)], -both[len(t):]
+    return ((lo == hi) & (lo != FAILED)).tolist()
+
+
 def check_parallel(parallel_config: "ParallelConfig") -> None:
     """Refuses pipeline parallelism by name (NotImplementedError): a stage holds some of the
     layers, and the page writer and the recompute write and run all of them in one worker."""
@@ -77,4 +104,5 @@ def check_parallel(parallel_config: "ParallelConfig") -> None:
                                   "recomputes every layer in one worker); use --tensor-parallel-size instead")
 
 
-__all__ = ["kv_head_share", "rank_kv_heads", "tp_group", "check_parallel"]
+__all__ = ["kv_head_share", "rank_kv_heads", "tp_group", "agree_loads", "check_parallel", "FAILED", "COPY",
+           "SHARED"]

@@ -225,3 +225,59 @@ def test_pipeline_parallel_is_refused_by_name(served):
     with pytest.raises(NotImplementedError, match="--pipeline-parallel-size 2 is not supported"):
         KVConnectorFactory.create_connector(_config(folder, kv_dir, tp=1, pp=2), KVConnectorRole.SCHEDULER,
                                             _kv_cache_config(H))
+
+
+AGREE_RANK = """
+import os, sys, torch.distributed as dist
+from ragattn.vllm.parallel import agree_loads
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=3)
+codes = [[1, 2, 1, 0, 2], [1, 2, 2, 1, 0], [1, 2, 1, 1, 2]][rank]
+print(agree_loads(codes, dist.group.WORLD))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_agree_on_every_load(tmp_path):
+    """agree_loads over a real three-process gloo group: a load counts where every rank wrote it,
+    and wrote it the same way (copy or shared pages); every rank gets the same answer."""
+    import subprocess
+    import sys
+
+    from ragattn.vllm.parallel import COPY, FAILED, SHARED, agree_loads
+
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE_RANK, str(r), str(tmp_path / "rendezvous")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    assert [o.strip() for o, _ in outs] == ["[True, True, False, False, False]"] * 3
+    assert agree_loads([COPY, FAILED, SHARED], None) == [True, False, True] and agree_loads([], None) == []
+
+
+def test_a_load_another_rank_failed_fails_here(served, monkeypatch):
+    """A load this rank wrote but another rank could not (agree_loads says so) is reported failed on
+    this rank too: its blocks are given back to vLLM, and no recompute nor shared entry is kept."""
+    import ragattn.vllm.connector_worker as cw
+
+    folder, kv_dir, _, _, chunks = served
+    cfg = _config(folder, kv_dir, tp=1)
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=_kv_cache_config(H),
+                      structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
+    sched.add_request(_request(chunks[1] + chunks[0] + [5, 9, 2], [(0, 22), (22, 35)]))
+    meta = sched.schedule().kv_connector_metadata
+    seen = []
+
+    def another_rank_failed(codes, group):
+        seen.append(list(codes))
+        return [False] * len(codes)
+
+    for agree, failed in ((cw.agree_loads, False), (another_rank_failed, True)):
+        monkeypatch.setattr(cw, "agree_loads", agree)
+        conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, _kv_cache_config(H))
+        conn.register_kv_caches(dict(zip(LAYERS, _caches("rows_kt", H))))
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        errors = conn.get_block_ids_with_load_errors()
+        assert bool(errors) == failed and (not failed or errors == set(meta.loads[0].block_ids[0][:3]))
+    assert seen == [[cw.COPY]]
