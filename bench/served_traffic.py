@@ -166,7 +166,8 @@ def run_stream(tier: str, server, warm, model: str, prompts, every: int, log) ->
                        warm_same=w["text"] == got["text"])
         rows.append(row)
         if (i + 1) % 10 == 0:
-            log(f"bench.served_traffic: {tier}: {i + 1}/{len(prompts)} requests, last TTFT {got['ttft_s'] * 1e3:.0f} ms")
+            log(f"bench.served_traffic: {tier}: {i + 1}/{len(prompts)} requests, "
+                f"last TTFT {got['ttft_s'] * 1e3:.0f} ms")
     return rows
 
 
@@ -197,8 +198,8 @@ def run(a, argv_text: str) -> dict:
         parts = [head] + every_chunk                              # the corpus: its passages and the head
         if a.dry_run:
             for p in prompts[:3]:
-                print(json.dumps({"prompt_tokens": len(p.tokens), "spans": p.spans,
-                                  "kv_transfer_params": request_body(str(model_dir), p, p.spans)["kv_transfer_params"]}))
+                params = request_body(str(model_dir), p, p.spans)["kv_transfer_params"]
+                print(json.dumps({"prompt_tokens": len(p.tokens), "spans": p.spans, "kv_transfer_params": params}))
             from ragattn.vllm.serve import serve_command
 
             for t in ("warm", *a.tiers):

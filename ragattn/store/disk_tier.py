@@ -244,7 +244,8 @@ def decode_chunk(data: bytes, fingerprint: str, layout: tuple, where: str, authe
 
 def verify_chunk(meta: dict, tensors: dict, fingerprint: str, layout: tuple, p, checksum: bool = True):
     """Check a chunk file's metadata and tensors (format, fingerprint, shape and dtype, checksum
-    unless ``checksum`` is False, key); returns ``(key, tokens, k, v, variant)`` or raises ChunkStoreError naming ``p``:
+    unless ``checksum`` is False, key); returns ``(key, tokens, k, v, variant)`` or raises
+    ChunkStoreError naming ``p``:
     ForeignChunkError for another format, fingerprint or layout (a file that is not this store's),
     the base class for a damaged one (checksum, key)."""
     num_layers, num_kv_heads, head_dim, dtype = layout

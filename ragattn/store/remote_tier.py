@@ -17,15 +17,15 @@ processes with another secret live in another namespace and never read (nor remo
   (a reader that read the old manifest still finds them).
 
 Everything read from the server is untrusted: a manifest that is not a JSON object of the right
-types and ranges, a value whose length or HMAC does not match, or a chunk file that fails
-its own checks (key; its checksum is the writer's and the HMAC covers it) is a bad entry: counted (``stats["remote_bad"]``), its manifest
-removed *if it is still the one read* (compare and delete) and the chunk computed and published
-again. A value that is authentic (its HMAC holds) but for another model, layout or format
-(:class:`~ragattn.store.errors.ForeignChunkError`: a reader with other weights, a stale key) is a
-miss here and stays on the server for the processes it belongs to. A server that is down, slow,
-restarting or not a Redis server at all (any client error) costs at most ``timeout`` seconds per
-call, one warning per outage naming the URL (without its password), and the tier is skipped for
-``retry_after`` seconds before the client reconnects.
+types and ranges, a value whose length or HMAC does not match, or a chunk file that fails its own
+checks (the key; its checksum is the writer's, and the HMAC covers it) is a bad entry: counted
+(``stats["remote_bad"]``), its manifest removed *if it is still the one read* (compare and delete)
+and the chunk computed and published again. A value that is authentic (its HMAC holds) but for
+another model, layout or format (:class:`~ragattn.store.errors.ForeignChunkError`: a reader with
+other weights, a stale key) is a miss here and stays on the server for the processes it belongs to.
+A server that is down, slow, restarting or not a Redis server at all (any client error) costs at
+most ``timeout`` seconds per call, one warning per outage naming the URL (without its password),
+and the tier is skipped for ``retry_after`` seconds before the client reconnects.
 """
 from __future__ import annotations
 
