@@ -88,22 +88,30 @@ class Prompt:
 def build_prompts(tokenizer, sizes: Sequence[int], corpus=None) -> List[Prompt]:
     """One :class:`Prompt` per size (of at least that many tokens), question ``i`` for size ``i``."""
     from ragattn.apps.corpus import EVAL_CORPUS, load_corpus, rag_prompts
-    from ragattn.methods.prompt import prompt_parts
 
     corpus = load_corpus(EVAL_CORPUS) if corpus is None else corpus
     out = []
     for i, size in enumerate(sizes):
         question, texts = rag_prompts(tokenizer, i + 1, size, corpus)[i]
-        head, ids, tail = prompt_parts(tokenizer, texts, question)
-        spans, at = [], 0
-        for part in [head] + ids:
-            spans.append([at, at + len(part)])
-            at += len(part)
-        tokens = head + [t for c in ids for t in c] + tail
-        if len(tokens) < size:
-            raise ValueError(f"bench.served: the corpus holds only {len(tokens)} prompt tokens, --sizes asks {size}")
-        out.append(Prompt(size, question, tokens, spans, [head] + ids))
+        p = rag_prompt(tokenizer, texts, question, size)
+        if len(p.tokens) < size:
+            raise ValueError(f"bench.served: the corpus holds only {len(p.tokens)} prompt tokens, --sizes asks {size}")
+        out.append(p)
     return out
+
+
+def rag_prompt(tokenizer, texts: Sequence[str], question: str, size: int = 0) -> Prompt:
+    """The :class:`Prompt` of ``texts`` (passages) and ``question`` laid out as the methods lay
+    them out (``ragattn.methods.prompt.prompt_parts``); ``size``: its ``size`` (0: its length)."""
+    from ragattn.methods.prompt import prompt_parts
+
+    head, ids, tail = prompt_parts(tokenizer, list(texts), question)
+    spans, at = [], 0
+    for part in [head] + ids:
+        spans.append([at, at + len(part)])
+        at += len(part)
+    tokens = head + [t for c in ids for t in c] + tail
+    return Prompt(size or len(tokens), question, tokens, spans, [head] + ids)
 
 
 def completion_body(model: str, prompt: Sequence[int], max_tokens: int,

@@ -44,7 +44,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .provenance import project_commit
-from .traffic import SECRET, TARGET_FRACTION, start_redis, summary, windows, zipf_stream
+from .traffic import (SECRET, TARGET_FRACTION, add_stream_arguments, check_stream_arguments, memory_budget,
+                      start_redis, summary, windows, zipf_stream)
 
 TIERS = ("disk", "remote")
 MAX_MODEL_LEN = 4096
@@ -98,20 +99,9 @@ def request_body(model: str, prompt, spans=None) -> dict:
 
 def build_requests(tok, stream: Sequence[Sequence[int]], q_of: Sequence[int], texts: List[str], questions: List[str]):
     """A :class:`bench.served.Prompt` per request of ``stream`` (passage indices) and ``q_of``."""
-    from ragattn.methods.prompt import prompt_parts
+    from .served import rag_prompt
 
-    from .served import Prompt
-
-    out = []
-    for ids, qi in zip(stream, q_of):
-        head, chunks, tail = prompt_parts(tok, [texts[j] for j in ids], questions[qi])
-        spans, at = [], 0
-        for part in [head] + chunks:
-            spans.append([at, at + len(part)])
-            at += len(part)
-        out.append(Prompt(at + len(tail), questions[qi], head + [t for c in chunks for t in c] + tail, spans,
-                          [head] + chunks))
-    return out
+    return [rag_prompt(tok, [texts[j] for j in ids], questions[qi]) for ids, qi in zip(stream, q_of)]
 
 
 def build_store(model_dir: Path, chunk_dir: Path, parts: List[List[int]], url: Optional[str]) -> dict:
@@ -216,9 +206,8 @@ def run(a, argv_text: str) -> dict:
                 raise SystemExit(f"bench.served_traffic: --tiers remote needs a redis-server: {url}")
         built = build_store(model_dir, workdir / "kv", parts, url)
         log(f"bench.served_traffic: chunk store built: {built}")
-        widest = sorted((len(c) for c in every_chunk), reverse=True)[:a.passages] + [len(head)]
-        floor = sum(-(-n // built["page_rows"]) for n in widest) * built["page_rows"] * built["row_bytes"]
-        budget = max(int(built["kv_bytes"] * a.budget_fraction), floor)
+        budget = memory_budget(built["kv_bytes"], a.budget_fraction, [len(c) for c in every_chunk], a.passages,
+                               [len(head)], built["page_rows"], built["row_bytes"])
         meta = dict(commit=commit, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                     load_before=list(os.getloadavg()), threads=a.threads, command=argv_text,
                     corpus_passages=len(texts), corpus_tokens=built["tokens"], corpus_kv_bytes=built["kv_bytes"],
@@ -267,30 +256,16 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench.served_traffic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="python of the vLLM environment (default: .venv-vllm's)")
-    p.add_argument("--requests", type=int, default=120)
-    p.add_argument("--passages", type=int, default=4, help="passages a request")
-    p.add_argument("--budget-fraction", type=float, default=0.25, help="memory budget / the corpus's chunk K/V")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of passage popularity")
-    p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, of {', '.join(TIERS)}")
-    p.add_argument("--window", type=int, default=20, help="requests per reported window")
-    p.add_argument("--probe-every", type=int, default=8,
-                   help="every N-th request is also answered by the warm server: full prefill and Block-Attention")
+    add_stream_arguments(p, 120, 20, TIERS,
+                         "every N-th request is also answered by the warm server: full prefill and Block-Attention")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of each server")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus", default=None, help="a corpus folder (default: the shipped eval set)")
-    p.add_argument("--max-passages", type=int, default=0, help="use the corpus's first N passages (0: all)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--out", default="docs/perf/cpu-served-traffic")
     p.add_argument("--workdir", default=None, help="keep the model, store and server logs here (default: a temporary "
                                                    "folder, removed)")
     p.add_argument("--dry-run", action="store_true", help="print the first requests and the server commands")
     a = p.parse_args(argv)
-    a.tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]
-    bad = [t for t in a.tiers if t not in TIERS]
-    if bad or not a.tiers:
-        p.error(f"--tiers: unknown {bad}; choose among {', '.join(TIERS)}")
-    if not 0 < a.budget_fraction <= 1:
-        p.error("--budget-fraction must be in (0, 1]")
+    check_stream_arguments(p, a, TIERS)
     if a.requests < 2 * a.probe_every:
         p.error("--requests must be at least twice --probe-every (the second half needs a probe)")
     a.vllm_python = a.vllm_python or default_vllm_python()

@@ -70,6 +70,44 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
 
 
+def memory_budget(corpus_bytes: int, fraction: float, chunk_lens: Sequence[int], passages: int,
+                  extra_lens: Sequence[int], page_rows: int, row_bytes: int) -> int:
+    """The store's memory budget: ``fraction`` of the corpus's chunk K/V, but at least one request:
+    its ``passages`` longest chunks and ``extra_lens`` (the head, the question's own rows), each
+    rounded up to pages of ``page_rows`` rows of ``row_bytes``."""
+    from ragattn.ops.page_table import num_pages
+
+    widest = sorted(chunk_lens, reverse=True)[:passages] + list(extra_lens)
+    floor = sum(num_pages(n, page_rows) for n in widest) * page_rows * row_bytes
+    return max(int(corpus_bytes * fraction), floor)
+
+
+def add_stream_arguments(p: argparse.ArgumentParser, requests: int, window: int, tiers: Sequence[str],
+                         probe_help: str) -> None:
+    """The stream's options (bench.traffic and bench.served_traffic): its requests, their passages
+    and popularity, the memory budget, the tiers, the windows, the probes, the corpus."""
+    p.add_argument("--requests", type=int, default=requests)
+    p.add_argument("--passages", type=int, default=4, help="passages a request")
+    p.add_argument("--budget-fraction", type=float, default=0.25, help="memory budget / the corpus's chunk K/V")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of passage popularity")
+    p.add_argument("--tiers", default=",".join(tiers), help=f"comma-separated, of {', '.join(tiers)}")
+    p.add_argument("--window", type=int, default=window, help="requests per reported window")
+    p.add_argument("--probe-every", type=int, default=8, help=probe_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=None, help="a corpus folder (default: the shipped eval set)")
+    p.add_argument("--max-passages", type=int, default=0, help="use the corpus's first N passages (0: all)")
+
+
+def check_stream_arguments(p: argparse.ArgumentParser, a, tiers: Sequence[str]) -> None:
+    """``--tiers`` parsed into a list of known tiers and ``--budget-fraction`` in (0, 1], or ``p.error``."""
+    a.tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]
+    bad = [t for t in a.tiers if t not in tiers]
+    if bad or not a.tiers:
+        p.error(f"--tiers: unknown {bad}; choose among {', '.join(tiers)}")
+    if not 0 < a.budget_fraction <= 1:
+        p.error("--budget-fraction must be in (0, 1]")
+
+
 def rss_bytes() -> int:
     """This process's resident memory (Linux ``/proc/self/statm``; 0 elsewhere)."""
     try:
@@ -295,11 +333,9 @@ def run(a, argv_text: str) -> dict:
         build_s = time.perf_counter() - t0
         corpus_tokens = sum(built.tokens(k).numel() for k in keys)
         corpus_bytes = corpus_tokens * built.row_bytes
-        # at least one request must fit: its longest chunks, each rounded to pages, and its question's
-        # pages (a zero-copy request's own; 256 rows cover the eval set's questions)
-        widest = sorted((len(c) for c in chunk_ids), reverse=True)[:a.passages] + [len(head), 256]
-        floor = sum(-(-n // built.page_size) for n in widest) * built.page_size * built.row_bytes
-        budget = max(int(corpus_bytes * a.budget_fraction), floor)
+        # a zero-copy request's question has pages of its own: 256 rows cover the eval set's questions
+        budget = memory_budget(corpus_bytes, a.budget_fraction, [len(c) for c in chunk_ids], a.passages,
+                               [len(head), 256], built.page_size, built.row_bytes)
         del built
         warm_store = ChunkStore(model, os.path.join(work, "kv"), read_only=True, memory_budget=2 * corpus_bytes)
         warm_store.add([head, *chunk_ids])
@@ -338,29 +374,14 @@ def run(a, argv_text: str) -> dict:
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench.traffic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=150)
-    p.add_argument("--passages", type=int, default=4, help="passages a request")
-    p.add_argument("--budget-fraction", type=float, default=0.25, help="memory budget / the corpus's chunk K/V")
-    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of passage popularity")
-    p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, of {', '.join(TIERS)}")
-    p.add_argument("--window", type=int, default=25, help="requests per reported window")
-    p.add_argument("--probe-every", type=int, default=8,
-                   help="every N-th request is also answered by full prefill and from a warm store")
+    add_stream_arguments(p, 150, 25, TIERS, "every N-th request is also answered by full prefill and from a warm store")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus", default=None, help="a corpus folder (default: the shipped eval set)")
-    p.add_argument("--max-passages", type=int, default=0, help="use the corpus's first N passages (0: all)")
     p.add_argument("--cost-lengths", default="32,128,512", help="chunk lengths of the per-source cost table")
     p.add_argument("--cost-chunks", type=int, default=3, help="chunks per length in the cost table")
     p.add_argument("--out", default="docs/perf/cpu-traffic")
     p.add_argument("--dry-run", action="store_true", help="a tiny random model and a dozen requests (seconds)")
     a = p.parse_args(argv)
-    a.tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]
-    bad = [t for t in a.tiers if t not in TIERS]
-    if bad or not a.tiers:
-        p.error(f"--tiers: unknown {bad}; choose among {', '.join(TIERS)}")
-    if not 0 < a.budget_fraction <= 1:
-        p.error("--budget-fraction must be in (0, 1]")
+    check_stream_arguments(p, a, TIERS)
     a.cost_lengths = [int(x) for x in a.cost_lengths.split(",")]
     if a.dry_run:
         a.requests, a.window, a.probe_every, a.max_passages = min(a.requests, 12), min(a.window, 4), 4, 10

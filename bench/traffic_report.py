@@ -131,14 +131,7 @@ def write_report(out: str, result: dict) -> None:
             "request answered again by full prefill and from a warm store holding the whole corpus, right after, "
             "under the same load); first tokens: the stream's answer against full prefill's (base weights, not "
             "the Block-Attention adapter: a timing run) and against the warm store's (the same method).\n\n"
-            "| tier | probes | full prefill p50 ms | warm p50 ms | warm speed-up | TTFT p50 ms | TTFT p99 ms | "
-            "sustained speed-up | of warm | met | first token = full's | = warm's |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
-    for tier, r in result["tiers"].items():
-        body += (f"| {tier} | {r['probes']} | {r['full_p50_ms']:.0f} | {r['warm_p50_ms']:.0f} | "
-                 f"{r['warm_speedup']:.2f}x | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-                 f"{r['sustained_speedup']:.2f}x | {r['ratio_to_warm']:.0%} | {'yes' if r['met'] else 'no'} | "
-                 f"{r['first_token_agrees']}/{r['probes']} | {r['warm_same']}/{r['probes']} |\n")
+            + _probe_table(result, "first token = full's"))
     body += "\nPer window:\n\n" + format_windows(result["tiers"]) + "\n"
     body += ("\nWhere the time goes during the stream (ChunkStore.stats: seconds inside the disk read + verify + "
              "insert, the remote fetch + verify + insert, and the chunks' prefill):\n\n"
@@ -146,20 +139,28 @@ def write_report(out: str, result: dict) -> None:
     body += ("\nOne chunk from each source by length (`TierCosts.measure`: a fresh store each, mean of "
              f"{a['cost_chunks']} chunks; fitted lines and crossovers below):\n\n"
              + format_costs(result["costs"]) + "\n")
-    drawn = plot(result, os.path.join(out, "traffic.png"))
-    body += "\n![hit rate, TTFT and memory over the stream](traffic.png)\n" if drawn else \
+    _write(out, "traffic", result, head, body)
+
+
+def _write(out: str, name: str, result: dict, head: str, body: str) -> None:
+    """``name``.png (the plot), ``name``.md (``head``, ``body`` and the plot) and ``name``.json
+    under ``out``; the tables printed."""
+    drawn = plot(result, os.path.join(out, f"{name}.png"))
+    body += f"\n![hit rate, TTFT and memory over the stream]({name}.png)\n" if drawn else \
         "\n(no plot: matplotlib is not installed)\n"
-    with open(os.path.join(out, "traffic.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(head + body)
-    with open(os.path.join(out, "traffic.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=float)
     print(head + body)
-    print(f"saved {out}/traffic.md, traffic.json" + (", traffic.png" if drawn else ""), file=sys.stderr)
+    print(f"saved {out}/{name}.md, {name}.json" + (f", {name}.png" if drawn else ""), file=sys.stderr)
 
 
-def _probe_table(result: dict) -> str:
+def _probe_table(result: dict, agree_column: str) -> str:
+    """Per tier: the probes' full prefill and warm p50, the stream's second half, the target, and
+    how many answers agree (``agree_column``: what the agreement column counts)."""
     out = ("| tier | probes | full prefill p50 ms | warm p50 ms | warm speed-up | TTFT p50 ms | TTFT p99 ms | "
-           "sustained speed-up | of warm | met | answer = full's | = warm's |\n"
+           f"sustained speed-up | of warm | met | {agree_column} | = warm's |\n"
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
     for tier, r in result["tiers"].items():
         out += (f"| {tier} | {r['probes']} | {r['full_p50_ms']:.0f} | {r['warm_p50_ms']:.0f} | "
@@ -189,15 +190,8 @@ def write_served_report(out: str, result: dict) -> None:
             f"the warm one, both against full prefill on the probes (every {a['probe_every']}-th request sent "
             "right after to a warm server holding the whole corpus in memory, as full prefill and as "
             "Block-Attention). Answers (one token): the stream's against the warm server's full prefill and "
-            "Block-Attention.\n\n" + _probe_table(result))
+            "Block-Attention.\n\n" + _probe_table(result, "answer = full's"))
     body += ("\nPer window (memory / tier hits: the share of chunk spans the worker's store served from memory "
              "and from the tier, from the server's `/metrics`; RSS: the server's process tree):\n\n"
              + format_windows(result["tiers"]) + "\n")
-    drawn = plot(result, os.path.join(out, "served_traffic.png"))
-    body += "\n![hit rate, TTFT and memory over the stream](served_traffic.png)\n" if drawn else \
-        "\n(no plot: matplotlib is not installed)\n"
-    with open(os.path.join(out, "served_traffic.md"), "w") as f:
-        f.write(head + body)
-    with open(os.path.join(out, "served_traffic.json"), "w") as f:
-        json.dump(result, f, indent=1, default=float)
-    print(head + body)
+    _write(out, "served_traffic", result, head, body)
