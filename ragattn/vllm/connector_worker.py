@@ -41,7 +41,7 @@ class RankDisagreement(RuntimeError):
     """Another tensor-parallel rank could not load a request's chunks, or loaded them another way."""
 
 
-LOAD_ERRORS = (ChunkStoreError, OSError, RecomputeError, GateError, RankDisagreement)
+LOAD_ERRORS = (ChunkStoreError, OSError, RecomputeError, GateError)
 
 
 class ConnectorWorker:
@@ -274,9 +274,6 @@ class ConnectorWorker:
     def _fail(self, load: RequestLoad, exc: Exception) -> None:
         """A load that failed: logged, counted and its blocks reported (vLLM computes them)."""
         self._stats.add("loads_failed", 1)
-        self._done.pop(load.req_id, None)
-        self._shared_done.pop(load.req_id, None)
-        self.state.requests.pop(load.req_id, None)
         failed = self._claimed_blocks(load)
         log.error("ragattn.vllm: request %s: cannot load its chunks (%s); blocks %s are reported "
                   "as failed loads", load.req_id, exc, sorted(failed))
