@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
+                         ParallelConfig, SchedulerConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -41,14 +41,17 @@ def served(tmp_path_factory):
     return root / "model", root / "kv", model, chunks
 
 
-def _config(served, prefix_caching=False, **extra):
-    folder, kv, _, _ = served
+def _config(served, prefix_caching=False, parallel=None, **extra):
+    """The connector's VllmConfig over ``served``'s model folder and chunk directory (its first two
+    items); ``parallel``: vLLM's ParallelConfig (default: one rank); ``extra``: connector options."""
+    folder, kv = served[:2]
     extra.setdefault("chunk_dir", str(kv))
     extra.setdefault("kv_split", "rows")
     extra.setdefault("quality_gate", "off")   # (the random model has no tokenizer: tests/vllm/test_gate_served.py)
     extra = {k: v for k, v in extra.items() if v is not None}
     return VllmConfig(
         model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
+        parallel_config=parallel or ParallelConfig(),
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
                                          is_encoder_decoder=False),

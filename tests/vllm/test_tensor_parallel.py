@@ -11,8 +11,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import vllm.distributed  # noqa: E402
 
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
+from vllm.config import ParallelConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -26,6 +25,7 @@ from ragattn.store import ChunkStore  # noqa: E402
 from ragattn.vllm.pages import CacheLayoutError, PageWriter, head_views, slot_rows  # noqa: E402
 from ragattn.vllm.parallel import kv_head_share, rank_kv_heads  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
+from tests.vllm.test_connector import _config as connector_config  # noqa: E402
 
 TP, H, HQ, D, BS, L, NUM_BLOCKS = 3, 3, 6, 16, 16, 2, 12   # SmolLM2's head ratio: 3 KV heads over 3 ranks
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -53,17 +53,8 @@ def _as_rank(monkeypatch, rank, size=TP):
 
 
 def _config(folder, kv_dir, tp=TP, pp=1, split="rows_kt"):
-    extra = {"chunk_dir": str(kv_dir), "kv_split": split, "quality_gate": "off"}
-    return VllmConfig(
-        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512,
-                                         is_encoder_decoder=False),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(kv_connector="RagattnConnector", kv_role="kv_consumer",
-                                            kv_connector_module_path="ragattn.vllm.connector",
-                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra))
+    return connector_config((folder, kv_dir), parallel=ParallelConfig(tensor_parallel_size=tp,
+                                                                      pipeline_parallel_size=pp), kv_split=split)
 
 
 def _kv_cache_config(heads):
