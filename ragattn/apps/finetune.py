@@ -104,7 +104,8 @@ def _parser():
                    help="start from this adapter folder (adapter_config.json, adapter_model.safetensors, "
                         "manifest.json), e.g. the shipped ragattn/weights/block-attention-lora")
     p.add_argument("--schemes", default="reordered,composite",
-                   help="position schemes, used by turns (default %(default)s)")
+                   help="position schemes, used by turns; a scheme named twice gets twice the samples "
+                        "(default %(default)s)")
     p.add_argument("--top-k", default="3,17", metavar="LO,HI",
                    help="passages per prompt drawn from [LO, HI) (default %(default)s)")
     p.add_argument("--answer-tokens", type=int, default=16, help="teacher answer length cap (default %(default)s)")
@@ -240,12 +241,13 @@ def train(args, schemes, top_k, device, out: Path, command: str) -> int:
     stream = tt.rag_examples(train_p, rng, top_k=top_k)
     held_rng = random.Random(args.seed + 1)
     held_stream = tt.rag_examples(held_p, held_rng, top_k=top_k)
+    held_schemes = list(dict.fromkeys(schemes))     # a repeated scheme weights training, not the check
     held = [bd.distill_sample(pm, tok, next(held_stream), s, args.answer_tokens)
-            for s in schemes for _ in range(args.held)]
+            for s in held_schemes for _ in range(args.held)]
 
     def held_check():
         with use_ragattn(pm.get_base_model()):
-            per = {s: bd.agreement(pm, [h for h in held if h.scheme == s]) for s in schemes}
+            per = {s: bd.agreement(pm, [h for h in held if h.scheme == s]) for s in held_schemes}
         return dict(held_kl=sum(v["kl"] for v in per.values()) / len(per),
                     held_first_kl=sum(v["first_kl"] for v in per.values()) / len(per),
                     held_first_agree=sum(v["first_agree"] for v in per.values()) / len(per),
