@@ -139,6 +139,9 @@ class ConnectorScheduler:
             plan.reason = (f"{method.name} recomputes with ragattn's attention backend, which this server does not "
                            "run (RAGATTN_VLLM_ATTENTION=1)")
             return plan
+        if method.recomputes and self.settings.no_recompute:
+            plan.reason = f"{method.name} is not served under pipeline parallelism: {self.settings.no_recompute}"
+            return plan
         fp = self.settings.fingerprint
         claim = plan_claim(tokens, spans, lambda t: chunk_key(fp, t), self._has_chunk)
         if len(claim.spans) < len(spans):
