@@ -29,8 +29,7 @@ from ragattn.vllm.gate import GateError, run_gate
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
 from ragattn.vllm.metrics import STORE_COUNTERS, RagattnStats
-from ragattn.vllm.parallel import (COPY, FAILED, SHARED, agree_loads, pp_group, rank_kv_heads, stage_layers, tp_group,
-                                   worker_groups)
+from ragattn.vllm.parallel import COPY, FAILED, SHARED, agree_loads, pp_group, rank_kv_heads, stage_layers, tp_group
 from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm.spans import composite_positions, layer_index
 from ragattn.vllm.worker_state import WorkerState
@@ -39,8 +38,7 @@ log = init_logger(f"vllm.{__name__}")   # vLLM's logger tree: its lines carry le
 
 
 class RankDisagreement(RuntimeError):
-    """Another tensor-parallel rank or pipeline stage could not load a request's chunks, or loaded
-    them another way."""
+    """Another tensor-parallel rank could not load a request's chunks, or loaded them another way."""
 
 
 LOAD_ERRORS = (ChunkStoreError, OSError, RecomputeError, GateError)
@@ -61,7 +59,7 @@ class ConnectorWorker:
                                  memory_budget=None if budget is None else int(budget), remote=settings.remote)
         self._writer: PageWriter | None = None
         self._recomputer: Recomputer | None = None
-        self._groups: list = []                               # vLLM's TP and PP groups of > 1 worker
+        self._group = None                                    # vLLM's tensor-parallel group (None: one rank)
         self._failed_blocks: set[int] = set()
         self._done: dict[str, list[int]] = {}
         self._written: dict[str, tuple[int, ...]] = {}   # chunk -> the shared pages holding it
@@ -187,7 +185,7 @@ class ConnectorWorker:
                                   layers=layers)
         if self.settings.shared:   # ragattn's backend reads the chunk pages with the model's RoPE
             self.state.rope = self._store.rope
-        self._groups = worker_groups()
+        self._group = tp_group()
         self._recomputer = self._make_recomputer(names, kv_caches)
 
     def _make_recomputer(self, names: list[str], kv_caches: dict[str, torch.Tensor]):
@@ -253,23 +251,28 @@ class ConnectorWorker:
         file) is written not at all: its blocks are reported by :meth:`get_block_ids_with_load_errors`.
         Under tensor parallelism the ranks agree on every load between the two (:func:`agree_loads`):
         a load that failed, or was written another way, on any rank fails on every rank, so that the
-        ranks' recomputes, which run the sharded layers' collectives, stay in lockstep."""
+        ranks' recomputes, which run the sharded layers' collectives, stay in lockstep. Pipeline
+        stages cannot agree before the forward (:mod:`ragattn.vllm.parallel`): a stage never falls
+        back to copies, and forgets the shared entries of the requests ``meta.dropped`` names
+        (failed on another stage)."""
         assert isinstance(meta, RagattnConnectorMetadata)
         if meta.loads and self._writer is None:
             raise RuntimeError("ragattn.vllm: start_load_kv before register_kv_caches")
         for key in meta.evicted:
             self._written.pop(key, None)
+        for req_id in meta.dropped:   # (failed on another pipeline stage: read from its own blocks now)
+            self.state.requests.pop(req_id, None)
         written = []
         for load in meta.loads:
             self.state.requests.pop(load.req_id, None)
             written.append(self._timed(self._write, load))
-        agreed = agree_loads([how if isinstance(how, int) else FAILED for how in written], self._groups)
+        agreed = agree_loads([how if isinstance(how, int) else FAILED for how in written], self._group)
         for load, how, same in zip(meta.loads, written, agreed):
             if isinstance(how, Exception):
                 self._fail(load, how)
             elif not same:
-                self._fail(load, RankDisagreement("another tensor-parallel rank or pipeline stage could not load "
-                                                  "its share of these chunks, or loaded them another way"))
+                self._fail(load, RankDisagreement("another tensor-parallel rank could not load its share of "
+                                                  "these chunks, or loaded them another way"))
             else:
                 result = self._timed(self._finish, load, how)
                 if isinstance(result, Exception):
@@ -330,6 +333,9 @@ class ConnectorWorker:
                     self._writer.write(load.keys, load.spans, load.block_ids, tail, rotate_to=rotate_to)
         except (ChunkStoreError, OSError) as exc:
             failed = [k for k in load.keys if k not in self._written]
+            if self.settings.pipeline > 1:   # the other stages may have written it shared: fail it, never copy
+                self._failed_chunks += failed
+                raise
             log.warning("ragattn.vllm: request %s: chunk pages of %s not written (%s); copying its chunks instead",
                         load.req_id, failed, exc)
             self._failed_chunks += failed

@@ -227,8 +227,8 @@ class PageWriter:
             self.groups.append((sorted(int(l) for l in g[0]), bool(g[1]), int(g[2]) if len(g) == 3 else block_size))
         seen = sorted(l for layers, _, _ in self.groups for l in layers)
         if seen != list(range(len(kv_caches))):
-            raise CacheLayoutError(f"ragattn.vllm: the KV cache groups must hold every one of the worker's "
-                                   f"{len(kv_caches)} layers exactly once, got {[g for g, _, _ in self.groups]}")
+            raise CacheLayoutError(f"ragattn.vllm: the KV cache groups must hold every one of the {len(kv_caches)} "
+                                   f"layers exactly once (the worker's caches), got {[g for g, _, _ in self.groups]}")
         self.device = first.device
         self.k, self.v = [], []
         group_bs = {l: bs for layers, _, bs in self.groups for l in layers}

@@ -3,7 +3,7 @@ layers a worker writes and reads, and the groups its workers agree through.
 
     heads = rank_kv_heads(vllm_config, store.num_kv_heads)   # range: this rank's KV heads of the store
     layers = stage_layers(kv_cache_names)                     # range: this stage's layers of the store
-    groups = worker_groups()                                  # [tensor-parallel, pipeline] groups of > 1 worker
+    group = tp_group()                                        # None with one rank
     why = recompute_refusal(vllm_config.parallel_config)      # why CacheBlend / FusionRAG cannot run, or None
 
 Under ``--tensor-parallel-size`` T vLLM splits every attention layer's KV heads over the ranks
@@ -25,11 +25,17 @@ Under ``--pipeline-parallel-size`` P vLLM gives each stage a contiguous run of t
 stage's workers' connector (``register_kv_caches``: ``model.layers.{i}.self_attn.attn`` for the
 stage's ``i``); the scheduler's KV cache config is stage 0's (its layer names only; the block ids
 are every stage's). Each stage's page writer writes its layers of the store (:func:`stage_layers`,
-:class:`ragattn.vllm.pages.PageWriter` ``layers``); the stages agree on every load too (one
-request written as copies on one stage and into shared chunk pages on another would be reported
-to the scheduler both ways), so :func:`agree_loads` runs over the tensor-parallel group, then the
-pipeline group (the minimum over the TP x PP grid). Selective recompute drives every decoder layer
-in one worker, so CacheBlend and FusionRAG are refused per request under pipeline parallelism
+:class:`ragattn.vllm.pages.PageWriter` ``layers``). The stages cannot agree on a load before the
+forward as the ranks do: a later stage receives its hidden rows from the one before it before its
+connector's ``start_load_kv`` runs, so a collective over the pipeline group there waits on a
+stage that waits on it. Instead no stage writes a load another way than the others would (under
+pipeline parallelism a chunk that cannot be written into its shared pages fails the load rather
+than falling back to copies), and a load that failed on any stage fails for the request:
+the scheduler sees the union of the stages' failed blocks (vLLM recomputes them exactly on every
+stage), drops the request's shared-page report (:meth:`RagattnWorkerMetadata.aggregate`) and tells
+every worker to forget the request's shared entries before its next step
+(``RagattnConnectorMetadata.dropped``). Selective recompute drives every decoder layer in one
+worker, so CacheBlend and FusionRAG are refused per request under pipeline parallelism
 (:func:`recompute_refusal`: answered by full attention, the reason in ``kv_transfer_params``).
 """
 from __future__ import annotations
@@ -92,12 +98,6 @@ def pp_group():
     return get_pp_group()
 
 
-def worker_groups() -> list:
-    """The groups of more than one worker this worker belongs to: the tensor-parallel group, then
-    the pipeline group (reducing over both in turn reduces over every worker of the engine)."""
-    return [g for g in (tp_group(), pp_group()) if g is not None]
-
-
 def stage_layers(names: Sequence[str]) -> range:
     """The model layers a worker's KV caches ``names`` (vLLM's attention layer names,
     ``model.layers.{i}.self_attn.attn``) are: every layer without pipeline parallelism, a stage's
@@ -129,26 +129,24 @@ def recompute_refusal(parallel_config: "ParallelConfig") -> str | None:
 FAILED, COPY, SHARED = 0, 1, 2
 
 
-def agree_loads(codes: Sequence[int], groups) -> list[bool]:
-    """For each load, whether every worker wrote it and wrote it the same way: ``codes[i]`` is how
-    this worker wrote load ``i`` (:data:`FAILED`, :data:`COPY`, :data:`SHARED`); True where the
-    codes of all workers are equal and not FAILED. ``groups``: vLLM's ``GroupCoordinator`` (its
-    CPU group) or a ``torch.distributed`` process group, or a list of them (:func:`worker_groups`:
-    reduced over each in turn); None or [] (one worker): True where the code is not FAILED. Every
-    worker calls it with as many codes (the scheduler's metadata is the same on every worker): one
-    collective per group, which also orders the ranks' recomputes."""
-    groups = [] if groups is None else list(groups) if isinstance(groups, (list, tuple)) else [groups]
-    if not groups or not codes:
+def agree_loads(codes: Sequence[int], group) -> list[bool]:
+    """For each load, whether every rank of a stage wrote it and wrote it the same way: ``codes[i]``
+    is how this rank wrote load ``i`` (:data:`FAILED`, :data:`COPY`, :data:`SHARED`); True where
+    the codes of all ranks are equal and not FAILED. ``group``: vLLM's tensor-parallel
+    ``GroupCoordinator`` (its CPU group) or a ``torch.distributed`` process group; None (one rank):
+    True where the code is not FAILED. Every rank calls it with as many codes (the scheduler's
+    metadata is the same on every rank): one collective, which also orders the ranks' recomputes.
+    Never over the pipeline group (see the module docstring)."""
+    if group is None or not codes:
         return [c != FAILED for c in codes]
     import torch.distributed as dist
 
     t = torch.tensor(list(codes), dtype=torch.int64)
-    both = torch.cat([t, -t])                # min over the workers of the codes and of their negation (-max)
-    for group in groups:
-        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=getattr(group, "cpu_group", group))
+    both = torch.cat([t, -t])                # min over the ranks of the codes and of their negation (-max)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=getattr(group, "cpu_group", group))
     lo, hi = both[:len(t)], -both[len(t):]
     return ((lo == hi) & (lo != FAILED)).tolist()
 
 
-__all__ = ["kv_head_share", "rank_kv_heads", "tp_group", "pp_group", "worker_groups", "stage_layers",
+__all__ = ["kv_head_share", "rank_kv_heads", "tp_group", "pp_group", "stage_layers",
            "recompute_refusal", "agree_loads", "FAILED", "COPY", "SHARED"]

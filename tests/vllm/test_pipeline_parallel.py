@@ -3,8 +3,8 @@ factory; no live server): each stage's page writer writes only its run of the ch
 (the layers vLLM registers with that stage's worker), the stages' caches joined over the layers
 hold the one-stage writer's K/V bit for bit (request pages, staged writes, shared chunk pages, and
 with tensor parallelism inside each stage), a stage given another count of layers is refused by
-name, the workers of a 2 x 2 grid agree on every load, and CacheBlend / FusionRAG are refused per
-request by name. tests/vllm/live/test_pipeline_parallel_served.py serves it."""
+name, a load one stage failed fails for the request on every stage, and CacheBlend / FusionRAG
+are refused per request by name. tests/vllm/live/test_pipeline_parallel_served.py serves it."""
 import pytest
 
 pytest.importorskip("vllm")
@@ -196,28 +196,45 @@ def test_recompute_is_refused_per_request_by_name(served, method, monkeypatch):
                                             _kv_cache_config(NAMES)).settings.no_recompute is None
 
 
-AGREE_WORKER = """
-import sys, torch.distributed as dist
-from ragattn.vllm.parallel import agree_loads
-rank = int(sys.argv[1])
-dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=4)
-tp = [dist.new_group([0, 1]), dist.new_group([2, 3])]       # (every rank makes every group, in order)
-pp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-codes = [[1, 2, 1, 2, 1], [1, 2, 1, 2, 1], [1, 2, 2, 0, 1], [1, 2, 1, 2, 1]][rank]
-print(agree_loads(codes, [tp[rank // 2], pp[rank % 2]]))
-dist.destroy_process_group()
-"""
+def test_a_load_one_stage_failed_fails_for_the_request(served, monkeypatch):
+    """Shared chunk pages: stage 1 cannot write a chunk's pages (a read error there only), stage 0
+    can. Stage 1 fails the load (no fallback to copies, which stage 0 did not make); the stages'
+    reports joined (vLLM's aggregation) name the request failed and not read from shared pages (its
+    blocks, which vLLM recomputes, are not given back); the scheduler's next metadata tells every
+    worker to forget its shared entries, and stage 0 does."""
+    from types import SimpleNamespace
 
+    from ragattn.store import ChunkStoreError
 
-def test_workers_of_a_tp_pp_grid_agree_on_every_load(tmp_path):
-    """agree_loads over a 2 x 2 grid of real gloo groups (tensor parallel in each stage, then the
-    pipeline group): a load counts where every worker wrote it the same way, though only one
-    worker of one stage (rank 2: stage 1, TP rank 0) disagrees; every worker gets the same answer."""
-    import subprocess
-    import sys
-
-    procs = [subprocess.Popen([sys.executable, "-c", AGREE_WORKER, str(r), str(tmp_path / "rendezvous")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
-    assert [o.strip() for o, _ in outs] == ["[True, True, False, False, True]"] * 4
+    monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
+    _, _, _, _, chunks = served
+    cfg = connector_config(served, parallel=ParallelConfig(pipeline_parallel_size=2), shared_pages=True)
+    sched = _scheduler(cfg)
+    sched.add_request(_request("r-sh", chunks[1] + chunks[2] + [7, 3, 11], [(0, 9), (9, 35)]))
+    meta = sched.schedule().kv_connector_metadata
+    assert meta.loads[0].chunk_blocks is not None
+    reports, workers = [], []
+    for s, layers in enumerate(STAGES):
+        names = [NAMES[i] for i in layers]
+        conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, _kv_cache_config(names))
+        conn.register_kv_caches(dict(zip(names, _layer_caches("rows", H, len(names)))))
+        if s == 1:
+            def unreadable(*args, **kwargs):
+                raise ChunkStoreError("chunk file unreadable on this stage")
+            monkeypatch.setattr(conn.worker.writer, "write_chunk_pages", unreadable)
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)
+        reports.append(conn.build_connector_worker_meta())
+        workers.append(conn)
+    assert "r-sh" in workers[0].worker_state.requests and set(reports[0].shared) == {"r-sh"}
+    assert workers[1].get_block_ids_with_load_errors() and set(reports[1].failed) == {"r-sh"}
+    assert "r-sh" not in workers[1].worker_state.requests      # (no copy was made instead)
+    joined = reports[0].aggregate(reports[1])
+    assert joined.shared == {} and set(joined.failed) == {"r-sh"}
+    sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=joined))
+    nxt = sched.connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[])))
+    assert nxt.dropped == ["r-sh"]
+    workers[0].bind_connector_metadata(nxt)
+    workers[0].start_load_kv(None)
+    assert "r-sh" not in workers[0].worker_state.requests
