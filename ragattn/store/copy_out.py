@@ -180,7 +180,8 @@ class CopyOutBuilder:
         src_all = (torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows)[skip:]
         delta = target - rs.pool_offsets(src_all)
         if len(slabs) == 1:
-            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads, heads, layers), src_all, dst, delta, *rot)
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads, heads, layers), src_all, dst,
+                          delta, *rot)
             return
         slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
                              for e in entries for s, _, r in e.parts])[skip:].to(self.device)

@@ -21,7 +21,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import ragattn.hf  # noqa: E402,F401  (describes transformers models to the store)
-from ragattn.store import ChunkStore  # noqa: E402
+from ragattn.store import ChunkStore, ChunkStoreError  # noqa: E402
 from ragattn.vllm.pages import CacheLayoutError, PageWriter  # noqa: E402
 from ragattn.vllm.parallel import stage_layers  # noqa: E402
 from tests.helpers import tiny_causal_lm  # noqa: E402
@@ -111,13 +111,16 @@ def test_stage_layers_of_shared_chunk_pages(served, split):
 
 
 def test_a_wrong_layer_count_is_refused_by_name(served):
-    _, _, store, _, _ = served
+    _, _, store, keys, _ = served
     with pytest.raises(CacheLayoutError, match="has 2 attention layers, but holds the chunk store's layers 0..2"):
         PageWriter(store, _layer_caches("rows", H, 2), BS, "rows", layers=range(0, 3))
     with pytest.raises(CacheLayoutError, match="has 3 attention layers, but holds the chunk store's layers 0..4"):
         PageWriter(store, _layer_caches("rows", H, 3), BS, "rows")
     with pytest.raises(CacheLayoutError, match="non-empty range within the chunk store's 5 layers"):
         PageWriter(store, _layer_caches("rows", H, 2), BS, "rows", layers=range(4, 6))
+    k, v = torch.zeros(4, H, D), torch.zeros(4, H, D)   # (never written: the range is refused first)
+    with pytest.raises(ChunkStoreError, match=r"layers must be a non-empty range within \[0, 5\)"):
+        store.gather_into_([keys[1]], [k], [v], torch.arange(9), layers=range(5, 6))
 
 
 def _config(served, pp=2):
@@ -204,8 +207,6 @@ def test_a_load_one_stage_failed_fails_for_the_request(served, monkeypatch):
     worker to forget its shared entries, and stage 0 does."""
     from types import SimpleNamespace
 
-    from ragattn.store import ChunkStoreError
-
     monkeypatch.setenv("RAGATTN_VLLM_ATTENTION", "1")
     _, _, _, _, chunks = served
     cfg = connector_config(served, parallel=ParallelConfig(pipeline_parallel_size=2), shared_pages=True)
@@ -232,8 +233,8 @@ def test_a_load_one_stage_failed_fails_for_the_request(served, monkeypatch):
     joined = reports[0].aggregate(reports[1])
     assert joined.shared == {} and set(joined.failed) == {"r-sh"}
     sched.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=joined))
-    nxt = sched.connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
-        req_ids=[], resumed_req_ids=set(), new_block_ids=[])))
+    idle = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[])   # a step with no new request
+    nxt = sched.connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=idle))
     assert nxt.dropped == ["r-sh"]
     workers[0].bind_connector_metadata(nxt)
     workers[0].start_load_kv(None)
