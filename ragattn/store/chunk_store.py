@@ -237,14 +237,15 @@ class ChunkStore:
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
                      dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
-                     split_heads: bool = False, heads: range | None = None) -> None:
+                     split_heads: bool = False, heads: range | None = None, layers: range | None = None) -> None:
         """Write the chunks ``keys`` (in order) into a caller's cache at ``dst_rows``, keys rotated
         to ``positions`` (:meth:`CopyOutBuilder.gather_into_`; ``heads``: with ``split_heads``, only
-        these KV heads, e.g. a tensor-parallel rank's)."""
+        these KV heads, e.g. a tensor-parallel rank's; ``layers``: only these layers, e.g. a
+        pipeline-parallel stage's)."""
         keys = key_list(keys, "ragattn.ChunkStore.gather_into_")
         self._sync()
         self._copy_out.gather_into_(keys, dst_k, dst_v, dst_rows, positions, skip=skip, split_heads=split_heads,
-                                    heads=heads)
+                                    heads=heads, layers=layers)
 
     @torch.no_grad()
     def assemble(self, keys: Sequence[str], positions: str = "reordered", extra_slots: int = 0,

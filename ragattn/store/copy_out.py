@@ -84,7 +84,7 @@ class CopyOutBuilder:
     @torch.no_grad()
     def gather_into_(self, keys: Sequence[str], dst_k: Sequence[torch.Tensor], dst_v: Sequence[torch.Tensor],
                      dst_rows: torch.Tensor, positions: torch.Tensor | None = None, *, skip: int = 0,
-                     split_heads: bool = False, heads: range | None = None) -> None:
+                     split_heads: bool = False, heads: range | None = None, layers: range | None = None) -> None:
         """Write the chunks ``keys`` (in order, ``T`` rows in all) into a caller's cache.
 
         ``dst_k``, ``dst_v``: per layer caches in the store's dtype and device, each viewed as
@@ -94,7 +94,9 @@ class CopyOutBuilder:
         contiguous within a row, such as vLLM's ``[blocks, Hkv, block_size, 2 * D]`` pages;
         ``heads`` (with ``split_heads``; a ``range`` within ``[0, Hkv)``, default all): only these KV
         heads are written, ``L * len(heads)`` caches (layer ``l``, head ``heads[i]`` at ``l *
-        len(heads) + i``), e.g. a tensor-parallel rank's share of the heads.
+        len(heads) + i``), e.g. a tensor-parallel rank's share of the heads. ``layers`` (a
+        ``range`` within ``[0, L)``, default all): only these layers are written, ``len(layers)``
+        destinations per head in that order (e.g. a pipeline-parallel stage's layers).
         ``skip``: the first ``skip`` chunk tokens (of the ``T``, in order) are not written (the
         caller already holds them). ``dst_rows`` int64 ``[T - skip]``: the row of each written
         token, distinct; ``positions`` int ``[T - skip]`` (or None: keep the local positions): the
@@ -116,7 +118,8 @@ class CopyOutBuilder:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: dst_rows has shape "
                                       f"{tuple(dst_rows.shape)}, expected ({n},) (the chunks' tokens)")
             heads = self._heads(heads, split_heads)
-            want = self.num_layers * (len(heads) if split_heads else 1)
+            layers = self._layers(layers)
+            want = len(layers) * (len(heads) if split_heads else 1)
             if len(dst_k) != want or len(dst_v) != want:
                 raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: expected {want} destination K and V "
                                       f"caches ({'layers x kv heads' if split_heads else 'layers'}), got "
@@ -135,7 +138,7 @@ class CopyOutBuilder:
                                           f"{_MAX_POSITION}], got [{int(positions.min())}, {int(positions.max())}]")
                 target = positions.to(self.device, torch.int64)
             self._copy(entries, lens, dst_k, dst_v, dst_rows.to(self.device, torch.int64), target, skip, split_heads,
-                       heads)
+                       heads, layers)
         finally:
             self.resident.unpin(pinned)
 
@@ -157,8 +160,18 @@ class CopyOutBuilder:
                                   f"{heads!r} (split_heads={split_heads})")
         return heads
 
+    def _layers(self, layers) -> range:
+        """The layers a gather writes (all, or ``layers`` checked: a non-empty step-1 ``range`` of them)."""
+        if layers is None:
+            return range(self.num_layers)
+        if not isinstance(layers, range) or layers.step != 1 or not len(layers) or layers.start < 0 \
+                or layers.stop > self.num_layers:
+            raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: layers must be a non-empty range within "
+                                  f"[0, {self.num_layers}) (the store's layers), got {layers!r}")
+        return layers
+
     def _copy(self, entries, lens, dst_k, dst_v, dst, target, skip: int = 0, split_heads: bool = False,
-              heads: range | None = None):
+              heads: range | None = None, layers: range | None = None):
         """Copy the chunks' tokens ``skip..T-1`` to rows ``dst``, keys rotated from the pool's form
         (by their page offset) to ``target`` (int64, each token's RoPE position)."""
         slabs = list({id(s): s for e in entries for s, _, _ in e.parts}.values())
@@ -167,7 +180,8 @@ class CopyOutBuilder:
         src_all = (torch.cat([e.rows for e in entries]) if len(entries) > 1 else entries[0].rows)[skip:]
         delta = target - rs.pool_offsets(src_all)
         if len(slabs) == 1:
-            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads, heads), src_all, dst, delta, *rot)
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(slabs[0], split_heads, heads, layers), src_all, dst,
+                          delta, *rot)
             return
         slab_of = torch.cat([torch.full((r,), slabs.index(s), dtype=torch.int64)
                              for e in entries for s, _, r in e.parts])[skip:].to(self.device)
@@ -175,7 +189,7 @@ class CopyOutBuilder:
             sel = (slab_of == i).nonzero()[:, 0]
             if sel.numel() == 0:
                 continue
-            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(s, split_heads, heads), src_all[sel], dst[sel],
+            _ops.copy_kv_(dst_k, dst_v, *rs.pool.slab_layers(s, split_heads, heads, layers), src_all[sel], dst[sel],
                           delta[sel], *rot)
 
     def _request_cache(self, capacity: int, page_size: int):

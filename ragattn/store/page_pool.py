@@ -178,13 +178,16 @@ class PagePool:
             out.append([torch.cat(per) for per in zip(*layers)])
         return out[0], out[1]
 
-    def slab_layers(self, slab: _Slab, split_heads: bool, heads: range | None = None):
-        """The slab's per-layer K and V; ``split_heads``: per (layer, head) ``[rows, 1, D]`` views
-        instead, of the KV heads ``heads`` only (default all), layer-major."""
+    def slab_layers(self, slab: _Slab, split_heads: bool, heads: range | None = None, layers: range | None = None):
+        """The slab's per-layer K and V, of the layers ``layers`` only (default all); ``split_heads``:
+        per (layer, head) ``[rows, 1, D]`` views instead, of the KV heads ``heads`` only (default
+        all), layer-major."""
+        ls = range(self.num_layers) if layers is None else layers
+        ks, vs = [slab.k[l] for l in ls], [slab.v[l] for l in ls]
         if not split_heads:
-            return slab.k, slab.v
+            return ks, vs
         hs = range(self.num_kv_heads) if heads is None else heads
-        return ([k[:, h:h + 1] for k in slab.k for h in hs], [v[:, h:h + 1] for v in slab.v for h in hs])
+        return ([k[:, h:h + 1] for k in ks for h in hs], [v[:, h:h + 1] for v in vs for h in hs])
 
     def copy_out(self, device: torch.device, pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``[L, pool_rows, Hkv, D]``: every slab in order, on ``device``."""

@@ -61,10 +61,11 @@ if TYPE_CHECKING:
 class RagattnConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. Supports vLLM's hybrid KV cache manager (``SupportsHMA``:
     full-attention and sliding-window groups, each with its block table) and fp8 e4m3 KV caches
-    (``kv_cache_dtype`` ``fp8``/``fp8_e4m3``, per-layer or per-head scales) and tensor parallelism
-    (each worker writes and reads its share of the KV heads: :mod:`ragattn.vllm.parallel`). Not
-    supported: pipeline parallelism (refused by name), other quantised caches, MLA or Mamba
-    layers. ``scheduler`` / ``worker``: the role's object (the other is None)."""
+    (``kv_cache_dtype`` ``fp8``/``fp8_e4m3``, per-layer or per-head scales), tensor parallelism
+    (each worker writes and reads its share of the KV heads) and pipeline parallelism (each stage
+    its layers; CacheBlend and FusionRAG refused per request by name: :mod:`ragattn.vllm.parallel`).
+    Not supported: other quantised caches, MLA or Mamba layers. ``scheduler`` / ``worker``: the
+    role's object (the other is None)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

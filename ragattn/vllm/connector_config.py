@@ -20,7 +20,7 @@ from ragattn.store import ChunkStoreError, RemoteTier
 from ragattn.vllm.gate import mode_option
 from ragattn.vllm.platform import enabled as ragattn_attention
 from ragattn.vllm.pages import KV_SPLITS
-from ragattn.vllm.parallel import check_parallel
+from ragattn.vllm.parallel import recompute_refusal
 from ragattn.vllm.spans import SPANS_PARAM, MethodChoice
 from ragattn.vllm.store import check_directory_fingerprint, served_chunk_model
 
@@ -71,6 +71,9 @@ class RequestLoad:
 class RagattnConnectorMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)     # chunks whose shared pages were freed
+    # requests whose load failed on some worker: every worker forgets their shared entries (pipeline stages
+    # cannot agree on a load before the forward: ragattn.vllm.parallel)
+    dropped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -86,8 +89,13 @@ class RagattnWorkerMetadata(KVConnectorWorkerMetadata):
     failed: dict[str, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: "RagattnWorkerMetadata") -> "RagattnWorkerMetadata":
-        return RagattnWorkerMetadata({**self.recomputed, **other.recomputed}, {**self.shared, **other.shared},
-                                     self.failed_chunks + other.failed_chunks, {**self.failed, **other.failed})
+        """Both workers' reports; a request whose load failed on either is not reported as read from
+        shared pages (a pipeline stage that wrote it while another failed: vLLM recomputes its
+        blocks, which must not be given back)."""
+        failed = {**self.failed, **other.failed}
+        shared = {r: v for r, v in {**self.shared, **other.shared}.items() if r not in failed}
+        return RagattnWorkerMetadata({**self.recomputed, **other.recomputed}, shared,
+                                     self.failed_chunks + other.failed_chunks, failed)
 
 
 def cache_groups(kv_cache_config: "KVCacheConfig") -> list[tuple[list[str], bool, int]]:
@@ -121,7 +129,9 @@ class Settings:
     ``prefix_caching``, ``window`` (the model's sliding window or None), ``shared`` (shared chunk
     pages), ``chunk_model`` and its ``fingerprint``, ``hf_path`` (the HF checkpoint), ``gate_mode``
     (the quality gate's mode: ragattn.vllm.gate), ``remote`` (the fleet's tier or None),
-    ``memory_budget``, ``kv_split`` (None: from the attention backend)."""
+    ``memory_budget``, ``kv_split`` (None: from the attention backend), ``no_recompute`` (why
+    CacheBlend and FusionRAG cannot run under this parallel layout, or None), ``pipeline`` (the
+    pipeline stages)."""
 
     def __init__(self, vllm_config: "VllmConfig", kv_transfer_config, kv_cache_config: "KVCacheConfig"):
         cfg = kv_transfer_config
@@ -135,7 +145,9 @@ class Settings:
         self.dir = Path(chunk_dir)
         if not self.dir.is_dir():
             raise ChunkStoreError(f"ragattn.vllm: chunk_dir {self.dir} is not a directory")
-        check_parallel(vllm_config.parallel_config)   # tensor parallel: each worker writes its KV heads
+        # tensor parallel: each worker writes its KV heads; pipeline parallel: each stage its layers, no recompute
+        self.no_recompute = recompute_refusal(vllm_config.parallel_config)
+        self.pipeline = int(vllm_config.parallel_config.pipeline_parallel_size)
         cache_dtype = str(vllm_config.cache_config.cache_dtype)
         if cache_dtype not in PLAIN_CACHE_DTYPES + FP8_CACHE_DTYPES:
             raise NotImplementedError(f"ragattn.vllm: kv_cache_dtype {cache_dtype!r} is not supported; the connector "

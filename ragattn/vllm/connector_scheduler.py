@@ -80,6 +80,7 @@ class ConnectorScheduler:
         self._plans: dict[str, _Plan] = {}          # every request that carries chunks, until it finishes
         self._pending: dict[str, tuple] = {}
         self._recomputed: dict[str, list[int]] = {}   # reported by the worker, returned with the answer
+        self._dropped: list[str] = []                  # failed loads: every worker forgets their shared entries
         self._can_recompute = ragattn_attention()   # the recompute runs on ragattn's backend and worker
         self._pool: ChunkPagePool | None = None     # at bind_kv_cache_manager, with shared pages
         self._kv_manager = None
@@ -138,6 +139,9 @@ class ConnectorScheduler:
         if method.recomputes and not self._can_recompute:
             plan.reason = (f"{method.name} recomputes with ragattn's attention backend, which this server does not "
                            "run (RAGATTN_VLLM_ATTENTION=1)")
+            return plan
+        if method.recomputes and self.settings.no_recompute:
+            plan.reason = f"{method.name} is not served under pipeline parallelism: {self.settings.no_recompute}"
             return plan
         fp = self.settings.fingerprint
         claim = plan_claim(tokens, spans, lambda t: chunk_key(fp, t), self._has_chunk)
@@ -233,7 +237,9 @@ class ConnectorScheduler:
         self._pending[request.request_id] = (claim, local, method, prompt, chunk_blocks)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> RagattnConnectorMetadata:
-        meta = RagattnConnectorMetadata(evicted=self._pool.take_evicted() if self._pool is not None else [])
+        meta = RagattnConnectorMetadata(evicted=self._pool.take_evicted() if self._pool is not None else [],
+                                        dropped=self._dropped)
+        self._dropped = []
         for req in scheduler_output.scheduled_new_reqs:
             if req.req_id in self._pending:
                 claim, skip, method, prompt, chunks = self._pending.pop(req.req_id)
@@ -254,6 +260,7 @@ class ConnectorScheduler:
             failed = {b for ids in worker.failed.values() for b in ids}
             if failed:
                 self._fail(worker.failed, failed)
+            self._dropped += list(worker.failed)
             if self._pool is not None:
                 for key in worker.failed_chunks:
                     self._pool.drop(key)

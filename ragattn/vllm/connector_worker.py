@@ -29,7 +29,7 @@ from ragattn.vllm.gate import GateError, run_gate
 from ragattn.vllm.pages import (BACKEND_KV_SPLIT, CPU_ATTN_ISA_KV_SPLIT, FP8_STORAGE, KV_SPLITS, NULL_BLOCK,
                                 CacheLayoutError, PageWriter, head_views)
 from ragattn.vllm.metrics import STORE_COUNTERS, RagattnStats
-from ragattn.vllm.parallel import COPY, FAILED, SHARED, agree_loads, rank_kv_heads, tp_group
+from ragattn.vllm.parallel import COPY, FAILED, SHARED, agree_loads, pp_group, rank_kv_heads, stage_layers, tp_group
 from ragattn.vllm.recompute import Recomputed, Recomputer, RecomputeError, RecomputeRequest
 from ragattn.vllm.spans import composite_positions, layer_index
 from ragattn.vllm.worker_state import WorkerState
@@ -72,21 +72,23 @@ class ConnectorWorker:
         self.gate = self._run_gate()
 
     def _run_gate(self):
-        """The quality gate's verdict (:func:`ragattn.vllm.gate.run_gate`); under tensor parallelism
-        rank 0 runs it and hands its verdict (or its GateError) to the other ranks, so the gate
-        runs once and every rank refuses the same methods."""
+        """The quality gate's verdict (:func:`ragattn.vllm.gate.run_gate`); under tensor or pipeline
+        parallelism the first stage's rank 0 runs it and hands its verdict (or its GateError) to
+        the other ranks of its stage, then each of them to its later stages, so the gate runs once
+        and every worker refuses the same methods."""
         s = self.settings
-        group = tp_group()
-        if group is None or group.rank_in_group == 0:
+        tp, pp = tp_group(), pp_group()
+        first_stage = pp is None or pp.rank_in_group == 0
+        verdict = error = None
+        if first_stage and (tp is None or tp.rank_in_group == 0):
             try:
                 verdict, error = run_gate(s.dir, s.fingerprint, s.hf_path, self.vllm_config.model_config.dtype,
                                           s.gate_mode), None
             except GateError as exc:
                 verdict, error = None, str(exc)
-            if group is not None:
-                group.broadcast_object((verdict, error), src=0)
-        else:
-            verdict, error = group.broadcast_object(None, src=0)
+        for group, here in ((tp, first_stage), (pp, True)):
+            if group is not None and here:
+                verdict, error = group.broadcast_object((verdict, error) if group.rank_in_group == 0 else None, src=0)
         if error is not None:
             raise GateError(error)
         return verdict
@@ -161,7 +163,7 @@ class ConnectorWorker:
             if sorted(grouped) != sorted(names):
                 raise CacheLayoutError(f"ragattn.vllm: the KV cache groups name layers {sorted(grouped)}, the worker's "
                                        f"caches are {sorted(names)}")
-            pos = {n: i for i, n in enumerate(names)}
+            pos = {n: i for i, n in enumerate(names)}   # (a stage's groups name its own layers)
             groups = [([pos[n] for n in layers], sliding, bs) for layers, sliding, bs in self.settings.groups]
         split = self._kv_split()
         # this rank's KV heads of the store (all of them without tensor parallelism)
@@ -169,9 +171,18 @@ class ConnectorWorker:
         if len(heads) != self._store.num_kv_heads:
             log.info("ragattn.vllm: tensor parallel: this worker writes and reads KV heads %d..%d of the chunk "
                      "store's %d", heads.start, heads.stop - 1, self._store.num_kv_heads)
+        # this stage's layers of the store (all of them without pipeline parallelism)
+        try:
+            layers = stage_layers(names)
+        except ValueError as exc:
+            raise CacheLayoutError(str(exc)) from None
+        if len(layers) != self._store.num_layers:
+            log.info("ragattn.vllm: pipeline parallel: this worker writes and reads layers %d..%d of the chunk "
+                     "store's %d", layers.start, layers.stop - 1, self._store.num_layers)
         self._check_layout(names[0], kv_caches[names[0]], split, len(heads))
         self._writer = PageWriter(self._store, [kv_caches[n] for n in names], self.settings.block_size, split,
-                                  groups=groups, scales=self._fp8_scales(names, kv_caches), heads=heads)
+                                  groups=groups, scales=self._fp8_scales(names, kv_caches), heads=heads,
+                                  layers=layers)
         if self.settings.shared:   # ragattn's backend reads the chunk pages with the model's RoPE
             self.state.rope = self._store.rope
         self._group = tp_group()
@@ -181,10 +192,11 @@ class ConnectorWorker:
         """The recompute over these caches where ragattn's backend serves them (one group), else None."""
         layers = self._attn_layers()
         impls = [getattr(layers.get(n), "impl", None) for n in names]
-        if len(self.settings.groups) > 1 or not all(isinstance(i, RagattnAttentionImpl) for i in impls):
+        if len(self.settings.groups) > 1 or not all(isinstance(i, RagattnAttentionImpl) for i in impls) \
+                or self.settings.no_recompute:
             return None
         return Recomputer(self.vllm_config, names, [kv_caches[n] for n in names], impls[0].head_size,
-                          impls[0].scale, self.state, self._group)
+                          impls[0].scale, self.state, tp_group())
 
     def _check_layout(self, name: str, kv: torch.Tensor, split: str, num_heads: int | None = None) -> None:
         """Start-up proof that ``split`` is where the backend keeps K and V: the backend's own cache
@@ -239,12 +251,17 @@ class ConnectorWorker:
         file) is written not at all: its blocks are reported by :meth:`get_block_ids_with_load_errors`.
         Under tensor parallelism the ranks agree on every load between the two (:func:`agree_loads`):
         a load that failed, or was written another way, on any rank fails on every rank, so that the
-        ranks' recomputes, which run the sharded layers' collectives, stay in lockstep."""
+        ranks' recomputes, which run the sharded layers' collectives, stay in lockstep. Pipeline
+        stages cannot agree before the forward (:mod:`ragattn.vllm.parallel`): a stage never falls
+        back to copies, and forgets the shared entries of the requests ``meta.dropped`` names
+        (failed on another stage)."""
         assert isinstance(meta, RagattnConnectorMetadata)
         if meta.loads and self._writer is None:
             raise RuntimeError("ragattn.vllm: start_load_kv before register_kv_caches")
         for key in meta.evicted:
             self._written.pop(key, None)
+        for req_id in meta.dropped:   # (failed on another pipeline stage: read from its own blocks now)
+            self.state.requests.pop(req_id, None)
         written = []
         for load in meta.loads:
             self.state.requests.pop(load.req_id, None)
@@ -316,6 +333,9 @@ class ConnectorWorker:
                     self._writer.write(load.keys, load.spans, load.block_ids, tail, rotate_to=rotate_to)
         except (ChunkStoreError, OSError) as exc:
             failed = [k for k in load.keys if k not in self._written]
+            if self.settings.pipeline > 1:   # the other stages may have written it shared: fail it, never copy
+                self._failed_chunks += failed
+                raise
             log.warning("ragattn.vllm: request %s: chunk pages of %s not written (%s); copying its chunks instead",
                         load.req_id, failed, exc)
             self._failed_chunks += failed
@@ -349,8 +369,9 @@ class ConnectorWorker:
         """CacheBlend / FusionRAG on the request's pages, or (``shared``) over its shared chunk
         pages (ragattn.vllm.recompute)."""
         if self._recomputer is None:
-            raise RecomputeError(f"ragattn.vllm: {load.method.name} needs ragattn's attention backend on one KV "
-                                 "cache group (RAGATTN_VLLM_ATTENTION=1)")
+            why = self.settings.no_recompute or ("it needs ragattn's attention backend on one KV cache group "
+                                                 "(RAGATTN_VLLM_ATTENTION=1)")
+            raise RecomputeError(f"ragattn.vllm: {load.method.name} cannot run here: {why}")
         t0 = time.perf_counter()
         try:
             return self._recomputer.run(RecomputeRequest(load.method.name, load.method.ratio, load.prompt, load.spans,

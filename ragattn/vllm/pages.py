@@ -131,6 +131,23 @@ def check_heads(heads: range | None, num_kv_heads: int, kv_caches: Sequence[torc
     return heads
 
 
+def check_layers(layers: range | None, num_layers: int, num_caches: int) -> range:
+    """The store's layers a worker's ``num_caches`` caches hold (``layers``, default all
+    ``num_layers``), checked: a non-empty step-1 range within the store's layers, one cache per
+    layer; CacheLayoutError naming both counts otherwise (a pipeline stage's caches written from
+    another stage's layers would be fluent garbage)."""
+    layers = range(num_layers) if layers is None else layers
+    if not isinstance(layers, range) or layers.step != 1 or not len(layers) or layers.start < 0 \
+            or layers.stop > num_layers:
+        raise CacheLayoutError(f"ragattn.vllm: the worker's layers must be a non-empty range within the chunk "
+                               f"store's {num_layers} layers, got {layers!r}")
+    if num_caches != len(layers):
+        raise CacheLayoutError(f"ragattn.vllm: the worker has {num_caches} attention layers, but holds the chunk "
+                               f"store's layers {layers.start}..{layers.stop - 1} ({len(layers)} of its model's "
+                               f"{num_layers})")
+    return layers
+
+
 def slot_rows(block_ids: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
     """int64 ``[end - start]``: vLLM's slot of each request token ``start..end-1`` (token ``t``
     lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``): the range form of
@@ -157,14 +174,16 @@ class PageWriter:
     (and cache dtype) there. ``heads``: the store's KV heads these caches hold, in order (a
     tensor-parallel rank's share, :func:`ragattn.vllm.parallel.rank_kv_heads`; default all of
     them): every cache holds ``len(heads)`` heads, written from those heads of the store, and fp8
-    scales are per cache head."""
+    scales are per cache head. ``layers``: the store's layers these caches hold, in order (a
+    pipeline-parallel stage's, :func:`ragattn.vllm.parallel.stage_layers`; default all of them):
+    ``kv_caches[i]`` is written from the store's layer ``layers[i]``, and ``groups`` index
+    ``kv_caches``."""
 
     def __init__(self, store: ChunkStore, kv_caches: Sequence[torch.Tensor], block_size: int, split: str,
                  groups: Sequence[tuple] | None = None,
-                 scales: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None, heads: range | None = None):
-        if len(kv_caches) != store.num_layers:
-            raise CacheLayoutError(f"ragattn.vllm: the worker has {len(kv_caches)} attention layers, the chunk "
-                                   f"store's model {store.num_layers}")
+                 scales: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None, heads: range | None = None,
+                 layers: range | None = None):
+        self.layers = check_layers(layers, store.num_layers, len(kv_caches))
         scales = [None] * len(kv_caches) if scales is None else list(scales)
         if len(scales) != len(kv_caches):
             raise CacheLayoutError(f"ragattn.vllm: {len(scales)} fp8 scale entries for {len(kv_caches)} layers")
@@ -200,16 +219,16 @@ class PageWriter:
         self.scales = scales
         self.store, self.block_size, self.split = store, block_size, split
         # KV cache groups: (model layer indices, sliding window?, block size); default one full-attention group
-        raw = [(range(store.num_layers), False)] if groups is None else groups
+        raw = [(range(len(kv_caches)), False)] if groups is None else groups
         self.groups = []
         for g in raw:
             if len(g) not in (2, 3):
                 raise CacheLayoutError(f"ragattn.vllm: a KV cache group is (layers, sliding[, block_size]), got {g!r}")
             self.groups.append((sorted(int(l) for l in g[0]), bool(g[1]), int(g[2]) if len(g) == 3 else block_size))
         seen = sorted(l for layers, _, _ in self.groups for l in layers)
-        if seen != list(range(store.num_layers)):
-            raise CacheLayoutError(f"ragattn.vllm: the KV cache groups must hold every one of the {store.num_layers} "
-                                   f"layers exactly once, got {[g for g, _, _ in self.groups]}")
+        if seen != list(range(len(kv_caches))):
+            raise CacheLayoutError(f"ragattn.vllm: the KV cache groups must hold every one of the {len(kv_caches)} "
+                                   f"layers exactly once (the worker's caches), got {[g for g, _, _ in self.groups]}")
         self.device = first.device
         self.k, self.v = [], []
         group_bs = {l: bs for layers, _, bs in self.groups for l in layers}
@@ -268,7 +287,7 @@ class PageWriter:
         if simple and not (stage if stage is not None else self.store.device != self.device):
             rows = slot_rows(per_group[0], self.groups[0][2], skip, end).to(self.device)
             self.store.gather_into_(keys, self.k, self.v, rows, positions, skip=skip, split_heads=True,
-                                    heads=self.heads)
+                                    heads=self.heads, layers=self.layers)
             return
         local = torch.cat([torch.arange(b - a, dtype=torch.int64) for a, b in spans])[skip:]
         self._write_staged(keys, per_group, positions, local, skip, end)
@@ -290,9 +309,10 @@ class PageWriter:
         st = self.store
         n = end - skip
         shape = (n, st.num_kv_heads, st.head_dim)
-        sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
-        sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
-        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), positions.to(st.device), skip=skip)
+        sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in self.layers]
+        sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in self.layers]
+        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), positions.to(st.device), skip=skip,
+                        layers=self.layers)
         H = len(self.heads)
         for (layers, sliding, bs), ids in zip(self.groups, per_group):
             rows, src = self._group_rows(ids, bs, sliding, skip, end)
@@ -322,7 +342,7 @@ class PageWriter:
             bs = self.groups[0][2]
             rows = slot_rows(list(block_ids), bs, 0, length).to(self.device)
             self.store.gather_into_([key], self.k, self.v, rows, page_offset(rows, bs), split_heads=True,
-                                    heads=self.heads)
+                                    heads=self.heads, layers=self.layers)
         else:
             self._write_staged([key], [list(block_ids)], None, torch.arange(length, dtype=torch.int64), 0, length)
 
@@ -332,13 +352,13 @@ class PageWriter:
         st = self.store
         n = end - skip
         shape = (n, st.num_kv_heads, st.head_dim)
-        sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
-        sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in range(st.num_layers)]
+        sk = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in self.layers]
+        sv = [torch.empty(shape, dtype=st.dtype, device=st.device) for _ in self.layers]
         # staged as the pool holds them (rotated by their pool page offset: a plain copy); the one
         # rotation, to each key's target, happens on the cache's device in copy_kv_ (positions
         # None: page-local, to its block offset)
         pool_off = st.pool_offsets(local)
-        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), pool_off, skip=skip)
+        st.gather_into_(keys, sk, sv, torch.arange(n, device=st.device), pool_off, skip=skip, layers=self.layers)
         pool_off = pool_off.to(self.device)
         delta = None if positions is None else positions.to(self.device)  # int64 (vLLM's position dtype)
         hs = self.heads

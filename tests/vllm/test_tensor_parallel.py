@@ -2,8 +2,9 @@
 factory; no live server): each rank's page writer writes only its share of the chunk store's KV
 heads (from vLLM's parallel state, stood in for by patching vLLM's rank), the ranks' caches
 reassembled over the heads hold the store's full K/V bit for bit (request pages, staged writes
-and shared chunk pages), a cache holding another count of heads is refused by name, and pipeline
-parallelism is refused by name. tests/vllm/live/test_tensor_parallel_served.py serves it."""
+and shared chunk pages) and a cache holding another count of heads is refused by name
+(tests/vllm/test_pipeline_parallel.py: pipeline stages). tests/vllm/live/test_tensor_parallel_served.py
+serves it."""
 import pytest
 
 pytest.importorskip("vllm")
@@ -52,9 +53,8 @@ def _as_rank(monkeypatch, rank, size=TP):
     monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: size)
 
 
-def _config(folder, kv_dir, tp=TP, pp=1, split="rows_kt"):
-    return connector_config((folder, kv_dir), parallel=ParallelConfig(tensor_parallel_size=tp,
-                                                                      pipeline_parallel_size=pp), kv_split=split)
+def _config(folder, kv_dir, tp=TP, split="rows_kt"):
+    return connector_config((folder, kv_dir), parallel=ParallelConfig(tensor_parallel_size=tp), kv_split=split)
 
 
 def _kv_cache_config(heads):
@@ -209,13 +209,6 @@ def test_connector_workers_of_three_ranks(served, monkeypatch):
     _as_rank(monkeypatch, 2)
     with pytest.raises(CacheLayoutError, match="KV caches hold 3 KV heads, but its share"):
         worker(cfg, H)
-
-
-def test_pipeline_parallel_is_refused_by_name(served):
-    folder, kv_dir, _, _, _ = served
-    with pytest.raises(NotImplementedError, match="--pipeline-parallel-size 2 is not supported"):
-        KVConnectorFactory.create_connector(_config(folder, kv_dir, tp=1, pp=2), KVConnectorRole.SCHEDULER,
-                                            _kv_cache_config(H))
 
 
 AGREE_RANK = """

