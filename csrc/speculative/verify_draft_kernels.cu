@@ -429,7 +429,9 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
 // them through distributed shared memory, every CTA folds all slices in order (fold_target_stats,
 // the fold kernel's arithmetic) and reduces the modified logits' partials from shared memory again.
 // The same slices, sweeps and folds as stats + fold + modified_stats, hence the same bits; only
-// the second read of each slice comes from shared memory instead of HBM. sm_90 (clusters) only.
+// the second read of each slice comes from shared memory instead of HBM. A CTA's block reductions
+// take N of its slices at once in each sweep (reduce_slices: the same butterflies, one barrier).
+// sm_90 (clusters) only.
 template <int KIND>
 constexpr int logits_bytes() {
   return KIND == kLogitsF32 ? 4 : 2;
@@ -447,6 +449,52 @@ template <int KIND, bool ONEHOT>
 __host__ __device__ size_t rapid_smem_bytes(int per, int ns) {
   return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns) +
          sizeof(SoftmaxState) * kThreads * per;
+}
+
+// Shared buffers of reduce_slices: per slice of a call the warp results (two sets: consecutive calls
+// alternate, so that one call's writes never meet the previous call's reads without a barrier between).
+template <int N>
+struct SliceSlots {
+  SoftmaxState st[2][N][kWarps];
+  float q[2][N][kWarps];
+};
+
+// The block reductions of n <= N slices at once (the one-pass kernel's): per slice i < n, the softmax
+// state st[i] (and with_q the max qm[i]) of every thread reduced by block_reduce_softmax's butterflies,
+// one warp butterfly per slice (offsets 16..1, the N slices' steps interleaved: independent shuffles
+// instead of one latency-bound chain), then one barrier and warp 0's butterfly over the warp results
+// (padded with the identity). The same bits as block_reduce_softmax / block_max slice by slice, with one
+// barrier for all n instead of three (six with q) per slice. The results are thread 0's st[i] and qm[i];
+// `buf` alternates between calls.
+template <int N>
+__device__ __forceinline__ void reduce_slices(SoftmaxState (&st)[N], float (&qm)[N], int n, bool with_q, float scale,
+                                              SliceSlots<N>& sl, int buf) {
+  auto butterflies = [&] {  // (the slices' steps interleaved)
+    for (int off = kWarpSize / 2; off > 0; off /= 2) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (i >= n) continue;
+        st[i] = softmax_merge(st[i], shfl_xor(st[i], off), scale);
+        if (with_q) qm[i] = f_max(qm[i], shfl_xor(qm[i], off));
+      }
+    }
+  };
+  butterflies();
+  if (lane_id() == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      sl.st[buf][i][warp_id()] = st[i];
+      sl.q[buf][i][warp_id()] = qm[i];
+    }
+  }
+  __syncthreads();
+  if (warp_id() != 0) return;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    st[i] = lane_id() < kWarps ? sl.st[buf][i][lane_id()] : softmax_identity();
+    qm[i] = lane_id() < kWarps ? sl.q[buf][i][lane_id()] : -INFINITY;
+  }
+  butterflies();
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -469,12 +517,12 @@ __device__ __forceinline__ void copy_to_shared(void* dst, const void* src, int b
 }
 #endif
 
-template <int KIND, bool ONEHOT>
+template <int KIND, bool ONEHOT, int N>
 __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
                                                                             VerifyDraftWorkspace ws) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char dyn[];
-  __shared__ Shared sh;
+  __shared__ SliceSlots<N> slots;
   __shared__ PositionStats ps_shared;
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
@@ -504,34 +552,51 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
     }
     __pipeline_commit();
   }
+  // The CTA's slices in rounds of up to N: body(l, s, st, qm) fills this thread's state (and max q) of its
+  // l-th slice (slice s), then one reduce_slices for the round and emit(l, s, partial) on thread 0.
+  int round = 0;  // (reduce_slices' shared buffers alternate between rounds)
+  auto rounds = [&](bool with_q, float sc, auto&& body, auto&& emit) {
+    for (int l0 = 0; l0 < mine_n; l0 += N, ++round) {
+      SoftmaxState st[N];
+      float qm[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        st[i] = softmax_identity();
+        qm[i] = -INFINITY;
+        if (l0 + i < mine_n) body(l0 + i, rank + (l0 + i) * C, st[i], qm[i]);
+      }
+      const int n = min(N, mine_n - l0);
+      reduce_slices<N>(st, qm, n, with_q, sc, slots, round & 1);
+      if (threadIdx.x == 0)
+        for (int i = 0; i < n; ++i) emit(l0 + i, rank + (l0 + i) * C, SlicePartial{st[i], with_q ? qm[i] : -INFINITY});
+    }
+  };
   // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel; slice l is swept as soon as
   // its own copies have landed (groups complete in order), while the later slices' are in flight
   const float scale = a.scale, eta = a.eta;
-  for (int l = 0, s = rank; s < ns; ++l, s += C) {
-    __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
-    __syncthreads();
-    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
-    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
-    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
-    const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
-    SoftmaxState st = softmax_identity();
-    float qm = -INFINITY;
-    if (drafted) {
-      sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, scale);
+  rounds(
+      drafted, scale,
+      [&](int l, int s, SoftmaxState& st, float& qm) {
+        __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
+        __syncthreads();
+        const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+        const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+        const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+        const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
+        if (drafted) {
+          sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+            softmax_update_chunk(st, z, begin + v0, scale);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
-      });
-    } else {
-      sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, scale);
-      });
-    }
-    firsts[l * kThreads + threadIdx.x] = st;
-    const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
-    const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
-    if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
-  }
+            for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
+          });
+        } else {
+          sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
+            softmax_update_chunk(st, z, begin + v0, scale);
+          });
+        }
+        firsts[l * kThreads + threadIdx.x] = st;
+      },
+      [&](int l, int, const SlicePartial& part) { mine[l] = part; });
   // 3. every slice's partial from its CTA, folded in slice order
   cl.sync();
   for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
@@ -545,27 +610,27 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
   const PositionStats ps = ps_shared;
   // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
   // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
-  for (int l = 0, s = rank; s < ns; ++l, s += C) {
-    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
-    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
-    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
-    bool masked = false;
-    for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
-      float q[kChunk];
-      load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
-      masked |= chunk_masked(q, ps.q_thresh);
-    }
-    SoftmaxState st = softmax_identity();
-    if (masked) {
-      sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
-                                [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                                  modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
-                                });
-    }
-    st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
-    const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
-    if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
-  }
+  rounds(
+      false, 1.0f,
+      [&](int l, int s, SoftmaxState& st, float&) {
+        const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+        const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+        const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+        bool masked = false;
+        for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
+          float q[kChunk];
+          load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
+          masked |= chunk_masked(q, ps.q_thresh);
+        }
+        if (masked) {
+          sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
+                                    [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                      modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
+                                    });
+        }
+        st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
+      },
+      [&](int, int s, const SlicePartial& part) { ws.parts_a[r * ns + s] = part; });
 #endif
 }
 
@@ -783,17 +848,22 @@ constexpr size_t kRapidSmemLimit = 200 * 1024;
 // The tokens are the same either way.
 template <int KIND, bool ONEHOT>
 cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, int cluster,
-                               cudaStream_t stream, bool* done) {
+                               int reduce_together, cudaStream_t stream, bool* done) {
   *done = false;
-  auto* kernel = verify_draft_rapid_stats_kernel<KIND, ONEHOT>;
+  const int ns = num_slices(a.vocab);
+  const int C = ns < cluster ? ns : cluster;
+  const int per = (ns + C - 1) / C;
+  // slices reduced at once: the launch choice, at most the CTA's slices (a cluster of 16 at V 128256: 2, whose
+  // kernel keeps the 64 registers of 4 CTAs per SM)
+  const int n = reduce_together < per ? reduce_together : per;
+  auto* kernel = n >= 4 ? verify_draft_rapid_stats_kernel<KIND, ONEHOT, 4>
+                 : n >= 2 ? verify_draft_rapid_stats_kernel<KIND, ONEHOT, 2>
+                          : verify_draft_rapid_stats_kernel<KIND, ONEHOT, 1>;
   cudaFuncAttributes fa;
   if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90) {
     (void)cudaGetLastError();
     return cudaSuccess;
   }
-  const int ns = num_slices(a.vocab);
-  const int C = ns < cluster ? ns : cluster;
-  const int per = (ns + C - 1) / C;
   const size_t smem = rapid_smem_bytes<KIND, ONEHOT>(per, ns);
   const int64_t grid = a.rows * C;
   if (smem > kRapidSmemLimit || grid > 0x7fffffff) return cudaSuccess;
@@ -835,7 +905,7 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDr
   const dim3 block(kThreads);
   bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
-    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, stream, &stats_done);
+    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, how.reduce_together, stream, &stats_done);
     if (err != cudaSuccess) return err;
   }
   // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
