@@ -12,12 +12,13 @@
 //      it writes the accepted drafts, the -1 tail, num_accepted and the row's DrawPlan (greedy: the
 //      token too, and it is the last launch).
 //   3. The final token at the one position that needs it, by inverse CDF: verify_draft_draw_totals_kernel
-//      (per (batch row, slice) the slice totals in scan order), verify_draft_draw_find_kernel (per slice
-//      the prefix scans from the slice's base, folded in slice order, to the first crossing; slices an
-//      earlier slice certainly decides are skipped), verify_draft_finish_kernel (the first slice's
-//      crossing). The phase-1 grid is rows x slices CTAs (B 64, g 10, V 128256: 704 x 32 = 22528, 43
-//      waves of 4 CTAs per SM on 132 SMs): every SM streams logits, where a per-row chain walk left the
-//      sweep of each position latency-bound. It reads the logits of positions after a rejection too.
+//      (per (batch row, slice) the slice totals in scan order; the sm_90 one-pass kernel has computed them
+//      already, at every position from its shared memory), verify_draft_draw_find_kernel (per batch row
+//      the crossing slice, the first whose base + total passes u * total, and its prefix scans from that
+//      base to the first crossing: the only slice read). The phase-1 grid is rows x slices CTAs (B 64,
+//      g 10, V 128256: 704 x 32 = 22528, 43 waves of 4 CTAs per SM on 132 SMs): every SM streams logits,
+//      where a per-row chain walk left the sweep of each position latency-bound. It reads the logits of
+//      positions after a rejection too.
 //
 // All arithmetic lives in verify_draft_math.h and is replayed by the CPU twin in the same order
 // (see "Summation order" there): fixed slicing, every fold in slice order on one thread, no atomics
@@ -282,6 +283,65 @@ __device__ __forceinline__ int draft_index(const VerifyDraftArgs& a, int64_t tok
   return x >= 0 && x < a.vocab ? static_cast<int>(x) : -1;
 }
 
+// Draw weights of this thread's chunk in `tile` of slice [begin, end) (0 past it), their sum from 0 and
+// p's (with_p), and the last tokens of positive weight of each. zrow / qrow start at token `at` (0: a row
+// in global memory; a slice's first token: its copy in shared memory).
+template <int KIND, bool ONEHOT>
+__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int at, int begin, int end,
+                                               bool vec, int tile, int mode, const PositionStats& ps, float scale,
+                                               float eta, float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
+  const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
+  const int cnt = max(0, min(kChunk, end - v0));
+  float z[kChunk], q[kChunk];
+  if (cnt > 0) {
+    load_logits<KIND>(zrow, v0 - at, cnt, vec, z);
+    if (mode == kWeightResidual) {
+      load_probs<ONEHOT>(qrow, x - at, v0 - at, cnt, vec, q);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
+    }
+  }
+  float s = 0.0f, sp = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    float wp = 0.0f;
+    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, scale, eta, &wp) : 0.0f;
+    if (w[e] > 0.0f) *last = v0 + e;
+    if (wp > 0.0f) *last_p = v0 + e;
+    s = f_add(s, w[e]);
+    sp = f_add(sp, wp);
+  }
+  *sum_p = sp;
+  return s;
+}
+
+// One slice's draw totals (phase 3a) on every thread: the tile totals of the weights of `mode` (and, after a
+// rejection, of p) in scan order folded from 0, and the slice's last tokens of positive weight. The rows
+// start at token `at` (chunk_weights).
+template <int KIND, bool ONEHOT>
+__device__ DrawSlice slice_draw_totals(const void* zrow, const float* qrow, int x, int at, int s, int vocab, bool vec,
+                                       int mode, const PositionStats& ps, float scale, float eta, Shared& sh) {
+  const int begin = slice_begin(s, vocab), end = slice_end(s, vocab);
+  float w[kChunk], total = 0.0f, total_p = 0.0f, base;
+  int last = -1, last_p = -1;
+  for (int tile = 0; tile < slice_tiles(s, vocab); ++tile) {
+    float cs_p;
+    const float cs = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, at, begin, end, vec, tile, mode, ps, scale, eta, w,
+                                                 &cs_p, &last, &last_p);
+    total = f_add(total, block_scan(cs, total, &base, sh));
+    if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
+  }
+  last = block_max_int(last, sh);
+  if (mode == kWeightResidual) {
+    last_p = block_max_int(last_p, sh);
+  } else {
+    total_p = total;
+    last_p = last;
+  }
+  return DrawSlice{total, last, total_p, last_p};
+}
+
 // Phase 1: p's partial over one slice of one position (and max q when eta > 0 at a drafted position).
 template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
@@ -523,6 +583,7 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char dyn[];
   __shared__ SliceSlots<N> slots;
+  __shared__ Shared sh;
   __shared__ PositionStats ps_shared;
   namespace cg = cooperative_groups;
   const cg::cluster_group cl = cg::this_cluster();
@@ -584,53 +645,80 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
         const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
         const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
         if (drafted) {
-          sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-            softmax_update_chunk(st, z, begin + v0, scale);
+          sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true,
+                                    [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                      softmax_update_chunk(st, z, begin + v0, scale);
 #pragma unroll
-            for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
-          });
+                                      for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
+                                    });
         } else {
-          sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-            softmax_update_chunk(st, z, begin + v0, scale);
-          });
+          sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true,
+                                     [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
+                                       softmax_update_chunk(st, z, begin + v0, scale);
+                                     });
         }
         firsts[l * kThreads + threadIdx.x] = st;
       },
       [&](int l, int, const SlicePartial& part) { mine[l] = part; });
-  // 3. every slice's partial from its CTA, folded in slice order
-  cl.sync();
-  for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
-  cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
+  // 3. every slice's partial from its CTA, folded in slice order (gather: the cluster's partials in `all`)
+  auto gather = [&] {
+    cl.sync();
+    for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
+    cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
+  };
+  gather();
   if (threadIdx.x == 0) {
     ps_shared = fold_target_stats(all, ns, scale, a.alpha, drafted);
     if (rank == 0) ws.stats[r] = ps_shared;
   }
   __syncthreads();
-  if (!drafted) return;  // the bonus position uses p alone
+  if (drafted) {  // (the bonus position uses p alone)
+    const PositionStats ps = ps_shared;
+    // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
+    // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
+    rounds(
+        false, 1.0f,
+        [&](int l, int s, SoftmaxState& st, float&) {
+          const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+          const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+          const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+          bool masked = false;
+          for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
+            float q[kChunk];
+            load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
+            masked |= chunk_masked(q, ps.q_thresh);
+          }
+          if (masked) {
+            sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
+                                      [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                        modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
+                                      });
+          }
+          st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
+        },
+        [&](int l, int s, const SlicePartial& part) {
+          ws.parts_a[r * ns + s] = part;
+          mine[l] = part;
+        });
+    if (a.greedy) return;  // (no draw: the statistics are all the walk needs)
+    // 5. p_hat's statistics, the walk's fold of the same partials (the same bits)
+    gather();
+    if (threadIdx.x == 0) fold_modified_stats(ps_shared, all, ns);
+    __syncthreads();
+  }
+  if (a.greedy) return;
+  // 6. the draw's totals at this position for each of its slices (verify_draft_draw_totals_kernel's, the
+  // weights of the draw this position would make: the residual after a rejection, p at the bonus position)
+  // from shared memory, so that the draw reads the crossing slice alone
   const PositionStats ps = ps_shared;
-  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
-  // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
-  rounds(
-      false, 1.0f,
-      [&](int l, int s, SoftmaxState& st, float&) {
-        const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
-        const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
-        const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
-        bool masked = false;
-        for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
-          float q[kChunk];
-          load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
-          masked |= chunk_masked(q, ps.q_thresh);
-        }
-        if (masked) {
-          sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
-                                    [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                                      modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
-                                    });
-        }
-        st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
-      },
-      [&](int, int s, const SlicePartial& part) { ws.parts_a[r * ns + s] = part; });
+  const int mode = drafted ? kWeightResidual : kWeightTarget;
+  for (int l = 0, s = rank; s < ns; ++l, s += C) {
+    const int begin = slice_begin(s, a.vocab);
+    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+    const DrawSlice t = slice_draw_totals<KIND, ONEHOT>(zs, qs, x, begin, s, a.vocab, true, mode, ps, scale, eta, sh);
+    if (threadIdx.x == 0) ws.draws[r * ns + s] = t;
+  }
 #endif
 }
 
@@ -695,38 +783,6 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
   if (lane == 0) a.num_accepted[b] = static_cast<int32_t>(n);
 }
 
-// Draw weights of this thread's chunk in `tile` of slice [begin, end) (0 past it), their sum from 0 and
-// p's (with_p), and the last tokens of positive weight of each.
-template <int KIND, bool ONEHOT>
-__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int begin, int end, bool vec,
-                                               int tile, int mode, const PositionStats& ps, float scale, float eta,
-                                               float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
-  const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
-  const int cnt = max(0, min(kChunk, end - v0));
-  float z[kChunk], q[kChunk];
-  if (cnt > 0) {
-    load_logits<KIND>(zrow, v0, cnt, vec, z);
-    if (mode == kWeightResidual) {
-      load_probs<ONEHOT>(qrow, x, v0, cnt, vec, q);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
-    }
-  }
-  float s = 0.0f, sp = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    float wp = 0.0f;
-    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, scale, eta, &wp) : 0.0f;
-    if (w[e] > 0.0f) *last = v0 + e;
-    if (wp > 0.0f) *last_p = v0 + e;
-    s = f_add(s, w[e]);
-    sp = f_add(sp, wp);
-  }
-  *sum_p = sp;
-  return s;
-}
-
 struct DrawRow {
   DrawPlan plan;
   const void* zrow;
@@ -743,7 +799,7 @@ __device__ __forceinline__ DrawRow draw_row(const VerifyDraftArgs& a, const Veri
   return d;
 }
 
-// Phase 3a: one slice's totals at the row's drawn position (tile totals in scan order, folded from 0).
+// Phase 3a (where phase 1 did not compute them): one slice's totals at the row's drawn position.
 template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(const VerifyDraftArgs a,
                                                                                VerifyDraftWorkspace ws) {
@@ -752,53 +808,38 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(c
   const int64_t b = blockIdx.x / ns;
   const int s = static_cast<int>(blockIdx.x - b * ns);
   const DrawRow d = draw_row(a, ws, b);
-  const int mode = d.plan.mode;
-  const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
-  float w[kChunk], total = 0.0f, total_p = 0.0f, base;
-  int last = -1, last_p = -1;
-  for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
-    float cs_p;
-    const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                 a.scale, a.eta, w, &cs_p, &last, &last_p);
-    total = f_add(total, block_scan(cs, total, &base, sh));
-    if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
-  }
-  last = block_max_int(last, sh);
-  if (mode == kWeightResidual) {
-    last_p = block_max_int(last_p, sh);
-  } else {
-    total_p = total;
-    last_p = last;
-  }
-  if (threadIdx.x == 0) ws.draws[b * ns + s] = DrawSlice{total, last, total_p, last_p};
+  const DrawSlice t = slice_draw_totals<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, 0, s, a.vocab, d.vec, d.plan.mode,
+                                                      d.plan.ps, a.scale, a.eta, sh);
+  if (threadIdx.x == 0) ws.draws[d.plan.row * ns + s] = t;
 }
 
-// Phase 3b: the first crossing of u * total in one slice, its prefixes starting at the slice's base.
+// Phase 3b, one CTA per batch row: the weights to draw from and their total (draw_pick), the crossing slice
+// (draw_crossing_slice) searched tile by tile from its base to its first prefix past u * total, and the
+// row's token (draw_token).
 template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(const VerifyDraftArgs a,
                                                                              VerifyDraftWorkspace ws) {
   __shared__ Shared sh;
   const int ns = num_slices(a.vocab);
-  const int64_t b = blockIdx.x / ns;
-  const int s = static_cast<int>(blockIdx.x - b * ns);
+  const int64_t b = blockIdx.x;
   const DrawRow d = draw_row(a, ws, b);
-  const DrawSlice* ds = ws.draws + b * ns;
+  const DrawSlice* ds = ws.draws + d.plan.row * ns;
   float total = 0.0f;
   const int mode = draw_pick(ds, ns, d.plan.mode, &total);  // (the same on every thread: a broadcast read)
-  int cand = kNoToken;
+  int s = -1, found = kNoToken;
   if (mode >= 0) {
     const float target = f_mul(d.plan.u, total);
-    bool decided = false;
-    float tile_base = draw_slice_base(ds, s, mode, target, &decided);
-    if (!decided && draw_slice_total(ds[s], mode) > 0.0f) {
+    float tile_base = 0.0f;
+    s = draw_crossing_slice(ds, ns, mode, target, &tile_base);
+    if (s >= 0) {
       const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
       float w[kChunk];
       for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
         if (threadIdx.x == 0) sh.found = kNoToken;  // published by block_scan's barrier
         float cs_p;
         int ignored = -1, ignored_p = -1;
-        const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                     a.scale, a.eta, w, &cs_p, &ignored, &ignored_p);
+        const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, 0, begin, end, d.vec, tile, mode,
+                                                     d.plan.ps, a.scale, a.eta, w, &cs_p, &ignored, &ignored_p);
         float run;
         const float tile_total = block_scan(cs, tile_base, &run, sh);
         int c = kNoToken;
@@ -810,31 +851,18 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(con
         }
         if (c != kNoToken) atomicMin(&sh.found, c);  // (the block's smallest: order-independent)
         __syncthreads();
-        const int found = sh.found;
+        found = sh.found;
         __syncthreads();
-        if (found != kNoToken) {
-          cand = found;
-          break;
-        }
+        if (found != kNoToken) break;
         tile_base = f_add(tile_base, tile_total);
       }
     }
   }
-  if (threadIdx.x == 0) ws.cands[b * ns + s] = cand;
-}
-
-// Phase 3c: the row's token, one thread per batch row.
-__global__ void __launch_bounds__(kThreads) verify_draft_finish_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (b >= a.batch) return;
-  const int ns = num_slices(a.vocab);
-  const DrawPlan plan = ws.plans[b];
-  const DrawSlice* ds = ws.draws + b * ns;
-  float total = 0.0f;
-  const int mode = draw_pick(ds, ns, plan.mode, &total);
-  int token = draw_finish(ws.cands + b * ns, ds, ns, mode, plan.ps.argmax_z);
-  if (token < 0 || token >= a.vocab) token = 0;  // only for positions of all -inf / NaN logits
-  a.out_tokens[plan.row] = token;
+  if (threadIdx.x == 0) {
+    int token = draw_token(ds, ns, mode, s, found, d.plan.ps.argmax_z);
+    if (token < 0 || token >= a.vocab) token = 0;  // only for positions of all -inf / NaN logits
+    a.out_tokens[d.plan.row] = token;
+  }
 }
 
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
@@ -905,9 +933,11 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDr
   const dim3 block(kThreads);
   bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
-    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, how.reduce_together, stream, &stats_done);
+    const cudaError_t err =
+        launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, how.reduce_together, stream, &stats_done);
     if (err != cudaSuccess) return err;
   }
+  const bool totals_done = stats_done;  // (the one-pass kernel computes the draw's totals too)
   // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
   if constexpr (KIND != kLogitsF32) {
     if (!stats_done && a.eta <= 0.0f && stats_group > 1) {
@@ -925,9 +955,10 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDr
   }
   verify_draft_walk_kernel<KIND, ONEHOT><<<blocks_for(a.batch, kWalkWarps), kWalkWarps * kWarpSize, 0, stream>>>(a, ws);
   if (!a.greedy) {
-    verify_draft_draw_totals_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
-    verify_draft_draw_find_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
-    verify_draft_finish_kernel<<<blocks_for(a.batch, kThreads), block, 0, stream>>>(a, ws);
+    if (!totals_done) {
+      verify_draft_draw_totals_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
+    }
+    verify_draft_draw_find_kernel<KIND, ONEHOT><<<static_cast<unsigned>(a.batch), block, 0, stream>>>(a, ws);
   }
   return cudaGetLastError();
 }

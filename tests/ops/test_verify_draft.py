@@ -376,9 +376,11 @@ def _shared_rows(n_rows, g, vocab, seed, temperature=1.0, closeness=1.0, forbid=
 N_SAMPLES = 20000
 
 
-def test_eta0_first_token_follows_target():
+@pytest.mark.parametrize("backend", ["default", "twin"])
+def test_eta0_first_token_follows_target(monkeypatch, backend):
     """Standard speculative sampling: the token emitted at a drafted position follows p exactly,
     including a target-forbidden token the draft likes (never emitted)."""
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)  # the twin: the CUDA kernels' draw weights
     vocab, temperature = 12, 0.8
     x, q, z, u = _shared_rows(N_SAMPLES, 1, vocab, seed=11, temperature=temperature, forbid=3)
     out, n = ragattn.verify_draft(x, q, z, u, temperature=temperature)
@@ -393,10 +395,16 @@ def test_eta0_first_token_follows_target():
     assert _tv(wrong, p) > 0.02 and _chi2_pvalue(counts, wrong) < 1e-6
 
 
-def test_rapid_first_token_follows_modified_distribution():
+@pytest.mark.parametrize("backend", ["default", "twin"])
+@pytest.mark.parametrize("alpha", [0.1, 0.6])
+def test_rapid_first_token_follows_modified_distribution(monkeypatch, backend, alpha):
     """eta > 0: the emitted token follows min(q, p_hat) + (1 - beta) norm(max(p - min(q, p_hat), 0)),
-    which is (deliberately) not p."""
-    vocab, temperature, eta, alpha = 12, 1.0, 10.0, 0.1
+    which is (deliberately) not p, and a draft is accepted with probability sum min(q, p_hat) (the
+    acceptance is where p_hat shows most: too large a p_hat at unmasked tokens leaves the emitted
+    distribution near p_out but raises it); alpha 0.1 masks 5 of the 12 tokens here, 0.6 one (the
+    twin's p_hat of an unmasked token: p times the position's hat_scale)."""
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)  # the twin: the CUDA kernels' draw weights
+    vocab, temperature, eta = 12, 1.0, 10.0
     x, q, z, u = _shared_rows(N_SAMPLES, 1, vocab, seed=12, temperature=temperature, closeness=1.5)
     out, n = ragattn.verify_draft(x, q, z, u, temperature=temperature, eta=eta, alpha=alpha)
     p = ref.target_probs(z[0, 0], temperature)
@@ -404,13 +412,17 @@ def test_rapid_first_token_follows_modified_distribution():
     p_out = ref.first_token_distribution(p, q[0, 0].double(), ph)
     counts = torch.bincount(out[:, 0], minlength=vocab)
     assert float(n.float().mean()) < 0.95  # the residual branch is exercised
+    beta = float(torch.minimum(q[0, 0].double(), ph).sum())
+    assert abs(float(n.double().mean()) - beta) < 5 * (beta * (1 - beta) / N_SAMPLES) ** 0.5, beta
     assert _tv(p_out, p) > 0.05  # the two hypotheses are far apart ...
     assert _chi2_pvalue(counts, p_out) > 1e-3  # ... the samples follow RAPID's distribution
     assert _chi2_pvalue(counts, p) < 1e-12  # ... and demonstrably not the target's
 
 
-def test_bonus_token_follows_target():
+@pytest.mark.parametrize("backend", ["default", "twin"])
+def test_bonus_token_follows_target(monkeypatch, backend):
     """When every draft is accepted the extra token is drawn from p at position num_draft (also for eta > 0)."""
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)  # the twin: the CUDA kernels' draw weights
     vocab, g = 12, 2
     x, q, z, u = _shared_rows(N_SAMPLES, g, vocab, seed=13, closeness=0.3)
     out, n = ragattn.verify_draft(x, q, z, u, eta=5.0)
