@@ -15,8 +15,9 @@ the benchmark suite):
    phase 1 one slice per CTA (the default; 347 us on the H100 at 68e7ebf) against G slices of a position
    per CTA (RAGATTN_VERIFY_DRAFT_GROUP 2, 4, 8, 16), each row checked token for token against the
    default; eta 10 (the one-pass kernel: 1111 us at 68e7ebf) in clusters of 8 CTAs (the default) and 16
-   (RAGATTN_VERIFY_DRAFT_CLUSTER: 2 slices and ~55 KB per CTA, 4 CTAs/SM), each with a CTA's slices
-   reduced 4 (the default), 2 and 1 at once (RAGATTN_VERIFY_DRAFT_REDUCE, capped at the CTA's slices),
+   (RAGATTN_VERIFY_DRAFT_CLUSTER: 2 slices and ~55 KB per CTA, 4 CTAs/SM), a CTA's slices reduced 4 (the
+   default), 2 or 1 at once (RAGATTN_VERIFY_DRAFT_REDUCE, capped at the CTA's slices), the draw's totals
+   by the totals kernel (the default) or by the one-pass kernel (RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS=1),
    tokens checked alike.
 
     python scripts/ab_kernels.py OUT.jsonl
@@ -205,18 +206,21 @@ def verify():
     b, g, vocab = (2, 3, 9000) if DRY else (64, 10, 128256)
     x, q, z, u = _inputs(b, g, vocab, dev, torch.Generator(device=dev).manual_seed(0))
     # (read by the launcher at every call)
-    knobs = ("RAGATTN_VERIFY_DRAFT_GROUP", "RAGATTN_VERIFY_DRAFT_CLUSTER", "RAGATTN_VERIFY_DRAFT_REDUCE")
+    knobs = ("RAGATTN_VERIFY_DRAFT_GROUP", "RAGATTN_VERIFY_DRAFT_CLUSTER", "RAGATTN_VERIFY_DRAFT_REDUCE",
+             "RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS")
     old = {k: os.environ.get(k) for k in knobs}
-    rows = ([(0.0, group, "8", "4") for group in ("1", "2", "4", "8", "16")]
-            + [(10.0, "1", "8", r) for r in ("4", "2", "1")] + [(10.0, "1", "16", r) for r in ("2", "1")])
+    rows = ([(0.0, group, "8", "4", "0") for group in ("1", "2", "4", "8", "16")]
+            + [(10.0, "1", "8", r, t) for r, t in (("4", "0"), ("4", "1"), ("2", "0"), ("1", "0"))]
+            + [(10.0, "1", "16", r, t) for r, t in (("2", "0"), ("2", "1"), ("1", "1"))])
     want = {}
     try:
-        for eta, group, cluster, reduce in rows:
-            os.environ.update(dict(zip(knobs, (group, cluster, reduce))))
+        for eta, group, cluster, reduce, totals in rows:
+            os.environ.update(dict(zip(knobs, (group, cluster, reduce, totals))))
             fn = lambda: ragattn.verify_draft(x, q, z, u, eta=eta)  # noqa: E731
             got = fn()
             want.setdefault(eta, got)
-            variant = f"group {group}, cluster {cluster}" + (f", reduce {reduce}" if eta > 0 else "")
+            variant = f"group {group}, cluster {cluster}"
+            variant += f", reduce {reduce}, phase-1 totals {totals}" if eta > 0 else ""
             record(case=f"verify_draft_B64_g10_V128256_eta{eta:g}", variant=variant,
                    us=us(fn), wall_us=wall_us(fn), same_tokens_as_default=all(map(torch.equal, got, want[eta])))
     finally:

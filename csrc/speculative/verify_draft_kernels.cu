@@ -700,13 +700,13 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
           ws.parts_a[r * ns + s] = part;
           mine[l] = part;
         });
-    if (a.greedy) return;  // (no draw: the statistics are all the walk needs)
+    if (!a.phase1_totals) return;  // (the statistics are all the walk needs)
     // 5. p_hat's statistics, the walk's fold of the same partials (the same bits)
     gather();
     if (threadIdx.x == 0) fold_modified_stats(ps_shared, all, ns);
     __syncthreads();
   }
-  if (a.greedy) return;
+  if (!a.phase1_totals) return;
   // 6. the draw's totals at this position for each of its slices (verify_draft_draw_totals_kernel's, the
   // weights of the draw this position would make: the residual after a rejection, p at the bonus position)
   // from shared memory, so that the draw reads the crossing slice alone
@@ -875,8 +875,10 @@ constexpr size_t kRapidSmemLimit = 200 * 1024;
 // clusters (the sm_90 code was loaded) and a CTA's slices fit kRapidSmemLimit; *done tells the caller.
 // The tokens are the same either way.
 template <int KIND, bool ONEHOT>
-cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, int cluster,
-                               int reduce_together, cudaStream_t stream, bool* done) {
+cudaError_t launch_rapid_stats(const VerifyDraftArgs& args, const VerifyDraftWorkspace& ws, int cluster,
+                               int reduce_together, bool totals, cudaStream_t stream, bool* done) {
+  VerifyDraftArgs a = args;
+  a.phase1_totals = totals && !a.greedy;
   *done = false;
   const int ns = num_slices(a.vocab);
   const int C = ns < cluster ? ns : cluster;
@@ -934,10 +936,11 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDr
   bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
     const cudaError_t err =
-        launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, how.reduce_together, stream, &stats_done);
+        launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, how.reduce_together, how.phase1_totals, stream,
+                                         &stats_done);
     if (err != cudaSuccess) return err;
   }
-  const bool totals_done = stats_done;  // (the one-pass kernel computes the draw's totals too)
+  const bool totals_done = stats_done && how.phase1_totals;  // (computed by the one-pass kernel)
   // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
   if constexpr (KIND != kLogitsF32) {
     if (!stats_done && a.eta <= 0.0f && stats_group > 1) {

@@ -35,6 +35,7 @@ struct VerifyDraftArgs {
   float eta;          // eta * log2(e) (base2_scales), >= 0
   float alpha;        // in [0, 1]
   bool greedy;
+  bool phase1_totals;  // (the launcher's, from VerifyDraftLaunch) the one-pass kernel writes the draw's totals
 };
 
 // What the walk decided for one batch row, read by the draw kernels: the position to draw at and how.
@@ -104,6 +105,10 @@ struct VerifyDraftLaunch {
   // butterflies under one barrier, the same bits; at sm_90a 4 takes 72-80 registers, 2 64, 1 62-64: a
   // cluster of 16 at V 128256, 2 slices a CTA, keeps the 4 CTAs/SM its shared memory allows)
   int reduce_together = 4;
+  // the draw's totals: computed by that kernel at every position from its shared memory (true: a third
+  // sweep, one more cluster exchange and fold, and no totals kernel), or by verify_draft_draw_totals_kernel
+  // over the drawn positions' rows (false, the other paths' way); the same totals
+  bool phase1_totals = false;
 };
 
 cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, VerifyDraftLaunch how = {});

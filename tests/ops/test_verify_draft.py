@@ -180,21 +180,24 @@ def test_reference_backend_matches_default(monkeypatch, seed):
     assert_same(ragattn.verify_draft(x, q, z, u, eta=5.0), fast, "reference backend")
 
 
-@pytest.mark.parametrize("group,cluster,reduce", [("1", "8", "4"), ("3", "8", "4"), ("8", "8", "4"), ("1", "16", "4"),
-                                                 ("1", "5", "4"), ("1", "8", "1"), ("1", "8", "2")])
-def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster, reduce):
+@pytest.mark.parametrize("group,cluster,reduce,totals", [
+    ("1", "8", "4", "0"), ("3", "8", "4", "0"), ("8", "8", "4", "0"), ("1", "16", "4", "1"), ("1", "5", "4", "1"),
+    ("1", "8", "1", "0"), ("1", "8", "2", "1")])
+def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster, reduce, totals):
     """The kernel and the twin (RAGATTN_CPU_BACKEND=twin) share every rounding: same tokens on any
     uniforms, no margin (vocabularies of 1 to 74 slices, padded and num_draft layouts; with eta > 0 the
     sm_90 one-pass kernel in clusters of RAGATTN_VERIFY_DRAFT_CLUSTER CTAs and, at V 300007, the two-pass
     path; at eta 0 with 16-bit logits phase 1 one slice per CTA or RAGATTN_VERIFY_DRAFT_GROUP slices,
     groups and clusters that split the slices unevenly too; the one-pass kernel's slices reduced
-    RAGATTN_VERIFY_DRAFT_REDUCE at once, up to the CTA's slices: 4, 2 and 1, and a last round of 3)."""
+    RAGATTN_VERIFY_DRAFT_REDUCE at once, up to the CTA's slices: 4, 2 and 1, and a last round of 3; the
+    draw's totals by that kernel, RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS=1, or by the totals kernel)."""
     if device.type != "cuda":
         pytest.skip("needs --device cuda")
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "twin")
     monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_GROUP", group)
     monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_CLUSTER", cluster)
     monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_REDUCE", reduce)
+    monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS", totals)
     gen = torch.Generator().manual_seed(seed)
     for bsz, g, vocab, dtype, eta in [(64, 10, 128256, torch.bfloat16, 0.0), (64, 10, 128256, torch.bfloat16, 10.0),
                                       (33, 16, 49157, torch.float16, 20.0), (128, 4, 32000, torch.float32, 5.0),
@@ -206,8 +209,8 @@ def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster, reduce
                                       (5, 4, 70001, torch.float16, 0.0)]:
         if group != "1" and (eta > 0 or dtype == torch.float32):
             continue  # (the grouped phase 1 runs at eta 0 with 16-bit logits only)
-        if (cluster != "8" or reduce != "4") and eta == 0:
-            continue  # (clusters and their reductions are the eta > 0 kernel's)
+        if (cluster, reduce, totals) != ("8", "4", "0") and eta == 0:
+            continue  # (clusters, their reductions and totals are the eta > 0 kernel's)
         x, q, z, u = make_case(bsz, g, vocab, dtype=dtype, gen=gen, closeness=0.3)
         nd = torch.randint(0, g + 1, (bsz,), generator=gen)
         for greedy in (False, True):
@@ -225,7 +228,8 @@ def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster, reduce
 @pytest.mark.parametrize("name,bad", [("RAGATTN_VERIFY_DRAFT_GROUP", "0"), ("RAGATTN_VERIFY_DRAFT_GROUP", "33"),
                                       ("RAGATTN_VERIFY_DRAFT_GROUP", "4x"), ("RAGATTN_VERIFY_DRAFT_CLUSTER", "17"),
                                       ("RAGATTN_VERIFY_DRAFT_CLUSTER", "-1"), ("RAGATTN_VERIFY_DRAFT_REDUCE", "3"),
-                                      ("RAGATTN_VERIFY_DRAFT_REDUCE", "0"), ("RAGATTN_VERIFY_DRAFT_REDUCE", "8")])
+                                      ("RAGATTN_VERIFY_DRAFT_REDUCE", "0"), ("RAGATTN_VERIFY_DRAFT_REDUCE", "8"),
+                                      ("RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS", "2")])
 def test_bad_launch_choice_is_refused(device, monkeypatch, name, bad):
     """A launch knob outside its range is an error naming the variable, not a silent default."""
     if device.type != "cuda":
