@@ -125,6 +125,14 @@ RAGATTN_HD float f_maxnum(float a, float b) {
 #endif
 }
 RAGATTN_HD float f_min(float a, float b) { return a < b ? a : (b < a ? b : (a == a ? a : b)); }
+// IEEE minNum: the smaller of a and b, the other one where one is NaN (a zero's sign is left open).
+RAGATTN_HD float f_minnum(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);
+#else
+  return (b < a || a != a) ? b : a;
+#endif
+}
 
 RAGATTN_HD float bits_to_float(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
@@ -414,17 +422,17 @@ RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float sca
 // u <= min(1, p_hat / q), which never accepts a token of target probability 0.
 RAGATTN_HD bool accept_draft(float u, float q_x, float p_hat_x) { return q_x > 0.0f && f_mul(u, q_x) < p_hat_x; }
 
-// Weight of token v in the final draw: the residual max(p - min(q, p_hat), 0) after a
-// rejection, or p for the bonus token / the all-zero-residual fallback.
-RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float scale, float eta) {
-  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, scale), st.inv_sp);
-  float p, p_hat;
-  token_probs(z, q, st, scale, eta, &p, &p_hat);
-  return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
+// The residual weight max(p - min(q, p_hat), 0) of a token after a rejection: one minNum and one maxNum
+// instruction on the GPU. The same bits as the NaN-ordered f_min / f_max on every input the op makes: p is
+// +0, positive or NaN (never -0), so p - min(q, p_hat) is never -0 and the sign left open of a zero min
+// cannot show; a NaN operand gives the other one (min) and 0 (max) either way.
+RAGATTN_HD float residual_weight(float p, float q, float p_hat) {
+  return f_maxnum(f_sub(p, f_minnum(q, p_hat)), 0.0f);
 }
 
-// draw_weight of token v and p(v) (*w_p: draw_weight in kWeightTarget mode, bit for bit), in one pass:
-// the draw totals of a rejected position need both (the residual, and p for its all-zero fallback).
+// Weight of token v in the final draw, the residual after a rejection (mode kWeightResidual) or p for the
+// bonus token, and p(v) (*w_p), in one pass: the draw totals of a rejected position need both (the residual,
+// and p for its all-zero fallback).
 RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& st, float scale, float eta, float* w_p) {
   float p, p_hat;
   if (mode == kWeightTarget) {
@@ -434,7 +442,7 @@ RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& s
   }
   token_probs(z, q, st, scale, eta, &p, &p_hat);
   *w_p = p;
-  return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
+  return residual_weight(p, q, p_hat);
 }
 
 // Prefix of a chunk's first token within a tile (see "Summation order").
