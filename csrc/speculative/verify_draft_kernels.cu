@@ -40,9 +40,10 @@ struct Shared {
   SoftmaxState soft[kWarps];
   float f[kWarps];
   float warp_excl[kWarps];
-  int i[kWarps];
   float tile_total;
   int found;
+  float tot[kSliceTiles][2][kWarps];  // slice_draw_totals: per tile the warps' inclusive scans (weights, p)
+  int last[2][kWarps];                // and their last tokens of positive weight
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & (kWarpSize - 1); }
@@ -81,10 +82,6 @@ __device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float scale, Shared
 
 __device__ float block_max(float x, Shared& sh) {
   return block_allreduce(x, -INFINITY, [](float a, float b) { return f_max(a, b); }, sh.f);
-}
-
-__device__ int block_max_int(int x, Shared& sh) {
-  return block_allreduce(x, -1, [](int a, int b) { return max(a, b); }, sh.i);
 }
 
 __device__ __forceinline__ float warp_inclusive_scan(float x) {
@@ -316,30 +313,63 @@ __device__ __forceinline__ float chunk_weights(const void* zrow, const float* qr
   return s;
 }
 
-// One slice's draw totals (phase 3a) on every thread: the tile totals of the weights of `mode` (and, after a
-// rejection, of p) in scan order folded from 0, and the slice's last tokens of positive weight. The rows
-// start at token `at` (chunk_weights).
+// One slice's draw totals (phase 3a), thread 0's: the tile totals of the weights of `mode` (and, after a
+// rejection, of p) in block_scan's order (each warp's Kogge-Stone scan of its chunk sums, then warp 0's of the
+// warp totals) folded from 0, and the slice's last tokens of positive weight (a max butterfly in each warp,
+// then one over the warp results in warp 0). Only the totals are needed, not the prefixes, so every tile's
+// scans and both maxima run under one barrier (and one more before `sh` is reused), where a block_scan per
+// tile and weight kind and a block-wide max per kind took three each: the same operations, the same bits.
+// The rows start at token `at` (chunk_weights).
 template <int KIND, bool ONEHOT>
 __device__ DrawSlice slice_draw_totals(const void* zrow, const float* qrow, int x, int at, int s, int vocab, bool vec,
                                        int mode, const PositionStats& ps, float scale, float eta, Shared& sh) {
-  const int begin = slice_begin(s, vocab), end = slice_end(s, vocab);
-  float w[kChunk], total = 0.0f, total_p = 0.0f, base;
+  const int begin = slice_begin(s, vocab), end = slice_end(s, vocab), tiles = slice_tiles(s, vocab);
+  const bool with_p = mode == kWeightResidual;
+  float w[kChunk];
   int last = -1, last_p = -1;
-  for (int tile = 0; tile < slice_tiles(s, vocab); ++tile) {
+  for (int tile = 0; tile < tiles; ++tile) {
     float cs_p;
     const float cs = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, at, begin, end, vec, tile, mode, ps, scale, eta, w,
                                                  &cs_p, &last, &last_p);
-    total = f_add(total, block_scan(cs, total, &base, sh));
-    if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
+    const float incl = warp_inclusive_scan(cs), incl_p = with_p ? warp_inclusive_scan(cs_p) : 0.0f;
+    if (lane_id() == kWarpSize - 1) {
+      sh.tot[tile][0][warp_id()] = incl;
+      sh.tot[tile][1][warp_id()] = incl_p;
+    }
   }
-  last = block_max_int(last, sh);
-  if (mode == kWeightResidual) {
-    last_p = block_max_int(last_p, sh);
-  } else {
-    total_p = total;
-    last_p = last;
+  for (int off = kWarpSize / 2; off > 0; off /= 2) {
+    last = max(last, shfl_xor(last, off));
+    if (with_p) last_p = max(last_p, shfl_xor(last_p, off));
   }
-  return DrawSlice{total, last, total_p, last_p};
+  if (lane_id() == 0) {
+    sh.last[0][warp_id()] = last;
+    sh.last[1][warp_id()] = last_p;
+  }
+  __syncthreads();
+  DrawSlice d{0.0f, -1, 0.0f, -1};
+  if (warp_id() == 0) {
+    const bool lane_in = lane_id() < kWarps;
+    for (int tile = 0; tile < tiles; ++tile) {
+      const float t = warp_inclusive_scan(lane_in ? sh.tot[tile][0][lane_id()] : 0.0f);
+      d.total = f_add(d.total, __shfl_sync(kFullMask, t, kWarpSize - 1));
+      if (with_p) {
+        const float tp = warp_inclusive_scan(lane_in ? sh.tot[tile][1][lane_id()] : 0.0f);
+        d.total_p = f_add(d.total_p, __shfl_sync(kFullMask, tp, kWarpSize - 1));
+      }
+    }
+    d.last = lane_in ? sh.last[0][lane_id()] : -1;
+    d.last_p = lane_in ? sh.last[1][lane_id()] : -1;
+    for (int off = kWarpSize / 2; off > 0; off /= 2) {
+      d.last = max(d.last, shfl_xor(d.last, off));
+      if (with_p) d.last_p = max(d.last_p, shfl_xor(d.last_p, off));
+    }
+    if (!with_p) {
+      d.total_p = d.total;
+      d.last_p = d.last;
+    }
+  }
+  __syncthreads();  // (the next call writes sh.tot and sh.last again)
+  return d;
 }
 
 // Phase 1: p's partial over one slice of one position (and max q when eta > 0 at a drafted position).
@@ -577,9 +607,11 @@ __device__ __forceinline__ void copy_to_shared(void* dst, const void* src, int b
 }
 #endif
 
+// (N = 1 is held to the 64 registers of 4 CTAs per SM, a cluster of 16's occupancy, which its allocation
+// passes otherwise; N = 2 keeps 64 by itself, and spills when held to it; 0: no minimum)
 template <int KIND, bool ONEHOT, int N>
-__global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
-                                                                            VerifyDraftWorkspace ws) {
+__global__ void __launch_bounds__(kThreads, N == 1 ? 4 : 0) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
+                                                                                          VerifyDraftWorkspace ws) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char dyn[];
   __shared__ SliceSlots<N> slots;
