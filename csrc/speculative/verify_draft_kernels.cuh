@@ -102,7 +102,7 @@ struct VerifyDraftLaunch {
   // twice the CTAs per SM)
   int cluster = 8;
   // slices of a CTA of that kernel reduced at once (1, 2 or 4, at most the CTA's slices: independent
-  // butterflies under one barrier, the same bits; at sm_90a 4 takes 72-80 registers, 2 64, 1 62-64: a
+  // butterflies under one barrier, the same bits; at sm_90a 4 takes 77-80 registers, 2 and 1 64: a
   // cluster of 16 at V 128256, 2 slices a CTA, keeps the 4 CTAs/SM its shared memory allows)
   int reduce_together = 4;
   // the draw's totals: computed by that kernel at every position from its shared memory (true: a third
