@@ -15,7 +15,10 @@ the benchmark suite):
    phase 1 one slice per CTA (the default; 347 us on the H100 at 68e7ebf) against G slices of a position
    per CTA (RAGATTN_VERIFY_DRAFT_GROUP 2, 4, 8, 16), each row checked token for token against the
    default; eta 10 (the one-pass kernel: 1111 us at 68e7ebf) in clusters of 8 CTAs (the default) and 16
-   (RAGATTN_VERIFY_DRAFT_CLUSTER: 2 slices and ~55 KB per CTA, 4 CTAs/SM), tokens checked alike.
+   (RAGATTN_VERIFY_DRAFT_CLUSTER: 2 slices and ~55 KB per CTA, 4 CTAs/SM), a CTA's slices reduced 4 (the
+   default), 2 or 1 at once (RAGATTN_VERIFY_DRAFT_REDUCE, capped at the CTA's slices), the draw's totals
+   by the totals kernel (the default) or by the one-pass kernel (RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS=1),
+   tokens checked alike.
 
     python scripts/ab_kernels.py OUT.jsonl
 
@@ -202,17 +205,23 @@ def verify():
 
     b, g, vocab = (2, 3, 9000) if DRY else (64, 10, 128256)
     x, q, z, u = _inputs(b, g, vocab, dev, torch.Generator(device=dev).manual_seed(0))
-    knobs = ("RAGATTN_VERIFY_DRAFT_GROUP", "RAGATTN_VERIFY_DRAFT_CLUSTER")  # (read by the launcher at every call)
+    # (read by the launcher at every call)
+    knobs = ("RAGATTN_VERIFY_DRAFT_GROUP", "RAGATTN_VERIFY_DRAFT_CLUSTER", "RAGATTN_VERIFY_DRAFT_REDUCE",
+             "RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS")
     old = {k: os.environ.get(k) for k in knobs}
-    rows = [(0.0, group, "8") for group in ("1", "2", "4", "8", "16")] + [(10.0, "1", c) for c in ("8", "16")]
+    rows = ([(0.0, group, "8", "4", "0") for group in ("1", "2", "4", "8", "16")]
+            + [(10.0, "1", "8", r, t) for r, t in (("4", "0"), ("4", "1"), ("2", "0"), ("1", "0"))]
+            + [(10.0, "1", "16", r, t) for r, t in (("2", "0"), ("2", "1"), ("1", "1"))])
     want = {}
     try:
-        for eta, group, cluster in rows:
-            os.environ.update(RAGATTN_VERIFY_DRAFT_GROUP=group, RAGATTN_VERIFY_DRAFT_CLUSTER=cluster)
+        for eta, group, cluster, reduce, totals in rows:
+            os.environ.update(dict(zip(knobs, (group, cluster, reduce, totals))))
             fn = lambda: ragattn.verify_draft(x, q, z, u, eta=eta)  # noqa: E731
             got = fn()
             want.setdefault(eta, got)
-            record(case=f"verify_draft_B64_g10_V128256_eta{eta:g}", variant=f"group {group}, cluster {cluster}",
+            variant = f"group {group}, cluster {cluster}"
+            variant += f", reduce {reduce}, phase-1 totals {totals}" if eta > 0 else ""
+            record(case=f"verify_draft_B64_g10_V128256_eta{eta:g}", variant=variant,
                    us=us(fn), wall_us=wall_us(fn), same_tokens_as_default=all(map(torch.equal, got, want[eta])))
     finally:
         for k, v in old.items():

@@ -113,9 +113,10 @@ def verify_draft_slices(vocab: int) -> int:
 
 def verify_draft_grid(batch: int, g: int, vocab: int) -> dict:
     """CTAs of the verify_draft launches (csrc/speculative/verify_draft_kernels.cu, mirrored): phase 1
-    (statistics; a second pass with eta > 0) over every (position, slice) of every row, the draw over
-    (row, slice) of the one drawn position per row; with eta > 0 on sm_90 phase 1 is instead one
-    cluster of min(8, slices) CTAs per position (``rapid``; the launcher's default cluster)."""
+    (statistics; a second pass with eta > 0) over every (position, slice) of every row, the draw's totals
+    over (row, slice) of the one drawn position per row (``draw``; its find is then one CTA per row over the
+    crossing slice); with eta > 0 on sm_90 phase 1 is instead one cluster of min(8, slices) CTAs per
+    position (``rapid``; the launcher's default cluster)."""
     ns = verify_draft_slices(vocab)
     return dict(stats=batch * (g + 1) * ns, draw=batch * ns, rapid=batch * (g + 1) * min(8, ns))
 

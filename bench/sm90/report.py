@@ -82,7 +82,8 @@ def to_markdown(r: dict) -> str:
                   f"{VERIFY_DRAFT_SLICE_LEN} tokens, one CTA each (phase 1: softmax statistics; a second pass with "
                   "eta > 0; on sm_90 with eta > 0 instead one cluster of up to 8 CTAs per position keeping its slices "
                   "in shared memory, the 'eta > 0 grid'), folds them per row in a warp, and draws the one token per "
-                  "row over (row, slice) CTAs. SM coverage of phase 1 at the benchmark's shapes (modelled):", "",
+                  "row: its totals over (row, slice) CTAs, the 'draw grid' (or by that cluster kernel), then one CTA "
+                  "per row over the crossing slice. SM coverage of phase 1 at the benchmark's shapes (modelled):", "",
                   "| batch | g | V | slices | grid (CTAs) | eta > 0 grid | draw grid | SMs used | CTAs/SM | waves |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for c in r.get("verify_draft_coverage", []):

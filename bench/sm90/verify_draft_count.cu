@@ -3,6 +3,7 @@
 // addressing and reductions. Count the hot path of each entry (docs/perf/h100.md, verify_draft):
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -ptx \
 //     -o /tmp/vd.ptx bench/sm90/verify_draft_count.cu && python bench/sm90/ptx_blocks.py /tmp/vd.ptx slice_pair
+// (entries: one_exp, slice_pair, slice_pair_modified, slice_pair_reuse, chunk_residual)
 #include "speculative/verify_draft_math.h"
 using namespace ragattn::speculative;
 
@@ -60,4 +61,29 @@ extern "C" __global__ void slice_pair_reuse(const float4* q, const SoftmaxState*
   SoftmaxState st = softmax_identity();
   if (masked) st.s = 1.0f;  // (stands for the rare direct sweep)
   out[threadIdx.x] = modified_thread_state(masked, st, first[threadIdx.x], ps.m_z, scale);
+}
+
+// one chunk of the draw's totals at a drafted position (the eta > 0 one-pass kernel's third sweep, or the totals
+// kernel): the residual weights and p's, their sums from 0 and last tokens of positive weight, as chunk_weights
+// computes them; the hot path is an unmasked chunk's (p_hat = p hat_scale)
+extern "C" __global__ void chunk_residual(const uint4* z, const float4* q, PositionStats ps, float scale, float eta,
+                                          float2* sums, int2* lasts) {
+  const int ch = threadIdx.x;
+  const float4 qa = q[2 * ch], qb = q[2 * ch + 1];
+  const float qq[kChunk] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+  float x[kChunk];
+  widen_bf16(z[ch], x);
+  float s = 0.0f, sp = 0.0f;
+  int last = -1, last_p = -1;
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    float wp = 0.0f;
+    const float w = draw_weights(kWeightResidual, x[e], qq[e], ps, scale, eta, &wp);
+    if (w > 0.0f) last = ch * kChunk + e;
+    if (wp > 0.0f) last_p = ch * kChunk + e;
+    s = f_add(s, w);
+    sp = f_add(sp, wp);
+  }
+  sums[ch] = make_float2(s, sp);
+  lasts[ch] = make_int2(last, last_p);
 }

@@ -31,11 +31,18 @@ int launch_knob(const char* name, int fallback, int lo, int hi) {
 // The launch choices (speculative::VerifyDraftLaunch; the same tokens for every value), defaults the
 // kernels measured on an H100 (68e7ebf) until a GPU run shows another faster (docs/perf/h100.md,
 // verify_draft): RAGATTN_VERIFY_DRAFT_GROUP (phase 1's slices per CTA at eta 0, 1-32, default 1),
-// RAGATTN_VERIFY_DRAFT_CLUSTER (CTAs per cluster of the eta > 0 one-pass kernel, 1-16, default 8).
+// RAGATTN_VERIFY_DRAFT_CLUSTER (CTAs per cluster of the eta > 0 one-pass kernel, 1-16, default 8),
+// RAGATTN_VERIFY_DRAFT_REDUCE (that kernel's slices reduced at once per CTA: 1, 2 or 4, default 4),
+// RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS (1: that kernel computes the draw's totals too; 0, the default: the
+// totals kernel does).
 speculative::VerifyDraftLaunch launch_choices() {
   speculative::VerifyDraftLaunch how;
   how.stats_group = launch_knob("RAGATTN_VERIFY_DRAFT_GROUP", 1, 1, 32);
   how.cluster = launch_knob("RAGATTN_VERIFY_DRAFT_CLUSTER", 8, 1, 16);
+  how.reduce_together = launch_knob("RAGATTN_VERIFY_DRAFT_REDUCE", 4, 1, 4);
+  RAGATTN_CHECK_VALUE(how.reduce_together != 3, "ragattn.verify_draft: RAGATTN_VERIFY_DRAFT_REDUCE must be 1, 2 or 4, "
+                      "got 3");
+  how.phase1_totals = launch_knob("RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS", 0, 0, 1) == 1;
   return how;
 }
 

@@ -12,12 +12,13 @@
 //      it writes the accepted drafts, the -1 tail, num_accepted and the row's DrawPlan (greedy: the
 //      token too, and it is the last launch).
 //   3. The final token at the one position that needs it, by inverse CDF: verify_draft_draw_totals_kernel
-//      (per (batch row, slice) the slice totals in scan order), verify_draft_draw_find_kernel (per slice
-//      the prefix scans from the slice's base, folded in slice order, to the first crossing; slices an
-//      earlier slice certainly decides are skipped), verify_draft_finish_kernel (the first slice's
-//      crossing). The phase-1 grid is rows x slices CTAs (B 64, g 10, V 128256: 704 x 32 = 22528, 43
-//      waves of 4 CTAs per SM on 132 SMs): every SM streams logits, where a per-row chain walk left the
-//      sweep of each position latency-bound. It reads the logits of positions after a rejection too.
+//      (per (batch row, slice) the slice totals in scan order; the sm_90 one-pass kernel has computed them
+//      already, at every position from its shared memory), verify_draft_draw_find_kernel (per batch row
+//      the crossing slice, the first whose base + total passes u * total, and its prefix scans from that
+//      base to the first crossing: the only slice read). The phase-1 grid is rows x slices CTAs (B 64,
+//      g 10, V 128256: 704 x 32 = 22528, 43 waves of 4 CTAs per SM on 132 SMs): every SM streams logits,
+//      where a per-row chain walk left the sweep of each position latency-bound. It reads the logits of
+//      positions after a rejection too.
 //
 // All arithmetic lives in verify_draft_math.h and is replayed by the CPU twin in the same order
 // (see "Summation order" there): fixed slicing, every fold in slice order on one thread, no atomics
@@ -39,9 +40,10 @@ struct Shared {
   SoftmaxState soft[kWarps];
   float f[kWarps];
   float warp_excl[kWarps];
-  int i[kWarps];
   float tile_total;
   int found;
+  float tot[kSliceTiles][2][kWarps];  // slice_draw_totals: per tile the warps' inclusive scans (weights, p)
+  int last[2][kWarps];                // and their last tokens of positive weight
 };
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & (kWarpSize - 1); }
@@ -80,10 +82,6 @@ __device__ SoftmaxState block_reduce_softmax(SoftmaxState s, float scale, Shared
 
 __device__ float block_max(float x, Shared& sh) {
   return block_allreduce(x, -INFINITY, [](float a, float b) { return f_max(a, b); }, sh.f);
-}
-
-__device__ int block_max_int(int x, Shared& sh) {
-  return block_allreduce(x, -1, [](int a, int b) { return max(a, b); }, sh.i);
 }
 
 __device__ __forceinline__ float warp_inclusive_scan(float x) {
@@ -282,6 +280,98 @@ __device__ __forceinline__ int draft_index(const VerifyDraftArgs& a, int64_t tok
   return x >= 0 && x < a.vocab ? static_cast<int>(x) : -1;
 }
 
+// Draw weights of this thread's chunk in `tile` of slice [begin, end) (0 past it), their sum from 0 and
+// p's (with_p), and the last tokens of positive weight of each. zrow / qrow start at token `at` (0: a row
+// in global memory; a slice's first token: its copy in shared memory).
+template <int KIND, bool ONEHOT>
+__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int at, int begin, int end,
+                                               bool vec, int tile, int mode, const PositionStats& ps, float scale,
+                                               float eta, float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
+  const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
+  const int cnt = max(0, min(kChunk, end - v0));
+  float z[kChunk], q[kChunk];
+  if (cnt > 0) {
+    load_logits<KIND>(zrow, v0 - at, cnt, vec, z);
+    if (mode == kWeightResidual) {
+      load_probs<ONEHOT>(qrow, x - at, v0 - at, cnt, vec, q);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
+    }
+  }
+  float s = 0.0f, sp = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    float wp = 0.0f;
+    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, scale, eta, &wp) : 0.0f;
+    if (w[e] > 0.0f) *last = v0 + e;
+    if (wp > 0.0f) *last_p = v0 + e;
+    s = f_add(s, w[e]);
+    sp = f_add(sp, wp);
+  }
+  *sum_p = sp;
+  return s;
+}
+
+// One slice's draw totals (phase 3a), thread 0's: the tile totals of the weights of `mode` (and, after a
+// rejection, of p) in block_scan's order (each warp's Kogge-Stone scan of its chunk sums, then warp 0's of the
+// warp totals) folded from 0, and the slice's last tokens of positive weight (a max butterfly in each warp,
+// then one over the warp results in warp 0). Only the totals are needed, not the prefixes, so every tile's
+// scans and both maxima run under one barrier (and one more before `sh` is reused), where a block_scan per
+// tile and weight kind and a block-wide max per kind took three each: the same operations, the same bits.
+// The rows start at token `at` (chunk_weights).
+template <int KIND, bool ONEHOT>
+__device__ DrawSlice slice_draw_totals(const void* zrow, const float* qrow, int x, int at, int s, int vocab, bool vec,
+                                       int mode, const PositionStats& ps, float scale, float eta, Shared& sh) {
+  const int begin = slice_begin(s, vocab), end = slice_end(s, vocab), tiles = slice_tiles(s, vocab);
+  const bool with_p = mode == kWeightResidual;
+  float w[kChunk];
+  int last = -1, last_p = -1;
+  for (int tile = 0; tile < tiles; ++tile) {
+    float cs_p;
+    const float cs = chunk_weights<KIND, ONEHOT>(zrow, qrow, x, at, begin, end, vec, tile, mode, ps, scale, eta, w,
+                                                 &cs_p, &last, &last_p);
+    const float incl = warp_inclusive_scan(cs), incl_p = with_p ? warp_inclusive_scan(cs_p) : 0.0f;
+    if (lane_id() == kWarpSize - 1) {
+      sh.tot[tile][0][warp_id()] = incl;
+      sh.tot[tile][1][warp_id()] = incl_p;
+    }
+  }
+  for (int off = kWarpSize / 2; off > 0; off /= 2) {
+    last = max(last, shfl_xor(last, off));
+    if (with_p) last_p = max(last_p, shfl_xor(last_p, off));
+  }
+  if (lane_id() == 0) {
+    sh.last[0][warp_id()] = last;
+    sh.last[1][warp_id()] = last_p;
+  }
+  __syncthreads();
+  DrawSlice d{0.0f, -1, 0.0f, -1};
+  if (warp_id() == 0) {
+    const bool lane_in = lane_id() < kWarps;
+    for (int tile = 0; tile < tiles; ++tile) {
+      const float t = warp_inclusive_scan(lane_in ? sh.tot[tile][0][lane_id()] : 0.0f);
+      d.total = f_add(d.total, __shfl_sync(kFullMask, t, kWarpSize - 1));
+      if (with_p) {
+        const float tp = warp_inclusive_scan(lane_in ? sh.tot[tile][1][lane_id()] : 0.0f);
+        d.total_p = f_add(d.total_p, __shfl_sync(kFullMask, tp, kWarpSize - 1));
+      }
+    }
+    d.last = lane_in ? sh.last[0][lane_id()] : -1;
+    d.last_p = lane_in ? sh.last[1][lane_id()] : -1;
+    for (int off = kWarpSize / 2; off > 0; off /= 2) {
+      d.last = max(d.last, shfl_xor(d.last, off));
+      if (with_p) d.last_p = max(d.last_p, shfl_xor(d.last_p, off));
+    }
+    if (!with_p) {
+      d.total_p = d.total;
+      d.last_p = d.last;
+    }
+  }
+  __syncthreads();  // (the next call writes sh.tot and sh.last again)
+  return d;
+}
+
 // Phase 1: p's partial over one slice of one position (and max q when eta > 0 at a drafted position).
 template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads, 4) verify_draft_stats_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
@@ -429,7 +519,9 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_modified_stats_kerne
 // them through distributed shared memory, every CTA folds all slices in order (fold_target_stats,
 // the fold kernel's arithmetic) and reduces the modified logits' partials from shared memory again.
 // The same slices, sweeps and folds as stats + fold + modified_stats, hence the same bits; only
-// the second read of each slice comes from shared memory instead of HBM. sm_90 (clusters) only.
+// the second read of each slice comes from shared memory instead of HBM. A CTA's block reductions
+// take N of its slices at once in each sweep (reduce_slices: the same butterflies, one barrier).
+// sm_90 (clusters) only.
 template <int KIND>
 constexpr int logits_bytes() {
   return KIND == kLogitsF32 ? 4 : 2;
@@ -447,6 +539,52 @@ template <int KIND, bool ONEHOT>
 __host__ __device__ size_t rapid_smem_bytes(int per, int ns) {
   return rapid_slice_bytes<KIND, ONEHOT>() * per + sizeof(SlicePartial) * (per + ns) +
          sizeof(SoftmaxState) * kThreads * per;
+}
+
+// Shared buffers of reduce_slices: per slice of a call the warp results (two sets: consecutive calls
+// alternate, so that one call's writes never meet the previous call's reads without a barrier between).
+template <int N>
+struct SliceSlots {
+  SoftmaxState st[2][N][kWarps];
+  float q[2][N][kWarps];
+};
+
+// The block reductions of n <= N slices at once (the one-pass kernel's): per slice i < n, the softmax
+// state st[i] (and with_q the max qm[i]) of every thread reduced by block_reduce_softmax's butterflies,
+// one warp butterfly per slice (offsets 16..1, the N slices' steps interleaved: independent shuffles
+// instead of one latency-bound chain), then one barrier and warp 0's butterfly over the warp results
+// (padded with the identity). The same bits as block_reduce_softmax / block_max slice by slice, with one
+// barrier for all n instead of three (six with q) per slice. The results are thread 0's st[i] and qm[i];
+// `buf` alternates between calls.
+template <int N>
+__device__ __forceinline__ void reduce_slices(SoftmaxState (&st)[N], float (&qm)[N], int n, bool with_q, float scale,
+                                              SliceSlots<N>& sl, int buf) {
+  auto butterflies = [&] {  // (the slices' steps interleaved)
+    for (int off = kWarpSize / 2; off > 0; off /= 2) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (i >= n) continue;
+        st[i] = softmax_merge(st[i], shfl_xor(st[i], off), scale);
+        if (with_q) qm[i] = f_max(qm[i], shfl_xor(qm[i], off));
+      }
+    }
+  };
+  butterflies();
+  if (lane_id() == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      sl.st[buf][i][warp_id()] = st[i];
+      sl.q[buf][i][warp_id()] = qm[i];
+    }
+  }
+  __syncthreads();
+  if (warp_id() != 0) return;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    st[i] = lane_id() < kWarps ? sl.st[buf][i][lane_id()] : softmax_identity();
+    qm[i] = lane_id() < kWarps ? sl.q[buf][i][lane_id()] : -INFINITY;
+  }
+  butterflies();
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -469,11 +607,14 @@ __device__ __forceinline__ void copy_to_shared(void* dst, const void* src, int b
 }
 #endif
 
-template <int KIND, bool ONEHOT>
-__global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
-                                                                            VerifyDraftWorkspace ws) {
+// (N = 1 is held to the 64 registers of 4 CTAs per SM, a cluster of 16's occupancy, which its allocation
+// passes otherwise; N = 2 keeps 64 by itself, and spills when held to it; 0: no minimum)
+template <int KIND, bool ONEHOT, int N>
+__global__ void __launch_bounds__(kThreads, N == 1 ? 4 : 0) verify_draft_rapid_stats_kernel(const VerifyDraftArgs a,
+                                                                                          VerifyDraftWorkspace ws) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char dyn[];
+  __shared__ SliceSlots<N> slots;
   __shared__ Shared sh;
   __shared__ PositionStats ps_shared;
   namespace cg = cooperative_groups;
@@ -504,67 +645,111 @@ __global__ void __launch_bounds__(kThreads) verify_draft_rapid_stats_kernel(cons
     }
     __pipeline_commit();
   }
+  // The CTA's slices in rounds of up to N: body(l, s, st, qm) fills this thread's state (and max q) of its
+  // l-th slice (slice s), then one reduce_slices for the round and emit(l, s, partial) on thread 0.
+  int round = 0;  // (reduce_slices' shared buffers alternate between rounds)
+  auto rounds = [&](bool with_q, float sc, auto&& body, auto&& emit) {
+    for (int l0 = 0; l0 < mine_n; l0 += N, ++round) {
+      SoftmaxState st[N];
+      float qm[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        st[i] = softmax_identity();
+        qm[i] = -INFINITY;
+        if (l0 + i < mine_n) body(l0 + i, rank + (l0 + i) * C, st[i], qm[i]);
+      }
+      const int n = min(N, mine_n - l0);
+      reduce_slices<N>(st, qm, n, with_q, sc, slots, round & 1);
+      if (threadIdx.x == 0)
+        for (int i = 0; i < n; ++i) emit(l0 + i, rank + (l0 + i) * C, SlicePartial{st[i], with_q ? qm[i] : -INFINITY});
+    }
+  };
   // 2. p's partials (and max q) per slice, as verify_draft_stats_kernel; slice l is swept as soon as
   // its own copies have landed (groups complete in order), while the later slices' are in flight
   const float scale = a.scale, eta = a.eta;
-  for (int l = 0, s = rank; s < ns; ++l, s += C) {
-    __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
-    __syncthreads();
-    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
-    const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
-    const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
-    const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
-    SoftmaxState st = softmax_identity();
-    float qm = -INFINITY;
-    if (drafted) {
-      sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, scale);
+  rounds(
+      drafted, scale,
+      [&](int l, int s, SoftmaxState& st, float& qm) {
+        __pipeline_wait_prior(static_cast<size_t>(mine_n - 1 - l));
+        __syncthreads();
+        const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+        const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+        const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+        const int xs = x - begin;  // (one-hot q: the draft's index within the slice)
+        if (drafted) {
+          sweep<KIND, true, ONEHOT>(zs, qs, xs, 0, len, true,
+                                    [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                      softmax_update_chunk(st, z, begin + v0, scale);
 #pragma unroll
-        for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
-      });
-    } else {
-      sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true, [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
-        softmax_update_chunk(st, z, begin + v0, scale);
-      });
-    }
-    firsts[l * kThreads + threadIdx.x] = st;
-    const SoftmaxState ss = block_reduce_softmax(st, scale, sh);
-    const float qmax = drafted ? block_max(qm, sh) : -INFINITY;
-    if (threadIdx.x == 0) mine[l] = SlicePartial{ss, qmax};
-  }
-  // 3. every slice's partial from its CTA, folded in slice order
-  cl.sync();
-  for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
-  cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
+                                      for (int e = 0; e < kChunk; ++e) qm = f_max(qm, q[e]);
+                                    });
+        } else {
+          sweep<KIND, false, ONEHOT>(zs, qs, xs, 0, len, true,
+                                     [&](int v0, const float(&z)[kChunk], const float(&)[kChunk]) {
+                                       softmax_update_chunk(st, z, begin + v0, scale);
+                                     });
+        }
+        firsts[l * kThreads + threadIdx.x] = st;
+      },
+      [&](int l, int, const SlicePartial& part) { mine[l] = part; });
+  // 3. every slice's partial from its CTA, folded in slice order (gather: the cluster's partials in `all`)
+  auto gather = [&] {
+    cl.sync();
+    for (int s = threadIdx.x; s < ns; s += kThreads) all[s] = *cl.map_shared_rank(&mine[s / C], s % C);
+    cl.sync();  // (no CTA leaves or writes `mine` again while another may read it)
+  };
+  gather();
   if (threadIdx.x == 0) {
     ps_shared = fold_target_stats(all, ns, scale, a.alpha, drafted);
     if (rank == 0) ws.stats[r] = ps_shared;
   }
   __syncthreads();
-  if (!drafted) return;  // the bonus position uses p alone
+  if (drafted) {  // (the bonus position uses p alone)
+    const PositionStats ps = ps_shared;
+    // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
+    // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
+    rounds(
+        false, 1.0f,
+        [&](int l, int s, SoftmaxState& st, float&) {
+          const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+          const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
+          const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
+          bool masked = false;
+          for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
+            float q[kChunk];
+            load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
+            masked |= chunk_masked(q, ps.q_thresh);
+          }
+          if (masked) {
+            sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
+                                      [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
+                                        modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
+                                      });
+          }
+          st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
+        },
+        [&](int l, int s, const SlicePartial& part) {
+          ws.parts_a[r * ns + s] = part;
+          mine[l] = part;
+        });
+    if (!a.phase1_totals) return;  // (the statistics are all the walk needs)
+    // 5. p_hat's statistics, the walk's fold of the same partials (the same bits)
+    gather();
+    if (threadIdx.x == 0) fold_modified_stats(ps_shared, all, ns);
+    __syncthreads();
+  }
+  if (!a.phase1_totals) return;
+  // 6. the draw's totals at this position for each of its slices (verify_draft_draw_totals_kernel's, the
+  // weights of the draw this position would make: the residual after a rejection, p at the bonus position)
+  // from shared memory, so that the draw reads the crossing slice alone
   const PositionStats ps = ps_shared;
-  // 4. the modified logits' partials per slice, from shared memory, as verify_draft_modified_stats_kernel:
-  // a thread without a masked token (almost every one) shifts its first-sweep state, no exps
+  const int mode = drafted ? kWeightResidual : kWeightTarget;
   for (int l = 0, s = rank; s < ns; ++l, s += C) {
-    const int begin = slice_begin(s, a.vocab), len = slice_end(s, a.vocab) - begin;
+    const int begin = slice_begin(s, a.vocab);
     const void* zs = zbuf + static_cast<size_t>(l) * kSliceLen * esize;
     const float* qs = qrow != nullptr ? qbuf + static_cast<size_t>(l) * kSliceLen : nullptr;
-    bool masked = false;
-    for (int c = threadIdx.x; c * kChunk < len; c += kThreads) {
-      float q[kChunk];
-      load_probs<ONEHOT>(qs, x - begin, c * kChunk, min(kChunk, len - c * kChunk), true, q);
-      masked |= chunk_masked(q, ps.q_thresh);
-    }
-    SoftmaxState st = softmax_identity();
-    if (masked) {
-      sweep<KIND, true, ONEHOT>(zs, qs, x - begin, 0, len, true,
-                                [&](int v0, const float(&z)[kChunk], const float(&q)[kChunk]) {
-                                  modified_update_chunk(st, z, q, begin + v0, ps, scale, eta);
-                                });
-    }
-    st = modified_thread_state(masked, st, firsts[l * kThreads + threadIdx.x], ps.m_z, scale);
-    const SoftmaxState ss = block_reduce_softmax(st, 1.0f, sh);
-    if (threadIdx.x == 0) ws.parts_a[r * ns + s] = SlicePartial{ss, -INFINITY};
+    const DrawSlice t = slice_draw_totals<KIND, ONEHOT>(zs, qs, x, begin, s, a.vocab, true, mode, ps, scale, eta, sh);
+    if (threadIdx.x == 0) ws.draws[r * ns + s] = t;
   }
 #endif
 }
@@ -630,38 +815,6 @@ __global__ void __launch_bounds__(kWalkWarps * kWarpSize) verify_draft_walk_kern
   if (lane == 0) a.num_accepted[b] = static_cast<int32_t>(n);
 }
 
-// Draw weights of this thread's chunk in `tile` of slice [begin, end) (0 past it), their sum from 0 and
-// p's (with_p), and the last tokens of positive weight of each.
-template <int KIND, bool ONEHOT>
-__device__ __forceinline__ float chunk_weights(const void* zrow, const float* qrow, int x, int begin, int end, bool vec,
-                                               int tile, int mode, const PositionStats& ps, float scale, float eta,
-                                               float (&w)[kChunk], float* sum_p, int* last, int* last_p) {
-  const int v0 = begin + (tile * kThreads + static_cast<int>(threadIdx.x)) * kChunk;
-  const int cnt = max(0, min(kChunk, end - v0));
-  float z[kChunk], q[kChunk];
-  if (cnt > 0) {
-    load_logits<KIND>(zrow, v0, cnt, vec, z);
-    if (mode == kWeightResidual) {
-      load_probs<ONEHOT>(qrow, x, v0, cnt, vec, q);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) q[e] = 0.0f;
-    }
-  }
-  float s = 0.0f, sp = 0.0f;
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    float wp = 0.0f;
-    w[e] = e < cnt ? draw_weights(mode, z[e], q[e], ps, scale, eta, &wp) : 0.0f;
-    if (w[e] > 0.0f) *last = v0 + e;
-    if (wp > 0.0f) *last_p = v0 + e;
-    s = f_add(s, w[e]);
-    sp = f_add(sp, wp);
-  }
-  *sum_p = sp;
-  return s;
-}
-
 struct DrawRow {
   DrawPlan plan;
   const void* zrow;
@@ -678,7 +831,7 @@ __device__ __forceinline__ DrawRow draw_row(const VerifyDraftArgs& a, const Veri
   return d;
 }
 
-// Phase 3a: one slice's totals at the row's drawn position (tile totals in scan order, folded from 0).
+// Phase 3a (where phase 1 did not compute them): one slice's totals at the row's drawn position.
 template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(const VerifyDraftArgs a,
                                                                                VerifyDraftWorkspace ws) {
@@ -687,53 +840,38 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_totals_kernel(c
   const int64_t b = blockIdx.x / ns;
   const int s = static_cast<int>(blockIdx.x - b * ns);
   const DrawRow d = draw_row(a, ws, b);
-  const int mode = d.plan.mode;
-  const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
-  float w[kChunk], total = 0.0f, total_p = 0.0f, base;
-  int last = -1, last_p = -1;
-  for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
-    float cs_p;
-    const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                 a.scale, a.eta, w, &cs_p, &last, &last_p);
-    total = f_add(total, block_scan(cs, total, &base, sh));
-    if (mode == kWeightResidual) total_p = f_add(total_p, block_scan(cs_p, total_p, &base, sh));
-  }
-  last = block_max_int(last, sh);
-  if (mode == kWeightResidual) {
-    last_p = block_max_int(last_p, sh);
-  } else {
-    total_p = total;
-    last_p = last;
-  }
-  if (threadIdx.x == 0) ws.draws[b * ns + s] = DrawSlice{total, last, total_p, last_p};
+  const DrawSlice t = slice_draw_totals<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, 0, s, a.vocab, d.vec, d.plan.mode,
+                                                      d.plan.ps, a.scale, a.eta, sh);
+  if (threadIdx.x == 0) ws.draws[d.plan.row * ns + s] = t;
 }
 
-// Phase 3b: the first crossing of u * total in one slice, its prefixes starting at the slice's base.
+// Phase 3b, one CTA per batch row: the weights to draw from and their total (draw_pick), the crossing slice
+// (draw_crossing_slice) searched tile by tile from its base to its first prefix past u * total, and the
+// row's token (draw_token).
 template <int KIND, bool ONEHOT>
 __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(const VerifyDraftArgs a,
                                                                              VerifyDraftWorkspace ws) {
   __shared__ Shared sh;
   const int ns = num_slices(a.vocab);
-  const int64_t b = blockIdx.x / ns;
-  const int s = static_cast<int>(blockIdx.x - b * ns);
+  const int64_t b = blockIdx.x;
   const DrawRow d = draw_row(a, ws, b);
-  const DrawSlice* ds = ws.draws + b * ns;
+  const DrawSlice* ds = ws.draws + d.plan.row * ns;
   float total = 0.0f;
   const int mode = draw_pick(ds, ns, d.plan.mode, &total);  // (the same on every thread: a broadcast read)
-  int cand = kNoToken;
+  int s = -1, found = kNoToken;
   if (mode >= 0) {
     const float target = f_mul(d.plan.u, total);
-    bool decided = false;
-    float tile_base = draw_slice_base(ds, s, mode, target, &decided);
-    if (!decided && draw_slice_total(ds[s], mode) > 0.0f) {
+    float tile_base = 0.0f;
+    s = draw_crossing_slice(ds, ns, mode, target, &tile_base);
+    if (s >= 0) {
       const int begin = slice_begin(s, a.vocab), end = slice_end(s, a.vocab);
       float w[kChunk];
       for (int tile = 0; tile < slice_tiles(s, a.vocab); ++tile) {
         if (threadIdx.x == 0) sh.found = kNoToken;  // published by block_scan's barrier
         float cs_p;
         int ignored = -1, ignored_p = -1;
-        const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, begin, end, d.vec, tile, mode, d.plan.ps,
-                                                     a.scale, a.eta, w, &cs_p, &ignored, &ignored_p);
+        const float cs = chunk_weights<KIND, ONEHOT>(d.zrow, d.qrow, d.plan.x, 0, begin, end, d.vec, tile, mode,
+                                                     d.plan.ps, a.scale, a.eta, w, &cs_p, &ignored, &ignored_p);
         float run;
         const float tile_total = block_scan(cs, tile_base, &run, sh);
         int c = kNoToken;
@@ -745,31 +883,18 @@ __global__ void __launch_bounds__(kThreads, 4) verify_draft_draw_find_kernel(con
         }
         if (c != kNoToken) atomicMin(&sh.found, c);  // (the block's smallest: order-independent)
         __syncthreads();
-        const int found = sh.found;
+        found = sh.found;
         __syncthreads();
-        if (found != kNoToken) {
-          cand = found;
-          break;
-        }
+        if (found != kNoToken) break;
         tile_base = f_add(tile_base, tile_total);
       }
     }
   }
-  if (threadIdx.x == 0) ws.cands[b * ns + s] = cand;
-}
-
-// Phase 3c: the row's token, one thread per batch row.
-__global__ void __launch_bounds__(kThreads) verify_draft_finish_kernel(const VerifyDraftArgs a, VerifyDraftWorkspace ws) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (b >= a.batch) return;
-  const int ns = num_slices(a.vocab);
-  const DrawPlan plan = ws.plans[b];
-  const DrawSlice* ds = ws.draws + b * ns;
-  float total = 0.0f;
-  const int mode = draw_pick(ds, ns, plan.mode, &total);
-  int token = draw_finish(ws.cands + b * ns, ds, ns, mode, plan.ps.argmax_z);
-  if (token < 0 || token >= a.vocab) token = 0;  // only for positions of all -inf / NaN logits
-  a.out_tokens[plan.row] = token;
+  if (threadIdx.x == 0) {
+    int token = draw_token(ds, ns, mode, s, found, d.plan.ps.argmax_z);
+    if (token < 0 || token >= a.vocab) token = 0;  // only for positions of all -inf / NaN logits
+    a.out_tokens[d.plan.row] = token;
+  }
 }
 
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
@@ -782,18 +907,25 @@ constexpr size_t kRapidSmemLimit = 200 * 1024;
 // clusters (the sm_90 code was loaded) and a CTA's slices fit kRapidSmemLimit; *done tells the caller.
 // The tokens are the same either way.
 template <int KIND, bool ONEHOT>
-cudaError_t launch_rapid_stats(const VerifyDraftArgs& a, const VerifyDraftWorkspace& ws, int cluster,
-                               cudaStream_t stream, bool* done) {
+cudaError_t launch_rapid_stats(const VerifyDraftArgs& args, const VerifyDraftWorkspace& ws, int cluster,
+                               int reduce_together, bool totals, cudaStream_t stream, bool* done) {
+  VerifyDraftArgs a = args;
+  a.phase1_totals = totals && !a.greedy;
   *done = false;
-  auto* kernel = verify_draft_rapid_stats_kernel<KIND, ONEHOT>;
+  const int ns = num_slices(a.vocab);
+  const int C = ns < cluster ? ns : cluster;
+  const int per = (ns + C - 1) / C;
+  // slices reduced at once: the launch choice, at most the CTA's slices (a cluster of 16 at V 128256: 2, whose
+  // kernel keeps the 64 registers of 4 CTAs per SM)
+  const int n = reduce_together < per ? reduce_together : per;
+  auto* kernel = n >= 4 ? verify_draft_rapid_stats_kernel<KIND, ONEHOT, 4>
+                 : n >= 2 ? verify_draft_rapid_stats_kernel<KIND, ONEHOT, 2>
+                          : verify_draft_rapid_stats_kernel<KIND, ONEHOT, 1>;
   cudaFuncAttributes fa;
   if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90) {
     (void)cudaGetLastError();
     return cudaSuccess;
   }
-  const int ns = num_slices(a.vocab);
-  const int C = ns < cluster ? ns : cluster;
-  const int per = (ns + C - 1) / C;
   const size_t smem = rapid_smem_bytes<KIND, ONEHOT>(per, ns);
   const int64_t grid = a.rows * C;
   if (smem > kRapidSmemLimit || grid > 0x7fffffff) return cudaSuccess;
@@ -835,9 +967,12 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDr
   const dim3 block(kThreads);
   bool stats_done = false;  // phase 1 launched (the one-pass eta > 0 kernel or the grouped eta 0 one)
   if (a.eta > 0.0f) {
-    const cudaError_t err = launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, stream, &stats_done);
+    const cudaError_t err =
+        launch_rapid_stats<KIND, ONEHOT>(a, ws, how.cluster, how.reduce_together, how.phase1_totals, stream,
+                                         &stats_done);
     if (err != cudaSuccess) return err;
   }
+  const bool totals_done = stats_done && how.phase1_totals;  // (computed by the one-pass kernel)
   // (16-bit logits only: fp32 chunks would double the prefetched registers, past the 64 of 4 CTAs/SM)
   if constexpr (KIND != kLogitsF32) {
     if (!stats_done && a.eta <= 0.0f && stats_group > 1) {
@@ -855,9 +990,10 @@ cudaError_t launch(const VerifyDraftArgs& a, cudaStream_t stream, const VerifyDr
   }
   verify_draft_walk_kernel<KIND, ONEHOT><<<blocks_for(a.batch, kWalkWarps), kWalkWarps * kWarpSize, 0, stream>>>(a, ws);
   if (!a.greedy) {
-    verify_draft_draw_totals_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
-    verify_draft_draw_find_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
-    verify_draft_finish_kernel<<<blocks_for(a.batch, kThreads), block, 0, stream>>>(a, ws);
+    if (!totals_done) {
+      verify_draft_draw_totals_kernel<KIND, ONEHOT><<<static_cast<unsigned>(draw_ctas), block, 0, stream>>>(a, ws);
+    }
+    verify_draft_draw_find_kernel<KIND, ONEHOT><<<static_cast<unsigned>(a.batch), block, 0, stream>>>(a, ws);
   }
   return cudaGetLastError();
 }

@@ -35,6 +35,7 @@ struct VerifyDraftArgs {
   float eta;          // eta * log2(e) (base2_scales), >= 0
   float alpha;        // in [0, 1]
   bool greedy;
+  bool phase1_totals;  // (the launcher's, from VerifyDraftLaunch) the one-pass kernel writes the draw's totals
 };
 
 // What the walk decided for one batch row, read by the draw kernels: the position to draw at and how.
@@ -48,14 +49,13 @@ struct DrawPlan {
 };
 
 // The global workspace: per (logits row, slice) partials, per logits row folded stats (eta > 0),
-// per batch row the draw plan, per (batch row, slice) the draw totals and crossings.
+// per batch row the draw plan, per (logits row, slice) the draw totals.
 struct VerifyDraftWorkspace {
   SlicePartial* parts_p;  // [rows, slices]: phase 1, p
   SlicePartial* parts_a;  // [rows, slices]: phase 1's second pass, p_hat (eta > 0)
   PositionStats* stats;   // [rows]: p's folded statistics (eta > 0)
   DrawPlan* plans;        // [B]
-  DrawSlice* draws;       // [B, slices]
-  int* cands;             // [B, slices]
+  DrawSlice* draws;       // [rows, slices]: the draw's totals at a position (the drawn ones, or all of them)
 };
 
 // Bytes of the workspace (and, with base != nullptr, its pointers carved from base).
@@ -74,8 +74,7 @@ inline size_t verify_draft_workspace_layout(int64_t batch, int64_t rows, int voc
   w.parts_a = reinterpret_cast<SlicePartial*>(take(modified ? r * ns * sizeof(SlicePartial) : 0));
   w.stats = reinterpret_cast<PositionStats*>(take(modified ? r * sizeof(PositionStats) : 0));
   w.plans = reinterpret_cast<DrawPlan*>(take(b * sizeof(DrawPlan)));
-  w.draws = reinterpret_cast<DrawSlice*>(take(b * ns * sizeof(DrawSlice)));
-  w.cands = reinterpret_cast<int*>(take(b * ns * sizeof(int)));
+  w.draws = reinterpret_cast<DrawSlice*>(take(r * ns * sizeof(DrawSlice)));
   if (ws != nullptr) *ws = w;
   return off;
 }
@@ -86,8 +85,9 @@ inline size_t verify_draft_workspace_bytes(int64_t batch, int64_t rows, int voca
 
 // The launches (see verify_draft_kernels.cu): phase 1 over rows x num_slices(V) CTAs of kThreads
 // threads (twice with eta > 0, a fold between; on sm_90 one launch of a cluster per position
-// instead, same bits), the walk (a warp per batch row), then, unless greedy,
-// the draw over B x num_slices(V) CTAs twice and a finish. No host synchronisation, a fixed launch
+// instead, same bits, which also computes the draw's totals at every position), the walk (a warp per batch
+// row), then, unless greedy, the draw's totals over B x num_slices(V) CTAs (unless phase 1 computed them) and
+// its find, a CTA per batch row over the crossing slice alone. No host synchronisation, a fixed launch
 // sequence for given shapes (CUDA-graph safe), no atomics across CTAs. Preconditions (not checked
 // here): draft tokens in [0, V) (an out-of-range one is rejected, never read), num_draft in [0, g]
 // (clamped), uniforms in [0, 1), rows * num_slices(V) < 2^31 (cudaErrorInvalidValue otherwise).
@@ -101,6 +101,14 @@ struct VerifyDraftLaunch {
   // portable maximum) or up to 16 (non-portable on the H100: half the slices and shared memory per CTA,
   // twice the CTAs per SM)
   int cluster = 8;
+  // slices of a CTA of that kernel reduced at once (1, 2 or 4, at most the CTA's slices: independent
+  // butterflies under one barrier, the same bits; at sm_90a 4 takes 77-80 registers, 2 and 1 64: a
+  // cluster of 16 at V 128256, 2 slices a CTA, keeps the 4 CTAs/SM its shared memory allows)
+  int reduce_together = 4;
+  // the draw's totals: computed by that kernel at every position from its shared memory (true: a third
+  // sweep, one more cluster exchange and fold, and no totals kernel), or by verify_draft_draw_totals_kernel
+  // over the drawn positions' rows (false, the other paths' way); the same totals
+  bool phase1_totals = false;
 };
 
 cudaError_t launch_verify_draft(const VerifyDraftArgs& args, cudaStream_t stream, VerifyDraftLaunch how = {});

@@ -14,7 +14,7 @@
 // Summation order. The vocabulary is cut into num_slices(V) slices of kSliceLen tokens (the last one
 // ends at V); on the GPU one CTA reduces one slice of one position, and the slice results are folded
 // in slice order from the identity, at every position alike (fold_target_stats,
-// fold_modified_stats, draw_pick, draw_slice_base). Slicing and fold order depend on V only, never
+// fold_modified_stats, draw_pick, draw_crossing_slice). Slicing and fold order depend on V only, never
 // on the device or the batch.
 // Within a slice:
 //   * the slice is cut into chunks of kChunk consecutive tokens; thread t owns the slice's chunks
@@ -28,7 +28,8 @@
 //     folded from 0 in token order; inside a chunk the prefix is base + w0 + w1 + ... in order.
 //     The slice total T_s folds its tile totals from 0; slice s starts its prefixes at
 //     T_0 + T_1 + ... + T_{s-1} (folded from 0 in slice order), the grand total is that fold over
-//     all slices; the drawn token is the first crossing of the first slice that has one.
+//     all slices; the drawn token is the first crossing in the crossing slice, the first slice whose
+//     base + T_s passes u * total (draw_crossing_slice, draw_token): the other slices are not searched.
 #pragma once
 
 #include <cmath>
@@ -124,6 +125,14 @@ RAGATTN_HD float f_maxnum(float a, float b) {
 #endif
 }
 RAGATTN_HD float f_min(float a, float b) { return a < b ? a : (b < a ? b : (a == a ? a : b)); }
+// IEEE minNum: the smaller of a and b, the other one where one is NaN (a zero's sign is left open).
+RAGATTN_HD float f_minnum(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);
+#else
+  return (b < a || a != a) ? b : a;
+#endif
+}
 
 RAGATTN_HD float bits_to_float(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
@@ -301,6 +310,7 @@ struct PositionStats {
   float m_a;       // max of the modified logits a (eta > 0; base-2 units)
   float inv_sa;    // 1 / sum 2^(a - m_a)
   int argmax_a;    // first argmax of a (= argmax p_hat)
+  float hat_scale;  // p_hat / p of an unmasked token (eta > 0; hat_scale_of), 0: none (its own exp)
 };
 
 // The stats of p alone (eta = 0, or before the p_hat sweep): p_hat = p until that sweep fills them.
@@ -313,6 +323,7 @@ RAGATTN_HD PositionStats target_stats(const SoftmaxState& sz) {
   ps.m_a = 0.0f;
   ps.inv_sa = 1.0f;
   ps.argmax_a = sz.idx;
+  ps.hat_scale = 0.0f;
   return ps;
 }
 
@@ -337,6 +348,18 @@ RAGATTN_HD float modified_logit(float y, float q, float eta, float q_thresh, flo
 }
 
 RAGATTN_HD float modified_prob(float a, float m_a, float inv_sa) { return f_mul(vexp2(f_sub(a, m_a)), inv_sa); }
+
+// The per-position constant c with p_hat = p * c at every unmasked token (a = y there, so p_hat / p =
+// 2^-m_a * sum 2^y / sum 2^(a - m_a)): c = (inv_sa / inv_sp) * 2^-m_a, one vexp2 a position, so that the
+// draw's weights take one exp a token. Used where m_a is in [-24, 64] (|m_a| <= eta * log2(e): RAPID's eta
+// up to ~16 always) and c comes out a positive finite float: below -24 the unmasked tokens' p would
+// underflow (vexp2 has no subnormals) where p_hat need not, above 64 c could; elsewhere (and for the
+// all -inf / NaN rows) 0: an unmasked token's p_hat then takes its own exp, modified_prob.
+RAGATTN_HD float hat_scale_of(float inv_sp, float m_a, float inv_sa) {
+  if (!(m_a >= -24.0f && m_a <= 64.0f)) return 0.0f;
+  const float c = f_mul(f_div(inv_sa, inv_sp), vexp2(f_sub(0.0f, m_a)));
+  return c > 0.0f && c < INFINITY ? c : 0.0f;
+}
 
 // ---- the modified logits' sweep (eta > 0): a thread's state over its chunks of a slice ----------------
 // Where none of a thread's tokens in the slice is masked (q < q_thresh everywhere, so a = y there, padding
@@ -379,15 +402,19 @@ RAGATTN_HD SoftmaxState modified_thread_state(bool masked, const SoftmaxState& d
   return masked ? direct : shifted_state(first, m_z, scale);
 }
 
-// p(v) and p_hat(v) of one token (p_hat = p when eta == 0).
+// p(v) and p_hat(v) of one token (p_hat = p when eta == 0): p by one vexp2; p_hat of an unmasked token
+// (q < q_thresh) p * hat_scale where the position has one, else (a masked token, or no hat_scale) from
+// its modified logit by its own vexp2.
 RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float scale, float eta, float* p,
                             float* p_hat) {
   const float y = scaled_logit(z, st.m_z, scale);
   *p = target_prob(y, st.inv_sp);
-  if (eta > 0.0f) {
-    *p_hat = modified_prob(modified_logit(y, q, eta, st.q_thresh, st.inv_sp), st.m_a, st.inv_sa);
-  } else {
+  if (!(eta > 0.0f)) {
     *p_hat = *p;
+  } else if (q < st.q_thresh && st.hat_scale > 0.0f) {
+    *p_hat = f_mul(*p, st.hat_scale);
+  } else {
+    *p_hat = modified_prob(modified_logit(y, q, eta, st.q_thresh, st.inv_sp), st.m_a, st.inv_sa);
   }
 }
 
@@ -395,17 +422,17 @@ RAGATTN_HD void token_probs(float z, float q, const PositionStats& st, float sca
 // u <= min(1, p_hat / q), which never accepts a token of target probability 0.
 RAGATTN_HD bool accept_draft(float u, float q_x, float p_hat_x) { return q_x > 0.0f && f_mul(u, q_x) < p_hat_x; }
 
-// Weight of token v in the final draw: the residual max(p - min(q, p_hat), 0) after a
-// rejection, or p for the bonus token / the all-zero-residual fallback.
-RAGATTN_HD float draw_weight(int mode, float z, float q, const PositionStats& st, float scale, float eta) {
-  if (mode == kWeightTarget) return target_prob(scaled_logit(z, st.m_z, scale), st.inv_sp);
-  float p, p_hat;
-  token_probs(z, q, st, scale, eta, &p, &p_hat);
-  return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
+// The residual weight max(p - min(q, p_hat), 0) of a token after a rejection: one minNum and one maxNum
+// instruction on the GPU. The same bits as the NaN-ordered f_min / f_max on every input the op makes: p is
+// +0, positive or NaN (never -0), so p - min(q, p_hat) is never -0 and the sign left open of a zero min
+// cannot show; a NaN operand gives the other one (min) and 0 (max) either way.
+RAGATTN_HD float residual_weight(float p, float q, float p_hat) {
+  return f_maxnum(f_sub(p, f_minnum(q, p_hat)), 0.0f);
 }
 
-// draw_weight of token v and p(v) (*w_p: draw_weight in kWeightTarget mode, bit for bit), in one pass:
-// the draw totals of a rejected position need both (the residual, and p for its all-zero fallback).
+// Weight of token v in the final draw, the residual after a rejection (mode kWeightResidual) or p for the
+// bonus token, and p(v) (*w_p), in one pass: the draw totals of a rejected position need both (the residual,
+// and p for its all-zero fallback).
 RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& st, float scale, float eta, float* w_p) {
   float p, p_hat;
   if (mode == kWeightTarget) {
@@ -415,7 +442,7 @@ RAGATTN_HD float draw_weights(int mode, float z, float q, const PositionStats& s
   }
   token_probs(z, q, st, scale, eta, &p, &p_hat);
   *w_p = p;
-  return f_max(f_sub(p, f_min(q, p_hat)), 0.0f);
+  return residual_weight(p, q, p_hat);
 }
 
 // Prefix of a chunk's first token within a tile (see "Summation order").
@@ -454,6 +481,7 @@ RAGATTN_HD void fold_modified_stats(PositionStats& ps, const SlicePartial* parts
   ps.m_a = sa.m;
   ps.inv_sa = f_div(1.0f, sa.s);
   ps.argmax_a = sa.idx;
+  ps.hat_scale = hat_scale_of(ps.inv_sp, ps.m_a, ps.inv_sa);
 }
 
 // The decision at a drafted position: draft x (in_range: x in [0, V)), its logit z_x and draft
@@ -498,32 +526,35 @@ RAGATTN_HD int draw_pick(const DrawSlice* d, int n, int mode, float* total) {
   return t > 0.0f ? kWeightTarget : -1;
 }
 
-// The base of slice s's prefixes, T_0 + ... + T_{s-1} folded from 0. *decided: some earlier slice k
-// has base_k > target and T_k > 0, so its first token of positive weight already crosses (prefixes
-// never decrease) and slice s cannot hold the first crossing: its search is skipped.
-RAGATTN_HD float draw_slice_base(const DrawSlice* d, int s, int mode, float target, bool* decided) {
-  float base = 0.0f;
-  *decided = false;
-  for (int k = 0; k < s; ++k) {
-    const float t = draw_slice_total(d[k], mode);
-    if (base > target && t > 0.0f) *decided = true;
-    base = f_add(base, t);
+// The slice holding the draw's crossing of target = u * total: the first slice with T_s > 0 whose base_s + T_s
+// passes target, base_s = T_0 + ... + T_{s-1} folded from 0 in slice order (*base); -1 where none does
+// (rounding put target at the grand total). Only that slice is searched (draw_token).
+RAGATTN_HD int draw_crossing_slice(const DrawSlice* d, int n, int mode, float target, float* base) {
+  float b = 0.0f;
+  for (int s = 0; s < n; ++s) {
+    const float t = draw_slice_total(d[s], mode);
+    const float next = f_add(b, t);
+    if (t > 0.0f && next > target) {
+      *base = b;
+      return s;
+    }
+    b = next;
   }
-  return base;
+  *base = b;
+  return -1;
 }
 
-// The drawn token (phase 3c): the first slice's crossing (the smallest candidate: slices are in token
-// order; kNoToken where a slice has none), else the last token of positive weight (rounding left
-// u * total at or past the last prefix), else (no weight at all) argmax_z.
-RAGATTN_HD int draw_finish(const int* cand, const DrawSlice* d, int n, int mode, int argmax_z) {
+// The drawn token (mode: draw_pick's): in the crossing slice s its first token whose prefix from base_s passes
+// target (`found`; kNoToken where the slice's prefixes, rounded apart from base_s + T_s, stay at or below
+// it) or else its last token of positive weight; with no crossing slice (s < 0) the row's last token of
+// positive weight; with no weight at all (mode < 0) argmax_z.
+RAGATTN_HD int draw_token(const DrawSlice* d, int n, int mode, int s, int found, int argmax_z) {
   if (mode < 0) return argmax_z;
-  int c = kNoToken, last = -1;
-  for (int s = 0; s < n; ++s) {
-    c = cand[s] < c ? cand[s] : c;
-    const int l = mode == kWeightResidual ? d[s].last : d[s].last_p;
-    last = l > last ? l : last;
-  }
-  return c != kNoToken ? c : last;
+  auto last_of = [mode](const DrawSlice& x) { return mode == kWeightResidual ? x.last : x.last_p; };
+  if (s >= 0) return found != kNoToken ? found : last_of(d[s]);
+  int last = -1;
+  for (int k = 0; k < n; ++k) last = last_of(d[k]) > last ? last_of(d[k]) : last;
+  return last;
 }
 
 }  // namespace speculative

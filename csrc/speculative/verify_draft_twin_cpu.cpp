@@ -2,7 +2,7 @@
 // arithmetic on kThreads virtual threads, one vocabulary slice at a time as one CTA of the kernel
 // reduces it (chunk ownership, warp butterflies, Kogge-Stone scans), and folds the slices with the
 // kernel's own fold functions (verify_draft_math.h: fold_target_stats, draft_accepted, draw_pick,
-// draw_slice_base, draw_finish), so that both emit the same tokens for the same uniforms. The kernel
+// draw_crossing_slice, draw_token), so that both emit the same tokens for the same uniforms. The kernel
 // computes every position's slices at once; the twin walks the positions in order and stops at the
 // first rejection (a position's statistics do not depend on any other position). Slow (a scalar
 // replay with correctly rounded software FMAs): the tests that compare against the CUDA order use
@@ -170,19 +170,18 @@ class Draw {
   int token(int mode, float u) {
     const int n = num_slices(r_.V);
     std::vector<DrawSlice> d(static_cast<size_t>(n));
-    for (int s = 0; s < n; ++s) d[s] = slice_totals(s, mode);  // verify_draft_draw_totals_kernel
+    // every slice's totals (the one-pass kernel's third sweep, or verify_draft_draw_totals_kernel)
+    for (int s = 0; s < n; ++s) d[s] = slice_totals(s, mode);
     float total = 0.0f;
     const int used = draw_pick(d.data(), n, mode, &total);
-    std::vector<int> cand(static_cast<size_t>(n), kNoToken);
-    if (used >= 0) {
+    int s = -1, found = kNoToken;
+    if (used >= 0) {  // verify_draft_draw_find_kernel: the crossing slice alone
       const float target = f_mul(u, total);
-      for (int s = 0; s < n; ++s) {  // verify_draft_draw_find_kernel
-        bool decided = false;
-        const float base = draw_slice_base(d.data(), s, used, target, &decided);
-        if (!decided && draw_slice_total(d[s], used) > 0.0f) cand[s] = slice_find(s, used, base, target);
-      }
+      float base = 0.0f;
+      s = draw_crossing_slice(d.data(), n, used, target, &base);
+      if (s >= 0) found = slice_find(s, used, base, target);
     }
-    return draw_finish(cand.data(), d.data(), n, used, ps_.argmax_z);  // verify_draft_finish_kernel
+    return draw_token(d.data(), n, used, s, found, ps_.argmax_z);
   }
 
  private:

@@ -180,18 +180,24 @@ def test_reference_backend_matches_default(monkeypatch, seed):
     assert_same(ragattn.verify_draft(x, q, z, u, eta=5.0), fast, "reference backend")
 
 
-@pytest.mark.parametrize("group,cluster", [("1", "8"), ("3", "8"), ("8", "8"), ("1", "16"), ("1", "5")])
-def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster):
+@pytest.mark.parametrize("group,cluster,reduce,totals", [
+    ("1", "8", "4", "0"), ("3", "8", "4", "0"), ("8", "8", "4", "0"), ("1", "16", "4", "1"), ("1", "5", "4", "1"),
+    ("1", "8", "1", "0"), ("1", "8", "2", "1")])
+def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster, reduce, totals):
     """The kernel and the twin (RAGATTN_CPU_BACKEND=twin) share every rounding: same tokens on any
     uniforms, no margin (vocabularies of 1 to 74 slices, padded and num_draft layouts; with eta > 0 the
     sm_90 one-pass kernel in clusters of RAGATTN_VERIFY_DRAFT_CLUSTER CTAs and, at V 300007, the two-pass
     path; at eta 0 with 16-bit logits phase 1 one slice per CTA or RAGATTN_VERIFY_DRAFT_GROUP slices,
-    groups and clusters that split the slices unevenly too)."""
+    groups and clusters that split the slices unevenly too; the one-pass kernel's slices reduced
+    RAGATTN_VERIFY_DRAFT_REDUCE at once, up to the CTA's slices: 4, 2 and 1, and a last round of 3; the
+    draw's totals by that kernel, RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS=1, or by the totals kernel)."""
     if device.type != "cuda":
         pytest.skip("needs --device cuda")
     monkeypatch.setenv("RAGATTN_CPU_BACKEND", "twin")
     monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_GROUP", group)
     monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_CLUSTER", cluster)
+    monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_REDUCE", reduce)
+    monkeypatch.setenv("RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS", totals)
     gen = torch.Generator().manual_seed(seed)
     for bsz, g, vocab, dtype, eta in [(64, 10, 128256, torch.bfloat16, 0.0), (64, 10, 128256, torch.bfloat16, 10.0),
                                       (33, 16, 49157, torch.float16, 20.0), (128, 4, 32000, torch.float32, 5.0),
@@ -203,8 +209,8 @@ def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster):
                                       (5, 4, 70001, torch.float16, 0.0)]:
         if group != "1" and (eta > 0 or dtype == torch.float32):
             continue  # (the grouped phase 1 runs at eta 0 with 16-bit logits only)
-        if cluster != "8" and eta == 0:
-            continue  # (clusters are the eta > 0 kernel's)
+        if (cluster, reduce, totals) != ("8", "4", "0") and eta == 0:
+            continue  # (clusters, their reductions and totals are the eta > 0 kernel's)
         x, q, z, u = make_case(bsz, g, vocab, dtype=dtype, gen=gen, closeness=0.3)
         nd = torch.randint(0, g + 1, (bsz,), generator=gen)
         for greedy in (False, True):
@@ -221,7 +227,9 @@ def test_cuda_matches_cpu_twin(device, seed, monkeypatch, group, cluster):
 
 @pytest.mark.parametrize("name,bad", [("RAGATTN_VERIFY_DRAFT_GROUP", "0"), ("RAGATTN_VERIFY_DRAFT_GROUP", "33"),
                                       ("RAGATTN_VERIFY_DRAFT_GROUP", "4x"), ("RAGATTN_VERIFY_DRAFT_CLUSTER", "17"),
-                                      ("RAGATTN_VERIFY_DRAFT_CLUSTER", "-1")])
+                                      ("RAGATTN_VERIFY_DRAFT_CLUSTER", "-1"), ("RAGATTN_VERIFY_DRAFT_REDUCE", "3"),
+                                      ("RAGATTN_VERIFY_DRAFT_REDUCE", "0"), ("RAGATTN_VERIFY_DRAFT_REDUCE", "8"),
+                                      ("RAGATTN_VERIFY_DRAFT_PHASE1_TOTALS", "2")])
 def test_bad_launch_choice_is_refused(device, monkeypatch, name, bad):
     """A launch knob outside its range is an error naming the variable, not a silent default."""
     if device.type != "cuda":
@@ -372,9 +380,11 @@ def _shared_rows(n_rows, g, vocab, seed, temperature=1.0, closeness=1.0, forbid=
 N_SAMPLES = 20000
 
 
-def test_eta0_first_token_follows_target():
+@pytest.mark.parametrize("backend", ["default", "twin"])
+def test_eta0_first_token_follows_target(monkeypatch, backend):
     """Standard speculative sampling: the token emitted at a drafted position follows p exactly,
     including a target-forbidden token the draft likes (never emitted)."""
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)  # the twin: the CUDA kernels' draw weights
     vocab, temperature = 12, 0.8
     x, q, z, u = _shared_rows(N_SAMPLES, 1, vocab, seed=11, temperature=temperature, forbid=3)
     out, n = ragattn.verify_draft(x, q, z, u, temperature=temperature)
@@ -389,10 +399,16 @@ def test_eta0_first_token_follows_target():
     assert _tv(wrong, p) > 0.02 and _chi2_pvalue(counts, wrong) < 1e-6
 
 
-def test_rapid_first_token_follows_modified_distribution():
+@pytest.mark.parametrize("backend", ["default", "twin"])
+@pytest.mark.parametrize("alpha", [0.1, 0.6])
+def test_rapid_first_token_follows_modified_distribution(monkeypatch, backend, alpha):
     """eta > 0: the emitted token follows min(q, p_hat) + (1 - beta) norm(max(p - min(q, p_hat), 0)),
-    which is (deliberately) not p."""
-    vocab, temperature, eta, alpha = 12, 1.0, 10.0, 0.1
+    which is (deliberately) not p, and a draft is accepted with probability sum min(q, p_hat) (the
+    acceptance is where p_hat shows most: too large a p_hat at unmasked tokens leaves the emitted
+    distribution near p_out but raises it); alpha 0.1 masks 5 of the 12 tokens here, 0.6 one (the
+    twin's p_hat of an unmasked token: p times the position's hat_scale)."""
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)  # the twin: the CUDA kernels' draw weights
+    vocab, temperature, eta = 12, 1.0, 10.0
     x, q, z, u = _shared_rows(N_SAMPLES, 1, vocab, seed=12, temperature=temperature, closeness=1.5)
     out, n = ragattn.verify_draft(x, q, z, u, temperature=temperature, eta=eta, alpha=alpha)
     p = ref.target_probs(z[0, 0], temperature)
@@ -400,13 +416,17 @@ def test_rapid_first_token_follows_modified_distribution():
     p_out = ref.first_token_distribution(p, q[0, 0].double(), ph)
     counts = torch.bincount(out[:, 0], minlength=vocab)
     assert float(n.float().mean()) < 0.95  # the residual branch is exercised
+    beta = float(torch.minimum(q[0, 0].double(), ph).sum())
+    assert abs(float(n.double().mean()) - beta) < 5 * (beta * (1 - beta) / N_SAMPLES) ** 0.5, beta
     assert _tv(p_out, p) > 0.05  # the two hypotheses are far apart ...
     assert _chi2_pvalue(counts, p_out) > 1e-3  # ... the samples follow RAPID's distribution
     assert _chi2_pvalue(counts, p) < 1e-12  # ... and demonstrably not the target's
 
 
-def test_bonus_token_follows_target():
+@pytest.mark.parametrize("backend", ["default", "twin"])
+def test_bonus_token_follows_target(monkeypatch, backend):
     """When every draft is accepted the extra token is drawn from p at position num_draft (also for eta > 0)."""
+    monkeypatch.setenv("RAGATTN_CPU_BACKEND", backend)  # the twin: the CUDA kernels' draw weights
     vocab, g = 12, 2
     x, q, z, u = _shared_rows(N_SAMPLES, g, vocab, seed=13, closeness=0.3)
     out, n = ragattn.verify_draft(x, q, z, u, eta=5.0)

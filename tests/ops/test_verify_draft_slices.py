@@ -1,6 +1,7 @@
 """verify_draft's vocabulary slices: the CUDA kernels reduce each position in slices of
 ``kSliceLen`` tokens, one CTA each, fold the slices in order, and draw the final token by per-slice
-totals, per-slice prefix scans from the slice's base and the first slice's crossing. The C++ twin
+totals and the prefix scans of the crossing slice alone (the first whose base + total passes u * total),
+from its base. The C++ twin
 (``RAGATTN_CPU_BACKEND=twin``) replays that structure with the same fold functions, so these tests
 drive it (and on --device cuda the kernels) against the float64 reference at vocabularies of one
 slice, several, a partial last one, less than one 8-token chunk; chains of 0 and 1 drafts; eta 0 and
@@ -63,7 +64,7 @@ def _peaked(bsz, g, vocab, hot, gen, dtype=torch.float32):
 @pytest.mark.parametrize("where", ["first", "middle", "last_partial", "across"])
 def test_draw_lands_in_the_right_slice(device, monkeypatch, backend, eta, where):
     """The residual and bonus draws when the mass lives in one slice (or straddles a slice boundary):
-    slice bases folded in order, slices without mass, the first slice's crossing."""
+    slice bases folded in order, slices without mass, the crossing slice searched alone."""
     use_backend(monkeypatch, device, backend)
     vocab = 3 * S + 77
     hot = {"first": [3, 9, 40, 41], "middle": [S + 5, S + 6, 2 * S - 1], "last_partial": [3 * S, 3 * S + 50, vocab - 1],
