@@ -105,7 +105,7 @@ def test_kernel_ab_dry_run(tmp_path):
                           text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 38 and not [r for r in rows if "error" in r], rows
+    assert len(rows) == 43 and not [r for r in rows if "error" in r], rows
     assert {r["case"] for r in rows} == {"decode_b32_ctx32768", "decode_window4096", "varlen_chunks8x4096+50",
                                          "varlen_window4096_L16384", "key_attention_scores_q64_k32768",
                                          "verify_draft_B64_g10_V128256_eta0", "verify_draft_B64_g10_V128256_eta10"}
