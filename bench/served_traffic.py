@@ -1,7 +1,7 @@
 """Sustained RAG traffic through a live vLLM server's chunk store: hit rate, TTFT and memory over time.
 
     python -m bench.served_traffic --vllm-python .venv-vllm/bin/python [--requests 120] [--passages 4]
-        [--budget-fraction 0.25] [--zipf 1.1] [--tiers disk,remote] [--window 20] [--probe-every 8]
+        [--budget-fraction 0.25] [--zipf 1.1] [--tiers disk,remote] [--window 20] [--probe-every 4]
         [--threads 1] [--out docs/perf/cpu-served-traffic]
     python -m bench.served_traffic --dry-run      # the stream, request bodies and server commands; no server
 
@@ -257,7 +257,8 @@ def _parse(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="python of the vLLM environment (default: .venv-vllm's)")
     add_stream_arguments(p, 120, 20, TIERS,
-                         "every N-th request is also answered by the warm server: full prefill and Block-Attention")
+                         "every N-th request is also answered by the warm server: full prefill and Block-Attention",
+                         probe_every=4)     # a warm p50 of a dozen probes or more: the target's denominator
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of each server")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--out", default="docs/perf/cpu-served-traffic")

@@ -83,7 +83,7 @@ def memory_budget(corpus_bytes: int, fraction: float, chunk_lens: Sequence[int],
 
 
 def add_stream_arguments(p: argparse.ArgumentParser, requests: int, window: int, tiers: Sequence[str],
-                         probe_help: str) -> None:
+                         probe_help: str, probe_every: int = 8) -> None:
     """The stream's options (bench.traffic and bench.served_traffic): its requests, their passages
     and popularity, the memory budget, the tiers, the windows, the probes, the corpus."""
     p.add_argument("--requests", type=int, default=requests)
@@ -92,7 +92,7 @@ def add_stream_arguments(p: argparse.ArgumentParser, requests: int, window: int,
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of passage popularity")
     p.add_argument("--tiers", default=",".join(tiers), help=f"comma-separated, of {', '.join(tiers)}")
     p.add_argument("--window", type=int, default=window, help="requests per reported window")
-    p.add_argument("--probe-every", type=int, default=8, help=probe_help)
+    p.add_argument("--probe-every", type=int, default=probe_every, help=probe_help + " (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", default=None, help="a corpus folder (default: the shipped eval set)")
     p.add_argument("--max-passages", type=int, default=0, help="use the corpus's first N passages (0: all)")
