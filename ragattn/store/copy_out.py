@@ -69,6 +69,13 @@ class AssembledRequest:
         return int(self.cache.lengths[0])
 
 
+def is_layer_range(layers, num_layers: int) -> bool:
+    """Whether ``layers`` is a run of a model's ``num_layers`` layers: a non-empty step-1 ``range``
+    within ``[0, num_layers)`` (a pipeline stage's, for instance)."""
+    return isinstance(layers, range) and layers.step == 1 and len(layers) > 0 and layers.start >= 0 \
+        and layers.stop <= num_layers
+
+
 class CopyOutBuilder:
     """Copy-out assembly over a :class:`~ragattn.store.resident.ResidentSet`: gathers into any
     cache, and fresh request caches with buffer recycling. ``pin(keys) -> (entries, pinned)``
@@ -164,8 +171,7 @@ class CopyOutBuilder:
         """The layers a gather writes (all, or ``layers`` checked: a non-empty step-1 ``range`` of them)."""
         if layers is None:
             return range(self.num_layers)
-        if not isinstance(layers, range) or layers.step != 1 or not len(layers) or layers.start < 0 \
-                or layers.stop > self.num_layers:
+        if not is_layer_range(layers, self.num_layers):
             raise ChunkStoreError(f"ragattn.ChunkStore.gather_into_: layers must be a non-empty range within "
                                   f"[0, {self.num_layers}) (the store's layers), got {layers!r}")
         return layers

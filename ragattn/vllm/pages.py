@@ -47,6 +47,7 @@ from ragattn import ops as _ops
 from ragattn.ops import page_table
 from ragattn.ops.page_table import num_pages, page_index, page_offset
 from ragattn.store import ChunkStore, ChunkStoreError
+from ragattn.store.copy_out import is_layer_range
 
 KV_SPLITS = ("channel", "rows", "rows_kt", "planes")
 # vLLM attention backends (get_name()) whose cache layout the writer knows; CPU_ATTN's depends on
@@ -137,8 +138,7 @@ def check_layers(layers: range | None, num_layers: int, num_caches: int) -> rang
     layer; CacheLayoutError naming both counts otherwise (a pipeline stage's caches written from
     another stage's layers would be fluent garbage)."""
     layers = range(num_layers) if layers is None else layers
-    if not isinstance(layers, range) or layers.step != 1 or not len(layers) or layers.start < 0 \
-            or layers.stop > num_layers:
+    if not is_layer_range(layers, num_layers):
         raise CacheLayoutError(f"ragattn.vllm: the worker's layers must be a non-empty range within the chunk "
                                f"store's {num_layers} layers, got {layers!r}")
     if num_caches != len(layers):
