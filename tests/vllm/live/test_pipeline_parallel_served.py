@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.vllm.live.test_methods_served import ask  # noqa: E402
-from tests.vllm.live.test_tensor_parallel_served import _full  # noqa: E402
+from tests.vllm.live.test_tensor_parallel_served import _full, assert_answers_equal  # noqa: E402
 
 METHODS = ("block-attention", "turborag-composite")
 REFUSED = ("cacheblend", "fusionrag")
@@ -21,15 +21,7 @@ PROMPTS = 2   # of the session's >= 1K-token prompts
 @pytest.mark.slow
 def test_pipeline_parallel_answers_equal_one_stage(live_pp):
     pp2, pp1, ref = live_pp
-    for p in ref["prompts"][:PROMPTS]:
-        got, fingerprint = _full(pp2, ref, p)
-        assert "-pp2-" in fingerprint, fingerprint            # (vLLM names its parallel layout there)
-        assert got == _full(pp1, ref, p)[0], p["question"]
-        for method in METHODS:
-            got, text, params = ask(pp2, ref, p, method)
-            want, want_text, _ = ask(pp1, ref, p, method)
-            assert got == want, (method, p["question"], text, want_text)
-            assert params["ragattn_answered_by"] == method and params["ragattn_chunks_missed"] == 0, params
+    assert_answers_equal(pp2, pp1, ref, "pp2", METHODS, PROMPTS)
     p = ref["prompts"][0]
     full = _full(pp1, ref, p)[0]
     for method in REFUSED:

@@ -26,16 +26,23 @@ def _full(server, ref, p):
     return _upto_eos(out["choices"][0]["token_ids"], _eos(ref)), out.get("system_fingerprint", "")
 
 
-@pytest.mark.slow
-def test_tensor_parallel_answers_equal_one_rank(live_tp):
-    tp3, tp1, ref = live_tp
-    for p in ref["prompts"][:PROMPTS]:
-        got, fingerprint = _full(tp3, ref, p)
-        assert "-tp3-" in fingerprint, fingerprint            # (vLLM names its parallel layout there)
-        assert got == _full(tp1, ref, p)[0], p["question"]
-        for method in METHODS:
-            got, text, params = ask(tp3, ref, p, method)
-            want, want_text, want_params = ask(tp1, ref, p, method)
+def assert_answers_equal(server, one, ref, layout: str, methods, prompts: int) -> None:
+    """Over the session's first ``prompts`` prompts, ``server`` (vLLM's parallel ``layout`` in its
+    system fingerprint, e.g. ``tp3``) answers by full attention and by each of ``methods`` as the
+    one-worker server ``one`` does, token for token, with the same recomputed rows."""
+    for p in ref["prompts"][:prompts]:
+        got, fingerprint = _full(server, ref, p)
+        assert f"-{layout}-" in fingerprint, fingerprint            # (vLLM names its parallel layout there)
+        assert got == _full(one, ref, p)[0], p["question"]
+        for method in methods:
+            got, text, params = ask(server, ref, p, method)
+            want, want_text, want_params = ask(one, ref, p, method)
             assert got == want, (method, p["question"], text, want_text)
             assert params["ragattn_answered_by"] == method and params["ragattn_chunks_missed"] == 0, params
             assert params.get("ragattn_recomputed") == want_params.get("ragattn_recomputed"), method
+
+
+@pytest.mark.slow
+def test_tensor_parallel_answers_equal_one_rank(live_tp):
+    tp3, tp1, ref = live_tp
+    assert_answers_equal(tp3, tp1, ref, "tp3", METHODS, PROMPTS)
