@@ -134,6 +134,11 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device 
         model = AutoModelForCausalLM.from_pretrained(
             str(d), gguf_file=SMOLLM2_GGUF, dtype=torch.float32,
             attn_implementation=attn_implementation)
+        # the GGUF is dequantised to float32 on load: marked quantized, the model would refuse .float()
+        # where the one loaded from the cache above does not. Its config keeps quantization_config, as
+        # the cached one's does: the weights fingerprint the shipped adapters name covers the config
+        model.hf_quantizer = None
+        model.is_quantized = False
         if use_cache:
             try:
                 from safetensors.torch import save_file

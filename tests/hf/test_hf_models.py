@@ -93,3 +93,18 @@ def test_smollm2_conversion_cache_is_keyed_by_release_and_keeps_one(tmp_path):
     os.utime(old, (1000, 1000))              # used long ago
     _drop_other_conversions(keep)
     assert keep.is_dir() and recent.is_dir() and not old.exists() and all(d.is_dir() for d in others)
+
+
+def test_smollm2_from_the_gguf_is_a_plain_model(smollm2):
+    """A first load (from the GGUF, no converted cache yet) gives the model a load from the cache
+    gives: not marked quantized, so ``.float()`` works on it (``finetune`` on a fresh clone called it
+    and failed), and the same weights fingerprint (the shipped adapters' manifests name it)."""
+    from ragattn.hf.models import load_smollm2
+    from ragattn.store.fingerprint import model_fingerprint
+
+    cached, _ = smollm2
+    fresh, _ = load_smollm2(use_cache=False)
+    for model in (fresh, cached):
+        assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    assert fresh.float() is fresh
+    assert model_fingerprint(fresh, cached=False) == model_fingerprint(cached, cached=False)
