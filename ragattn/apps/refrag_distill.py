@@ -95,10 +95,12 @@ def _held_samples(rm, held_passages, cfg, n: int) -> Dict[float, List[RagSample]
             for f in cfg.rag_expand}
 
 
-def run_rag(rm, cfg, train_passages, held_passages):
+def run_rag(rm, cfg, train_passages, held_passages, init_lora=None):
     """The stage (see the module docstring). Returns ``(StageResult, lora_state)``: ``lora_state`` is
     ``dict(config=LoraConfig, weights=state dict)`` of the decoder's LoRA (float32, peft's names), or
-    None with rank 0. On return ``rm.decoder`` is a plain model again, the LoRA merged into its weights."""
+    None with rank 0. On return ``rm.decoder`` is a plain model again, the LoRA merged into its weights.
+    ``init_lora``: the LoRA's starting weights (peft's names, e.g. a shipped folder's) instead of peft's
+    initialisation."""
     from ragattn.apps.training_text import rag_examples
     from ragattn.methods.refrag.train import StageResult, _optimise, set_decoder_trainable, trainable_encoder_params
 
@@ -111,6 +113,13 @@ def run_rag(rm, cfg, train_passages, held_passages):
         lora = LoraConfig(r=cfg.decoder_lora_rank, lora_alpha=2 * cfg.decoder_lora_rank, lora_dropout=0.0,
                           target_modules=list(LORA_TARGETS))
         rm.decoder = get_peft_model(rm.decoder, lora)
+        if init_lora is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(rm.decoder, init_lora)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"refrag-train: the initial LoRA has tensors this decoder has no place for: "
+                                 f"{result.unexpected_keys[:3]}")
     params = trainable_encoder_params(rm, cfg.encoder_layers) + [p for p in rm.decoder.parameters()
                                                                  if p.requires_grad]
     held = _held_samples(rm, held_passages, cfg, cfg.eval_examples)

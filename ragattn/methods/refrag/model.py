@@ -322,8 +322,6 @@ class RefragModel(nn.Module):
         decoder becomes a tuned copy with the LoRA merged (unless it already is one:
         ``config.ragattn_adapter == name``), the projector and the trained encoder layers are loaded.
         ValueError when they were trained for another ``k``, decoder or encoder. Returns the manifest."""
-        from safetensors.torch import load_file
-
         from ragattn.hf.adapters import AdapterError, adapter_dir, shipped_adapter, tuned_model
 
         try:
@@ -336,20 +334,29 @@ class RefragModel(nn.Module):
                 self.decoder = tuned_model(self.decoder, name)
         except AdapterError as exc:
             raise ValueError(str(exc)) from None
-        state = load_file(adapter_dir(name) / "chunk_encoder.safetensors", device=str(self.device))
+        self.load_chunk_encoder(adapter_dir(name))
+        self.trained, self.checkpoint_path = True, adapter_dir(name)
+        return manifest
+
+    def load_chunk_encoder(self, folder: str | os.PathLike) -> None:
+        """Load the projector and the trained encoder layers of a shipped folder's
+        ``chunk_encoder.safetensors`` (``projector.*`` / ``encoder.*`` names, any float dtype) into this
+        model's chunk encoder, in its dtype; the decoder is left alone. ValueError when a tensor has
+        no place here or another shape, or the projector is incomplete."""
+        from safetensors.torch import load_file
+
+        state = load_file(Path(folder) / "chunk_encoder.safetensors", device=str(self.device))
         parts = {"projector.": self.encoder.projector, "encoder.": self.encoder.encoder}
         for prefix, module in parts.items():
             own = module.state_dict()
             sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
             bad = [k for k, v in sub.items() if k not in own or own[k].shape != v.shape]
             if bad or (prefix == "projector." and sub.keys() != own.keys()):
-                raise ValueError(f"ragattn.refrag.load_shipped: the shipped {name!r} weights do not fit this "
+                raise ValueError(f"ragattn.refrag.load_chunk_encoder: the weights in {folder} do not fit this "
                                  f"chunk encoder ({len(bad)} foreign or misshapen tensors, e.g. {bad[:2]})")
             module.load_state_dict({k: v.to(own[k].dtype) for k, v in sub.items()}, strict=False)
         if self.encoder.cache is not None:
             self.encoder.cache.clear()
-        self.trained, self.checkpoint_path = True, adapter_dir(name)
-        return manifest
 
 
 def _shipped_for(k: int) -> bool:
