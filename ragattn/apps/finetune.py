@@ -37,6 +37,20 @@ import torch
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def lora_rank(config: dict) -> int:
+    """The rank of a peft LoRA config (``adapter_config.json``'s fields) after checking it is one the
+    training commands make: every :data:`LORA_TARGETS` projection, ``lora_alpha`` twice the rank;
+    ValueError naming what differs."""
+    rank = int(config.get("r", 0))
+    if sorted(config.get("target_modules") or []) != sorted(LORA_TARGETS):
+        raise ValueError(f"the adapter targets {config.get('target_modules')}, this command trains "
+                         f"{list(LORA_TARGETS)}")
+    if float(config.get("lora_alpha", 0)) != 2 * rank:
+        raise ValueError(f"lora_alpha {config.get('lora_alpha')} is not twice the rank {rank}, as this command "
+                         "trains")
+    return rank
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
@@ -161,13 +175,10 @@ def _init_manifest(args) -> dict:
         raise UsageError(f"--init {folder}: {e}") from None
     if not (folder / "adapter_model.safetensors").is_file():
         raise UsageError(f"--init {folder}: adapter_model.safetensors is missing")
-    manifest["rank"] = int(lora.get("r", 0))
-    if sorted(lora.get("target_modules") or []) != sorted(LORA_TARGETS):
-        raise UsageError(f"--init {folder}: the adapter targets {lora.get('target_modules')}, this command "
-                         f"trains {list(LORA_TARGETS)}")
-    if float(lora.get("lora_alpha", 0)) != 2 * manifest["rank"]:
-        raise UsageError(f"--init {folder}: lora_alpha {lora.get('lora_alpha')} is not twice the rank "
-                         f"{manifest['rank']}, as this command trains")
+    try:
+        manifest["rank"] = lora_rank(lora)
+    except ValueError as e:
+        raise UsageError(f"--init {folder}: {e}") from None
     if args.rank is not None and args.rank != manifest["rank"]:
         raise UsageError(f"--rank {args.rank}: --init's adapter has rank {manifest['rank']}")
     return manifest

@@ -39,9 +39,8 @@ def export_smollm2(directory: str | os.PathLike, dtype: torch.dtype = torch.floa
 
         model = tuned_model(model, adapter)
     model = model.to(dtype)
-    # the GGUF was dequantised on load: the weights are plain tensors, and the quantizer left on the
-    # model makes save_pretrained refuse ("not serializable") under some transformers releases
-    model.hf_quantizer = None
+    # the GGUF was dequantised on load (load_smollm2 leaves the model unmarked): the weights are plain
+    # tensors, and the folder's config says so
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.mkdir(parents=True, exist_ok=True)
